@@ -1,0 +1,258 @@
+"""What a TensorRT-LLM checkpoint holds: config.json and, per rank, every tensor's name, shape, dtype
+and how to produce its bytes from the HF source. The writer streams these specs; ``inspect`` sums
+them for per-rank bytes; tests compare them with the reference tables. One source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import DEFAULT_TRTLLM_VERSION
+from ..model.description import MoEModel
+from ..parallel.mapping import Mapping
+from .schema import MAPPING_KEYS, schema_for
+
+# A producer writes exactly the declared bytes of one tensor, chunk by chunk, via ``emit``.
+Producer = Callable[[Callable[[torch.Tensor], None]], None]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    produce: Producer | None = None
+    role: str = ""  # e.g. "expert_fc" — used for accounting
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def trtllm_config(m: MoEModel, mapping: Mapping, dtype: torch.dtype, *, version: str = DEFAULT_TRTLLM_VERSION,
+                  quantization: dict | None = None, extra: dict | None = None) -> dict:
+    """The checkpoint ``config.json`` for the target TensorRT-LLM release line."""
+    schema = schema_for(version)
+    mp = {"world_size": mapping.world_size, "gpus_per_node": mapping.gpus_per_node, "cp_size": 1,
+          "tp_size": mapping.tp_size, "pp_size": mapping.pp_size, "moe_tp_size": mapping.moe_tp_size,
+          "moe_ep_size": mapping.moe_ep_size}
+    assert set(MAPPING_KEYS) <= schema["mapping"]
+    moe = {"num_experts": m.num_experts, "top_k": m.top_k, "normalization_mode": m.normalization_mode,
+           "sparse_mixer_epsilon": 0.01, "tp_mode": 0,
+           "shared_expert_intermediate_size": m.shared_expert_intermediate_size,
+           "device_limited_n_group": 0, "device_limited_topk_group": 0,
+           "device_limited_routed_scaling_factor": 1.0}
+    moe = {k: v for k, v in moe.items() if k in schema["moe"]}
+    quant = {"quant_algo": None, "kv_cache_quant_algo": None}
+    quant.update(quantization or {})
+    cfg = {
+        "architecture": {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                         "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v1": "DeepseekForCausalLM"}[m.family],
+        "dtype": DTYPE_STR[dtype],
+        "logits_dtype": "float32",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_size": m.head_dim,
+        "hidden_act": "swiglu",
+        "norm_epsilon": m.norm_eps,
+        "position_embedding_type": "rope_gpt_neox",
+        "max_position_embeddings": m.max_position_embeddings,
+        "rotary_base": m.rope_theta,
+        "rotary_scaling": None,
+        "mlp_bias": False,
+        "attn_bias": m.qkv_bias,
+        "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "moe": moe,
+        "mapping": mp,
+        "quantization": quant,
+    }
+    if m.family == "mixtral":
+        cfg["intermediate_size"] = m.expert_intermediate_size
+    else:
+        cfg["intermediate_size"] = m.dense_intermediate_size or m.expert_intermediate_size
+        cfg["moe_intermediate_size"] = m.expert_intermediate_size
+    if m.family in ("qwen2_moe", "qwen3_moe"):
+        cfg["qwen_type"] = m.family
+        cfg["moe_shared_expert_intermediate_size"] = m.shared_expert_intermediate_size
+        cfg["qk_layernorm"] = m.qk_norm
+        cfg["seq_length"] = m.max_position_embeddings
+        cfg["use_logn_attn"] = False
+        # Stored for completeness; TensorRT-LLM's QWen model makes every layer MoE, which
+        # `trtmoe build --backend tensorrt-llm` checks before building.
+        cfg["mlp_only_layers"] = [l for l, moe_l in enumerate(m.moe_layers) if not moe_l]
+        cfg["decoder_sparse_step"] = 1
+    # trtmoe's own facts, under one top-level key (TensorRT-LLM tolerates extra top-level keys).
+    cfg["trtmoe"] = {"family": m.family, "moe_layers": list(m.moe_layers),
+                     "bos_token_id": m.bos_token_id, "eos_token_id": m.eos_token_id, **(extra or {})}
+    return cfg
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class RankLayout:
+    """Tensor specs of one rank. ``src`` is an HFCheckpoint (or None for pure accounting)."""
+
+    def __init__(self, m: MoEModel, mapping: Mapping, rank: int, dtype: torch.dtype, src=None,
+                 expert_writer=None):
+        self.m, self.mp, self.rank, self.dtype, self.src = m, mapping, rank, dtype, src
+        self.tp_rank = mapping.tp_rank(rank)
+        self.pp_rank = mapping.pp_rank(rank)
+        self.expert_writer = expert_writer  # optional hook for quantized experts (quant.plan)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _rows(self, role: str, layer: int | None, a: int, b: int) -> torch.Tensor:
+        return _cast(self.src.role(role, layer, rows=(a, b)), self.dtype)
+
+    def _cols(self, role: str, layer: int | None, a: int, b: int, expert=None) -> torch.Tensor:
+        return _cast(self.src.role(role, layer, expert)[:, a:b], self.dtype)
+
+    def specs(self) -> list[TensorSpec]:
+        m, mp, tp, r = self.m, self.mp, self.mp.tp_size, self.tp_rank
+        H, dt = m.hidden_size, self.dtype
+        out: list[TensorSpec] = []
+        add = out.append
+
+        if mp.is_first_pp_rank(self.rank):
+            add(TensorSpec("transformer.vocab_embedding.weight", (m.vocab_size, H), dt,
+                           lambda emit: emit(self._rows("embed", None, 0, m.vocab_size)), "embedding"))
+
+        for j, l in enumerate(mp.pp_layers(m.num_layers, self.pp_rank)):
+            p = f"transformer.layers.{j}."
+            add(TensorSpec(p + "input_layernorm.weight", (H,), dt,
+                           self._full("input_norm", l), "norm"))
+            out.extend(self._attention(p, l))
+            add(TensorSpec(p + "post_layernorm.weight", (H,), dt, self._full("post_norm", l), "norm"))
+            if m.moe_layers[l]:
+                out.extend(self._moe(p, l))
+            else:
+                out.extend(self._dense(p, l))
+
+        if mp.is_last_pp_rank(self.rank):
+            add(TensorSpec("transformer.ln_f.weight", (H,), dt, self._full("final_norm", None), "norm"))
+            vpad = mp.padded_vocab(m.vocab_size)
+            per = vpad // tp
+            a, b = r * per, (r + 1) * per
+            head_role = "embed" if m.tie_word_embeddings else "lm_head"
+
+            def lm_head(emit, a=a, b=b, role=head_role):
+                real_b = min(b, m.vocab_size)
+                if a < real_b:
+                    emit(self._rows(role, None, a, real_b))
+                if b > max(a, m.vocab_size):  # zero rows that pad the vocabulary to a multiple of tp
+                    emit(torch.zeros(b - max(a, m.vocab_size), H, dtype=dt))
+
+            add(TensorSpec("lm_head.weight", (per, H), dt, lm_head, "lm_head"))
+        return out
+
+    def _full(self, role: str, layer: int | None, dtype=None) -> Producer:
+        dtype = dtype or self.dtype
+        return lambda emit: emit(_cast(self.src.role(role, layer), dtype))
+
+    def _attention(self, p: str, l: int) -> list[TensorSpec]:
+        m, mp, r = self.m, self.mp, self.tp_rank
+        hd, H = m.head_dim, m.hidden_size
+        nh = m.num_heads // mp.tp_size
+        kvr = mp.kv_head_range(m.num_kv_heads, r)
+        qkv_rows = (nh + 2 * len(kvr)) * hd
+
+        def qkv(emit, suffix=""):
+            roles = ("q", "k", "v") if not suffix else ("q_bias", "k_bias", "v_bias")
+            emit(self._rows(roles[0], l, r * nh * hd, (r + 1) * nh * hd))
+            for role in roles[1:]:
+                emit(self._rows(role, l, kvr.start * hd, kvr.stop * hd))
+
+        specs = [TensorSpec(p + "attention.qkv.weight", (qkv_rows, H), self.dtype, qkv, "attention")]
+        if m.qkv_bias:
+            specs.append(TensorSpec(p + "attention.qkv.bias", (qkv_rows,), self.dtype,
+                                    lambda emit: qkv(emit, "bias"), "attention"))
+        if m.qk_norm:
+            specs.append(TensorSpec(p + "attention.q_layernorm.weight", (hd,), self.dtype,
+                                    self._full("q_norm", l), "norm"))
+            specs.append(TensorSpec(p + "attention.k_layernorm.weight", (hd,), self.dtype,
+                                    self._full("k_norm", l), "norm"))
+        specs.append(TensorSpec(p + "attention.dense.weight", (H, nh * hd), self.dtype,
+                                lambda emit: emit(self._cols("o", l, r * nh * hd, (r + 1) * nh * hd)),
+                                "attention"))
+        return specs
+
+    def _gated_pair(self, up_role: str, gate_role: str, l: int, size: int, parts: int, part: int) -> Producer:
+        """[up_r; gate_r] rows, the fused swiglu order (linear branch first, activated branch second)."""
+        per = size // parts
+
+        def produce(emit):
+            emit(self._rows(up_role, l, part * per, (part + 1) * per))
+            emit(self._rows(gate_role, l, part * per, (part + 1) * per))
+        return produce
+
+    def _moe(self, p: str, l: int) -> list[TensorSpec]:
+        m, mp = self.m, self.mp
+        H, I, dt = m.hidden_size, m.expert_intermediate_size, self.dtype
+        experts = mp.ep_experts(m.num_experts, self.rank)
+        t = mp.moe_tp_rank(self.rank)
+        I_loc = I // mp.moe_tp_size
+        specs = [TensorSpec(p + "mlp.router.weight", (m.num_experts, H), torch.float32,
+                            self._full("router", l, torch.float32), "router")]
+        if self.expert_writer is not None:
+            specs.extend(self.expert_writer(self, p, l, experts, t, I_loc))
+        else:
+            def fc(emit):
+                for e in experts:
+                    emit(_cast(self.src.role("expert_up", l, e, rows=(t * I_loc, (t + 1) * I_loc)), dt))
+                    emit(_cast(self.src.role("expert_gate", l, e, rows=(t * I_loc, (t + 1) * I_loc)), dt))
+
+            def proj(emit):
+                for e in experts:
+                    emit(self._cols("expert_down", l, t * I_loc, (t + 1) * I_loc, expert=e))
+
+            specs.append(TensorSpec(p + "mlp.fc.weight", (len(experts), 2 * I_loc, H), dt, fc, "expert_fc"))
+            specs.append(TensorSpec(p + "mlp.proj.weight", (len(experts), H, I_loc), dt, proj, "expert_proj"))
+        if m.shared_expert_intermediate_size:
+            S = m.shared_expert_intermediate_size
+            S_loc = S // mp.tp_size
+            r = self.tp_rank
+            specs.append(TensorSpec(p + "mlp.shared_expert.fc.weight", (2 * S_loc, H), dt,
+                                    self._gated_pair("shared_up", "shared_gate_proj", l, S, mp.tp_size, r),
+                                    "shared_expert"))
+            specs.append(TensorSpec(p + "mlp.shared_expert.proj.weight", (H, S_loc), dt,
+                                    lambda emit: emit(self._cols("shared_down", l, r * S_loc, (r + 1) * S_loc)),
+                                    "shared_expert"))
+        if m.shared_expert_gate:
+            specs.append(TensorSpec(p + "mlp.shared_expert_gate.weight", (1, H), dt,
+                                    self._full("shared_expert_gate", l), "shared_expert_gate"))
+        return specs
+
+    def _dense(self, p: str, l: int) -> list[TensorSpec]:
+        m, mp, r, dt = self.m, self.mp, self.tp_rank, self.dtype
+        H, D = m.hidden_size, m.dense_intermediate_size
+        D_loc = D // mp.tp_size
+        a, b = r * D_loc, (r + 1) * D_loc
+        # TensorRT-LLM GatedMLP names: fc = gate_proj (activated), gate = up_proj, proj = down_proj.
+        return [
+            TensorSpec(p + "mlp.fc.weight", (D_loc, H), dt, lambda emit: emit(self._rows("dense_gate", l, a, b)),
+                       "dense_mlp"),
+            TensorSpec(p + "mlp.gate.weight", (D_loc, H), dt, lambda emit: emit(self._rows("dense_up", l, a, b)),
+                       "dense_mlp"),
+            TensorSpec(p + "mlp.proj.weight", (H, D_loc), dt, lambda emit: emit(self._cols("dense_down", l, a, b)),
+                       "dense_mlp"),
+        ]
+
+
+def rank_specs(m: MoEModel, mapping: Mapping, rank: int, dtype: torch.dtype, src=None,
+               expert_writer=None) -> list[TensorSpec]:
+    return RankLayout(m, mapping, rank, dtype, src, expert_writer).specs()

@@ -1,0 +1,69 @@
+"""manifest.json: what produced an artifact and the sha256 of every file in it; ``verify`` rechecks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import __version__
+from ..errors import InputError, VerifyError
+from ..hf.safetensors_io import sha256_file
+
+MANIFEST = "manifest.json"
+
+
+def dump_json(obj, path: Path) -> None:
+    """Deterministic JSON (sorted keys, fixed separators) so identical inputs give identical bytes."""
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_manifest(out_dir: Path, *, kind: str, file_hashes: dict[str, str], **fields) -> dict:
+    """Record the artifact. ``file_hashes`` covers every file except the manifest itself; any file
+    in the directory that is not listed is hashed here."""
+    hashes = dict(file_hashes)
+    for p in sorted(out_dir.rglob("*")):
+        rel = p.relative_to(out_dir).as_posix()
+        if p.is_file() and rel != MANIFEST and rel not in hashes:
+            hashes[rel] = sha256_file(p)
+    manifest = {"tool": "trtmoe", "tool_version": __version__, "kind": kind,
+                "files": dict(sorted(hashes.items())), **fields}
+    dump_json(manifest, out_dir / MANIFEST)
+    return manifest
+
+
+def read_manifest(path: str | Path) -> dict:
+    d = Path(path)
+    f = d / MANIFEST
+    if not f.is_file():
+        raise InputError(f"no {MANIFEST}; not a trtmoe artifact", where=str(d),
+                         hint="produce it with `trtmoe convert` or `trtmoe build`")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise VerifyError(f"{MANIFEST} is not valid JSON ({e})", where=str(d)) from None
+
+
+def verify_directory(path: str | Path, *, progress=None) -> dict:
+    """Recompute every hash listed in the manifest; raise VerifyError on any difference, missing
+    or unlisted file. Returns the manifest."""
+    d = Path(path)
+    manifest = read_manifest(d)
+    listed = manifest.get("files", {})
+    problems = []
+    for rel, want in listed.items():
+        p = d / rel
+        if not p.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        got = sha256_file(p)
+        if progress:
+            progress(p.stat().st_size)
+        if got != want:
+            problems.append(f"{rel}: sha256 {got[:12]}… ≠ recorded {want[:12]}…")
+    for p in sorted(d.rglob("*")):
+        rel = p.relative_to(d).as_posix()
+        if p.is_file() and rel != MANIFEST and rel not in listed:
+            problems.append(f"{rel}: not in the manifest")
+    if problems:
+        raise VerifyError(f"{len(problems)} problem(s): " + "; ".join(problems[:5]), where=str(d))
+    return manifest

@@ -1,0 +1,175 @@
+"""Open a Hugging Face MoE checkpoint (local directory or hub id in the local cache), lazily."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, InputError
+from ..model.description import MoEModel
+from .adapters import Adapter, describe, expected_tensors
+from .safetensors_io import SafetensorsFile
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPE_NAMES[name]
+    except KeyError:
+        raise InputError(f"unknown dtype {name!r}", hint="use one of: auto, " + ", ".join(_DTYPE_NAMES)) from None
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A local directory as is, or a hub id (``org/name``) resolved in the local HF cache, offline."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise InputError("expected a model directory, got a file", where=str(p))
+    text = str(model)
+    if text.count("/") == 1 and not text.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(text, local_files_only=True))
+        except Exception as e:  # noqa: BLE001 - any cache miss becomes one clear message
+            raise InputError(f"hub id {text!r} is not in the local Hugging Face cache ({type(e).__name__})",
+                             hint="download it first with `huggingface-cli download " + text
+                                  + "` or pass a local directory") from None
+    raise InputError("no such directory", where=str(p))
+
+
+class HFCheckpoint:
+    """A validated HF checkpoint: config, description, and lazy tensor access by name."""
+
+    def __init__(self, model: str | Path):
+        self.path = resolve_model_path(model)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError("no config.json", where=str(self.path))
+        try:
+            self.hf_config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"config.json is not valid JSON ({e})", where=str(self.path)) from None
+        self.adapter, self.model = describe(self.hf_config)
+        self.files = self._weight_files()
+        self._open: dict[Path, SafetensorsFile] = {}
+        self.location: dict[str, Path] = {}
+        for f in self.files:
+            for name in self._file(f).tensors:
+                if name in self.location:
+                    raise CheckpointError(f"tensor {name!r} appears in both {self.location[name].name} "
+                                          f"and {f.name}", where=str(self.path))
+                self.location[name] = f
+        self._check_index()
+        self._check_tensors()
+
+    # ---- files -------------------------------------------------------------------------------
+    def _weight_files(self) -> list[Path]:
+        st = sorted(self.path.glob("*.safetensors"))
+        if st:
+            return st
+        pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(
+                f"only pickle weights found ({', '.join(pickles[:3])}); trtmoe never unpickles",
+                where=str(self.path),
+                hint="convert them to safetensors in a trusted environment, e.g. "
+                     "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)")
+        raise CheckpointError("no *.safetensors weight files", where=str(self.path))
+
+    def _file(self, path: Path) -> SafetensorsFile:
+        f = self._open.get(path)
+        if f is None:
+            f = self._open[path] = SafetensorsFile(path)
+        return f
+
+    def _check_index(self):
+        idx_path = self.path / "model.safetensors.index.json"
+        if not idx_path.exists():
+            if len(self.files) > 1:
+                raise CheckpointError(f"{len(self.files)} safetensors shards but no model.safetensors.index.json",
+                                      where=str(self.path))
+            return
+        try:
+            weight_map = json.loads(idx_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"index is malformed ({e})", where=str(idx_path)) from None
+        for name, shard in weight_map.items():
+            if not (self.path / shard).is_file():
+                raise CheckpointError(f"index names shard {shard!r} (for {name!r}) which does not exist",
+                                      where=str(idx_path))
+            got = self.location.get(name)
+            if got is None or got.name != shard:
+                where_ = got.name if got else "no shard"
+                raise CheckpointError(f"index says {name!r} is in {shard!r}, found in {where_}",
+                                      where=str(idx_path))
+        extra = sorted(set(self.location) - set(weight_map))
+        if extra:
+            raise CheckpointError(f"{len(extra)} tensor(s) in shards are not in the index, e.g. {extra[0]!r}",
+                                  where=str(idx_path))
+
+    def _check_tensors(self):
+        want = expected_tensors(self.adapter, self.model)
+        missing = [n for n in want if n not in self.location]
+        if missing:
+            raise CheckpointError(f"{len(missing)} expected tensor(s) missing, e.g. {missing[0]!r}",
+                                  where=str(self.path),
+                                  hint=f"does config.json match the weights? ({self.adapter.family} layout)")
+        for name, shape in want.items():
+            got = self.info(name).shape
+            if tuple(got) != tuple(shape):
+                raise CheckpointError(f"tensor {name!r} has shape {list(got)}, config implies {list(shape)}",
+                                      where=str(self.location[name]))
+        # Tied checkpoints may still carry an lm_head copy; anything else unknown is an error
+        # because silently dropping weights is how conversions go wrong.
+        known = set(want) | {self.adapter.name("lm_head")}
+        extra = sorted(n for n in self.location if n not in known and not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise CheckpointError(f"{len(extra)} tensor(s) not understood by the {self.adapter.family} "
+                                  f"adapter, e.g. {extra[0]!r}", where=str(self.path))
+
+    # ---- tensors -----------------------------------------------------------------------------
+    def info(self, name: str):
+        return self._file(self.location[name]).tensors[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.location
+
+    def read(self, name: str, rows: tuple[int, int] | None = None, *, check_finite: bool = True) -> torch.Tensor:
+        """Read one tensor (or a row range) from disk; raises on NaN/Inf."""
+        t = self._file(self.location[name]).read(name, rows)
+        if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"tensor {name!r} contains {bad} NaN/Inf value(s)",
+                                  where=str(self.location[name]))
+        return t
+
+    def role(self, role: str, layer: int | None = None, expert: int | None = None, **kw) -> torch.Tensor:
+        return self.read(self.adapter.name(role, layer, expert), **kw)
+
+    def total_bytes(self) -> int:
+        return sum(os.path.getsize(f) for f in self.files)
+
+    def close(self):
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_model(model: str | Path) -> HFCheckpoint:
+    return HFCheckpoint(model)
+
+
+__all__ = ["HFCheckpoint", "open_model", "resolve_model_path", "parse_dtype", "Adapter", "MoEModel"]

@@ -1,0 +1,153 @@
+"""All rank arithmetic, exactly as TensorRT-LLM's ``Mapping`` defines it. Nothing else computes a rank.
+
+rank = pp_rank * tp + tp_rank (cp = 1); moe_ep_rank = tp_rank % moe_ep (EP varies fastest inside
+a TP group); moe_tp_rank = tp_rank // moe_ep; each EP rank holds a contiguous block of experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import LayoutError
+from ..model.description import MoEModel
+
+
+@dataclass(frozen=True)
+class Mapping:
+    tp_size: int = 1
+    pp_size: int = 1
+    moe_tp_size: int = 1
+    moe_ep_size: int = 1
+    gpus_per_node: int = 8
+
+    @classmethod
+    def create(cls, tp: int = 1, pp: int = 1, moe_tp: int | None = None, moe_ep: int | None = None,
+               gpus_per_node: int = 8) -> "Mapping":
+        """Derive the missing MoE size like TensorRT-LLM: neither given -> moe_tp = tp."""
+        for n, v in (("tp", tp), ("pp", pp), ("moe_tp", moe_tp), ("moe_ep", moe_ep)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise LayoutError(f"{n} must be a positive integer, got {v!r}")
+        if moe_tp is None and moe_ep is None:
+            moe_tp, moe_ep = tp, 1
+        elif moe_tp is None:
+            if tp % moe_ep:
+                raise LayoutError(f"moe_ep={moe_ep} does not divide tp={tp}")
+            moe_tp = tp // moe_ep
+        elif moe_ep is None:
+            if tp % moe_tp:
+                raise LayoutError(f"moe_tp={moe_tp} does not divide tp={tp}")
+            moe_ep = tp // moe_tp
+        if moe_tp * moe_ep != tp:
+            raise LayoutError(f"moe_tp × moe_ep must equal tp: {moe_tp} × {moe_ep} = {moe_tp * moe_ep} ≠ {tp}")
+        return cls(tp, pp, moe_tp, moe_ep, gpus_per_node)
+
+    @classmethod
+    def from_config(cls, d: dict) -> "Mapping":
+        m = cls.create(d.get("tp_size", 1), d.get("pp_size", 1), d.get("moe_tp_size"), d.get("moe_ep_size"),
+                       d.get("gpus_per_node", 8))
+        if d.get("world_size", m.world_size) != m.world_size:
+            raise LayoutError(f"world_size={d['world_size']} but tp×pp = {m.world_size}")
+        if d.get("cp_size", 1) != 1:
+            raise LayoutError("cp_size > 1 is not supported for MoE models")
+        return m
+
+    # ---- sizes and ranks ---------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def rank(self, tp_rank: int, pp_rank: int) -> int:
+        return pp_rank * self.tp_size + tp_rank
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp_size
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.tp_size
+
+    def moe_ep_rank(self, rank: int) -> int:
+        return self.tp_rank(rank) % self.moe_ep_size
+
+    def moe_tp_rank(self, rank: int) -> int:
+        return self.tp_rank(rank) // self.moe_ep_size
+
+    def tp_rank_for(self, moe_tp_rank: int, moe_ep_rank: int) -> int:
+        return moe_tp_rank * self.moe_ep_size + moe_ep_rank
+
+    def ranks(self) -> range:
+        return range(self.world_size)
+
+    # ---- what a rank holds ---------------------------------------------------------------------
+    def pp_layers(self, num_layers: int, pp_rank: int) -> list[int]:
+        """Global layer indices on a PP rank: the first ``L % pp`` ranks get one extra layer."""
+        base, extra = divmod(num_layers, self.pp_size)
+        start = pp_rank * base + min(pp_rank, extra)
+        return list(range(start, start + base + (1 if pp_rank < extra else 0)))
+
+    def layer_owner(self, num_layers: int, layer: int) -> tuple[int, int]:
+        """(pp_rank, local index) of a global layer."""
+        for p in range(self.pp_size):
+            layers = self.pp_layers(num_layers, p)
+            if layer in layers:
+                return p, layer - layers[0]
+        raise IndexError(layer)
+
+    def ep_experts(self, num_experts: int, rank: int) -> range:
+        per = num_experts // self.moe_ep_size
+        r = self.moe_ep_rank(rank)
+        return range(r * per, (r + 1) * per)
+
+    def is_first_pp_rank(self, rank: int) -> bool:
+        return self.pp_rank(rank) == 0
+
+    def is_last_pp_rank(self, rank: int) -> bool:
+        return self.pp_rank(rank) == self.pp_size - 1
+
+    def kv_heads_per_rank(self, num_kv_heads: int) -> int:
+        """KV heads per TP rank after TensorRT-LLM's duplication when num_kv_heads < tp."""
+        return max(1, num_kv_heads // self.tp_size)
+
+    def kv_head_range(self, num_kv_heads: int, tp_rank: int) -> range:
+        if num_kv_heads >= self.tp_size:
+            per = num_kv_heads // self.tp_size
+            return range(tp_rank * per, (tp_rank + 1) * per)
+        dup = self.tp_size // num_kv_heads
+        h = tp_rank // dup
+        return range(h, h + 1)
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        return -(-vocab_size // self.tp_size) * self.tp_size
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def validate(self, m: MoEModel) -> None:
+        """Raise LayoutError, with the numbers, if this layout cannot hold the model."""
+        problems = []
+        if m.num_heads % self.tp_size:
+            problems.append(f"num_attention_heads={m.num_heads} is not divisible by tp={self.tp_size}")
+        kv = m.num_kv_heads
+        if kv >= self.tp_size and kv % self.tp_size:
+            problems.append(f"num_key_value_heads={kv} is not divisible by tp={self.tp_size}")
+        if kv < self.tp_size and self.tp_size % kv:
+            problems.append(f"tp={self.tp_size} is not a multiple of num_key_value_heads={kv} "
+                            f"(needed to duplicate KV heads)")
+        if m.num_experts % self.moe_ep_size:
+            problems.append(f"num_experts={m.num_experts} is not divisible by moe_ep={self.moe_ep_size}")
+        if m.expert_intermediate_size % self.moe_tp_size:
+            problems.append(f"expert intermediate size {m.expert_intermediate_size} is not divisible by "
+                            f"moe_tp={self.moe_tp_size}")
+        if m.shared_expert_intermediate_size % self.tp_size:
+            problems.append(f"shared expert intermediate size {m.shared_expert_intermediate_size} is not "
+                            f"divisible by tp={self.tp_size}")
+        if not all(m.moe_layers) and m.dense_intermediate_size % self.tp_size:
+            problems.append(f"dense intermediate size {m.dense_intermediate_size} is not divisible by "
+                            f"tp={self.tp_size}")
+        if self.pp_size > m.num_layers:
+            problems.append(f"pp={self.pp_size} exceeds num_hidden_layers={m.num_layers}")
+        if problems:
+            raise LayoutError("impossible layout: " + "; ".join(problems),
+                              hint=f"tp={self.tp_size} pp={self.pp_size} moe_tp={self.moe_tp_size} "
+                                   f"moe_ep={self.moe_ep_size}")
+
+    def describe(self) -> str:
+        return (f"tp={self.tp_size} pp={self.pp_size} moe_tp={self.moe_tp_size} moe_ep={self.moe_ep_size} "
+                f"(world size {self.world_size})")

@@ -1,0 +1,426 @@
+"""The embedded engine: a PyTorch runtime that loads a TensorRT-LLM checkpoint directory and runs it.
+
+It is the executable spec of the checkpoint, written from TensorRT-LLM's semantics: fused expert
+``fc`` = [up; gate] with swiglu (linear half first), ``proj`` = down; router in float32 with
+normalization mode NONE (top-k of softmax) or RENORMALIZE (softmax of the top-k logits); Qwen2-MoE's
+shared expert scaled by sigmoid(shared_expert_gate); dense GatedMLP fc = gate, gate = up.
+
+Prefill + decode with a per-sequence KV cache, greedy or sampled generation, batched decode steps
+across sequences of different lengths (used by the in-flight batcher), CPU by default or CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+from .checkpoint_reader import CheckpointConfig, RankFiles, gather_qkv, load_config
+from .experts import ExpertBank, load_expert_bank
+
+
+@dataclass
+class SamplingParams:
+    """Generation settings. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    end_id: int | None = None
+    min_tokens: int = 0
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InputError(f"temperature must be ≥ 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be ≥ 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.end_id is not None and not 0 <= self.end_id < vocab_size:
+            raise InputError(f"end_id {self.end_id} outside the vocabulary (0..{vocab_size - 1})")
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    k_cache: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer [nkv, cap, hd]
+    v_cache: list[torch.Tensor] = field(default_factory=list, repr=False)
+    length: int = 0  # tokens held in the KV cache
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1] if self.tokens else self.prompt[-1]
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # [E, H] float32
+    experts: ExpertBank | None = None
+    shared_fc: torch.Tensor | None = None  # [2S, H] = [up; gate]
+    shared_proj: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None  # [1, H]
+    dense_gate: torch.Tensor | None = None  # TRT mlp.fc (activated)
+    dense_up: torch.Tensor | None = None  # TRT mlp.gate
+    dense_down: torch.Tensor | None = None
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dt = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class EmbeddedEngine:
+    """Runs a TensorRT-LLM checkpoint directory with PyTorch."""
+
+    def __init__(self, cfg: CheckpointConfig, device: torch.device, path: Path | None = None):
+        self.cfg = cfg
+        self.device = device
+        self.path = path
+        self.dtype = cfg.dtype
+        self.layers: list[_Layer] = []
+        self.embedding: torch.Tensor | None = None
+        self.final_norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        hd = cfg.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+        self._inv_freq = inv.to(device)
+        self.max_seq_len = cfg.max_position_embeddings
+        L, E = cfg.num_layers, cfg.num_experts
+        self._counts = torch.zeros(L, E, dtype=torch.int64)
+        self._entropy = torch.zeros(L, dtype=torch.float64)
+        self._tokens = 0
+        self.layer_hook: Callable[[int, torch.Tensor], None] | None = None  # sees MoE-layer inputs
+
+    # ---- loading ------------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir: str | Path, device: str | torch.device | None = None,
+                        max_seq_len: int | None = None) -> "EmbeddedEngine":
+        """Load a TensorRT-LLM checkpoint directory (config.json + rank*.safetensors)."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        cfg = load_config(ckpt_dir)
+        eng = cls(cfg, device, Path(ckpt_dir))
+        if max_seq_len:
+            eng.max_seq_len = max_seq_len
+        files = RankFiles(ckpt_dir, cfg)
+        try:
+            eng._load(files)
+        finally:
+            files.close()
+        return eng
+
+    def _load(self, files: RankFiles):
+        c, mp = self.cfg, self.cfg.mapping
+        dev = self.device
+        to = lambda t: t.to(dev)  # noqa: E731
+        self.embedding = to(files.get("transformer.vocab_embedding.weight", 0, 0))
+        last = mp.pp_size - 1
+        self.final_norm = to(files.get("transformer.ln_f.weight", 0, last))
+        head = torch.cat([files.get("lm_head.weight", r, last) for r in range(mp.tp_size)])
+        self.lm_head = to(head[: c.vocab_size])
+        for l in range(c.num_layers):
+            p, j = mp.layer_owner(c.num_layers, l)
+            pre = f"transformer.layers.{j}."
+            g = lambda name, r=0: files.get(pre + name, r, p)  # noqa: E731
+            q, k, v = gather_qkv(files, pre, "weight", p)
+            lay = _Layer(input_norm=to(g("input_layernorm.weight")), post_norm=to(g("post_layernorm.weight")),
+                         wq=to(q), wk=to(k), wv=to(v),
+                         wo=to(torch.cat([g("attention.dense.weight", r) for r in range(mp.tp_size)], dim=1)))
+            if c.qkv_bias:
+                bq, bk, bv = gather_qkv(files, pre, "bias", p)
+                lay.bq, lay.bk, lay.bv = to(bq), to(bk), to(bv)
+            if c.qk_norm:
+                lay.q_norm, lay.k_norm = to(g("attention.q_layernorm.weight")), to(g("attention.k_layernorm.weight"))
+            if c.moe_layers[l]:
+                lay.router = to(g("mlp.router.weight").float())
+                lay.experts = load_expert_bank(files, c, l, pre, p, dev)
+                if c.shared_expert_intermediate_size:
+                    ups, gates, downs = [], [], []
+                    for r in range(mp.tp_size):
+                        fc = g("mlp.shared_expert.fc.weight", r)
+                        half = fc.shape[0] // 2
+                        ups.append(fc[:half])
+                        gates.append(fc[half:])
+                        downs.append(g("mlp.shared_expert.proj.weight", r))
+                    lay.shared_fc = to(torch.cat(ups + gates))
+                    lay.shared_proj = to(torch.cat(downs, dim=1))
+                if c.shared_expert_gate:
+                    lay.shared_gate = to(g("mlp.shared_expert_gate.weight"))
+            else:
+                lay.dense_gate = to(torch.cat([g("mlp.fc.weight", r) for r in range(mp.tp_size)]))
+                lay.dense_up = to(torch.cat([g("mlp.gate.weight", r) for r in range(mp.tp_size)]))
+                lay.dense_down = to(torch.cat([g("mlp.proj.weight", r) for r in range(mp.tp_size)], dim=1))
+            self.layers.append(lay)
+
+    # ---- facts ----------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.cfg.num_experts
+
+    @property
+    def active_params_per_token(self) -> int:
+        from ..model.params import count_params
+        return count_params(self.cfg).active
+
+    def routing_stats(self) -> dict:
+        """Cumulative routing since load: top-k assignment counts [L, E], the sum of per-token router
+        entropy (nats) per layer [L], and the number of tokens routed per layer."""
+        return {"counts": self._counts.clone(), "entropy_sum": self._entropy.clone(), "tokens": self._tokens}
+
+    def reset_routing_stats(self) -> None:
+        self._counts.zero_()
+        self._entropy.zero_()
+        self._tokens = 0
+
+    # ---- the model --------------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B, T, heads, hd], pos [B, T] -> rotated (gpt-neox halves)."""
+        freqs = pos.float()[..., None] * self._inv_freq  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def _moe(self, li: int, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        if self.layer_hook is not None:
+            self.layer_hook(li, h)
+        logits = h.float() @ lay.router.t()
+        probs = logits.softmax(-1)
+        if c.normalization_mode == 0:
+            w, idx = probs.topk(c.top_k, dim=-1)
+        else:
+            top, idx = logits.topk(c.top_k, dim=-1)
+            w = top.softmax(-1)
+        with torch.no_grad():
+            self._counts[li] += torch.bincount(idx.reshape(-1).cpu(), minlength=c.num_experts)
+            ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+            self._entropy[li] += float(ent.sum())
+        w = w.to(h.dtype)
+        out = torch.zeros_like(h)
+        flat_idx = idx.reshape(-1)
+        order = flat_idx.argsort(stable=True)
+        counts = torch.bincount(flat_idx, minlength=c.num_experts).tolist()
+        token_of = order // c.top_k
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start:start + n]
+            tok = token_of[start:start + n]
+            start += n
+            y = lay.experts.forward(e, h[tok])
+            out.index_add_(0, tok, y * w.reshape(-1)[sel, None])
+        if lay.shared_fc is not None:
+            hs = h @ lay.shared_fc.t()
+            up, gate = hs.chunk(2, dim=-1)
+            s = (F.silu(gate) * up) @ lay.shared_proj.t()
+            if lay.shared_gate is not None:
+                s = torch.sigmoid(h @ lay.shared_gate.t()) * s
+            out = out + s
+        return out.reshape(shape)
+
+    def _dense(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ lay.dense_gate.t()) * (x @ lay.dense_up.t())) @ lay.dense_down.t()
+
+    def _attention(self, lay: _Layer, x: torch.Tensor, pos: torch.Tensor, li: int,
+                   seqs: list[Sequence] | None) -> torch.Tensor:
+        c = self.cfg
+        B, T, _ = x.shape
+        hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        q = x @ lay.wq.t()
+        k = x @ lay.wk.t()
+        v = x @ lay.wv.t()
+        if lay.bq is not None:
+            q, k, v = q + lay.bq, k + lay.bk, v + lay.bv
+        q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
+        if lay.q_norm is not None:
+            q = _rms_norm(q, lay.q_norm, c.norm_eps)
+            k = _rms_norm(k, lay.k_norm, c.norm_eps)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+        if seqs is None:  # plain causal forward, no cache
+            kk, vv, mask = k, v, None
+            causal = True
+        else:
+            # Append to each sequence's cache, then attend over its own history (padded batch).
+            lens = []
+            for b, s in enumerate(seqs):
+                s.k_cache[li][:, s.length:s.length + T] = k[b]
+                s.v_cache[li][:, s.length:s.length + T] = v[b]
+                lens.append(s.length + T)
+            Lmax = max(lens)
+            kk = torch.stack([s.k_cache[li][:, :Lmax] for s in seqs])
+            vv = torch.stack([s.v_cache[li][:, :Lmax] for s in seqs])
+            key_pos = torch.arange(Lmax, device=x.device)
+            qpos = pos[:, None, :, None]  # [B, 1, T, 1]
+            valid = (key_pos[None, None, None, :] <= qpos) & (
+                key_pos[None, None, None, :] < torch.tensor(lens, device=x.device)[:, None, None, None])
+            mask = valid
+            causal = False
+        rep = nh // nkv
+        if rep > 1:
+            kk = kk.repeat_interleave(rep, dim=1)
+            vv = vv.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=causal and T > 1,
+                                           scale=1.0 / math.sqrt(hd))
+        o = o.transpose(1, 2).reshape(B, T, nh * hd)
+        return o @ lay.wo.t()
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None) -> torch.Tensor:
+        c = self.cfg
+        x = self.embedding[ids]
+        for li, lay in enumerate(self.layers):
+            h = _rms_norm(x, lay.input_norm, c.norm_eps)
+            x = x + self._attention(lay, h, pos, li, seqs)
+            h = _rms_norm(x, lay.post_norm, c.norm_eps)
+            x = x + (self._moe(li, lay, h) if lay.router is not None else self._dense(lay, h))
+        self._tokens += ids.numel()
+        x = _rms_norm(x, self.final_norm, c.norm_eps)
+        return (x @ self.lm_head.t()).float()
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal forward without a cache. input_ids [B, T] -> float32 logits [B, T, V]."""
+        ids = input_ids.to(self.device)
+        B, T = ids.shape
+        pos = torch.arange(T, device=self.device).expand(B, T)
+        return self._forward(ids, pos, None)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def _alloc_cache(self, s: Sequence, capacity: int):
+        c = self.cfg
+        shape = (c.num_kv_heads, capacity, c.head_dim)
+        s.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
+        s.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
+
+    def _sample(self, s: Sequence, logits: torch.Tensor) -> int:
+        p = s.params
+        logits = logits.float()
+        if p.end_id is not None and len(s.tokens) < p.min_tokens:
+            logits[p.end_id] = -float("inf")
+        if p.temperature == 0:
+            return int(logits.argmax())
+        logits = logits / p.temperature
+        if p.top_k:
+            kth = logits.topk(min(p.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, -float("inf"))
+        probs = logits.softmax(-1)
+        if p.top_p < 1.0:
+            sp, si = probs.sort(descending=True)
+            keep = sp.cumsum(0) - sp < p.top_p
+            probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs.cpu(), 1, generator=s.generator))
+
+    def _accept(self, s: Sequence, tok: int) -> None:
+        p = s.params
+        if p.end_id is not None and tok == p.end_id and len(s.tokens) >= p.min_tokens:
+            s.finished, s.finish_reason = True, "stop"
+            return
+        s.tokens.append(tok)
+        if len(s.tokens) >= p.max_new_tokens:
+            s.finished, s.finish_reason = True, "length"
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InputError if a request cannot run on this engine."""
+        if not prompt_ids:
+            raise InputError("empty prompt")
+        params.validate(self.vocab_size)
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
+        need = len(prompt_ids) + params.max_new_tokens
+        if need > self.max_seq_len:
+            raise InputError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                             f"{need} exceeds the engine's max_seq_len {self.max_seq_len}")
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Prefill a new sequence and sample its first token."""
+        self.check_request(prompt_ids, params)
+        s = Sequence(list(map(int, prompt_ids)), params)
+        if params.temperature > 0:
+            s.generator = torch.Generator().manual_seed(
+                params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self._alloc_cache(s, len(prompt_ids) + params.max_new_tokens)
+        ids = torch.tensor([s.prompt], device=self.device)
+        pos = torch.arange(len(s.prompt), device=self.device)[None]
+        logits = self._forward(ids, pos, [s])
+        s.length = len(s.prompt)
+        self._accept(s, self._sample(s, logits[0, -1]))
+        return s
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence]) -> list[int]:
+        """One batched decode step for each unfinished sequence; returns the new token of each."""
+        live = [s for s in seqs if not s.finished]
+        if not live:
+            return []
+        ids = torch.tensor([[s.last_token] for s in live], device=self.device)
+        pos = torch.tensor([[s.length] for s in live], device=self.device)
+        logits = self._forward(ids, pos, live)
+        out = []
+        for b, s in enumerate(live):
+            s.length += 1
+            tok = self._sample(s, logits[b, -1])
+            self._accept(s, tok)
+            out.append(tok)
+        return out
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                 on_token: Callable[[int], None] | None = None) -> list[int]:
+        """Generate for one prompt; ``on_token`` is called with each new token id."""
+        params = params or SamplingParams()
+        s = self.start(prompt_ids, params)
+        emitted = 0
+        while True:
+            if on_token:
+                for t in s.tokens[emitted:]:
+                    on_token(t)
+            emitted = len(s.tokens)
+            if s.finished:
+                return list(s.tokens)
+            self.step([s])
