@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -59,11 +60,16 @@ def stdlib_files() -> list[Path]:
     """
     root = stdlib_root()
     kept: list[tuple[str, Path]] = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        # rglob follows no symlinked dirs by default, but a stdlib may still symlink files out.
-        if _keep_stdlib_file(rel) and path.is_file():
-            kept.append((rel.as_posix(), path))
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Prune in place so site-packages (often most of the tree) is never walked.
+        dirnames[:] = [d for d in dirnames if not _is_test_dir(d)]
+        for name in filenames:
+            if not name.endswith(".py"):
+                continue
+            path = Path(dirpath) / name
+            rel = path.relative_to(root)
+            if _keep_stdlib_file(rel) and path.is_file():
+                kept.append((rel.as_posix(), path))
     kept.sort(key=lambda item: item[0])
     return [path for _, path in kept]
 

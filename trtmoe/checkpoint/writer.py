@@ -6,6 +6,7 @@ file is written header-first from the layout specs, then tensor by tensor in ord
 
 from __future__ import annotations
 
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,18 @@ def write_rank(path: Path, specs: list[TensorSpec], progress: Callable[[int], No
         raise
 
 
+def _copy_tokenizer(src_dir: Path, out: Path) -> None:
+    """Keep the tokenizer beside the weights (TensorRT-LLM ignores the extra folder) so later stages
+    can find it without another path."""
+    from ..runtime.load import TOKENIZER_FILES
+
+    files = [src_dir / n for n in TOKENIZER_FILES if (src_dir / n).is_file()]
+    if any(f.name == "tokenizer.json" for f in files):
+        (out / "tokenizer").mkdir()
+        for f in files:
+            shutil.copyfile(f, out / "tokenizer" / f.name)
+
+
 def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, moe_tp: int | None = None,
             moe_ep: int | None = None, dtype: str = "auto", trtllm_version: str = DEFAULT_TRTLLM_VERSION,
             force: bool = False, resolved_config: dict | None = None,
@@ -113,6 +126,7 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
             dump_json(cfg, tmp / "config.json")
             if quant is not None:
                 quant.write_sidecars(tmp)
+            _copy_tokenizer(src.path, tmp)
             for r, specs in enumerate(all_specs):
                 name = f"rank{r}.safetensors"
                 result.files[name] = write_rank(tmp / name, specs, tick)

@@ -1,0 +1,288 @@
+"""The ``trtmoe`` command line. Each command parses options, merges CLI > YAML > defaults, calls one
+library function and renders its result; errors are one line with an exit code (2 bad input, 1 failure)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from . import __version__
+from .errors import TrtmoeError
+
+err_console = Console(stderr=True)
+console = Console()
+
+
+class TrtmoeGroup(click.Group):
+    """Maps our error classes to one-line messages and exit codes; --debug shows tracebacks."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except TrtmoeError as e:
+            if ctx.params.get("debug") or (ctx.obj or {}).get("debug"):
+                traceback.print_exc()
+            err_console.print(f"[bold red]error:[/] {e.render()}", highlight=False, soft_wrap=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            err_console.print("[bold red]interrupted[/]; nothing was written")
+            sys.exit(130)
+
+
+@click.group(cls=TrtmoeGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="trtmoe")
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.pass_context
+def main(ctx, debug):
+    """trtmoe: Hugging Face MoE checkpoint → TensorRT-LLM checkpoint → engine → Triton.
+
+    \b
+    Typical flow:
+      trtmoe inspect MODEL --tp 2 --moe-ep 2
+      trtmoe convert MODEL -o ckpt/ --tp 2 --moe-ep 2
+      trtmoe verify ckpt/
+      trtmoe run ckpt/ --tokenizer MODEL --prompt "def main("
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+def layout_options(f):
+    for opt in reversed([
+        click.option("--tp", type=int, default=None, help="Tensor-parallel size [default: 1]."),
+        click.option("--pp", type=int, default=None, help="Pipeline-parallel size [default: 1]."),
+        click.option("--moe-tp", type=int, default=None, help="MoE tensor-parallel size (moe_tp × moe_ep = tp)."),
+        click.option("--moe-ep", type=int, default=None, help="MoE expert-parallel size."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default=None,
+                     help="Weight dtype; auto keeps the source dtype [default: auto]."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_count(n: int) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def byte_progress(description: str) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                    TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True)
+
+
+# ---- inspect ---------------------------------------------------------------------------------------
+@main.command()
+@click.argument("model")
+@layout_options
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def inspect(model, tp, pp, moe_tp, moe_ep, dtype, as_json):
+    """Show what MODEL costs and really activates per token, and bytes per rank for a layout.
+
+    MODEL is a local HF directory or a hub id already in the local cache.
+
+    \b
+    Example:
+      trtmoe inspect mistralai/Mixtral-8x7B-v0.1 --tp 4 --moe-tp 2 --moe-ep 2 --dtype bfloat16
+    """
+    from .report.inspect import inspect_model
+
+    rep = inspect_model(model, tp=tp or 1, pp=pp or 1, moe_tp=moe_tp, moe_ep=moe_ep, dtype=dtype or "auto")
+    if as_json:
+        click.echo(json.dumps(rep, indent=2))
+    else:
+        _render_inspect(rep)
+    if not rep["layout"]["ok"]:
+        sys.exit(2)
+
+
+def _render_inspect(rep: dict) -> None:
+    p = rep["parameters"]
+    c = rep["config"]
+    console.print(f"[bold]{rep['architecture']}[/] ({rep['family']}) — {rep['model']}")
+    console.print(f"  {c['num_layers']} layers ({len(rep['moe_layers'])} MoE, {len(rep['dense_layers'])} dense), "
+                  f"{c['num_experts']} experts, top-{c['top_k']}, hidden {c['hidden_size']}, "
+                  f"expert FFN {c['expert_intermediate_size']}, vocab {c['vocab_size']}")
+    t = Table(title="Parameters", title_justify="left")
+    t.add_column("component")
+    t.add_column("total", justify="right")
+    t.add_column("active / token", justify="right")
+    t.add_column("share of total", justify="right")
+    for name, d in p["components"].items():
+        t.add_row(name, _fmt_count(d["total"]), _fmt_count(d["active_per_token"]),
+                  f"{100 * d['total'] / p['total']:.1f}%")
+    t.add_row("[bold]all", f"[bold]{_fmt_count(p['total'])}", f"[bold]{_fmt_count(p['active_per_token'])}",
+              "100%")
+    console.print(t)
+    console.print(f"  A token touches [bold]{_fmt_count(p['active_per_token'])}[/] of "
+                  f"{_fmt_count(p['total'])} parameters = [bold]{100 * p['active_share']:.2f}%[/] "
+                  f"(one embedding row, all attention, routers, shared experts, top-k experts, full lm_head)")
+    lay = rep["layout"]
+    if not lay["ok"]:
+        for prob in lay["problems"]:
+            err_console.print(f"[bold red]layout check failed:[/] {prob}")
+        return
+    t = Table(title=f"Weights per rank ({rep['dtype']}, tp={lay['tp']} pp={lay['pp']} "
+                    f"moe_tp={lay['moe_tp']} moe_ep={lay['moe_ep']})", title_justify="left")
+    for col in ("rank", "tp", "pp", "moe_ep", "moe_tp", "experts", "layers", "bytes"):
+        t.add_column(col, justify="right")
+    for r in rep["ranks"]:
+        t.add_row(str(r["rank"]), str(r["tp_rank"]), str(r["pp_rank"]), str(r["moe_ep_rank"]),
+                  str(r["moe_tp_rank"]), f"{r['experts'][0]}–{r['experts'][1]}",
+                  f"{r['layers'][0]}–{r['layers'][-1]}", _fmt_bytes(r["bytes"]))
+    console.print(t)
+    console.print("  layout checks: [green]ok[/] (heads, kv heads, experts % moe_ep, FFN % moe_tp)")
+    for n in rep["notes"]:
+        console.print(f"  [yellow]note:[/] {n}")
+
+
+# ---- convert ---------------------------------------------------------------------------------------
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
+              help="Output checkpoint directory (written atomically).")
+@click.option("-c", "--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="YAML build config (see build_configs/); CLI options override it.")
+@layout_options
+@click.option("--trtllm-version", default=None, help="Target TensorRT-LLM release line [default: 1.2].")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_version, force, as_json):
+    """Convert an HF MoE checkpoint into a TensorRT-LLM checkpoint directory.
+
+    Streams tensor by tensor (memory stays bounded whatever the model size) into a temporary
+    sibling directory that is renamed into place only when everything succeeded.
+
+    \b
+    Examples:
+      trtmoe convert ./Mixtral-8x7B -o ckpt/ --tp 8 --moe-ep 8 --dtype bfloat16
+      trtmoe convert ./qwen-moe -o ckpt/ -c build_configs/qwen-moe.yaml --tp 2
+    """
+    from . import config as cfgmod
+    from .checkpoint.writer import convert as do_convert
+
+    cfg = cfgmod.resolve(config_path, {"convert": dict(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, dtype=dtype,
+                                                       trtllm_version=trtllm_version)})
+    cv = cfg["convert"]
+    with byte_progress("convert") as prog:
+        task = prog.add_task("converting", total=None)
+        res = do_convert(model, out, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"],
+                         dtype=cv["dtype"], trtllm_version=cv["trtllm_version"], force=force,
+                         resolved_config=cfg,
+                         progress=lambda d, t: prog.update(task, completed=d, total=t))
+    summary = {"output": str(res.out_dir), "mapping": res.mapping.describe(), "dtype": res.dtype,
+               "bytes": res.bytes_written, "files": res.files}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        console.print(f"[green]wrote[/] {res.out_dir} — {res.mapping.describe()}, {res.dtype}, "
+                      f"{_fmt_bytes(res.bytes_written)} in {len(res.files)} rank file(s)")
+
+
+# ---- verify ----------------------------------------------------------------------------------------
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
+def verify(directory, as_json):
+    """Recheck every file of a trtmoe artifact against its manifest.json (sha256), and a checkpoint's
+    strict config blocks against the target TensorRT-LLM schema.
+
+    \b
+    Example:
+      trtmoe verify ckpt/
+    """
+    from .checkpoint.verify import verify_artifact
+
+    res = verify_artifact(directory)
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+    else:
+        console.print(f"[green]ok[/] {directory}: {res['kind']}, {len(res['files'])} file(s) match the manifest")
+
+
+# ---- run (embedded engine) -------------------------------------------------------------------------
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--prompt", "-p", multiple=True, required=True, help="Prompt text (repeatable).")
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+              help="Tokenizer directory (tokenizer.json); default: the checkpoint's own copy if any.")
+@click.option("--max-new-tokens", "-n", type=int, default=32, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
+def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p, seed, device, as_json):
+    """Generate text from a TensorRT-LLM checkpoint (or embedded engine dir) with the embedded engine.
+
+    \b
+    Example:
+      trtmoe run ckpt/ --tokenizer tests/fixtures/trained_mixtral -p "def main(" -n 40
+    """
+    from .runtime.engine import SamplingParams
+    from .runtime.load import load_engine, load_tokenizer
+
+    eng = load_engine(checkpoint, None if device == "auto" else device)
+    tok = load_tokenizer(tokenizer or checkpoint)
+    results = []
+    for text in prompt:
+        ids = tok.encode(text)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, end_id=tok.eos_id)
+        if as_json:
+            out = eng.generate(ids, params)
+        else:
+            console.print(f"[bold]{text}[/]", end="", highlight=False)
+            out = []
+
+            def show(t, out=out):
+                prev = tok.decode(out)
+                out.append(t)
+                console.print(tok.decode(out)[len(prev):], end="", highlight=False, markup=False)
+            eng.generate(ids, params, on_token=show)
+            console.print()
+        results.append({"prompt": text, "output_ids": out, "text": tok.decode(out)})
+    if as_json:
+        click.echo(json.dumps(results, indent=2))
+
+
+def _register_optional():
+    """Commands living in other modules register here so ``trtmoe --help`` lists them all."""
+    import importlib
+
+    for mod, names in (("trtmoe.build.commands", ("build",)),
+                       ("trtmoe.triton.commands", ("repo", "serve", "generate")),
+                       ("trtmoe.quant.commands", ("calibrate", "report"))):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name == mod:
+                continue
+            raise
+        for n in names:
+            cmd = getattr(m, n, None)
+            if isinstance(cmd, click.Command):
+                main.add_command(cmd, n)
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    main()
