@@ -292,8 +292,14 @@ class EmbeddedEngine:
                 s.v_cache[li][:, s.length:s.length + T] = v[b]
                 lens.append(s.length + T)
             Lmax = max(lens)
-            kk = torch.stack([s.k_cache[li][:, :Lmax] for s in seqs])
-            vv = torch.stack([s.v_cache[li][:, :Lmax] for s in seqs])
+            if len(seqs) == 1:
+                kk, vv = seqs[0].k_cache[li][None, :, :Lmax], seqs[0].v_cache[li][None, :, :Lmax]
+            else:  # caches differ in length and capacity: copy into one padded block
+                kk = k.new_zeros(len(seqs), c.num_kv_heads, Lmax, hd)
+                vv = torch.zeros_like(kk)
+                for b, (s, n) in enumerate(zip(seqs, lens)):
+                    kk[b, :, :n] = s.k_cache[li][:, :n]
+                    vv[b, :, :n] = s.v_cache[li][:, :n]
             key_pos = torch.arange(Lmax, device=x.device)
             qpos = pos[:, None, :, None]  # [B, 1, T, 1]
             valid = (key_pos[None, None, None, :] <= qpos) & (
