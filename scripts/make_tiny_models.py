@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""Seeded tiny random Hugging Face MoE checkpoints for tests and demos.
+
+Every fixture is a real HF directory (``config.json`` + safetensors) small enough to build in
+well under a second on a CPU, with shapes chosen so that all parallel layouts trtmoe supports can
+split it: tp=1; tp=2 with moe_ep=2; tp=4 with moe_tp=2 x moe_ep=2; pp=2.
+
+* 4 query heads and 2 KV heads (tp=4 has to duplicate KV heads), head_dim 16, hidden 64;
+* an even number of experts, expert FFN 48 (splits in 2), dense/shared FFN 96 or 128 (split in 4);
+* vocab 250, which is not a multiple of 4, so the lm_head/embedding need padding under tp=4;
+* 3 or 4 layers, so pp=2 splits some fixtures unevenly.
+
+``mixtral``, ``qwen2_moe`` and ``qwen3_moe`` are built with transformers' own classes and written
+with ``save_pretrained``.  transformers 5.x keeps experts fused in memory (``experts.gate_up_proj``
+of shape [E, 2I, H]) but writes the classic per-expert tensor names, which is what hub checkpoints
+carry.  ``deepseek_v1`` (DeepSeek-MoE, ``DeepseekForCausalLM``) has no class in transformers, so its
+config and tensors are written here directly in the hub layout.
+
+Usage::
+
+    python scripts/make_tiny_models.py qwen2_moe /tmp/tiny-qwen2 --dtype bfloat16 --sharded
+    python scripts/make_tiny_models.py deepseek_v1 /tmp/tiny-ds --tied --seed 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
+SHARD_BYTES = 200_000
+
+# Shapes every architecture shares (see the module docstring for why each value).
+_COMMON: dict[str, Any] = {
+    "vocab_size": 250,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+}
+
+# Per-architecture defaults; ``config_overrides`` are applied on top of these.
+DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "num_local_experts": 4,
+        "intermediate_size": 48,  # Mixtral's intermediate_size is the per-expert FFN size
+        "rms_norm_eps": 1e-5,
+    },
+    "qwen2_moe": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "intermediate_size": 128,  # only the dense layer(s) listed in mlp_only_layers use it
+        "mlp_only_layers": [2],
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": False,
+        "qkv_bias": True,
+        "rms_norm_eps": 1e-6,
+    },
+    "qwen3_moe": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "moe_intermediate_size": 48,
+        "intermediate_size": 128,
+        "mlp_only_layers": [],
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+    },
+    # Field set of deepseek-ai/deepseek-moe-16b-base's config.json, shrunk.
+    "deepseek_v1": {
+        **_COMMON,
+        "architectures": ["DeepseekForCausalLM"],
+        "model_type": "deepseek",
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,  # dense MLP of the first_k_dense_replace layers
+        "moe_intermediate_size": 48,
+        "n_shared_experts": 2,
+        "n_routed_experts": 8,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": False,
+        "scoring_func": "softmax",
+        "aux_loss_alpha": 0.001,
+        "seq_aux": True,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "bos_token_id": 1,  # the 16B model uses 100000/100001, which lie outside a 250-token vocab
+        "eos_token_id": 2,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": False,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+    },
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Seeded initialisation
+# ----------------------------------------------------------------------------------------------
+
+def _generator(seed: int, arch: str, name: str) -> torch.Generator:
+    """One generator per (architecture, tensor name): values do not depend on creation order, and
+    same-named tensors of different architectures differ."""
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(f"{arch}:{name}".encode())) % (2**63 - 1))
+    return g
+
+
+def init_tensor(
+    arch: str, name: str, shape: tuple[int, ...] | torch.Size, seed: int
+) -> torch.Tensor:
+    """Draw a float32 tensor for parameter ``name`` of an ``arch`` fixture.
+
+    Scales keep every block's output comparable to the residual stream so logits are far from
+    flat and routing varies between tokens:
+    norms ~ N(1, 0.1); biases ~ N(0, 0.1); embeddings ~ N(0, 0.5); routers ~ N(0, 0.2)
+    (router logits of std ~1.6); lm_head std 2/sqrt(in); other linears std 1/sqrt(in).
+    """
+    shape = tuple(shape)
+    g = _generator(seed, arch, name)
+    x = torch.randn(shape, generator=g, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * x
+    if name.endswith(".bias"):
+        return 0.1 * x
+    if "embed_tokens" in name:
+        return 0.5 * x
+    if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+        return 0.2 * x
+    if name.startswith("lm_head"):
+        return (2.0 / math.sqrt(shape[-1])) * x
+    return (1.0 / math.sqrt(shape[-1])) * x
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers-native architectures
+# ----------------------------------------------------------------------------------------------
+
+def _hf_classes(arch: str):
+    import transformers
+
+    return {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    }[arch]
+
+
+def _make_transformers_model(
+    arch: str, out_dir: Path, config: dict[str, Any], dtype: torch.dtype, sharded: bool, seed: int
+) -> None:
+    config_cls, model_cls = _hf_classes(arch)
+    hf_config = config_cls(**config)
+    model = model_cls(hf_config)
+    with torch.no_grad():
+        # named_parameters() yields a tied lm_head once (as the embedding), so ties stay intact.
+        for name, param in model.named_parameters():
+            param.copy_(init_tensor(arch, name, param.shape, seed))
+    model = model.to(dtype).eval()
+    model.save_pretrained(out_dir, max_shard_size=SHARD_BYTES if sharded else "10GB")
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-MoE v1 (no transformers class): write the hub layout directly
+# ----------------------------------------------------------------------------------------------
+
+def deepseek_v1_is_moe_layer(config: dict[str, Any], layer: int) -> bool:
+    """DeepSeek-MoE's rule: routed experts from first_k_dense_replace on, every moe_layer_freq."""
+    return (
+        config.get("n_routed_experts") is not None
+        and layer >= config["first_k_dense_replace"]
+        and layer % config["moe_layer_freq"] == 0
+    )
+
+
+def deepseek_v1_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes ([out, in] for linears) of a DeepSeek-MoE v1 checkpoint."""
+    h = config["hidden_size"]
+    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = h // n_heads  # DeepSeek-MoE has no head_dim field
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
+
+    def mlp(prefix: str, inter: int) -> None:
+        shapes[f"{prefix}.gate_proj.weight"] = (inter, h)
+        shapes[f"{prefix}.up_proj.weight"] = (inter, h)
+        shapes[f"{prefix}.down_proj.weight"] = (h, inter)
+
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes[f"{p}.self_attn.q_proj.weight"] = (n_heads * head_dim, h)
+        shapes[f"{p}.self_attn.k_proj.weight"] = (n_kv * head_dim, h)
+        shapes[f"{p}.self_attn.v_proj.weight"] = (n_kv * head_dim, h)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (h, n_heads * head_dim)
+        if deepseek_v1_is_moe_layer(config, layer):
+            shapes[f"{p}.mlp.gate.weight"] = (config["n_routed_experts"], h)
+            for e in range(config["n_routed_experts"]):
+                mlp(f"{p}.mlp.experts.{e}", config["moe_intermediate_size"])
+            if config.get("n_shared_experts"):
+                mlp(f"{p}.mlp.shared_experts",
+                    config["moe_intermediate_size"] * config["n_shared_experts"])
+        else:
+            mlp(f"{p}.mlp", config["intermediate_size"])
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    return shapes
+
+
+def write_safetensors_dir(
+    out_dir: Path, tensors: dict[str, torch.Tensor], *, shard_bytes: int | None = None
+) -> list[Path]:
+    """Write ``tensors`` as ``model.safetensors`` or, when ``shard_bytes`` is set, as
+    ``model-0000i-of-0000N.safetensors`` shards of at most ``shard_bytes`` bytes (a larger single
+    tensor gets its own shard) plus ``model.safetensors.index.json``, as HF does."""
+    if shard_bytes is None:
+        path = out_dir / "model.safetensors"
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        return [path]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    used = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and used + nbytes > shard_bytes:
+            shards.append({})
+            used = 0
+        shards[-1][name] = t
+        used += nbytes
+    n = len(shards)
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        paths.append(out_dir / fname)
+        weight_map.update({name: fname for name in shard})
+    index = {
+        "metadata": {
+            "total_size": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "total_parameters": sum(t.numel() for t in tensors.values()),
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return paths
+
+
+def _make_deepseek_v1(
+    out_dir: Path, config: dict[str, Any], dtype_name: str, sharded: bool, seed: int
+) -> None:
+    if config.get("attention_bias"):
+        raise ValueError("deepseek_v1 fixtures support attention_bias=false only")
+    if config.get("scoring_func", "softmax") != "softmax":
+        raise ValueError("DeepSeek-MoE v1 only defines scoring_func='softmax'")
+    if config["hidden_size"] % config["num_attention_heads"]:
+        raise ValueError("hidden_size must be divisible by num_attention_heads")
+    config = {**config, "torch_dtype": dtype_name}
+    dtype = DTYPES[dtype_name]
+    tensors = {
+        name: init_tensor("deepseek_v1", name, shape, seed).to(dtype).contiguous()
+        for name, shape in deepseek_v1_tensor_shapes(config).items()
+    }
+    ordered = dict(sorted(config.items()))
+    (out_dir / "config.json").write_text(json.dumps(ordered, indent=2) + "\n")
+    write_safetensors_dir(out_dir, tensors, shard_bytes=SHARD_BYTES if sharded else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------
+
+def tiny_config(arch: str, *, tied: bool = False, **config_overrides: Any) -> dict[str, Any]:
+    """The config keyword set ``make_tiny_model`` would use for ``arch`` (a fresh dict)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    config = json.loads(json.dumps(DEFAULT_CONFIGS[arch]))  # deep copy
+    config["tie_word_embeddings"] = bool(tied)
+    config.update(config_overrides)
+    return config
+
+
+def make_tiny_model(
+    arch: str,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    sharded: bool = False,
+    tied: bool = False,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> Path:
+    """Write a seeded random tiny HF MoE checkpoint of ``arch`` into ``out_dir`` and return it.
+
+    ``dtype`` is the storage dtype of every tensor (``float32``, ``bfloat16`` or ``float16``);
+    ``sharded`` splits the weights over several ~200 kB files with an index; ``tied`` sets
+    ``tie_word_embeddings`` (no ``lm_head.weight`` is written); the same ``seed`` always yields the
+    same values, whatever the dtype or sharding.  ``config_overrides`` replace config fields
+    (e.g. ``num_hidden_layers=4``).  ``out_dir`` must be absent or empty.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    config = tiny_config(arch, tied=tied, **config_overrides)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; pick a fresh directory")
+    out.mkdir(parents=True, exist_ok=True)
+    if arch == "deepseek_v1":
+        _make_deepseek_v1(out, config, dtype, sharded, seed)
+    else:
+        _make_transformers_model(arch, out, config, DTYPES[dtype], sharded, seed)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Write a seeded tiny random Hugging Face MoE checkpoint.",
+        epilog="example: python scripts/make_tiny_models.py mixtral /tmp/tiny-mixtral --sharded",
+    )
+    parser.add_argument("arch", choices=ARCHITECTURES)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--sharded", action="store_true", help="several shards + index.json")
+    parser.add_argument("--tied", action="store_true", help="tie_word_embeddings=true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # tiny tensors: extra threads only cost start-up time
+    try:
+        path = make_tiny_model(args.arch, args.out_dir, dtype=args.dtype, sharded=args.sharded,
+                               tied=args.tied, seed=args.seed)
+    except (FileExistsError, ValueError) as exc:
+        parser.exit(2, f"error: {exc}\n")
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Shared test fixtures: tiny seeded MoE checkpoints and reference logits."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def _load_script(name: str):
+    """Import ``scripts/<name>.py`` as a module (scripts/ is not a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+make_tiny_models = _load_script("make_tiny_models")
+
+
+def hf_logits(model_dir: str | Path, input_ids: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reference logits [B, T, vocab] (float32) for an HF checkpoint directory.
+
+    mixtral/qwen2_moe/qwen3_moe run through transformers with weights cast to ``dtype``;
+    DeepSeek-MoE v1 runs through tests/reference/deepseek_v1.py, which is fp32 only.
+    """
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    if model_type == "deepseek":
+        if dtype != torch.float32:
+            raise ValueError("the DeepSeek-MoE v1 reference computes in float32 only")
+        from tests.reference.deepseek_v1 import deepseek_v1_logits
+
+        return deepseek_v1_logits(model_dir, input_ids)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits.float()
+
+
+@pytest.fixture(name="hf_logits")
+def hf_logits_fixture() -> Callable[..., torch.Tensor]:
+    """The ``hf_logits(model_dir, input_ids, dtype=torch.float32)`` helper as a fixture."""
+    return hf_logits
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Callable[..., Path]:
+    """Factory: ``tiny_model(arch, dtype=..., sharded=..., tied=..., seed=..., **overrides)``
+    returns a checkpoint directory, built once per distinct argument set per session and shared
+    between tests, so treat it as read-only (copy it before changing anything)."""
+    cache: dict[str, Path] = {}
+
+    def make(arch: str, **kwargs: Any) -> Path:
+        key = json.dumps([arch, kwargs], sort_keys=True, default=str)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = make_tiny_models.make_tiny_model(arch, out, **kwargs)
+        return cache[key]
+
+    return make

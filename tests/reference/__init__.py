@@ -1,0 +1,1 @@
+"""Independent reference implementations that parity tests compare trtmoe against."""
