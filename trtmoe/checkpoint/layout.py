@@ -15,6 +15,8 @@ from ..model.description import MoEModel
 from ..parallel.mapping import Mapping
 from .schema import MAPPING_KEYS, schema_for
 
+_SHAPE_CACHE: dict = {}
+
 # A producer writes exactly the declared bytes of one tensor, chunk by chunk, via ``emit``.
 Producer = Callable[[Callable[[torch.Tensor], None]], None]
 
@@ -108,12 +110,11 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class RankLayout:
     """Tensor specs of one rank. ``src`` is an HFCheckpoint (or None for pure accounting)."""
 
-    def __init__(self, m: MoEModel, mapping: Mapping, rank: int, dtype: torch.dtype, src=None,
-                 expert_writer=None):
+    def __init__(self, m: MoEModel, mapping: Mapping, rank: int, dtype: torch.dtype, src=None, plan=None):
         self.m, self.mp, self.rank, self.dtype, self.src = m, mapping, rank, dtype, src
         self.tp_rank = mapping.tp_rank(rank)
         self.pp_rank = mapping.pp_rank(rank)
-        self.expert_writer = expert_writer  # optional hook for quantized experts (quant.plan)
+        self.plan = plan  # optional trtmoe.quant.plan.QuantPlan
 
     # -- helpers ----------------------------------------------------------------------------------
     def _rows(self, role: str, layer: int | None, a: int, b: int) -> torch.Tensor:
@@ -200,28 +201,46 @@ class RankLayout:
             emit(self._rows(gate_role, l, part * per, (part + 1) * per))
         return produce
 
+    def expert_shard(self, l: int, e: int, t: int, I_loc: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Original expert ``e``'s moe_tp shard ``t``: fc [2·I_loc, H] = [up; gate], proj [H, I_loc]."""
+        rows = (t * I_loc, (t + 1) * I_loc)
+        fc = torch.cat([self.src.role("expert_up", l, e, rows=rows), self.src.role("expert_gate", l, e, rows=rows)])
+        proj = self.src.role("expert_down", l, e)[:, rows[0]:rows[1]]
+        return _cast(fc, self.dtype), _cast(proj, self.dtype)
+
     def _moe(self, p: str, l: int) -> list[TensorSpec]:
-        m, mp = self.m, self.mp
+        m, mp, plan = self.m, self.mp, self.plan
         H, I, dt = m.hidden_size, m.expert_intermediate_size, self.dtype
-        experts = mp.ep_experts(m.num_experts, self.rank)
+        slots = mp.ep_experts(m.num_experts, self.rank)
         t = mp.moe_tp_rank(self.rank)
         I_loc = I // mp.moe_tp_size
-        specs = [TensorSpec(p + "mlp.router.weight", (m.num_experts, H), torch.float32,
-                            self._full("router", l, torch.float32), "router")]
-        if self.expert_writer is not None:
-            specs.extend(self.expert_writer(self, p, l, experts, t, I_loc))
+        perm = plan.perm(l, m.num_experts) if plan is not None else list(range(m.num_experts))
+        orig = [perm[s] for s in slots]
+
+        def router(emit):
+            w = self.src.role("router", l).float()
+            emit(w[perm] if perm != list(range(m.num_experts)) else w)
+
+        specs = [TensorSpec(p + "mlp.router.weight", (m.num_experts, H), torch.float32, router, "router")]
+        kind = "float" if plan is None else ("expert" if plan.granularity == "expert" else plan.layer_format(l))
+        if kind == "expert":
+            specs.extend(self._per_expert(p, l, slots, orig, t, I_loc))
+        elif kind == "int4_g128":
+            specs.extend(self._stacked_packed(p, l, orig, t, I_loc, "int4_g128"))
         else:
+            # Float weights; for W8A16/W4A16 layers trtllm-build quantizes them itself, for the
+            # GPU it builds on (and the embedded engine quantizes them the same way at load).
             def fc(emit):
-                for e in experts:
+                for e in orig:
                     emit(_cast(self.src.role("expert_up", l, e, rows=(t * I_loc, (t + 1) * I_loc)), dt))
                     emit(_cast(self.src.role("expert_gate", l, e, rows=(t * I_loc, (t + 1) * I_loc)), dt))
 
             def proj(emit):
-                for e in experts:
+                for e in orig:
                     emit(self._cols("expert_down", l, t * I_loc, (t + 1) * I_loc, expert=e))
 
-            specs.append(TensorSpec(p + "mlp.fc.weight", (len(experts), 2 * I_loc, H), dt, fc, "expert_fc"))
-            specs.append(TensorSpec(p + "mlp.proj.weight", (len(experts), H, I_loc), dt, proj, "expert_proj"))
+            specs.append(TensorSpec(p + "mlp.fc.weight", (len(orig), 2 * I_loc, H), dt, fc, "expert_fc"))
+            specs.append(TensorSpec(p + "mlp.proj.weight", (len(orig), H, I_loc), dt, proj, "expert_proj"))
         if m.shared_expert_intermediate_size:
             S = m.shared_expert_intermediate_size
             S_loc = S // mp.tp_size
@@ -235,6 +254,56 @@ class RankLayout:
         if m.shared_expert_gate:
             specs.append(TensorSpec(p + "mlp.shared_expert_gate.weight", (1, H), dt,
                                     self._full("shared_expert_gate", l), "shared_expert_gate"))
+        return specs
+
+    def _packed_shapes(self, fmt_name: str, out_f: int, in_f: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        from ..quant.plan import format_obj
+
+        key = (fmt_name, out_f, in_f)
+        if key not in _SHAPE_CACHE:
+            packed = format_obj(fmt_name, self.dtype).quantize(torch.ones(out_f, in_f, dtype=self.dtype),
+                                                               dtype=self.dtype)
+            _SHAPE_CACHE[key] = {k: (tuple(v.shape), v.dtype) for k, v in packed.items()}
+        return _SHAPE_CACHE[key]
+
+    def _stacked_packed(self, p: str, l: int, orig: list[int], t: int, I_loc: int, fmt_name: str):
+        """One format for the whole layer, stacked [E_loc, ...] per packed tensor (AWQ-style layout)."""
+        from ..quant.plan import format_obj
+
+        fmt = format_obj(fmt_name, self.dtype)
+        H = self.m.hidden_size
+        specs = []
+        for mod, (out_f, in_f) in (("fc", (2 * I_loc, H)), ("proj", (H, I_loc))):
+            for key, (shape, dtype) in self._packed_shapes(fmt_name, out_f, in_f).items():
+                shared = key == "prequant_scaling_factor"  # one row shared by every expert
+
+                def produce(emit, mod=mod, key=key, shared=shared):
+                    for e in orig[:1] if shared else orig:
+                        fc, proj = self.expert_shard(l, e, t, I_loc)
+                        emit(fmt.quantize(fc if mod == "fc" else proj, dtype=self.dtype)[key])
+
+                full = shape if shared else (len(orig), *shape)
+                specs.append(TensorSpec(f"{p}mlp.{mod}.{key}", full, dtype, produce, f"expert_{mod}"))
+        return specs
+
+    def _per_expert(self, p: str, l: int, slots, orig: list[int], t: int, I_loc: int):
+        """trtmoe's per-expert variant (embedded engine only): every expert under its own name, in
+        its own format. TensorRT-LLM cannot build it; the config and quant_cfg.json say so."""
+        from ..quant.plan import format_obj
+
+        H = self.m.hidden_size
+        specs = []
+        for slot, e in zip(slots, orig):
+            name = self.plan.slot_format(l, slot, self.m.num_experts)
+            fmt = format_obj(name, self.dtype)
+            for mod, (out_f, in_f) in (("fc", (2 * I_loc, H)), ("proj", (H, I_loc))):
+                for key, (shape, dtype) in self._packed_shapes(name, out_f, in_f).items():
+                    def produce(emit, mod=mod, key=key, e=e, fmt=fmt):
+                        fc, proj = self.expert_shard(l, e, t, I_loc)
+                        emit(fmt.quantize(fc if mod == "fc" else proj, dtype=self.dtype)[key])
+
+                    specs.append(TensorSpec(f"{p}mlp.experts.{slot}.{mod}.{key}", shape, dtype, produce,
+                                            f"expert_{mod}"))
         return specs
 
     def _dense(self, p: str, l: int) -> list[TensorSpec]:
@@ -254,5 +323,5 @@ class RankLayout:
 
 
 def rank_specs(m: MoEModel, mapping: Mapping, rank: int, dtype: torch.dtype, src=None,
-               expert_writer=None) -> list[TensorSpec]:
-    return RankLayout(m, mapping, rank, dtype, src, expert_writer).specs()
+               plan=None) -> list[TensorSpec]:
+    return RankLayout(m, mapping, rank, dtype, src, plan).specs()

@@ -97,20 +97,21 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
     """Convert ``model`` (HF dir or cached hub id) into a TensorRT-LLM checkpoint at ``out_dir``.
 
     ``progress(done_bytes, total_bytes)`` is called as rank bytes are written. ``quant`` is an
-    optional quantization plan object (see ``trtmoe.quant.plan``) supplying config blocks and
-    expert tensor writers. Nothing is written unless the whole conversion succeeds.
+    optional ``trtmoe.quant.plan.QuantPlan`` (format per expert, granularity, placement). Nothing is written unless the whole conversion succeeds.
     """
     with HFCheckpoint(model) as src:
         mapping = Mapping.create(tp, pp, moe_tp, moe_ep)
         mapping.validate(src.model)
         tdtype = resolve_dtype(src, dtype)
+        if quant is not None:
+            quant.dtype = tdtype
+            quant.bind(src.model, mapping)
         quant_cfg = quant.quantization_config() if quant is not None else None
         extra = quant.config_extra() if quant is not None else None
         cfg = trtllm_config(src.model, mapping, tdtype, version=trtllm_version, quantization=quant_cfg, extra=extra)
         problems = check_strict_blocks(cfg, trtllm_version)
         assert not problems, problems  # our own tables must agree with themselves
-        expert_writer = quant.expert_writer if quant is not None else None
-        all_specs = [rank_specs(src.model, mapping, r, tdtype, src, expert_writer) for r in mapping.ranks()]
+        all_specs = [rank_specs(src.model, mapping, r, tdtype, src, quant) for r in mapping.ranks()]
         total = sum(s.nbytes for specs in all_specs for s in specs)
         done = [0]
 

@@ -55,6 +55,70 @@ def _float_fc_proj(files, cfg, pre: str, pp_rank: int):
     return torch.cat(fcs), torch.cat(projs)
 
 
+class PackedExperts(ExpertBank):
+    """Per expert: a list of moe_tp shards, each (format, fc packed tensors, proj packed tensors).
+    Runs from the packed bytes through the format's own ``linear``."""
+
+    def __init__(self, shards: list[list[tuple]], names: list[str]):
+        self.shards, self.names = shards, names
+
+    def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        y = None
+        for fmt, fc, proj in self.shards[e]:
+            h = fmt.linear(x, fc)
+            up, gate = h.chunk(2, dim=-1)
+            part = fmt.linear(F.silu(gate) * up, proj)
+            y = part if y is None else y + part
+        return y
+
+    def format_of(self, e: int) -> str:
+        return self.names[e]
+
+
+def layer_formats(cfg, layer: int) -> tuple[str, list[str]]:
+    """(granularity, format per expert slot) recorded by the writer; float when absent."""
+    q = (cfg.raw.get("trtmoe") or {}).get("quantization") or {}
+    fs = (q.get("expert_formats") or {}).get(str(layer))
+    if fs is None:
+        return "layer", ["float"] * cfg.num_experts
+    return q.get("granularity", "layer"), fs
+
+
 def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device) -> ExpertBank:
-    fc, proj = _float_fc_proj(files, cfg, pre, pp_rank)
-    return FloatExperts(fc.to(device), proj.to(device), str(cfg.dtype).replace("torch.", ""))
+    from ..quant.plan import FLOAT, format_obj
+
+    gran, names = layer_formats(cfg, layer)
+    dt = cfg.dtype
+    if gran == "layer" and names[0] == FLOAT:
+        fc, proj = _float_fc_proj(files, cfg, pre, pp_rank)
+        return FloatExperts(fc.to(device), proj.to(device), str(dt).replace("torch.", ""))
+    mp = cfg.mapping
+    E_loc = cfg.num_experts // mp.moe_ep_size
+    shards: list[list[tuple]] = [[] for _ in range(cfg.num_experts)]
+    mv = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+    for ep in range(mp.moe_ep_size):
+        for t in range(mp.moe_tp_size):
+            r = mp.tp_rank_for(t, ep)
+            f = files.file(mp.rank(r, pp_rank))
+            for i in range(E_loc):
+                slot = ep * E_loc + i
+                fmt = format_obj(names[slot], dt)
+                if gran == "expert":
+                    parts = {}
+                    for mod in ("fc", "proj"):
+                        prefix = f"{pre}mlp.experts.{slot}.{mod}."
+                        parts[mod] = {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
+                elif names[slot] == "int4_g128":
+                    parts = {}
+                    for mod in ("fc", "proj"):
+                        prefix = f"{pre}mlp.{mod}."
+                        stack = {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
+                        parts[mod] = fmt.expert(stack, i)
+                else:
+                    # Float weights with a weight-only quant_algo: quantize each rank shard as
+                    # trtllm-build would, then run from the packed bytes.
+                    fc = f.read(f"{pre}mlp.fc.weight")[i]
+                    proj = f.read(f"{pre}mlp.proj.weight")[i]
+                    parts = {"fc": fmt.quantize(fc, dtype=dt), "proj": fmt.quantize(proj, dtype=dt)}
+                shards[slot].append((fmt, mv(parts["fc"]), mv(parts["proj"])))
+    return PackedExperts(shards, list(names))
