@@ -161,9 +161,25 @@ def _render_inspect(rep: dict) -> None:
               help="YAML build config (see build_configs/); CLI options override it.")
 @layout_options
 @click.option("--trtllm-version", default=None, help="Target TensorRT-LLM release line [default: 1.2].")
+@click.option("--calib", type=click.Path(path_type=Path), default=None,
+              help="Calibration directory from `trtmoe calibrate` (needed by graded/frequency/balanced).")
+@click.option("--policy", type=click.Choice(["none", "graded", "uniform", "frequency", "frequency-bytes",
+                                             "random-bytes"]), default=None,
+              help="Expert quantization policy [default: graded when a budget is given, else none].")
+@click.option("--budget", "budget_bpw", type=float, default=None,
+              help="Average bits per routed-expert weight, scales counted (e.g. 4.5).")
+@click.option("--budget-gb", type=float, default=None, help="Routed-expert bytes per GPU, in GB.")
+@click.option("--format", "fmt", type=click.Choice(["int8", "int4", "int4_g128"]), default=None,
+              help="Format for --policy uniform.")
+@click.option("--formats", default=None, help="Candidate formats, comma separated [default: fp16,int8,int4_g128].")
+@click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,
+              help="Build backend the checkpoint is for: sets granularity (per expert vs per MoE layer).")
+@click.option("--placement", type=click.Choice(["identity", "balanced"]), default=None,
+              help="balanced: permute experts per layer to even out measured load across EP ranks.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_version, force, as_json):
+def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_version, calib, policy, budget_bpw,
+            budget_gb, fmt, formats, target, placement, force, as_json):
     """Convert an HF MoE checkpoint into a TensorRT-LLM checkpoint directory.
 
     Streams tensor by tensor (memory stays bounded whatever the model size) into a temporary
@@ -173,26 +189,42 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
     Examples:
       trtmoe convert ./Mixtral-8x7B -o ckpt/ --tp 8 --moe-ep 8 --dtype bfloat16
       trtmoe convert ./qwen-moe -o ckpt/ -c build_configs/qwen-moe.yaml --tp 2
+      trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5            # graded, per expert
+      trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5 --target tensorrt-llm  # per layer
+      trtmoe convert ./model -o ckpt/ --policy uniform --format int8
     """
     from . import config as cfgmod
     from .checkpoint.writer import convert as do_convert
 
-    cfg = cfgmod.resolve(config_path, {"convert": dict(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, dtype=dtype,
-                                                       trtllm_version=trtllm_version)})
+    cfg = cfgmod.resolve(config_path, {
+        "convert": dict(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, dtype=dtype, trtllm_version=trtllm_version),
+        "quantize": dict(policy=policy, budget_bpw=budget_bpw, budget_gb=budget_gb, format=fmt,
+                         formats=formats.split(",") if formats else None, calib=str(calib) if calib else None,
+                         placement=placement),
+        "build": dict(backend=target)})
     cv = cfg["convert"]
+    from .quant.commands import plan_from_config
+    plan = plan_from_config(model, cfg)
     with byte_progress("convert") as prog:
         task = prog.add_task("converting", total=None)
         res = do_convert(model, out, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"],
                          dtype=cv["dtype"], trtllm_version=cv["trtllm_version"], force=force,
-                         resolved_config=cfg,
+                         resolved_config=cfg, quant=plan,
                          progress=lambda d, t: prog.update(task, completed=d, total=t))
     summary = {"output": str(res.out_dir), "mapping": res.mapping.describe(), "dtype": res.dtype,
-               "bytes": res.bytes_written, "files": res.files}
+               "bytes": res.bytes_written, "files": res.files,
+               "quantization": plan.manifest_entry() if plan is not None else None}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
         console.print(f"[green]wrote[/] {res.out_dir} — {res.mapping.describe()}, {res.dtype}, "
                       f"{_fmt_bytes(res.bytes_written)} in {len(res.files)} rank file(s)")
+        if plan is not None:
+            m = plan.meta
+            used = ", ".join(sorted(plan.used_formats()))
+            extra = f", {m['avg_bpw']:.3f} bpw" if "avg_bpw" in m else ""
+            pred = f", predicted ΔKL {m['predicted_delta_kl']:.4g}" if "predicted_delta_kl" in m else ""
+            console.print(f"  experts: {m.get('policy')} ({plan.granularity} granularity; {used}{extra}{pred})")
 
 
 # ---- verify ----------------------------------------------------------------------------------------

@@ -99,12 +99,17 @@ def _read_source(path: Path) -> str:
 
 
 def split_texts(name: str, max_bytes: int | None = None) -> list[str]:
-    """The texts of one split's files, one string per file, in split order.
+    """The texts of one split's files, one string per file, in split order (whitespace-only
+    files are skipped).
 
     ``max_bytes`` caps the total UTF-8 size in bytes: files are taken whole until the next one
-    would exceed it, and that last file is cut at a line boundary (so at least some text is
-    returned whenever ``max_bytes`` > 0).
+    would exceed it, and that last file is cut at a line boundary.
     """
+    return _take_texts(name, max_bytes, separator_bytes=0)
+
+
+def _take_texts(name: str, max_bytes: int | None, separator_bytes: int) -> list[str]:
+    """Split texts whose sizes plus ``separator_bytes`` between consecutive texts fit ``max_bytes``."""
     if max_bytes is not None and max_bytes <= 0:
         raise InputError(f"max_bytes must be positive, got {max_bytes}")
     texts: list[str] = []
@@ -113,14 +118,15 @@ def split_texts(name: str, max_bytes: int | None = None) -> list[str]:
         text = _read_source(path)
         if not text.strip():
             continue
+        sep = separator_bytes if texts else 0
         size = len(text.encode("utf-8"))
-        if max_bytes is not None and used + size > max_bytes:
-            tail = _cut_at_line(text, max_bytes - used)
-            if tail:
+        if max_bytes is not None and used + sep + size > max_bytes:
+            tail = _cut_at_line(text, max_bytes - used - sep)
+            if tail.strip():
                 texts.append(tail)
             break
         texts.append(text)
-        used += size
+        used += sep + size
     return texts
 
 
@@ -140,8 +146,8 @@ def _cut_at_line(text: str, budget: int) -> str:
 def write_split_text(split: str, out_path: str | Path, max_bytes: int | None = None) -> int:
     """Write a split's files, concatenated with blank lines between them, to ``out_path`` as
     UTF-8 (parent directories are created). ``max_bytes`` caps the text taken, as in
-    ``split_texts``. Returns the number of bytes written."""
-    texts = split_texts(split, max_bytes=max_bytes)
+    ``split_texts``, separators included. Returns the number of bytes written."""
+    texts = _take_texts(split, max_bytes, separator_bytes=len(DOC_SEPARATOR.encode("utf-8")))
     data = DOC_SEPARATOR.join(texts).encode("utf-8")
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)

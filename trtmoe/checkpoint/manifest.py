@@ -43,9 +43,9 @@ def read_manifest(path: str | Path) -> dict:
         raise VerifyError(f"{MANIFEST} is not valid JSON ({e})", where=str(d)) from None
 
 
-def verify_directory(path: str | Path, *, progress=None) -> dict:
-    """Recompute every hash listed in the manifest; raise VerifyError on any difference, missing
-    or unlisted file. Returns the manifest."""
+def directory_problems(path: str | Path, *, progress=None) -> tuple[dict, list[str]]:
+    """Recompute every hash listed in the manifest. Returns the manifest and one line per changed,
+    missing or unlisted file (empty when everything matches)."""
     d = Path(path)
     manifest = read_manifest(d)
     listed = manifest.get("files", {})
@@ -64,6 +64,13 @@ def verify_directory(path: str | Path, *, progress=None) -> dict:
         rel = p.relative_to(d).as_posix()
         if p.is_file() and rel != MANIFEST and rel not in listed:
             problems.append(f"{rel}: not in the manifest")
+    return manifest, problems
+
+
+def verify_directory(path: str | Path, *, progress=None) -> dict:
+    """Recompute every hash listed in the manifest; raise VerifyError on any difference, missing
+    or unlisted file. Returns the manifest."""
+    manifest, problems = directory_problems(path, progress=progress)
     if problems:
-        raise VerifyError(f"{len(problems)} problem(s): " + "; ".join(problems[:5]), where=str(d))
+        raise VerifyError(f"{len(problems)} problem(s): " + "; ".join(problems[:5]), where=str(path))
     return manifest

@@ -6,23 +6,35 @@ import json
 from pathlib import Path
 
 from ..errors import VerifyError
-from .manifest import verify_directory
+from .manifest import directory_problems
 from .schema import check_strict_blocks
 
 
 def verify_artifact(path: str | Path) -> dict:
-    """Raise VerifyError on any mismatch; return a short summary."""
+    """Raise VerifyError on any mismatch; return a short summary.
+
+    Hash mismatches and schema problems are reported together, so an edited ``config.json`` says
+    both that it changed and what in it TensorRT-LLM would reject."""
     d = Path(path)
-    manifest = verify_directory(d)
-    kind = manifest.get("kind")
-    if kind == "trtllm-checkpoint":
-        cfg = json.loads((d / "config.json").read_text())
-        problems = check_strict_blocks(cfg, manifest.get("target_trtllm_version", "1.2"))
-        world = cfg.get("mapping", {}).get("world_size", 1)
-        missing = [f"rank{r}.safetensors" for r in range(world) if not (d / f"rank{r}.safetensors").is_file()]
-        if missing:
-            problems.append(f"missing rank files: {missing}")
-        if problems:
-            raise VerifyError("; ".join(problems), where=str(d))
-    return {"path": str(d), "kind": kind, "files": manifest["files"],
+    manifest, problems = directory_problems(d)
+    if manifest.get("kind") == "trtllm-checkpoint":
+        problems += _checkpoint_problems(d, manifest)
+    if problems:
+        raise VerifyError(f"{len(problems)} problem(s): " + "; ".join(problems[:5]), where=str(d))
+    return {"path": str(d), "kind": manifest.get("kind"), "files": manifest["files"],
             "target_trtllm_version": manifest.get("target_trtllm_version")}
+
+
+def _checkpoint_problems(d: Path, manifest: dict) -> list[str]:
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except FileNotFoundError:
+        return []  # already reported as a missing file
+    except json.JSONDecodeError as e:
+        return [f"config.json is not valid JSON ({e})"]
+    problems = [f"config.json {p}" for p in check_strict_blocks(cfg, manifest.get("target_trtllm_version", "1.2"))]
+    world = (cfg.get("mapping") or {}).get("world_size", 1)
+    missing = [f"rank{r}.safetensors" for r in range(world) if not (d / f"rank{r}.safetensors").is_file()]
+    if missing:
+        problems.append(f"missing rank files: {missing}")
+    return problems

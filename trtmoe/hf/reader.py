@@ -145,9 +145,10 @@ class HFCheckpoint:
         """Read one tensor (or a row range) from disk; raises on NaN/Inf."""
         t = self._file(self.location[name]).read(name, rows)
         if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            raise CheckpointError(f"tensor {name!r} contains {bad} NaN/Inf value(s)",
-                                  where=str(self.location[name]))
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            part = f" in rows [{rows[0]}, {rows[1]})" if rows else ""
+            raise CheckpointError(f"tensor {name!r} contains {nan} NaN and {inf} Inf value(s){part}",
+                                  where=str(self.location[name]), hint="the source checkpoint is corrupt")
         return t
 
     def role(self, role: str, layer: int | None = None, expert: int | None = None, **kw) -> torch.Tensor:

@@ -23,6 +23,7 @@ cost, so realistic instances with thousands of units take well under a second.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -34,8 +35,12 @@ from trtmoe.errors import InputError
 
 __all__ = ["Unit", "Plan", "allocate", "feasible_bpw_range", "unit_cost_bits"]
 
-# Fronts beyond this many states mean an adversarial (subset-sum-like) instance.
-_MAX_STATES = 5_000_000
+log = logging.getLogger(__name__)
+
+# Fronts this large only arise when many units are exactly tied at the LP multiplier (e.g. ΔKL
+# proportional to bits saved), which makes the problem subset-sum-like; see ``Plan.extra``.
+_MAX_FRONT = 200_000
+_MAX_WORK = 20_000_000
 
 
 @dataclass
@@ -119,7 +124,7 @@ def _budget_bits(budget_bpw: float, n_weights: int) -> int:
         b = Fraction(repr(float(budget_bpw)))
     except (TypeError, ValueError, OverflowError):
         raise InputError(f"budget must be a finite number of bits per weight, got {budget_bpw!r}") from None
-    return math.floor(b * n_weights + Fraction(n_weights, 10**12))
+    return math.floor(b * n_weights * (1 + Fraction(1, 10**12)))
 
 
 def allocate(units: Sequence[Unit], budget_bpw: float) -> Plan:
@@ -199,7 +204,11 @@ class _Solver:
         return int(self.c[np.arange(self.n), choice].sum())
 
     def _lp(self):
-        """Greedy LP relaxation on the per-unit convex hulls. Returns (λ, integer part, order)."""
+        """Greedy LP relaxation on the per-unit convex hulls.
+
+        Returns the LP multiplier λ (ΔKL per bit of the fractional hull segment) and an integer
+        incumbent: the LP solution without its fractional segment, topped up greedily.
+        """
         segs_u, segs_from, segs_to, segs_dc, segs_eff = [], [], [], [], []
         for i in range(self.n):
             m = int(self.nchoice[i])
@@ -258,7 +267,7 @@ class _Solver:
         rows = np.arange(n)
         last = self.nchoice - 1  # the min-ΔKL choice (costliest kept) of each unit
         if self._cost(last) <= budget:
-            self.stats = {"binding": False}
+            self.stats = {"binding": False, "exact": True}
             return last
 
         lam, incumbent = self._lp()
@@ -286,14 +295,17 @@ class _Solver:
         base_cost = int(self.c[rows[fixed], fixed_choice[fixed]].sum())
         base_val = float(self.v[rows[fixed], fixed_choice[fixed]].sum())
         cmin_allowed = np.where(allowed, self.c, np.iinfo(np.int64).max // 4).min(axis=1)
+        cmax_allowed = np.where(allowed, self.c, 0).max(axis=1)
         nf = len(free)
         # Suffix sums over the free units in processing order.
         suf_min_cost = np.zeros(nf + 1, dtype=np.int64)
+        suf_max_cost = np.zeros(nf + 1, dtype=np.int64)
         suf_lag_cost = np.zeros(nf + 1, dtype=np.int64)
         suf_lag_val = np.zeros(nf + 1)
         for t in range(nf - 1, -1, -1):
             u = free[t]
             suf_min_cost[t] = suf_min_cost[t + 1] + cmin_allowed[u]
+            suf_max_cost[t] = suf_max_cost[t + 1] + cmax_allowed[u]
             suf_lag_cost[t] = suf_lag_cost[t + 1] + self.c[u, lag[u]]
             suf_lag_val[t] = suf_lag_val[t + 1] + self.v[u, lag[u]]
 
@@ -306,6 +318,8 @@ class _Solver:
         parents: list[np.ndarray] = []
         picks: list[np.ndarray] = []
         max_front = 1
+        work = 0
+        exact = True
 
         def try_complete(level: int) -> None:
             nonlocal best_val, best_sol
@@ -328,7 +342,11 @@ class _Solver:
             nr = (s_r[None, :] + r[u, js][:, None]).ravel()
             par = np.tile(np.arange(len(s_cost)), len(js))
             pick = np.repeat(js, len(s_cost))
-            keep = (nr <= gap + tol) & (nc + suf_min_cost[t + 1] <= budget)
+            # A plan better than the incumbent has ΔKL = LB + Σr + λ·(budget - bits) <= UB, so it
+            # needs Σr <= gap and leaves at most (gap - Σr) / λ bits of the budget unused.
+            reach = (nc + suf_max_cost[t + 1]).astype(np.float64)
+            keep = ((nr <= gap + tol) & (nc + suf_min_cost[t + 1] <= budget)
+                    & (reach >= budget - (gap + tol - nr) / lam - 1.0))
             nc, nv, nr, par, pick = nc[keep], nv[keep], nr[keep], par[keep], pick[keep]
             # Pareto filter: sorted by (cost, value), keep strictly better than everything cheaper.
             o = np.lexsort((nv, nc))
@@ -336,14 +354,14 @@ class _Solver:
             prev_min = np.concatenate(([np.inf], np.minimum.accumulate(nv)[:-1]))
             keep = nv < prev_min
             s_cost, s_val, s_r = nc[keep], nv[keep], nr[keep]
-            parents.append(par[keep])
+            parents.append(par[keep].astype(np.int32))
             picks.append(pick[keep].astype(np.int8))
             max_front = max(max_front, len(s_cost))
-            if len(s_cost) > _MAX_STATES:
-                raise InputError(
-                    f"allocation front grew past {_MAX_STATES} states (an adversarial, "
-                    "subset-sum-like instance); perturb the ΔKL values slightly")
+            work += len(s_cost)
             try_complete(t + 1)
+            if len(s_cost) > _MAX_FRONT or work > _MAX_WORK:
+                exact = False
+                break
 
         def backtrack(level: int, j: int) -> np.ndarray:
             choice = fixed_choice.copy()
@@ -360,7 +378,13 @@ class _Solver:
             sol = backtrack(best_sol[1], best_sol[2])
         else:
             sol = best_sol[1]
-        self.stats = {"binding": True, "lambda": lam, "lower_bound": lb, "free_units": nf,
-                      "max_front": max_front}
+        # ΔKL(plan) - LB bounds how far any plan could improve on this one.
+        self.stats = {"binding": True, "exact": exact, "lambda": lam, "lower_bound": lb,
+                      "gap_bound": best_val - lb, "free_units": nf, "max_front": max_front}
+        if not exact:
+            log.warning(
+                "allocation: %d near-tied units make the exact search subset-sum-like; "
+                "returning the best plan found, at most %.3g ΔKL above the optimum", nf,
+                best_val - lb)
         assert self._cost(sol) <= budget
         return sol

@@ -109,8 +109,12 @@ def _check_weight(w: Tensor, name: str) -> None:
         raise InputError(f"{name}: weight must be [..., out, in], got shape {tuple(w.shape)}")
     if w.numel() == 0:
         raise InputError(f"{name}: weight is empty, shape {tuple(w.shape)}")
-    if not bool(torch.isfinite(w).all()):
-        raise InputError(f"{name}: weight contains inf or nan")
+
+
+def _check_amax(amax: Tensor, name: str, dtype: torch.dtype) -> None:
+    # amax propagates nan and inf, so checking it is a cheap whole-tensor finiteness test.
+    if not bool(torch.isfinite(amax).all()):
+        raise InputError(f"{name}: weight contains inf or nan (after casting to {dtype})")
 
 
 def _need(packed: dict[str, Tensor], keys: tuple[str, ...], name: str) -> None:
@@ -238,13 +242,15 @@ class PerChannelIntFormat(QuantFormat):
             raise UnsupportedError(
                 f"{self.name}: out dimension (dim -2) has odd size {w.shape[-2]}; int4 packs "
                 "pairs of output channels")
-        wf = w.to(dtype).float()
+        wf = w.to(dtype).to(torch.float32, copy=True)  # a private copy: it is divided in place
         qr = self._qrange
-        scale = wf.abs().amax(dim=-1) / qr  # float32, exact division by a power of two
+        amax = wf.abs().amax(dim=-1)
+        _check_amax(amax, self.name, dtype)
+        scale = amax / qr  # float32, exact division by a power of two
         # A zero scale means an all-zero channel: divide by 1 there so its codes are 0, as in TRT.
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(wf / safe.unsqueeze(-1))
-        q = q.clamp(-qr, qr - 1).to(torch.int8).transpose(-1, -2)  # → [..., in, out]
+        q = wf.div_(safe.unsqueeze(-1)).round_().clamp_(-qr, qr - 1)
+        q = q.to(torch.int8).transpose(-1, -2)  # → [..., in, out]
         weight = q.contiguous() if self.bits == 8 else pack_int4(q, dim=-1)
         return {"weight": weight, "per_channel_scale": scale.to(dtype).contiguous()}
 
@@ -315,13 +321,15 @@ class GroupInt4Format(QuantFormat):
         out_f, in_f = w.shape[-2], w.shape[-1]
         self._check_shape(out_f, in_f)
         g = self.group_size
-        wg = w.to(dtype).float().reshape(*w.shape[:-1], in_f // g, g)
+        wg = w.to(dtype).to(torch.float32, copy=True).reshape(*w.shape[:-1], in_f // g, g)
+        amax = wg.abs().amax(dim=-1)
+        _check_amax(amax, self.name, dtype)
         # ModelOpt's int4 block quantizer exports amax / maxbound with maxbound = 2**(4-1)-1 = 7
         # (quant_utils.get_scaling_factor(_from_weight)); codes are then clamped to [-8, 7].
-        scale = wg.abs().amax(dim=-1) / 7.0
+        scale = amax / 7.0
         # ModelOpt replaces an all-zero group's scale by 1 to avoid dividing by zero.
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(wg / scale.unsqueeze(-1)).clamp(-8, 7).to(torch.int8)
+        q = wg.div_(scale.unsqueeze(-1)).round_().clamp_(-8, 7).to(torch.int8)
         q = q.reshape(*w.shape[:-1], in_f)
         return {
             "weight": pack_int4(q, dim=-2),

@@ -120,8 +120,11 @@ class EmbeddedEngine:
         L, E = cfg.num_layers, cfg.num_experts
         self._counts = torch.zeros(L, E, dtype=torch.int64)
         self._entropy = torch.zeros(L, dtype=torch.float64)
+        self._mass = torch.zeros(L, E, dtype=torch.float64)
         self._tokens = 0
         self.layer_hook: Callable[[int, torch.Tensor], None] | None = None  # sees MoE-layer inputs
+        self.residual_hook: Callable[[int, torch.Tensor], None] | None = None  # sees each layer's input
+        self.route_hook: Callable[[int, torch.Tensor], None] | None = None  # sees top-k expert ids [N, k]
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
@@ -206,11 +209,13 @@ class EmbeddedEngine:
     def routing_stats(self) -> dict:
         """Cumulative routing since load: top-k assignment counts [L, E], the sum of per-token router
         entropy (nats) per layer [L], and the number of tokens routed per layer."""
-        return {"counts": self._counts.clone(), "entropy_sum": self._entropy.clone(), "tokens": self._tokens}
+        return {"counts": self._counts.clone(), "entropy_sum": self._entropy.clone(), "tokens": self._tokens,
+                "weight_mass": self._mass.clone()}
 
     def reset_routing_stats(self) -> None:
         self._counts.zero_()
         self._entropy.zero_()
+        self._mass.zero_()
         self._tokens = 0
 
     # ---- the model --------------------------------------------------------------------------------
@@ -238,6 +243,9 @@ class EmbeddedEngine:
             self._counts[li] += torch.bincount(idx.reshape(-1).cpu(), minlength=c.num_experts)
             ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
             self._entropy[li] += float(ent.sum())
+            self._mass[li].index_add_(0, idx.reshape(-1).cpu(), w.reshape(-1).double().cpu())
+            if self.route_hook is not None:
+                self.route_hook(li, idx)
         w = w.to(h.dtype)
         out = torch.zeros_like(h)
         flat_idx = idx.reshape(-1)
@@ -315,10 +323,14 @@ class EmbeddedEngine:
         o = o.transpose(1, 2).reshape(B, T, nh * hd)
         return o @ lay.wo.t()
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None,
+                 start_layer: int = 0, hidden: torch.Tensor | None = None) -> torch.Tensor:
         c = self.cfg
-        x = self.embedding[ids]
-        for li, lay in enumerate(self.layers):
+        x = self.embedding[ids] if hidden is None else hidden
+        for li in range(start_layer, len(self.layers)):
+            lay = self.layers[li]
+            if self.residual_hook is not None:
+                self.residual_hook(li, x)
             h = _rms_norm(x, lay.input_norm, c.norm_eps)
             x = x + self._attention(lay, h, pos, li, seqs)
             h = _rms_norm(x, lay.post_norm, c.norm_eps)
@@ -334,6 +346,15 @@ class EmbeddedEngine:
         B, T = ids.shape
         pos = torch.arange(T, device=self.device).expand(B, T)
         return self._forward(ids, pos, None)
+
+    @torch.inference_mode()
+    def logits_from(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Continue a full causal forward from the residual stream entering ``layer``
+        (hidden [B, T, H], as seen by ``residual_hook``) -> float32 logits [B, T, V]."""
+        B, T, _ = hidden.shape
+        pos = torch.arange(T, device=self.device).expand(B, T)
+        return self._forward(torch.zeros(B, T, dtype=torch.long, device=self.device), pos, None,
+                             start_layer=layer, hidden=hidden.to(self.device))
 
     # ---- generation ---------------------------------------------------------------------------
     def _alloc_cache(self, s: Sequence, capacity: int):

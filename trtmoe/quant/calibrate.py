@@ -1,0 +1,255 @@
+"""``trtmoe calibrate``: routing statistics and measured per-expert sensitivity.
+
+Sensitivity of expert e (layer l) to format f is the end-to-end ΔKL: the mean over calibration tokens
+of KL(p_ref ‖ p_q), where p_q is the model's next-token distribution with only that expert quantized
+(through the format's own quantize + packed ``linear``). The residual stream entering layer l is
+cached from the reference pass, so each measurement reruns layers l..L-1 only.
+
+Experts the router seldom picks see few calibration tokens, so their measured ΔKL says little about
+text that does route to them. For those we also estimate ΔKL from the expert's output error on *all*
+of the layer's calibration inputs (routing ignored), scaled by a per-layer coefficient fitted on the
+well-covered experts and by a floor routing share, and keep the larger of measured and estimated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+from ..runtime.engine import EmbeddedEngine
+from ..runtime.experts import ExpertBank, FloatExperts
+from .formats import FORMATS
+from .plan import FLOAT, format_obj
+
+DEFAULT_FORMATS = ("int8", "int4", "int4_g128")
+
+
+@dataclass
+class CalibData:
+    ids: torch.Tensor  # [N, T] token ids
+    source: str
+    sha256: str
+
+
+def token_batches(texts: list[str], tokenizer, samples: int, seq_len: int) -> torch.Tensor:
+    """Concatenate the texts' tokens (EOS between documents) and cut ``samples`` windows of
+    ``seq_len`` tokens, evenly spaced over the stream. Raises InputError if there is too little."""
+    stream: list[int] = []
+    for t in texts:
+        stream.extend(tokenizer.encode(t))
+        if tokenizer.eos_id is not None:
+            stream.append(tokenizer.eos_id)
+    if len(stream) < seq_len + 1:
+        raise InputError(f"calibration data has {len(stream)} tokens; need at least {seq_len + 1} "
+                         f"for one {seq_len}-token sample")
+    n_windows = len(stream) // seq_len
+    samples = min(samples, n_windows)
+    step = n_windows / samples
+    rows = [stream[int(i * step) * seq_len:int(i * step) * seq_len + seq_len] for i in range(samples)]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def kl_per_token(ref_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_ref ‖ p) per position, nats. ref_logp and logits [..., V]."""
+    logq = logits.float().log_softmax(-1)
+    return (ref_logp.exp() * (ref_logp - logq)).sum(-1)
+
+
+class _OneExpertSwapped(ExpertBank):
+    """A bank where expert ``e`` runs from packed bytes in another format; all others as before."""
+
+    def __init__(self, base: ExpertBank, e: int, fmt, fc_packed, proj_packed):
+        self.base, self.e, self.fmt, self.fc, self.proj = base, e, fmt, fc_packed, proj_packed
+
+    def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if e != self.e:
+            return self.base.forward(e, x)
+        h = self.fmt.linear(x, self.fc)
+        up, gate = h.chunk(2, dim=-1)
+        return self.fmt.linear(F.silu(gate) * up, self.proj)
+
+    def format_of(self, e: int) -> str:
+        return self.fmt.name if e == self.e else self.base.format_of(e)
+
+
+def _expert_float(bank: FloatExperts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return bank.fc[e], bank.proj[e]
+
+
+def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = None, *, samples: int = 32,
+              seq_len: int = 128, formats: tuple[str, ...] = DEFAULT_FORMATS, min_tokens: int = 16,
+              batch_size: int = 8, tokenizer: str | Path | None = None,
+              progress: Callable[[str, int, int], None] | None = None, text_field: str = "text") -> dict:
+    """Measure routing statistics and per-(layer, expert, format) ΔKL on calibration text.
+
+    ``model`` is an HF MoE directory (converted to a temporary single-rank checkpoint in its own
+    dtype); ``data`` a text file, directory or JSONL. Writes ``calib.json`` into ``out_dir`` when
+    given and returns the same dict.
+    """
+    from ..checkpoint.writer import convert
+    from ..data import load_texts
+    from ..runtime.load import load_tokenizer
+
+    for f in formats:
+        if f not in FORMATS or f in ("fp16", "bf16", "fp32"):
+            raise InputError(f"unknown candidate format {f!r}", hint="choose from int8, int4, int4_g128")
+    texts = load_texts(data, field=text_field)
+    tok = load_tokenizer(tokenizer or model)
+    ids = token_batches(texts, tok, samples, seq_len)
+    data_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="trtmoe-calib-") as tmp:
+        ck = Path(tmp) / "ckpt"
+        convert(model, ck)
+        eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+        result = measure(eng, ids, formats=formats, min_tokens=min_tokens, batch_size=batch_size, progress=progress)
+    result["data"] = {"path": str(data), "samples": int(ids.shape[0]), "seq_len": int(ids.shape[1]),
+                      "tokens": int(ids.numel()), "sha256": data_hash}
+    result["model"] = str(model)
+    result["seconds"] = time.perf_counter() - t0
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "calib.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    return result
+
+
+@torch.inference_mode()
+def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, min_tokens: int = 16,
+            batch_size: int = 8, progress=None) -> dict:
+    """Routing statistics and sensitivities with a loaded engine (tp=1 float checkpoint)."""
+    c = eng.cfg
+    L, E, k = c.num_layers, c.num_experts, c.top_k
+    moe_layers = [l for l in range(L) if c.moe_layers[l]]
+    for l in moe_layers:
+        if not isinstance(eng.layers[l].experts, FloatExperts):
+            raise InputError("calibration needs an unquantized model")
+    batches = list(ids.split(batch_size))
+    # 1. Reference pass: log-probs, the residual stream entering every layer, the MoE layer inputs.
+    eng.reset_routing_stats()
+    ref_logp, resid, moe_in = [], {l: [] for l in range(L)}, {l: [] for l in moe_layers}
+    eng.residual_hook = lambda li, x: resid[li].append(x.clone())
+    eng.layer_hook = lambda li, h: moe_in[li].append(h.clone())
+    try:
+        for b in batches:
+            ref_logp.append(eng.logits(b).log_softmax(-1))
+    finally:
+        eng.residual_hook = eng.layer_hook = None
+    stats = eng.routing_stats()
+    counts, mass = stats["counts"], stats["weight_mass"]
+    tokens = ids.numel()
+    share = counts.double() / (tokens * k)  # fraction of top-k assignments per expert
+    # 2. Sensitivity: end-to-end ΔKL per (layer, expert, format).
+    total = len(moe_layers) * E * len(formats)
+    done = 0
+    measured = {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}
+    out_err = {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}
+    passes = 0.0
+    for l in moe_layers:
+        lay = eng.layers[l]
+        base = lay.experts
+        x_all = torch.cat(moe_in[l])  # [tokens, H]: every calibration token's input to this layer
+        frac = (L - l) / L
+        for e in range(E):
+            fc, proj = _expert_float(base, e)
+            y_ref = base.forward(e, x_all)
+            for f in formats:
+                fmt = format_obj(f, eng.dtype)
+                qfc, qproj = fmt.quantize(fc, dtype=eng.dtype), fmt.quantize(proj, dtype=eng.dtype)
+                swapped = _OneExpertSwapped(base, e, fmt, qfc, qproj)
+                # Output error over all tokens, routing ignored (for seldom-routed experts).
+                y_q = swapped.forward(e, x_all)
+                out_err[f][l, e] = float((y_q - y_ref).float().pow(2).sum(-1).mean())
+                if counts[l, e] > 0:
+                    lay.experts = swapped
+                    try:
+                        kl = sum(float(kl_per_token(rl, eng.logits_from(l, r)).sum())
+                                 for rl, r in zip(ref_logp, resid[l]))
+                    finally:
+                        lay.experts = base
+                    measured[f][l, e] = kl / tokens
+                    passes += frac
+                done += 1
+                if progress:
+                    progress("sensitivity", done, total)
+    eng.reset_routing_stats()  # the measurement passes are not calibration statistics
+    # 3. Seldom-routed experts: estimate from all-token output error, fitted per layer and format.
+    floor = 0.25 * k / E  # a share we assume an under-observed expert could see on other text
+    sens = {f: measured[f].clone() for f in formats}
+    estimated = {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}
+    flagged = []
+    for l in moe_layers:
+        covered = [e for e in range(E) if counts[l, e] >= min_tokens]
+        for f in formats:
+            num = sum(float(measured[f][l, e]) for e in covered)
+            den = sum(float(out_err[f][l, e] * share[l, e]) for e in covered)
+            coef = num / den if den > 0 else 0.0
+            for e in range(E):
+                estimated[f][l, e] = coef * float(out_err[f][l, e]) * max(float(share[l, e]), floor)
+                if counts[l, e] < min_tokens:
+                    sens[f][l, e] = max(float(measured[f][l, e]), float(estimated[f][l, e]))
+        flagged += [{"layer": l, "expert": e, "tokens": int(counts[l, e])} for e in range(E)
+                    if counts[l, e] < min_tokens]
+    entropy = [float(stats["entropy_sum"][l]) / tokens for l in range(L)]
+    layer_load = counts.double()
+    imbalance = [float(layer_load[l].max() / layer_load[l].mean()) if layer_load[l].sum() > 0 else 0.0
+                 for l in range(L)]
+    I, H = c.expert_intermediate_size, c.hidden_size
+    expert_weights = 3 * I * H
+    return {
+        "version": 1,
+        "architecture": c.family,
+        "num_layers": L, "num_experts": E, "top_k": k, "moe_layers": moe_layers,
+        "hidden_size": H, "expert_intermediate_size": I, "dtype": str(eng.dtype).replace("torch.", ""),
+        "weights_per_expert": expert_weights,
+        "formats": list(formats),
+        "bits_per_weight": {f: _expert_bpw(f, I, H, eng.dtype) for f in (FLOAT, *formats)},
+        "routing": {
+            "tokens": tokens,
+            "counts": counts.tolist(),
+            "share": share.tolist(),
+            "weight_mass": mass.tolist(),
+            "entropy_nats": entropy,
+            "max_entropy_nats": math.log(E),
+            "load_imbalance": imbalance,
+            "min_tokens_threshold": min_tokens,
+            "under_observed": flagged,
+            "dead": [{"layer": l, "expert": e} for l in moe_layers for e in range(E) if counts[l, e] == 0],
+        },
+        "sensitivity": {
+            "metric": "mean KL(p_ref || p_quant) per calibration token, nats",
+            "delta_kl": {f: sens[f].tolist() for f in formats},
+            "measured": {f: measured[f].tolist() for f in formats},
+            "estimated": {f: estimated[f].tolist() for f in formats},
+            "output_mse": {f: out_err[f].tolist() for f in formats},
+            "floor_share": floor,
+            # Full forward passes over the calibration set that the measurement cost (the reference
+            # pass not included); each per-expert pass reruns layers l..L-1 only.
+            "cost_forward_passes": passes,
+        },
+    }
+
+
+def _expert_bpw(name: str, I: int, H: int, dtype: torch.dtype) -> float:
+    fmt = format_obj(name, dtype)
+    scale = torch.empty((), dtype=dtype).element_size()
+    bits = 8 * (fmt.weight_bytes(2 * I, H, 1, scale) + fmt.weight_bytes(H, I, 1, scale))
+    return bits / (3 * I * H)
+
+
+def load_calib(path: str | Path) -> dict:
+    p = Path(path)
+    f = p / "calib.json" if p.is_dir() else p
+    if not f.is_file():
+        raise InputError("no calib.json", where=str(p), hint="run `trtmoe calibrate` first")
+    return json.loads(f.read_text())

@@ -1,0 +1,148 @@
+"""CLI glue for quantization: ``trtmoe calibrate`` and the plan that ``trtmoe convert`` writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..errors import InputError, UnsupportedError
+
+
+def plan_from_config(model, cfg: dict):
+    """The QuantPlan for a resolved config (CLI > YAML > defaults), or None for a float checkpoint."""
+    q, cv, backend = cfg["quantize"], cfg["convert"], cfg["build"]["backend"]
+    policy = q["policy"]
+    has_budget = q["budget_bpw"] is not None or q["budget_gb"] is not None
+    if policy == "none" and has_budget:
+        policy = "graded"
+    if policy == "none" and q["placement"] == "identity":
+        return None
+    granularity = q["granularity"]
+    if granularity == "auto":
+        # Uniform plans are layer-uniform anyway: write them in the form TensorRT-LLM also builds.
+        granularity = "layer" if backend == "tensorrt-llm" or policy == "uniform" else "expert"
+    if backend == "tensorrt-llm" and granularity == "expert" and policy not in ("none",):
+        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer; per-expert "
+                               "formats only run on the embedded engine",
+                               hint="use --granularity layer (the default for --target tensorrt-llm)")
+    if backend == "tensorrt-llm" and policy == "frequency":
+        raise UnsupportedError("the frequency-tier policy assigns formats per expert, which TensorRT-LLM "
+                               "cannot run", hint="use --policy frequency-bytes or graded for --target tensorrt-llm")
+    from ..hf.reader import HFCheckpoint, parse_dtype
+    from .calibrate import load_calib
+    from .plan import QuantPlan, uniform_plan
+    from .policies import make_plan, placement
+
+    with HFCheckpoint(model) as src:
+        m = src.model
+    dname = cv["dtype"] if cv["dtype"] != "auto" else m.source_dtype
+    dtype = parse_dtype(dname if dname in ("float32", "float16", "bfloat16") else "float32")
+    tp = cv["tp"]
+    moe_ep = cv["moe_ep"] or (tp // cv["moe_tp"] if cv["moe_tp"] else 1)
+    moe_tp = cv["moe_tp"] or tp // moe_ep
+    calib = None
+    needs_calib = policy in ("graded", "frequency", "frequency-bytes", "random-bytes") or q["placement"] == "balanced"
+    if needs_calib:
+        if not q["calib"]:
+            raise InputError(f"policy {policy!r}" + (" / balanced placement" if q["placement"] == "balanced" else "")
+                             + " needs calibration data", hint="run `trtmoe calibrate MODEL --data ... -o calib/` "
+                                                               "and pass --calib calib/")
+        calib = load_calib(q["calib"])
+        if calib["num_experts"] != m.num_experts or calib["num_layers"] != m.num_layers:
+            raise InputError("calibration was measured on a different model", where=q["calib"])
+    budget = q["budget_bpw"]
+    if q["budget_gb"] is not None:
+        if budget is not None:
+            raise InputError("give either --budget or --budget-gb, not both")
+        total_weights = m.num_moe_layers * m.num_experts * 3 * m.expert_intermediate_size * m.hidden_size
+        world = tp * cv["pp"]
+        budget = q["budget_gb"] * 1e9 * 8 * world / total_weights
+    if policy == "uniform":
+        if not q["format"]:
+            raise InputError("policy 'uniform' needs --format int8, int4 or int4_g128")
+        plan = uniform_plan(m, q["format"], granularity)
+    elif policy == "none":
+        plan = QuantPlan({}, granularity=granularity, meta={"policy": "none"})
+    else:
+        plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=q["formats"],
+                         dtype=dtype, seed=q["seed"], I_loc=m.expert_intermediate_size // moe_tp)
+    if q["placement"] == "balanced":
+        perms, rep = placement(calib, moe_ep)
+        plan.permutations = perms
+        plan.meta["placement"] = {str(k): v for k, v in rep.items()}
+    plan.dtype = dtype
+    return plan
+
+
+@click.command()
+@click.argument("model")
+@click.option("--data", required=True, type=click.Path(path_type=Path),
+              help="Calibration text: a file, a directory of text files, or JSONL with a text field.")
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
+              help="Directory for calib.json.")
+@click.option("--samples", type=int, default=32, show_default=True, help="Number of token windows.")
+@click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per window.")
+@click.option("--formats", default="int8,int4,int4_g128", show_default=True, help="Candidate formats to measure.")
+@click.option("--min-tokens", type=int, default=16, show_default=True,
+              help="Experts routed fewer tokens than this are flagged and their ΔKL also estimated.")
+@click.option("--field", default="text", show_default=True, help="JSONL field holding the text.")
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None, help="Tokenizer dir [default: MODEL].")
+@click.option("--json", "as_json", is_flag=True, help="Print calib.json's summary as JSON.")
+def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, tokenizer, as_json):
+    """Measure routing statistics and per-expert sensitivity (ΔKL per format) on calibration text.
+
+    \b
+    Example:
+      trtmoe calibrate tests/fixtures/trained_mixtral --data calib.txt -o calib/
+      trtmoe convert tests/fixtures/trained_mixtral -o ckpt/ --calib calib/ --budget 4.5
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ..cli import console, err_console
+    from .calibrate import calibrate as run
+
+    if samples < 1 or seq_len < 2:
+        raise InputError("--samples must be ≥ 1 and --seq-len ≥ 2")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err_console, transient=True) as prog:
+        task = prog.add_task("measuring sensitivity", total=None)
+        res = run(model, data, out, samples=samples, seq_len=seq_len, formats=tuple(formats.split(",")),
+                  min_tokens=min_tokens, tokenizer=tokenizer, text_field=field,
+                  progress=lambda what, d, t: prog.update(task, completed=d, total=t))
+    if as_json:
+        click.echo(json.dumps({k: res[k] for k in ("routing", "data", "seconds")}, indent=1))
+        return
+    _render_coverage(res, console, err_console)
+
+
+def _render_coverage(res: dict, console, err_console) -> None:
+    from rich.table import Table
+
+    r = res["routing"]
+    E = res["num_experts"]
+    t = Table(title=f"Routing on {res['data']['tokens']} calibration tokens (share of top-{res['top_k']} "
+                    f"assignments per expert, %)", title_justify="left")
+    t.add_column("layer")
+    for e in range(E):
+        t.add_column(str(e), justify="right")
+    t.add_column("entropy", justify="right")
+    t.add_column("max/mean", justify="right")
+    for l in res["moe_layers"]:
+        cells = []
+        for e in range(E):
+            s = 100 * r["share"][l][e]
+            cnt = r["counts"][l][e]
+            style = "red" if cnt < r["min_tokens_threshold"] else ("yellow" if s < 25 / E else "")
+            cells.append(f"[{style}]{s:.1f}[/]" if style else f"{s:.1f}")
+        t.add_row(str(l), *cells, f"{r['entropy_nats'][l]:.2f}/{r['max_entropy_nats']:.2f}",
+                  f"{r['load_imbalance'][l]:.2f}")
+    console.print(t)
+    for f in r["under_observed"]:
+        err_console.print(f"[yellow]warning:[/] layer {f['layer']} expert {f['expert']} saw {f['tokens']} "
+                          f"calibration tokens (< {r['min_tokens_threshold']}); its ΔKL is also estimated from "
+                          f"all-token output error")
+    s = res["sensitivity"]
+    console.print(f"sensitivity measured for {len(res['formats'])} formats in "
+                  f"{s['cost_forward_passes']:.1f} forward-pass equivalents ({res['seconds']:.1f} s)")

@@ -1,0 +1,212 @@
+"""Turn calibration measurements into a QuantPlan: the graded (exact knapsack) policy and the
+baselines it is compared against (uniform, frequency tiers, frequency and random at equal bytes)."""
+
+from __future__ import annotations
+
+import random as _random
+
+import torch
+
+from ..errors import InputError
+from .allocate import Unit, allocate
+from .formats import FORMATS
+from .plan import FLOAT, QuantPlan, format_obj
+
+POLICIES = ("graded", "uniform", "frequency", "frequency-bytes", "random-bytes")
+
+
+def expert_cost_bits(fmt: str, I: int, H: int, dtype: torch.dtype) -> int:
+    """Stored bits of one expert (fc [2I, H] + proj [H, I]) in ``fmt``, scales counted."""
+    f = format_obj(fmt, dtype)
+    scale = torch.empty((), dtype=dtype).element_size()
+    return 8 * (f.weight_bytes(2 * I, H, 1, scale) + f.weight_bytes(H, I, 1, scale))
+
+
+def _candidates(calib: dict, formats: list[str] | None) -> list[str]:
+    fs = [FLOAT] + [f for f in calib["formats"]]
+    if formats:
+        want = [FLOAT if f in ("fp16", "bf16", "fp32", "float") else f for f in formats]
+        missing = [f for f in want if f != FLOAT and f not in calib["formats"]]
+        if missing:
+            raise InputError(f"format(s) {missing} were not measured in calibration",
+                             hint="rerun `trtmoe calibrate --formats ...` including them")
+        fs = [f for f in fs if f in want]
+    return fs
+
+
+def build_units(calib: dict, granularity: str, dtype: torch.dtype, formats: list[str] | None = None,
+                I_loc: int | None = None) -> list[Unit]:
+    """Allocation units: one per (layer, expert), or one per MoE layer (sums of the expert ΔKLs)."""
+    I, H, E = calib["expert_intermediate_size"], calib["hidden_size"], calib["num_experts"]
+    fs = _candidates(calib, formats)
+    if "int4_g128" in fs and (H % 128 or (I_loc or I) % 128):
+        fs.remove("int4_g128")
+    dkl = calib["sensitivity"]["delta_kl"]
+    cost = {f: expert_cost_bits(f, I, H, dtype) for f in fs}
+    units = []
+    for l in calib["moe_layers"]:
+        if granularity == "expert":
+            for e in range(E):
+                units.append(Unit(key=(l, e), n_weights=3 * I * H, costs_bits=dict(cost),
+                                  delta_kl={f: 0.0 if f == FLOAT else float(dkl[f][l][e]) for f in fs}))
+        else:
+            units.append(Unit(key=(l,), n_weights=E * 3 * I * H, costs_bits={f: E * c for f, c in cost.items()},
+                              delta_kl={f: 0.0 if f == FLOAT else float(sum(dkl[f][l])) for f in fs}))
+    return units
+
+
+def _to_plan(calib: dict, assignment: dict, granularity: str, meta: dict) -> QuantPlan:
+    E = calib["num_experts"]
+    formats = {}
+    for l in calib["moe_layers"]:
+        if granularity == "expert":
+            formats[l] = [assignment[(l, e)] for e in range(E)]
+        else:
+            formats[l] = [assignment[(l,)]] * E
+    return QuantPlan(formats, granularity=granularity, meta=meta)
+
+
+def _fill_by_order(units: list[Unit], order: list[int], budget_bpw: float) -> dict:
+    """Walk units in ``order`` giving each the richest format that still leaves room for the rest at
+    their cheapest format: spends the budget on the units first in order, at (almost) equal bytes."""
+    n = sum(u.n_weights for u in units)
+    budget = budget_bpw * n
+    cheapest = [min(u.costs_bits.values()) for u in units]
+    spent = 0.0
+    reserve = float(sum(cheapest))
+    out = {}
+    for i in order:
+        u = units[i]
+        reserve -= cheapest[i]
+        for f, c in sorted(u.costs_bits.items(), key=lambda kv: -kv[1]):
+            if spent + c + reserve <= budget + 1e-9:
+                out[u.key] = f
+                spent += c
+                break
+        else:
+            raise InputError(f"budget {budget_bpw} bpw is below the cheapest plan")
+    return out
+
+
+def make_plan(calib: dict, policy: str, *, budget_bpw: float | None = None, granularity: str = "expert",
+              fmt: str | None = None, formats: list[str] | None = None, dtype: torch.dtype = torch.float16,
+              seed: int = 0, I_loc: int | None = None) -> QuantPlan:
+    """A plan for ``policy`` (see POLICIES). ``budget_bpw`` = average bits per routed-expert weight."""
+    E = calib["num_experts"]
+    share = calib["routing"]["share"]
+    if policy not in POLICIES:
+        raise InputError(f"unknown policy {policy!r}", hint="choose from " + ", ".join(POLICIES))
+    if policy == "uniform":
+        if fmt is None or (fmt not in FORMATS):
+            raise InputError("policy 'uniform' needs --format (int8, int4, int4_g128 or fp16)")
+        f = FLOAT if fmt in ("fp16", "bf16", "fp32") else fmt
+        return QuantPlan({l: [f] * E for l in calib["moe_layers"]}, granularity=granularity,
+                         meta={"policy": f"uniform-{fmt}"})
+    if policy == "frequency":
+        # Fixed tiers by routed share, per layer: top 20% float, next 50% int8, the rest int4 g128.
+        low = "int4_g128" if "int4_g128" in calib["formats"] else "int4"
+        plan = {}
+        for l in calib["moe_layers"]:
+            order = sorted(range(E), key=lambda e: -share[l][e])
+            n_hi, n_mid = round(0.2 * E), round(0.5 * E)
+            fs = [low] * E
+            for rank, e in enumerate(order):
+                fs[e] = FLOAT if rank < n_hi else ("int8" if rank < n_hi + n_mid else low)
+            plan[l] = fs
+        return QuantPlan(plan, granularity="expert", meta={"policy": "frequency-tiers"})
+    if budget_bpw is None:
+        raise InputError(f"policy {policy!r} needs a budget (--budget BPW or --budget-gb)")
+    units = build_units(calib, granularity, dtype, formats, I_loc)
+    if policy == "graded":
+        p = allocate(units, budget_bpw)
+        return _to_plan(calib, p.assignment, granularity,
+                        {"policy": "graded", "budget_bpw": budget_bpw, "avg_bpw": p.avg_bits_per_weight,
+                         "predicted_delta_kl": p.predicted_delta_kl})
+    if policy == "frequency-bytes":
+        if granularity == "expert":
+            order = sorted(range(len(units)), key=lambda i: -share[units[i].key[0]][units[i].key[1]])
+        else:
+            order = list(range(len(units)))
+    else:
+        order = list(range(len(units)))
+        _random.Random(seed).shuffle(order)
+    assignment = _fill_by_order(units, order, budget_bpw)
+    bits = sum(u.costs_bits[assignment[u.key]] for u in units)
+    return _to_plan(calib, assignment, granularity,
+                    {"policy": policy, "budget_bpw": budget_bpw, "avg_bpw": bits / sum(u.n_weights for u in units),
+                     "seed": seed})
+
+
+def plan_bpw(plan: QuantPlan, calib: dict, dtype: torch.dtype) -> float:
+    I, H = calib["expert_intermediate_size"], calib["hidden_size"]
+    bits = sum(expert_cost_bits(f, I, H, dtype) for fs in plan.formats.values() for f in fs)
+    n = sum(len(fs) for fs in plan.formats.values()) * 3 * I * H
+    return bits / n
+
+
+def predicted_delta_kl(plan: QuantPlan, calib: dict) -> float:
+    dkl = calib["sensitivity"]["delta_kl"]
+    return sum(0.0 if f == FLOAT else dkl[f][l][e] for l, fs in plan.formats.items() for e, f in enumerate(fs))
+
+
+# ---- expert placement for EP ---------------------------------------------------------------------
+def balanced_permutation(load: list[float], ep: int) -> list[int]:
+    """A permutation (slot -> original expert) whose contiguous EP ranges (E/ep slots each) have
+    loads as equal as possible: longest-processing-time assignment with equal group sizes, then
+    pairwise swaps while they lower the maximum group load."""
+    E = len(load)
+    per = E // ep
+    groups: list[list[int]] = [[] for _ in range(ep)]
+    sums = [0.0] * ep
+    for e in sorted(range(E), key=lambda e: -load[e]):
+        g = min((g for g in range(ep) if len(groups[g]) < per), key=lambda g: sums[g])
+        groups[g].append(e)
+        sums[g] += load[e]
+    improved = True
+    while improved:
+        improved = False
+        hi = max(range(ep), key=lambda g: sums[g])
+        for lo in range(ep):
+            if lo == hi:
+                continue
+            for a in groups[hi]:
+                for b in groups[lo]:
+                    d = load[a] - load[b]
+                    if d > 0 and max(sums[hi] - d, sums[lo] + d) < sums[hi] - 1e-12:
+                        groups[hi][groups[hi].index(a)] = b
+                        groups[lo][groups[lo].index(b)] = a
+                        sums[hi] -= d
+                        sums[lo] += d
+                        improved = True
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+    return [e for g in groups for e in g]
+
+
+def rank_loads(load: list[float], perm: list[int], ep: int) -> list[float]:
+    per = len(load) // ep
+    return [sum(load[perm[s]] for s in range(r * per, (r + 1) * per)) for r in range(ep)]
+
+
+def placement(calib: dict, ep: int) -> tuple[dict[int, list[int]], dict]:
+    """Balanced per-layer permutations and the max/mean EP-rank load before and after."""
+    E = calib["num_experts"]
+    if E % ep:
+        raise InputError(f"num_experts={E} is not divisible by moe_ep={ep}")
+    counts = calib["routing"]["counts"]
+    perms, report = {}, {}
+    for l in calib["moe_layers"]:
+        load = [float(x) for x in counts[l]]
+        ident = list(range(E))
+        perm = balanced_permutation(load, ep)
+        before, after = rank_loads(load, ident, ep), rank_loads(load, perm, ep)
+        mean = sum(load) / ep if sum(load) else 1.0
+        if max(after) >= max(before):
+            perm, after = ident, before  # never make it worse
+        perms[l] = perm
+        report[l] = {"before_max_over_mean": max(before) / mean, "after_max_over_mean": max(after) / mean,
+                     "rank_loads_before": before, "rank_loads_after": after}
+    return perms, report

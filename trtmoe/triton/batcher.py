@@ -1,0 +1,338 @@
+"""In-flight batcher: one background thread owns the engine and runs decode steps over every active
+request; new requests join the running batch between steps.
+
+The engine contract (``trtmoe.runtime.engine.EmbeddedEngine``) is small::
+
+    seq = engine.start(prompt_ids, params)   # prefill + first token; seq.tokens, seq.finished
+    new = engine.step([seq, ...])            # one batched decode step; appends to each seq.tokens
+
+Each iteration of the loop
+
+1. drops cancelled requests,
+2. admits waiting requests (prefill) while fewer than ``max_batch_size`` are active, stopping once
+   the prefill time spent this iteration exceeds the budget (about one decode step), so requests that
+   are already streaming see at most one extra step of latency when others join,
+3. runs one ``step`` over all active sequences and delivers each new token to its request's callback.
+
+Errors stay per request: a failing prefill, a failing sequence inside ``step`` (found by retrying the
+batch one sequence at a time) or a callback that raises ends that request only; the loop goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+@dataclass
+class TokenEvent:
+    """What a request's callback receives: tokens new since the last event, and whether it is done."""
+
+    request: "BatchRequest"
+    new_tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
+Callback = Callable[[TokenEvent], None]
+
+
+@dataclass(eq=False)
+class BatchRequest:
+    """One sequence being generated. Times are ``time.monotonic_ns()`` values (ns)."""
+
+    prompt_ids: list[int]
+    params: Any
+    callback: Callback
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    request_id: str = ""
+    is_cancelled: Callable[[], bool] | None = None
+    tokens: list[int] = field(default_factory=list)
+    arrival_ns: int = 0
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    seq: Any = None
+    _cancel: bool = False
+    _next_cancel_check: float = 0.0
+
+    def cancel(self) -> None:
+        """Ask the batcher to drop this request before its next step."""
+        self._cancel = True
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher was shut down; no new requests are accepted."""
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than ``max_waiting`` allows."""
+
+
+class InflightBatcher:
+    """Owns ``engine`` on a background thread; see the module docstring.
+
+    ``max_batch_size``: sequences decoded together (the engine's build limit).
+    ``max_waiting``: requests allowed to wait for a slot; 0 means unbounded.
+    ``prefill_budget_s``: prefill time allowed per iteration while others are decoding; ``None``
+    adapts it to the last decode step's duration (at least 2 ms).
+    ``on_iteration(batcher)``: called on the batcher thread after every step (metrics).
+    ``cancel_check_period_s``: how often a request's ``is_cancelled`` is polled (it may be an IPC call).
+    """
+
+    def __init__(self, engine: Any, *, max_batch_size: int, max_waiting: int = 0,
+                 prefill_budget_s: float | None = None, on_iteration: Callable[["InflightBatcher"], None] | None = None,
+                 cancel_check_period_s: float = 0.1, idle_callback_period_s: float = 1.0,
+                 name: str = "trtmoe-inflight-batcher"):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.prefill_budget_s = prefill_budget_s
+        self.on_iteration = on_iteration
+        self.cancel_check_period_s = cancel_check_period_s
+        self.idle_callback_period_s = idle_callback_period_s
+        self._waiting: deque[BatchRequest] = deque()
+        self._active: list[BatchRequest] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._ids = itertools.count()
+        self._last_step_s = 0.0
+        # Counters read by metrics; written only by the batcher thread.
+        self.iterations = 0
+        self.generated_tokens = 0
+        self.prefilled_tokens = 0
+        self.completed_requests = 0
+        self.failed_requests = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- public API (any thread) -------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: Any, callback: Callback, *,
+               stop_sequences: Sequence[Sequence[int]] = (), request_id: str = "",
+               is_cancelled: Callable[[], bool] | None = None) -> BatchRequest:
+        """Queue a request; ``callback`` gets a TokenEvent per new token and a final one when done."""
+        req = BatchRequest(prompt_ids=[int(t) for t in prompt_ids], params=params, callback=callback,
+                           stop_sequences=tuple(tuple(int(t) for t in s) for s in stop_sequences if len(s)),
+                           request_id=request_id or f"req-{next(self._ids)}", is_cancelled=is_cancelled,
+                           arrival_ns=time.monotonic_ns())
+        with self._cv:
+            if self._closed:
+                raise BatcherClosed("the batcher is shut down")
+            if self.max_waiting and len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (max {self.max_waiting})")
+            self._waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel every queued or running request with this id; True if one was found."""
+        found = False
+        with self._cv:
+            for r in itertools.chain(self._waiting, self._active):
+                if r.request_id == request_id:
+                    r.cancel()
+                    found = True
+            self._cv.notify()
+        return found
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def stats(self) -> dict[str, int]:
+        return dict(active=len(self._active), waiting=len(self._waiting), iterations=self.iterations,
+                    generated_tokens=self.generated_tokens, prefilled_tokens=self.prefilled_tokens,
+                    completed_requests=self.completed_requests, failed_requests=self.failed_requests)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; every unfinished request gets a final error event."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- batcher thread ------------------------------------------------------------------------
+    def _emit(self, req: BatchRequest, new: list[int], *, finished: bool = False, reason: str | None = None,
+              error: BaseException | None = None) -> bool:
+        """Deliver an event; a callback that raises cancels its own request. Returns False then."""
+        if finished:
+            req.finished, req.finish_reason = True, reason
+        try:
+            req.callback(TokenEvent(req, new, finished, reason, error))
+            return True
+        except Exception as e:  # noqa: BLE001 - a broken consumer must not stop the loop
+            log.warning("callback of %s failed (%s); cancelling it", req.request_id, e)
+            req.cancel()
+            if not finished:
+                req.finished, req.finish_reason = True, FINISH_CANCELLED
+            return False
+
+    def _fail(self, req: BatchRequest, error: BaseException) -> None:
+        self.failed_requests += 1
+        self._emit(req, [], finished=True, reason=FINISH_ERROR, error=error)
+
+    def _stop_hit(self, req: BatchRequest) -> bool:
+        toks = req.tokens
+        return any(len(toks) >= len(s) and tuple(toks[-len(s):]) == s for s in req.stop_sequences)
+
+    def _deliver(self, req: BatchRequest, new: list[int]) -> None:
+        """Record new tokens and send them; finish on engine end, length, or a stop sequence."""
+        now = time.monotonic_ns()
+        if not req.first_token_ns:
+            req.first_token_ns = now
+        req.last_token_ns = now
+        req.tokens.extend(new)
+        self.generated_tokens += len(new)
+        seq = req.seq
+        if self._stop_hit(req):
+            done, reason = True, FINISH_STOP
+        elif getattr(seq, "finished", False):
+            done, reason = True, getattr(seq, "finish_reason", None) or FINISH_LENGTH
+        else:
+            done, reason = False, None
+        if done:
+            self.completed_requests += 1
+        self._emit(req, new, finished=done, reason=reason)
+
+    def _cancelled(self, req: BatchRequest, now: float) -> bool:
+        if req._cancel:
+            return True
+        if req.is_cancelled is not None and now >= req._next_cancel_check:
+            req._next_cancel_check = now + self.cancel_check_period_s
+            try:
+                if req.is_cancelled():
+                    req._cancel = True
+            except Exception:  # noqa: BLE001 - a dead sender means nobody is listening
+                req._cancel = True
+        return req._cancel
+
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for r in self._active:
+            if r.finished:
+                continue
+            if self._cancelled(r, now):
+                self._emit(r, [], finished=True, reason=FINISH_CANCELLED)
+            else:
+                keep.append(r)
+        self._active = keep
+
+    def _admit(self) -> None:
+        budget = self.prefill_budget_s
+        if budget is None:
+            budget = max(self._last_step_s, 0.002)
+        spent = 0.0
+        while len(self._active) < self.max_batch_size:
+            with self._cv:
+                if not self._waiting:
+                    return
+                req = self._waiting.popleft()
+            if self._cancelled(req, time.monotonic()):
+                self._emit(req, [], finished=True, reason=FINISH_CANCELLED)
+                continue
+            t0 = time.perf_counter()
+            req.first_scheduled_ns = time.monotonic_ns()
+            try:
+                req.seq = self.engine.start(req.prompt_ids, req.params)
+            except Exception as e:  # noqa: BLE001 - per-request failure
+                self._fail(req, e)
+                continue
+            finally:
+                spent += time.perf_counter() - t0
+            self.prefilled_tokens += len(req.prompt_ids)
+            self._deliver(req, list(req.seq.tokens))
+            if not req.finished:
+                self._active.append(req)
+            # Requests already streaming should not wait for more than ~one step of prefills.
+            if self._active and spent >= budget:
+                return
+
+    def _step(self) -> None:
+        active = [r for r in self._active if not r.finished]
+        if not active:
+            self._active = []
+            return
+        before = [len(r.seq.tokens) for r in active]
+        t0 = time.perf_counter()
+        try:
+            self.engine.step([r.seq for r in active])
+            failed: list[tuple[BatchRequest, BaseException]] = []
+        except Exception as batch_error:  # noqa: BLE001 - isolate the failing sequence(s)
+            log.warning("batched step failed (%s); retrying sequences one by one", batch_error)
+            failed = []
+            for r, n in zip(active, before):
+                if len(r.seq.tokens) != n:
+                    continue  # this one advanced before the failure
+                try:
+                    self.engine.step([r.seq])
+                except Exception as e:  # noqa: BLE001
+                    failed.append((r, e))
+        self._last_step_s = time.perf_counter() - t0
+        bad = {id(r) for r, _ in failed}
+        for r, e in failed:
+            self._fail(r, e)
+        for r, n in zip(active, before):
+            if id(r) in bad:
+                continue
+            self._deliver(r, [int(t) for t in r.seq.tokens[n:]])
+        self._active = [r for r in active if not r.finished]
+        self.iterations += 1
+
+    def _run(self) -> None:
+        next_idle_cb = 0.0
+        while True:
+            with self._cv:
+                while not self._closed and not self._waiting and not self._active:
+                    timeout = self.idle_callback_period_s if self.on_iteration else None
+                    if not self._cv.wait(timeout) and self.on_iteration and time.monotonic() >= next_idle_cb:
+                        break  # periodic idle call so gauges settle
+                if self._closed:
+                    break
+            try:
+                self._drop_cancelled()
+                self._admit()
+                self._step()
+            except Exception as e:  # noqa: BLE001 - never let the loop die
+                log.exception("batcher iteration failed")
+                for r in self._active:
+                    if not r.finished:
+                        self._fail(r, e)
+                self._active = []
+            if self.on_iteration is not None:
+                try:
+                    self.on_iteration(self)
+                except Exception:  # noqa: BLE001
+                    log.exception("on_iteration hook failed")
+                next_idle_cb = time.monotonic() + self.idle_callback_period_s
+        closed = BatcherClosed("the server is shutting down")
+        with self._cv:
+            pending = list(self._waiting) + [r for r in self._active if not r.finished]
+            self._waiting.clear()
+            self._active = []
+        for r in pending:
+            self._fail(r, closed)

@@ -1,0 +1,213 @@
+"""gRPC client for a generated repository's ``ensemble`` / ``tensorrt_llm_bls`` (tritonclient.grpc).
+
+Decoupled models are called through the bi-directional stream (``ModelStreamInfer``) - the only gRPC
+call Triton allows for them, for streamed and non-streamed requests alike - and text is handed to
+``on_text`` as each response arrives. Other models are called with unary ``ModelInfer``. A call that
+does not fit the model (unary to a decoupled model, streaming from a non-decoupled one) is refused
+before anything is sent, with the reason and what to do instead.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import BackendUnavailable, InputError, TrtmoeError
+
+
+@dataclass
+class GenerateResult:
+    """Text and timing of one generation. Times are seconds since the request was sent."""
+
+    text: str
+    pieces: list[str] = field(default_factory=list)
+    response_times: list[float] = field(default_factory=list)
+    total_s: float = 0.0
+    streamed: bool = False
+    model: str = "ensemble"
+    outputs: dict[str, Any] = field(default_factory=dict)  # other outputs of the last response
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to the first response that carried text."""
+        for piece, t in zip(self.pieces, self.response_times):
+            if piece:
+                return t
+        return None
+
+
+def _client(url: str):
+    try:
+        import tritonclient.grpc as grpcclient
+    except ImportError as e:
+        raise BackendUnavailable("tritonclient[grpc] is not installed", hint="pip install 'tritonclient[grpc]'") from e
+    return grpcclient.InferenceServerClient(url=url)
+
+
+def _check_server(client, url: str, model: str) -> None:
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        live = client.is_server_live()
+    except InferenceServerException as e:
+        raise BackendUnavailable(f"cannot reach Triton at {url}: {e.message()}",
+                                 hint="start it with `trtmoe serve REPO` or pass --url host:grpc_port") from None
+    if not live:
+        raise BackendUnavailable(f"Triton at {url} is not live")
+    try:
+        ready = client.is_model_ready(model)
+    except InferenceServerException:
+        ready = False
+    if not ready:
+        try:
+            names = [m.name for m in client.get_model_repository_index().models]
+        except InferenceServerException:
+            names = []
+        raise InputError(f"model {model!r} is not ready on {url}",
+                         hint=f"available models: {', '.join(names) or 'none'}")
+
+
+def is_decoupled(client, model: str, _seen: set[str] | None = None) -> bool:
+    """True if ``model`` answers with a response stream: a decoupled model, or an ensemble with a
+    decoupled step."""
+    seen = _seen or set()
+    if model in seen:
+        return False
+    seen.add(model)
+    cfg = client.get_model_config(model, as_json=True)["config"]
+    if cfg.get("model_transaction_policy", {}).get("decoupled"):
+        return True
+    if cfg.get("platform") == "ensemble":
+        return any(is_decoupled(client, s["model_name"], seen) for s in cfg.get("ensemble_scheduling", {}).get("step", []))
+    return False
+
+
+def build_inputs(prompt: str, *, max_tokens: int, stream: bool, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 stop_words: list[str] | None = None, exclude_input_in_output: bool | None = None,
+                 end_id: int | None = None, extra: dict[str, np.ndarray] | None = None) -> list:
+    """The ensemble's input tensors for one prompt (batch of 1)."""
+    import tritonclient.grpc as grpcclient
+
+    arrays: dict[str, np.ndarray] = {
+        "text_input": np.array([[prompt.encode("utf-8")]], dtype=object),
+        "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+        "stream": np.array([[stream]], dtype=bool),
+    }
+    if temperature is not None:
+        arrays["temperature"] = np.array([[temperature]], dtype=np.float32)
+    if top_k is not None:
+        arrays["top_k"] = np.array([[top_k]], dtype=np.int32)
+    if top_p is not None:
+        arrays["top_p"] = np.array([[top_p]], dtype=np.float32)
+    if seed is not None:
+        arrays["seed"] = np.array([[seed]], dtype=np.uint64)
+    if stop_words:
+        arrays["stop_words"] = np.array([[w.encode("utf-8") for w in stop_words]], dtype=object)
+    if exclude_input_in_output is not None:
+        arrays["exclude_input_in_output"] = np.array([[exclude_input_in_output]], dtype=bool)
+    if end_id is not None:
+        arrays["end_id"] = np.array([[end_id]], dtype=np.int32)
+    arrays.update(extra or {})
+    dtypes = {np.dtype(object): "BYTES", np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32",
+              np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64", np.dtype(np.int64): "INT64"}
+    inputs = []
+    for name, arr in arrays.items():
+        t = grpcclient.InferInput(name, list(arr.shape), dtypes[arr.dtype])
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    return inputs
+
+
+def _text(result) -> str:
+    arr = result.as_numpy("text_output")
+    if arr is None:
+        return ""
+    v = arr.reshape(-1)[0]
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+def _is_final(result) -> bool:
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int = 64, stream: bool | None = None,
+             unary: bool = False, on_text: Callable[[str], None] | None = None, timeout_s: float = 300.0,
+             request_id: str = "", check: bool = True, **sampling: Any) -> GenerateResult:
+    """Generate text for ``prompt`` on the Triton gRPC endpoint ``url`` (``host:port``).
+
+    ``stream``: None streams whenever the model is decoupled. ``unary`` forces a unary ModelInfer
+    call (refused for decoupled models). ``on_text(piece)`` sees each piece as it arrives.
+    ``sampling``: temperature, top_k, top_p, seed, stop_words, exclude_input_in_output, end_id.
+    ``timeout_s`` bounds the whole call. Raises InputError / BackendUnavailable / TrtmoeError.
+    """
+    from tritonclient.utils import InferenceServerException
+
+    if max_tokens < 1:
+        raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
+    client = _client(url)
+    try:
+        if check:
+            _check_server(client, url, model)
+        decoupled = is_decoupled(client, model)
+        if unary and decoupled:
+            raise InputError(f"model {model!r} is decoupled (it streams its responses), so Triton refuses unary "
+                             "ModelInfer calls to it",
+                             hint="call it through the gRPC stream API (drop --unary), or HTTP "
+                                  f"/v2/models/{model}/generate for a single non-streamed response")
+        if stream is None:
+            stream = decoupled and not unary
+        if stream and not decoupled:
+            raise InputError(f"model {model!r} is not decoupled, so it cannot stream tokens",
+                             hint="call it without --stream, or regenerate the repository with streaming enabled")
+        inputs = build_inputs(prompt, max_tokens=max_tokens, stream=stream, **sampling)
+        result = GenerateResult(text="", streamed=stream, model=model)
+        t0 = time.perf_counter()
+        if not decoupled:
+            try:
+                res = client.infer(model, inputs, request_id=request_id, client_timeout=timeout_s)
+            except InferenceServerException as e:
+                raise TrtmoeError(f"{model}: {e.message()}") from None
+            result.text = _text(res)
+            result.pieces, result.response_times = [result.text], [time.perf_counter() - t0]
+            if on_text:
+                on_text(result.text)
+            result.total_s = result.response_times[-1]
+            return result
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda res, err: responses.put((res, err, time.perf_counter())))
+        try:
+            client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+            deadline = t0 + timeout_s
+            while True:
+                try:
+                    res, err, t = responses.get(timeout=max(deadline - time.perf_counter(), 0.001))
+                except queue.Empty:
+                    raise TrtmoeError(f"{model}: no final response within {timeout_s:.0f} s") from None
+                if err is not None:
+                    raise TrtmoeError(f"{model}: {err.message() if hasattr(err, 'message') else err}")
+                piece = _text(res)
+                final = _is_final(res)
+                if piece or not final:
+                    result.pieces.append(piece)
+                    result.response_times.append(t - t0)
+                    if on_text and piece:
+                        on_text(piece)
+                    for name in ("num_input_tokens", "num_output_tokens", "batch_index"):
+                        arr = res.as_numpy(name)
+                        if arr is not None:
+                            result.outputs[name] = arr.reshape(-1)[0].item()
+                if final:
+                    break
+        finally:
+            client.stop_stream(cancel_requests=True)
+        result.text = "".join(result.pieces)
+        result.total_s = time.perf_counter() - t0
+        return result
+    finally:
+        client.close()

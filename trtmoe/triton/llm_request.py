@@ -1,0 +1,201 @@
+"""Turn the ``tensorrt_llm`` model's input tensors into generation requests for the embedded engine,
+and reject what the engine cannot do with a message naming the input and the limit.
+
+Pure numpy: the Triton glue (``model_repo/tensorrt_llm/1/model.py``) hands in a ``get(name)``
+function returning each input as an array (batch first) or ``None`` when absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message is sent back to the client as is."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Token limits a request is checked against (from the engine's build_config)."""
+
+    max_input_len: int
+    max_seq_len: int
+    vocab_size: int
+    max_beam_width: int = 1
+    default_end_id: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt of a (possibly batched) Triton request."""
+
+    batch_index: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: Any
+    streaming: bool
+    exclude_input_in_output: bool
+    stop_sequences: list[list[int]] = field(default_factory=list)
+    return_perf_metrics: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+# Inputs that change results and that the embedded engine does not implement: name -> the value
+# that means "not used". A request setting anything else gets a RequestError instead of a silent
+# difference from the TensorRT engine.
+_NEUTRAL = {
+    "len_penalty": 1.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "beam_search_diversity_rate": 0.0, "early_stopping": None, "runtime_top_p_min": None,
+    "runtime_top_p_decay": None, "runtime_top_p_reset_ids": None, "return_log_probs": False,
+    "return_context_logits": False, "return_generation_logits": False, "draft_acceptance_threshold": None,
+    "prompt_vocab_size": None, "lora_task_id": None, "mrope_position_deltas": None,
+}
+# Inputs the embedded engine never accepts (any value is an error).
+_UNSUPPORTED = ("encoder_input_features", "encoder_output_lengths", "draft_input_ids", "draft_logits",
+                "prompt_embedding_table", "prompt_table_extra_ids", "cross_attention_mask",
+                "mrope_rotary_cos_sin", "lora_weights", "lora_config", "context_phase_params",
+                "skip_cross_attn_blocks", "guided_decoding_guide_type", "guided_decoding_guide",
+                "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
+
+
+def _scalar(get: Getter, name: str, b: int) -> Any:
+    """The b-th value of a per-prompt scalar input ([B], [B, 1] or a single value), or None."""
+    arr = get(name)
+    if arr is None:
+        return None
+    a = np.asarray(arr)
+    a = a.reshape(1, 1) if a.ndim == 0 else a.reshape(a.shape[0], -1)
+    row = a[b if a.shape[0] > 1 else 0]
+    return row[0].item() if row.size else None
+
+
+def word_list(arr: np.ndarray | None, b: int) -> list[list[int]]:
+    """Decode TensorRT-LLM's ``[2, L]`` word-list format (flat ids; end offsets padded with -1)."""
+    if arr is None:
+        return []
+    a = np.asarray(arr)
+    if a.ndim == 2:
+        a = a[None]
+    if a.ndim != 3 or a.shape[1] != 2:
+        raise RequestError(f"stop/bad word list must have shape [batch, 2, L], got {list(np.asarray(arr).shape)}")
+    row = a[b if a.shape[0] > 1 else 0]
+    ids, offsets = row[0].tolist(), row[1].tolist()
+    words, start = [], 0
+    for end in offsets:
+        if end < 0:
+            break
+        if end > len(ids) or end < start:
+            raise RequestError("malformed stop/bad word list offsets")
+        if end > start:
+            words.append([int(t) for t in ids[start:end]])
+        start = end
+    return words
+
+
+def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[..., Any], *,
+                   default_exclude_input: bool = True, decoupled: bool = True) -> list[GenerationRequest]:
+    """Validate one Triton request (batch of B prompts) and build a GenerationRequest per prompt."""
+    for name in _UNSUPPORTED:
+        arr = get(name)
+        if arr is not None and np.asarray(arr).size:
+            raise RequestError(f"input '{name}' is not supported by the embedded engine")
+    input_ids = get("input_ids")
+    if input_ids is None:
+        raise RequestError("missing input 'input_ids'")
+    input_ids = np.asarray(input_ids)
+    if input_ids.ndim == 1:
+        input_ids = input_ids[None]
+    batch = input_ids.shape[0]
+    lengths = get("input_lengths")
+    out_len = get("request_output_len")
+    if out_len is None:
+        raise RequestError("missing input 'request_output_len' (the ensemble's 'max_tokens')")
+    if batch > 1 and not decoupled:
+        raise RequestError("a request with batch size > 1 needs the decoupled tensorrt_llm model")
+    reqs = []
+    for b in range(batch):
+        n = int(_scalar(get, "input_lengths", b)) if lengths is not None else int(input_ids.shape[1])
+        if n < 1:
+            raise RequestError("empty prompt: input_lengths must be >= 1")
+        if n > input_ids.shape[1]:
+            raise RequestError(f"input_lengths {n} is longer than input_ids ({input_ids.shape[1]})")
+        prompt = [int(t) for t in input_ids[b, :n].tolist()]
+        if n > limits.max_input_len:
+            raise RequestError(f"prompt has {n} tokens; this engine accepts at most {limits.max_input_len} "
+                               "(build_config.max_input_len)")
+        bad_ids = [t for t in prompt if t < 0 or t >= limits.vocab_size]
+        if bad_ids:
+            raise RequestError(f"token id {bad_ids[0]} is outside the vocabulary [0, {limits.vocab_size})")
+        max_new = int(_scalar(get, "request_output_len", b))
+        if max_new < 1:
+            raise RequestError(f"max_tokens (request_output_len) must be >= 1, got {max_new}")
+        if n + max_new > limits.max_seq_len:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({max_new}) = {n + max_new} exceeds this engine's "
+                               f"max_seq_len {limits.max_seq_len} (build_config.max_seq_len); ask for at most "
+                               f"{max(limits.max_seq_len - n, 0)} tokens")
+        beam = _scalar(get, "beam_width", b)
+        if beam is not None and int(beam) != 1:
+            raise RequestError(f"beam_width {int(beam)} is not supported; the engine was built with max_beam_width "
+                               f"{limits.max_beam_width} and the embedded engine decodes with beam width 1")
+        nrs = _scalar(get, "num_return_sequences", b)
+        if nrs is not None and int(nrs) != 1:
+            raise RequestError(f"num_return_sequences {int(nrs)} is not supported (only 1)")
+        for name, neutral in _NEUTRAL.items():
+            v = _scalar(get, name, b)
+            if v is not None and v != neutral and not (neutral is None and v in (0, False)):
+                raise RequestError(f"input '{name}'={v} is not supported by the embedded engine")
+        bias = get("embedding_bias")
+        if bias is not None and np.asarray(bias).size and np.any(np.asarray(bias) != 0):
+            raise RequestError("input 'embedding_bias' is not supported by the embedded engine")
+        if word_list(get("bad_words_list"), b):
+            raise RequestError("bad_words are not supported by the embedded engine")
+        dec_len = _scalar(get, "decoder_input_lengths", b)
+        dec_ids = get("decoder_input_ids")
+        if dec_ids is not None and dec_len is not None and int(dec_len) > 1:
+            raise RequestError("decoder_input_ids are for encoder-decoder engines; this engine is decoder-only")
+
+        temperature = _scalar(get, "temperature", b)
+        top_k = _scalar(get, "runtime_top_k", b)
+        top_p = _scalar(get, "runtime_top_p", b)
+        seed = _scalar(get, "seed", b)
+        min_tokens = _scalar(get, "min_tokens", b)
+        end_id = _scalar(get, "end_id", b)
+        if temperature is not None and float(temperature) < 0:
+            raise RequestError(f"temperature must be >= 0, got {temperature}")
+        if top_p is not None and not 0.0 <= float(top_p) <= 1.0:
+            raise RequestError(f"top_p must be in [0, 1], got {top_p}")
+        if top_k is not None and int(top_k) < 0:
+            raise RequestError(f"top_k must be >= 0, got {top_k}")
+        if min_tokens is not None and int(min_tokens) > max_new:
+            raise RequestError(f"min_tokens {int(min_tokens)} > max_tokens {max_new}")
+        if end_id is None:
+            end_id = limits.default_end_id
+        # TensorRT-LLM decodes greedily unless top_k > 1 or top_p > 0; mirror that so both engines
+        # answer a request the same way (a bare temperature stays greedy, as there).
+        sampling = (top_k is not None and int(top_k) > 1) or (top_p is not None and float(top_p) > 0.0)
+        params = make_params(
+            max_new_tokens=max_new,
+            temperature=float(temperature if temperature is not None else 1.0) if sampling else 0.0,
+            top_k=int(top_k or 0), top_p=float(top_p) if top_p else 1.0,  # TRT-LLM: top_p 0 = off
+            seed=int(seed) if seed is not None else None,
+            end_id=int(end_id) if end_id is not None and int(end_id) >= 0 else None,
+            min_tokens=int(min_tokens or 0))
+        excl = _scalar(get, "exclude_input_in_output", b)
+        streaming = bool(_scalar(get, "streaming", b) or False)
+        if streaming and not decoupled:
+            raise RequestError("streaming is only supported when tensorrt_llm is decoupled "
+                               "(regenerate the repository with streaming enabled)")
+        reqs.append(GenerationRequest(
+            batch_index=b, prompt_ids=prompt, max_new_tokens=max_new, params=params, streaming=streaming,
+            exclude_input_in_output=bool(default_exclude_input if excl is None else excl),
+            stop_sequences=word_list(get("stop_words_list"), b),
+            return_perf_metrics=bool(_scalar(get, "return_perf_metrics", b) or False),
+            return_num_input_tokens=bool(_scalar(get, "return_num_input_tokens", b) or False),
+            return_num_output_tokens=bool(_scalar(get, "return_num_output_tokens", b) or False)))
+    return reqs

@@ -1,0 +1,476 @@
+"""Generate a Triton model repository for an engine directory, from the engine's own config.
+
+The repository follows the ``inflight_batcher_llm`` contract of TensorRT-LLM 1.2.x's Triton backend:
+``ensemble`` (preprocessing -> tensorrt_llm -> postprocessing), ``preprocessing``, ``tensorrt_llm``,
+``postprocessing`` and ``tensorrt_llm_bls``. Input names are the 1.2.x ones, ``min_tokens`` and
+``seed``: the 1.2.x backend reads those, and ``min_length`` / ``random_seed`` (tensorrtllm_backend
+<= v0.19.0) would not reach it. Clients of the older templates (e.g. genai-perf's deterministic
+output mode, which sends ``min_length``) need ``--extra-inputs min_tokens:N`` instead.
+
+* ``tensorrt_llm`` uses ``backend: "tensorrtllm"`` for a TensorRT-LLM engine dir, and a Python model
+  running trtmoe's embedded engine behind an in-flight batcher for an embedded engine dir; the
+  inputs and outputs are the same.
+* Values come from the engine's ``config.json`` (max batch size, beam width, input/sequence limits,
+  logits dtype, world size); requested settings that contradict it are rejected naming the field.
+* Streaming (the default) makes ``tensorrt_llm`` and ``tensorrt_llm_bls`` decoupled, and with them
+  the ensemble.
+* The tokenizer is copied into ``preprocessing/tokenizer`` and test-loaded.
+* Every ``config.pbtxt`` is checked for leftover ``${`` and parsed back with Triton's ``ModelConfig``
+  protobuf schema; the ensemble's wiring is checked against its steps' declared tensors. The whole
+  repository is written to a temporary sibling and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..checkpoint.atomic import atomic_directory
+from ..errors import InputError, TrtmoeError
+from .engine_dir import EMBEDDED, TENSORRT_LLM, EngineInfo, read_engine_dir
+
+MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
+TOKENIZER_SUBDIR = "preprocessing/tokenizer"  # relative to the repository root
+MANIFEST = "trtmoe_repository.json"
+TRTLLM_CONTRACT = "TensorRT-LLM 1.2.x triton_backend inflight_batcher_llm"
+
+# Files of an HF folder that are weights, never tokenizer data.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".npz")
+_MAX_TOKENIZER_FILE = 64 << 20
+
+_DTYPE_TO_TRITON = {"float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "float32": "TYPE_FP32"}
+
+
+def templates_dir() -> Path:
+    """The ``model_repo/`` templates: ``$TRTMOE_MODEL_REPO_TEMPLATES`` or the project's own folder."""
+    env = os.environ.get("TRTMOE_MODEL_REPO_TEMPLATES")
+    candidates = [Path(env)] if env else []
+    here = Path(__file__).resolve()
+    candidates += [here.parents[2] / "model_repo", here.parents[1] / "model_repo"]
+    for c in candidates:
+        if (c / "ensemble" / "config.pbtxt").is_file():
+            return c
+    raise TrtmoeError("Triton templates (model_repo/) not found",
+                      hint="set TRTMOE_MODEL_REPO_TEMPLATES to the model_repo folder of the trtmoe source tree")
+
+
+@dataclass(frozen=True)
+class RepoSettings:
+    """Resolved repository settings (CLI > defaults, checked against the engine). Lengths in tokens."""
+
+    max_batch_size: int
+    max_beam_width: int
+    max_input_len: int
+    max_seq_len: int
+    streaming: bool = True
+    exclude_input_in_output: bool = True
+    max_queue_delay_microseconds: int = 0
+    max_queue_size: int = 0
+    preprocessing_instance_count: int = 1
+    postprocessing_instance_count: int = 1
+    bls_instance_count: int = 1
+    accumulate_tokens: bool = True
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+    trust_remote_code: bool = False
+    kv_cache_free_gpu_mem_fraction: float | None = None
+    device: str = "auto"
+    torch_num_threads: int = 0
+
+    @property
+    def decoupled(self) -> bool:
+        return self.streaming
+
+
+@dataclass
+class RepositoryResult:
+    """What ``generate_repository`` wrote."""
+
+    path: Path
+    engine: EngineInfo
+    settings: RepoSettings
+    models: list[str]
+    tokenizer_dir: Path
+    launch_world_size: int
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    warnings: list[str] = field(default_factory=list)
+
+
+def _contradiction(field_name: str, requested: Any, engine_value: Any, cfg: Path, why: str) -> InputError:
+    return InputError(f"{field_name} {requested} contradicts the engine's build_config.{field_name} {engine_value}",
+                      where=str(cfg), hint=why)
+
+
+def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max_beam_width: int | None = None,
+                     max_input_len: int | None = None, max_seq_len: int | None = None, world_size: int | None = None,
+                     streaming: bool = True, kv_cache_free_gpu_mem_fraction: float | None = None,
+                     device: str | None = None, **rest: Any) -> RepoSettings:
+    """Merge requested settings with the engine's limits; raise InputError naming a contradicting field."""
+    cfg = info.path / "config.json"
+    for name, value in dict(max_batch_size=max_batch_size, max_beam_width=max_beam_width,
+                            max_input_len=max_input_len, max_seq_len=max_seq_len, world_size=world_size).items():
+        if value is not None and value < 1:
+            raise InputError(f"{name} must be >= 1, got {value}")
+    for name in ("preprocessing_instance_count", "postprocessing_instance_count", "bls_instance_count"):
+        if rest.get(name) is not None and rest[name] < 1:
+            raise InputError(f"{name} must be >= 1, got {rest[name]}")
+    for name in ("max_queue_delay_microseconds", "max_queue_size", "torch_num_threads"):
+        if rest.get(name) is not None and rest[name] < 0:
+            raise InputError(f"{name} must be >= 0, got {rest[name]}")
+    if max_batch_size is not None and max_batch_size > info.max_batch_size:
+        raise _contradiction("max_batch_size", max_batch_size, info.max_batch_size, cfg,
+                             "the engine cannot batch more than it was built for; rebuild it with a larger "
+                             "--max-batch-size or ask for at most that")
+    if max_beam_width is not None and max_beam_width != info.max_beam_width:
+        raise _contradiction("max_beam_width", max_beam_width, info.max_beam_width, cfg,
+                             "Triton's max_beam_width must equal the engine's")
+    for name, value, limit in (("max_input_len", max_input_len, info.max_input_len),
+                               ("max_seq_len", max_seq_len, info.max_seq_len)):
+        if value is None:
+            continue
+        if value > limit:
+            raise _contradiction(name, value, limit, cfg, f"{name} is a build-time limit; rebuild the engine to raise it")
+        if value < limit and info.backend == TENSORRT_LLM:
+            raise _contradiction(name, value, limit, cfg,
+                                 f"the tensorrtllm backend takes {name} from the engine; it is not a runtime setting")
+    if world_size is not None and world_size != info.launch_world_size:
+        what = ("mapping.world_size (tp_size x pp_size)" if info.backend == TENSORRT_LLM
+                else "the embedded engine's process count (it always runs as one process)")
+        raise InputError(f"world_size {world_size} contradicts {what} = {info.launch_world_size}", where=str(cfg))
+    beam = info.max_beam_width
+    if streaming and beam > 1:
+        raise _contradiction("max_beam_width", beam, beam, cfg,
+                             "streaming needs beam width 1; build the engine with --max-beam-width 1 or pass --no-streaming")
+    if info.backend == EMBEDDED and kv_cache_free_gpu_mem_fraction is not None:
+        raise InputError("kv_cache_free_gpu_mem_fraction applies to TensorRT engines only; the embedded engine "
+                         "allocates each sequence's cache itself")
+    if kv_cache_free_gpu_mem_fraction is not None and not 0.0 < kv_cache_free_gpu_mem_fraction <= 1.0:
+        raise InputError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {kv_cache_free_gpu_mem_fraction}")
+    if info.backend == TENSORRT_LLM and device not in (None, "auto"):
+        raise InputError("device applies to the embedded engine only; TensorRT engines are placed by MPI rank")
+    if info.backend == TENSORRT_LLM and rest.get("torch_num_threads"):
+        raise InputError("torch_num_threads applies to the embedded engine only")
+    rest = {k: v for k, v in rest.items() if v is not None}
+    return RepoSettings(max_batch_size=max_batch_size or info.max_batch_size, max_beam_width=beam,
+                        max_input_len=max_input_len or info.max_input_len, max_seq_len=max_seq_len or info.max_seq_len,
+                        streaming=streaming, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
+                        device=device or "auto", **rest)
+
+
+# ---------------------------------------------------------------- template filling
+def _bool(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def _pbtxt_str(v: Any) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def render_parameters(params: dict[str, Any]) -> str:
+    """``parameters { key: .. value: { string_value: .. } }`` lines (values are strings in Triton)."""
+    return "\n".join(f'parameters {{ key: "{_pbtxt_str(k)}" value: {{ string_value: "{_pbtxt_str(v)}" }} }}'
+                     for k, v in params.items())
+
+
+def backend_parameters(info: EngineInfo, s: RepoSettings) -> dict[str, Any]:
+    """The ``tensorrt_llm`` model's parameters for its backend."""
+    if info.backend == EMBEDDED:
+        return {"engine_dir": str(info.path), "device": s.device, "torch_num_threads": s.torch_num_threads,
+                "max_input_len": s.max_input_len, "max_seq_len": s.max_seq_len,
+                "exclude_input_in_output": _bool(s.exclude_input_in_output), "enable_metrics": "true",
+                "metrics_interval_s": "0.5", "max_waiting_requests": s.max_queue_size}
+    return {
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": str(info.path),
+        "max_beam_width": s.max_beam_width,
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+        "exclude_input_in_output": _bool(s.exclude_input_in_output),
+        "batch_scheduler_policy": "guaranteed_no_evict",
+        "kv_cache_free_gpu_mem_fraction": s.kv_cache_free_gpu_mem_fraction or 0.9,
+        "enable_kv_cache_reuse": "false",
+        "enable_chunked_context": "false",
+        "normalize_log_probs": "true",
+        "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
+    }
+
+
+def template_values(info: EngineInfo, s: RepoSettings) -> dict[str, str]:
+    """Every placeholder of the templates, as text."""
+    emb_dtype = _DTYPE_TO_TRITON.get(info.dtype, "TYPE_FP16")
+    return {
+        "engine_dir": str(info.path),
+        "engine_kind": "embedded" if info.backend == EMBEDDED else "TensorRT-LLM",
+        "triton_backend": "python" if info.backend == EMBEDDED else "tensorrtllm",
+        "triton_max_batch_size": str(s.max_batch_size),
+        "decoupled_mode": _bool(s.decoupled),
+        "max_queue_delay_microseconds": str(s.max_queue_delay_microseconds),
+        "max_queue_size": str(s.max_queue_size),
+        "logits_datatype": info.logits_triton_dtype,
+        "encoder_input_features_data_type": emb_dtype,
+        "prompt_embedding_table_data_type": emb_dtype,
+        "tokenizer_dir": TOKENIZER_SUBDIR,
+        "add_special_tokens": _bool(s.add_special_tokens),
+        "skip_special_tokens": _bool(s.skip_special_tokens),
+        "trust_remote_code": _bool(s.trust_remote_code),
+        "preprocessing_instance_count": str(s.preprocessing_instance_count),
+        "postprocessing_instance_count": str(s.postprocessing_instance_count),
+        "bls_instance_count": str(s.bls_instance_count),
+        "accumulate_tokens": _bool(s.accumulate_tokens),
+        "backend_parameters": render_parameters(backend_parameters(info, s)),
+    }
+
+
+def fill_template(text: str, values: dict[str, str], *, where: str) -> str:
+    """Substitute every ``${name}``; a placeholder without a value, or one left over, is an error."""
+    try:
+        out = string.Template(text).substitute(values)
+    except KeyError as e:
+        raise TrtmoeError(f"template placeholder ${{{e.args[0]}}} has no value", where=where) from None
+    except ValueError as e:
+        raise TrtmoeError(f"malformed template: {e}", where=where) from None
+    if "${" in out:
+        line = out[: out.index("${")].count("\n") + 1
+        raise TrtmoeError(f"unresolved placeholder left at line {line}", where=where)
+    return out
+
+
+def parse_model_config(text: str, *, where: str):
+    """Parse a config.pbtxt with Triton's own ``ModelConfig`` protobuf schema (as tritonclient ships it)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as e:
+        raise TrtmoeError(f"config.pbtxt does not parse as a Triton ModelConfig: {e}", where=where) from None
+
+
+# ---------------------------------------------------------------- cross-model checks
+def check_repository_configs(configs: dict[str, Any]) -> None:
+    """Check what Triton checks only at load time: names, the ensemble's wiring and the decoupled policy.
+
+    ``configs`` maps model name -> ``ModelConfig``. Raises TrtmoeError naming the model and tensor.
+    """
+    for name, cfg in configs.items():
+        if cfg.name != name:
+            raise TrtmoeError(f"config name {cfg.name!r} differs from its folder {name!r}", where=f"{name}/config.pbtxt")
+    ens = configs.get("ensemble")
+    if ens is None:
+        return
+    dtypes = {i.name: i.data_type for i in ens.input}
+    available = set(dtypes)
+    for step in ens.ensemble_scheduling.step:
+        model = configs.get(step.model_name)
+        if model is None:
+            raise TrtmoeError(f"ensemble step uses unknown model {step.model_name!r}", where="ensemble/config.pbtxt")
+        inputs = {i.name: i for i in model.input}
+        outputs = {o.name: o for o in model.output}
+        for key, value in step.input_map.items():
+            if key not in inputs:
+                raise TrtmoeError(f"input_map key {key!r} is not an input of {step.model_name}", where="ensemble/config.pbtxt")
+            if value not in available:
+                raise TrtmoeError(f"{step.model_name}.{key} is fed from {value!r}, which no earlier step produces",
+                                  where="ensemble/config.pbtxt")
+            if dtypes.get(value) is not None and dtypes[value] != inputs[key].data_type:
+                raise TrtmoeError(f"{step.model_name}.{key} expects a different data type than {value!r} carries",
+                                  where="ensemble/config.pbtxt")
+        for key, value in step.output_map.items():
+            if key not in outputs:
+                raise TrtmoeError(f"output_map key {key!r} is not an output of {step.model_name}", where="ensemble/config.pbtxt")
+            available.add(value)
+            dtypes[value] = outputs[key].data_type
+        required = {i.name for i in model.input if not i.optional}
+        missing = required - set(step.input_map.keys())
+        if missing:
+            raise TrtmoeError(f"required inputs {sorted(missing)} of {step.model_name} are not wired",
+                              where="ensemble/config.pbtxt")
+    for o in ens.output:
+        if o.name not in available:
+            raise TrtmoeError(f"ensemble output {o.name!r} is produced by no step", where="ensemble/config.pbtxt")
+    llm, bls = configs.get("tensorrt_llm"), configs.get("tensorrt_llm_bls")
+    if llm is not None and bls is not None:
+        if llm.model_transaction_policy.decoupled != bls.model_transaction_policy.decoupled:
+            raise TrtmoeError("tensorrt_llm and tensorrt_llm_bls disagree on decoupled mode")
+    for cfg in configs.values():
+        if cfg.max_batch_size != ens.max_batch_size:
+            raise TrtmoeError(f"{cfg.name} has max_batch_size {cfg.max_batch_size}, the ensemble {ens.max_batch_size}")
+
+
+# ---------------------------------------------------------------- tokenizer
+def find_tokenizer(info: EngineInfo) -> Path | None:
+    """A tokenizer folder next to the engine or its checkpoint, if there is one."""
+    roots = [info.path] + ([info.checkpoint_dir] if info.checkpoint_dir else [])
+    for root in roots:
+        for cand in (root / "tokenizer", root):
+            if (cand / "tokenizer.json").is_file() or (cand / "tokenizer.model").is_file():
+                return cand
+    return None
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    """Copy a tokenizer's files (no weights, no sub-folders); returns the file names."""
+    if not src.is_dir():
+        raise InputError("tokenizer directory not found", where=str(src))
+    dst.mkdir(parents=True)
+    names = []
+    for f in sorted(src.iterdir()):
+        if not f.is_file() or f.name.endswith(_WEIGHT_SUFFIXES) or f.name.endswith(".index.json"):
+            continue
+        if f.stat().st_size > _MAX_TOKENIZER_FILE:
+            continue
+        shutil.copyfile(f, dst / f.name)
+        names.append(f.name)
+    if not any(n in names for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
+        raise InputError("no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, vocab.txt)", where=str(src))
+    return names
+
+
+def test_load_tokenizer(path: Path, info: EngineInfo, *, trust_remote_code: bool) -> list[str]:
+    """Load the copied tokenizer the way preprocessing will, round-trip a text, check it fits the
+    engine's vocabulary. Returns warnings."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path), padding_side="left", trust_remote_code=trust_remote_code)
+        sample = "def main(): return 42"
+        ids = tok.encode(sample, add_special_tokens=False)
+        text = tok.decode(ids)
+    except Exception as e:  # noqa: BLE001 - any loader failure is the user's tokenizer
+        raise InputError(f"the tokenizer does not load with transformers.AutoTokenizer: {e}", where=str(path),
+                         hint="pass --tokenizer with a local Hugging Face tokenizer folder") from None
+    warnings = []
+    if len(tok) > info.vocab_size:
+        raise InputError(f"the tokenizer has {len(tok)} tokens but the engine's vocab_size is {info.vocab_size}",
+                         where=str(path), hint="this tokenizer belongs to a different model")
+    if text.strip() != sample:
+        warnings.append(f"tokenizer round trip changed {sample!r} into {text!r}")
+    if tok.eos_token_id is None:
+        warnings.append("the tokenizer has no eos token; generation stops only at max_tokens unless end_id is sent")
+    return warnings
+
+
+# ---------------------------------------------------------------- the generator
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
+                        max_batch_size: int | None = None, max_beam_width: int | None = None,
+                        max_input_len: int | None = None, max_seq_len: int | None = None,
+                        world_size: int | None = None, streaming: bool = True, exclude_input_in_output: bool = True,
+                        max_queue_delay_microseconds: int = 0, max_queue_size: int = 0,
+                        preprocessing_instance_count: int = 1, postprocessing_instance_count: int = 1,
+                        bls_instance_count: int = 1, kv_cache_free_gpu_mem_fraction: float | None = None,
+                        trust_remote_code: bool = False, add_special_tokens: bool = True,
+                        skip_special_tokens: bool = True, device: str | None = None, torch_num_threads: int = 0,
+                        force: bool = False, templates: str | Path | None = None) -> RepositoryResult:
+    """Write a Triton model repository for ``engine_dir`` at ``out_dir``.
+
+    ``tokenizer_dir`` defaults to a tokenizer found beside the engine or its checkpoint. Limits
+    (``max_batch_size``, ``max_input_len``, ``max_seq_len``: requests/tokens) default to the engine's
+    build_config and may not exceed it; ``max_beam_width`` and ``world_size`` must equal it.
+    ``streaming`` makes tensorrt_llm/BLS (and so the ensemble) decoupled. Raises InputError.
+    """
+    info = read_engine_dir(engine_dir)
+    settings = resolve_settings(
+        info, max_batch_size=max_batch_size, max_beam_width=max_beam_width, max_input_len=max_input_len,
+        max_seq_len=max_seq_len, world_size=world_size, streaming=streaming,
+        kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction, device=device,
+        exclude_input_in_output=exclude_input_in_output, max_queue_delay_microseconds=max_queue_delay_microseconds,
+        max_queue_size=max_queue_size, preprocessing_instance_count=preprocessing_instance_count,
+        postprocessing_instance_count=postprocessing_instance_count, bls_instance_count=bls_instance_count,
+        trust_remote_code=trust_remote_code, add_special_tokens=add_special_tokens,
+        skip_special_tokens=skip_special_tokens, torch_num_threads=torch_num_threads)
+    tok_src = Path(tokenizer_dir).expanduser().resolve() if tokenizer_dir else find_tokenizer(info)
+    if tok_src is None:
+        raise InputError("no tokenizer found beside the engine or its checkpoint", where=str(info.path),
+                         hint="pass --tokenizer DIR (a Hugging Face tokenizer folder)")
+    tpl = Path(templates) if templates else templates_dir()
+    out = Path(out_dir).expanduser().absolute()
+    if out == info.path or info.path in out.parents:
+        raise InputError("the repository may not be written inside the engine directory", where=str(out))
+    values = template_values(info, settings)
+    warnings: list[str] = []
+    configs = {}
+    with atomic_directory(out, force=force) as tmp:
+        copy_tokenizer(tok_src, tmp / TOKENIZER_SUBDIR)
+        warnings += test_load_tokenizer(tmp / TOKENIZER_SUBDIR, info, trust_remote_code=trust_remote_code)
+        for model in MODELS:
+            src = tpl / model
+            text = fill_template((src / "config.pbtxt").read_text(), values, where=str(src / "config.pbtxt"))
+            configs[model] = parse_model_config(text, where=f"{model}/config.pbtxt")
+            dst = tmp / model
+            dst.mkdir(parents=True, exist_ok=True)
+            (dst / "config.pbtxt").write_text(text)
+            (dst / "1").mkdir(exist_ok=True)
+            model_py = src / "1" / "model.py"
+            # The C++ backend serves a TensorRT engine; the Python model is for the embedded one only.
+            if model_py.is_file() and not (model == "tensorrt_llm" and info.backend == TENSORRT_LLM):
+                shutil.copyfile(model_py, dst / "1" / "model.py")
+        check_repository_configs(configs)
+        files = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                rel = p.relative_to(tmp).as_posix()
+                # Tokenizer files are data (a vocabulary may hold "${"); everything else must be filled.
+                if not rel.startswith(TOKENIZER_SUBDIR + "/") and "${" in p.read_text(errors="replace"):
+                    raise TrtmoeError("unresolved ${...} placeholder left", where=rel)
+                files[rel] = _sha256(p)
+        manifest = {
+            "generator": f"trtmoe {__version__}",
+            "contract": TRTLLM_CONTRACT,
+            "engine": info.to_json(),
+            "settings": asdict(settings),
+            "launch_world_size": info.launch_world_size,
+            "models": list(MODELS),
+            "tokenizer_source": str(tok_src),
+            "files": files,
+            "warnings": warnings,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return RepositoryResult(path=out, engine=info, settings=settings, models=list(MODELS),
+                            tokenizer_dir=out / TOKENIZER_SUBDIR, launch_world_size=info.launch_world_size,
+                            files=files, warnings=warnings)
+
+
+def read_repository_manifest(repo: str | Path) -> dict:
+    """The manifest ``generate_repository`` wrote, or {} for a repository from elsewhere."""
+    p = Path(repo) / MANIFEST
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def validate_repository(repo: str | Path) -> dict[str, Any]:
+    """Parse every ``*/config.pbtxt`` of an existing repository and run the cross-model checks.
+
+    Returns {model name: ModelConfig}; raises TrtmoeError on a leftover ``${`` or a bad config.
+    """
+    root = Path(repo)
+    if not root.is_dir():
+        raise InputError("model repository not found", where=str(root))
+    configs = {}
+    for cfg in sorted(root.glob("*/config.pbtxt")):
+        text = cfg.read_text()
+        if "${" in text:
+            line = text[: text.index("${")].count("\n") + 1
+            raise TrtmoeError(f"unresolved placeholder at line {line}", where=str(cfg))
+        configs[cfg.parent.name] = parse_model_config(text, where=str(cfg))
+    if not configs:
+        raise InputError("no */config.pbtxt here; not a Triton model repository", where=str(root))
+    check_repository_configs(configs)
+    return configs

@@ -1,0 +1,432 @@
+"""Start a real ``tritonserver`` on a model repository and wait until it is ready.
+
+Two installations are supported:
+
+* **pytriton** (CPU machines): the Triton 2.51 binary shipped in the ``nvidia-pytriton`` wheel, with
+  its Python backend. The backend folder is assembled in a private workspace (the backend library,
+  ``triton_python_backend_utils.py`` and the stub built for this interpreter's Python version); the
+  wheel's files are not modified. The Python models run in *this* environment: ``PYTHONPATH`` holds
+  this interpreter's ``sys.path`` (so torch, transformers and trtmoe import), ``LD_LIBRARY_PATH``
+  puts this interpreter's ``libpython`` ahead of any system copy (the stub links ``libpython3.X.so``
+  by name) plus the wheel's bundled libraries, and ``PATH`` starts with this interpreter's bin dir.
+* **system** (the NGC ``tritonserver:<yy.mm>-trtllm-python-py3`` container): ``tritonserver`` from
+  ``PATH`` with its own backends. A TensorRT engine with ``world_size`` ranks runs under
+  ``mpirun -n 1 tritonserver ... : -n 1 tritonserver ...`` (ranks > 0 load only ``tensorrt_llm``),
+  as TensorRT-LLM's ``launch_triton_server.py`` does.
+
+The server binds to 127.0.0.1 by default, runs in its own process group and is sent SIGINT, then
+SIGKILL after a grace period, on ``stop()``; it also receives SIGTERM if this process dies (Linux),
+so no server or backend stub outlives its launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import BackendUnavailable, InputError, TrtmoeError
+from .repository import read_repository_manifest
+
+PYTRITON = "pytriton"
+SYSTEM = "system"
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where a tritonserver binary and its backends live."""
+
+    kind: str  # PYTRITON or SYSTEM
+    binary: Path
+    backends_dir: Path | None  # None: the binary's built-in default (/opt/tritonserver/backends)
+    lib_dirs: tuple[Path, ...] = ()
+    stub: Path | None = None  # python backend stub for this interpreter (pytriton only)
+    version: str | None = None
+
+
+def _pytriton_install() -> TritonInstall | None:
+    try:
+        import pytriton  # noqa: F401
+    except ImportError:
+        return None
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    binary = root / "bin" / "tritonserver"
+    if not binary.is_file():
+        return None
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / py / "triton_python_backend_stub"
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    return TritonInstall(kind=PYTRITON, binary=binary, backends_dir=root / "backends",
+                         lib_dirs=(libs,) if libs.is_dir() else (), stub=stub if stub.is_file() else None,
+                         version="2.51.0")
+
+
+def find_tritonserver(prefer: str | None = None) -> TritonInstall:
+    """Locate a server: ``prefer`` = "system", "pytriton" or None (system tritonserver first, as inside
+    the NGC container, then the nvidia-pytriton wheel's)."""
+    order = [prefer] if prefer else [SYSTEM, PYTRITON]
+    for kind in order:
+        if kind == SYSTEM:
+            found = shutil.which("tritonserver")
+            if found:
+                return TritonInstall(kind=SYSTEM, binary=Path(found), backends_dir=None)
+        elif kind == PYTRITON:
+            inst = _pytriton_install()
+            if inst is not None:
+                return inst
+        else:
+            raise InputError(f"unknown server kind {kind!r}", hint="use 'system' or 'pytriton'")
+    raise BackendUnavailable("no tritonserver found",
+                             hint="run inside the NGC tritonserver container, or `pip install nvidia-pytriton==0.7.0` "
+                                  "for the CPU server")
+
+
+def prepare_backends(install: TritonInstall, workspace: Path) -> Path | None:
+    """For pytriton, assemble ``workspace/backends/python`` with the stub for this Python; returns
+    the backend directory to pass to ``--backend-directory`` (None for a system install)."""
+    if install.kind != PYTRITON:
+        return install.backends_dir
+    if install.stub is None:
+        raise BackendUnavailable(
+            f"nvidia-pytriton ships no Python backend stub for Python {sys.version_info.major}.{sys.version_info.minor}")
+    dst = workspace / "backends" / "python"
+    dst.mkdir(parents=True, exist_ok=True)
+    src = install.backends_dir / "python"
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy2(f, dst / f.name)
+    shutil.copy2(install.stub, dst / "triton_python_backend_stub")
+    return dst.parent
+
+
+def _libpython_dir() -> Path | None:
+    libdir = sysconfig.get_config_var("LIBDIR")
+    name = sysconfig.get_config_var("LDLIBRARY") or ""
+    if libdir and name and (Path(libdir) / name).exists():
+        return Path(libdir)
+    return None
+
+
+def server_environment(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver so that Python-backend models run in this interpreter's env."""
+    env = dict(os.environ if base is None else base)
+    if install.kind != PYTRITON:
+        return env
+    libpython = _libpython_dir()
+    if libpython is None:
+        raise BackendUnavailable(
+            f"this Python ({sys.executable}) has no shared libpython; the Triton Python backend stub needs one",
+            hint="use a Python built with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)")
+    lib_dirs = [str(libpython)] + [str(p) for p in install.lib_dirs]
+    if env.get("LD_LIBRARY_PATH"):
+        lib_dirs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(lib_dirs)
+    paths = [p for p in sys.path if p and Path(p).exists()]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    project_root = str(Path(__file__).resolve().parents[2])  # trtmoe importable even when not installed
+    env["PYTHONPATH"] = ":".join(dict.fromkeys([project_root] + paths))
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+
+def build_launch_command(repo: str | Path, install: TritonInstall, *, endpoints: Endpoints, world_size: int = 1,
+                         backend_dir: Path | None = None, shm_prefix: str = "trtmoe", log_verbose: int = 0,
+                         exit_timeout_s: int = 10, extra_args: Sequence[str] = (),
+                         tensorrt_llm_model_name: str = "tensorrt_llm") -> list[str]:
+    """The argv that starts the server. ``world_size`` > 1 (TensorRT engines) gives one MPI rank per
+    engine rank; only rank 0 serves HTTP/gRPC/metrics, the others load ``tensorrt_llm`` alone."""
+    if world_size < 1:
+        raise InputError(f"world_size must be >= 1, got {world_size}")
+
+    def rank_args(rank: int) -> list[str]:
+        args = [str(install.binary), f"--model-repository={Path(repo).absolute()}",
+                f"--backend-config=python,shm-region-prefix-name={shm_prefix}{rank}_",
+                f"--exit-timeout-secs={exit_timeout_s}"]
+        if backend_dir is not None:
+            args.append(f"--backend-directory={backend_dir}")
+        if world_size > 1:
+            # The official launcher: auto-complete off so the written policies are what Triton uses.
+            args.append("--disable-auto-complete-config")
+        if rank == 0:
+            args += [f"--http-address={endpoints.host}", f"--http-port={endpoints.http_port}",
+                     f"--grpc-address={endpoints.host}", f"--grpc-port={endpoints.grpc_port}",
+                     f"--metrics-address={endpoints.host}", f"--metrics-port={endpoints.metrics_port}"]
+        else:
+            args += ["--model-control-mode=explicit", f"--load-model={tensorrt_llm_model_name}",
+                     "--allow-http=false", "--allow-grpc=false", "--allow-metrics=false"]
+        if log_verbose:
+            args.append(f"--log-verbose={log_verbose}")
+        return args + list(extra_args)
+
+    if world_size == 1:
+        return rank_args(0)
+    mpirun = shutil.which("mpirun") or "mpirun"
+    cmd = [mpirun, "--allow-run-as-root"]
+    for rank in range(world_size):
+        if rank:
+            cmd.append(":")
+        cmd += ["-n", "1", *rank_args(rank)]
+    return cmd
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _preexec() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:  # Linux: the server gets SIGTERM if its launcher dies, so it is never orphaned
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class TritonServer:
+    """A running tritonserver (use ``serve_repository`` or ``with TritonServer(...) as s``)."""
+
+    repo: Path
+    endpoints: Endpoints
+    install: TritonInstall
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path
+    workspace: Path
+    keep_workspace: bool = False
+    process: subprocess.Popen | None = None
+    _log_file: object = field(default=None, repr=False)
+
+    def start(self) -> "TritonServer":
+        self._log_file = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, preexec_fn=_preexec, cwd=str(self.workspace))
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _get(self, path: str, timeout: float = 2.0) -> int:
+        try:
+            with urllib.request.urlopen(self.endpoints.http + path, timeout=timeout) as r:  # noqa: S310
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def is_ready(self) -> bool:
+        return self._get("/v2/health/ready") == 200
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def model_states(self) -> dict[str, str]:
+        """{model: state (READY, UNAVAILABLE, ...) + reason} from the repository index."""
+        import json
+
+        req = urllib.request.Request(self.endpoints.http + "/v2/repository/index", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:  # noqa: S310
+                rows = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+        return {r["name"]: (r.get("state", "?") + (f": {r['reason']}" if r.get("reason") else "")) for r in rows}
+
+    def wait_ready(self, timeout_s: float = 300.0) -> "TritonServer":
+        """Block until ``/v2/health/ready`` answers 200; on exit or timeout raise with the log tail."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                code = self.process.returncode if self.process else None
+                tail = self.log_tail()
+                self.stop(keep_log=True)
+                raise BackendUnavailable(f"tritonserver exited with code {code} before it was ready; "
+                                         f"log tail ({self.log_path}):\n{tail}")
+            if self.is_ready():
+                return self
+            # With strict readiness a failed model keeps the server unready forever: report it now.
+            if self._get("/v2/health/live") == 200:
+                failed = {m: s for m, s in self.model_states().items() if s.startswith("UNAVAILABLE")}
+                if failed:
+                    detail = "; ".join(f"{m}: {s}" for m, s in failed.items())
+                    tail = self.log_tail()
+                    self.stop(keep_log=True)
+                    raise BackendUnavailable(f"models failed to load: {detail}\nlog tail ({self.log_path}):\n{tail}")
+            time.sleep(0.25)
+        states, tail = self.model_states(), self.log_tail()
+        self.stop(keep_log=True)
+        raise BackendUnavailable(f"tritonserver not ready after {timeout_s:.0f} s (models: {states or 'unknown'}); "
+                                 f"log tail ({self.log_path}):\n{tail}")
+
+    def stop(self, grace_s: float = 15.0, *, keep_log: bool = False) -> int | None:
+        """SIGINT (graceful), then SIGKILL to the whole process group after ``grace_s``. The private
+        workspace is removed, except the server log when ``keep_log`` (failures point to it)."""
+        rc = None
+        if self.process is not None:
+            if self.process.poll() is None:
+                try:
+                    os.killpg(self.process.pid, signal.SIGINT)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                try:
+                    rc = self.process.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            # Stubs and MPI ranks share the server's group; make sure none is left behind.
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                rc = self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if not self.keep_workspace:
+            log_inside = self.workspace in self.log_path.parents
+            if keep_log and log_inside:
+                shutil.rmtree(self.workspace / "backends", ignore_errors=True)
+            else:
+                shutil.rmtree(self.workspace, ignore_errors=True)
+        return rc
+
+    def __enter__(self) -> "TritonServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
+                     metrics_port: int = 8002, world_size: int | None = None, server: str | None = None,
+                     timeout_s: float = 300.0, log_file: str | Path | None = None, log_verbose: int = 0,
+                     extra_args: Sequence[str] = (), wait: bool = True) -> TritonServer:
+    """Start tritonserver on ``repo`` and (``wait``) block until it is ready, up to ``timeout_s`` seconds.
+
+    Port 0 picks a free port. ``world_size`` defaults to the repository manifest's launch world size
+    (1 for embedded engines, tp x pp for TensorRT engines). ``server`` picks the installation
+    ("system" / "pytriton"; default: system first). Returns a started TritonServer; ``stop()`` it,
+    or use it as a context manager. Raises BackendUnavailable with the server log tail on failure.
+    """
+    repo = Path(repo).expanduser().absolute()
+    if not repo.is_dir() or not any(repo.glob("*/config.pbtxt")):
+        raise InputError("not a Triton model repository (no */config.pbtxt)", where=str(repo),
+                         hint="create one with `trtmoe repo ENGINE_DIR -o REPO`")
+    manifest = read_repository_manifest(repo)
+    ws = world_size or int(manifest.get("launch_world_size", 1) or 1)
+    install = find_tritonserver(server)
+    if ws > 1 and install.kind == PYTRITON:
+        raise BackendUnavailable(f"world_size {ws} needs the NGC TensorRT-LLM container (MPI + tensorrtllm backend)")
+    backend = (manifest.get("engine") or {}).get("backend")
+    if backend == "tensorrtllm" and install.kind == PYTRITON:
+        raise BackendUnavailable("this repository serves a TensorRT engine, which needs the tensorrtllm backend of "
+                                 "the NGC tritonserver:<yy.mm>-trtllm-python-py3 container",
+                                 hint="inside it, run `trtmoe serve` again (it uses the container's tritonserver)")
+    ports = []
+    for name, port in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port)):
+        if port == 0:
+            port = free_port(host)
+        elif _port_in_use(host, port):
+            raise InputError(f"{name} port {port} on {host} is already in use", hint=f"pass --{name}-port or 0 for a free one")
+        ports.append(port)
+    endpoints = Endpoints(host, *ports)
+    workspace = Path(tempfile.mkdtemp(prefix="trtmoe-triton-"))
+    try:
+        backend_dir = prepare_backends(install, workspace)
+        env = server_environment(install)
+    except BaseException:
+        shutil.rmtree(workspace, ignore_errors=True)
+        raise
+    cmd = build_launch_command(repo, install, endpoints=endpoints, world_size=ws, backend_dir=backend_dir,
+                               shm_prefix=f"trtmoe{os.getpid()}{uuid.uuid4().hex[:6]}r", log_verbose=log_verbose,
+                               extra_args=extra_args)
+    log_path = Path(log_file).absolute() if log_file else workspace / "tritonserver.log"
+    srv = TritonServer(repo=repo, endpoints=endpoints, install=install, command=cmd, env=env, log_path=log_path,
+                       workspace=workspace)
+    srv.start()
+    if wait:
+        try:
+            srv.wait_ready(timeout_s)
+        except BackendUnavailable:
+            raise  # already stopped, log kept
+        except BaseException:
+            srv.stop()
+            raise
+    return srv
+
+
+def run_until_signalled(srv: TritonServer, on_ready=None) -> int:
+    """Foreground loop for the CLI: return when the server exits or on SIGINT/SIGTERM (then stop it)."""
+    stop = {"sig": None}
+
+    def handler(signum, frame):
+        stop["sig"] = signum
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if on_ready:
+            on_ready(srv)
+        while stop["sig"] is None and srv.is_alive():
+            time.sleep(0.2)
+        if stop["sig"] is None:
+            raise TrtmoeError(f"tritonserver exited unexpectedly (code {srv.process.returncode}); log tail:\n"
+                              f"{srv.log_tail()}")
+        return 0
+    finally:
+        srv.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
