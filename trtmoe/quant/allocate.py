@@ -18,7 +18,10 @@ themselves (no cost discretisation):
 
 The worst case is exponential (the problem is NP-hard), but the bound leaves only units whose
 choices are nearly tied at the LP multiplier free, and the Pareto step merges states of equal
-cost, so realistic instances with thousands of units take well under a second.
+cost, so realistic instances with thousands of units take well under a second. When many units
+are *exactly* tied (e.g. ΔKL proportional to bits saved) the search turns into subset-sum; past
+a state limit the best plan found is returned with ``extra["exact"] = False`` and a certified
+``extra["gap_bound"]`` (its ΔKL minus the LP lower bound), and a warning is logged.
 """
 
 from __future__ import annotations
@@ -60,7 +63,12 @@ class Unit:
 
 @dataclass
 class Plan:
-    """The chosen format per unit and its totals (bits include scales)."""
+    """The chosen format per unit and its totals (bits include scales).
+
+    ``extra`` reports the search: ``binding`` (the budget constrained the plan), ``exact``
+    (proven optimal), and when binding ``lambda`` (ΔKL per bit at the LP optimum),
+    ``lower_bound`` (LP bound on ΔKL), ``gap_bound``, ``free_units`` and ``max_front``.
+    """
 
     assignment: dict[tuple, str]
     total_bits: int
@@ -121,7 +129,7 @@ def _budget_bits(budget_bpw: float, n_weights: int) -> int:
     # The decimal the caller wrote (shortest repr), times the weight count, floored; a relative
     # 1e-12 slack absorbs float noise in bpw values computed as bits / weights.
     try:
-        b = Fraction(repr(float(budget_bpw)))
+        b = Fraction(repr(float(budget_bpw)))  # nan / inf fail here
     except (TypeError, ValueError, OverflowError):
         raise InputError(f"budget must be a finite number of bits per weight, got {budget_bpw!r}") from None
     return math.floor(b * n_weights * (1 + Fraction(1, 10**12)))
@@ -133,11 +141,8 @@ def allocate(units: Sequence[Unit], budget_bpw: float) -> Plan:
     Raises :class:`InputError` on malformed units or a budget outside the feasible range
     (cheapest plan … most expensive plan, in bits per weight).
     """
-    _validate(units)
-    if not math.isfinite(float(budget_bpw)):
-        raise InputError(f"budget must be a finite number of bits per weight, got {budget_bpw!r}")
+    lo_bpw, hi_bpw = feasible_bpw_range(units)  # validates the units
     n_w = sum(int(u.n_weights) for u in units)
-    lo_bpw, hi_bpw = feasible_bpw_range(units)
     budget = _budget_bits(budget_bpw, n_w)
     lo_bits = sum(min(int(c) for c in u.costs_bits.values()) for u in units)
     hi_bits = sum(max(int(c) for c in u.costs_bits.values()) for u in units)

@@ -146,3 +146,97 @@ def _render_coverage(res: dict, console, err_console) -> None:
     s = res["sensitivity"]
     console.print(f"sensitivity measured for {len(res['formats'])} formats in "
                   f"{s['cost_forward_passes']:.1f} forward-pass equivalents ({res['seconds']:.1f} s)")
+
+
+@click.command()
+@click.option("--ref", "ref", required=True, type=click.Path(path_type=Path),
+              help="Unquantized checkpoint (`trtmoe convert` output) the others are compared with.")
+@click.option("--quant", "quants", multiple=True, type=click.Path(path_type=Path),
+              help="Quantized checkpoint to evaluate (repeatable).")
+@click.option("--calib", type=click.Path(path_type=Path), default=None,
+              help="Calibration directory (routing and sensitivity heatmaps, coverage).")
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Held-out text (file, directory or JSONL), disjoint from calibration "
+                   "[default: the corpus's heldout split].")
+@click.option("--bench", "bench_paths", multiple=True, type=click.Path(path_type=Path),
+              help="JSON from scripts/bench_quant.py --out: adds its KL-versus-bits series.")
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path), help="Report directory.")
+@click.option("--samples", type=int, default=64, show_default=True, help="Held-out windows.")
+@click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per window.")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+              help="Tokenizer dir [default: the reference checkpoint's copy].")
+@click.option("--field", default="text", show_default=True, help="JSONL field holding the text.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
+def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_size, tokenizer, field, device,
+           as_json):
+    """Evaluate quantized checkpoints against the reference on held-out text and write report.json plus
+    a self-contained report.html (KL statistics, router agreement, heatmaps, KL-versus-bits curve).
+
+    \b
+    Example:
+      trtmoe report --calib calib/ --ref ckpt_fp/ --quant ckpt_q/ --data heldout.txt -o report/
+    """
+    import hashlib
+
+    from ..cli import console, err_console
+    from ..report.html import build_report, render, stats_rows
+    from ..report.quality import Reference, heldout_ids
+    from ..runtime.load import load_tokenizer
+    from .calibrate import load_calib
+
+    if not quants and not bench_paths:
+        raise InputError("nothing to report", hint="pass --quant CKPT (repeatable) and/or --bench bench.json")
+    if samples < 1 or seq_len < 2 or batch_size < 1:
+        raise InputError("--samples and --batch-size must be ≥ 1 and --seq-len ≥ 2")
+    warnings = []
+    cal = load_calib(calib) if calib else None
+    if cal and data is not None and cal.get("data", {}).get("path") and \
+            Path(cal["data"]["path"]).resolve() == Path(data).resolve():
+        warnings.append(f"the held-out data {data} is the calibration data: these statistics are not held-out")
+    tok = load_tokenizer(tokenizer or ref)
+    ids = heldout_ids(tok, samples=samples, seq_len=seq_len, path=data, text_field=field)
+    if ids.shape[0] < samples:
+        warnings.append(f"the held-out text yields only {ids.shape[0]} windows of {seq_len} tokens "
+                        f"(asked for {samples})")
+    benches = []
+    for b in bench_paths:
+        try:
+            benches.append(json.loads(Path(b).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"cannot read benchmark JSON: {e}", where=str(b)) from None
+    bench = {"rows": [r for b in benches for r in b.get("rows", [])],
+             "targets": [t for b in benches for t in b.get("targets", [])]} if benches else None
+    evals = []
+    refp = Reference(ref, ids, batch_size=batch_size, device=device) if quants else None
+    for q in quants:
+        err_console.print(f"evaluating {q} …")
+        evals.append(refp.compare(q))
+    if cal:
+        for u in cal["routing"]["under_observed"]:
+            warnings.append(f"layer {u['layer']} expert {u['expert']} saw only {u['tokens']} calibration tokens "
+                            f"(< {cal['routing']['min_tokens_threshold']}); its ΔKL is partly estimated")
+    heldout = {"source": str(data) if data is not None else "corpus split 'heldout'", "samples": int(ids.shape[0]),
+               "seq_len": int(ids.shape[1]), "tokens_scored": int(ids.shape[0] * (ids.shape[1] - 1)),
+               "sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
+    reference = {"checkpoint": str(ref), "footprint": refp.footprint, "seconds": refp.seconds} if refp else None
+    rep = build_report(calib=cal, reference=reference, evaluations=evals, bench=bench, heldout=heldout,
+                       warnings=warnings)
+    paths = render(rep, out)
+    if as_json:
+        click.echo(json.dumps({"report": str(paths["html"]), "evaluations": evals}, indent=1))
+        return
+    from rich.table import Table
+
+    headers, rows = stats_rows(evals)
+    keep = [0, 2, 4, 7, 9, 10, 13, 14]  # the columns that fit a terminal
+    t = Table(title=f"Held-out statistics ({heldout['tokens_scored']} scored tokens)", title_justify="left")
+    for i in keep:
+        t.add_column(headers[i], justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*[r[i] for i in keep])
+    console.print(t)
+    for w in warnings:
+        err_console.print(f"[yellow]warning:[/] {w}")
+    console.print(f"[green]wrote[/] {paths['html']} and {paths['json']}")

@@ -12,9 +12,10 @@ Numerics shared by the integer formats:
 * The weight is first cast to the model dtype (the checkpoint stores that dtype and
   ``trtllm-build`` quantizes from it), then to float32; scales are computed and applied in
   float32 and *stored* in the model dtype, as TensorRT-LLM's ``symmetric_quantize`` does.
-* Rounding is ``torch.round``: round-half-to-even. TensorRT-LLM's C++ quantizer uses C
-  ``round`` (half away from zero), so codes can differ on exact ``.5`` ties only; ModelOpt's
-  AWQ packer uses ``torch.round`` like us.
+* Rounding follows whoever quantizes in the real pipeline: the per-channel formats (which
+  ``trtllm-build`` quantizes itself) use C ``round``, half away from zero, as TensorRT-LLM's
+  C++ ``symmetric_quantize`` does; the group-wise INT4 format (packed at conversion, ModelOpt
+  style) uses ``torch.round``, half to even, as ModelOpt's packer does.
 * Dequantization multiplies the integer by the stored (model-dtype) scale.
 """
 
@@ -81,11 +82,11 @@ def unpack_int4(packed: Tensor, dim: int) -> Tensor:
     if packed.dim() == 0:
         raise InputError("unpack_int4 needs at least one dimension")
     dim = dim % packed.dim()
-    b = packed.movedim(dim, -1).view(torch.uint8).to(torch.int16)
-    # (n ^ 8) - 8 sign-extends a 4-bit two's-complement nibble.
-    low = ((b & 0x0F) ^ 8) - 8
-    high = ((b >> 4) ^ 8) - 8
-    out = torch.stack((low, high), dim=-1).flatten(-2).to(torch.int8)
+    b = packed.movedim(dim, -1).view(torch.uint8)
+    # (n ^ 8) - 8 sign-extends a 4-bit two's-complement nibble; it stays in int8 range.
+    low = ((b & 0x0F).view(torch.int8) ^ 8) - 8
+    high = ((b >> 4).view(torch.int8) ^ 8) - 8
+    out = torch.stack((low, high), dim=-1).flatten(-2)
     return out.movedim(-1, dim).contiguous()
 
 
@@ -180,7 +181,7 @@ class QuantFormat:
 
     def _check_dims(self, out_features: int, in_features: int, n: int = 1) -> None:
         for label, v in (("out_features", out_features), ("in_features", in_features), ("n", n)):
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not hasattr(v, "__index__") or v <= 0:
                 raise InputError(f"{self.name}: {label} must be a positive int, got {v!r}")
 
 
@@ -249,7 +250,8 @@ class PerChannelIntFormat(QuantFormat):
         scale = amax / qr  # float32, exact division by a power of two
         # A zero scale means an all-zero channel: divide by 1 there so its codes are 0, as in TRT.
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = wf.div_(safe.unsqueeze(-1)).round_().clamp_(-qr, qr - 1)
+        q = wf.div_(safe.unsqueeze(-1))
+        q = (q.abs().add_(0.5).floor_() * q.sign()).clamp_(-qr, qr - 1)  # C round(): ties away from 0
         q = q.to(torch.int8).transpose(-1, -2)  # → [..., in, out]
         weight = q.contiguous() if self.bits == 8 else pack_int4(q, dim=-1)
         return {"weight": weight, "per_channel_scale": scale.to(dtype).contiguous()}
@@ -277,7 +279,8 @@ class PerChannelIntFormat(QuantFormat):
         q = self._codes_in_out(packed)  # [..., in, out]
         _check_x(x, q.shape[-2], self.name)
         s = packed["per_channel_scale"]
-        w_t = (q.float() * s.float().unsqueeze(-2)).to(s.dtype).float()
+        # Codes are exact in the model dtype; the product rounds once into it, like the kernel.
+        w_t = (q.to(s.dtype) * s.unsqueeze(-2)).float()
         return torch.matmul(x.float(), w_t).to(x.dtype)
 
 
@@ -364,7 +367,7 @@ class GroupInt4Format(QuantFormat):
         q = self._codes(packed)
         _check_x(x, q.shape[-1], self.name)
         s = packed["weights_scaling_factor"]
-        w = (q.float() * self._grouped_scale(packed)).to(s.dtype).float()
+        w = (q.to(s.dtype) * s.repeat_interleave(self.group_size, dim=-1)).float()
         pq = packed["prequant_scaling_factor"].reshape(-1)
         xs = (x * pq.to(x.dtype)).float()
         return torch.matmul(xs, w.transpose(-1, -2)).to(x.dtype)

@@ -15,11 +15,12 @@ from .plan import FLOAT, QuantPlan, format_obj
 POLICIES = ("graded", "uniform", "frequency", "frequency-bytes", "random-bytes")
 
 
-def expert_cost_bits(fmt: str, I: int, H: int, dtype: torch.dtype) -> int:
-    """Stored bits of one expert (fc [2I, H] + proj [H, I]) in ``fmt``, scales counted."""
+def expert_cost_bits(fmt: str, I: int, H: int, dtype: torch.dtype, n: int = 1) -> int:
+    """Stored bits of ``n`` stacked experts (fc [2I, H] + proj [H, I]) in ``fmt``, scales counted
+    (a scale tensor shared by the stack, like AWQ's pre-quant scale, once)."""
     f = format_obj(fmt, dtype)
     scale = torch.empty((), dtype=dtype).element_size()
-    return 8 * (f.weight_bytes(2 * I, H, 1, scale) + f.weight_bytes(H, I, 1, scale))
+    return 8 * (f.weight_bytes(2 * I, H, n, scale) + f.weight_bytes(H, I, n, scale))
 
 
 def _candidates(calib: dict, formats: list[str] | None) -> list[str]:
@@ -50,7 +51,8 @@ def build_units(calib: dict, granularity: str, dtype: torch.dtype, formats: list
                 units.append(Unit(key=(l, e), n_weights=3 * I * H, costs_bits=dict(cost),
                                   delta_kl={f: 0.0 if f == FLOAT else float(dkl[f][l][e]) for f in fs}))
         else:
-            units.append(Unit(key=(l,), n_weights=E * 3 * I * H, costs_bits={f: E * c for f, c in cost.items()},
+            units.append(Unit(key=(l,), n_weights=E * 3 * I * H,
+                              costs_bits={f: expert_cost_bits(f, I, H, dtype, E) for f in fs},
                               delta_kl={f: 0.0 if f == FLOAT else float(sum(dkl[f][l])) for f in fs}))
     return units
 

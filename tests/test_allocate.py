@@ -1,0 +1,204 @@
+"""Exact bit allocator: optimality against brute force, budget, monotonicity, errors, scale."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+
+from trtmoe.errors import InputError
+from trtmoe.quant.allocate import Unit, allocate, feasible_bpw_range, unit_cost_bits
+
+FMTS = ("fp16", "int8", "int4_g128")
+
+
+def brute_force(units, budget_bits):
+    """Minimum total ΔKL over every assignment within ``budget_bits`` (None if none fits)."""
+    best = None
+    for combo in itertools.product(*[sorted(u.costs_bits) for u in units]):
+        cost = sum(u.costs_bits[f] for u, f in zip(units, combo))
+        if cost <= budget_bits:
+            val = math.fsum(u.delta_kl[f] for u, f in zip(units, combo))
+            if best is None or val < best:
+                best = val
+    return best
+
+
+def random_units(rng, n, kind):
+    units = []
+    for i in range(n):
+        nw = int(rng.integers(50, 2000))
+        if kind == "tiny_costs":  # many equal costs and exact cost ties across units
+            costs = {f: int(rng.integers(1, 12)) for f in FMTS}
+        else:  # format-like: fp16 > int8 > int4 plus scale noise
+            costs = {"fp16": 16 * nw, "int8": 8 * nw + int(rng.integers(0, 64)),
+                     "int4_g128": 4 * nw + int(rng.integers(0, 64))}
+        if kind == "ties":  # small integer ΔKL: many exact value ties
+            dkl = {f: float(rng.integers(0, 4)) for f in FMTS}
+        elif kind == "nonmonotone":  # a "cheaper" format may even be better
+            dkl = {f: float(rng.normal()) for f in FMTS}
+        else:
+            s = float(rng.lognormal(0, 1.5))
+            dkl = {"fp16": float(rng.random()) * 1e-4, "int8": s * float(rng.random()) * 1e-2,
+                   "int4_g128": s * float(rng.random() + 0.2)}
+        units.append(Unit(key=("layer", i), n_weights=nw, costs_bits=costs, delta_kl=dkl))
+    return units
+
+
+@pytest.mark.parametrize("kind", ["realistic", "tiny_costs", "ties", "nonmonotone"])
+def test_matches_brute_force(kind):
+    rng = np.random.default_rng({"realistic": 1, "tiny_costs": 2, "ties": 3, "nonmonotone": 4}[kind])
+    for _ in range(60):
+        units = random_units(rng, int(rng.integers(1, 9)), kind)
+        lo, hi = feasible_bpw_range(units)
+        for budget in (lo, float(rng.uniform(lo, hi)), float(rng.uniform(lo, hi)), hi):
+            plan = allocate(units, budget)
+            assert plan.extra["exact"]
+            ref = brute_force(units, plan.budget_bits)
+            assert plan.predicted_delta_kl == pytest.approx(ref, rel=1e-12, abs=1e-12)
+            # the plan's own totals are what its assignment says
+            assert plan.total_bits == sum(u.costs_bits[plan.assignment[u.key]] for u in units)
+            assert plan.total_bits <= plan.budget_bits
+            assert plan.predicted_delta_kl == pytest.approx(
+                sum(u.delta_kl[plan.assignment[u.key]] for u in units), rel=1e-12, abs=1e-15)
+            assert plan.avg_bits_per_weight == plan.total_bits / sum(u.n_weights for u in units)
+
+
+def test_budget_respected_and_monotone():
+    rng = np.random.default_rng(7)
+    units = random_units(rng, 40, "realistic")
+    lo, hi = feasible_bpw_range(units)
+    prev = math.inf
+    for budget in np.linspace(lo, hi, 60):
+        plan = allocate(units, float(budget))
+        assert plan.total_bits <= math.floor(budget * plan.n_weights) + 1
+        assert plan.avg_bits_per_weight <= budget + 1e-9
+        assert plan.predicted_delta_kl <= prev + 1e-12
+        prev = plan.predicted_delta_kl
+
+
+def test_not_greedy():
+    # Greedy by ΔKL-saved-per-bit upgrades unit A first and then cannot afford B; the optimum
+    # upgrades B only.
+    a = Unit(("a",), 1, {"fp16": 10, "int4_g128": 4}, {"fp16": 0.0, "int4_g128": 1.2})
+    b = Unit(("b",), 1, {"fp16": 12, "int4_g128": 4}, {"fp16": 0.0, "int4_g128": 1.5})
+    plan = allocate([a, b], 16 / 2)  # 16 bits for both
+    assert plan.assignment == {("a",): "int4_g128", ("b",): "fp16"}
+    assert plan.predicted_delta_kl == pytest.approx(1.2)
+
+
+def test_budget_not_binding_picks_best_everywhere():
+    units = random_units(np.random.default_rng(8), 10, "realistic")
+    _, hi = feasible_bpw_range(units)
+    plan = allocate(units, hi)
+    for u in units:
+        best = min(u.delta_kl.values())
+        assert u.delta_kl[plan.assignment[u.key]] == best
+    assert not plan.extra["binding"]
+
+
+def test_error_cases():
+    units = random_units(np.random.default_rng(9), 5, "realistic")
+    lo, hi = feasible_bpw_range(units)
+    with pytest.raises(InputError, match=r"feasible range \[\d+\.\d+, \d+\.\d+\] bits/weight"):
+        allocate(units, lo - 0.01)
+    with pytest.raises(InputError, match="feasible range"):
+        allocate(units, hi + 0.01)
+    with pytest.raises(InputError):
+        allocate(units, float("nan"))
+    with pytest.raises(InputError, match="no units"):
+        allocate([], 4.0)
+    dup = units + [Unit(units[0].key, 10, {"fp16": 160}, {"fp16": 0.0})]
+    with pytest.raises(InputError, match="duplicate"):
+        allocate(dup, 8.0)
+    with pytest.raises(InputError, match="differ"):
+        allocate([Unit(("x",), 10, {"fp16": 160, "int8": 80}, {"fp16": 0.0})], 12.0)
+    with pytest.raises(InputError, match="not finite"):
+        allocate([Unit(("x",), 10, {"fp16": 160, "int8": 80}, {"fp16": 0.0, "int8": math.inf})], 12.0)
+    with pytest.raises(InputError, match="positive int"):
+        allocate([Unit(("x",), 10, {"fp16": 160, "int8": 80.5}, {"fp16": 0.0, "int8": 1.0})], 12.0)
+    # the exact ends of the range are accepted
+    assert allocate(units, lo).total_bits == sum(min(u.costs_bits.values()) for u in units)
+    assert allocate(units, hi).predicted_delta_kl == pytest.approx(
+        sum(min(u.delta_kl.values()) for u in units))
+
+
+def test_unit_cost_bits_uses_the_formats():
+    costs = unit_cost_bits(FMTS, [(768, 2048), (768, 2048), (2048, 768)])
+    n = 3 * 768 * 2048
+    assert costs["fp16"] == 16 * n
+    assert costs["int8"] == 8 * n + 16 * (768 + 768 + 2048)
+    assert costs["int4_g128"] == 4 * n + 16 * (n // 128) + 16 * (2048 + 2048 + 768)
+
+
+def _model_like_units(n_layers=48, n_experts=64, seed=0):
+    """A Qwen-MoE-like pool: 3,072 experts of one shape, ΔKL heavy-tailed and growing with depth."""
+    rng = np.random.default_rng(seed)
+    costs = unit_cost_bits(FMTS, [(768, 2048), (768, 2048), (2048, 768)])
+    nw = 3 * 768 * 2048
+    units = []
+    for layer in range(n_layers):
+        for e in range(n_experts):
+            s = float(rng.lognormal(0, 1.5)) * (1 + layer / 10)
+            units.append(Unit((layer, e), nw, dict(costs), {
+                "fp16": 0.0,
+                "int8": s * 1e-4 * float(rng.lognormal(0, 0.3)),
+                "int4_g128": s * 2e-3 * float(rng.lognormal(0, 0.3))}))
+    return units
+
+
+@pytest.mark.parametrize("budget", [4.5, 6.0, 9.0])
+def test_3072_units_solve(budget):
+    units = _model_like_units()
+    assert len(units) == 3072
+    t0 = time.perf_counter()
+    plan = allocate(units, budget)
+    dt = time.perf_counter() - t0
+    print(f"\n3072 units x 3 formats @ {budget} bpw: {dt * 1000:.0f} ms, "
+          f"avg {plan.avg_bits_per_weight:.5f} bpw, free units {plan.extra['free_units']}, "
+          f"largest front {plan.extra['max_front']}, exact {plan.extra['exact']}")
+    assert plan.extra["exact"]
+    assert budget - 0.02 <= plan.avg_bits_per_weight <= budget
+    # the LP bound brackets the optimum
+    assert plan.extra["lower_bound"] <= plan.predicted_delta_kl + 1e-12
+
+
+def test_3072_units_with_distinct_costs_solve():
+    rng = np.random.default_rng(11)
+    units = []
+    for i in range(3072):
+        inter = int(rng.integers(1, 13)) * 128
+        costs = unit_cost_bits(FMTS, [(inter, 2048), (inter, 2048), (2048, inter)])
+        s = float(rng.lognormal(0, 2))
+        units.append(Unit((i,), 3 * inter * 2048, costs, {
+            "fp16": float(rng.random()) * 1e-6, "int8": s * 1e-4 * float(rng.random()),
+            "int4_g128": s * 1e-3 * float(rng.random() + 0.1)}))
+    t0 = time.perf_counter()
+    plan = allocate(units, 5.0)
+    print(f"\n3072 units, 12 shapes: {(time.perf_counter() - t0) * 1000:.0f} ms, "
+          f"avg {plan.avg_bits_per_weight:.5f} bpw, exact {plan.extra['exact']}")
+    assert plan.extra["exact"]
+    assert 4.98 <= plan.avg_bits_per_weight <= 5.0
+
+
+def test_subset_sum_like_instance_is_flagged_not_hidden():
+    # ΔKL exactly proportional to bits saved ties every unit at the LP multiplier, so the exact
+    # search degenerates to subset-sum; the plan says it is not proven optimal and bounds the gap.
+    rng = np.random.default_rng(12)
+    units = []
+    for i in range(3072):
+        nw = int(rng.integers(10**5, 10**7))
+        c = {"fp16": 16 * nw, "int8": 8 * nw + int(rng.integers(0, 10**4)),
+             "int4_g128": 4 * nw + int(rng.integers(0, 10**4))}
+        units.append(Unit((i,), nw, c, {f: 1e-9 * (c["fp16"] - c[f]) for f in c}))
+    t0 = time.perf_counter()
+    plan = allocate(units, 6.0)
+    print(f"\nsubset-sum-like 3072 units: {(time.perf_counter() - t0) * 1000:.0f} ms, "
+          f"gap bound {plan.extra['gap_bound']:.3g} of ΔKL {plan.predicted_delta_kl:.6g}")
+    assert plan.total_bits <= plan.budget_bits
+    if not plan.extra["exact"]:
+        assert plan.extra["gap_bound"] <= 1e-6 * plan.predicted_delta_kl
+    assert plan.predicted_delta_kl >= plan.extra["lower_bound"] - 1e-9
