@@ -309,7 +309,7 @@ def _register_optional():
                 continue
             raise
         for n in names:
-            cmd = getattr(m, n, None)
+            cmd = getattr(m, n, None) or getattr(m, f"{n}_command", None)
             if isinstance(cmd, click.Command):
                 main.add_command(cmd, n)
 

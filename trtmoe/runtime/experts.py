@@ -39,6 +39,10 @@ def _float_fc_proj(files, cfg, pre: str, pp_rank: int):
     """Reassemble full per-expert fc/proj from the EP/TP rank shards."""
     mp = cfg.mapping
     E_loc = cfg.num_experts // mp.moe_ep_size
+    if mp.moe_tp_size == 1:  # each EP rank already holds whole experts: no reassembly copies
+        fcs = [files.get(pre + "mlp.fc.weight", mp.tp_rank_for(0, ep), pp_rank) for ep in range(mp.moe_ep_size)]
+        projs = [files.get(pre + "mlp.proj.weight", mp.tp_rank_for(0, ep), pp_rank) for ep in range(mp.moe_ep_size)]
+        return (fcs[0], projs[0]) if len(fcs) == 1 else (torch.cat(fcs), torch.cat(projs))
     fcs, projs = [], []
     for ep in range(mp.moe_ep_size):
         ups, gates, downs = [], [], []

@@ -33,6 +33,8 @@ def checkpoint_dir_of(path: str | Path) -> tuple[Path, dict]:
 
 def load_engine(path: str | Path, device: str | None = None) -> EmbeddedEngine:
     ck, build = checkpoint_dir_of(path)
+    if device is None and build.get("device") not in (None, "auto"):
+        device = build["device"]
     return EmbeddedEngine.from_checkpoint(ck, device=device, max_seq_len=build.get("max_seq_len"))
 
 

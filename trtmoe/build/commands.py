@@ -1,0 +1,150 @@
+"""The ``trtmoe build`` command (registered by ``trtmoe.cli``)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+console = Console()
+
+
+def _echo_lines(lines: list[str], err: bool = False) -> None:
+    for line in lines:
+        click.echo(line, err=err)
+
+
+@click.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
+              help="Engine directory to write (atomically).")
+@click.option("-c", "--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="YAML build config (its `build:` section); CLI options override it.")
+@click.option("--backend", type=click.Choice(["tensorrt-llm", "embedded"]), default=None,
+              help="tensorrt-llm: run trtllm-build (GPU + TensorRT-LLM 1.2.x); embedded: engine dir for the "
+                   "embedded PyTorch engine [default: embedded].")
+@click.option("--max-batch-size", type=int, default=None, help="Requests decoded together [default: 8].")
+@click.option("--max-input-len", type=int, default=None, help="Longest prompt, tokens [default: 1024].")
+@click.option("--max-seq-len", type=int, default=None,
+              help="Longest prompt + output, tokens [default: the model's max_position_embeddings].")
+@click.option("--max-num-tokens", type=int, default=None, help="Tokens per engine step [default: 8192].")
+@click.option("--max-beam-width", type=int, default=None, help="Beams per request (only 1) [default: 1].")
+@click.option("--tokens-per-block", type=int, default=None, help="Tokens per paged KV block [default: 32].")
+@click.option("--kv-cache-type", type=click.Choice(["paged", "continuous"]), default=None,
+              help="KV cache kind for TensorRT-LLM [default: paged].")
+@click.option("--gemm-plugin", default=None, help="auto, float16, bfloat16, float32 or disable [default: auto].")
+@click.option("--gpt-attention-plugin", default=None, help="auto, float16, bfloat16 or float32 [default: auto].")
+@click.option("--moe-plugin", default=None, help="auto, float16, bfloat16 or float32 [default: auto].")
+@click.option("--context-fmha/--no-context-fmha", default=None, help="Fused attention in the context phase.")
+@click.option("--use-paged-context-fmha/--no-use-paged-context-fmha", default=None,
+              help="Paged context FMHA (KV reuse, chunked context).")
+@click.option("--remove-input-padding/--no-remove-input-padding", default=None, help="Packed (unpadded) inputs.")
+@click.option("--workers", type=int, default=None, help="Ranks trtllm-build builds in parallel [default: 1].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+              help="Device recorded for the embedded engine [default: auto].")
+@click.option("--dry-run", is_flag=True,
+              help="Check everything that needs no GPU, print the exact command (tensorrt-llm) or engine "
+                   "config (embedded) and a memory estimate; write nothing.")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--allow-fewer-gpus", is_flag=True,
+              help="tensorrt-llm: build every rank one after another on fewer GPUs than the world size.")
+@click.option("--copy", "copy_files", is_flag=True,
+              help="embedded: copy the checkpoint instead of hard-linking it.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def build(checkpoint, out, config_path, backend, max_batch_size, max_input_len, max_seq_len, max_num_tokens,
+          max_beam_width, tokens_per_block, kv_cache_type, gemm_plugin, gpt_attention_plugin, moe_plugin,
+          context_fmha, use_paged_context_fmha, remove_input_padding, workers, device, dry_run, force,
+          allow_fewer_gpus, copy_files, as_json):
+    """Build an engine directory from a `trtmoe convert` checkpoint.
+
+    Settings merge CLI > YAML (`build:` section) > defaults. Every check that needs no GPU runs
+    before any work: the settings against each other and the model (each contradiction named), what
+    TensorRT-LLM 1.2 can build (per-expert quantization, Qwen dense layers, DeepSeek dense layers
+    other than layer 0), TensorRT-LLM installed at the checkpoint's target release, enough GPUs for
+    the checkpoint's world size, and every file against the checkpoint's manifest.
+
+    \b
+    Examples:
+      trtmoe build ckpt/ -o engine/ --backend embedded --max-batch-size 32 --max-input-len 256
+      trtmoe build ckpt/ -o engine/ -c build_configs/mixtral-8x7b-ep8.yaml --dry-run
+      trtmoe build ckpt/ -o engine/ --backend tensorrt-llm --max-seq-len 4096 --workers 4
+      trtmoe verify engine/
+    """
+    from .. import config as cfgmod
+
+    cfg = cfgmod.resolve(config_path, {"build": dict(
+        backend=backend, max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
+        max_num_tokens=max_num_tokens, max_beam_width=max_beam_width, tokens_per_block=tokens_per_block,
+        kv_cache_type=kv_cache_type, gemm_plugin=gemm_plugin, gpt_attention_plugin=gpt_attention_plugin,
+        moe_plugin=moe_plugin, context_fmha=context_fmha, use_paged_context_fmha=use_paged_context_fmha,
+        remove_input_padding=remove_input_padding, workers=workers, device=device)})
+    b = cfg["build"]
+    if b["backend"] == "tensorrt-llm":
+        _tensorrt_llm(checkpoint, out, b, dry_run=dry_run, force=force, allow_fewer_gpus=allow_fewer_gpus,
+                      as_json=as_json)
+    else:
+        _embedded(checkpoint, out, b, dry_run=dry_run, force=force, link=not copy_files, as_json=as_json)
+
+
+def _tensorrt_llm(checkpoint, out, b, *, dry_run, force, allow_fewer_gpus, as_json):
+    from .estimate import render_estimate
+    from .tensorrt_llm import build_tensorrt_llm, environment_notes, plan_tensorrt_llm
+
+    if dry_run:
+        plan = plan_tensorrt_llm(checkpoint, out, b)
+        env = environment_notes(plan.facts)
+        if as_json:
+            click.echo(json.dumps({"backend": "tensorrt-llm", "dry_run": True, "command": plan.argv,
+                                   "build_config": plan.limits.build, "notes": plan.limits.notes,
+                                   "environment": env, "estimate": plan.estimate.to_dict()}, indent=2))
+            return
+        click.echo(f"checkpoint {plan.facts.path}: verified; {plan.facts.mapping.describe()}, {plan.facts.dtype}, "
+                   f"quant_algo {plan.facts.quant_algo}")
+        click.echo("command (dry run, not executed):")
+        click.echo("  " + shlex.join(plan.argv))
+        _echo_lines(render_estimate(plan.estimate, plan.facts.dtype))
+        _echo_lines([f"note: {n}" for n in plan.limits.notes])
+        _echo_lines([f"environment: {n}" for n in env])
+        return
+    res = build_tensorrt_llm(checkpoint, out, b, force=force, allow_fewer_gpus=allow_fewer_gpus,
+                             log=lambda s: click.echo(s, err=True))
+    if as_json:
+        click.echo(json.dumps({"output": str(res.out_dir), "command": res.argv, "seconds": res.seconds,
+                               "versions": res.manifest.get("versions")}, indent=2))
+    else:
+        console.print(f"[green]wrote[/] {res.out_dir} in {res.seconds:.1f} s — TensorRT-LLM "
+                      f"{res.manifest['versions'].get('tensorrt_llm')}, "
+                      f"{len([f for f in res.manifest['files'] if f.endswith('.engine')])} rank engine(s)")
+
+
+def _embedded(checkpoint, out, b, *, dry_run, force, link, as_json):
+    from .embedded import build_embedded, plan_embedded
+    from .estimate import render_estimate
+
+    if dry_run:
+        plan = plan_embedded(checkpoint, b)
+        if as_json:
+            click.echo(json.dumps({"backend": "embedded", "dry_run": True, "output": str(out),
+                                   "build_config": plan.config["build_config"], "notes": plan.limits.notes,
+                                   "estimate": plan.estimate.to_dict()}, indent=2))
+            return
+        click.echo(f"checkpoint {plan.facts.path}: verified; {plan.facts.mapping.describe()}, {plan.facts.dtype}")
+        click.echo(f"would write {out}/config.json with build_config "
+                   f"{json.dumps(plan.config['build_config'], sort_keys=True)} and the checkpoint under "
+                   f"{out}/checkpoint/ (dry run: nothing written)")
+        _echo_lines(render_estimate(plan.estimate, plan.facts.dtype))
+        return
+    res = build_embedded(checkpoint, out, b, force=force, link=link)
+    if as_json:
+        click.echo(json.dumps({"output": str(res.out_dir), "build_config": res.config["build_config"],
+                               "linked_files": res.linked_files, "copied_files": res.copied_files,
+                               "seconds": res.seconds}, indent=2))
+    else:
+        bc = res.config["build_config"]
+        how = "hard-linked" if res.copied_files == 0 else ("copied" if res.linked_files == 0 else "linked/copied")
+        console.print(f"[green]wrote[/] {res.out_dir} in {res.seconds:.1f} s — embedded engine, checkpoint {how} "
+                      f"({res.linked_files + res.copied_files} files); max_batch_size {bc['max_batch_size']}, "
+                      f"max_input_len {bc['max_input_len']}, max_seq_len {bc['max_seq_len']}")
