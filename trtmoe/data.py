@@ -225,14 +225,14 @@ def load_texts(path: str | Path, field: str = "text") -> list[str]:
         raise InputError("calibration data not found", where=str(p))
     texts: list[str] = []
     if p.is_dir():
-        files = sorted(
-            (f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)),
-            key=lambda f: f.relative_to(p).as_posix(),
-        )
+        visible = (f for f in p.rglob("*") if not any(part.startswith(".") for part in f.relative_to(p).parts))
+        files = sorted((f for f in visible if f.is_file()), key=lambda f: f.relative_to(p).as_posix())
         for f in files:
             texts.extend(_read_text_file(f, field, strict=False))
     else:
         texts = _read_text_file(p, field, strict=True)
     if not texts:
-        raise InputError("no calibration text found", where=str(p), hint="expected non-empty text files or JSONL records")
+        raise InputError(
+            "no calibration text found", where=str(p), hint="expected non-empty text files or JSONL records"
+        )
     return texts
