@@ -38,14 +38,18 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "trtllm_version": Key(str, DEFAULT_TRTLLM_VERSION, choices=("1.2", "1.2.0", "1.2.1")),
     },
     "quantize": {
-        "policy": Key(str, "none", choices=("none", "graded", "uniform", "frequency", "random")),
+        # Same names as `trtmoe convert --policy` and trtmoe.quant.policies.POLICIES.
+        "policy": Key(str, "none", choices=("none", "graded", "uniform", "frequency", "frequency-bytes",
+                                            "random-bytes")),
         "format": Key(str, None, nullable=True, choices=("int8", "int4", "int4_g128"),
                       help="the format for policy=uniform"),
         "budget_bpw": Key((int, float), None, nullable=True, minimum=1, maximum=32,
                           help="average bits per expert weight, scales counted"),
         "budget_gb": Key((int, float), None, nullable=True, minimum=0, help="expert bytes per GPU, in GB"),
         "granularity": Key(str, "auto", choices=("auto", "expert", "layer")),
-        "formats": Key(list, None, nullable=True, help="candidate formats, e.g. [fp16, int8, int4_g128]"),
+        "formats": Key(list, None, nullable=True,
+                       choices=("fp16", "bf16", "fp32", "float", "int8", "int4", "int4_g128"),
+                       help="candidate formats, e.g. [fp16, int8, int4_g128]; choices apply to each item"),
         "calib": Key(str, None, nullable=True, help="calibration directory from `trtmoe calibrate`"),
         "placement": Key(str, "identity", choices=("identity", "balanced")),
         "seed": Key(int, 0),
@@ -91,7 +95,12 @@ def check_value(where: str, key: Key, value: Any) -> Any:
         ok = isinstance(value, key.type)
     if not ok:
         raise ConfigError(f"{where} must be {_type_name(key.type)}, got {value!r}")
-    if key.choices is not None and value not in key.choices:
+    if key.choices is not None and isinstance(value, list):
+        bad = [v for v in value if v not in key.choices]
+        if bad:
+            raise ConfigError(f"{where} has {', '.join(map(repr, bad))}, not allowed",
+                              hint="allowed items: " + ", ".join(map(str, key.choices)))
+    elif key.choices is not None and value not in key.choices:
         raise ConfigError(f"{where} = {value!r} is not allowed", hint="allowed: " + ", ".join(map(str, key.choices)))
     if key.minimum is not None and value < key.minimum:
         raise ConfigError(f"{where} = {value!r} is below the minimum {key.minimum}")

@@ -28,9 +28,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _clean_stale(parent: Path, name: str) -> None:
-    for p in parent.glob(f".{name}{_MARK}*"):
-        try:
-            pid = int(p.name.rsplit("-", 2)[-2])
+    prefix = f".{name}{_MARK}"
+    for p in parent.glob(prefix + "*"):
+        try:  # ".NAME.trtmoe-partial-PID-HEX" or, for a replaced output, "...-PID-old-HEX"
+            pid = int(p.name[len(prefix):].split("-", 1)[0])
         except ValueError:
             continue
         if not _pid_alive(pid):

@@ -259,7 +259,7 @@ class RankLayout:
     def _packed_shapes(self, fmt_name: str, out_f: int, in_f: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         from ..quant.plan import format_obj
 
-        key = (fmt_name, out_f, in_f)
+        key = (fmt_name, out_f, in_f, self.dtype)  # scales are stored in the model dtype
         if key not in _SHAPE_CACHE:
             packed = format_obj(fmt_name, self.dtype).quantize(torch.ones(out_f, in_f, dtype=self.dtype),
                                                                dtype=self.dtype)

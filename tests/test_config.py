@@ -1,0 +1,227 @@
+"""YAML build configs: the shipped ones are valid and sensible; mistakes name the key and what is
+allowed; precedence is CLI > YAML > defaults, both in ``resolve`` and through ``trtmoe convert``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import click
+import pytest
+
+from trtmoe import config as cfgmod
+from trtmoe.build.preflight import resolve_limits
+from trtmoe.errors import ConfigError, LayoutError
+from trtmoe.model.description import MoEModel
+from trtmoe.parallel.mapping import Mapping
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO_ROOT / "build_configs").glob("*.yaml"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+
+# Public facts of the models the shipped configs name (their HF config.json values).
+MODEL_FACTS = {
+    "mistralai/Mixtral-8x7B-v0.1": dict(
+        family="mixtral", hf_architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, expert_intermediate_size=14336,
+        normalization_mode=1, moe_layers=(True,) * 32, max_position_embeddings=32768, source_dtype="bfloat16"),
+    "Qwen/Qwen1.5-MoE-A2.7B": dict(
+        family="qwen2_moe", hf_architecture="Qwen2MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+        num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128, num_experts=60, top_k=4,
+        expert_intermediate_size=1408, normalization_mode=0, moe_layers=(True,) * 24, dense_intermediate_size=5632,
+        shared_expert_intermediate_size=5632, shared_expert_gate=True, qkv_bias=True,
+        max_position_embeddings=8192, source_dtype="bfloat16"),
+}
+
+
+def test_shipped_configs_exist():
+    assert {p.name for p in SHIPPED} >= {"tiny-cpu.yaml", "mixtral-8x7b-ep8.yaml", "qwen-moe.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_validates(path):
+    data = cfgmod.load_yaml(path)
+    assert data["model"] and {"convert", "build"} <= set(data)
+    resolved = cfgmod.resolve(path)
+    cv = resolved["convert"]
+    Mapping.create(cv["tp"], cv["pp"], cv["moe_tp"], cv["moe_ep"])  # moe_tp × moe_ep = tp
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_comments_every_key(path):
+    """Every key line carries a comment, inline or on the line just above it."""
+    prev = ""
+    missing = []
+    for line in path.read_text().splitlines():
+        s = line.strip()
+        if re.match(r"^[A-Za-z_]+:", s) and "#" not in s and not prev.startswith("#"):
+            missing.append(s)
+        if s:
+            prev = s
+    assert not missing, f"keys without a comment: {missing}"
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b-ep8.yaml", "qwen-moe.yaml"])
+def test_gpu_configs_fit_their_models(name):
+    """The layout can hold the named model and the build limits agree with each other and with it."""
+    resolved = cfgmod.resolve(REPO_ROOT / "build_configs" / name)
+    facts = MODEL_FACTS[resolved["model"]]
+    cv = resolved["convert"]
+    mapping = Mapping.create(cv["tp"], cv["pp"], cv["moe_tp"], cv["moe_ep"])
+    mapping.validate(MoEModel(**facts))
+    assert cv["dtype"] == facts["source_dtype"]
+    b = resolved["build"]
+    assert b["backend"] == "tensorrt-llm" and b["workers"] == mapping.world_size
+    ck = SimpleNamespace(dtype=cv["dtype"], seq_len_limit=facts["max_position_embeddings"],
+                         max_position_embeddings=facts["max_position_embeddings"])
+    resolve_limits(b, ck, b["backend"])  # raises ConfigError naming any contradiction
+
+
+def test_qwen_config_is_a_graded_plan_for_trtllm():
+    q = cfgmod.resolve(REPO_ROOT / "build_configs" / "qwen-moe.yaml")["quantize"]
+    assert q["policy"] == "graded" and q["budget_bpw"] is not None and q["calib"]
+    # int4_g128 needs both GEMM inputs divisible by 128 on every rank: H=2048, I_loc=1408/moe_tp.
+    facts = MODEL_FACTS["Qwen/Qwen1.5-MoE-A2.7B"]
+    assert facts["hidden_size"] % 128 == 0 and facts["expert_intermediate_size"] % 128 == 0
+    assert len(q["formats"]) >= 3
+
+
+def test_tiny_cpu_config_matches_the_trained_fixture():
+    resolved = cfgmod.resolve(REPO_ROOT / "build_configs" / "tiny-cpu.yaml")
+    assert resolved["build"]["backend"] == "embedded" and resolved["build"]["device"] == "cpu"
+    assert resolved["convert"]["tp"] == 1
+    fixture = REPO_ROOT / resolved["model"]
+    if not (fixture / "config.json").is_file():
+        pytest.skip(f"{resolved['model']} is not built here (scripts/make_trained_fixture.py makes it)")
+    hf = json.loads((fixture / "config.json").read_text())
+    ck = SimpleNamespace(dtype=resolved["convert"]["dtype"], seq_len_limit=hf["max_position_embeddings"],
+                         max_position_embeddings=hf["max_position_embeddings"])
+    resolve_limits(resolved["build"], ck, "embedded")
+
+
+# ---- mistakes name the key and what is allowed ----------------------------------------------------
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "cfg.yaml"
+    p.write_text(text)
+    return p
+
+
+def error_of(tmp_path, text: str) -> str:
+    with pytest.raises(ConfigError) as ei:
+        cfgmod.load_yaml(write(tmp_path, text))
+    return ei.value.render()
+
+
+def test_unknown_section_lists_sections(tmp_path):
+    msg = error_of(tmp_path, "convrt:\n  tp: 2\n")
+    assert "unknown section 'convrt'" in msg
+    assert "allowed: model, convert, quantize, build" in msg
+
+
+def test_unknown_key_names_key_and_lists_keys(tmp_path):
+    msg = error_of(tmp_path, "convert:\n  tp: 2\n  moe_ep_size: 2\n")
+    assert "unknown key convert.moe_ep_size" in msg
+    for k in cfgmod.SCHEMA["convert"]:
+        assert k in msg
+    msg = error_of(tmp_path, "build:\n  max_batch: 8\n")
+    assert "unknown key build.max_batch" in msg and "max_batch_size" in msg
+
+
+@pytest.mark.parametrize("text, parts", [
+    ("convert:\n  dtype: fp8\n", ["convert.dtype", "'fp8' is not allowed", "auto, float32, float16, bfloat16"]),
+    ("build:\n  backend: vllm\n", ["build.backend", "'vllm'", "embedded, tensorrt-llm"]),
+    ("quantize:\n  policy: best\n", ["quantize.policy", "'best'", "graded", "frequency-bytes"]),
+    ("quantize:\n  formats: [int8, int3]\n", ["quantize.formats", "'int3'", "int4_g128"]),
+    ("convert:\n  tp: two\n", ["convert.tp", "must be int", "'two'"]),
+    ("convert:\n  tp: 0\n", ["convert.tp", "below the minimum 1"]),
+    ("convert:\n  tp: true\n", ["convert.tp", "must be int"]),
+    ("build:\n  max_beam_width: 4\n", ["build.max_beam_width", "allowed: 1"]),
+    ("quantize:\n  budget_bpw: 64\n", ["quantize.budget_bpw", "above the maximum 32"]),
+    ("build:\n  context_fmha: yes please\n", ["build.context_fmha", "must be bool"]),
+    ("convert:\n  tp:\n", ["convert.tp", "must not be null"]),
+    ("- tp: 2\n", ["top level must be a mapping"]),
+    ("convert: [1, 2]\n", ["section 'convert' must be a mapping"]),
+    ("convert:\n  tp: [2\n", ["not valid YAML"]),
+])
+def test_bad_values_name_key_and_allowed_values(tmp_path, text, parts):
+    msg = error_of(tmp_path, text)
+    for part in parts:
+        assert part in msg, (part, msg)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        cfgmod.load_yaml(tmp_path / "nope.yaml")
+
+
+# ---- precedence -----------------------------------------------------------------------------------
+
+def test_resolve_precedence_cli_over_yaml_over_defaults(tmp_path):
+    p = write(tmp_path, "convert:\n  tp: 4\n  moe_ep: 2\n  dtype: bfloat16\nbuild:\n  max_batch_size: 16\n")
+    d = cfgmod.defaults()
+    r = cfgmod.resolve(p, {"convert": {"tp": 2, "moe_ep": None, "dtype": None}, "build": {"max_batch_size": 3}})
+    assert r["convert"]["tp"] == 2  # CLI beats YAML
+    assert r["convert"]["moe_ep"] == 2 and r["convert"]["dtype"] == "bfloat16"  # YAML where CLI is silent
+    assert r["build"]["max_batch_size"] == 3
+    assert r["convert"]["pp"] == d["convert"]["pp"] == 1  # defaults where neither speaks
+    assert r["build"]["max_input_len"] == d["build"]["max_input_len"]
+    assert cfgmod.resolve(None, None) == d
+    assert cfgmod.resolve(p)["convert"]["tp"] == 4
+
+
+def test_resolve_checks_cli_values_too(tmp_path):
+    with pytest.raises(ConfigError, match="--tp = 0 is below the minimum 1"):
+        cfgmod.resolve(None, {"convert": {"tp": 0}})
+
+
+def test_cli_choices_match_the_yaml_schema():
+    """Every ``trtmoe convert`` option with fixed choices offers exactly the YAML key's choices."""
+    from trtmoe.cli import convert
+
+    where = {"dtype": ("convert", "dtype"), "policy": ("quantize", "policy"), "fmt": ("quantize", "format"),
+             "target": ("build", "backend"), "placement": ("quantize", "placement")}
+    seen = set()
+    for param in convert.params:
+        if isinstance(param.type, click.Choice) and param.name in where:
+            sec, key = where[param.name]
+            assert set(param.type.choices) == set(cfgmod.SCHEMA[sec][key].choices), param.name
+            seen.add(param.name)
+    assert seen == set(where), f"options not found on `trtmoe convert`: {set(where) - seen}"
+
+
+def test_convert_cli_records_precedence_in_manifest(tiny_model, tmp_path):
+    p = write(tmp_path, "convert:\n  tp: 4\n  moe_ep: 2\n  dtype: bfloat16\n")
+    out = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "trtmoe.cli", "convert", str(tiny_model("mixtral")), "-o", str(out),
+                           "-c", str(p), "--tp", "2"], capture_output=True, text=True, env=ENV, cwd=REPO_ROOT,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    cv = manifest["resolved_config"]["convert"]
+    assert (cv["tp"], cv["moe_ep"], cv["dtype"], cv["pp"]) == (2, 2, "bfloat16", 1)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16"
+    assert (cfg["mapping"]["tp_size"], cfg["mapping"]["moe_ep_size"], cfg["mapping"]["moe_tp_size"]) == (2, 2, 1)
+
+
+def test_convert_cli_rejects_bad_yaml_with_exit_2(tiny_model, tmp_path):
+    p = write(tmp_path, "convert:\n  tp: 2\n  moe_ep_sz: 2\n")
+    out = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "trtmoe.cli", "convert", str(tiny_model("mixtral")), "-o", str(out),
+                           "-c", str(p)], capture_output=True, text=True, env=ENV, cwd=REPO_ROOT, timeout=240)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "unknown key convert.moe_ep_sz" in lines[0] and "moe_ep" in lines[0]
+    assert not out.exists()
+
+
+def test_layout_error_is_not_a_config_error():
+    # Layout problems surface as LayoutError (exit 2) from Mapping, not from the YAML schema.
+    with pytest.raises(LayoutError, match=r"2 × 4 = 8 ≠ 4"):
+        Mapping.create(4, 1, 2, 4)
