@@ -104,11 +104,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class EmbeddedEngine:
     """Runs a TensorRT-LLM checkpoint directory with PyTorch."""
 
-    def __init__(self, cfg: CheckpointConfig, device: torch.device, path: Path | None = None):
+    def __init__(self, cfg: CheckpointConfig, device: torch.device, path: Path | None = None,
+                 compute_dtype: torch.dtype | None = None):
         self.cfg = cfg
         self.device = device
         self.path = path
-        self.dtype = cfg.dtype
+        self.dtype = cfg.dtype  # the checkpoint's weight dtype
+        # Activations: float32 on CPU (16-bit float matmuls are emulated and ~10x slower there; the
+        # weights keep their exact checkpoint values), the checkpoint dtype on CUDA.
+        if compute_dtype is None:
+            compute_dtype = cfg.dtype if device.type == "cuda" else torch.float32
+        self.compute_dtype = compute_dtype
         self.layers: list[_Layer] = []
         self.embedding: torch.Tensor | None = None
         self.final_norm: torch.Tensor | None = None
@@ -129,13 +135,17 @@ class EmbeddedEngine:
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, device: str | torch.device | None = None,
-                        max_seq_len: int | None = None) -> "EmbeddedEngine":
-        """Load a TensorRT-LLM checkpoint directory (config.json + rank*.safetensors)."""
+                        max_seq_len: int | None = None, compute_dtype: torch.dtype | None = None
+                        ) -> "EmbeddedEngine":
+        """Load a TensorRT-LLM checkpoint directory (config.json + rank*.safetensors).
+
+        ``device``: None = CUDA when present, else CPU. ``compute_dtype``: activation dtype, by
+        default float32 on CPU and the checkpoint dtype on CUDA."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         cfg = load_config(ckpt_dir)
-        eng = cls(cfg, device, Path(ckpt_dir))
+        eng = cls(cfg, device, Path(ckpt_dir), compute_dtype)
         if max_seq_len:
             eng.max_seq_len = max_seq_len
         files = RankFiles(ckpt_dir, cfg)
@@ -147,8 +157,8 @@ class EmbeddedEngine:
 
     def _load(self, files: RankFiles):
         c, mp = self.cfg, self.cfg.mapping
-        dev = self.device
-        to = lambda t: t.to(dev)  # noqa: E731
+        dev, cdt = self.device, self.compute_dtype
+        to = lambda t: t.to(dev, cdt)  # noqa: E731
         self.embedding = to(files.get("transformer.vocab_embedding.weight", 0, 0))
         last = mp.pp_size - 1
         self.final_norm = to(files.get("transformer.ln_f.weight", 0, last))
@@ -169,7 +179,7 @@ class EmbeddedEngine:
                 lay.q_norm, lay.k_norm = to(g("attention.q_layernorm.weight")), to(g("attention.k_layernorm.weight"))
             if c.moe_layers[l]:
                 lay.router = to(g("mlp.router.weight").float())
-                lay.experts = load_expert_bank(files, c, l, pre, p, dev)
+                lay.experts = load_expert_bank(files, c, l, pre, p, dev, cdt)
                 if c.shared_expert_intermediate_size:
                     ups, gates, downs = [], [], []
                     for r in range(mp.tp_size):
@@ -360,8 +370,9 @@ class EmbeddedEngine:
     def _alloc_cache(self, s: Sequence, capacity: int):
         c = self.cfg
         shape = (c.num_kv_heads, capacity, c.head_dim)
-        s.k_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
-        s.v_cache = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
+        cdt = self.compute_dtype
+        s.k_cache = [torch.empty(shape, dtype=cdt, device=self.device) for _ in range(c.num_layers)]
+        s.v_cache = [torch.empty(shape, dtype=cdt, device=self.device) for _ in range(c.num_layers)]
 
     def _sample(self, s: Sequence, logits: torch.Tensor) -> int:
         p = s.params

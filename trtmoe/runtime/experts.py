@@ -88,14 +88,16 @@ def layer_formats(cfg, layer: int) -> tuple[str, list[str]]:
     return q.get("granularity", "layer"), fs
 
 
-def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device) -> ExpertBank:
+def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
+                     compute_dtype: torch.dtype | None = None) -> ExpertBank:
     from ..quant.plan import FLOAT, format_obj
 
     gran, names = layer_formats(cfg, layer)
     dt = cfg.dtype
     if gran == "layer" and names[0] == FLOAT:
         fc, proj = _float_fc_proj(files, cfg, pre, pp_rank)
-        return FloatExperts(fc.to(device), proj.to(device), str(dt).replace("torch.", ""))
+        cdt = compute_dtype or dt
+        return FloatExperts(fc.to(device, cdt), proj.to(device, cdt), str(dt).replace("torch.", ""))
     mp = cfg.mapping
     E_loc = cfg.num_experts // mp.moe_ep_size
     shards: list[list[tuple]] = [[] for _ in range(cfg.num_experts)]
