@@ -30,6 +30,7 @@ class GenerateResult:
     streamed: bool = False
     model: str = "ensemble"
     outputs: dict[str, Any] = field(default_factory=dict)  # other outputs of the last response
+    output_token_counts: list[int] = field(default_factory=list)  # num_output_tokens per response, if asked for
 
     @property
     def ttft_s(self) -> float | None:
@@ -136,25 +137,34 @@ def _is_final(result) -> bool:
     return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
+_DECOUPLED: dict[tuple[str, str], bool] = {}  # (url, model) -> decoupled, refreshed by check=True calls
+
+
 def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int = 64, stream: bool | None = None,
              unary: bool = False, on_text: Callable[[str], None] | None = None, timeout_s: float = 300.0,
-             request_id: str = "", check: bool = True, **sampling: Any) -> GenerateResult:
+             request_id: str = "", check: bool = True, client: Any = None, **sampling: Any) -> GenerateResult:
     """Generate text for ``prompt`` on the Triton gRPC endpoint ``url`` (``host:port``).
 
     ``stream``: None streams whenever the model is decoupled. ``unary`` forces a unary ModelInfer
     call (refused for decoupled models). ``on_text(piece)`` sees each piece as it arrives.
-    ``sampling``: temperature, top_k, top_p, seed, stop_words, exclude_input_in_output, end_id.
-    ``timeout_s`` bounds the whole call. Raises InputError / BackendUnavailable / TrtmoeError.
+    ``sampling``: temperature, top_k, top_p, seed, stop_words, exclude_input_in_output, end_id, extra
+    (a dict of additional input arrays). ``timeout_s`` bounds the whole call. ``check`` verifies the
+    server and model first; without it the model's decoupled policy is looked up once per url.
+    ``client``: a ``tritonclient.grpc.InferenceServerClient`` to reuse (one call at a time); it is
+    left open. Raises InputError / BackendUnavailable / TrtmoeError.
     """
     from tritonclient.utils import InferenceServerException
 
     if max_tokens < 1:
         raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
-    client = _client(url)
+    own = client is None
+    client = _client(url) if own else client
     try:
         if check:
             _check_server(client, url, model)
-        decoupled = is_decoupled(client, model)
+        if check or (url, model) not in _DECOUPLED:
+            _DECOUPLED[(url, model)] = is_decoupled(client, model)
+        decoupled = _DECOUPLED[(url, model)]
         if unary and decoupled:
             raise InputError(f"model {model!r} is decoupled (it streams its responses), so Triton refuses unary "
                              "ModelInfer calls to it",
@@ -167,8 +177,8 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
                              hint="call it without --stream, or regenerate the repository with streaming enabled")
         inputs = build_inputs(prompt, max_tokens=max_tokens, stream=stream, **sampling)
         result = GenerateResult(text="", streamed=stream, model=model)
-        t0 = time.perf_counter()
         if not decoupled:
+            t0 = time.perf_counter()
             try:
                 res = client.infer(model, inputs, request_id=request_id, client_timeout=timeout_s)
             except InferenceServerException as e:
@@ -180,8 +190,10 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
             result.total_s = result.response_times[-1]
             return result
         responses: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda res, err: responses.put((res, err, time.perf_counter())))
+        client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
+        complete = False
         try:
+            t0 = time.perf_counter()  # the stream is open: from here on it is the request's own time
             client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
             deadline = t0 + timeout_s
             while True:
@@ -202,12 +214,18 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
                         arr = res.as_numpy(name)
                         if arr is not None:
                             result.outputs[name] = arr.reshape(-1)[0].item()
+                            if name == "num_output_tokens":
+                                result.output_token_counts.append(int(result.outputs[name]))
                 if final:
+                    complete = True
                     break
         finally:
-            client.stop_stream(cancel_requests=True)
+            # Cancel only an unfinished request: cancelling a finished one races with the ensemble's
+            # own completion and leaves it holding the request until the server's exit timeout.
+            client.stop_stream(cancel_requests=not complete)
         result.text = "".join(result.pieces)
         result.total_s = time.perf_counter() - t0
         return result
     finally:
-        client.close()
+        if own:
+            client.close()

@@ -42,6 +42,8 @@ class GenerationRequest:
     return_perf_metrics: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    batch_size: int = 1  # prompts in the Triton request this one came from
+    sent_tokens: int = 0  # generated tokens already sent back (owned by the responder)
 
 
 Getter = Callable[[str], "np.ndarray | None"]
@@ -197,5 +199,6 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
             stop_sequences=word_list(get("stop_words_list"), b),
             return_perf_metrics=bool(_scalar(get, "return_perf_metrics", b) or False),
             return_num_input_tokens=bool(_scalar(get, "return_num_input_tokens", b) or False),
-            return_num_output_tokens=bool(_scalar(get, "return_num_output_tokens", b) or False)))
+            return_num_output_tokens=bool(_scalar(get, "return_num_output_tokens", b) or False),
+            batch_size=batch))
     return reqs

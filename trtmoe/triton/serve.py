@@ -251,11 +251,15 @@ class TritonServer:
         return self
 
     def log_tail(self, lines: int = 40) -> str:
+        """The server log's error lines (E...) and its last lines, without Triton's wide status tables."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+        rows = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(("|", "+"))]
+        errors = [ln for ln in rows if ln[:1] == "E" or "Error" in ln or "error:" in ln][-lines // 2:]
+        tail = rows[-(lines - len(errors)):]
+        return "\n".join(dict.fromkeys(errors + tail))
 
     def _get(self, path: str, timeout: float = 2.0) -> int:
         try:
@@ -311,15 +315,15 @@ class TritonServer:
                                  f"log tail ({self.log_path}):\n{tail}")
 
     def stop(self, grace_s: float = 15.0, *, keep_log: bool = False) -> int | None:
-        """SIGINT (graceful), then SIGKILL to the whole process group after ``grace_s``. The private
+        """SIGINT to the server (graceful), then SIGKILL to its whole process group after ``grace_s``
+        (seconds); returns the server's exit code. The private
         workspace is removed, except the server log when ``keep_log`` (failures point to it)."""
         rc = None
         if self.process is not None:
             if self.process.poll() is None:
-                try:
-                    os.killpg(self.process.pid, signal.SIGINT)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                # The server alone: it finalizes its models and stops their stubs itself (a stub
+                # interrupted directly dies mid-request and the server exits with an error).
+                self.process.send_signal(signal.SIGINT)
                 try:
                     rc = self.process.wait(grace_s)
                 except subprocess.TimeoutExpired:

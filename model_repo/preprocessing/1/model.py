@@ -1,0 +1,143 @@
+"""Triton Python model `preprocessing`: prompt text -> token ids, plus stop/bad word lists.
+
+Self-contained (numpy + transformers) so it runs in any Triton container, including the NGC
+TensorRT-LLM one where trtmoe itself is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from transformers import AutoTokenizer
+
+
+def _param(config: dict, key: str, default: str = "") -> str:
+    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
+    # An unfilled placeholder means "use the default", as in the upstream templates.
+    return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
+
+
+def _flag(config: dict, key: str, default: bool) -> bool:
+    value = _param(config, key, "").strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    return default
+
+
+def resolve_tokenizer_dir(args: dict, config: dict) -> str:
+    """Absolute paths are used as is; relative ones are relative to the model repository root."""
+    path = _param(config, "tokenizer_dir")
+    if not path:
+        raise pb_utils.TritonModelException("parameter tokenizer_dir is not set")
+    if not os.path.isabs(path):
+        # args["model_repository"] is this model's directory; its parent is the repository root.
+        path = os.path.join(os.path.dirname(os.path.abspath(args["model_repository"])), path)
+    return path
+
+
+def _strings(arr) -> list[str]:
+    return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1)]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_tokenizer_dir(args, config), padding_side="left",
+            trust_remote_code=_flag(config, "trust_remote_code", False))
+        self.add_special_tokens = _flag(config, "add_special_tokens", True)
+        tok = self.tokenizer
+        self.end_id = tok.eos_token_id if tok.eos_token_id is not None else -1
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else max(self.end_id, 0)
+
+    def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids = [self.tokenizer.encode(t, add_special_tokens=self.add_special_tokens) for t in texts]
+        width = max(1, max(len(x) for x in ids))
+        out = np.full((len(ids), width), self.pad_id, dtype=np.int32)
+        for i, x in enumerate(ids):
+            out[i, : len(x)] = x
+        return out, np.array([[len(x)] for x in ids], dtype=np.int32)
+
+    def _word_list(self, arr, batch: int) -> np.ndarray:
+        """[batch, 2, L]: row 0 the words' ids back to back (padded 0), row 1 their end offsets (padded -1)."""
+        rows = []
+        for b in range(batch):
+            ids, offsets = [], []
+            if arr is not None:
+                for word in _strings(arr[b if arr.shape[0] > 1 else 0]):
+                    if not word:
+                        continue
+                    ids += self.tokenizer.encode(word, add_special_tokens=False)
+                    offsets.append(len(ids))
+            rows.append((ids, offsets))
+        width = max(1, max(max(len(i), len(o)) for i, o in rows))
+        out = np.zeros((batch, 2, width), dtype=np.int32)
+        out[:, 1, :] = -1
+        for b, (ids, offsets) in enumerate(rows):
+            out[b, 0, : len(ids)] = ids
+            out[b, 1, : len(offsets)] = offsets
+        return out
+
+    def _embedding_bias(self, words, weights, batch: int) -> np.ndarray:
+        if words is None or weights is None:
+            return np.zeros((batch, 0), dtype=np.float32)
+        vocab = len(self.tokenizer)
+        out = np.zeros((batch, vocab), dtype=np.float32)
+        for b in range(batch):
+            ws = _strings(words[b if words.shape[0] > 1 else 0])
+            vs = weights[b if weights.shape[0] > 1 else 0].reshape(-1)
+            if len(ws) != len(vs):
+                raise ValueError(f"embedding_bias_words has {len(ws)} entries but embedding_bias_weights {len(vs)}")
+            for w, v in zip(ws, vs):
+                for t in self.tokenizer.encode(w, add_special_tokens=False):
+                    out[b, t] += float(v)
+        return out
+
+    def _one(self, request) -> "pb_utils.InferenceResponse":
+        get = lambda n: (lambda t: None if t is None else t.as_numpy())(pb_utils.get_input_tensor_by_name(request, n))
+        query = get("QUERY")
+        batch = query.shape[0]
+        input_ids, input_len = self._encode(_strings(query.reshape(batch, -1)[:, 0]))
+        decoder = get("DECODER_QUERY")
+        if decoder is not None:
+            dec_ids, dec_len = self._encode(_strings(decoder.reshape(batch, -1)[:, 0]))
+        else:  # decoder-only engines: a one-token placeholder, as the TensorRT-LLM templates send
+            dec_ids = np.full((batch, 1), self.pad_id, dtype=np.int32)
+            dec_len = np.ones((batch, 1), dtype=np.int32)
+        end_id, pad_id = get("END_ID"), get("PAD_ID")
+        end_id = end_id.astype(np.int32) if end_id is not None else np.full((batch, 1), self.end_id, np.int32)
+        pad_id = pad_id.astype(np.int32) if pad_id is not None else np.full((batch, 1), self.pad_id, np.int32)
+        outputs = [
+            pb_utils.Tensor("INPUT_ID", input_ids),
+            pb_utils.Tensor("REQUEST_INPUT_LEN", input_len),
+            pb_utils.Tensor("DECODER_INPUT_ID", dec_ids),
+            pb_utils.Tensor("REQUEST_DECODER_INPUT_LEN", dec_len),
+            pb_utils.Tensor("BAD_WORDS_IDS", self._word_list(get("BAD_WORDS_DICT"), batch)),
+            pb_utils.Tensor("STOP_WORDS_IDS", self._word_list(get("STOP_WORDS_DICT"), batch)),
+            pb_utils.Tensor("EMBEDDING_BIAS", self._embedding_bias(get("EMBEDDING_BIAS_WORDS"),
+                                                                   get("EMBEDDING_BIAS_WEIGHTS"), batch)),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", get("REQUEST_OUTPUT_LEN").astype(np.int32)),
+            pb_utils.Tensor("OUT_END_ID", end_id.reshape(batch, 1)),
+            pb_utils.Tensor("OUT_PAD_ID", pad_id.reshape(batch, 1)),
+        ]
+        extra = get("PROMPT_TABLE_EXTRA_ID")
+        if extra is not None:  # only sent when given: the engine treats its presence as p-tuning
+            vocab = len(self.tokenizer)
+            table = np.where(input_ids >= vocab, extra.reshape(batch, 1), 0).astype(np.uint64)
+            outputs.append(pb_utils.Tensor("OUT_PROMPT_TABLE_EXTRA_IDS", table))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(self._one(request))
+            except Exception as e:  # noqa: BLE001 - one bad request must not fail the others
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"preprocessing: {e}", pb_utils.TritonError.INVALID_ARG)))
+        return responses

@@ -1,0 +1,268 @@
+"""Triton Python model `tensorrt_llm` for trtmoe's embedded engine.
+
+Same inputs and outputs as the TensorRT-LLM C++ backend's model. One in-flight batcher thread owns
+the engine: `execute` validates each request, hands its prompts to the batcher and returns at once
+(decoupled mode). A sender thread sends each new token through the request's response sender (the
+tokens of one request that piled up while the client was slow go out together) and attaches the
+FINAL flag to the last response. Routing and batcher metrics are exported as custom Prometheus
+metrics on the server's metrics port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
+from trtmoe.triton.engine_dir import read_engine_dir
+from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
+from trtmoe.triton.metrics import RoutingMetricsPublisher
+
+
+def _param(config: dict, key: str, default: str = "") -> str:
+    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
+    return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
+
+
+def _flag(config: dict, key: str, default: bool) -> bool:
+    value = _param(config, key, "").strip().lower()
+    return True if value in ("true", "1", "yes") else False if value in ("false", "0", "no") else default
+
+
+class _TritonRequest:
+    """Response bookkeeping for one Triton request (B prompts share one response sender)."""
+
+    def __init__(self, model: "TritonPythonModel", sender, gens):
+        self.model, self.sender, self.gens = model, sender, gens
+        self.remaining = len(gens)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.responses = []  # non-decoupled mode: collected here, returned by execute
+        self.errors = []
+
+    def finish_one(self) -> bool:
+        with self.lock:
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.done.set()
+        return last
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.model_name = args.get("model_name", "tensorrt_llm")
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        threads = int(_param(config, "torch_num_threads", "0") or 0)
+        import torch
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
+
+        self.SamplingParams = SamplingParams
+        engine_dir = _param(config, "engine_dir")
+        if not engine_dir:
+            raise pb_utils.TritonModelException("parameter engine_dir is not set")
+        if not os.path.isabs(engine_dir):
+            engine_dir = os.path.join(os.path.abspath(args["model_repository"]), engine_dir)
+        info = read_engine_dir(engine_dir)
+        device = _param(config, "device", "auto")
+        self.engine = EmbeddedEngine.from_checkpoint(str(info.checkpoint_dir), device=None if device == "auto" else device,
+                                                     max_seq_len=info.max_seq_len)
+        eng = self.engine
+        max_input = min(int(_param(config, "max_input_len", str(info.max_input_len))), info.max_input_len)
+        max_seq = min(int(_param(config, "max_seq_len", str(info.max_seq_len))), info.max_seq_len,
+                      int(getattr(eng, "max_seq_len", info.max_seq_len)))
+        self.limits = EngineLimits(max_input_len=max_input, max_seq_len=max_seq, vocab_size=int(eng.vocab_size),
+                                   max_beam_width=info.max_beam_width, default_end_id=info.eos_token_id)
+        self.exclude_input = _flag(config, "exclude_input_in_output", True)
+        self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
+        self.metrics = None
+        if _flag(config, "enable_metrics", True):
+            self.metrics = RoutingMetricsPublisher(pb_utils, num_layers=int(eng.num_layers),
+                                                   num_experts=int(eng.num_experts), model=self.model_name,
+                                                   min_interval_s=float(_param(config, "metrics_interval_s", "0.5")))
+            self.metrics.set_active_params(int(eng.active_params_per_token))
+        self.outbox: queue.Queue = queue.Queue()
+        self.sender_thread = threading.Thread(target=self._send_loop, name="tensorrt_llm-sender", daemon=True)
+        self.sender_thread.start()
+        budget = _param(config, "prefill_budget_ms", "")
+        self.batcher = InflightBatcher(
+            eng, max_batch_size=min(int(config["max_batch_size"]) or 1, info.max_batch_size),
+            max_waiting=int(_param(config, "max_waiting_requests", "0") or 0),
+            prefill_budget_s=float(budget) / 1000.0 if budget else None)
+        self.stopping = threading.Event()
+        if self.metrics:
+            # Its own thread: a metrics update is dozens of IPC calls and must not stall decoding.
+            self.metrics_thread = threading.Thread(target=self._metrics_loop, name="tensorrt_llm-metrics", daemon=True)
+            self.metrics_thread.start()
+        pb_utils.Logger.log_info(
+            f"tensorrt_llm: embedded engine {info.architecture} from {info.checkpoint_dir}, "
+            f"max_batch_size={self.batcher.max_batch_size} max_input_len={max_input} max_seq_len={max_seq} "
+            f"decoupled={self.decoupled}")
+
+    # -- metrics (own thread) ------------------------------------------------------------------
+    def _metrics_loop(self):
+        while not self.stopping.wait(self.metrics.min_interval_s):
+            try:
+                self.metrics.update(self.engine.routing_stats(), self.batcher.stats(), force=True)
+            except Exception as e:  # noqa: BLE001 - metrics must never take the model down
+                pb_utils.Logger.log_warn(f"tensorrt_llm: metrics update failed: {e}")
+
+    # -- responses (batcher thread) ------------------------------------------------------------
+    def _tensors(self, gen, req, ids, final):
+        ids = np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)
+        gen.sent_tokens += ids.shape[-1] if gen.streaming else len(req.tokens)
+        out = [pb_utils.Tensor("output_ids", ids),
+               pb_utils.Tensor("sequence_length", np.array([[ids.shape[-1]]], dtype=np.int32))]
+        if gen.batch_size > 1:  # only a batched request needs to tell its responses apart
+            out += [pb_utils.Tensor("batch_index", np.array([[gen.batch_index]], dtype=np.int32)),
+                    pb_utils.Tensor("sequence_index", np.array([[0]], dtype=np.int32))]
+        if gen.return_num_input_tokens:
+            out.append(pb_utils.Tensor("num_input_tokens", np.array([[len(gen.prompt_ids)]], dtype=np.int32)))
+        if gen.return_num_output_tokens:  # generated tokens sent so far, this response included
+            out.append(pb_utils.Tensor("num_output_tokens", np.array([[gen.sent_tokens]], dtype=np.int32)))
+        if gen.return_perf_metrics and final:
+            off = self.clock_offset_ns
+            for name, t in (("arrival_time_ns", req.arrival_ns), ("first_scheduled_time_ns", req.first_scheduled_ns),
+                            ("first_token_time_ns", req.first_token_ns), ("last_token_time_ns", req.last_token_ns)):
+                out.append(pb_utils.Tensor(name, np.array([[t + off if t else 0]], dtype=np.int64)))
+        return out
+
+    def _on_event(self, treq: _TritonRequest, gen, event):
+        """Batcher callback: queue the event for the sender thread, so slow IPC or a slow client never
+        holds up the decode loop. Non-streamed requests only need their final event."""
+        if gen.streaming or event.finished:
+            self.outbox.put((treq, gen, event))
+
+    def _send_loop(self):
+        """Sender thread: drains the outbox; tokens of a request that piled up go out in one response."""
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            items = [item]
+            while True:
+                try:
+                    nxt = self.outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self.outbox.put(None)
+                    break
+                items.append(nxt)
+            groups: dict[int, list] = {}
+            for treq, gen, ev in items:
+                groups.setdefault(id(ev.request), [treq, gen, ev.request, [], None])
+                g = groups[id(ev.request)]
+                g[3].extend(ev.new_tokens)
+                if ev.finished:
+                    g[4] = ev
+            for treq, gen, req, tokens, final in groups.values():
+                try:
+                    self._respond(treq, gen, req, tokens, final)
+                except Exception as e:  # noqa: BLE001 - the client is gone: stop generating for it
+                    pb_utils.Logger.log_warn(f"tensorrt_llm: dropping {req.request_id}: {e}")
+                    req.cancel()
+
+    def _respond(self, treq: _TritonRequest, gen, req, new_tokens, final):
+        if final is not None and final.finish_reason == FINISH_ERROR:
+            msg = f"generation failed: {final.error}"
+            last = treq.finish_one()
+            if self.decoupled:
+                treq.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),
+                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
+            else:
+                treq.errors.append(msg)
+            return
+        if final is None:
+            if gen.streaming and new_tokens:
+                treq.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(gen, req, new_tokens, False)))
+            return
+        last = treq.finish_one()
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0
+        if gen.streaming:
+            ids = new_tokens
+        else:
+            ids = req.tokens if gen.exclude_input_in_output else gen.prompt_ids + req.tokens
+        if not self.decoupled:
+            treq.responses.append((gen.batch_index, self._tensors(gen, req, ids, True)))
+            return
+        if gen.streaming and not ids and not (gen.return_perf_metrics or gen.return_num_output_tokens):
+            if last:
+                treq.sender.send(flags=flags)
+            return
+        treq.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(gen, req, ids, True)), flags=flags)
+
+    # -- Triton entry points -------------------------------------------------------------------
+    def _get(self, request):
+        return lambda name: (lambda t: None if t is None else t.as_numpy())(pb_utils.get_input_tensor_by_name(request, name))
+
+    def _submit(self, request, sender):
+        get = self._get(request)
+        stop = get("stop")
+        if stop is not None and bool(np.asarray(stop).reshape(-1)[0]):
+            self.batcher.cancel(request.request_id())
+            return None
+        gens = parse_requests(get, self.limits, self.SamplingParams,
+                              default_exclude_input=self.exclude_input, decoupled=self.decoupled)
+        treq = _TritonRequest(self, sender, gens)
+        is_cancelled = getattr(sender, "is_cancelled", None) if sender is not None else None
+        for gen in gens:
+            self.batcher.submit(gen.prompt_ids, gen.params, lambda ev, g=gen: self._on_event(treq, g, ev),
+                                stop_sequences=gen.stop_sequences, request_id=request.request_id(),
+                                is_cancelled=is_cancelled)
+        return treq
+
+    def execute(self, requests):
+        if self.decoupled:
+            for request in requests:
+                sender = request.get_response_sender()
+                try:
+                    if self._submit(request, sender) is None:
+                        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                except RequestError as e:
+                    sender.send(pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                except Exception as e:  # noqa: BLE001
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm: {e}")),
+                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return None
+        # Non-decoupled: the requests of this call are decoded together, then answered at once.
+        pending = []
+        for request in requests:
+            try:
+                pending.append(self._submit(request, None))
+            except RequestError as e:
+                pending.append(pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+            except Exception as e:  # noqa: BLE001
+                pending.append(pb_utils.TritonError(f"tensorrt_llm: {e}"))
+        responses = []
+        for item in pending:
+            if item is None:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
+            elif isinstance(item, _TritonRequest):
+                item.done.wait()
+                if item.errors:
+                    responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("; ".join(item.errors))))
+                else:
+                    # One prompt per request here (parse_requests enforces it without decoupling).
+                    responses.append(pb_utils.InferenceResponse(output_tensors=sorted(item.responses, key=lambda r: r[0])[0][1]))
+            else:
+                responses.append(pb_utils.InferenceResponse(error=item))
+        return responses
+
+    def finalize(self):
+        self.stopping.set()
+        self.batcher.shutdown()
+        self.outbox.put(None)
+        self.sender_thread.join(timeout=10)

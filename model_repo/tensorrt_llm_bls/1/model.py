@@ -1,0 +1,161 @@
+"""Triton Python model `tensorrt_llm_bls`: preprocessing -> tensorrt_llm -> postprocessing by BLS.
+
+Takes the ensemble's inputs and returns its outputs. Each request is served on its own thread so
+one instance streams many requests at once. While streaming with `accumulate_tokens` (the default)
+every response re-decodes all tokens generated so far and sends only the new text, holding back an
+incomplete UTF-8 character, so the streamed pieces always join to the non-streamed text.
+Self-contained (numpy only).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+# ensemble input -> (model, input name) the ensemble wires it to
+_TO_PRE = {"text_input": "QUERY", "decoder_text_input": "DECODER_QUERY", "max_tokens": "REQUEST_OUTPUT_LEN",
+           "bad_words": "BAD_WORDS_DICT", "stop_words": "STOP_WORDS_DICT",
+           "embedding_bias_words": "EMBEDDING_BIAS_WORDS", "embedding_bias_weights": "EMBEDDING_BIAS_WEIGHTS",
+           "end_id": "END_ID", "pad_id": "PAD_ID", "prompt_table_extra_id": "PROMPT_TABLE_EXTRA_ID"}
+_PRE_TO_LLM = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "DECODER_INPUT_ID": "decoder_input_ids",
+               "REQUEST_DECODER_INPUT_LEN": "decoder_input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
+               "STOP_WORDS_IDS": "stop_words_list", "BAD_WORDS_IDS": "bad_words_list",
+               "EMBEDDING_BIAS": "embedding_bias", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id",
+               "OUT_PROMPT_TABLE_EXTRA_IDS": "prompt_table_extra_ids"}
+_TO_LLM = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "length_penalty": "len_penalty", "stream": "streaming"}
+_DIRECT = ("exclude_input_in_output", "temperature", "repetition_penalty", "min_tokens", "presence_penalty",
+           "frequency_penalty", "seed", "return_log_probs", "return_context_logits", "return_generation_logits",
+           "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens", "num_return_sequences",
+           "beam_width", "prompt_embedding_table", "prompt_vocab_size", "lora_task_id", "lora_weights", "lora_config",
+           "guided_decoding_guide_type", "guided_decoding_guide")
+_PASS_OUTPUTS = ("cum_log_probs", "output_log_probs", "context_logits", "generation_logits", "batch_index",
+                 "sequence_index", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+                 "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+                 "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens",
+                 "num_output_tokens")
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _param(config: dict, key: str, default: str = "") -> str:
+    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
+    return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.accumulate = _param(config, "accumulate_tokens", "true").lower() in ("true", "1", "yes")
+        self.llm = _param(config, "tensorrt_llm_model_name", "tensorrt_llm")
+        self.pre = _param(config, "preprocessing_model_name", "preprocessing")
+        self.post = _param(config, "postprocessing_model_name", "postprocessing")
+        self.threads: set[threading.Thread] = set()
+        self.lock = threading.Lock()
+
+    def _bls(self, model, names, tensors, *, decoupled=False):
+        req = pb_utils.InferenceRequest(model_name=model, requested_output_names=list(names), inputs=tensors)
+        return req.exec(decoupled=decoupled)
+
+    def _check(self, response, model):
+        if response.has_error():
+            raise RuntimeError(response.error().message())
+        return response
+
+    def _detok(self, ids: np.ndarray) -> str:
+        tokens = np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)
+        resp = self._check(self._bls(self.post, ["OUTPUT"], [
+            pb_utils.Tensor("TOKENS_BATCH", tokens),
+            pb_utils.Tensor("SEQUENCE_LENGTH", np.array([[tokens.shape[-1]]], dtype=np.int32))]), self.post)
+        return pb_utils.get_output_tensor_by_name(resp, "OUTPUT").as_numpy().reshape(-1)[0].decode("utf-8")
+
+    def _generate(self, request, send):
+        get = lambda n: pb_utils.get_input_tensor_by_name(request, n)
+        text = get("text_input")
+        if text is None:
+            raise ValueError("missing input 'text_input'")
+        if text.as_numpy().shape[0] != 1:
+            raise ValueError("tensorrt_llm_bls takes one prompt per request; send a batch to the ensemble instead")
+        pre_inputs = [pb_utils.Tensor(_TO_PRE[k], get(k).as_numpy()) for k in _TO_PRE if get(k) is not None]
+        pre = self._check(self._bls(self.pre, list(_PRE_TO_LLM), pre_inputs), self.pre)
+        llm_inputs = []
+        for out_name, in_name in _PRE_TO_LLM.items():
+            t = pb_utils.get_output_tensor_by_name(pre, out_name)
+            if t is not None:
+                arr = t.as_numpy()
+                if in_name in ("input_lengths", "request_output_len", "decoder_input_lengths", "end_id", "pad_id"):
+                    arr = arr.reshape(arr.shape[0], 1)
+                llm_inputs.append(pb_utils.Tensor(in_name, arr))
+        for k, v in list(_TO_LLM.items()) + [(d, d) for d in _DIRECT]:
+            t = get(k)
+            if t is not None:
+                llm_inputs.append(pb_utils.Tensor(v, t.as_numpy()))
+        stream = get("stream")
+        streaming = bool(stream is not None and stream.as_numpy().reshape(-1)[0])
+        if streaming and not self.decoupled:
+            raise ValueError("streaming needs the decoupled tensorrt_llm_bls model")
+        outputs = ["output_ids", "sequence_length", *_PASS_OUTPUTS]
+        responses = self._bls(self.llm, outputs, llm_inputs, decoupled=True)
+        tokens: list[int] = []
+        sent = ""
+        for resp in responses:
+            self._check(resp, self.llm)
+            ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
+            if ids_t is None:  # a flag-only final response
+                continue
+            ids = ids_t.as_numpy().reshape(-1).tolist()
+            passthrough = [pb_utils.Tensor(n, t.as_numpy()) for n in _PASS_OUTPUTS
+                           if (t := pb_utils.get_output_tensor_by_name(resp, n)) is not None]
+            if streaming and self.accumulate:
+                tokens += ids
+                full = self._detok(np.array(tokens))
+                # Hold back a trailing partial character until the tokens that complete it arrive.
+                stable = full.rstrip("\ufffd")
+                text = stable[len(sent):] if stable.startswith(sent) else ""
+                sent = stable if stable.startswith(sent) else sent
+            else:
+                text = self._detok(np.array(ids))
+            send(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)), *passthrough]))
+        if streaming and self.accumulate and tokens:
+            rest = self._detok(np.array(tokens))  # a sequence that ended inside a character
+            if rest.startswith(sent) and len(rest) > len(sent):
+                send(pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor("text_output", np.array([[rest[len(sent):].encode("utf-8")]], dtype=object))]))
+
+    def _serve(self, request):
+        sender = request.get_response_sender()
+        try:
+            self._generate(request, sender.send)
+            sender.send(flags=_FINAL)
+        except Exception as e:  # noqa: BLE001 - report to the client, keep serving
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm_bls: {e}")), flags=_FINAL)
+        finally:
+            with self.lock:
+                self.threads.discard(threading.current_thread())
+
+    def execute(self, requests):
+        if self.decoupled:
+            for request in requests:
+                t = threading.Thread(target=self._serve, args=(request,), daemon=True)
+                with self.lock:
+                    self.threads.add(t)
+                t.start()
+            return None
+        responses = []
+        for request in requests:
+            try:
+                collected = []
+                self._generate(request, collected.append)
+                responses.append(collected[-1] if collected else pb_utils.InferenceResponse(output_tensors=[]))
+            except Exception as e:  # noqa: BLE001
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm_bls: {e}")))
+        return responses
+
+    def finalize(self):
+        with self.lock:
+            threads = list(self.threads)
+        for t in threads:
+            t.join(timeout=5)

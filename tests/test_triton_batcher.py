@@ -1,0 +1,207 @@
+"""In-flight batcher over the real embedded engine: batched answers equal one-at-a-time generation,
+requests join a running batch, and failures stay with their request."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from trtmoe.checkpoint.writer import convert
+from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
+from trtmoe.triton.batcher import (FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, BatcherClosed, InflightBatcher)
+from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests, word_list
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, tiny_model):
+    torch.manual_seed(0)
+    ckpt = tmp_path_factory.mktemp("batcher") / "ckpt"
+    convert(tiny_model("mixtral"), ckpt)
+    return EmbeddedEngine.from_checkpoint(ckpt, device="cpu")
+
+
+PROMPTS = [[1, 5, 9, 33], [1, 7], [1, 100, 101, 102, 103, 104, 105], [2, 3, 4], [1, 44, 45], [1, 9, 9, 9, 9, 9],
+           [1, 60, 61, 62, 63], [1, 200]]
+
+
+class Collector:
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev.finished:
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [t for e in self.events for t in e.new_tokens]
+
+    @property
+    def final(self):
+        return self.events[-1]
+
+
+def _params(n, **kw):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
+
+
+def test_batched_equals_sequential_and_requests_join(engine):
+    refs = [engine.generate(p, _params(6 + i)) for i, p in enumerate(PROMPTS)]
+    seen_active = []
+    b = InflightBatcher(engine, max_batch_size=3, on_iteration=lambda bt: seen_active.append(bt.num_active),
+                        idle_callback_period_s=60)
+    try:
+        cols = []
+        for i, p in enumerate(PROMPTS[:4]):
+            cols.append(Collector())
+            b.submit(p, _params(6 + i), cols[-1])
+        time.sleep(0.05)  # later requests arrive while the first ones decode
+        for i, p in enumerate(PROMPTS[4:], start=4):
+            cols.append(Collector())
+            b.submit(p, _params(6 + i), cols[-1])
+        for c in cols:
+            assert c.done.wait(60)
+    finally:
+        b.shutdown()
+    for c, ref in zip(cols, refs):
+        assert c.tokens == ref and c.final.finish_reason in ("length", "stop")
+        assert c.final.request.first_token_ns >= c.final.request.first_scheduled_ns >= c.final.request.arrival_ns
+    assert max(seen_active) == 3  # never more than max_batch_size, and batches really formed
+    assert b.stats()["completed_requests"] == len(PROMPTS)
+    # The tokens arrived one per event (streaming), after the first event of each request.
+    assert all(len(e.new_tokens) <= 1 for c in cols for e in c.events)
+
+
+def test_failures_stay_with_their_request(engine):
+    b = InflightBatcher(engine, max_batch_size=4)
+    try:
+        good, bad_prompt, raising = Collector(), Collector(), Collector()
+
+        def broken(ev):
+            raising.events.append(ev)
+            if len(raising.events) == 2:
+                raise RuntimeError("client went away")
+
+        b.submit([1, 5, 9], _params(8), good)
+        b.submit([1, 10_000], _params(8), bad_prompt)  # outside the vocabulary: prefill fails
+        b.submit([1, 6, 7], _params(8), broken)
+        assert good.done.wait(30) and bad_prompt.done.wait(30)
+        deadline = time.time() + 10
+        while not (raising.events and raising.events[-1].request.finished) and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        b.shutdown()
+    assert good.tokens == engine.generate([1, 5, 9], _params(8))
+    assert bad_prompt.final.finish_reason == FINISH_ERROR and "vocabulary" in str(bad_prompt.final.error)
+    assert raising.events[-1].request.finish_reason == FINISH_CANCELLED and len(raising.events) == 2
+    assert b.stats()["failed_requests"] == 1
+
+
+class PoisonedStep:
+    """The real engine, except that a step containing a poisoned sequence raises (fault injection)."""
+
+    def __init__(self, engine, poison_first_token):
+        self.engine, self.poison = engine, poison_first_token
+
+    def start(self, prompt, params):
+        return self.engine.start(prompt, params)
+
+    def step(self, seqs):
+        if any(s.prompt[1] == self.poison for s in seqs):
+            raise RuntimeError("kernel failure")
+        return self.engine.step(seqs)
+
+
+def test_step_failure_is_isolated(engine):
+    b = InflightBatcher(PoisonedStep(engine, poison_first_token=66), max_batch_size=4)
+    try:
+        ok, poisoned = Collector(), Collector()
+        b.submit([1, 5, 9], _params(8), ok)
+        b.submit([1, 66, 67], _params(8), poisoned)
+        assert ok.done.wait(30) and poisoned.done.wait(30)
+    finally:
+        b.shutdown()
+    assert ok.tokens == engine.generate([1, 5, 9], _params(8))
+    assert poisoned.final.finish_reason == FINISH_ERROR and "kernel failure" in str(poisoned.final.error)
+    assert len(poisoned.tokens) == 1  # the prefill token was delivered before the failing step
+
+
+def test_stop_sequence_cancel_and_shutdown(engine):
+    ref = engine.generate([1, 5, 9], _params(10))
+    stop = ref[2:4]
+    b = InflightBatcher(engine, max_batch_size=2, prefill_budget_s=0.0)
+    try:
+        c = Collector()
+        b.submit([1, 5, 9], _params(10), c, stop_sequences=[stop])
+        assert c.done.wait(30)
+        end = next(i for i in range(1, len(ref) + 1) if ref[:i][-len(stop):] == stop)  # first completion of `stop`
+        assert c.tokens == ref[:end] and end < len(ref)
+        assert c.final.finish_reason == FINISH_STOP
+        slow = Collector()
+        b.submit([1, 5, 9], _params(200), slow, request_id="r-1")
+        while not slow.events:
+            time.sleep(0.005)
+        assert b.cancel("r-1")
+        assert slow.done.wait(10) and slow.final.finish_reason == FINISH_CANCELLED and len(slow.tokens) < 200
+        # Queued behind a full batch and then shut down: told so, not left hanging.
+        blockers = [Collector() for _ in range(2)]
+        for bc in blockers:
+            b.submit([1, 5, 9], _params(200), bc)
+        waiting = Collector()
+        b.submit([1, 5], _params(5), waiting)
+    finally:
+        b.shutdown()
+    assert waiting.done.wait(5) and waiting.final.finish_reason == FINISH_ERROR
+    assert isinstance(waiting.final.error, BatcherClosed)
+    with pytest.raises(BatcherClosed):
+        b.submit([1], _params(1), Collector())
+
+
+# ---------------------------------------------------------------- request parsing
+LIMITS = EngineLimits(max_input_len=8, max_seq_len=16, vocab_size=250, default_end_id=2)
+
+
+def _getter(**tensors):
+    base = {"input_ids": np.array([[1, 5, 9, 0]], np.int32), "input_lengths": np.array([[3]], np.int32),
+            "request_output_len": np.array([[4]], np.int32)}
+    base.update(tensors)
+    return lambda name: base.get(name)
+
+
+def test_parse_request_maps_sampling_inputs():
+    (g,) = parse_requests(_getter(runtime_top_k=np.array([[5]], np.int32), temperature=np.array([[0.7]], np.float32),
+                                  seed=np.array([[3]], np.uint64), streaming=np.array([[True]])),
+                          LIMITS, SamplingParams)
+    assert g.prompt_ids == [1, 5, 9] and g.streaming and g.exclude_input_in_output
+    p = g.params
+    assert (p.max_new_tokens, p.top_k, p.seed, p.end_id) == (4, 5, 3, 2) and abs(p.temperature - 0.7) < 1e-6
+    # A bare temperature stays greedy, as in TensorRT-LLM.
+    (g,) = parse_requests(_getter(temperature=np.array([[0.7]], np.float32)), LIMITS, SamplingParams)
+    assert g.params.temperature == 0.0
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (dict(request_output_len=np.array([[0]], np.int32)), "must be >= 1"),
+    (dict(request_output_len=np.array([[14]], np.int32)), "max_seq_len 16"),
+    (dict(input_ids=np.arange(1, 11, dtype=np.int32)[None], input_lengths=np.array([[10]], np.int32)), "max_input_len"),
+    (dict(input_ids=np.array([[1, 999]], np.int32), input_lengths=np.array([[2]], np.int32)), "vocabulary"),
+    (dict(beam_width=np.array([[2]], np.int32)), "beam_width"),
+    (dict(repetition_penalty=np.array([[1.3]], np.float32)), "repetition_penalty"),
+    (dict(lora_weights=np.ones((1, 2, 2), np.float16)), "lora_weights"),
+    (dict(bad_words_list=np.array([[[7, 8], [2, -1]]], np.int32)), "bad_words"),
+])
+def test_parse_request_rejects_with_reason(tensors, message):
+    with pytest.raises(RequestError, match=message):
+        parse_requests(_getter(**tensors), LIMITS, SamplingParams)
+
+
+def test_word_list_format():
+    arr = np.array([[[7, 8, 9, 0], [2, 3, -1, -1]]], np.int32)
+    assert word_list(arr, 0) == [[7, 8], [9]]
+    assert word_list(np.array([[[0], [-1]]], np.int32), 0) == []

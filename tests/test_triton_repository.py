@@ -1,0 +1,277 @@
+"""Triton repository generator: values from the engine's config, contradictions rejected by field,
+no placeholder left, every config.pbtxt parsed back with Triton's ModelConfig schema. No server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from trtmoe.checkpoint.writer import convert
+from trtmoe.errors import InputError, TrtmoeError
+from trtmoe.triton import commands
+from trtmoe.triton.engine_dir import EMBEDDED, TENSORRT_LLM, read_engine_dir
+from trtmoe.triton.repository import (MANIFEST, MODELS, TOKENIZER_SUBDIR, check_repository_configs, fill_template,
+                                      generate_repository, parse_model_config, templates_dir, validate_repository)
+from trtmoe.triton.serve import Endpoints, TritonInstall, build_launch_command
+
+BUILD = {"max_batch_size": 8, "max_input_len": 48, "max_seq_len": 96, "max_beam_width": 1, "tokens_per_block": 32}
+
+
+def train_tokenizer(out: Path, vocab_size: int) -> Path:
+    """A small byte-level BPE tokenizer (with <s> prepended) saved for AutoTokenizer."""
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))[:20]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(out)
+    return out
+
+
+def write_embedded_engine(out: Path, checkpoint: Path, **build) -> Path:
+    """The `trtmoe build --backend embedded` layout: config.json pointing at the checkpoint."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"backend": "embedded", "checkpoint": str(Path("..") / checkpoint.name) if checkpoint.parent == out.parent
+           else str(checkpoint), "build_config": {**BUILD, **build}}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def write_trt_engine(out: Path, checkpoint: Path, *, tp: int = 1, pp: int = 1, **build) -> Path:
+    """A trtllm-build engine dir layout (config.json + rank files); the rank files' bytes are never read here."""
+    pretrained = json.loads((checkpoint / "config.json").read_text())
+    pretrained["mapping"] = {**pretrained["mapping"], "world_size": tp * pp, "tp_size": tp, "pp_size": pp}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({"version": "1.2.0", "pretrained_config": pretrained,
+                                                 "build_config": {**BUILD, "max_num_tokens": 8192, **build}}))
+    for r in range(tp * pp):
+        (out / f"rank{r}.engine").write_bytes(b"\0")
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("triton-repo")
+    hf = tiny_model("mixtral", vocab_size=320)
+    ckpt = root / "ckpt"
+    convert(hf, ckpt)
+    tok = train_tokenizer(root / "tokenizer", 320)
+    return {"root": root, "ckpt": ckpt, "tok": tok, "engine": write_embedded_engine(root / "engine", ckpt)}
+
+
+def _texts(repo: Path) -> dict[str, str]:
+    return {p.relative_to(repo).as_posix(): p.read_text(errors="replace") for p in repo.rglob("*")
+            if p.is_file() and not p.relative_to(repo).as_posix().startswith(TOKENIZER_SUBDIR + "/")}
+
+
+def test_read_engine_dir_both_layouts(setup):
+    info = read_engine_dir(setup["engine"])
+    assert info.backend == EMBEDDED and info.checkpoint_dir == setup["ckpt"].resolve()
+    assert (info.max_batch_size, info.max_input_len, info.max_seq_len, info.max_beam_width) == (8, 48, 96, 1)
+    assert info.architecture == "MixtralForCausalLM" and info.vocab_size == 320 and info.launch_world_size == 1
+    trt = read_engine_dir(write_trt_engine(setup["root"] / "trt2", setup["ckpt"], tp=2, max_batch_size=16))
+    assert trt.backend == TENSORRT_LLM and trt.world_size == 2 and trt.launch_world_size == 2
+    assert trt.max_batch_size == 16 and trt.rank_files == ("rank0.engine", "rank1.engine")
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda c: c["build_config"].pop("max_batch_size"), "max_batch_size"),
+    (lambda c: c["build_config"].update(max_input_len="64"), "max_input_len"),
+    (lambda c: c["build_config"].update(max_input_len=500), "max_input_len"),
+    (lambda c: c.pop("checkpoint"), "checkpoint"),
+    (lambda c: c.pop("build_config"), "build_config"),
+])
+def test_read_engine_dir_names_bad_field(setup, tmp_path, mutate, field):
+    cfg = json.loads((setup["engine"] / "config.json").read_text())
+    cfg["checkpoint"] = str(setup["ckpt"])
+    mutate(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=field):
+        read_engine_dir(tmp_path)
+
+
+def test_trt_engine_missing_rank_file(setup):
+    eng = write_trt_engine(setup["root"] / "trt-missing", setup["ckpt"], tp=2)
+    (eng / "rank1.engine").unlink()
+    with pytest.raises(InputError, match="rank1.engine"):
+        read_engine_dir(eng)
+
+
+def test_embedded_repository(setup):
+    out = setup["root"] / "repo"
+    r = generate_repository(setup["engine"], out, tokenizer_dir=setup["tok"], max_batch_size=4)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(MODELS)
+    assert (out / MANIFEST).is_file()
+    # No placeholder anywhere (the tokenizer is data and excluded), every config parses.
+    texts = _texts(out)
+    assert texts and not [name for name, t in texts.items() if "${" in t]
+    configs = validate_repository(out)
+    assert set(configs) == set(MODELS)
+    llm, ens, bls = configs["tensorrt_llm"], configs["ensemble"], configs["tensorrt_llm_bls"]
+    assert llm.backend == "python" and llm.max_batch_size == 4 and ens.max_batch_size == 4
+    assert llm.model_transaction_policy.decoupled and bls.model_transaction_policy.decoupled
+    params = {k: v.string_value for k, v in llm.parameters.items()}
+    assert params["engine_dir"] == str(setup["engine"].resolve())
+    assert params["max_input_len"] == "48" and params["max_seq_len"] == "96"
+    assert (out / "tensorrt_llm" / "1" / "model.py").is_file()
+    # The 1.2.x tensor names.
+    names = {i.name for i in ens.input}
+    assert {"min_tokens", "seed", "return_num_output_tokens"} <= names and not {"min_length", "random_seed"} & names
+    # The copied tokenizer loads and matches the source.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(r.tokenizer_dir))
+    src = AutoTokenizer.from_pretrained(str(setup["tok"]))
+    assert tok.encode("def main(): pass") == src.encode("def main(): pass")
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["launch_world_size"] == 1 and manifest["settings"]["max_batch_size"] == 4
+
+
+def test_tokenizer_found_beside_checkpoint(setup, tmp_path):
+    with pytest.raises(InputError, match="no tokenizer found"):
+        generate_repository(setup["engine"], tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+    # `trtmoe convert` keeps the tokenizer in <checkpoint>/tokenizer; that one is used by default.
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(setup["ckpt"], ckpt)
+    shutil.copytree(setup["tok"], ckpt / "tokenizer")
+    r = generate_repository(write_embedded_engine(tmp_path / "engine", ckpt), tmp_path / "repo")
+    assert (r.tokenizer_dir / "tokenizer.json").read_bytes() == (setup["tok"] / "tokenizer.json").read_bytes()
+
+
+def test_no_streaming_repository(setup):
+    out = setup["root"] / "repo-unary"
+    generate_repository(setup["engine"], out, tokenizer_dir=setup["tok"], streaming=False)
+    configs = validate_repository(out)
+    assert not configs["tensorrt_llm"].model_transaction_policy.decoupled
+    assert not configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
+
+
+@pytest.mark.parametrize("kwargs, field, values", [
+    (dict(max_batch_size=64), "max_batch_size", ("64", "8")),
+    (dict(max_beam_width=4), "max_beam_width", ("4", "1")),
+    (dict(max_input_len=100), "max_input_len", ("100", "48")),
+    (dict(max_seq_len=1000), "max_seq_len", ("1000", "96")),
+    (dict(world_size=2), "world_size", ("2",)),
+    (dict(max_batch_size=0), "max_batch_size", ("0",)),
+    (dict(kv_cache_free_gpu_mem_fraction=0.5), "kv_cache_free_gpu_mem_fraction", ()),
+])
+def test_contradicting_settings_are_rejected(setup, tmp_path, kwargs, field, values):
+    with pytest.raises(InputError) as e:
+        generate_repository(setup["engine"], tmp_path / "repo", tokenizer_dir=setup["tok"], **kwargs)
+    msg = str(e.value)
+    assert field in msg and all(v in msg for v in values), msg
+    assert not (tmp_path / "repo").exists() and not list(tmp_path.glob(".repo*"))
+
+
+def test_tensorrt_engine_repository(setup):
+    eng = write_trt_engine(setup["root"] / "trt-tp2", setup["ckpt"], tp=2)
+    out = setup["root"] / "repo-trt"
+    r = generate_repository(eng, out, tokenizer_dir=setup["tok"], kv_cache_free_gpu_mem_fraction=0.5)
+    configs = validate_repository(out)
+    llm = configs["tensorrt_llm"]
+    assert llm.backend == "tensorrtllm"
+    params = {k: v.string_value for k, v in llm.parameters.items()}
+    assert params["gpt_model_path"] == str(eng.resolve())
+    assert params["gpt_model_type"] == "inflight_fused_batching" and params["kv_cache_free_gpu_mem_fraction"] == "0.5"
+    assert params["max_beam_width"] == "1"
+    assert not (out / "tensorrt_llm" / "1" / "model.py").exists() and (out / "tensorrt_llm" / "1").is_dir()
+    assert r.launch_world_size == 2
+    # TensorRT engines take their limits from the engine: a smaller runtime value is refused.
+    with pytest.raises(InputError, match="max_input_len"):
+        generate_repository(eng, setup["root"] / "x", tokenizer_dir=setup["tok"], max_input_len=16)
+    with pytest.raises(InputError, match="mapping.world_size"):
+        generate_repository(eng, setup["root"] / "x", tokenizer_dir=setup["tok"], world_size=1)
+
+
+def test_launch_command_one_rank_per_engine_rank(tmp_path):
+    inst = TritonInstall(kind="system", binary=Path("/opt/tritonserver/bin/tritonserver"), backends_dir=None)
+    ep = Endpoints("127.0.0.1", 8000, 8001, 8002)
+    one = build_launch_command(tmp_path, inst, endpoints=ep, world_size=1)
+    assert one[0].endswith("tritonserver") and "--grpc-port=8001" in one and "--http-address=127.0.0.1" in one
+    cmd = build_launch_command(tmp_path, inst, endpoints=ep, world_size=4)
+    assert Path(cmd[0]).name == "mpirun" and cmd.count(":") == 3 and cmd.count("-n") == 4
+    ranks = " ".join(cmd).split(" : ")
+    assert "--grpc-port=8001" in ranks[0] and "--load-model" not in ranks[0]
+    for i, r in enumerate(ranks[1:], start=1):
+        assert "--model-control-mode=explicit" in r and "--load-model=tensorrt_llm" in r
+        assert "--grpc-port" not in r and f"shm-region-prefix-name=trtmoe{i}_" in r
+        assert "--disable-auto-complete-config" in r
+
+
+def test_fill_template_rejects_unknown_and_leftover_placeholders():
+    with pytest.raises(TrtmoeError, match="nope"):
+        fill_template("max_batch_size: ${nope}", {}, where="t")
+    with pytest.raises(TrtmoeError, match="unresolved"):
+        fill_template("name: \"$${x}\"", {}, where="t")  # an escaped placeholder still leaves "${"
+    assert fill_template("max_batch_size: ${n}", {"n": "4"}, where="t") == "max_batch_size: 4"
+
+
+def test_parse_back_catches_bad_pbtxt():
+    with pytest.raises(TrtmoeError, match="ModelConfig"):
+        parse_model_config('name: "x"\nmax_batch_size: ${triton_max_batch_size}\n', where="x/config.pbtxt")
+    with pytest.raises(TrtmoeError, match="ModelConfig"):
+        parse_model_config('name: "x"\nno_such_field: 3\n', where="x/config.pbtxt")
+
+
+def test_cross_model_check_catches_miswiring(setup):
+    configs = validate_repository(setup["root"] / "repo")
+    step = configs["ensemble"].ensemble_scheduling.step[1]
+    step.input_map["no_such_input"] = "_INPUT_ID"
+    with pytest.raises(TrtmoeError, match="no_such_input"):
+        check_repository_configs(configs)
+    configs = validate_repository(setup["root"] / "repo")
+    configs["tensorrt_llm_bls"].model_transaction_policy.decoupled = False
+    with pytest.raises(TrtmoeError, match="decoupled"):
+        check_repository_configs(configs)
+
+
+def test_every_template_placeholder_is_filled(setup):
+    import re
+
+    from trtmoe.triton.repository import resolve_settings, template_values
+
+    placeholders = set()
+    for m in MODELS:
+        placeholders |= set(re.findall(r"\$\{(\w+)\}", (templates_dir() / m / "config.pbtxt").read_text()))
+    values = template_values(read_engine_dir(setup["engine"]), resolve_settings(read_engine_dir(setup["engine"])))
+    assert placeholders and placeholders <= set(values)
+
+
+def test_foreign_tokenizer_is_rejected(setup, tmp_path):
+    big = train_tokenizer(tmp_path / "big-tok", 600)
+    with pytest.raises(InputError, match="vocab_size"):
+        generate_repository(setup["engine"], tmp_path / "repo", tokenizer_dir=big)
+
+
+def test_repo_command(setup, tmp_path):
+    from trtmoe.cli import TrtmoeGroup
+
+    group = TrtmoeGroup(commands={c.name: c for c in commands.COMMANDS})
+    runner = CliRunner()
+    for c in commands.COMMANDS:
+        help_text = runner.invoke(group, [c.name, "--help"]).output
+        assert "Example" in help_text, c.name
+    ok = runner.invoke(group, ["repo", str(setup["engine"]), "-o", str(tmp_path / "r"), "--tokenizer", str(setup["tok"]),
+                              "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["settings"]["max_batch_size"] == 8
+    bad = runner.invoke(group, ["repo", str(setup["engine"]), "-o", str(tmp_path / "r2"), "--tokenizer",
+                               str(setup["tok"]), "--max-batch-size", "64"])
+    assert bad.exit_code == 2 and "max_batch_size 64" in bad.output
+    again = runner.invoke(group, ["repo", str(setup["engine"]), "-o", str(tmp_path / "r"), "--tokenizer", str(setup["tok"])])
+    assert again.exit_code == 2 and "--force" in again.output

@@ -1,0 +1,399 @@
+"""End to end through a real tritonserver (nvidia-pytriton's Triton 2.51, CPU, Python backend) serving
+the trained Mixtral fixture with the embedded engine: one server for the module."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("pytriton")
+
+import tritonclient.grpc as grpcclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from trtmoe.checkpoint.writer import convert  # noqa: E402
+from trtmoe.errors import InputError  # noqa: E402
+from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
+from trtmoe.triton import commands  # noqa: E402
+from trtmoe.triton.client import generate  # noqa: E402
+from trtmoe.triton.metrics import routed_token_table, scrape  # noqa: E402
+from trtmoe.triton.repository import generate_repository  # noqa: E402
+from trtmoe.triton.serve import serve_repository  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
+BUILD = {"max_batch_size": 16, "max_input_len": 64, "max_seq_len": 160, "max_beam_width": 1, "tokens_per_block": 32}
+PROMPTS = ["def main(", "import os\n", "class Parser:\n    def __init__(self", "    return self.", "for i in range(",
+           "x = [", "if __name__ ==", "try:\n    import"]
+
+if not (FIXTURE / "config.json").is_file():
+    pytest.skip("tests/fixtures/trained_mixtral is missing (make it with scripts/make_trained_fixture.py)",
+                allow_module_level=True)
+
+
+class Reference:
+    """What the embedded engine itself answers, decoded the way an HF pipeline returns a completion."""
+
+    def __init__(self, ckpt: Path, tokenizer_dir: Path):
+        import torch
+        from transformers import AutoTokenizer
+
+        # One thread: the server shares these cores, and spinning OpenMP workers would fight it.
+        torch.set_num_threads(1)
+        self.engine = EmbeddedEngine.from_checkpoint(ckpt, device="cpu", max_seq_len=BUILD["max_seq_len"])
+        self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.lock = threading.Lock()
+
+    def ids(self, prompt: str) -> list[int]:
+        return self.tok.encode(prompt)
+
+    def tokens(self, prompt: str, n: int) -> list[int]:
+        with self.lock:
+            return self.engine.generate(self.ids(prompt), SamplingParams(max_new_tokens=n, end_id=self.tok.eos_token_id))
+
+    def text(self, prompt: str, n: int) -> str:
+        ids = self.ids(prompt)
+        full = self.tok.decode(ids + self.tokens(prompt, n), skip_special_tokens=True)
+        head = self.tok.decode(ids, skip_special_tokens=True)
+        assert full.startswith(head)
+        return full[len(head):]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    ckpt = root / "ckpt"
+    # float32 (lossless from the bf16 fixture): on CPU it is faster than bf16, and batched decode
+    # then picks the same greedy tokens as one-at-a-time decode (bf16 rounding differs per batch shape
+    # and flips near-ties).
+    convert(FIXTURE, ckpt, dtype="float32")
+    engine = root / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": BUILD}))
+    repo = generate_repository(engine, root / "repo", torch_num_threads=1)
+    server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
+    try:
+        yield {"server": server, "url": server.endpoints.grpc, "ref": Reference(ckpt, repo.tokenizer_dir),
+               "repo": repo}
+    finally:
+        server.stop()
+
+
+def stream_call(url: str, model: str, inputs: list, timeout: float = 60.0) -> tuple[list, Exception | None]:
+    """Raw ModelStreamInfer call: all responses until the final flag, or the first error."""
+    client = grpcclient.InferenceServerClient(url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        out = []
+        while True:
+            res, err = q.get(timeout=timeout)
+            if err is not None:
+                return out, err
+            out.append(res)
+            if res.get_response().parameters["triton_final_response"].bool_param:
+                return out, None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def _tensor(name, arr, dtype):
+    t = grpcclient.InferInput(name, list(arr.shape), dtype)
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def _assert_still_serving(served):
+    assert served["server"].is_ready()
+    r = generate(served["url"], "def main(", max_tokens=4)
+    assert r.text == served["ref"].text("def main(", 4)
+
+
+def test_greedy_text_matches_engine(served):
+    url, ref = served["url"], served["ref"]
+    for prompt in PROMPTS[:4]:
+        want = ref.text(prompt, 24)
+        assert want.strip() and want.isascii(), "the fixture should produce (ASCII) code"
+        # The ensemble decodes each streamed response on its own, so this equality needs every token
+        # to be whole characters (true for ASCII; tensorrt_llm_bls below re-decodes and has no such limit).
+        streamed = generate(url, prompt, max_tokens=24)
+        assert streamed.streamed and len(streamed.pieces) > 1
+        assert streamed.text == want
+        assert generate(url, prompt, max_tokens=24, stream=False).text == want
+        bls = generate(url, prompt, max_tokens=24, model="tensorrt_llm_bls")
+        assert bls.text == want and len(bls.pieces) > 1
+        assert generate(url, prompt, max_tokens=24, model="tensorrt_llm_bls", stream=False).text == want
+        body = json.dumps({"text_input": prompt, "max_tokens": 24}).encode()
+        http = served["server"].endpoints.http + "/v2/models/ensemble/generate"
+        with urllib.request.urlopen(urllib.request.Request(http, data=body), timeout=60) as r:
+            assert json.loads(r.read())["text_output"] == want
+
+
+def test_token_ids_match_engine(served):
+    """The tensorrt_llm model alone: exactly the engine's tokens, streamed as they are generated."""
+    ref = served["ref"]
+    ids = ref.ids(PROMPTS[2])
+    want = ref.tokens(PROMPTS[2], 20)
+    inputs = [_tensor("input_ids", np.array([ids], np.int32), "INT32"),
+              _tensor("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+              _tensor("request_output_len", np.array([[20]], np.int32), "INT32"),
+              _tensor("end_id", np.array([[ref.tok.eos_token_id]], np.int32), "INT32"),
+              _tensor("streaming", np.array([[True]]), "BOOL")]
+    responses, err = stream_call(served["url"], "tensorrt_llm", inputs)
+    assert err is None
+    got = [r.as_numpy("output_ids").reshape(-1).tolist() for r in responses if r.as_numpy("output_ids") is not None]
+    # Streamed: usually one token per response (tokens that pile up behind a slow client are merged).
+    assert [t for g in got for t in g] == want and len(got) > len(want) // 2
+    # Non-streaming with the prompt included: one response, prompt + completion.
+    inputs[-1] = _tensor("streaming", np.array([[False]]), "BOOL")
+    inputs.append(_tensor("exclude_input_in_output", np.array([[False]]), "BOOL"))
+    responses, err = stream_call(served["url"], "tensorrt_llm", inputs)
+    assert err is None and len(responses) == 1
+    assert responses[0].as_numpy("output_ids").reshape(-1).tolist() == ids + want
+
+
+def test_32_concurrent_streams(served):
+    url, ref = served["url"], served["ref"]
+    jobs = [(PROMPTS[i % len(PROMPTS)], 12 + (i % 5) * 4) for i in range(32)]
+    want = {job: ref.text(*job) for job in set(jobs)}
+    results, errors = [None] * len(jobs), []
+    barrier = threading.Barrier(len(jobs))
+
+    def run(i):
+        try:
+            barrier.wait()
+            results[i] = generate(url, jobs[i][0], max_tokens=jobs[i][1], check=False)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    for job, r in zip(jobs, results):
+        assert r.text == want[job], job
+        assert len(r.pieces) > 1
+    # The batcher really ran them together (its gauges/counters live on the metrics endpoint).
+    m = scrape(served["server"].endpoints.metrics)
+    assert sum(v for _, v in m["trtmoe_batcher_iterations_total"]) > 0
+
+
+def test_metrics_count_every_routed_token(served):
+    ref, metrics_url = served["ref"], served["server"].endpoints.metrics
+    time.sleep(1.5)  # let the previous requests' counters settle (published every 0.5 s)
+    before = routed_token_table(scrape(metrics_url))
+    prompt, n = PROMPTS[5], 16
+    generated = ref.tokens(prompt, n)
+    generate(served["url"], prompt, max_tokens=n)
+    deadline = time.time() + 10
+    expected = (len(ref.ids(prompt)) + len(generated) - 1) * 2  # tokens through each MoE layer x top-k
+    while time.time() < deadline:
+        after = routed_token_table(scrape(metrics_url))
+        per_layer = {l: sum(v - before.get((l, e), 0) for (l2, e), v in after.items() if l2 == l)
+                     for l in {k[0] for k in after}}
+        if per_layer and all(v == expected for v in per_layer.values()):
+            break
+        time.sleep(0.3)
+    assert len(per_layer) == ref.engine.num_layers and all(v == expected for v in per_layer.values()), per_layer
+    m = scrape(metrics_url)
+    ent = [v for _, v in m["trtmoe_router_entropy_nats"]]
+    imb = [v for _, v in m["trtmoe_expert_load_imbalance"]]
+    assert len(ent) == ref.engine.num_layers and all(0 < v <= np.log(8) + 1e-6 for v in ent)
+    assert all(v >= 1.0 for v in imb)
+    assert m["trtmoe_active_params_per_token"][0][1] == ref.engine.active_params_per_token
+    assert "nv_inference_request_success" in m  # Triton's own metrics are on the same endpoint
+
+
+def _ens_inputs(prompt="def main(", max_tokens=8, **override):
+    arrays = {"text_input": (np.array([[prompt.encode()]], dtype=object), "BYTES")}
+    if max_tokens is not None:
+        arrays["max_tokens"] = (np.array([[max_tokens]], np.int32), "INT32")
+    arrays.update(override)
+    return [_tensor(k, a, d) for k, (a, d) in arrays.items() if a is not None]
+
+
+@pytest.mark.parametrize("case, inputs, message", [
+    ("no text_input", lambda: _ens_inputs(text_input=(None, None)), "text_input"),
+    ("max_tokens 0", lambda: _ens_inputs(max_tokens=0), "max_tokens"),
+    ("max_tokens -3", lambda: _ens_inputs(max_tokens=-3), "max_tokens"),
+    ("max_tokens beyond the engine", lambda: _ens_inputs(max_tokens=100_000), "max_seq_len"),
+    ("prompt beyond max_input_len", lambda: _ens_inputs(prompt="x = 1\n" * 200), "max_input_len"),
+    ("wrong dtype", lambda: _ens_inputs(max_tokens=None) + [_tensor("max_tokens", np.array([[8.0]], np.float32), "FP32")],
+     "max_tokens"),
+])
+def test_bad_requests_get_clear_errors(served, case, inputs, message):
+    responses, err = stream_call(served["url"], "ensemble", inputs())
+    assert err is not None, case
+    assert message in str(err), (case, str(err))
+    _assert_still_serving(served)
+
+
+def test_wrong_call_kinds(served):
+    url = served["url"]
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        with pytest.raises(InferenceServerException, match="decoupled"):
+            client.infer("ensemble", _ens_inputs())
+    finally:
+        client.close()
+    with pytest.raises(InputError, match="decoupled.*stream"):
+        generate(url, "def main(", max_tokens=4, unary=True)
+    # HTTP generate needs exactly one response; a streamed request is answered with an error body.
+    body = json.dumps({"text_input": "def main(", "max_tokens": 4, "stream": True}).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(served["server"].endpoints.http
+                                                           + "/v2/models/ensemble/generate", data=body), timeout=30) as r:
+            answer = r.read().decode()
+    except urllib.error.HTTPError as e:
+        answer = e.read().decode()
+    assert "exactly 1 response" in json.loads(answer)["error"]
+    _assert_still_serving(served)
+
+
+def test_stop_words_through_ensemble(served):
+    ref = served["ref"]
+    ids, gen = ref.ids(PROMPTS[0]), ref.tokens(PROMPTS[0], 24)
+    # A generated token whose text encodes back to exactly that token, so the stop word matches it.
+    k = next(i for i in range(2, len(gen)) if ref.tok.encode(ref.tok.decode([gen[i]]), add_special_tokens=False) == [gen[i]])
+    word = ref.tok.decode([gen[k]])
+    first = gen.index(gen[k])
+    head = ref.tok.decode(ids, skip_special_tokens=True)
+    want = ref.tok.decode(ids + gen[: first + 1], skip_special_tokens=True)[len(head):]
+    r = generate(served["url"], PROMPTS[0], max_tokens=24, stop_words=[word])
+    assert r.text == want and want.endswith(word)
+
+
+def test_cancelled_stream_stops_generation(served):
+    """A client that cancels its stream frees the batch slot: the engine stops generating for it."""
+    metrics_url = served["server"].endpoints.metrics
+    total = lambda: sum(v for _, v in scrape(metrics_url)["trtmoe_generated_tokens_total"])  # noqa: E731
+    time.sleep(1.0)
+    before = total()
+    client = grpcclient.InferenceServerClient(served["url"])
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = [_tensor("input_ids", np.array([[1, 5, 9, 12]], np.int32), "INT32"),
+              _tensor("input_lengths", np.array([[4]], np.int32), "INT32"),
+              _tensor("request_output_len", np.array([[150]], np.int32), "INT32"),
+              _tensor("min_tokens", np.array([[150]], np.int32), "INT32"),
+              _tensor("streaming", np.array([[True]]), "BOOL")]
+    client.async_stream_infer("tensorrt_llm", inputs)
+    for _ in range(2):
+        assert q.get(timeout=60)[1] is None
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    time.sleep(2.0)
+    generated = total() - before
+    assert 2 <= generated < 150, generated
+    _assert_still_serving(served)
+
+
+def test_generate_command(served):
+    from click.testing import CliRunner
+
+    from trtmoe.cli import TrtmoeGroup
+
+    group = TrtmoeGroup(commands={c.name: c for c in commands.COMMANDS})
+    out = CliRunner().invoke(group, ["generate", "def main(", "-n", "12", "--url", served["url"], "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["text"] == served["ref"].text("def main(", 12) and data["streamed"]
+    bad = CliRunner().invoke(group, ["generate", "def main(", "--url", served["url"], "--unary"])
+    assert bad.exit_code == 2 and "decoupled" in bad.output
+
+
+def test_example_client_script(served):
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "example_client.py"), "def main(",
+                          "--max-tokens", "12", "--url", served["url"]], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == served["ref"].text("def main(", 12) + "\n"
+
+
+def test_stop_leaves_no_process(served):
+    """Runs last in this module: stopping the server ends tritonserver and every Python stub."""
+    srv = served["server"]
+    pgid = srv.process.pid
+    rc = srv.stop()
+    assert rc == 0, srv.log_tail()  # a clean shutdown: every model finalized within the exit timeout
+    deadline = time.time() + 10
+    while True:
+        ps = subprocess.run(["ps", "-o", "pid=,stat=,cmd=", "-g", str(pgid)], capture_output=True, text=True).stdout
+        alive = [line for line in ps.splitlines() if line.split()[1][0] != "Z"]  # zombies are already dead
+        if not alive or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert not alive, "processes left in the server's group:\n" + "\n".join(alive)
+
+
+@pytest.mark.slow
+def test_serve_command_sigterm(served, tmp_path):
+    """`serve` in the foreground: prints endpoints when ready, exits 0 on SIGTERM, leaves nothing behind."""
+    script = ("import sys; from trtmoe.triton.commands import serve_command; "
+              "serve_command.main(sys.argv[1:], standalone_mode=True)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(served["repo"].path), "--http-port", "0", "--grpc-port",
+                             "0", "--metrics-port", "0", "--log-file", str(tmp_path / "server.log")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+    lines = []
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("ready:") or proc.poll() is not None:
+                break
+        assert lines[-1].startswith("ready:"), "".join(lines)
+        url = lines[-1].split("gRPC ")[1].split()[0]
+        assert generate(url, "def main(", max_tokens=4).text == served["ref"].text("def main(", 4)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = subprocess.run(["pgrep", "-f", str(served["repo"].path)], capture_output=True, text=True)
+    assert out.stdout.strip() == "", out.stdout
+
+
+def test_failed_model_load_is_reported_with_log(tmp_path):
+    """A model that fails to load: serve_repository says which and why, shows the log, stops the server."""
+    from trtmoe.errors import BackendUnavailable
+
+    model = tmp_path / "repo" / "broken"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text('name: "broken"\nbackend: "python"\nmax_batch_size: 1\n'
+                                        'input [ { name: "x" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+                                        'output [ { name: "y" data_type: TYPE_INT32 dims: [ 1 ] } ]\n')
+    (model / "1" / "model.py").write_text("class TritonPythonModel:\n    def initialize(self, args):\n"
+                                          "        raise ValueError('engine directory is gone')\n")
+    with pytest.raises(BackendUnavailable) as e:
+        serve_repository(tmp_path / "repo", http_port=0, grpc_port=0, metrics_port=0, timeout_s=120)
+    msg = str(e.value)
+    assert "broken" in msg and "engine directory is gone" in msg and "log tail" in msg
+
+
+def test_busy_port_is_refused(tmp_path):
+    import socket
+
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(InputError, match=f"grpc port {port}"):
+            serve_repository(tmp_path / "repo", http_port=0, grpc_port=port, metrics_port=0)

@@ -1,0 +1,183 @@
+"""Click commands for the Triton stage: ``repo``, ``serve`` and ``generate``.
+
+They are plain ``click.Command`` objects for the main ``trtmoe`` group to register; each parses
+options, calls one library function and renders its result. Errors are ``trtmoe.errors`` classes
+(InputError -> exit 2), which the main group turns into one-line messages.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import InputError
+
+
+def _echo_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+@click.command("repo")
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), required=True,
+              help="Model repository to write (replaced only with --force).")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path), default=None,
+              help="Hugging Face tokenizer folder [default: the one beside the engine or its checkpoint].")
+@click.option("--max-batch-size", type=int, default=None, help="Triton max_batch_size (<= the engine's) [default: engine's].")
+@click.option("--max-beam-width", type=int, default=None, help="Must equal the engine's build value.")
+@click.option("--max-input-len", type=int, default=None, help="Prompt limit in tokens (<= the engine's).")
+@click.option("--max-seq-len", type=int, default=None, help="Prompt + output limit in tokens (<= the engine's).")
+@click.option("--world-size", type=int, default=None, help="Checked against the engine's tp x pp.")
+@click.option("--streaming/--no-streaming", default=True, show_default=True,
+              help="Decoupled tensorrt_llm/BLS (and ensemble) so tokens stream; --no-streaming allows unary calls.")
+@click.option("--exclude-input/--include-input", "exclude_input_in_output", default=True, show_default=True,
+              help="Whether outputs leave out the prompt.")
+@click.option("--max-queue-delay-us", "max_queue_delay_microseconds", type=int, default=0, show_default=True)
+@click.option("--max-queue-size", type=int, default=0, show_default=True, help="0 = unbounded.")
+@click.option("--preprocessing-instances", "preprocessing_instance_count", type=int, default=1, show_default=True)
+@click.option("--postprocessing-instances", "postprocessing_instance_count", type=int, default=1, show_default=True)
+@click.option("--bls-instances", "bls_instance_count", type=int, default=1, show_default=True)
+@click.option("--kv-cache-free-gpu-mem-fraction", type=float, default=None, help="TensorRT engines only [default: 0.9].")
+@click.option("--device", default=None, help="Embedded engine device: auto, cpu, cuda, cuda:N [default: auto].")
+@click.option("--torch-threads", "torch_num_threads", type=int, default=0, show_default=True,
+              help="Embedded engine torch threads (0 = torch's default).")
+@click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run code from its folder.")
+@click.option("--force", is_flag=True, help="Replace an existing repository.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def repo_command(engine_dir, out_dir, as_json, **options):
+    """Write a Triton model repository for ENGINE_DIR.
+
+    ENGINE_DIR is a `trtmoe build --backend embedded` or `trtllm-build` engine directory; every
+    setting comes from its config.json. The repository holds ensemble, preprocessing, tensorrt_llm,
+    postprocessing and tensorrt_llm_bls, with the tokenizer copied in.
+
+    \b
+    Example:
+      trtmoe repo engine/ -o repo/ --max-batch-size 8
+      trtmoe serve repo/
+    """
+    from .repository import generate_repository
+
+    r = generate_repository(engine_dir, out_dir, **options)
+    if as_json:
+        _echo_json({"path": str(r.path), "engine": r.engine.to_json(), "settings": r.settings.__dict__,
+                    "launch_world_size": r.launch_world_size, "models": r.models, "warnings": r.warnings})
+        return
+    s, e = r.settings, r.engine
+    click.echo(f"wrote {r.path}")
+    click.echo(f"  engine         {e.path} ({'embedded' if e.backend == 'embedded' else 'TensorRT-LLM'}, {e.architecture})")
+    click.echo(f"  models         {', '.join(r.models)}")
+    click.echo(f"  max_batch_size {s.max_batch_size} (engine {e.max_batch_size}); max_input_len {s.max_input_len}; "
+               f"max_seq_len {s.max_seq_len}; beam {s.max_beam_width}")
+    click.echo(f"  streaming      {'yes (decoupled tensorrt_llm, BLS and ensemble)' if s.streaming else 'no'}")
+    click.echo(f"  tokenizer      {r.tokenizer_dir}")
+    for w in r.warnings:
+        click.echo(f"  warning: {w}", err=True)
+    click.echo(f"next: trtmoe serve {r.path}" + (f"  (runs {r.launch_world_size} MPI ranks)" if r.launch_world_size > 1 else ""))
+
+
+@click.command("serve")
+@click.argument("repo", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server).")
+@click.option("--http-port", type=int, default=8000, show_default=True, help="0 picks a free port.")
+@click.option("--grpc-port", type=int, default=8001, show_default=True, help="0 picks a free port.")
+@click.option("--metrics-port", type=int, default=8002, show_default=True, help="0 picks a free port.")
+@click.option("--world-size", type=int, default=None, help="MPI ranks [default: from the repository manifest].")
+@click.option("--server", type=click.Choice(["system", "pytriton"]), default=None,
+              help="tritonserver to use [default: the one on PATH (NGC container), else nvidia-pytriton's].")
+@click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True, help="Seconds to wait for ready.")
+@click.option("--log-file", type=click.Path(path_type=Path), default=None, help="Server log [default: a temp file].")
+@click.option("--log-verbose", type=int, default=0, show_default=True)
+@click.option("--print-command", is_flag=True, help="Print the launch command and environment, do not start.")
+def serve_command(repo, host, http_port, grpc_port, metrics_port, world_size, server, timeout_s, log_file, log_verbose,
+                  print_command):
+    """Start tritonserver on a model repository and serve until Ctrl-C.
+
+    Uses the NGC container's tritonserver (mpirun with one rank per engine rank for TensorRT
+    engines) or, on CPU machines, the Triton binary of the nvidia-pytriton wheel with its Python
+    backend running in this Python environment.
+
+    \b
+    Example:
+      trtmoe serve repo/ --grpc-port 8001
+      trtmoe generate "def main(" --url 127.0.0.1:8001
+    """
+    from .serve import (Endpoints, build_launch_command, find_tritonserver, read_repository_manifest,
+                        run_until_signalled, serve_repository, server_environment)
+
+    if print_command:
+        install = find_tritonserver(server)
+        ws = world_size or int(read_repository_manifest(repo).get("launch_world_size", 1) or 1)
+        backend_dir = (Path("<workspace>") / "backends") if install.kind == "pytriton" else None
+        cmd = build_launch_command(repo, install, endpoints=Endpoints(host, http_port, grpc_port, metrics_port),
+                                   world_size=ws, backend_dir=backend_dir)
+        env = server_environment(install)
+        for key in ("LD_LIBRARY_PATH", "PYTHONPATH"):
+            if env.get(key):
+                click.echo(f"{key}={env[key]}")
+        click.echo(" ".join(cmd))
+        return
+    click.echo(f"starting tritonserver on {repo} (waiting up to {timeout_s:.0f} s for the models to load)...", err=True)
+    srv = serve_repository(repo, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                           world_size=world_size, server=server, timeout_s=timeout_s, log_file=log_file,
+                           log_verbose=log_verbose)
+
+    def ready(s):
+        ep = s.endpoints
+        click.echo(f"ready: gRPC {ep.grpc}   HTTP {ep.http}   metrics {ep.metrics}")
+        click.echo(f"log: {s.log_path}   (Ctrl-C to stop)")
+        click.echo(f'try: trtmoe generate "def main(" --url {ep.grpc}')
+        sys.stdout.flush()
+
+    run_until_signalled(srv, on_ready=ready)
+    click.echo("stopped", err=True)
+
+
+@click.command("generate")
+@click.argument("prompt")
+@click.option("--url", default="127.0.0.1:8001", show_default=True, help="Triton gRPC endpoint host:port.")
+@click.option("--model", default="ensemble", show_default=True, help="ensemble or tensorrt_llm_bls.")
+@click.option("-n", "--max-tokens", type=int, default=64, show_default=True)
+@click.option("--stream/--no-stream", default=None, help="[default: stream when the model is decoupled]")
+@click.option("--unary", is_flag=True, help="Use a unary ModelInfer call (only for non-decoupled models).")
+@click.option("--temperature", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", "stop_words", multiple=True, help="Stop string (repeatable).")
+@click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print text and timings as JSON at the end.")
+def generate_command(prompt, url, model, max_tokens, stream, unary, temperature, top_k, top_p, seed, stop_words,
+                     timeout_s, as_json):
+    """Generate text from a served model over gRPC, printing tokens as they arrive.
+
+    Decoupled models (the default streaming repository) are called through the gRPC stream;
+    others with a unary call. A call that cannot work (e.g. --unary to a decoupled model) is
+    refused with the reason.
+
+    \b
+    Example:
+      trtmoe generate "def main(" -n 40 --url 127.0.0.1:8001
+      trtmoe generate "import os" --model tensorrt_llm_bls --top-k 20 --seed 1
+    """
+    from .client import generate
+
+    if unary and stream:
+        raise InputError("--unary and --stream contradict each other")
+    on_text = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+    r = generate(url, prompt, model=model, max_tokens=max_tokens, stream=stream, unary=unary, on_text=on_text,
+                 timeout_s=timeout_s, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                 stop_words=list(stop_words) or None)
+    if as_json:
+        _echo_json({"model": r.model, "text": r.text, "streamed": r.streamed, "responses": len(r.pieces),
+                    "ttft_s": r.ttft_s, "total_s": r.total_s})
+    else:
+        sys.stdout.write("\n")
+        click.echo(f"[{len(r.pieces)} responses, first text after {(r.ttft_s or 0) * 1000:.0f} ms, "
+                   f"total {r.total_s * 1000:.0f} ms]", err=True)
+
+
+COMMANDS = (repo_command, serve_command, generate_command)
