@@ -15,6 +15,7 @@ from rich.table import Table
 
 from . import __version__
 from .errors import TrtmoeError
+from .report.units import fmt_bytes, fmt_count
 
 err_console = Console(stderr=True)
 console = Console()
@@ -67,21 +68,6 @@ def layout_options(f):
     return f
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _fmt_count(n: int) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
-
-
 def byte_progress(description: str) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
                     TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True)
@@ -125,13 +111,13 @@ def _render_inspect(rep: dict) -> None:
     t.add_column("active / token", justify="right")
     t.add_column("share of total", justify="right")
     for name, d in p["components"].items():
-        t.add_row(name, _fmt_count(d["total"]), _fmt_count(d["active_per_token"]),
+        t.add_row(name, fmt_count(d["total"]), fmt_count(d["active_per_token"]),
                   f"{100 * d['total'] / p['total']:.1f}%")
-    t.add_row("[bold]all", f"[bold]{_fmt_count(p['total'])}", f"[bold]{_fmt_count(p['active_per_token'])}",
+    t.add_row("[bold]all", f"[bold]{fmt_count(p['total'])}", f"[bold]{fmt_count(p['active_per_token'])}",
               "100%")
     console.print(t)
-    console.print(f"  A token touches [bold]{_fmt_count(p['active_per_token'])}[/] of "
-                  f"{_fmt_count(p['total'])} parameters = [bold]{100 * p['active_share']:.2f}%[/] "
+    console.print(f"  A token touches [bold]{fmt_count(p['active_per_token'])}[/] of "
+                  f"{fmt_count(p['total'])} parameters = [bold]{100 * p['active_share']:.2f}%[/] "
                   f"(one embedding row, all attention, routers, shared experts, top-k experts, full lm_head)")
     lay = rep["layout"]
     if not lay["ok"]:
@@ -145,7 +131,7 @@ def _render_inspect(rep: dict) -> None:
     for r in rep["ranks"]:
         t.add_row(str(r["rank"]), str(r["tp_rank"]), str(r["pp_rank"]), str(r["moe_ep_rank"]),
                   str(r["moe_tp_rank"]), f"{r['experts'][0]}–{r['experts'][1]}",
-                  f"{r['layers'][0]}–{r['layers'][-1]}", _fmt_bytes(r["bytes"]))
+                  f"{r['layers'][0]}–{r['layers'][-1]}", fmt_bytes(r["bytes"]))
     console.print(t)
     console.print("  layout checks: [green]ok[/] (heads, kv heads, experts % moe_ep, FFN % moe_tp)")
     for n in rep["notes"]:
@@ -218,7 +204,7 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
         click.echo(json.dumps(summary, indent=2))
     else:
         console.print(f"[green]wrote[/] {res.out_dir} — {res.mapping.describe()}, {res.dtype}, "
-                      f"{_fmt_bytes(res.bytes_written)} in {len(res.files)} rank file(s)")
+                      f"{fmt_bytes(res.bytes_written)} in {len(res.files)} rank file(s)")
         if plan is not None:
             m = plan.meta
             used = ", ".join(sorted(plan.used_formats()))

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..hf.safetensors_io import SafetensorsFile
 from .preflight import CheckpointFacts
+from ..report.units import fmt_bytes
 
 # TensorRT-LLM's own default exclusions when a checkpoint's exclude_modules is null.
 DEFAULT_EXCLUDES = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
@@ -149,14 +150,6 @@ def estimate_memory(facts: CheckpointFacts, build: dict, backend: str) -> Memory
     return MemoryEstimate(backend, [one], msl, kv_el, mbs, EMBEDDED_KV_FORMULA, notes)
 
 
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def render_estimate(est: MemoryEstimate, dtype_name: str) -> list[str]:
     """Human-readable lines; every figure is labelled an estimate and the formula is printed."""
     who = "per GPU" if est.backend == "tensorrt-llm" else "embedded engine process"
@@ -166,9 +159,9 @@ def render_estimate(est: MemoryEstimate, dtype_name: str) -> list[str]:
             if r.quantized_by_build else ""
         head = f"  rank {r.rank}: " if est.backend == "tensorrt-llm" else "  "
         src = "rank file" if est.backend == "tensorrt-llm" else "all rank files"
-        lines.append(f"{head}weights ≈ {_fmt(r.weight_bytes)} ({src} {_fmt(r.file_bytes)}{q}); "
-                     f"KV cache ≈ {_fmt(r.kv_bytes)} ({r.layers} layers × {r.kv_heads} KV heads); "
-                     f"total ≈ {_fmt(r.total_bytes)}")
+        lines.append(f"{head}weights ≈ {fmt_bytes(r.weight_bytes)} ({src} {fmt_bytes(r.file_bytes)}{q}); "
+                     f"KV cache ≈ {fmt_bytes(r.kv_bytes)} ({r.layers} layers × {r.kv_heads} KV heads); "
+                     f"total ≈ {fmt_bytes(r.total_bytes)}")
     lines.append(f"  KV cache formula: {est.formula}")
     lines.append(f"    with max_batch_size={est.max_batch_size}, tokens per sequence={est.kv_tokens_per_sequence}, "
                  f"bytes_per_element={est.kv_bytes_per_element} ({dtype_name if est.kv_bytes_per_element > 1 else '8-bit KV'})")
