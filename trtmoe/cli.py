@@ -157,7 +157,7 @@ def _render_inspect(rep: dict) -> None:
 @click.option("--budget-gb", type=float, default=None, help="Routed-expert bytes per GPU, in GB.")
 @click.option("--format", "fmt", type=click.Choice(["int8", "int4", "int4_g128"]), default=None,
               help="Format for --policy uniform.")
-@click.option("--formats", default=None, help="Candidate formats, comma separated [default: fp16,int8,int4_g128].")
+@click.option("--formats", default=None, help="Candidate formats, comma separated [default: fp16 and every format measured in calibration].")
 @click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,
               help="Build backend the checkpoint is for: sets granularity (per expert vs per MoE layer).")
 @click.option("--placement", type=click.Choice(["identity", "balanced"]), default=None,

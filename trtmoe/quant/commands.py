@@ -64,7 +64,8 @@ def plan_from_config(model, cfg: dict):
             raise InputError("policy 'uniform' needs --format int8, int4 or int4_g128")
         plan = uniform_plan(m, q["format"], granularity)
     elif policy == "none":
-        plan = QuantPlan({}, granularity=granularity, meta={"policy": "none"})
+        # Placement only: experts stay stacked float tensors (layer form), which every target loads.
+        plan = QuantPlan({}, granularity="layer", meta={"policy": "none"})
     else:
         plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=q["formats"],
                          dtype=dtype, seed=q["seed"], I_loc=m.expert_intermediate_size // moe_tp)
@@ -190,16 +191,22 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
         raise InputError("nothing to report", hint="pass --quant CKPT (repeatable) and/or --bench bench.json")
     if samples < 1 or seq_len < 2 or batch_size < 1:
         raise InputError("--samples and --batch-size must be ≥ 1 and --seq-len ≥ 2")
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is visible here", hint="use --device cpu")
     warnings = []
     cal = load_calib(calib) if calib else None
     if cal and data is not None and cal.get("data", {}).get("path") and \
             Path(cal["data"]["path"]).resolve() == Path(data).resolve():
         warnings.append(f"the held-out data {data} is the calibration data: these statistics are not held-out")
-    tok = load_tokenizer(tokenizer or ref)
-    ids = heldout_ids(tok, samples=samples, seq_len=seq_len, path=data, text_field=field)
-    if ids.shape[0] < samples:
-        warnings.append(f"the held-out text yields only {ids.shape[0]} windows of {seq_len} tokens "
-                        f"(asked for {samples})")
+    ids = None
+    if quants:
+        tok = load_tokenizer(tokenizer or ref)
+        ids = heldout_ids(tok, samples=samples, seq_len=seq_len, path=data, text_field=field)
+        if ids.shape[0] < samples:
+            warnings.append(f"the held-out text yields only {ids.shape[0]} windows of {seq_len} tokens "
+                            f"(asked for {samples})")
     benches = []
     for b in bench_paths:
         try:
@@ -213,13 +220,15 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
     for q in quants:
         err_console.print(f"evaluating {q} …")
         evals.append(refp.compare(q))
-    if cal:
-        for u in cal["routing"]["under_observed"]:
-            warnings.append(f"layer {u['layer']} expert {u['expert']} saw only {u['tokens']} calibration tokens "
-                            f"(< {cal['routing']['min_tokens_threshold']}); its ΔKL is partly estimated")
-    heldout = {"source": str(data) if data is not None else "corpus split 'heldout'", "samples": int(ids.shape[0]),
-               "seq_len": int(ids.shape[1]), "tokens_scored": int(ids.shape[0] * (ids.shape[1] - 1)),
-               "sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
+    if cal and cal["routing"]["under_observed"]:
+        uo = cal["routing"]["under_observed"]
+        warnings.append(f"{len(uo)} expert(s) saw fewer than {cal['routing']['min_tokens_threshold']} calibration "
+                        "tokens, so their ΔKL is partly estimated (layer/expert: tokens): "
+                        + ", ".join(f"{u['layer']}/{u['expert']}: {u['tokens']}" for u in uo))
+    heldout = None if ids is None else {
+        "source": str(data) if data is not None else "corpus split 'heldout'", "samples": int(ids.shape[0]),
+        "seq_len": int(ids.shape[1]), "tokens_scored": int(ids.shape[0] * (ids.shape[1] - 1)),
+        "sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
     reference = {"checkpoint": str(ref), "footprint": refp.footprint, "seconds": refp.seconds} if refp else None
     rep = build_report(calib=cal, reference=reference, evaluations=evals, bench=bench, heldout=heldout,
                        warnings=warnings)
@@ -229,13 +238,16 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
         return
     from rich.table import Table
 
-    headers, rows = stats_rows(evals)
-    keep = [0, 2, 4, 7, 9, 10, 13, 14]  # the columns that fit a terminal
-    t = Table(title=f"Held-out statistics ({heldout['tokens_scored']} scored tokens)", title_justify="left")
-    for i in keep:
-        t.add_column(headers[i], justify="left" if i == 0 else "right")
+    _, rows = stats_rows(evals)
+    # The columns that fit a terminal, with short headers (report.html has them all).
+    cols = {0: "checkpoint", 2: "bpw", 4: "KL mean ± se", 7: "KL 99.9%", 9: "top-1 %", 10: "RMS Δp %",
+            13: "PPL ratio", 14: "top-k % mean/min"}
+    t = Table(title=f"Held-out statistics ({heldout['tokens_scored'] if heldout else 0} scored tokens)",
+              title_justify="left")
+    for i, h in cols.items():
+        t.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
     for r in rows:
-        t.add_row(*[r[i] for i in keep])
+        t.add_row(*[r[i] for i in cols])
     console.print(t)
     for w in warnings:
         err_console.print(f"[yellow]warning:[/] {w}")

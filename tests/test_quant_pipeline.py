@@ -1,0 +1,378 @@
+"""End-to-end quantization pipeline on seeded tiny models: sensitivity, calibration coverage, plans
+through the checkpoint writer and back through the embedded engine, placement, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from trtmoe.checkpoint.writer import convert
+from trtmoe.cli import main
+from trtmoe.hf.safetensors_io import SafetensorsFile
+from trtmoe.quant.calibrate import measure
+from trtmoe.quant.plan import QuantPlan
+from trtmoe.quant.policies import make_plan
+from trtmoe.report.quality import Reference
+from trtmoe.runtime.engine import EmbeddedEngine
+from trtmoe.runtime.experts import FloatExperts, PackedExperts
+
+E = 8  # experts per layer in the models below
+MOE = "model.layers.{l}.block_sparse_moe."
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+def _ids(n: int, t: int, vocab: int = 250, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _edit_hf(src: Path, dst: Path, edit) -> Path:
+    """Copy an HF checkpoint dir and rewrite its (single) safetensors file through ``edit(tensors)``."""
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
+
+
+def _calib(model: Path, tmp: Path, ids: torch.Tensor, formats=("int8", "int4"), min_tokens: int = 16) -> Path:
+    """calib.json for ``model`` measured on ``ids`` (the library path `trtmoe calibrate` takes after
+    tokenizing), written where `trtmoe convert --calib` reads it."""
+    ck = tmp / "calib_ckpt"
+    convert(model, ck)
+    res = measure(EmbeddedEngine.from_checkpoint(ck, device="cpu"), ids, formats=formats, min_tokens=min_tokens)
+    out = tmp / "calib"
+    out.mkdir()
+    (out / "calib.json").write_text(json.dumps(res))
+    shutil.rmtree(ck)
+    return out
+
+
+def make_tokenizer(out: Path) -> Path:
+    """A small BPE tokenizer (ids 0..2 = <unk>, <s>, </s>) that fits the tiny models' 250-id vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from trtmoe.data import split_texts
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(split_texts("train", max_bytes=100_000), trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                           "add_bos_token": True}))
+    return out
+
+
+def cli(*args: str, expect: int | None = 0):
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if expect is not None:
+        assert res.exit_code == expect, res.output
+    return res
+
+
+def _dead_router(tensors: dict, layer: int) -> None:
+    """Make experts 4..7 of ``layer`` unreachable, and put all load on EP rank 0's experts: rows 4..7
+    are zero (logit 0), while experts (0, 1) and (2, 3) get rows v, -v and u, -u, so every token has
+    two positive logits, one in each pair."""
+    w = tensors[MOE.format(l=layer) + "gate.weight"]
+    g = torch.Generator().manual_seed(7)
+    v, u = torch.randn(w.shape[1], generator=g), torch.randn(w.shape[1], generator=g)
+    new = torch.zeros_like(w)
+    new[0], new[1], new[2], new[3] = 10 * v, -10 * v, 10 * u, -10 * u
+    tensors[MOE.format(l=layer) + "gate.weight"] = new.to(w.dtype)
+
+
+DEAD = (4, 5, 6, 7)
+
+
+# ---- fixtures -----------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread is faster, and an oversubscribed shared CPU makes OpenMP crawl."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def mixtral8(tiny_model):
+    """Tiny Mixtral with 8 experts per layer, float32."""
+    return tiny_model("mixtral", num_local_experts=E, num_hidden_layers=3, seed=3)
+
+
+@pytest.fixture(scope="module")
+def mixtral8_bf16(tiny_model):
+    return tiny_model("mixtral", num_local_experts=E, num_hidden_layers=3, seed=3, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tokdir(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def skewed(mixtral8, tmp_path_factory):
+    """The float32 model with layer 0's experts 4..7 unreachable (routing skew for placement)."""
+    return _edit_hf(mixtral8, tmp_path_factory.mktemp("skew") / "hf", lambda t: _dead_router(t, 0))
+
+
+@pytest.fixture(scope="module")
+def bf16_calib(mixtral8_bf16, tmp_path_factory):
+    return _calib(mixtral8_bf16, tmp_path_factory.mktemp("bfcal"), _ids(8, 32))
+
+
+# ---- sensitivity ------------------------------------------------------------------------------------------
+def test_sensitivity_finds_planted_fragile_expert(mixtral8, tmp_path):
+    layer = 1
+    ids = _ids(8, 32)
+    base = measure(EmbeddedEngine.from_checkpoint(convert(mixtral8, tmp_path / "a").out_dir, device="cpu"), ids,
+                   formats=("int4",))
+    share = base["routing"]["share"][layer]
+    # The expert of median routing frequency: neither busy nor rare.
+    planted = sorted(range(E), key=lambda e: share[e])[E // 2]
+    assert min(share) < share[planted] < max(share)
+
+    def scale(t):
+        for w in ("w1", "w2", "w3"):
+            t[MOE.format(l=layer) + f"experts.{planted}.{w}.weight"] *= 8.0
+
+    hf = _edit_hf(mixtral8, tmp_path / "planted", scale)
+    res = measure(EmbeddedEngine.from_checkpoint(convert(hf, tmp_path / "b").out_dir, device="cpu"), ids,
+                  formats=("int4",))
+    # Routing into layer 1 does not depend on layer 1's experts: the frequency is unchanged.
+    assert res["routing"]["counts"][layer] == base["routing"]["counts"][layer]
+    d = res["sensitivity"]["delta_kl"]["int4"][layer]
+    ranked = sorted(range(E), key=lambda e: -d[e])
+    assert ranked[0] == planted, (planted, d)
+    assert d[planted] > 3 * d[ranked[1]]
+    # Before planting it was not the most sensitive one: the measurement found the weights, not the slot.
+    before = base["sensitivity"]["delta_kl"]["int4"][layer]
+    assert max(range(E), key=lambda e: before[e]) != planted or before[planted] < d[planted] / 10
+
+
+# ---- coverage -----------------------------------------------------------------------------------------------
+def test_unreached_experts_still_plan_and_warn(mixtral8_bf16, tokdir, tmp_path):
+    hf = _edit_hf(mixtral8_bf16, tmp_path / "hf", lambda t: _dead_router(t, 0))
+    text = tmp_path / "calib.txt"
+    from trtmoe.data import write_split_text
+
+    write_split_text("calib", text, max_bytes=20_000)
+    res = cli("calibrate", hf, "--data", text, "--tokenizer", tokdir, "--samples", 4, "--seq-len", 32,
+              "--formats", "int8,int4", "-o", tmp_path / "calib")
+    out = res.output
+    assert "warning" in out and "calibration tokens" in out
+    for e in DEAD:
+        assert f"layer 0 expert {e} saw 0 calibration tokens" in " ".join(out.split())
+    cal = json.loads((tmp_path / "calib" / "calib.json").read_text())
+    dead = {(d["layer"], d["expert"]) for d in cal["routing"]["dead"]}
+    assert {(0, e) for e in DEAD} <= dead
+    # Never-routed experts still get a non-zero sensitivity (estimated from all-token output error).
+    for e in DEAD:
+        assert cal["sensitivity"]["delta_kl"]["int4"][0][e] > 0
+        assert cal["sensitivity"]["measured"]["int4"][0][e] == 0
+    cli("convert", hf, "-o", tmp_path / "ck", "--calib", tmp_path / "calib", "--budget", "6", "--formats",
+        "fp16,int8,int4")
+    m = json.loads((tmp_path / "ck" / "manifest.json").read_text())["quantization"]
+    assert m["policy"] == "graded" and abs(m["avg_bpw"] - 6) <= 0.5
+    eng = EmbeddedEngine.from_checkpoint(tmp_path / "ck", device="cpu")
+    assert torch.isfinite(eng.logits(_ids(1, 8))).all()
+
+
+# ---- what is never quantized -------------------------------------------------------------------------------
+def test_router_gate_embeddings_head_norms_stay_float(tiny_model, tmp_path):
+    hf = tiny_model("qwen2_moe", seed=1, dtype="bfloat16")
+    cal = _calib(hf, tmp_path, _ids(4, 32))
+    cli("convert", hf, "-o", tmp_path / "ck", "--calib", cal, "--budget", "4.4", "--formats", "fp16,int8,int4")
+    ck = tmp_path / "ck"
+    manifest = json.loads((ck / "manifest.json").read_text())
+    excluded = manifest["quantization"]["excluded"]
+    for pat in ("*router", "*shared_expert_gate", "*vocab_embedding", "*lm_head", "*layernorm*", "*ln_f"):
+        assert pat in excluded
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["trtmoe"]["quantization"]["excluded"] == excluded
+    f = SafetensorsFile(ck / "rank0.safetensors")
+    try:
+        kinds = {"router": 0, "shared_expert_gate": 0, "vocab_embedding": 0, "lm_head": 0, "layernorm": 0,
+                 "ln_f": 0, "shared_expert.": 0, "experts_int": 0}
+        for name, info in f.tensors.items():
+            for k in list(kinds)[:-1]:
+                if k in name:
+                    kinds[k] += 1
+                    assert info.dtype in (torch.bfloat16, torch.float32), (name, info.dtype)
+            if ".mlp.experts." in name and name.endswith(".weight") and info.dtype == torch.int8:
+                kinds["experts_int"] += 1
+    finally:
+        f.close()
+    assert all(v > 0 for v in kinds.values()), kinds
+
+
+# ---- packed bytes in the engine ------------------------------------------------------------------------------
+def _manual_expert_weights(ck: Path, layer: int, slot: int, fmt: str):
+    """Dequantize one expert straight from the rank file, independently of trtmoe.quant.formats."""
+    f = SafetensorsFile(ck / "rank0.safetensors")
+    try:
+        out = []
+        for mod in ("fc", "proj"):
+            pre = f"transformer.layers.{layer}.mlp.experts.{slot}.{mod}."
+            w = f.read(pre + "weight")
+            if fmt == "float":
+                out.append(w.float())
+                continue
+            s = f.read(pre + "per_channel_scale").float()  # [out]
+            if fmt == "int8":
+                q = w.float()  # [in, out]
+            else:  # int4 per channel: [in, out/2], column 2j in the low nibble
+                b = w.view(torch.uint8).to(torch.int16)
+                lo, hi = b & 0xF, b >> 4
+                lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
+                q = torch.stack((lo, hi), -1).flatten(-2).float()
+            out.append((q * s).t())
+        return out
+    finally:
+        f.close()
+
+
+def test_graded_plan_runs_from_packed_int8_bytes(mixtral8, tmp_path):
+    cal = json.loads((_calib(mixtral8, tmp_path, _ids(8, 32)) / "calib.json").read_text())
+    plan = make_plan(cal, "graded", budget_bpw=8.0, formats=["float", "int8", "int4"], dtype=torch.float32)
+    assert {"int8", "int4"} <= plan.used_formats()
+    ck = convert(mixtral8, tmp_path / "ck", quant=plan).out_dir
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    manual = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    n_int8 = 0
+    for l, lay in enumerate(eng.layers):
+        bank = lay.experts
+        assert isinstance(bank, PackedExperts)
+        fcs, projs = [], []
+        for s in range(E):
+            fmt = plan.formats[l][s]
+            assert bank.format_of(s) == fmt
+            (f, fc, proj), = bank.shards[s]
+            if fmt == "int8":
+                n_int8 += 1
+                assert fc["weight"].dtype == torch.int8 and proj["weight"].dtype == torch.int8
+                assert tuple(fc["weight"].shape) == (64, 2 * 48)  # [in, out]: the packed TensorRT-LLM layout
+            mfc, mproj = _manual_expert_weights(ck, l, s, fmt)
+            fcs.append(mfc)
+            projs.append(mproj)
+        manual.layers[l].experts = FloatExperts(torch.stack(fcs), torch.stack(projs), "float32")
+    assert n_int8 > 0
+    ids = _ids(2, 24, seed=5)
+    a, b = eng.logits(ids), manual.logits(ids)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    # And the quantization is real: the float model differs.
+    ref = EmbeddedEngine.from_checkpoint(convert(mixtral8, tmp_path / "fp").out_dir, device="cpu").logits(ids)
+    assert (ref - a).abs().max() > 1e-3
+
+
+# ---- granularity follows the target ---------------------------------------------------------------------------
+def test_target_sets_granularity(mixtral8_bf16, bf16_calib, tmp_path):
+    fm = ("--formats", "fp16,int8,int4")
+    cli("convert", mixtral8_bf16, "-o", tmp_path / "trt", "--calib", bf16_calib, "--budget", "7", *fm,
+        "--target", "tensorrt-llm")
+    cfg = json.loads((tmp_path / "trt" / "config.json").read_text())
+    q = cfg["trtmoe"]["quantization"]
+    assert q["granularity"] == "layer"
+    per_layer = {l: set(fs) for l, fs in q["expert_formats"].items()}
+    assert all(len(s) == 1 for s in per_layer.values()), per_layer
+    algo = cfg["quantization"]["quant_algo"]
+    if len(set().union(*per_layer.values())) > 1:
+        assert algo == "MIXED_PRECISION"
+        qc = json.loads((tmp_path / "trt" / "quant_cfg.json").read_text())
+        assert "trtmoe_granularity" not in qc
+        assert qc["quantized_layers"] and all(k.endswith((".mlp.fc", ".mlp.proj")) and ".experts." not in k
+                                              for k in qc["quantized_layers"])
+    else:
+        assert algo in ("W8A16", "W4A16")
+    cli("convert", mixtral8_bf16, "-o", tmp_path / "emb", "--calib", bf16_calib, "--budget", "6.5", *fm)
+    q = json.loads((tmp_path / "emb" / "config.json").read_text())["trtmoe"]["quantization"]
+    assert q["granularity"] == "expert"
+    assert any(len(set(fs)) > 1 for fs in q["expert_formats"].values()), q["expert_formats"]
+    qc = json.loads((tmp_path / "emb" / "quant_cfg.json").read_text())
+    assert qc["trtmoe_granularity"] == "trtmoe-per-expert"
+    assert any(".experts." in k for k in qc["quantized_layers"])
+    # Both run in the embedded engine.
+    for d in ("trt", "emb"):
+        assert torch.isfinite(EmbeddedEngine.from_checkpoint(tmp_path / d, device="cpu").logits(_ids(1, 8))).all()
+
+
+# ---- placement -------------------------------------------------------------------------------------------------
+def test_balanced_placement_leaves_logits_unchanged(skewed, tmp_path):
+    cal = _calib(skewed, tmp_path, _ids(8, 32))
+    lay = ("--tp", "2", "--moe-ep", "2", "--dtype", "float32")
+    cli("convert", skewed, "-o", tmp_path / "ident", *lay)
+    res = cli("convert", skewed, "-o", tmp_path / "bal", *lay, "--calib", cal, "--placement", "balanced", "--json")
+    place = json.loads((tmp_path / "bal" / "config.json").read_text())["trtmoe"]["quantization"]["placement"]
+    assert place["0"] != list(range(E))  # layer 0 is skewed: it must be permuted
+    summary = json.loads(res.output)
+    rep = summary["quantization"]["placement"]["0"]
+    assert rep["after_max_over_mean"] < rep["before_max_over_mean"]
+    ids = _ids(3, 20, seed=9)
+    a = EmbeddedEngine.from_checkpoint(tmp_path / "ident", device="cpu").logits(ids)
+    b = EmbeddedEngine.from_checkpoint(tmp_path / "bal", device="cpu").logits(ids)
+    assert float((a - b).abs().max() / a.abs().max()) <= 1e-5
+    # The evaluation maps slots back to expert ids: routing agrees exactly despite the permutation.
+    ev = Reference(tmp_path / "ident", ids).compare(tmp_path / "bal")
+    assert all(v["topk_set_agreement"] == 1.0 for v in ev["router"]["layers"].values())
+    assert ev["kl"]["max"] <= 1e-6
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+def test_empty_calibration_data_is_exit_2(mixtral8_bf16, tokdir, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    res = cli("calibrate", mixtral8_bf16, "--data", tmp_path / "empty.txt", "--tokenizer", tokdir,
+              "-o", tmp_path / "c", expect=2)
+    assert "error" in res.output.lower() and not (tmp_path / "c" / "calib.json").exists()
+
+
+@pytest.mark.parametrize("budget", ["2", "17"])
+def test_budget_outside_feasible_range_is_exit_2(mixtral8_bf16, bf16_calib, tmp_path, budget):
+    res = cli("convert", mixtral8_bf16, "-o", tmp_path / "ck", "--calib", bf16_calib, "--budget", budget,
+              "--formats", "fp16,int8,int4", expect=2)
+    assert "feasible range" in res.output and not (tmp_path / "ck").exists()
+
+
+def test_expert_granularity_for_tensorrt_llm_is_exit_2(mixtral8_bf16, bf16_calib, tmp_path):
+    y = tmp_path / "q.yaml"
+    y.write_text(yaml.safe_dump({"quantize": {"granularity": "expert", "budget_bpw": 6.0,
+                                              "calib": str(bf16_calib)}}))
+    res = cli("convert", mixtral8_bf16, "-o", tmp_path / "ck", "-c", y, "--target", "tensorrt-llm", expect=2)
+    assert "one format per MoE layer" in " ".join(res.output.split())
+    assert not (tmp_path / "ck").exists()
+
+
+def test_int4_g128_on_small_dims_is_exit_2(mixtral8_bf16, tmp_path):
+    res = cli("convert", mixtral8_bf16, "-o", tmp_path / "ck", "--policy", "uniform", "--format", "int4_g128",
+              expect=2)
+    assert "multiples of 128" in " ".join(res.output.split())
+    assert not (tmp_path / "ck").exists()
+
+
+def test_report_without_inputs_is_exit_2(tmp_path):
+    res = cli("report", "--ref", tmp_path, "-o", tmp_path / "r", expect=2)
+    assert "nothing to report" in res.output
+
+
+# ---- the plan as the engine sees it ---------------------------------------------------------------------------------
+def test_placement_and_formats_round_trip_through_the_checkpoint(skewed, tmp_path):
+    from trtmoe.report.quality import expert_format_grid, placement_of
+
+    cal = json.loads((_calib(skewed, tmp_path, _ids(8, 32)) / "calib.json").read_text())
+    from trtmoe.quant.policies import placement
+
+    plan = make_plan(cal, "graded", budget_bpw=10.0, formats=["float", "int8", "int4"], dtype=torch.float32)
+    plan.permutations, _ = placement(cal, 2)
+    ck = convert(skewed, tmp_path / "ck", tp=2, moe_ep=2, quant=plan).out_dir
+    assert placement_of(ck) == {l: p for l, p in plan.permutations.items()}
+    assert expert_format_grid(ck) == plan.formats
+    assert isinstance(plan, QuantPlan)
