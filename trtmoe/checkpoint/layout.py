@@ -6,19 +6,25 @@ them for per-rank bytes; tests compare them with the reference tables. One sourc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 
 from .. import DEFAULT_TRTLLM_VERSION
+from ..hf.reader import all_finite
+from ..hf.safetensors_io import SourceRange
 from ..model.description import MoEModel
 from ..parallel.mapping import Mapping
 from .schema import MAPPING_KEYS, schema_for
 
 _SHAPE_CACHE: dict = {}
+_CHUNK = 16 << 20  # source bytes read per step when a tensor must be cast or column-sliced
 
-# A producer writes exactly the declared bytes of one tensor, chunk by chunk, via ``emit``.
-Producer = Callable[[Callable[[torch.Tensor], None]], None]
+# A producer writes exactly the declared bytes of one tensor, chunk by chunk, via ``emit``. A chunk
+# is a tensor (which may be a view of a reused buffer: ``emit`` consumes it before returning) or a
+# ``SourceRange``: bytes of a source file that are already exactly the output bytes, copied verbatim.
+Emit = Callable[[Union[torch.Tensor, SourceRange]], None]
+Producer = Callable[[Emit], None]
 
 
 @dataclass(frozen=True)
@@ -117,11 +123,40 @@ class RankLayout:
         self.plan = plan  # optional trtmoe.quant.plan.QuantPlan
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _rows(self, role: str, layer: int | None, a: int, b: int) -> torch.Tensor:
-        return _cast(self.src.role(role, layer, rows=(a, b)), self.dtype)
+    def _rows(self, emit: Emit, role: str, layer: int | None, a: int | None = None, b: int | None = None,
+              expert=None, dtype: torch.dtype | None = None) -> None:
+        """Emit rows ``[a, b)`` (all when None) of a source tensor in ``dtype`` (default: the model's):
+        a verbatim byte range when the stored dtype already matches, else cast a chunk at a time."""
+        dtype = dtype or self.dtype
+        rows = None if a is None else (a, b)
+        rng = self.src.role_range(role, layer, expert, rows=rows, dtype=dtype)
+        if rng is not None:
+            emit(rng)
+            return
+        self._chunked(emit, role, layer, expert, rows, None, dtype)
 
-    def _cols(self, role: str, layer: int | None, a: int, b: int, expert=None) -> torch.Tensor:
-        return _cast(self.src.role(role, layer, expert)[:, a:b], self.dtype)
+    def _cols(self, emit: Emit, role: str, layer: int | None, a: int, b: int, expert=None) -> None:
+        """Emit columns ``[a, b)`` of a 2-D source tensor in the model dtype, a chunk of rows at a time."""
+        self._chunked(emit, role, layer, expert, None, (a, b), self.dtype)
+
+    def _chunked(self, emit: Emit, role: str, layer: int | None, expert, rows, cols, dtype) -> None:
+        """Read ``rows`` (all when None) about ``_CHUNK`` bytes at a time into one reused buffer, check
+        them for NaN/Inf, and emit each chunk's ``cols`` (all when None) cast to ``dtype``."""
+        src = self.src
+        name = src.adapter.name(role, layer, expert)
+        info = src.info(name)
+        if not info.shape:
+            emit(_cast(src.read(name), dtype))
+            return
+        a, b = rows if rows is not None else (0, info.shape[0])
+        row_bytes = info.nbytes // max(1, info.shape[0])
+        step = max(1, _CHUNK // max(1, row_bytes))
+        buf = torch.empty(min(b - a, step) * row_bytes, dtype=torch.uint8)
+        for r in range(a, b, step):
+            t = src.read(name, (r, min(b, r + step)), check_finite=False, out=buf)
+            if t.is_floating_point() and not all_finite(t):
+                raise src.nonfinite_error(name, rows)
+            emit(_cast(t if cols is None else t[:, cols[0]:cols[1]], dtype))
 
     def specs(self) -> list[TensorSpec]:
         m, mp, tp, r = self.m, self.mp, self.mp.tp_size, self.tp_rank
@@ -131,7 +166,7 @@ class RankLayout:
 
         if mp.is_first_pp_rank(self.rank):
             add(TensorSpec("transformer.vocab_embedding.weight", (m.vocab_size, H), dt,
-                           lambda emit: emit(self._rows("embed", None, 0, m.vocab_size)), "embedding"))
+                           lambda emit: self._rows(emit, "embed", None, 0, m.vocab_size), "embedding"))
 
         for j, l in enumerate(mp.pp_layers(m.num_layers, self.pp_rank)):
             p = f"transformer.layers.{j}."
@@ -154,7 +189,7 @@ class RankLayout:
             def lm_head(emit, a=a, b=b, role=head_role):
                 real_b = min(b, m.vocab_size)
                 if a < real_b:
-                    emit(self._rows(role, None, a, real_b))
+                    self._rows(emit, role, None, a, real_b)
                 if b > max(a, m.vocab_size):  # zero rows that pad the vocabulary to a multiple of tp
                     emit(torch.zeros(b - max(a, m.vocab_size), H, dtype=dt))
 
@@ -162,8 +197,7 @@ class RankLayout:
         return out
 
     def _full(self, role: str, layer: int | None, dtype=None) -> Producer:
-        dtype = dtype or self.dtype
-        return lambda emit: emit(_cast(self.src.role(role, layer), dtype))
+        return lambda emit: self._rows(emit, role, layer, dtype=dtype)
 
     def _attention(self, p: str, l: int) -> list[TensorSpec]:
         m, mp, r = self.m, self.mp, self.tp_rank
@@ -174,9 +208,9 @@ class RankLayout:
 
         def qkv(emit, suffix=""):
             roles = ("q", "k", "v") if not suffix else ("q_bias", "k_bias", "v_bias")
-            emit(self._rows(roles[0], l, r * nh * hd, (r + 1) * nh * hd))
+            self._rows(emit, roles[0], l, r * nh * hd, (r + 1) * nh * hd)
             for role in roles[1:]:
-                emit(self._rows(role, l, kvr.start * hd, kvr.stop * hd))
+                self._rows(emit, role, l, kvr.start * hd, kvr.stop * hd)
 
         specs = [TensorSpec(p + "attention.qkv.weight", (qkv_rows, H), self.dtype, qkv, "attention")]
         if m.qkv_bias:
@@ -188,7 +222,7 @@ class RankLayout:
             specs.append(TensorSpec(p + "attention.k_layernorm.weight", (hd,), self.dtype,
                                     self._full("k_norm", l), "norm"))
         specs.append(TensorSpec(p + "attention.dense.weight", (H, nh * hd), self.dtype,
-                                lambda emit: emit(self._cols("o", l, r * nh * hd, (r + 1) * nh * hd)),
+                                lambda emit: self._cols(emit, "o", l, r * nh * hd, (r + 1) * nh * hd),
                                 "attention"))
         return specs
 
@@ -197,8 +231,8 @@ class RankLayout:
         per = size // parts
 
         def produce(emit):
-            emit(self._rows(up_role, l, part * per, (part + 1) * per))
-            emit(self._rows(gate_role, l, part * per, (part + 1) * per))
+            self._rows(emit, up_role, l, part * per, (part + 1) * per)
+            self._rows(emit, gate_role, l, part * per, (part + 1) * per)
         return produce
 
     def expert_shard(self, l: int, e: int, t: int, I_loc: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,12 +266,15 @@ class RankLayout:
             # GPU it builds on (and the embedded engine quantizes them the same way at load).
             def fc(emit):
                 for e in orig:
-                    emit(_cast(self.src.role("expert_up", l, e, rows=(t * I_loc, (t + 1) * I_loc)), dt))
-                    emit(_cast(self.src.role("expert_gate", l, e, rows=(t * I_loc, (t + 1) * I_loc)), dt))
+                    self._rows(emit, "expert_up", l, t * I_loc, (t + 1) * I_loc, expert=e)
+                    self._rows(emit, "expert_gate", l, t * I_loc, (t + 1) * I_loc, expert=e)
 
             def proj(emit):
                 for e in orig:
-                    emit(self._cols("expert_down", l, t * I_loc, (t + 1) * I_loc, expert=e))
+                    if mp.moe_tp_size == 1:  # the whole expert: a verbatim copy when no cast is needed
+                        self._rows(emit, "expert_down", l, expert=e)
+                    else:
+                        self._cols(emit, "expert_down", l, t * I_loc, (t + 1) * I_loc, expert=e)
 
             specs.append(TensorSpec(p + "mlp.fc.weight", (len(orig), 2 * I_loc, H), dt, fc, "expert_fc"))
             specs.append(TensorSpec(p + "mlp.proj.weight", (len(orig), H, I_loc), dt, proj, "expert_proj"))
@@ -249,7 +286,7 @@ class RankLayout:
                                     self._gated_pair("shared_up", "shared_gate_proj", l, S, mp.tp_size, r),
                                     "shared_expert"))
             specs.append(TensorSpec(p + "mlp.shared_expert.proj.weight", (H, S_loc), dt,
-                                    lambda emit: emit(self._cols("shared_down", l, r * S_loc, (r + 1) * S_loc)),
+                                    lambda emit: self._cols(emit, "shared_down", l, r * S_loc, (r + 1) * S_loc),
                                     "shared_expert"))
         if m.shared_expert_gate:
             specs.append(TensorSpec(p + "mlp.shared_expert_gate.weight", (1, H), dt,
@@ -313,11 +350,11 @@ class RankLayout:
         a, b = r * D_loc, (r + 1) * D_loc
         # TensorRT-LLM GatedMLP names: fc = gate_proj (activated), gate = up_proj, proj = down_proj.
         return [
-            TensorSpec(p + "mlp.fc.weight", (D_loc, H), dt, lambda emit: emit(self._rows("dense_gate", l, a, b)),
+            TensorSpec(p + "mlp.fc.weight", (D_loc, H), dt, lambda emit: self._rows(emit, "dense_gate", l, a, b),
                        "dense_mlp"),
-            TensorSpec(p + "mlp.gate.weight", (D_loc, H), dt, lambda emit: emit(self._rows("dense_up", l, a, b)),
+            TensorSpec(p + "mlp.gate.weight", (D_loc, H), dt, lambda emit: self._rows(emit, "dense_up", l, a, b),
                        "dense_mlp"),
-            TensorSpec(p + "mlp.proj.weight", (H, D_loc), dt, lambda emit: emit(self._cols("dense_down", l, a, b)),
+            TensorSpec(p + "mlp.proj.weight", (H, D_loc), dt, lambda emit: self._cols(emit, "dense_down", l, a, b),
                        "dense_mlp"),
         ]
 

@@ -1,13 +1,29 @@
 """``trtmoe convert``: stream an HF MoE checkpoint into a TensorRT-LLM checkpoint directory.
 
-Memory stays bounded by one tensor chunk (one expert slice for stacked expert tensors): every rank
-file is written header-first from the layout specs, then tensor by tensor in order.
+Memory stays bounded by one tensor chunk: every rank file is written header-first from the layout
+specs, then tensor by tensor in order. Output bytes that are an exact byte range of a source file
+(row slices, whole tensors, no cast) are copied inside the kernel; the rest is read, sliced or
+cast, and written from Python. Background threads keep the main thread on copying:
+
+* ``_SourceHasher`` hashes the source files for the manifest (files in parallel);
+* ``_RankFollower`` reads each rank file back behind the writer (from the page cache) to hash it,
+  checking the verbatim-copied source bytes for NaN/Inf on the way, and starts its writeback;
+* ``_Syncer`` fsyncs each finished rank file while the next one is written.
+
+Any failure in any of them aborts the conversion before the output directory is renamed into place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import mmap
+import os
+import queue
 import shutil
+import sys
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -16,13 +32,35 @@ import torch
 
 from .. import DEFAULT_TRTLLM_VERSION
 from ..errors import CheckpointError
-from ..hf.reader import HFCheckpoint, parse_dtype
-from ..hf.safetensors_io import StreamingWriter, iter_chunks, sha256_file
+from ..hf.reader import HFCheckpoint, all_finite_bytes, parse_dtype, range_nonfinite_error
+from ..hf.safetensors_io import SourceRange, StreamingWriter, iter_chunks
 from ..parallel.mapping import Mapping
 from .atomic import atomic_directory
 from .layout import DTYPE_STR, TensorSpec, rank_specs, trtllm_config
 from .manifest import dump_json, write_manifest
 from .schema import check_strict_blocks
+
+_WINDOW = 16 << 20  # bytes the background hashers map at a time (bounds their resident pages)
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, start: int, stop: int):
+    """A memoryview of file bytes ``[start, stop)``, mapped rather than read: hashing page-cache pages
+    in place saves a copy per byte. The mapping is private and never written, so no page is copied,
+    and writable only so that torch can view it without a read-only warning."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(fd, stop - base, access=mmap.ACCESS_COPY, offset=base)
+    whole = memoryview(mm)
+    view = whole[start - base:]
+    try:
+        yield view
+    finally:
+        view.release()
+        whole.release()
+        try:
+            mm.close()
+        except BufferError:  # a view escaped with an exception's traceback; unmapped when it is freed
+            pass
 
 
 @dataclass
@@ -43,36 +81,310 @@ def resolve_dtype(src: HFCheckpoint, dtype: str) -> torch.dtype:
     return parse_dtype(dtype)
 
 
-class _SourceHasher(threading.Thread):
+def _start_writeback(fd: int, start: int, stop: int) -> None:
+    """Ask the kernel to start writing bytes ``[start, stop)`` to disk now (on Linux, DONTNEED starts
+    asynchronous writeback of dirty pages and drops only clean ones), so the fsync at the end of
+    the file has little left to wait for (measured ~8% off a 2 GB convert) and dirty pages do not
+    pile up on big models."""
+    try:
+        os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
+_SOURCE_NICE = 5
+
+
+def _lower_thread_priority(by: int) -> None:
+    """Raise the calling thread's nice value by ``by`` (Linux gives each thread its own); the source
+    hashes can be computed any time, so they yield to the copy and the rank hashes that trail it."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except (AttributeError, OSError):
+        pass
+
+
+def _pool_size() -> int:
+    """Hashing threads per kind: sha256 is sequential within a file, so files go in parallel."""
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+class _Background:
+    """``count`` daemon threads running ``work``; the first exception is kept for the main thread
+    and cancels the rest."""
+
+    def __init__(self, name: str, count: int = 1):
+        self.error: BaseException | None = None
+        self._cancelled = threading.Event()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(count)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def join(self) -> None:
+        for t in self._threads:
+            if t.ident is not None:  # started
+                t.join()
+
+    def _run(self):
+        try:
+            self.work()
+        except BaseException as e:  # noqa: BLE001 - surfaced by the main thread
+            if self.error is None:
+                self.error = e
+            self.cancel()
+
+    def work(self):
+        raise NotImplementedError
+
+    def cancel(self):
+        self._cancelled.set()
+
+
+class _SourceHasher(_Background):
     """Hashes the source files in the background while conversion runs (hashlib drops the GIL)."""
 
     def __init__(self, files: list[Path]):
-        super().__init__(daemon=True)
-        self.files, self.hashes, self.error = files, {}, None
+        super().__init__("trtmoe-source-hash", min(len(files), _pool_size()) or 1)
+        self.files, self.hashes = files, {}
+        self._todo = deque(files)
 
-    def run(self):
+    def work(self):
+        if _SOURCE_NICE:
+            _lower_thread_priority(_SOURCE_NICE)
+        while not self._cancelled.is_set():
+            try:
+                f = self._todo.popleft()
+            except IndexError:
+                return
+            self.hashes[f.name] = self._hash(f)
+
+    def _hash(self, f: Path) -> str | None:
+        h = hashlib.sha256()
+        fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            for f in self.files:
-                self.hashes[f.name] = sha256_file(f)
-        except Exception as e:  # noqa: BLE001 - surfaced after join
-            self.error = e
+            size = os.fstat(fd).st_size
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except (AttributeError, OSError):
+                pass
+            for pos in range(0, size, _WINDOW):
+                if self._cancelled.is_set():
+                    return None
+                with _mapped(fd, pos, min(size, pos + _WINDOW)) as view:
+                    h.update(view)
+        finally:
+            os.close(fd)
+        return h.hexdigest()
 
 
-def write_rank(path: Path, specs: list[TensorSpec], progress: Callable[[int], None] | None = None) -> str:
-    w = StreamingWriter(path, [(s.name, s.dtype, s.shape) for s in specs], {"format": "pt"})
+class _Job:
+    """One rank file as the writer reports it: bytes written so far and the verbatim-copied regions."""
+
+    __slots__ = ("name", "path", "end", "closed", "regions")
+
+    def __init__(self, name: str, path: Path):
+        self.name, self.path = name, path
+        self.end, self.closed = 0, False
+        self.regions: deque[tuple[int, int, SourceRange]] = deque()  # [start, end) in the file, source
+
+
+class _RankFollower(_Background):
+    """Hashes rank files while they are written, reading each back one window behind the writer (the
+    bytes are still in the page cache), and checks the regions copied verbatim from the source for
+    NaN/Inf on the way, so that those bytes are read once, here, and never by the main thread. Each
+    file is followed by one thread; a file still being hashed does not hold up the next one."""
+
+    def __init__(self, files: int = 1):
+        super().__init__("trtmoe-rank-hash", max(1, min(files, _pool_size())))
+        self._cv = threading.Condition()
+        self._jobs: deque[_Job] = deque()  # added, not yet taken by a thread
+        self._no_more = False
+        self.hashes: dict[str, str] = {}
+
+    # -- main thread ----------------------------------------------------------------------------
+    def add(self, name: str, path: Path) -> _Job:
+        job = _Job(name, path)
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify_all()
+        return job
+
+    def wrote(self, job: _Job, end: int, nbytes: int, source: SourceRange | None) -> None:
+        """The writer's ``on_write``: the file holds ``end`` bytes, the last ``nbytes`` from ``source``."""
+        if self.error is not None:
+            raise self.error
+        with self._cv:
+            if source is not None and source.dtype.is_floating_point:
+                job.regions.append((end - nbytes, end, source))
+            job.end = end
+            self._cv.notify_all()
+
+    def closed(self, job: _Job) -> None:
+        with self._cv:
+            job.closed = True
+            self._cv.notify_all()
+
+    def no_more(self) -> None:
+        with self._cv:
+            self._no_more = True
+            self._cv.notify_all()
+
+    def cancel(self):
+        super().cancel()
+        with self._cv:
+            self._cv.notify_all()
+
+    # -- background -----------------------------------------------------------------------------
+    def work(self):
+        while True:
+            with self._cv:
+                while not self._jobs and not self._no_more and not self._cancelled.is_set():
+                    self._cv.wait()
+                if self._cancelled.is_set() or not self._jobs:
+                    return
+                job = self._jobs.popleft()
+            self._follow(job)
+
+    def _follow(self, job: _Job) -> None:
+        sha = hashlib.sha256()
+        pos, fd = 0, None
+        try:
+            while True:
+                with self._cv:
+                    while job.end <= pos and not job.closed and not self._cancelled.is_set():
+                        self._cv.wait()
+                    end, closed = job.end, job.closed
+                if self._cancelled.is_set():
+                    return
+                if pos >= end and closed:
+                    break
+                if fd is None:
+                    fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC)
+                stop = self._boundary(job, pos, min(end, pos + _WINDOW))
+                with _mapped(fd, pos, stop) as view:
+                    sha.update(view)
+                    self._check(job, pos, stop, view)
+                _start_writeback(fd, pos, stop)
+                pos = stop
+        finally:
+            if fd is not None:
+                os.close(fd)
+        self.hashes[job.name] = sha.hexdigest()
+
+    @staticmethod
+    def _boundary(job: _Job, pos: int, stop: int) -> int:
+        """Pull ``stop`` back to an element boundary when it falls inside a checked region."""
+        regions = job.regions  # indexed, not iterated: the writer may append meanwhile
+        for i in range(len(regions)):  # only the first few regions can reach ``stop``
+            a, b, src = regions[i]
+            if a >= stop:
+                break
+            if a < stop < b:
+                size = src.dtype.itemsize
+                cut = a + (stop - a) // size * size
+                return cut if cut > pos else min(b, pos + size)
+        return stop
+
+    @staticmethod
+    def _check(job: _Job, pos: int, stop: int, view: memoryview) -> None:
+        regions = job.regions
+        while regions:
+            a, b, src = regions[0]
+            if a >= stop:
+                return
+            lo, hi = max(a, pos), min(b, stop)
+            if hi > lo and not all_finite_bytes(view[lo - pos:hi - pos], src.dtype):
+                raise range_nonfinite_error(src)
+            if b > stop:
+                return
+            regions.popleft()
+
+
+class _Syncer(_Background):
+    """fsyncs finished rank files in order, so one file's flush to disk overlaps writing the next."""
+
+    def __init__(self):
+        super().__init__("trtmoe-fsync")
+        self._queue: queue.Queue[Path | None] = queue.Queue()
+
+    def add(self, path: Path | None) -> None:
+        """Queue ``path``; None means no more files."""
+        self._queue.put(path)
+
+    def work(self):
+        while (path := self._queue.get()) is not None:
+            if self._cancelled.is_set():
+                return
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def cancel(self):
+        super().cancel()
+        self._queue.put(None)
+
+
+def write_rank(path: Path, specs: list[TensorSpec], progress: Callable[[int], None] | None = None, *,
+               follower: _RankFollower | None = None) -> str | None:
+    """Write one rank file from its specs; ``progress(nbytes)`` after each chunk of bytes written.
+
+    With ``follower`` (what ``convert`` does) the follower hashes the file and checks its verbatim
+    source bytes for NaN/Inf behind the writer; the file is not fsynced and None is returned.
+    Without one, a private follower does that, the file is fsynced, and its sha256 hex digest is
+    returned."""
+    if follower is None:
+        own = _RankFollower()
+        own.start()
+        try:
+            write_rank(path, specs, progress, follower=own)
+            own.no_more()
+            own.join()
+            if own.error is not None:
+                raise own.error
+        finally:
+            own.cancel()
+            own.join()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return own.hashes[path.name]
+
+    job = follower.add(path.name, path)
+    counting = False  # the header is not progress
+
+    def on_write(end: int, nbytes: int, source: SourceRange | None) -> None:
+        follower.wrote(job, end, nbytes, source)
+        if progress and counting:
+            progress(nbytes)
+
+    w = StreamingWriter(path, [(s.name, s.dtype, s.shape) for s in specs], {"format": "pt"}, inline_hash=False,
+                        on_write=on_write)
+    counting = True
     try:
         for s in specs:
-            def emit(t: torch.Tensor, s=s):
+            def emit(t: torch.Tensor | SourceRange, s=s):
+                if isinstance(t, SourceRange):
+                    w.write_range(t)
+                    return
                 if t.dtype != s.dtype:
                     t = t.to(s.dtype)
                 for chunk in iter_chunks(t):
                     w.write(chunk)
-                    if progress:
-                        progress(chunk.nbytes)
             s.produce(emit)
             if w._idx < len(specs) and w.current[0] == s.name:
                 raise CheckpointError(f"produced too few bytes for {s.name}")
-        return w.close()
+        w.close(fsync=False)
+        follower.closed(job)
+        return None
     except BaseException:
         w.abort()
         raise
@@ -121,25 +433,41 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
                 progress(done[0], total)
 
         hasher = _SourceHasher(sorted(src.path.glob("*.json")) + list(src.files))
-        hasher.start()
+        follower, syncer = _RankFollower(len(all_specs)), _Syncer()
+        workers = (hasher, follower, syncer)
         result = ConvertResult(Path(out_dir), mapping, DTYPE_STR[tdtype])
         with atomic_directory(out_dir, force=force) as tmp:
-            dump_json(cfg, tmp / "config.json")
-            if quant is not None:
-                quant.write_sidecars(tmp)
-            _copy_tokenizer(src.path, tmp)
-            for r, specs in enumerate(all_specs):
-                name = f"rank{r}.safetensors"
-                result.files[name] = write_rank(tmp / name, specs, tick)
-                result.rank_bytes.append(sum(s.nbytes for s in specs))
-            hasher.join()
-            if hasher.error:
-                raise hasher.error
+            for t in workers:
+                t.start()
+            try:
+                dump_json(cfg, tmp / "config.json")
+                if quant is not None:
+                    quant.write_sidecars(tmp)
+                _copy_tokenizer(src.path, tmp)
+                names = []
+                for r, specs in enumerate(all_specs):
+                    name = f"rank{r}.safetensors"
+                    write_rank(tmp / name, specs, tick, follower=follower)
+                    syncer.add(tmp / name)
+                    names.append(name)
+                    result.rank_bytes.append(sum(s.nbytes for s in specs))
+                follower.no_more()
+                syncer.add(None)
+                for t in workers:
+                    t.join()
+                    if t.error is not None:
+                        raise t.error
+            finally:  # on any failure stop the helpers before the partial directory is removed
+                for t in workers:
+                    t.cancel()
+                for t in workers:
+                    t.join()
+            result.files = {n: follower.hashes[n] for n in names}
             write_manifest(
                 tmp, kind="trtllm-checkpoint", file_hashes=result.files,
                 target_trtllm_version=trtllm_version,
                 source={"name": src.path.name, "architecture": src.model.hf_architecture,
-                        "files": hasher.hashes},
+                        "files": {f.name: hasher.hashes[f.name] for f in hasher.files}},
                 resolved_config=resolved_config or {
                     "tp": tp, "pp": pp, "moe_tp": mapping.moe_tp_size, "moe_ep": mapping.moe_ep_size,
                     "dtype": DTYPE_STR[tdtype], "trtllm_version": trtllm_version},

@@ -11,7 +11,7 @@ import torch
 from ..errors import CheckpointError, InputError
 from ..model.description import MoEModel
 from .adapters import Adapter, describe, expected_tensors
-from .safetensors_io import SafetensorsFile
+from .safetensors_io import SafetensorsFile, SourceRange, pread_into
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -44,13 +44,46 @@ def resolve_model_path(model: str | Path) -> Path:
     raise InputError("no such directory", where=str(p))
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """True when ``t`` has no NaN/Inf. min and max propagate NaN and expose ±Inf, and one fused
     reduction is ~40x faster on CPU than ``isfinite(t).all()`` for bf16 (no bool temporary)."""
     if t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t.reshape(-1))
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
+def nonfinite_error(name: str, where, rows: tuple[int, int] | None, nan: int, inf: int) -> CheckpointError:
+    """The one message for a source tensor holding NaN/Inf (``rows`` is ``[a, b)`` or None)."""
+    part = f" in rows [{rows[0]}, {rows[1]})" if rows else ""
+    return CheckpointError(f"tensor {name!r} contains {nan} NaN and {inf} Inf value(s){part}",
+                           where=str(where), hint="the source checkpoint is corrupt")
+
+
+def range_nonfinite_error(rng: SourceRange, chunk_bytes: int = 16 << 20) -> CheckpointError:
+    """``nonfinite_error`` for a source byte range, its NaN and Inf counted ``chunk_bytes`` at a time."""
+    esize = rng.dtype.itemsize
+    step = max(esize, chunk_bytes // esize * esize)
+    buf = bytearray(min(step, rng.nbytes))
+    nan = inf = 0
+    for off in range(0, rng.nbytes, step):
+        n = min(step, rng.nbytes - off)
+        view = memoryview(buf)[:n]
+        try:
+            pread_into(rng.fd, view, rng.offset + off, repr(rng.name))
+        except EOFError as e:
+            return CheckpointError(str(e), where=str(rng.path), hint="the file changed during conversion")
+        t = torch.frombuffer(view, dtype=rng.dtype)
+        nan, inf = nan + int(torch.isnan(t).sum()), inf + int(torch.isinf(t).sum())
+    return nonfinite_error(rng.name, rng.path, rng.rows, nan, inf)
+
+
+def all_finite_bytes(buf: memoryview, dtype: torch.dtype) -> bool:
+    """True when the raw bytes ``buf`` (a whole number of ``dtype`` elements, any alignment) hold no
+    NaN/Inf; integer dtypes always pass."""
+    if not dtype.is_floating_point or len(buf) == 0:
+        return True
+    return all_finite(torch.frombuffer(buf, dtype=dtype))
 
 
 class HFCheckpoint:
@@ -150,15 +183,38 @@ class HFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self.location
 
-    def read(self, name: str, rows: tuple[int, int] | None = None, *, check_finite: bool = True) -> torch.Tensor:
-        """Read one tensor (or a row range) from disk; raises on NaN/Inf."""
-        t = self._file(self.location[name]).read(name, rows)
-        if check_finite and t.is_floating_point() and not _all_finite(t):
+    def read(self, name: str, rows: tuple[int, int] | None = None, *, check_finite: bool = True,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read one tensor (or a row range) from disk; raises on NaN/Inf. With ``out`` (a contiguous
+        uint8 tensor, bytes) the result is a view of its front instead of a fresh tensor."""
+        t = self._file(self.location[name]).read(name, rows, out=out)
+        if check_finite and t.is_floating_point() and not all_finite(t):
             nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-            part = f" in rows [{rows[0]}, {rows[1]})" if rows else ""
-            raise CheckpointError(f"tensor {name!r} contains {nan} NaN and {inf} Inf value(s){part}",
-                                  where=str(self.location[name]), hint="the source checkpoint is corrupt")
+            raise self._nonfinite(name, rows, nan, inf)
         return t
+
+    def _nonfinite(self, name: str, rows: tuple[int, int] | None, nan: int, inf: int) -> CheckpointError:
+        return nonfinite_error(name, self.location[name], rows, nan, inf)
+
+    def nonfinite_error(self, name: str, rows: tuple[int, int] | None = None) -> CheckpointError:
+        """The error ``read`` raises for a tensor (or rows ``[a, b)``) holding NaN/Inf, counted by
+        reading it in bounded chunks."""
+        return range_nonfinite_error(self._file(self.location[name]).byte_range(name, rows))
+
+    def byte_range(self, name: str, rows: tuple[int, int] | None = None, *,
+                   dtype: torch.dtype | None = None) -> SourceRange | None:
+        """Where a tensor (or rows ``[a, b)`` of its first dimension) lies in its file, so that its
+        bytes can be copied verbatim; None when ``dtype`` is given and a cast would be needed. The
+        range is valid while this checkpoint is open. Nothing is read (no NaN/Inf check here)."""
+        info = self.info(name)
+        if dtype is not None and info.dtype != dtype:
+            return None
+        return self._file(self.location[name]).byte_range(name, rows)
+
+    def role_range(self, role: str, layer: int | None = None, expert: int | None = None, *,
+                   rows: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> SourceRange | None:
+        """``byte_range`` by adapter role."""
+        return self.byte_range(self.adapter.name(role, layer, expert), rows, dtype=dtype)
 
     def role(self, role: str, layer: int | None = None, expert: int | None = None, **kw) -> torch.Tensor:
         return self.read(self.adapter.name(role, layer, expert), **kw)
