@@ -130,7 +130,8 @@ def _qwen_moe_layers(cfg: dict, n: int) -> tuple[bool, ...]:
     return tuple((l not in only_mlp) and ((l + 1) % step == 0) for l in range(n))
 
 
-def _qwen2_moe(cfg: dict) -> dict:
+def _qwen_moe(cfg: dict) -> dict:
+    """Facts every Qwen MoE generation shares."""
     _check_act(cfg)
     n = int(_require(cfg, "num_hidden_layers"))
     return dict(
@@ -140,26 +141,19 @@ def _qwen2_moe(cfg: dict) -> dict:
         normalization_mode=NORM_RENORMALIZE if cfg.get("norm_topk_prob") else NORM_NONE,
         moe_layers=_qwen_moe_layers(cfg, n),
         dense_intermediate_size=int(_first(cfg, "intermediate_size", default=0)),
-        shared_expert_intermediate_size=int(_require(cfg, "shared_expert_intermediate_size")),
-        shared_expert_gate=True,
-        qkv_bias=bool(cfg.get("qkv_bias", True)),
     )
+
+
+def _qwen2_moe(cfg: dict) -> dict:
+    return dict(_qwen_moe(cfg),
+                shared_expert_intermediate_size=int(_require(cfg, "shared_expert_intermediate_size")),
+                shared_expert_gate=True, qkv_bias=bool(cfg.get("qkv_bias", True)))
 
 
 def _qwen3_moe(cfg: dict) -> dict:
-    _check_act(cfg)
-    n = int(_require(cfg, "num_hidden_layers"))
     if cfg.get("attention_bias"):
         raise UnsupportedError("Qwen3-MoE with attention_bias=true is not supported", where="config.json")
-    return dict(
-        num_experts=int(_require(cfg, "num_experts", "num_local_experts")),
-        top_k=int(_require(cfg, "num_experts_per_tok")),
-        expert_intermediate_size=int(_require(cfg, "moe_intermediate_size")),
-        normalization_mode=NORM_RENORMALIZE if cfg.get("norm_topk_prob") else NORM_NONE,
-        moe_layers=_qwen_moe_layers(cfg, n),
-        dense_intermediate_size=int(_first(cfg, "intermediate_size", default=0)),
-        qk_norm=True,
-    )
+    return dict(_qwen_moe(cfg), qk_norm=True)
 
 
 def _deepseek_v1(cfg: dict) -> dict:
