@@ -72,3 +72,12 @@ def tiny_model(tmp_path_factory) -> Callable[..., Path]:
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: one thread is faster, and an oversubscribed shared CPU makes OpenMP crawl."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -27,13 +27,7 @@ from tests.test_quant_pipeline import make_tokenizer
 E = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is faster, and an oversubscribed shared CPU makes OpenMP crawl."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _ids(n, t, seed=0):

@@ -370,7 +370,7 @@ def write_rank(path: Path, specs: list[TensorSpec], progress: Callable[[int], No
                         on_write=on_write)
     counting = True
     try:
-        for s in specs:
+        for i, s in enumerate(specs):
             def emit(t: torch.Tensor | SourceRange, s=s):
                 if isinstance(t, SourceRange):
                     w.write_range(t)
@@ -380,7 +380,7 @@ def write_rank(path: Path, specs: list[TensorSpec], progress: Callable[[int], No
                 for chunk in iter_chunks(t):
                     w.write(chunk)
             s.produce(emit)
-            if w._idx < len(specs) and w.current[0] == s.name:
+            if w.tensors_done <= i and s.nbytes:
                 raise CheckpointError(f"produced too few bytes for {s.name}")
         w.close(fsync=False)
         follower.closed(job)

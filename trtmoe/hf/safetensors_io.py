@@ -258,6 +258,11 @@ class StreamingWriter:
     def current(self) -> tuple[str, torch.dtype, tuple[int, ...]]:
         return self.specs[self._idx]
 
+    @property
+    def tensors_done(self) -> int:
+        """How many declared tensors have received all their bytes."""
+        return self._idx
+
     def _take(self, nbytes: int, dtype: torch.dtype) -> None:
         """Account ``nbytes`` of the current tensor (checked against the declared size and dtype)."""
         if self._idx >= len(self.specs):

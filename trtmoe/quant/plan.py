@@ -44,7 +44,6 @@ class QuantPlan:
     permutations: dict[int, list[int]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.float16
-    num_layers_pp: dict | None = None  # set by bind(): mapping facts the config blocks need
 
     def __post_init__(self):
         self.formats = {int(l): [canonical(f) for f in fs] for l, fs in self.formats.items()}
@@ -85,7 +84,6 @@ class QuantPlan:
     def bind(self, model, mapping) -> None:
         """Check the plan against the model and layout; called by the writer before any work."""
         self._model, self._mapping = model, mapping
-        self.dtype = self.dtype
         for l, fs in self.formats.items():
             if not (0 <= l < model.num_layers and model.moe_layers[l]):
                 raise InputError(f"plan names layer {l}, which is not a MoE layer")
