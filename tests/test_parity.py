@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import hf_logits as reference_logits
 from trtmoe.checkpoint.writer import convert
-from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
+from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams, Sequence
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1")
 LAYOUTS = {
@@ -131,3 +131,47 @@ def test_sampling_is_seeded(references, tmp_path):
     c = eng.generate(ids[0, :4].tolist(), SamplingParams(max_new_tokens=10, temperature=1.0, seed=8))
     assert a == b
     assert a != c or len(set(a)) == 1
+
+
+def test_pooled_cache_under_joins_drops_and_growth(references, tmp_path):
+    """In-flight pattern on the pooled KV cache: sequences join mid-decode (growing the pool's slots
+    and capacity while others hold cached keys), one is dropped unfinished and its slot reused, so
+    steps run over non-contiguous slots; every finished sequence still equals greedy decoding by
+    full forwards, and every slot is back in the pool at the end."""
+    import gc
+
+    src, ids, _ = references["mixtral"]
+    ck = tmp_path / "ckpt"
+    convert(src, ck)
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    stream = ids.reshape(-1).tolist()
+    live = [eng.start(stream[:3], SamplingParams(max_new_tokens=4)),
+            eng.start(stream[3:9], SamplingParams(max_new_tokens=12))]
+    done, dropped = [], None
+    joins = [(1, stream[2:7], 40), (2, stream[5:6], 7), (3, stream[1:10], 25), (5, stream[4:8], 9),
+             (6, stream[7:9], 5)]
+    for it in range(60):
+        for when, prompt, n in joins:
+            if when == it:
+                live.append(eng.start(prompt, SamplingParams(max_new_tokens=n)))
+        if it == 3:  # a cancelled request: dropped from the batch before it finishes
+            dropped = live.pop(2)
+            assert not dropped.finished
+            dropped = None
+            gc.collect()
+        if not live:
+            break
+        assert len({s.slot for s in live}) == len(live)
+        eng.step(live)
+        done += [s for s in live if s.finished]
+        live = [s for s in live if not s.finished]
+    assert not live and len(done) == 6
+    assert eng._kv.capacity >= 48 and eng._kv.slots >= 4
+    for s in done:
+        full = s.prompt + s.tokens
+        logits = eng.logits(torch.tensor([full[:-1]]))[0]
+        assert logits[len(s.prompt) - 1:].argmax(-1).tolist() == s.tokens
+        assert s.slot == -1
+    assert eng._kv.live == 0
+    with pytest.raises(Exception, match="released"):
+        eng.step([Sequence(prompt=[1], params=SamplingParams())])  # never prefilled: no slot

@@ -5,13 +5,16 @@ It is the executable spec of the checkpoint, written from TensorRT-LLM's semanti
 normalization mode NONE (top-k of softmax) or RENORMALIZE (softmax of the top-k logits); Qwen2-MoE's
 shared expert scaled by sigmoid(shared_expert_gate); dense GatedMLP fc = gate, gate = up.
 
-Prefill + decode with a per-sequence KV cache, greedy or sampled generation, batched decode steps
-across sequences of different lengths (used by the in-flight batcher), CPU by default or CUDA.
+Prefill + decode with a pooled KV cache (one tensor per layer, a slot per live sequence, so a
+batched decode step over sequences of different lengths writes and reads every sequence's keys
+with one indexed op per layer), greedy or sampled generation, CPU by default or CUDA.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -56,14 +59,70 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
-    k_cache: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer [nkv, cap, hd]
-    v_cache: list[torch.Tensor] = field(default_factory=list, repr=False)
+    slot: int = -1  # row of the engine's KV pool; -1 once released
     length: int = 0  # tokens held in the KV cache
     generator: torch.Generator | None = field(default=None, repr=False)
+    _release: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def last_token(self) -> int:
         return self.tokens[-1] if self.tokens else self.prompt[-1]
+
+
+class _KVPool:
+    """Keys and values of every live sequence: per layer one ``[slots, nkv, capacity, hd]`` tensor.
+
+    A sequence holds one slot from its prefill until it finishes (or is garbage-collected, e.g. when
+    a cancelled request is dropped). Both dimensions grow on demand (existing rows are copied over);
+    the lowest free slot is reused first, so a steady batch keeps to a contiguous block of rows and
+    its step reads the cache as a view instead of a gather.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.num_layers, self.nkv, self.hd = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.slots = 0
+        self.capacity = 0
+        self._free: list[int] = []
+        self.live = 0
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        shape = (slots, self.nkv, capacity, self.hd)
+        for kv in (self.k, self.v):
+            old = list(kv)
+            kv.clear()
+            for l in range(self.num_layers):
+                new = torch.empty(shape, dtype=self.dtype, device=self.device)
+                if old:
+                    new[: self.slots, :, : self.capacity] = old[l]
+                kv.append(new)
+        for i in range(self.slots, slots):
+            heapq.heappush(self._free, i)
+        self.slots, self.capacity = slots, capacity
+
+    def acquire(self, need: int) -> int:
+        """A free slot able to hold ``need`` tokens."""
+        slots, cap = self.slots, self.capacity
+        if need > cap:
+            cap = max(need + (-need) % 64, min(2 * cap, self._cap_limit(need)))
+        if not self._free:
+            slots = max(4, 2 * self.slots)
+        if (slots, cap) != (self.slots, self.capacity):
+            self._resize(slots, cap)
+        self.live += 1
+        return heapq.heappop(self._free)
+
+    @staticmethod
+    def _cap_limit(need: int) -> int:
+        # Doubling amortizes growth, but never reserve more than 4x what was asked for.
+        return 4 * need
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+        self.live -= 1
 
 
 @dataclass
@@ -124,6 +183,7 @@ class EmbeddedEngine:
         self._inv_freq = inv.to(device)
         self.max_seq_len = cfg.max_position_embeddings
         L, E = cfg.num_layers, cfg.num_experts
+        self._kv = _KVPool(L, cfg.num_kv_heads, hd, compute_dtype, device)
         self._counts = torch.zeros(L, E, dtype=torch.int64)
         self._entropy = torch.zeros(L, dtype=torch.float64)
         self._mass = torch.zeros(L, E, dtype=torch.float64)
@@ -303,33 +363,38 @@ class EmbeddedEngine:
             kk, vv, mask = k, v, None
             causal = True
         else:
-            # Append to each sequence's cache, then attend over its own history (padded batch).
-            lens = []
-            for b, s in enumerate(seqs):
-                s.k_cache[li][:, s.length:s.length + T] = k[b]
-                s.v_cache[li][:, s.length:s.length + T] = v[b]
-                lens.append(s.length + T)
+            # Append to each sequence's pooled cache, then attend over its own history.
+            kp, vp = self._kv.k[li], self._kv.v[li]
+            slots = [s.slot for s in seqs]
+            lens = [s.length + T for s in seqs]
+            if T == 1:  # decode: one indexed write for the whole batch
+                slot_t = torch.tensor(slots, device=x.device)
+                at = torch.tensor([s.length for s in seqs], device=x.device)
+                kp[slot_t, :, at] = k[:, :, 0]
+                vp[slot_t, :, at] = v[:, :, 0]
+            else:
+                slot_t = None
+                for b, s in enumerate(seqs):
+                    kp[s.slot, :, s.length:s.length + T] = k[b]
+                    vp[s.slot, :, s.length:s.length + T] = v[b]
             Lmax = max(lens)
-            if len(seqs) == 1:
-                kk, vv = seqs[0].k_cache[li][None, :, :Lmax], seqs[0].v_cache[li][None, :, :Lmax]
-            else:  # caches differ in length and capacity: copy into one padded block
-                kk = k.new_zeros(len(seqs), c.num_kv_heads, Lmax, hd)
-                vv = torch.zeros_like(kk)
-                for b, (s, n) in enumerate(zip(seqs, lens)):
-                    kk[b, :, :n] = s.k_cache[li][:, :n]
-                    vv[b, :, :n] = s.v_cache[li][:, :n]
+            first = slots[0]
+            if slots == list(range(first, first + B)):  # a contiguous block of rows: a view
+                kk, vv = kp[first:first + B, :, :Lmax], vp[first:first + B, :, :Lmax]
+            else:
+                if slot_t is None:
+                    slot_t = torch.tensor(slots, device=x.device)
+                kk = kp[:, :, :Lmax].index_select(0, slot_t)
+                vv = vp[:, :, :Lmax].index_select(0, slot_t)
             key_pos = torch.arange(Lmax, device=x.device)
             qpos = pos[:, None, :, None]  # [B, 1, T, 1]
             valid = (key_pos[None, None, None, :] <= qpos) & (
                 key_pos[None, None, None, :] < torch.tensor(lens, device=x.device)[:, None, None, None])
             mask = valid
             causal = False
-        rep = nh // nkv
-        if rep > 1:
-            kk = kk.repeat_interleave(rep, dim=1)
-            vv = vv.repeat_interleave(rep, dim=1)
+        # Grouped-query heads read their shared KV head in place (no repeated copy of the cache).
         o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=causal and T > 1,
-                                           scale=1.0 / math.sqrt(hd))
+                                           scale=1.0 / math.sqrt(hd), enable_gqa=nh != nkv)
         o = o.transpose(1, 2).reshape(B, T, nh * hd)
         return o @ lay.wo.t()
 
@@ -368,11 +433,18 @@ class EmbeddedEngine:
 
     # ---- generation ---------------------------------------------------------------------------
     def _alloc_cache(self, s: Sequence, capacity: int):
-        c = self.cfg
-        shape = (c.num_kv_heads, capacity, c.head_dim)
-        cdt = self.compute_dtype
-        s.k_cache = [torch.empty(shape, dtype=cdt, device=self.device) for _ in range(c.num_layers)]
-        s.v_cache = [torch.empty(shape, dtype=cdt, device=self.device) for _ in range(c.num_layers)]
+        pool = self._kv
+        slot = pool.acquire(capacity)
+        s.slot = slot
+        # Freed when the sequence finishes, or when it is dropped unfinished (cancelled request).
+        s._release = weakref.finalize(s, pool.release, slot)
+
+    @staticmethod
+    def _free_cache(s: Sequence) -> None:
+        if s._release is not None:
+            s._release()  # a finalize object runs once
+            s._release = None
+            s.slot = -1
 
     def _sample(self, s: Sequence, logits: torch.Tensor) -> int:
         p = s.params
@@ -402,6 +474,10 @@ class EmbeddedEngine:
         if len(s.tokens) >= p.max_new_tokens:
             s.finished, s.finish_reason = True, "length"
 
+    def _finish_if_done(self, s: Sequence) -> None:
+        if s.finished:
+            self._free_cache(s)
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InputError if a request cannot run on this engine."""
         if not prompt_ids:
@@ -426,9 +502,14 @@ class EmbeddedEngine:
         self._alloc_cache(s, len(prompt_ids) + params.max_new_tokens)
         ids = torch.tensor([s.prompt], device=self.device)
         pos = torch.arange(len(s.prompt), device=self.device)[None]
-        logits = self._forward(ids, pos, [s])
+        try:
+            logits = self._forward(ids, pos, [s])
+        except BaseException:
+            self._free_cache(s)
+            raise
         s.length = len(s.prompt)
         self._accept(s, self._sample(s, logits[0, -1]))
+        self._finish_if_done(s)
         return s
 
     @torch.inference_mode()
@@ -439,13 +520,34 @@ class EmbeddedEngine:
             return []
         ids = torch.tensor([[s.last_token] for s in live], device=self.device)
         pos = torch.tensor([[s.length] for s in live], device=self.device)
-        logits = self._forward(ids, pos, live)
+        if any(s.slot < 0 for s in live):
+            raise InputError("a sequence whose KV cache was released cannot be stepped")
+        logits = self._forward(ids, pos, live)[:, -1]
+        toks = self._greedy_batch(live, logits)
         out = []
         for b, s in enumerate(live):
             s.length += 1
-            tok = self._sample(s, logits[b, -1])
+            tok = toks[b] if toks[b] is not None else self._sample(s, logits[b])
             self._accept(s, tok)
+            self._finish_if_done(s)
             out.append(tok)
+        return out
+
+    @staticmethod
+    def _greedy_batch(live: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+        """Argmax of every greedy row in one op (None for sampled rows); an end id still inside
+        its sequence's ``min_tokens`` is masked out first, as ``_sample`` does."""
+        rows = [b for b, s in enumerate(live) if s.params.temperature == 0]
+        out: list[int | None] = [None] * len(live)
+        if not rows:
+            return out
+        sub = logits[rows] if len(rows) < len(live) else logits.clone()
+        for i, b in enumerate(rows):
+            p = live[b].params
+            if p.end_id is not None and len(live[b].tokens) < p.min_tokens:
+                sub[i, p.end_id] = -float("inf")
+        for b, t in zip(rows, sub.argmax(-1).tolist()):
+            out[b] = t
         return out
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
