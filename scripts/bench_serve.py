@@ -121,7 +121,8 @@ def serve_fixture(workdir: Path, args):
     build = {"max_batch_size": args.max_batch_size, "max_input_len": 64, "max_seq_len": 64 + args.tokens + 8,
              "max_beam_width": 1, "tokens_per_block": 32}
     (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": build}))
-    repo = generate_repository(engine, workdir / "repo", torch_num_threads=args.torch_threads)
+    repo = generate_repository(engine, workdir / "repo", torch_num_threads=args.torch_threads,
+                               stream_interval=args.stream_interval)
     return serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=300)
 
 
@@ -134,6 +135,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="requests per stream")
     ap.add_argument("--max-batch-size", type=int, default=32)
     ap.add_argument("--torch-threads", type=int, default=1, help="torch threads in the server's engine")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens per streamed response (trtmoe repo --stream-interval; first and last at once)")
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                     help="checkpoint dtype to serve (float32 is the fastest on CPU)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -160,7 +163,8 @@ def main() -> None:
         for r in rows:
             r["engine_only_tok_s"] = rates.get(r["concurrency"])
         print()
-        print(f"cpu cores: {os.cpu_count()}; {args.tokens} tokens/request; {args.rounds} requests/stream")
+        print(f"cpu cores: {os.cpu_count()}; {args.tokens} tokens/request; {args.rounds} requests/stream; "
+              f"stream interval {args.stream_interval if args.url is None else 'of the running server'}")
         ebase = rates.get(rows[0]["concurrency"])
         print(f"{'streams':>7} {'req':>4} {'tok/s':>8} {'x 1-stream':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>7} {'engine-only tok/s (x)':>22}")

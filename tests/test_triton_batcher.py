@@ -163,6 +163,37 @@ def test_stop_sequence_cancel_and_shutdown(engine):
         b.submit([1], _params(1), Collector())
 
 
+def test_stream_interval_groups_tokens(engine):
+    """With stream_interval 4 the first token comes alone, then tokens in fours, and the final event
+    carries the remainder; the tokens are exactly the greedy answer. A cancelled request still gets
+    the tokens generated since its last event."""
+    refs = [engine.generate(p, _params(11)) for p in PROMPTS[:3]]
+    b = InflightBatcher(engine, max_batch_size=3, stream_interval=4)
+    try:
+        cols = [Collector() for _ in refs]
+        for p, c in zip(PROMPTS, cols):
+            b.submit(p, _params(11), c)
+        for c in cols:
+            assert c.done.wait(60)
+        slow = Collector()
+        b.submit([1, 5, 9], _params(200), slow, request_id="r-slow")
+        while len(slow.tokens) < 6:
+            time.sleep(0.002)
+        assert b.cancel("r-slow") and slow.done.wait(10)
+    finally:
+        b.shutdown()
+    for c, ref in zip(cols, refs):
+        assert c.tokens == ref
+        sizes = [len(e.new_tokens) for e in c.events]
+        assert sizes == [1, 4, 4, 2] and c.events[-1].finished
+    assert slow.final.finish_reason == FINISH_CANCELLED
+    n = len(slow.final.request.tokens)
+    assert slow.tokens == slow.final.request.tokens and n > 6
+    assert slow.tokens == engine.generate([1, 5, 9], _params(n))
+    with pytest.raises(ValueError, match="stream_interval"):
+        InflightBatcher(engine, max_batch_size=1, stream_interval=0)
+
+
 # ---------------------------------------------------------------- request parsing
 LIMITS = EngineLimits(max_input_len=8, max_seq_len=16, vocab_size=250, default_end_id=2)
 

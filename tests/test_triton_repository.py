@@ -125,6 +125,7 @@ def test_embedded_repository(setup):
     params = {k: v.string_value for k, v in llm.parameters.items()}
     assert params["engine_dir"] == str(setup["engine"].resolve())
     assert params["max_input_len"] == "48" and params["max_seq_len"] == "96"
+    assert params["stream_interval"] == "1"
     assert (out / "tensorrt_llm" / "1" / "model.py").is_file()
     # The 1.2.x tensor names.
     names = {i.name for i in ens.input}
@@ -169,6 +170,7 @@ def test_no_streaming_repository(setup):
     (dict(world_size=2), "world_size", ("2",)),
     (dict(max_batch_size=0), "max_batch_size", ("0",)),
     (dict(kv_cache_free_gpu_mem_fraction=0.5), "kv_cache_free_gpu_mem_fraction", ()),
+    (dict(stream_interval=0), "stream_interval", ("0",)),
 ])
 def test_contradicting_settings_are_rejected(setup, tmp_path, kwargs, field, values):
     with pytest.raises(InputError) as e:
@@ -196,6 +198,8 @@ def test_tensorrt_engine_repository(setup):
         generate_repository(eng, setup["root"] / "x", tokenizer_dir=setup["tok"], max_input_len=16)
     with pytest.raises(InputError, match="mapping.world_size"):
         generate_repository(eng, setup["root"] / "x", tokenizer_dir=setup["tok"], world_size=1)
+    with pytest.raises(InputError, match="stream_interval applies to the embedded engine only"):
+        generate_repository(eng, setup["root"] / "x", tokenizer_dir=setup["tok"], stream_interval=4)
 
 
 def test_launch_command_one_rank_per_engine_rank(tmp_path):

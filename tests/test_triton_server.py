@@ -325,6 +325,23 @@ def test_example_client_script(served):
     assert out.stdout == served["ref"].text("def main(", 12) + "\n"
 
 
+def test_stream_interval_server(served, tmp_path):
+    """A repository generated with stream_interval 4 serves the same text in fewer responses: the first
+    token alone, then four tokens per response (the last one carries the rest)."""
+    repo = generate_repository(served["repo"].engine.path, tmp_path / "repo", stream_interval=4,
+                               torch_num_threads=1)
+    server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
+    try:
+        assert len(served["ref"].tokens("def main(", 17)) == 17  # no end token on the way
+        extra = {"return_num_output_tokens": np.array([[True]], dtype=bool)}
+        r = generate(server.endpoints.grpc, "def main(", max_tokens=17, extra=extra)
+        assert r.text == served["ref"].text("def main(", 17)
+        assert r.output_token_counts == [1, 5, 9, 13, 17]
+        assert r.text == "".join(r.pieces) and len(r.pieces) == 5
+    finally:
+        assert server.stop() == 0
+
+
 def test_stop_leaves_no_process(served):
     """Runs last in this module: stopping the server ends tritonserver and every Python stub."""
     srv = served["server"]

@@ -83,6 +83,7 @@ class RepoSettings:
     kv_cache_free_gpu_mem_fraction: float | None = None
     device: str = "auto"
     torch_num_threads: int = 0
+    stream_interval: int = 1
 
     @property
     def decoupled(self) -> bool:
@@ -118,7 +119,8 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
                             max_input_len=max_input_len, max_seq_len=max_seq_len, world_size=world_size).items():
         if value is not None and value < 1:
             raise InputError(f"{name} must be >= 1, got {value}")
-    for name in ("preprocessing_instance_count", "postprocessing_instance_count", "bls_instance_count"):
+    for name in ("preprocessing_instance_count", "postprocessing_instance_count", "bls_instance_count",
+                 "stream_interval"):
         if rest.get(name) is not None and rest[name] < 1:
             raise InputError(f"{name} must be >= 1, got {rest[name]}")
     for name in ("max_queue_delay_microseconds", "max_queue_size", "torch_num_threads"):
@@ -157,6 +159,9 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
         raise InputError("device applies to the embedded engine only; TensorRT engines are placed by MPI rank")
     if info.backend == TENSORRT_LLM and rest.get("torch_num_threads"):
         raise InputError("torch_num_threads applies to the embedded engine only")
+    if info.backend == TENSORRT_LLM and (rest.get("stream_interval") or 1) != 1:
+        raise InputError("stream_interval applies to the embedded engine only; the TensorRT-LLM backend "
+                         "streams every token")
     rest = {k: v for k, v in rest.items() if v is not None}
     return RepoSettings(max_batch_size=max_batch_size or info.max_batch_size, max_beam_width=beam,
                         max_input_len=max_input_len or info.max_input_len, max_seq_len=max_seq_len or info.max_seq_len,
@@ -185,7 +190,8 @@ def backend_parameters(info: EngineInfo, s: RepoSettings) -> dict[str, Any]:
         return {"engine_dir": str(info.path), "device": s.device, "torch_num_threads": s.torch_num_threads,
                 "max_input_len": s.max_input_len, "max_seq_len": s.max_seq_len,
                 "exclude_input_in_output": _bool(s.exclude_input_in_output), "enable_metrics": "true",
-                "metrics_interval_s": "0.5", "max_waiting_requests": s.max_queue_size}
+                "metrics_interval_s": "0.5", "max_waiting_requests": s.max_queue_size,
+                "stream_interval": s.stream_interval}
     return {
         "gpt_model_type": "inflight_fused_batching",
         "gpt_model_path": str(info.path),
@@ -374,13 +380,14 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                         bls_instance_count: int = 1, kv_cache_free_gpu_mem_fraction: float | None = None,
                         trust_remote_code: bool = False, add_special_tokens: bool = True,
                         skip_special_tokens: bool = True, device: str | None = None, torch_num_threads: int = 0,
-                        force: bool = False, templates: str | Path | None = None) -> RepositoryResult:
+                        stream_interval: int = 1, force: bool = False, templates: str | Path | None = None) -> RepositoryResult:
     """Write a Triton model repository for ``engine_dir`` at ``out_dir``.
 
     ``tokenizer_dir`` defaults to a tokenizer found beside the engine or its checkpoint. Limits
     (``max_batch_size``, ``max_input_len``, ``max_seq_len``: requests/tokens) default to the engine's
     build_config and may not exceed it; ``max_beam_width`` and ``world_size`` must equal it.
-    ``streaming`` makes tensorrt_llm/BLS (and so the ensemble) decoupled. Raises InputError.
+    ``streaming`` makes tensorrt_llm/BLS (and so the ensemble) decoupled. ``stream_interval``
+    (embedded engine): a streamed response every that many tokens. Raises InputError.
     """
     info = read_engine_dir(engine_dir)
     settings = resolve_settings(
@@ -391,7 +398,8 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
         max_queue_size=max_queue_size, preprocessing_instance_count=preprocessing_instance_count,
         postprocessing_instance_count=postprocessing_instance_count, bls_instance_count=bls_instance_count,
         trust_remote_code=trust_remote_code, add_special_tokens=add_special_tokens,
-        skip_special_tokens=skip_special_tokens, torch_num_threads=torch_num_threads)
+        skip_special_tokens=skip_special_tokens, torch_num_threads=torch_num_threads,
+        stream_interval=stream_interval)
     tok_src = Path(tokenizer_dir).expanduser().resolve() if tokenizer_dir else find_tokenizer(info)
     if tok_src is None:
         raise InputError("no tokenizer found beside the engine or its checkpoint", where=str(info.path),

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
 import time
+from collections import deque
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -91,14 +91,18 @@ class TritonPythonModel:
                                                    num_experts=int(eng.num_experts), model=self.model_name,
                                                    min_interval_s=float(_param(config, "metrics_interval_s", "0.5")))
             self.metrics.set_active_params(int(eng.active_params_per_token))
-        self.outbox: queue.Queue = queue.Queue()
+        # Batcher -> sender hand-off: appends are atomic, and the sender is woken once per burst.
+        self.outbox: deque = deque()
+        self.wake = threading.Event()
+        self.closing = False
         self.sender_thread = threading.Thread(target=self._send_loop, name="tensorrt_llm-sender", daemon=True)
         self.sender_thread.start()
         budget = _param(config, "prefill_budget_ms", "")
         self.batcher = InflightBatcher(
             eng, max_batch_size=min(int(config["max_batch_size"]) or 1, info.max_batch_size),
             max_waiting=int(_param(config, "max_waiting_requests", "0") or 0),
-            prefill_budget_s=float(budget) / 1000.0 if budget else None)
+            prefill_budget_s=float(budget) / 1000.0 if budget else None,
+            stream_interval=max(int(_param(config, "stream_interval", "1")), 1))
         self.stopping = threading.Event()
         if self.metrics:
             # Its own thread: a metrics update is dozens of IPC calls and must not stall decoding.
@@ -141,24 +145,18 @@ class TritonPythonModel:
         """Batcher callback: queue the event for the sender thread, so slow IPC or a slow client never
         holds up the decode loop. Non-streamed requests only need their final event."""
         if gen.streaming or event.finished:
-            self.outbox.put((treq, gen, event))
+            self.outbox.append((treq, gen, event))
+            if not self.wake.is_set():
+                self.wake.set()
 
     def _send_loop(self):
         """Sender thread: drains the outbox; tokens of a request that piled up go out in one response."""
         while True:
-            item = self.outbox.get()
-            if item is None:
-                return
-            items = [item]
-            while True:
-                try:
-                    nxt = self.outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self.outbox.put(None)
-                    break
-                items.append(nxt)
+            self.wake.wait()
+            self.wake.clear()
+            items = []
+            while self.outbox:
+                items.append(self.outbox.popleft())
             groups: dict[int, list] = {}
             for treq, gen, ev in items:
                 groups.setdefault(id(ev.request), [treq, gen, ev.request, [], None])
@@ -172,6 +170,8 @@ class TritonPythonModel:
                 except Exception as e:  # noqa: BLE001 - the client is gone: stop generating for it
                     pb_utils.Logger.log_warn(f"tensorrt_llm: dropping {req.request_id}: {e}")
                     req.cancel()
+            if self.closing and not self.outbox:  # set after the batcher's last events were queued
+                return
 
     def _respond(self, treq: _TritonRequest, gen, req, new_tokens, final):
         if final is not None and final.finish_reason == FINISH_ERROR:
@@ -203,8 +203,11 @@ class TritonPythonModel:
         treq.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(gen, req, ids, True)), flags=flags)
 
     # -- Triton entry points -------------------------------------------------------------------
-    def _get(self, request):
-        return lambda name: (lambda t: None if t is None else t.as_numpy())(pb_utils.get_input_tensor_by_name(request, name))
+    @staticmethod
+    def _get(request):
+        # One pass over the request's inputs: get_input_tensor_by_name rebuilds them on every call.
+        arrays = {t.name(): t for t in request.inputs()}
+        return lambda name: (lambda t: None if t is None else t.as_numpy())(arrays.get(name))
 
     def _submit(self, request, sender):
         get = self._get(request)
@@ -264,5 +267,6 @@ class TritonPythonModel:
     def finalize(self):
         self.stopping.set()
         self.batcher.shutdown()
-        self.outbox.put(None)
+        self.closing = True
+        self.wake.set()
         self.sender_thread.join(timeout=10)
