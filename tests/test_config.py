@@ -195,6 +195,20 @@ def test_cli_choices_match_the_yaml_schema():
     assert seen == set(where), f"options not found on `trtmoe convert`: {set(where) - seen}"
 
 
+def test_format_choices_cover_the_format_registry():
+    """Every quantized format the library implements can be chosen in YAML, on the CLI and calibrated
+    by default."""
+    from trtmoe.quant.calibrate import DEFAULT_FORMATS
+    from trtmoe.quant.commands import DEFAULT_FORMATS as CLI_DEFAULT_FORMATS
+    from trtmoe.quant.formats import FORMATS
+
+    quantized = {n for n, f in FORMATS.items() if f.trtllm_quant_algo}
+    assert {"int4_g64", "int4_g128"} <= quantized
+    assert set(cfgmod.SCHEMA["quantize"]["format"].choices) == quantized
+    assert quantized <= set(cfgmod.SCHEMA["quantize"]["formats"].choices)
+    assert set(DEFAULT_FORMATS) == quantized and CLI_DEFAULT_FORMATS == DEFAULT_FORMATS
+
+
 def test_convert_cli_records_precedence_in_manifest(tiny_model, tmp_path):
     p = write(tmp_path, "convert:\n  tp: 4\n  moe_ep: 2\n  dtype: bfloat16\n")
     out = tmp_path / "ckpt"

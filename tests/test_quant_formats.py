@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from trtmoe.errors import InputError, UnsupportedError
-from trtmoe.quant.formats import FORMATS, float_format_for, get_format, pack_int4, unpack_int4
+from trtmoe.quant.formats import FORMATS, GroupInt4Format, float_format_for, get_format, pack_int4, unpack_int4
 
 MODEL_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+GROUP_FORMATS = [("int4_g128", 128), ("int4_g64", 64)]
+QUANT_NAMES = ["int8", "int4", "int4_g128", "int4_g64"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,7 +44,7 @@ def ref_per_channel(w: torch.Tensor, bits: int, dtype: torch.dtype):
 
 
 def ref_group_int4(w: torch.Tensor, dtype: torch.dtype, group: int = 128):
-    """Group-wise INT4: scale = amax/7 per (row, 128-column group), 1 for an all-zero group."""
+    """Group-wise INT4: scale = amax/7 per (row, ``group``-column group), 1 for an all-zero group."""
     w64 = w.to(dtype).to(torch.float64)
     *lead, out_f, in_f = w64.shape
     g = w64.reshape(*lead, out_f, in_f // group, group)
@@ -164,7 +166,35 @@ def test_int4_g128_layout():
     assert bool((p["prequant_scaling_factor"] == 1).all())
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int4_g128"])
+def test_int4_g64_layout():
+    # out=4, in=128: every row has amax 7 in columns 0..63 (scale 1) and 14 in 64..127 (scale 2).
+    w = torch.zeros(4, 128)
+    w[:, 0] = torch.tensor([1.0, -2.0, 3.0, -7.0])
+    w[:, 1] = 7.0
+    w[:, 64] = torch.tensor([2.0, -4.0, 6.0, -14.0])
+    w[:, 65] = 14.0
+    w[0, 66] = 5.0  # 5 / 2 = 2.5, a tie: half to even → 2
+    p = FORMATS["int4_g64"].quantize(w, dtype=torch.bfloat16)
+    b = p["weight"].view(torch.uint8)
+    assert p["weight"].shape == (2, 128) and p["weight"].dtype == torch.int8  # [out/2, in]
+    assert b[:, 0].tolist() == [0xE1, 0x93]  # rows (0,1) and (2,3) share a byte, row 2j low
+    assert b[:, 1].tolist() == [0x77, 0x77]
+    assert b[:, 64].tolist() == [0xE1, 0x93]  # same codes: the second group has its own scale
+    assert b[:, 65].tolist() == [0x77, 0x77]
+    assert b[:, 66].tolist() == [0x02, 0x00]
+    nonzero = {0, 1, 64, 65, 66}
+    assert all(int(b[:, j].count_nonzero()) == 0 for j in range(128) if j not in nonzero)
+    s = p["weights_scaling_factor"]
+    assert s.shape == (4, 2) and s.dtype == torch.bfloat16  # [out, in/64]
+    assert s.tolist() == [[1.0, 2.0]] * 4
+    assert p["prequant_scaling_factor"].shape == (1, 128)
+    # One 128-wide group shares the scale 2 and loses column 0's odd codes: g64 is really finer.
+    b128 = FORMATS["int4_g128"].quantize(w, dtype=torch.bfloat16)["weight"].view(torch.uint8)
+    assert b128[:, 0].tolist() == [0xF0, 0xC2]  # [0.5, -1, 1.5, -3.5] → [0, -1, 2, -4] half to even
+    assert b128[:, 1].tolist() == [0x44, 0x44]  # 3.5 → 4
+
+
+@pytest.mark.parametrize("name", QUANT_NAMES)
 def test_stacked_experts_equal_per_expert_quantization(name):
     fmt = FORMATS[name]
     w = _weights((3, 64, 256), seed=5)
@@ -205,27 +235,30 @@ def test_per_channel_matches_reference(name, bits, dtype):
 
 
 @pytest.mark.parametrize("dtype", MODEL_DTYPES)
-def test_group_int4_matches_reference(dtype):
-    fmt = FORMATS["int4_g128"]
+@pytest.mark.parametrize("name,group", GROUP_FORMATS)
+def test_group_int4_matches_reference(name, group, dtype):
+    fmt = FORMATS[name]
+    assert fmt.group_size == group
     w = _weights((2, 32, 384), seed=3)
     p = fmt.quantize(w, dtype=dtype)
-    codes, scale, quot = ref_group_int4(w, dtype)
-    got = _codes_from_packed("int4_g128", p)
+    codes, scale, quot = ref_group_int4(w, dtype, group)
+    got = _codes_from_packed(name, p)
     diff = got != codes
     # amax/7 is inexact in float32, so a code may differ only where 7·w/amax is exactly k + 1/2
     # (14·w == (2k+1)·amax, checked in exact float64 arithmetic); it then goes either way.
     w64 = w.to(dtype).double()
-    amax = w64.reshape(2, 32, 3, 128).abs().amax(dim=-1).repeat_interleave(128, dim=-1)
+    n_groups = 384 // group
+    amax = w64.reshape(2, 32, n_groups, group).abs().amax(dim=-1).repeat_interleave(group, dim=-1)
     exact_tie = (14.0 * w64 - (2.0 * torch.floor(quot) + 1.0) * amax) == 0
     assert not bool((diff & ~exact_tie).any())
     assert int((got - codes).abs().max()) <= 1
-    assert p["weights_scaling_factor"].shape == (2, 32, 3)
+    assert p["weights_scaling_factor"].shape == (2, 32, n_groups)
     ref_scale = scale.to(dtype)
     assert torch.allclose(p["weights_scaling_factor"].double(), ref_scale.double(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("dtype", MODEL_DTYPES)
-@pytest.mark.parametrize("name", ["int8", "int4", "int4_g128"])
+@pytest.mark.parametrize("name", QUANT_NAMES)
 def test_dequant_error_within_half_step(name, dtype):
     fmt = FORMATS[name]
     w = _weights((2, 40, 256), seed=4)
@@ -233,10 +266,11 @@ def test_dequant_error_within_half_step(name, dtype):
     p = fmt.quantize(w, dtype=dtype)
     deq = fmt.dequantize(p, dtype=torch.float64)
     assert deq.shape == w.shape
-    if name == "int4_g128":
-        codes, s64, _ = ref_group_int4(w, dtype)
-        s64 = s64.repeat_interleave(128, dim=-1)
-        stored = p["weights_scaling_factor"].double().repeat_interleave(128, dim=-1)
+    if isinstance(fmt, GroupInt4Format):
+        g = fmt.group_size
+        codes, s64, _ = ref_group_int4(w, dtype, g)
+        s64 = s64.repeat_interleave(g, dim=-1)
+        stored = p["weights_scaling_factor"].double().repeat_interleave(g, dim=-1)
         clamped = torch.zeros_like(wd, dtype=torch.bool)  # |w| <= amax = 7·scale: never clamps
     else:
         bits = 8 if name == "int8" else 4
@@ -252,7 +286,7 @@ def test_dequant_error_within_half_step(name, dtype):
     assert bool((err[~clamped] <= (s64 / 2 + moved)[~clamped]).all())
     # The positive amax code clamps (amax/128·128 → 127): error is one full step there.
     assert bool((err[clamped] <= (s64 + moved)[clamped]).all())
-    if name != "int4_g128":
+    if not isinstance(fmt, GroupInt4Format):
         assert bool(clamped.any())
 
 
@@ -277,7 +311,15 @@ def test_quantize_leaves_its_input_alone(name):
 def test_format_registry():
     assert {n: f.trtllm_quant_algo for n, f in FORMATS.items()} == {
         "fp16": None, "bf16": None, "fp32": None,
-        "int8": "W8A16", "int4": "W4A16", "int4_g128": "W4A16_AWQ"}
+        "int8": "W8A16", "int4": "W4A16", "int4_g128": "W4A16_AWQ", "int4_g64": "W4A16_AWQ"}
+    # The per-layer TensorRT-LLM config carries each group format's own group size.
+    for name, group in GROUP_FORMATS:
+        assert FORMATS[name].trtllm_layer_config() == {
+            "quant_algo": "W4A16_AWQ", "group_size": group, "has_zero_point": False, "pre_quant_scale": True}
+    assert FORMATS["int8"].trtllm_layer_config() == {"quant_algo": "W8A16"}
+    # The fpA_intB fine-grained kernels run groups of 64 and 128 only.
+    with pytest.raises(UnsupportedError, match="group size 32"):
+        GroupInt4Format("int4_g32", "W4A16_AWQ", group_size=32)
     assert get_format("int8") is FORMATS["int8"]
     assert float_format_for(torch.bfloat16).name == "bf16"
     assert float_format_for(torch.float16).name == "fp16"
@@ -287,7 +329,7 @@ def test_format_registry():
 
 def test_input_is_cast_to_model_dtype_first():
     w = _weights((16, 256), seed=7)
-    for name in ("int8", "int4", "int4_g128"):
+    for name in QUANT_NAMES:
         a = FORMATS[name].quantize(w, dtype=torch.bfloat16)
         b = FORMATS[name].quantize(w.to(torch.bfloat16), dtype=torch.bfloat16)
         assert all(torch.equal(a[k], b[k]) for k in a)
@@ -324,11 +366,12 @@ def test_linear_matches_dequantized_matmul(name, dtype):
     torch.testing.assert_close(fmt.linear(x, e), ref3, rtol=1e-5, atol=1e-5)
     # and it is close to the unquantized product
     rel = (fmt.linear(x, e) - x @ w3[2].T).norm() / (x @ w3[2].T).norm()
-    assert float(rel) < {"int4": 0.2, "int4_g128": 0.2}.get(name, 0.02)
+    assert float(rel) < {"int4": 0.2, "int4_g128": 0.2, "int4_g64": 0.2}.get(name, 0.02)
 
 
-def test_linear_reads_the_packed_bytes():
-    fmt = FORMATS["int4_g128"]
+@pytest.mark.parametrize("name", ["int4_g128", "int4_g64"])
+def test_linear_reads_the_packed_bytes(name):
+    fmt = FORMATS[name]
     x = torch.randn(5, 128)
     p = fmt.quantize(_weights((8, 128), seed=11), dtype=torch.float16)
     zeroed = dict(p, weight=torch.zeros_like(p["weight"]))
@@ -360,6 +403,10 @@ def test_bits_per_weight_and_bytes():
     assert FORMATS["int8"].weight_bytes(o, i, n=8) == 8 * (o * i + 2 * o)
     assert FORMATS["int4"].weight_bytes(o, i) == o * i // 2 + 2 * o
     assert g.weight_bytes(o, i, n=2) == 2 * (o * i // 2 + o * (i // 128) * 2) + 2 * i
+    # group 64: twice the scales, 16 bits per 64 weights
+    g64 = FORMATS["int4_g64"]
+    assert g64.bits_per_weight(o, i) == pytest.approx(4 + 16 / 64 + 16 / o, abs=1e-12)
+    assert g64.weight_bytes(o, i, n=2) == 2 * (o * i // 2 + o * (i // 64) * 2) + 2 * i
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -385,6 +432,16 @@ def test_error_cases():
         g.weight_bytes(8, 200)
     with pytest.raises(UnsupportedError, match="odd"):
         g.quantize(torch.randn(7, 128), dtype=torch.float16)
+    # 192 columns: three groups of 64, but not a multiple of 128.
+    g64 = FORMATS["int4_g64"]
+    assert g64.quantize(torch.randn(8, 192), dtype=torch.float16)["weights_scaling_factor"].shape == (8, 3)
+    with pytest.raises(UnsupportedError, match=r"in_features.*192.*group size 128"):
+        g.quantize(torch.randn(8, 192), dtype=torch.float16)
+    with pytest.raises(UnsupportedError, match=r"in_features.*96.*group size 64"):
+        g64.quantize(torch.randn(8, 96), dtype=torch.float16)
+    with pytest.raises(UnsupportedError, match="in_features"):
+        g64.weight_bytes(8, 96)
+    assert g64.shape_problem(8, 192) is None and g.shape_problem(8, 192) is not None
     with pytest.raises(UnsupportedError, match="odd"):
         FORMATS["int4"].quantize(torch.randn(7, 16), dtype=torch.float16)
     with pytest.raises(InputError, match=r"\[\.\.\., out, in\]"):
@@ -393,7 +450,7 @@ def test_error_cases():
         FORMATS["int8"].quantize(torch.ones(4, 4, dtype=torch.int32), dtype=torch.float16)
     bad = torch.randn(4, 4)
     bad[1, 1] = float("nan")
-    for name in ("int8", "int4", "int4_g128"):
+    for name in QUANT_NAMES:
         with pytest.raises(InputError, match="nan"):
             FORMATS[name].quantize(bad.repeat(1, 32), dtype=torch.float16)
     with pytest.raises(InputError, match="inf"):  # 1e6 overflows float16

@@ -17,8 +17,9 @@ from trtmoe.checkpoint.writer import convert
 from trtmoe.cli import main
 from trtmoe.hf.safetensors_io import SafetensorsFile
 from trtmoe.quant.calibrate import measure
-from trtmoe.quant.plan import QuantPlan
-from trtmoe.quant.policies import make_plan
+from trtmoe.quant.formats import FORMATS
+from trtmoe.quant.plan import QuantPlan, format_obj
+from trtmoe.quant.policies import build_units, make_plan
 from trtmoe.report.quality import Reference
 from trtmoe.runtime.engine import EmbeddedEngine
 from trtmoe.runtime.experts import FloatExperts, PackedExperts
@@ -345,10 +346,11 @@ def test_expert_granularity_for_tensorrt_llm_is_exit_2(mixtral8_bf16, bf16_calib
     assert not (tmp_path / "ck").exists()
 
 
-def test_int4_g128_on_small_dims_is_exit_2(mixtral8_bf16, tmp_path):
-    res = cli("convert", mixtral8_bf16, "-o", tmp_path / "ck", "--policy", "uniform", "--format", "int4_g128",
-              expect=2)
-    assert "multiples of 128" in " ".join(res.output.split())
+@pytest.mark.parametrize("fmt,group", [("int4_g128", 128), ("int4_g64", 64)])
+def test_group_int4_on_small_dims_is_exit_2(mixtral8_bf16, tmp_path, fmt, group):
+    # H=64 fits a 64-group but the expert FFN size 48 fits neither group size.
+    res = cli("convert", mixtral8_bf16, "-o", tmp_path / "ck", "--policy", "uniform", "--format", fmt, expect=2)
+    assert f"multiples of {group}" in " ".join(res.output.split())
     assert not (tmp_path / "ck").exists()
 
 
@@ -370,3 +372,191 @@ def test_placement_and_formats_round_trip_through_the_checkpoint(skewed, tmp_pat
     assert placement_of(ck) == {l: p for l, p in plan.permutations.items()}
     assert expert_format_grid(ck) == plan.formats
     assert isinstance(plan, QuantPlan)
+
+
+# ---- group-wise INT4 with two group sizes (g64 / g128) ------------------------------------------------------
+GROUP_CYCLE = ["int4_g64", "int4_g128", "int8", "float"]
+
+
+@pytest.fixture(scope="module")
+def mixtral_h128(tiny_model):
+    """Tiny Mixtral (float32) whose expert GEMMs fit both group sizes: hidden 128, expert FFN 128."""
+    return tiny_model("mixtral", num_local_experts=E, num_hidden_layers=3, seed=4, hidden_size=128,
+                      intermediate_size=128, head_dim=32)
+
+
+def _hf_expert(model: Path, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fc = [up; gate], proj) of HF expert ``e``, read straight from the source file."""
+    t = load_file(str(model / "model.safetensors"))
+    pre = MOE.format(l=layer) + f"experts.{e}."
+    return torch.cat([t[pre + "w3.weight"], t[pre + "w1.weight"]]), t[pre + "w2.weight"]
+
+
+def _dequant_group_int4(weight: torch.Tensor, scale: torch.Tensor, prequant: torch.Tensor) -> torch.Tensor:
+    """W4A16_AWQ bytes [..., out/2, in] (row 2j low nibble) + scales [..., out, in/g] -> [..., out, in],
+    written independently of trtmoe.quant.formats; the group size is read off the shapes."""
+    b = weight.view(torch.uint8).to(torch.int16)
+    lo, hi = b & 0xF, b >> 4
+    lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
+    q = torch.stack((lo, hi), dim=-2).flatten(-3, -2).float()  # [..., out, in]
+    group = q.shape[-1] // scale.shape[-1]
+    return q * scale.float().repeat_interleave(group, dim=-1) * prequant.float().reshape(-1)
+
+
+def _manual_bank(ck: Path, plan: QuantPlan, layer: int) -> FloatExperts:
+    """Float experts rebuilt from the rank file's bytes (per-expert or stacked layout)."""
+    f = SafetensorsFile(ck / "rank0.safetensors")
+    try:
+        fcs, projs = [], []
+        for s in range(E):
+            name = plan.slot_format(layer, s, E)
+            ws = []
+            for mod in ("fc", "proj"):
+                if plan.granularity == "expert":
+                    pre = f"transformer.layers.{layer}.mlp.experts.{s}.{mod}."
+                    pick = lambda t: t  # noqa: E731
+                else:
+                    pre = f"transformer.layers.{layer}.mlp.{mod}."
+                    pick = lambda t: t[s]  # noqa: E731
+                if name.startswith("int4_g"):
+                    ws.append(_dequant_group_int4(pick(f.read(pre + "weight")),
+                                                  pick(f.read(pre + "weights_scaling_factor")),
+                                                  f.read(pre + "prequant_scaling_factor")))
+                else:
+                    ws.append(None)
+            if None in ws:  # int8 / float slots: the existing independent reader
+                ws = _manual_expert_weights(ck, layer, s, name)
+            fcs.append(ws[0])
+            projs.append(ws[1])
+        return FloatExperts(torch.stack(fcs), torch.stack(projs), "float32")
+    finally:
+        f.close()
+
+
+def _engine_matches_manual(ck: Path, plan: QuantPlan, ref_ck: Path) -> None:
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    manual = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    for l, lay in enumerate(eng.layers):
+        assert isinstance(lay.experts, PackedExperts)
+        assert [lay.experts.format_of(s) for s in range(E)] == [plan.slot_format(l, s, E) for s in range(E)]
+        manual.layers[l].experts = _manual_bank(ck, plan, l)
+    ids = _ids(2, 24, seed=6)
+    a, b = eng.logits(ids), manual.logits(ids)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    ref = EmbeddedEngine.from_checkpoint(ref_ck, device="cpu").logits(ids)
+    assert (ref - a).abs().max() > 1e-3  # the quantization is real
+
+
+@pytest.fixture(scope="module")
+def h128_float_ck(mixtral_h128, tmp_path_factory):
+    return convert(mixtral_h128, tmp_path_factory.mktemp("h128") / "fp").out_dir
+
+
+def test_per_expert_mix_of_g64_g128_int8_runs_from_its_bytes(mixtral_h128, h128_float_ck, tmp_path):
+    plan = QuantPlan({l: [GROUP_CYCLE[(e + l) % 4] for e in range(E)] for l in range(3)}, granularity="expert")
+    ck = convert(mixtral_h128, tmp_path / "ck", quant=plan).out_dir
+    f = SafetensorsFile(ck / "rank0.safetensors")
+    try:
+        for l in range(3):
+            for s in range(E):
+                name = plan.formats[l][s]
+                fc, proj = _hf_expert(mixtral_h128, l, s)
+                for mod, w, in_f in (("fc", fc, 128), ("proj", proj, 128)):
+                    pre = f"transformer.layers.{l}.mlp.experts.{s}.{mod}."
+                    if name.startswith("int4_g"):
+                        g = 64 if name == "int4_g64" else 128
+                        assert f.tensors[pre + "weights_scaling_factor"].shape == (w.shape[0], in_f // g)
+                        assert f.tensors[pre + "weight"].shape == (w.shape[0] // 2, in_f)
+                    # Byte for byte what the format packs from the HF weight.
+                    want = format_obj(name, torch.float32).quantize(w, dtype=torch.float32)
+                    got = {k[len(pre):]: f.read(k) for k in f.tensors if k.startswith(pre)}
+                    assert got.keys() == want.keys(), (l, s, name)
+                    assert all(torch.equal(got[k], want[k]) for k in want), (l, s, name)
+    finally:
+        f.close()
+    qc = json.loads((ck / "quant_cfg.json").read_text())
+    assert qc["trtmoe_granularity"] == "trtmoe-per-expert"
+    for l in range(3):
+        for s in range(E):
+            entry = qc["quantized_layers"].get(f"transformer.layers.{l}.mlp.experts.{s}.fc")
+            name = plan.formats[l][s]
+            if name == "float":
+                assert entry is None
+            elif name == "int8":
+                assert entry == {"quant_algo": "W8A16"}
+            else:
+                assert entry["quant_algo"] == "W4A16_AWQ" and entry["group_size"] == int(name[len("int4_g"):])
+    _engine_matches_manual(ck, plan, h128_float_ck)
+
+
+def test_layer_plan_mixing_g64_and_g128_is_mixed_precision(mixtral_h128, h128_float_ck, tmp_path):
+    plan = QuantPlan({0: ["int4_g64"] * E, 1: ["int4_g128"] * E, 2: ["int4_g64"] * E}, granularity="layer")
+    ck = convert(mixtral_h128, tmp_path / "ck", quant=plan).out_dir
+    cfg = json.loads((ck / "config.json").read_text())
+    # group_size is one value per plain config, so two group sizes can only be said per layer.
+    assert cfg["quantization"] == {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None}
+    qc = json.loads((ck / "quant_cfg.json").read_text())
+    assert "trtmoe_granularity" not in qc
+    want = {}
+    for l, g in ((0, 64), (1, 128), (2, 64)):
+        for mod in ("fc", "proj"):
+            want[f"transformer.layers.{l}.mlp.{mod}"] = {"quant_algo": "W4A16_AWQ", "group_size": g,
+                                                        "has_zero_point": False, "pre_quant_scale": True}
+    assert qc["quantized_layers"] == want
+    f = SafetensorsFile(ck / "rank0.safetensors")
+    try:
+        for l, g in ((0, 64), (1, 128), (2, 64)):
+            p = f"transformer.layers.{l}.mlp."
+            assert f.tensors[p + "fc.weight"].shape == (E, 128, 128)  # [E, 2I/2, H]
+            assert f.tensors[p + "fc.weights_scaling_factor"].shape == (E, 256, 128 // g)
+            assert f.tensors[p + "proj.weights_scaling_factor"].shape == (E, 128, 128 // g)
+            assert f.tensors[p + "fc.prequant_scaling_factor"].shape == (1, 128)
+            fc, proj = _hf_expert(mixtral_h128, l, 5)
+            packed = FORMATS[f"int4_g{g}"].quantize(proj, dtype=torch.float32)
+            assert torch.equal(f.read(p + "proj.weight")[5], packed["weight"])
+            assert torch.equal(f.read(p + "proj.weights_scaling_factor")[5], packed["weights_scaling_factor"])
+    finally:
+        f.close()
+    _engine_matches_manual(ck, plan, h128_float_ck)
+
+
+def test_uniform_g64_is_a_plain_awq_config_and_fits_moe_tp2(mixtral_h128, tmp_path):
+    res = cli("convert", mixtral_h128, "-o", tmp_path / "g64", "--policy", "uniform", "--format", "int4_g64",
+              "--tp", "2", "--moe-tp", "2")
+    cfg = json.loads((tmp_path / "g64" / "config.json").read_text())
+    q = cfg["quantization"]
+    assert (q["quant_algo"], q["group_size"], q["has_zero_point"], q["pre_quant_scale"]) == (
+        "W4A16_AWQ", 64, False, True), res.output
+    assert not (tmp_path / "g64" / "quant_cfg.json").exists()
+    # moe_tp=2 leaves 64 FFN columns per rank: one 64-group in proj's scales, too few for g128.
+    f = SafetensorsFile(tmp_path / "g64" / "rank1.safetensors")
+    try:
+        assert f.tensors["transformer.layers.0.mlp.proj.weights_scaling_factor"].shape == (E, 128, 1)
+        assert f.tensors["transformer.layers.0.mlp.fc.weights_scaling_factor"].shape == (E, 128, 2)
+    finally:
+        f.close()
+    eng = EmbeddedEngine.from_checkpoint(tmp_path / "g64", device="cpu")
+    assert torch.isfinite(eng.logits(_ids(1, 8))).all()
+    res = cli("convert", mixtral_h128, "-o", tmp_path / "g128", "--policy", "uniform", "--format", "int4_g128",
+              "--tp", "2", "--moe-tp", "2", expect=2)
+    out = " ".join(res.output.split())
+    assert "per-rank expert FFN size (64) to be multiples of 128" in out and "int4_g64" in out
+    assert not (tmp_path / "g128").exists()
+
+
+def test_calibration_measures_g64_and_the_allocator_drops_what_does_not_fit(mixtral_h128, tmp_path):
+    cal = json.loads((_calib(mixtral_h128, tmp_path, _ids(8, 32), formats=("int8", "int4_g128", "int4_g64"))
+                      / "calib.json").read_text())
+    assert cal["formats"] == ["int8", "int4_g128", "int4_g64"]
+    # 64-groups cost one more scale per 128 weights, stored in the model dtype (float32 here): 32/128 bpw.
+    bpw = cal["bits_per_weight"]
+    assert bpw["int4_g64"] - bpw["int4_g128"] == pytest.approx(32 / 128, abs=1e-12)
+    # Measured through g64's own numerics: finer groups reproduce the experts more closely.
+    mse = cal["sensitivity"]["output_mse"]
+    assert sum(map(sum, mse["int4_g64"])) < sum(map(sum, mse["int4_g128"]))
+    names = lambda units: {f for u in units for f in u.costs_bits}  # noqa: E731
+    assert names(build_units(cal, "expert", torch.float32)) == {"float", "int8", "int4_g128", "int4_g64"}
+    # moe_tp=2: I_loc=64 keeps g64 and drops g128.
+    assert names(build_units(cal, "expert", torch.float32, I_loc=64)) == {"float", "int8", "int4_g64"}
+    plan = make_plan(cal, "graded", budget_bpw=5.0, dtype=torch.float32, I_loc=64)
+    assert "int4_g64" in plan.used_formats() and "int4_g128" not in plan.used_formats()

@@ -30,6 +30,19 @@ E = 8
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def test_every_stored_format_has_a_heatmap_style():
+    from trtmoe.quant.formats import FORMATS
+    from trtmoe.report.html import FORMAT_COLORS, FORMAT_LABELS, FORMAT_ORDER, FORMAT_SHORT, SERIES_STYLE
+
+    names = ["float"] + [n for n, f in FORMATS.items() if f.trtllm_quant_algo]
+    assert sorted(FORMAT_ORDER) == sorted(names)
+    for d in (FORMAT_COLORS, FORMAT_LABELS, FORMAT_SHORT):
+        assert set(d) == set(names)
+        assert len(set(d.values())) == len(d)  # distinguishable in the heatmap and its legend
+    assert FORMAT_ORDER.index("int4_g64") < FORMAT_ORDER.index("int4_g128")  # most to fewest bits
+    assert "uniform int4_g64" in SERIES_STYLE
+
+
 def _ids(n, t, seed=0):
     return torch.randint(0, 250, (n, t), generator=torch.Generator().manual_seed(seed))
 

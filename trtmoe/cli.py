@@ -155,7 +155,7 @@ def _render_inspect(rep: dict) -> None:
 @click.option("--budget", "budget_bpw", type=float, default=None,
               help="Average bits per routed-expert weight, scales counted (e.g. 4.5).")
 @click.option("--budget-gb", type=float, default=None, help="Routed-expert bytes per GPU, in GB.")
-@click.option("--format", "fmt", type=click.Choice(["int8", "int4", "int4_g128"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(["int8", "int4", "int4_g128", "int4_g64"]), default=None,
               help="Format for --policy uniform.")
 @click.option("--formats", default=None, help="Candidate formats, comma separated [default: fp16 and every format measured in calibration].")
 @click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,

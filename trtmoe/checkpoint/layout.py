@@ -259,8 +259,8 @@ class RankLayout:
         kind = "float" if plan is None else ("expert" if plan.granularity == "expert" else plan.layer_format(l))
         if kind == "expert":
             specs.extend(self._per_expert(p, l, slots, orig, t, I_loc))
-        elif kind == "int4_g128":
-            specs.extend(self._stacked_packed(p, l, orig, t, I_loc, "int4_g128"))
+        elif packed_at_conversion(kind):
+            specs.extend(self._stacked_packed(p, l, orig, t, I_loc, kind))
         else:
             # Float weights; for W8A16/W4A16 layers trtllm-build quantizes them itself, for the
             # GPU it builds on (and the embedded engine quantizes them the same way at load).
@@ -357,6 +357,14 @@ class RankLayout:
             TensorSpec(p + "mlp.proj.weight", (H, D_loc), dt, lambda emit: self._cols(emit, "dense_down", l, a, b),
                        "dense_mlp"),
         ]
+
+
+def packed_at_conversion(fmt_name: str) -> bool:
+    """Layer-uniform formats whose bytes trtmoe packs itself (group-wise INT4, ModelOpt style); the
+    per-channel weight-only formats stay float in the file and ``trtllm-build`` quantizes them."""
+    from ..quant.formats import FORMATS, GroupInt4Format
+
+    return isinstance(FORMATS.get(fmt_name), GroupInt4Format)
 
 
 def rank_specs(m: MoEModel, mapping: Mapping, rank: int, dtype: torch.dtype, src=None,

@@ -31,7 +31,8 @@ from ..runtime.experts import ExpertBank, FloatExperts
 from .formats import FORMATS
 from .plan import FLOAT, format_obj
 
-DEFAULT_FORMATS = ("int8", "int4", "int4_g128")
+DEFAULT_FORMATS = ("int8", "int4", "int4_g128", "int4_g64")
+_FLOAT_NAMES = ("fp16", "bf16", "fp32")
 
 
 @dataclass
@@ -101,8 +102,9 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     from ..runtime.load import load_tokenizer
 
     for f in formats:
-        if f not in FORMATS or f in ("fp16", "bf16", "fp32"):
-            raise InputError(f"unknown candidate format {f!r}", hint="choose from int8, int4, int4_g128")
+        if f not in FORMATS or f in _FLOAT_NAMES:
+            raise InputError(f"unknown candidate format {f!r}",
+                             hint="choose from " + ", ".join(n for n in FORMATS if n not in _FLOAT_NAMES))
     texts = load_texts(data, field=text_field)
     tok = load_tokenizer(tokenizer or model)
     ids = token_batches(texts, tok, samples, seq_len)

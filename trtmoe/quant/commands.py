@@ -9,6 +9,9 @@ import click
 
 from ..errors import InputError, UnsupportedError
 
+# calibrate.DEFAULT_FORMATS, spelled out so that importing the CLI does not import torch.
+DEFAULT_FORMATS = ("int8", "int4", "int4_g128", "int4_g64")
+
 
 def plan_from_config(model, cfg: dict):
     """The QuantPlan for a resolved config (CLI > YAML > defaults), or None for a float checkpoint."""
@@ -61,7 +64,7 @@ def plan_from_config(model, cfg: dict):
         budget = q["budget_gb"] * 1e9 * 8 * world / total_weights
     if policy == "uniform":
         if not q["format"]:
-            raise InputError("policy 'uniform' needs --format int8, int4 or int4_g128")
+            raise InputError("policy 'uniform' needs --format int8, int4, int4_g128 or int4_g64")
         plan = uniform_plan(m, q["format"], granularity)
     elif policy == "none":
         # Placement only: experts stay stacked float tensors (layer form), which every target loads.
@@ -85,7 +88,7 @@ def plan_from_config(model, cfg: dict):
               help="Directory for calib.json.")
 @click.option("--samples", type=int, default=32, show_default=True, help="Number of token windows.")
 @click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per window.")
-@click.option("--formats", default="int8,int4,int4_g128", show_default=True, help="Candidate formats to measure.")
+@click.option("--formats", default=",".join(DEFAULT_FORMATS), show_default=True, help="Candidate formats to measure.")
 @click.option("--min-tokens", type=int, default=16, show_default=True,
               help="Experts routed fewer tokens than this are flagged and their ΔKL also estimated.")
 @click.option("--field", default="text", show_default=True, help="JSONL field holding the text.")

@@ -14,8 +14,10 @@ Numerics shared by the integer formats:
   float32 and *stored* in the model dtype, as TensorRT-LLM's ``symmetric_quantize`` does.
 * Rounding follows whoever quantizes in the real pipeline: the per-channel formats (which
   ``trtllm-build`` quantizes itself) use C ``round``, half away from zero, as TensorRT-LLM's
-  C++ ``symmetric_quantize`` does; the group-wise INT4 format (packed at conversion, ModelOpt
-  style) uses ``torch.round``, half to even, as ModelOpt's packer does.
+  C++ ``symmetric_quantize`` does; the group-wise INT4 formats (packed at conversion, ModelOpt
+  style) use ``torch.round``, half to even, as ModelOpt's packer does.
+* Group-wise INT4 comes in the two group sizes TensorRT-LLM's fine-grained fpA_intB kernels run
+  (64 and 128); both are ``W4A16_AWQ`` with the group size carried in the quantization config.
 * Dequantization multiplies the integer by the stored (model-dtype) scale.
 """
 
@@ -35,13 +37,15 @@ __all__ = [
     "GroupInt4Format",
     "FORMATS",
     "GROUP_SIZE",
+    "TRTLLM_GROUP_SIZES",
     "get_format",
     "float_format_for",
     "pack_int4",
     "unpack_int4",
 ]
 
-GROUP_SIZE = 128
+GROUP_SIZE = 128  # ModelOpt's default AWQ block size
+TRTLLM_GROUP_SIZES = (64, 128)  # the only group sizes the CUTLASS fpA_intB fine-grained kernels accept
 
 _MODEL_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -172,6 +176,15 @@ class QuantFormat:
         """
         raise NotImplementedError
 
+    def trtllm_layer_config(self) -> dict:
+        """The TensorRT-LLM quantization keys of a layer stored in this format (a ``config.json``
+        ``quantization`` block or a MIXED_PRECISION ``quant_cfg.json`` entry)."""
+        return {"quant_algo": self.trtllm_quant_algo}
+
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
+        """Why an ``[out, in]`` matrix cannot be stored in this format, or None when it can."""
+        return None
+
     def expert(self, packed: dict[str, Tensor], index: int) -> dict[str, Tensor]:
         """The packed tensors of expert ``index`` of an ``[E, ...]`` stack (shared tensors kept)."""
         return {k: (v if k in self._shared_keys() else v[index]) for k, v in packed.items()}
@@ -227,6 +240,11 @@ class PerChannelIntFormat(QuantFormat):
     def _qrange(self) -> int:
         # TensorRT-LLM divides amax by 128 / 8, not 127 / 7 (cutlass_preprocessors.cpp).
         return 1 << (self.bits - 1)
+
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
+        if self.bits == 4 and out_features % 2:
+            return f"{self.name}: out_features {out_features} must be even (int4 packs pairs of output channels)"
+        return None
 
     def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
                      scale_dtype_bytes: int = 2) -> int:
@@ -289,15 +307,34 @@ class GroupInt4Format(QuantFormat):
     """W4A16_AWQ-style group-wise INT4 in the ModelOpt / TensorRT-LLM checkpoint layout.
 
     ``weight`` ``[..., out/2, in]`` int8 (adjacent output rows 2j / 2j+1 in low / high nibble),
-    ``weights_scaling_factor`` ``[..., out, in/128]`` and ``prequant_scaling_factor`` ``[1, in]``
-    in the model dtype. No activation smoothing is done, so the pre-quant scale is all ones;
-    ``linear`` still applies whatever it holds.
+    ``weights_scaling_factor`` ``[..., out, in/group_size]`` and ``prequant_scaling_factor``
+    ``[1, in]`` in the model dtype. No activation smoothing is done, so the pre-quant scale is all
+    ones; ``linear`` still applies whatever it holds.
     """
 
     group_size: int = GROUP_SIZE
 
+    def __post_init__(self):
+        if self.group_size not in TRTLLM_GROUP_SIZES:
+            raise UnsupportedError(
+                f"{self.name}: group size {self.group_size} is not one TensorRT-LLM's fine-grained "
+                f"weight-only kernels run", hint=f"use one of {TRTLLM_GROUP_SIZES}")
+
     def _shared_keys(self) -> frozenset[str]:
         return frozenset({"prequant_scaling_factor"})
+
+    def trtllm_layer_config(self) -> dict:
+        return {"quant_algo": self.trtllm_quant_algo, "group_size": self.group_size, "has_zero_point": False,
+                "pre_quant_scale": True}
+
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
+        if in_features % self.group_size:
+            return (f"{self.name}: in_features (dim -1) = {in_features} is not a multiple of the "
+                    f"group size {self.group_size}")
+        if out_features % 2:
+            return (f"{self.name}: out_features (dim -2) = {out_features} is odd; int4 packs pairs "
+                    "of output rows")
+        return None
 
     def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
                      scale_dtype_bytes: int = 2) -> int:
@@ -309,14 +346,9 @@ class GroupInt4Format(QuantFormat):
         return n * per_matrix + in_features * scale_dtype_bytes
 
     def _check_shape(self, out_features: int, in_features: int) -> None:
-        if in_features % self.group_size:
-            raise UnsupportedError(
-                f"{self.name}: in_features (dim -1) = {in_features} is not a multiple of the "
-                f"group size {self.group_size}")
-        if out_features % 2:
-            raise UnsupportedError(
-                f"{self.name}: out_features (dim -2) = {out_features} is odd; int4 packs pairs "
-                "of output rows")
+        problem = self.shape_problem(out_features, in_features)
+        if problem:
+            raise UnsupportedError(problem)
 
     def quantize(self, w: Tensor, *, dtype: torch.dtype) -> dict[str, Tensor]:
         _check_model_dtype(dtype)
@@ -383,7 +415,8 @@ FORMATS: dict[str, QuantFormat] = {
     "fp32": FloatFormat("fp32", None, dtype=torch.float32),
     "int8": PerChannelIntFormat("int8", "W8A16", bits=8),
     "int4": PerChannelIntFormat("int4", "W4A16", bits=4),
-    "int4_g128": GroupInt4Format("int4_g128", "W4A16_AWQ", group_size=GROUP_SIZE),
+    "int4_g128": GroupInt4Format("int4_g128", "W4A16_AWQ", group_size=128),
+    "int4_g64": GroupInt4Format("int4_g64", "W4A16_AWQ", group_size=64),
 }
 
 

@@ -26,12 +26,21 @@ def canonical(name: str) -> str:
     if name in _FLOAT_ALIASES:
         return FLOAT
     if name not in FORMATS:
-        raise UnsupportedError(f"unknown format {name!r}", hint="use fp16, int8, int4 or int4_g128")
+        raise UnsupportedError(f"unknown format {name!r}",
+                               hint="use fp16 or one of " + ", ".join(f for f in FORMATS if f not in _FLOAT_ALIASES))
     return name
 
 
 def format_obj(name: str, dtype: torch.dtype) -> QuantFormat:
     return float_format_for(dtype) if name == FLOAT else FORMATS[name]
+
+
+def expert_shape_problem(name: str, hidden: int, inter_local: int) -> str | None:
+    """Why a routed expert (fc [2·I_loc, H], proj [H, I_loc] per rank) cannot be stored in ``name``."""
+    if name == FLOAT:
+        return None
+    fmt = FORMATS[name]
+    return fmt.shape_problem(2 * inter_local, hidden) or fmt.shape_problem(hidden, inter_local)
 
 
 @dataclass
@@ -90,10 +99,15 @@ class QuantPlan:
             if len(fs) != model.num_experts:
                 raise InputError(f"plan for layer {l} has {len(fs)} formats for {model.num_experts} experts")
         I_loc = model.expert_intermediate_size // mapping.moe_tp_size
-        if "int4_g128" in self.used_formats() and (model.hidden_size % 128 or I_loc % 128):
-            raise UnsupportedError(
-                f"int4_g128 needs hidden size ({model.hidden_size}) and per-rank expert FFN size ({I_loc}) "
-                "to be multiples of 128", hint="use int4 (per-channel) or a smaller moe_tp")
+        for name in sorted(self.used_formats()):
+            if expert_shape_problem(name, model.hidden_size, I_loc):
+                g = getattr(FORMATS[name], "group_size", None)
+                need = f"to be multiples of {g}" if g else "to fit its packing"
+                fit = [f for f in FORMATS if f not in _FLOAT_ALIASES
+                       and not expert_shape_problem(f, model.hidden_size, I_loc)]
+                raise UnsupportedError(
+                    f"{name} needs hidden size ({model.hidden_size}) and per-rank expert FFN size ({I_loc}) "
+                    f"{need}", hint=f"formats that fit: {', '.join(fit) or 'none'}; or a smaller moe_tp")
         if self.granularity == "layer" and not self.is_float and mapping.pp_size > 1 and (
                 len({f for f in self.used_formats()}) > 1 or not all(model.moe_layers)):
             raise UnsupportedError("layer-mixed quantization with pp > 1 cannot be expressed for TensorRT-LLM "
@@ -106,10 +120,10 @@ class QuantPlan:
         if self.granularity == "expert" or len(self.used_formats()) > 1 or any(
                 l not in self.formats for l in range(self._model.num_layers) if self._model.moe_layers[l]):
             return "MIXED_PRECISION", {}
+        # One format for every MoE layer: a plain config (group_size, if any, is checkpoint-wide).
         (name,) = used
-        algo = FORMATS[name].trtllm_quant_algo
-        extra = {"group_size": 128, "has_zero_point": False, "pre_quant_scale": True} if name == "int4_g128" else {}
-        return algo, extra
+        cfg = FORMATS[name].trtllm_layer_config()
+        return cfg.pop("quant_algo"), cfg
 
     def exclude_modules(self) -> list[str]:
         m = self._model
@@ -175,10 +189,7 @@ class QuantPlan:
 
 
 def _layer_entry(name: str) -> dict:
-    algo = FORMATS[name].trtllm_quant_algo
-    if name == "int4_g128":
-        return {"quant_algo": algo, "group_size": 128, "has_zero_point": False, "pre_quant_scale": True}
-    return {"quant_algo": algo}
+    return FORMATS[name].trtllm_layer_config()
 
 
 def uniform_plan(model, fmt: str, granularity: str = "layer") -> QuantPlan:

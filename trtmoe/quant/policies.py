@@ -10,7 +10,7 @@ import torch
 from ..errors import InputError
 from .allocate import Unit, allocate
 from .formats import FORMATS
-from .plan import FLOAT, QuantPlan, format_obj
+from .plan import FLOAT, QuantPlan, expert_shape_problem, format_obj
 
 POLICIES = ("graded", "uniform", "frequency", "frequency-bytes", "random-bytes")
 
@@ -39,9 +39,8 @@ def build_units(calib: dict, granularity: str, dtype: torch.dtype, formats: list
                 I_loc: int | None = None) -> list[Unit]:
     """Allocation units: one per (layer, expert), or one per MoE layer (sums of the expert ΔKLs)."""
     I, H, E = calib["expert_intermediate_size"], calib["hidden_size"], calib["num_experts"]
-    fs = _candidates(calib, formats)
-    if "int4_g128" in fs and (H % 128 or (I_loc or I) % 128):
-        fs.remove("int4_g128")
+    # Formats whose packing the per-rank expert shapes do not allow (group size vs H / I_loc) drop out.
+    fs = [f for f in _candidates(calib, formats) if not expert_shape_problem(f, H, I_loc or I)]
     dkl = calib["sensitivity"]["delta_kl"]
     cost = {f: expert_cost_bits(f, I, H, dtype) for f in fs}
     units = []
@@ -100,12 +99,13 @@ def make_plan(calib: dict, policy: str, *, budget_bpw: float | None = None, gran
         raise InputError(f"unknown policy {policy!r}", hint="choose from " + ", ".join(POLICIES))
     if policy == "uniform":
         if fmt is None or (fmt not in FORMATS):
-            raise InputError("policy 'uniform' needs --format (int8, int4, int4_g128 or fp16)")
+            raise InputError("policy 'uniform' needs --format (" + ", ".join(FORMATS) + ")")
         f = FLOAT if fmt in ("fp16", "bf16", "fp32") else fmt
         return QuantPlan({l: [f] * E for l in calib["moe_layers"]}, granularity=granularity,
                          meta={"policy": f"uniform-{fmt}"})
     if policy == "frequency":
-        # Fixed tiers by routed share, per layer: top 20% float, next 50% int8, the rest int4 g128.
+        # Fixed tiers by routed share, per layer: top 20% float, next 50% int8, the rest int4 g128
+        # (a fixed recipe, so its low tier stays g128 even when g64 was measured).
         low = "int4_g128" if "int4_g128" in calib["formats"] else "int4"
         plan = {}
         for l in calib["moe_layers"]:

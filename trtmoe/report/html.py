@@ -18,11 +18,12 @@ from pathlib import Path
 __all__ = ["build_report", "render", "curve_from_bench", "curve_from_evaluations", "FORMAT_COLORS"]
 
 # One colour per storage format, ordered from most to fewest bits.
-FORMAT_ORDER = ["float", "int8", "int4_g128", "int4"]
-FORMAT_COLORS = {"float": "#4c72b0", "int8": "#55a868", "int4_g128": "#dd8452", "int4": "#c44e52"}
-FORMAT_LABELS = {"float": "FP16/BF16 (unquantized)", "int8": "INT8 per-channel", "int4_g128": "INT4 g128",
-                 "int4": "INT4 per-channel"}
-FORMAT_SHORT = {"float": "16", "int8": "8", "int4_g128": "4g", "int4": "4"}
+FORMAT_ORDER = ["float", "int8", "int4_g64", "int4_g128", "int4"]
+FORMAT_COLORS = {"float": "#4c72b0", "int8": "#55a868", "int4_g64": "#e5ae38", "int4_g128": "#dd8452",
+                 "int4": "#c44e52"}
+FORMAT_LABELS = {"float": "FP16/BF16 (unquantized)", "int8": "INT8 per-channel", "int4_g64": "INT4 g64",
+                 "int4_g128": "INT4 g128", "int4": "INT4 per-channel"}
+FORMAT_SHORT = {"float": "16", "int8": "8", "int4_g64": "g64", "int4_g128": "g128", "int4": "4"}
 SERIES_STYLE = {  # curve series -> (colour, marker, line)
     "graded (expert)": ("#1b5e20", "o", "-"),
     "graded (layer)": ("#2e7d32", "s", "--"),
@@ -35,6 +36,7 @@ SERIES_STYLE = {  # curve series -> (colour, marker, line)
     "uniform int8": ("#55a868", "D", ""),
     "uniform int4": ("#c44e52", "D", ""),
     "uniform int4_g128": ("#dd8452", "D", ""),
+    "uniform int4_g64": ("#e5ae38", "D", ""),
 }
 
 

@@ -88,8 +88,9 @@ def checkpoint_footprint(ckpt: str | Path) -> dict:
     the packed size, scales included; pre-packed experts count as stored.
     ``expert_bpw``: deployed routed-expert bits / routed-expert weights.
     """
+    from ..checkpoint.layout import packed_at_conversion
     from ..hf.safetensors_io import SafetensorsFile
-    from ..quant.plan import format_obj
+    from ..quant.plan import FLOAT, format_obj
     from ..runtime.checkpoint_reader import load_config
     from ..runtime.experts import layer_formats
 
@@ -121,7 +122,7 @@ def checkpoint_footprint(ckpt: str | Path) -> dict:
         deployed = dict(stored)
         for l in moe_layers:
             gran, names = layer_formats(cfg, l)
-            if gran == "layer" and names[0] in ("int8", "int4"):
+            if gran == "layer" and names[0] != FLOAT and not packed_at_conversion(names[0]):
                 # Float weights under a weight-only quant_algo: the build packs them to this size.
                 fmt = format_obj(names[0], cfg.dtype)
                 deployed[l] = E_loc * (fmt.weight_bytes(2 * I_loc, H, 1, scale_bytes)

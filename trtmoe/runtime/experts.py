@@ -90,6 +90,7 @@ def layer_formats(cfg, layer: int) -> tuple[str, list[str]]:
 
 def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
                      compute_dtype: torch.dtype | None = None) -> ExpertBank:
+    from ..checkpoint.layout import packed_at_conversion
     from ..quant.plan import FLOAT, format_obj
 
     gran, names = layer_formats(cfg, layer)
@@ -114,7 +115,7 @@ def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
                     for mod in ("fc", "proj"):
                         prefix = f"{pre}mlp.experts.{slot}.{mod}."
                         parts[mod] = {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
-                elif names[slot] == "int4_g128":
+                elif packed_at_conversion(names[slot]):
                     parts = {}
                     for mod in ("fc", "proj"):
                         prefix = f"{pre}mlp.{mod}."
