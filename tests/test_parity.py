@@ -11,6 +11,7 @@ import torch
 
 from tests.conftest import hf_logits as reference_logits
 from trtmoe.checkpoint.writer import convert
+from trtmoe.errors import InputError
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams, Sequence
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1")
@@ -175,3 +176,34 @@ def test_pooled_cache_under_joins_drops_and_growth(references, tmp_path):
     assert eng._kv.live == 0
     with pytest.raises(Exception, match="released"):
         eng.step([Sequence(prompt=[1], params=SamplingParams())])  # never prefilled: no slot
+
+
+def test_batched_prefill_equals_one_at_a_time(references, tmp_path):
+    """start_many prefills prompts of different lengths in one padded forward: the same first tokens,
+    the same continuations and the same routing counts (padding is never routed) as one at a time."""
+    src, ids, _ = references["qwen2_moe"]
+    ck = tmp_path / "ckpt"
+    convert(src, ck)
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    stream = ids.reshape(-1).tolist()
+    prompts = [stream[:3], stream[4:13], stream[2:3], stream[6:12]]
+    params = [SamplingParams(max_new_tokens=5), SamplingParams(max_new_tokens=1),
+              SamplingParams(max_new_tokens=6, temperature=0.8, seed=3), SamplingParams(max_new_tokens=4)]
+    eng.reset_routing_stats()
+    one = [eng.start(p, sp) for p, sp in zip(prompts, params)]
+    counts_one = eng.routing_stats()["counts"].clone()
+    eng.reset_routing_stats()
+    many = eng.start_many(prompts, params)
+    assert torch.equal(eng.routing_stats()["counts"], counts_one)
+    assert eng.routing_stats()["tokens"] == sum(map(len, prompts))
+    assert [s.tokens for s in many] == [s.tokens for s in one]
+    assert many[1].finished and many[1].slot == -1  # max_new_tokens=1: done at prefill, slot freed
+    for group in (one, many):
+        live = [s for s in group if not s.finished]
+        while live:
+            eng.step(live)
+            live = [s for s in live if not s.finished]
+    assert [s.tokens for s in many] == [s.tokens for s in one]
+    with pytest.raises(InputError, match="vocabulary"):
+        eng.start_many([stream[:3], [10 ** 6]], params[:2])
+    assert eng._kv.live == 0  # nothing kept from the refused batch

@@ -51,10 +51,29 @@ def _params(n, **kw):
     return SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
 
 
+class CountingPrefills:
+    """The real engine, recording how many requests each batched prefill held."""
+
+    def __init__(self, engine):
+        self.engine, self.sizes = engine, []
+
+    def start(self, prompt, params):
+        self.sizes.append(1)
+        return self.engine.start(prompt, params)
+
+    def start_many(self, prompts, params):
+        self.sizes.append(len(prompts))
+        return self.engine.start_many(prompts, params)
+
+    def step(self, seqs):
+        return self.engine.step(seqs)
+
+
 def test_batched_equals_sequential_and_requests_join(engine):
     refs = [engine.generate(p, _params(6 + i)) for i, p in enumerate(PROMPTS)]
     seen_active = []
-    b = InflightBatcher(engine, max_batch_size=3, on_iteration=lambda bt: seen_active.append(bt.num_active),
+    counting = CountingPrefills(engine)
+    b = InflightBatcher(counting, max_batch_size=3, on_iteration=lambda bt: seen_active.append(bt.num_active),
                         idle_callback_period_s=60)
     try:
         cols = []
@@ -73,6 +92,7 @@ def test_batched_equals_sequential_and_requests_join(engine):
         assert c.tokens == ref and c.final.finish_reason in ("length", "stop")
         assert c.final.request.first_token_ns >= c.final.request.first_scheduled_ns >= c.final.request.arrival_ns
     assert max(seen_active) == 3  # never more than max_batch_size, and batches really formed
+    assert sum(counting.sizes) == len(PROMPTS) and max(counting.sizes) > 1  # prefills were batched
     assert b.stats()["completed_requests"] == len(PROMPTS)
     # The tokens arrived one per event (streaming), after the first event of each request.
     assert all(len(e.new_tokens) <= 1 for c in cols for e in c.events)
@@ -168,13 +188,19 @@ def test_stream_interval_groups_tokens(engine):
     carries the remainder; the tokens are exactly the greedy answer. A cancelled request still gets
     the tokens generated since its last event."""
     refs = [engine.generate(p, _params(11)) for p in PROMPTS[:3]]
-    b = InflightBatcher(engine, max_batch_size=3, stream_interval=4)
+    cols = [Collector() for _ in refs]
+    flushed = []  # events delivered so far, at each on_flush
+    b = InflightBatcher(engine, max_batch_size=3, stream_interval=4,
+                        on_flush=lambda: flushed.append(sum(len(c.events) for c in cols)))
     try:
-        cols = [Collector() for _ in refs]
         for p, c in zip(PROMPTS, cols):
             b.submit(p, _params(11), c)
         for c in cols:
             assert c.done.wait(60)
+        time.sleep(0.05)
+        # Every burst of events is followed by a flush: the last flush saw every event.
+        assert flushed and flushed[-1] == sum(len(c.events) for c in cols) == 3 * 4
+        assert len(set(flushed)) >= 4  # one per burst (first tokens, then every fourth step)
         slow = Collector()
         b.submit([1, 5, 9], _params(200), slow, request_id="r-slow")
         while len(slow.tokens) < 6:

@@ -133,9 +133,11 @@ class _Layer:
     wk: torch.Tensor
     wv: torch.Tensor
     wo: torch.Tensor
+    wqkv: torch.Tensor | None = None  # [q; k; v] rows
     bq: torch.Tensor | None = None
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
+    bqkv: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None  # [E, H] float32
@@ -229,12 +231,16 @@ class EmbeddedEngine:
             pre = f"transformer.layers.{j}."
             g = lambda name, r=0: files.get(pre + name, r, p)  # noqa: E731
             q, k, v = gather_qkv(files, pre, "weight", p)
+            # One [q; k; v] matrix (one matmul per layer); wq/wk/wv are views into it.
+            qkv = to(torch.cat([q, k, v]))
+            nq, nk = q.shape[0], k.shape[0]
             lay = _Layer(input_norm=to(g("input_layernorm.weight")), post_norm=to(g("post_layernorm.weight")),
-                         wq=to(q), wk=to(k), wv=to(v),
+                         wq=qkv[:nq], wk=qkv[nq:nq + nk], wv=qkv[nq + nk:], wqkv=qkv,
                          wo=to(torch.cat([g("attention.dense.weight", r) for r in range(mp.tp_size)], dim=1)))
             if c.qkv_bias:
                 bq, bk, bv = gather_qkv(files, pre, "bias", p)
                 lay.bq, lay.bk, lay.bv = to(bq), to(bk), to(bv)
+                lay.bqkv = torch.cat([lay.bq, lay.bk, lay.bv])
             if c.qk_norm:
                 lay.q_norm, lay.k_norm = to(g("attention.q_layernorm.weight")), to(g("attention.k_layernorm.weight"))
             if c.moe_layers[l]:
@@ -289,14 +295,23 @@ class EmbeddedEngine:
         self._tokens = 0
 
     # ---- the model --------------------------------------------------------------------------------
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [B, T, heads, hd], pos [B, T] -> rotated (gpt-neox halves)."""
+    def _rope_tables(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, 1, hd] for positions pos [B, T] (gpt-neox halves); shared by all layers."""
         freqs = pos.float()[..., None] * self._inv_freq  # [B, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, T, heads, hd] rotated by the step's tables."""
+        cos, sin = rope
         return x * cos + _rotate_half(x) * sin
 
-    def _moe(self, li: int, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, li: int, lay: _Layer, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        if valid is not None:  # a padded batch: route and run only the real tokens
+            out = torch.zeros_like(x)
+            out[valid] = self._moe(li, lay, x[valid])
+            return out
         c = self.cfg
         shape = x.shape
         h = x.reshape(-1, shape[-1])
@@ -343,21 +358,41 @@ class EmbeddedEngine:
     def _dense(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
         return (F.silu(x @ lay.dense_gate.t()) * (x @ lay.dense_up.t())) @ lay.dense_down.t()
 
-    def _attention(self, lay: _Layer, x: torch.Tensor, pos: torch.Tensor, li: int,
-                   seqs: list[Sequence] | None) -> torch.Tensor:
+    def _cache_plan(self, seqs: list[Sequence], pos: torch.Tensor, T: int) -> dict:
+        """What every layer's attention needs to write and read the pooled cache for this batch,
+        computed once per forward: slots, write positions, the rows to read, and the mask."""
+        dev = pos.device
+        slots = [s.slot for s in seqs]
+        lens = [s.length + T for s in seqs]
+        plan = {"lens": lens, "Lmax": max(lens), "slots": slots, "slot_t": None, "rows": None}
+        first = slots[0]
+        if slots != list(range(first, first + len(seqs))):  # rows are gathered, not viewed
+            plan["slot_t"] = torch.tensor(slots, device=dev)
+        else:
+            plan["rows"] = slice(first, first + len(seqs))
+        if T == 1:
+            plan["write_slot"] = plan["slot_t"] if plan["slot_t"] is not None else torch.tensor(slots, device=dev)
+            plan["write_at"] = torch.tensor([s.length for s in seqs], device=dev)
+        key_pos = torch.arange(plan["Lmax"], device=dev)
+        qpos = pos[:, None, :, None]  # [B, 1, T, 1]
+        plan["mask"] = (key_pos[None, None, None, :] <= qpos) & (
+            key_pos[None, None, None, :] < torch.tensor(lens, device=dev)[:, None, None, None])
+        return plan
+
+    def _attention(self, lay: _Layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], li: int,
+                   seqs: list[Sequence] | None, plan: dict | None) -> torch.Tensor:
         c = self.cfg
         B, T, _ = x.shape
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        q = x @ lay.wq.t()
-        k = x @ lay.wk.t()
-        v = x @ lay.wv.t()
-        if lay.bq is not None:
-            q, k, v = q + lay.bq, k + lay.bk, v + lay.bv
-        q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
+        qkv = x @ lay.wqkv.t()
+        if lay.bqkv is not None:
+            qkv = qkv + lay.bqkv
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.reshape(B, T, nkv, hd)
         if lay.q_norm is not None:
             q = _rms_norm(q, lay.q_norm, c.norm_eps)
             k = _rms_norm(k, lay.k_norm, c.norm_eps)
-        q, k = self._rope(q, pos), self._rope(k, pos)
+        q, k = self._rope(q, rope), self._rope(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         if seqs is None:  # plain causal forward, no cache
             kk, vv, mask = k, v, None
@@ -365,32 +400,20 @@ class EmbeddedEngine:
         else:
             # Append to each sequence's pooled cache, then attend over its own history.
             kp, vp = self._kv.k[li], self._kv.v[li]
-            slots = [s.slot for s in seqs]
-            lens = [s.length + T for s in seqs]
             if T == 1:  # decode: one indexed write for the whole batch
-                slot_t = torch.tensor(slots, device=x.device)
-                at = torch.tensor([s.length for s in seqs], device=x.device)
-                kp[slot_t, :, at] = k[:, :, 0]
-                vp[slot_t, :, at] = v[:, :, 0]
+                kp[plan["write_slot"], :, plan["write_at"]] = k[:, :, 0]
+                vp[plan["write_slot"], :, plan["write_at"]] = v[:, :, 0]
             else:
-                slot_t = None
                 for b, s in enumerate(seqs):
                     kp[s.slot, :, s.length:s.length + T] = k[b]
                     vp[s.slot, :, s.length:s.length + T] = v[b]
-            Lmax = max(lens)
-            first = slots[0]
-            if slots == list(range(first, first + B)):  # a contiguous block of rows: a view
-                kk, vv = kp[first:first + B, :, :Lmax], vp[first:first + B, :, :Lmax]
+            Lmax = plan["Lmax"]
+            if plan["rows"] is not None:  # a contiguous block of rows: a view
+                kk, vv = kp[plan["rows"], :, :Lmax], vp[plan["rows"], :, :Lmax]
             else:
-                if slot_t is None:
-                    slot_t = torch.tensor(slots, device=x.device)
-                kk = kp[:, :, :Lmax].index_select(0, slot_t)
-                vv = vp[:, :, :Lmax].index_select(0, slot_t)
-            key_pos = torch.arange(Lmax, device=x.device)
-            qpos = pos[:, None, :, None]  # [B, 1, T, 1]
-            valid = (key_pos[None, None, None, :] <= qpos) & (
-                key_pos[None, None, None, :] < torch.tensor(lens, device=x.device)[:, None, None, None])
-            mask = valid
+                kk = kp[:, :, :Lmax].index_select(0, plan["slot_t"])
+                vv = vp[:, :, :Lmax].index_select(0, plan["slot_t"])
+            mask = plan["mask"]
             causal = False
         # Grouped-query heads read their shared KV head in place (no repeated copy of the cache).
         o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=causal and T > 1,
@@ -399,18 +422,25 @@ class EmbeddedEngine:
         return o @ lay.wo.t()
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None,
-                 start_layer: int = 0, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                 start_layer: int = 0, hidden: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                 last: list[int] | None = None) -> torch.Tensor:
+        """Logits [B, T, V]; with ``last`` (a position per row) only those, [B, 1, V]. ``valid``
+        [B, T] marks the real tokens of a right-padded batch: only they are routed and counted."""
         c = self.cfg
         x = self.embedding[ids] if hidden is None else hidden
+        rope = self._rope_tables(pos, x.dtype)
+        plan = self._cache_plan(seqs, pos, ids.shape[1]) if seqs is not None else None
         for li in range(start_layer, len(self.layers)):
             lay = self.layers[li]
             if self.residual_hook is not None:
                 self.residual_hook(li, x)
             h = _rms_norm(x, lay.input_norm, c.norm_eps)
-            x = x + self._attention(lay, h, pos, li, seqs)
+            x = x + self._attention(lay, h, rope, li, seqs, plan)
             h = _rms_norm(x, lay.post_norm, c.norm_eps)
-            x = x + (self._moe(li, lay, h) if lay.router is not None else self._dense(lay, h))
-        self._tokens += ids.numel()
+            x = x + (self._moe(li, lay, h, valid) if lay.router is not None else self._dense(lay, h))
+        self._tokens += ids.numel() if valid is None else int(valid.sum())
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), torch.tensor(last, device=x.device)][:, None]
         x = _rms_norm(x, self.final_norm, c.norm_eps)
         return (x @ self.lm_head.t()).float()
 
@@ -491,26 +521,53 @@ class EmbeddedEngine:
             raise InputError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                              f"{need} exceeds the engine's max_seq_len {self.max_seq_len}")
 
-    @torch.inference_mode()
-    def start(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Prefill a new sequence and sample its first token."""
+    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_request(prompt_ids, params)
         s = Sequence(list(map(int, prompt_ids)), params)
         if params.temperature > 0:
             s.generator = torch.Generator().manual_seed(
                 params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        self._alloc_cache(s, len(prompt_ids) + params.max_new_tokens)
-        ids = torch.tensor([s.prompt], device=self.device)
-        pos = torch.arange(len(s.prompt), device=self.device)[None]
-        try:
-            logits = self._forward(ids, pos, [s])
-        except BaseException:
-            self._free_cache(s)
-            raise
-        s.length = len(s.prompt)
-        self._accept(s, self._sample(s, logits[0, -1]))
-        self._finish_if_done(s)
         return s
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Prefill a new sequence and sample its first token."""
+        return self.start_many([prompt_ids], [params])[0]
+
+    @torch.inference_mode()
+    def start_many(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+        """Prefill several new sequences in one right-padded forward and sample each one's first
+        token. Padding is never routed, counted or cached as history. Raises InputError (nothing is
+        kept) if any request cannot run; the caller can then start them one by one."""
+        if len(prompts) != len(params) or not prompts:
+            raise InputError(f"start_many needs one SamplingParams per prompt (got {len(prompts)} prompts, "
+                             f"{len(params)} params)")
+        seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, params)]
+        lens = [len(s.prompt) for s in seqs]
+        B, T = len(seqs), max(lens)
+        try:
+            for s in seqs:
+                self._alloc_cache(s, len(s.prompt) + s.params.max_new_tokens)
+            ids = torch.zeros(B, T, dtype=torch.long)
+            for b, s in enumerate(seqs):
+                ids[b, :lens[b]] = torch.tensor(s.prompt)
+            ids = ids.to(self.device)
+            pos = torch.arange(T, device=self.device).expand(B, T)
+            valid = None
+            if min(lens) < T:
+                valid = torch.arange(T, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
+            # Every cache row starts empty: a causal mask over the padded block is each prompt's own.
+            logits = self._forward(ids, pos, seqs, valid=valid, last=[n - 1 for n in lens])
+        except BaseException:
+            for s in seqs:
+                self._free_cache(s)
+            raise
+        greedy = self._greedy_batch(seqs, logits[:, 0])
+        for b, s in enumerate(seqs):
+            s.length = lens[b]
+            self._accept(s, greedy[b] if greedy[b] is not None else self._sample(s, logits[b, 0]))
+            self._finish_if_done(s)
+        return seqs
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[int]:

@@ -4,14 +4,16 @@ request; new requests join the running batch between steps.
 The engine contract (``trtmoe.runtime.engine.EmbeddedEngine``) is small::
 
     seq = engine.start(prompt_ids, params)   # prefill + first token; seq.tokens, seq.finished
+    seqs = engine.start_many(prompts, params_list)  # optional: several prefills in one call
     new = engine.step([seq, ...])            # one batched decode step; appends to each seq.tokens
 
 Each iteration of the loop
 
 1. drops cancelled requests,
-2. admits waiting requests (prefill) while fewer than ``max_batch_size`` are active, stopping once
-   the prefill time spent this iteration exceeds the budget (about one decode step), so requests that
-   are already streaming see at most one extra step of latency when others join,
+2. admits waiting requests (prefill, several in one padded forward when the engine has
+   ``start_many``) while fewer than ``max_batch_size`` are active, stopping once the prefill time
+   spent this iteration exceeds the budget (about one decode step), so requests that are already
+   streaming see at most one extra step of latency when others join,
 3. runs one ``step`` over all active sequences and delivers the new tokens to each request's
    callback: every step, or with ``stream_interval`` N > 1 every N tokens (the first token and the
    last event are never held back), which divides the per-response cost downstream (IPC,
@@ -98,17 +100,24 @@ class InflightBatcher:
     ``on_iteration(batcher)``: called on the batcher thread after every step (metrics).
     ``cancel_check_period_s``: how often a request's ``is_cancelled`` is polled (it may be an IPC call).
     ``stream_interval``: deliver tokens every this many (see the module docstring).
+    ``max_prefill_tokens``: size of one batched prefill (requests x longest prompt, padded); an
+    engine with ``start_many(prompts, params)`` prefills the waiting requests that fit together.
+    ``on_flush()``: called on the batcher thread after each burst of callbacks (a prefill's first
+    token, a step's tokens), so a consumer that queues events can wake its sender once per burst.
     """
 
     def __init__(self, engine: Any, *, max_batch_size: int, max_waiting: int = 0,
                  prefill_budget_s: float | None = None, on_iteration: Callable[["InflightBatcher"], None] | None = None,
                  cancel_check_period_s: float = 0.1, idle_callback_period_s: float = 1.0,
-                 stream_interval: int = 1, name: str = "trtmoe-inflight-batcher"):
+                 stream_interval: int = 1, on_flush: Callable[[], None] | None = None,
+                 max_prefill_tokens: int = 1024, name: str = "trtmoe-inflight-batcher"):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.stream_interval = stream_interval
+        self.on_flush = on_flush
+        self.max_prefill_tokens = max_prefill_tokens
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
@@ -199,6 +208,13 @@ class InflightBatcher:
                 req.finished, req.finish_reason = True, FINISH_CANCELLED
             return False
 
+    def _flush(self) -> None:
+        if self.on_flush is not None:
+            try:
+                self.on_flush()
+            except Exception:  # noqa: BLE001 - a consumer's wake-up must not stop the loop
+                log.exception("on_flush hook failed")
+
     def _fail(self, req: BatchRequest, error: BaseException) -> None:
         self.failed_requests += 1
         self._emit(req, [], finished=True, reason=FINISH_ERROR, error=error)
@@ -254,32 +270,71 @@ class InflightBatcher:
                 keep.append(r)
         self._active = keep
 
+    def _take(self, room: int) -> list[BatchRequest]:
+        """Up to ``room`` waiting requests whose padded prompt block (count x longest prompt) stays
+        within ``max_prefill_tokens`` (at least one); cancelled ones are answered and skipped."""
+        batch: list[BatchRequest] = []
+        longest = 0
+        now = time.monotonic()
+        while len(batch) < room:
+            with self._cv:
+                if not self._waiting:
+                    break
+                req = self._waiting[0]
+                n = max(longest, len(req.prompt_ids))
+                if batch and n * (len(batch) + 1) > self.max_prefill_tokens:
+                    break
+                self._waiting.popleft()
+            if self._cancelled(req, now):
+                self._emit(req, [], finished=True, reason=FINISH_CANCELLED)
+                continue
+            batch.append(req)
+            longest = n
+        return batch
+
+    def _prefill(self, batch: list[BatchRequest]) -> list[tuple[BatchRequest, Any, BaseException | None]]:
+        """Prefill ``batch`` in one engine call when the engine can; if that fails (or it cannot),
+        one request at a time so a bad request fails alone."""
+        now = time.monotonic_ns()
+        for req in batch:
+            req.first_scheduled_ns = now
+        many = getattr(self.engine, "start_many", None)
+        if len(batch) > 1 and many is not None:
+            try:
+                seqs = many([r.prompt_ids for r in batch], [r.params for r in batch])
+                return [(r, s, None) for r, s in zip(batch, seqs)]
+            except Exception as e:  # noqa: BLE001 - retried one by one below
+                log.info("batched prefill of %d requests failed (%s); prefilling one by one", len(batch), e)
+        out = []
+        for req in batch:
+            try:
+                out.append((req, self.engine.start(req.prompt_ids, req.params), None))
+            except Exception as e:  # noqa: BLE001 - per-request failure
+                out.append((req, None, e))
+        return out
+
     def _admit(self) -> None:
         budget = self.prefill_budget_s
         if budget is None:
             budget = max(self._last_step_s, 0.002)
         spent = 0.0
         while len(self._active) < self.max_batch_size:
-            with self._cv:
-                if not self._waiting:
-                    return
-                req = self._waiting.popleft()
-            if self._cancelled(req, time.monotonic()):
-                self._emit(req, [], finished=True, reason=FINISH_CANCELLED)
-                continue
+            batch = self._take(self.max_batch_size - len(self._active))
+            if not batch:
+                return
             t0 = time.perf_counter()
-            req.first_scheduled_ns = time.monotonic_ns()
-            try:
-                req.seq = self.engine.start(req.prompt_ids, req.params)
-            except Exception as e:  # noqa: BLE001 - per-request failure
-                self._fail(req, e)
-                continue
-            finally:
-                spent += time.perf_counter() - t0
-            self.prefilled_tokens += len(req.prompt_ids)
-            self._deliver(req, list(req.seq.tokens))
-            if not req.finished:
-                self._active.append(req)
+            results = self._prefill(batch)
+            spent += time.perf_counter() - t0
+            for req, seq, error in results:
+                if error is not None:
+                    self._fail(req, error)
+                    continue
+                req.seq = seq
+                self.prefilled_tokens += len(req.prompt_ids)
+                self._deliver(req, list(seq.tokens))
+                if not req.finished:
+                    self._active.append(req)
+            self._flush()  # first tokens go out now, not after the rest of the admissions
             # Requests already streaming should not wait for more than ~one step of prefills.
             if self._active and spent >= budget:
                 return
@@ -335,6 +390,7 @@ class InflightBatcher:
                     if not r.finished:
                         self._fail(r, e)
                 self._active = []
+            self._flush()
             if self.on_iteration is not None:
                 try:
                     self.on_iteration(self)
@@ -348,3 +404,4 @@ class InflightBatcher:
             self._active = []
         for r in pending:
             self._fail(r, closed)
+        self._flush()

@@ -91,7 +91,8 @@ class TritonPythonModel:
                                                    num_experts=int(eng.num_experts), model=self.model_name,
                                                    min_interval_s=float(_param(config, "metrics_interval_s", "0.5")))
             self.metrics.set_active_params(int(eng.active_params_per_token))
-        # Batcher -> sender hand-off: appends are atomic, and the sender is woken once per burst.
+        # Batcher -> sender hand-off: appends are atomic; the sender is woken once per burst of
+        # events (batcher on_flush), not once per token.
         self.outbox: deque = deque()
         self.wake = threading.Event()
         self.closing = False
@@ -102,7 +103,7 @@ class TritonPythonModel:
             eng, max_batch_size=min(int(config["max_batch_size"]) or 1, info.max_batch_size),
             max_waiting=int(_param(config, "max_waiting_requests", "0") or 0),
             prefill_budget_s=float(budget) / 1000.0 if budget else None,
-            stream_interval=max(int(_param(config, "stream_interval", "1")), 1))
+            stream_interval=max(int(_param(config, "stream_interval", "1")), 1), on_flush=self._flush)
         self.stopping = threading.Event()
         if self.metrics:
             # Its own thread: a metrics update is dozens of IPC calls and must not stall decoding.
@@ -145,9 +146,11 @@ class TritonPythonModel:
         """Batcher callback: queue the event for the sender thread, so slow IPC or a slow client never
         holds up the decode loop. Non-streamed requests only need their final event."""
         if gen.streaming or event.finished:
-            self.outbox.append((treq, gen, event))
-            if not self.wake.is_set():
-                self.wake.set()
+            self.outbox.append((treq, gen, event))  # the batcher's on_flush wakes the sender
+
+    def _flush(self):
+        if self.outbox and not self.wake.is_set():
+            self.wake.set()
 
     def _send_loop(self):
         """Sender thread: drains the outbox; tokens of a request that piled up go out in one response."""
