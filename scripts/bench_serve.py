@@ -135,8 +135,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="requests per stream")
     ap.add_argument("--max-batch-size", type=int, default=32)
     ap.add_argument("--torch-threads", type=int, default=1, help="torch threads in the server's engine")
-    ap.add_argument("--stream-interval", type=int, default=1,
-                    help="tokens per streamed response (trtmoe repo --stream-interval; first and last at once)")
+    ap.add_argument("--stream-interval", type=int, default=None,
+                    help="tokens per streamed response (trtmoe repo --stream-interval; first and last at once); "
+                         "default: the repository's default, auto")
+    ap.add_argument("--min-requests", type=int, default=12,
+                    help="at least this many requests per level (more rounds for few streams), so the "
+                         "1-stream baseline is not a one-second sample")
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                     help="checkpoint dtype to serve (float32 is the fastest on CPU)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -155,7 +159,7 @@ def main() -> None:
         run_level(url, 2, 1, 8)  # warm-up: first-call costs stay out of the numbers
         rows = []
         for c in args.concurrency:
-            rows.append(run_level(url, c, args.rounds, args.tokens))
+            rows.append(run_level(url, c, max(args.rounds, -(-args.min_requests // c)), args.tokens))
             r = rows[-1]
             print(f"  {c:>3} streams: {r['tok_s']:.1f} tok/s ({r['requests']} requests, {r['errors']} errors)", flush=True)
         base = rows[0]["tok_s"] or float("nan")
@@ -163,8 +167,10 @@ def main() -> None:
         for r in rows:
             r["engine_only_tok_s"] = rates.get(r["concurrency"])
         print()
-        print(f"cpu cores: {os.cpu_count()}; {args.tokens} tokens/request; {args.rounds} requests/stream; "
-              f"stream interval {args.stream_interval if args.url is None else 'of the running server'}")
+        si = ("of the running server" if args.url is not None else
+              "auto" if not args.stream_interval else args.stream_interval)
+        print(f"cpu cores: {os.cpu_count()}; {args.tokens} tokens/request; >= {args.rounds} requests/stream and "
+              f">= {args.min_requests} per level; stream interval {si}")
         ebase = rates.get(rows[0]["concurrency"])
         print(f"{'streams':>7} {'req':>4} {'tok/s':>8} {'x 1-stream':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>7} {'engine-only tok/s (x)':>22}")

@@ -217,7 +217,29 @@ def test_stream_interval_groups_tokens(engine):
     assert slow.tokens == slow.final.request.tokens and n > 6
     assert slow.tokens == engine.generate([1, 5, 9], _params(n))
     with pytest.raises(ValueError, match="stream_interval"):
-        InflightBatcher(engine, max_batch_size=1, stream_interval=0)
+        InflightBatcher(engine, max_batch_size=1, stream_interval=-1)
+
+
+def test_auto_stream_interval_follows_the_batch(engine):
+    """stream_interval 0 (auto): with 4 sequences active and 2 responses per step allowed, tokens go
+    out in pairs after the first; a request alone streams every token."""
+    b = InflightBatcher(engine, max_batch_size=4, stream_interval=0, responses_per_step=2)
+    try:
+        cols = [Collector() for _ in range(4)]
+        with b._cv:  # all four are waiting before the batcher looks, so they run as one batch
+            for p, c in zip(PROMPTS, cols):
+                b.submit(p, _params(9), c)
+        for c in cols:
+            assert c.done.wait(60)
+        alone = Collector()
+        b.submit(PROMPTS[0], _params(5), alone)
+        assert alone.done.wait(60)
+    finally:
+        b.shutdown()
+    for p, c in zip(PROMPTS, cols):
+        assert c.tokens == engine.generate(p, _params(9))
+        assert [len(e.new_tokens) for e in c.events] == [1, 2, 2, 2, 2]
+    assert [len(e.new_tokens) for e in alone.events] == [1, 1, 1, 1, 1]
 
 
 # ---------------------------------------------------------------- request parsing

@@ -125,7 +125,7 @@ def test_embedded_repository(setup):
     params = {k: v.string_value for k, v in llm.parameters.items()}
     assert params["engine_dir"] == str(setup["engine"].resolve())
     assert params["max_input_len"] == "48" and params["max_seq_len"] == "96"
-    assert params["stream_interval"] == "1"
+    assert params["stream_interval"] == "0"  # auto
     assert (out / "tensorrt_llm" / "1" / "model.py").is_file()
     # The 1.2.x tensor names.
     names = {i.name for i in ens.input}
@@ -170,7 +170,7 @@ def test_no_streaming_repository(setup):
     (dict(world_size=2), "world_size", ("2",)),
     (dict(max_batch_size=0), "max_batch_size", ("0",)),
     (dict(kv_cache_free_gpu_mem_fraction=0.5), "kv_cache_free_gpu_mem_fraction", ()),
-    (dict(stream_interval=0), "stream_interval", ("0",)),
+    (dict(stream_interval=-1), "stream_interval", ("-1",)),
 ])
 def test_contradicting_settings_are_rejected(setup, tmp_path, kwargs, field, values):
     with pytest.raises(InputError) as e:

@@ -17,7 +17,10 @@ Each iteration of the loop
 3. runs one ``step`` over all active sequences and delivers the new tokens to each request's
    callback: every step, or with ``stream_interval`` N > 1 every N tokens (the first token and the
    last event are never held back), which divides the per-response cost downstream (IPC,
-   detokenization, network) by N when many streams share the machine.
+   detokenization, network) by N when many streams share the machine. ``stream_interval=0``
+   (auto) streams every token while at most ``responses_per_step`` sequences are active and
+   otherwise every ceil(active / responses_per_step) tokens, so a step never produces more than
+   about that many responses.
 
 Errors stay per request: a failing prefill, a failing sequence inside ``step`` (found by retrying the
 batch one sequence at a time) or a callback that raises ends that request only; the loop goes on.
@@ -99,7 +102,8 @@ class InflightBatcher:
     adapts it to the last decode step's duration (at least 2 ms).
     ``on_iteration(batcher)``: called on the batcher thread after every step (metrics).
     ``cancel_check_period_s``: how often a request's ``is_cancelled`` is polled (it may be an IPC call).
-    ``stream_interval``: deliver tokens every this many (see the module docstring).
+    ``stream_interval``: deliver tokens every this many; 0 = auto (see the module docstring).
+    ``responses_per_step``: the auto interval's target number of responses per decode step.
     ``max_prefill_tokens``: size of one batched prefill (requests x longest prompt, padded); an
     engine with ``start_many(prompts, params)`` prefills the waiting requests that fit together.
     ``on_flush()``: called on the batcher thread after each burst of callbacks (a prefill's first
@@ -109,13 +113,17 @@ class InflightBatcher:
     def __init__(self, engine: Any, *, max_batch_size: int, max_waiting: int = 0,
                  prefill_budget_s: float | None = None, on_iteration: Callable[["InflightBatcher"], None] | None = None,
                  cancel_check_period_s: float = 0.1, idle_callback_period_s: float = 1.0,
-                 stream_interval: int = 1, on_flush: Callable[[], None] | None = None,
+                 stream_interval: int = 1, responses_per_step: int = 8,
+                 on_flush: Callable[[], None] | None = None,
                  max_prefill_tokens: int = 1024, name: str = "trtmoe-inflight-batcher"):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        if stream_interval < 0:
+            raise ValueError(f"stream_interval must be >= 0 (0 = auto), got {stream_interval}")
+        if responses_per_step < 1:
+            raise ValueError(f"responses_per_step must be >= 1, got {responses_per_step}")
         self.stream_interval = stream_interval
+        self.responses_per_step = responses_per_step
         self.on_flush = on_flush
         self.max_prefill_tokens = max_prefill_tokens
         self.engine = engine
@@ -242,9 +250,14 @@ class InflightBatcher:
             self.completed_requests += 1
         first = len(req.tokens) == len(new)
         req._unsent.extend(new)
-        if done or first or len(req._unsent) >= self.stream_interval:
+        if done or first or len(req._unsent) >= self._interval():
             out, req._unsent = req._unsent, []
             self._emit(req, out, finished=done, reason=reason)
+
+    def _interval(self) -> int:
+        if self.stream_interval:
+            return self.stream_interval
+        return max(1, -(-len(self._active) // self.responses_per_step))
 
     def _cancelled(self, req: BatchRequest, now: float) -> bool:
         if req._cancel:

@@ -44,9 +44,10 @@ def _echo_json(obj) -> None:
 @click.option("--device", default=None, help="Embedded engine device: auto, cpu, cuda, cuda:N [default: auto].")
 @click.option("--torch-threads", "torch_num_threads", type=int, default=0, show_default=True,
               help="Embedded engine torch threads (0 = torch's default).")
-@click.option("--stream-interval", type=int, default=1, show_default=True,
-              help="Embedded engine: send a streamed response every N tokens (first and last at once); "
-                   "N > 1 cuts per-response overhead when many streams share the CPU.")
+@click.option("--stream-interval", type=int, default=None,
+              help="Embedded engine: a streamed response every N tokens (the first and last at once). "
+                   "1 = every token; default/0 = auto: every token up to 8 active streams, then "
+                   "ceil(active/8), which keeps per-response overhead bounded when many streams share the CPU.")
 @click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run code from its folder.")
 @click.option("--force", is_flag=True, help="Replace an existing repository.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")

@@ -83,7 +83,7 @@ class RepoSettings:
     kv_cache_free_gpu_mem_fraction: float | None = None
     device: str = "auto"
     torch_num_threads: int = 0
-    stream_interval: int = 1
+    stream_interval: int = 0  # embedded engine: tokens per streamed response, 0 = auto
 
     @property
     def decoupled(self) -> bool:
@@ -119,11 +119,10 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
                             max_input_len=max_input_len, max_seq_len=max_seq_len, world_size=world_size).items():
         if value is not None and value < 1:
             raise InputError(f"{name} must be >= 1, got {value}")
-    for name in ("preprocessing_instance_count", "postprocessing_instance_count", "bls_instance_count",
-                 "stream_interval"):
+    for name in ("preprocessing_instance_count", "postprocessing_instance_count", "bls_instance_count"):
         if rest.get(name) is not None and rest[name] < 1:
             raise InputError(f"{name} must be >= 1, got {rest[name]}")
-    for name in ("max_queue_delay_microseconds", "max_queue_size", "torch_num_threads"):
+    for name in ("max_queue_delay_microseconds", "max_queue_size", "torch_num_threads", "stream_interval"):
         if rest.get(name) is not None and rest[name] < 0:
             raise InputError(f"{name} must be >= 0, got {rest[name]}")
     if max_batch_size is not None and max_batch_size > info.max_batch_size:
@@ -159,7 +158,7 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
         raise InputError("device applies to the embedded engine only; TensorRT engines are placed by MPI rank")
     if info.backend == TENSORRT_LLM and rest.get("torch_num_threads"):
         raise InputError("torch_num_threads applies to the embedded engine only")
-    if info.backend == TENSORRT_LLM and (rest.get("stream_interval") or 1) != 1:
+    if info.backend == TENSORRT_LLM and rest.get("stream_interval") not in (None, 1):
         raise InputError("stream_interval applies to the embedded engine only; the TensorRT-LLM backend "
                          "streams every token")
     rest = {k: v for k, v in rest.items() if v is not None}
@@ -380,14 +379,15 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                         bls_instance_count: int = 1, kv_cache_free_gpu_mem_fraction: float | None = None,
                         trust_remote_code: bool = False, add_special_tokens: bool = True,
                         skip_special_tokens: bool = True, device: str | None = None, torch_num_threads: int = 0,
-                        stream_interval: int = 1, force: bool = False, templates: str | Path | None = None) -> RepositoryResult:
+                        stream_interval: int | None = None, force: bool = False, templates: str | Path | None = None) -> RepositoryResult:
     """Write a Triton model repository for ``engine_dir`` at ``out_dir``.
 
     ``tokenizer_dir`` defaults to a tokenizer found beside the engine or its checkpoint. Limits
     (``max_batch_size``, ``max_input_len``, ``max_seq_len``: requests/tokens) default to the engine's
     build_config and may not exceed it; ``max_beam_width`` and ``world_size`` must equal it.
     ``streaming`` makes tensorrt_llm/BLS (and so the ensemble) decoupled. ``stream_interval``
-    (embedded engine): a streamed response every that many tokens. Raises InputError.
+    (embedded engine): a streamed response every that many tokens; None/0 = auto (every token
+    up to 8 active streams, then ceil(active / 8)). Raises InputError.
     """
     info = read_engine_dir(engine_dir)
     settings = resolve_settings(

@@ -103,7 +103,7 @@ class TritonPythonModel:
             eng, max_batch_size=min(int(config["max_batch_size"]) or 1, info.max_batch_size),
             max_waiting=int(_param(config, "max_waiting_requests", "0") or 0),
             prefill_budget_s=float(budget) / 1000.0 if budget else None,
-            stream_interval=max(int(_param(config, "stream_interval", "1")), 1), on_flush=self._flush)
+            stream_interval=max(int(_param(config, "stream_interval", "0")), 0), on_flush=self._flush)
         self.stopping = threading.Event()
         if self.metrics:
             # Its own thread: a metrics update is dozens of IPC calls and must not stall decoding.
