@@ -73,9 +73,11 @@ class _KVPool:
     """Keys and values of every live sequence: per layer one ``[slots, nkv, capacity, hd]`` tensor.
 
     A sequence holds one slot from its prefill until it finishes (or is garbage-collected, e.g. when
-    a cancelled request is dropped). Both dimensions grow on demand (existing rows are copied over);
-    the lowest free slot is reused first, so a steady batch keeps to a contiguous block of rows and
-    its step reads the cache as a view instead of a gather.
+    a cancelled request is dropped). Both dimensions grow on demand (existing rows are copied over),
+    so the pool holds at most (active sequences, rounded up to a power of two) x (the longest
+    prompt + max_new_tokens seen since the engine was last idle); it is freed when no sequence is
+    live. The lowest free slot is reused first, so a steady batch keeps to a contiguous block of
+    rows and its step reads the cache as a view instead of a gather.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -123,6 +125,11 @@ class _KVPool:
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
         self.live -= 1
+        if self.live == 0:  # idle: give the memory back rather than keep a burst's peak
+            self.k.clear()
+            self.v.clear()
+            self._free.clear()
+            self.slots = self.capacity = 0
 
 
 @dataclass
