@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 
@@ -202,3 +203,104 @@ def test_subset_sum_like_instance_is_flagged_not_hidden():
     if not plan.extra["exact"]:
         assert plan.extra["gap_bound"] <= 1e-6 * plan.predicted_delta_kl
     assert plan.predicted_delta_kl >= plan.extra["lower_bound"] - 1e-9
+
+
+# ---- matrix granularity: units from a calibration's per-matrix ΔKL -----------------------------------
+def _matrix_calib(rng, layers=2, experts=2, I=256, H=128, proj_weight=3.0):
+    """A calib.json-shaped dict (layout version 2) with random per-matrix ΔKL, proj ``proj_weight``×
+    as sensitive per format as fc on average (int8 ~50× below int4_g128), and random routing shares."""
+    from trtmoe.quant.calibrate import CALIB_VERSION
+
+    fmts = ["int8", "int4_g128"]
+    mats = {}
+    for m, w in (("fc", 1.0), ("proj", proj_weight)):
+        s = rng.lognormal(0, 1.0, size=(layers, experts)) * w
+        mats[m] = {"delta_kl": {"int4_g128": (s * 1e-3).tolist(),
+                                "int8": (s * 2e-5 * rng.lognormal(0, 0.3, size=s.shape)).tolist()}}
+    share = rng.dirichlet(np.ones(experts), size=layers).tolist()
+    expert = {f: (np.array(mats["fc"]["delta_kl"][f]) + np.array(mats["proj"]["delta_kl"][f])).tolist() for f in fmts}
+    return {"version": CALIB_VERSION, "num_layers": layers, "num_experts": experts, "moe_layers": list(range(layers)),
+            "expert_intermediate_size": I, "hidden_size": H, "formats": fmts, "routing": {"share": share},
+            "sensitivity": {"delta_kl": expert, "matrices": mats}}
+
+
+def test_matrix_units_cost_each_matrix_on_its_own():
+    import torch
+
+    from trtmoe.quant.policies import build_units
+
+    I, H = 256, 128
+    cal = _matrix_calib(np.random.default_rng(21), I=I, H=H)
+    units = {u.key: u for u in build_units(cal, "matrix", torch.bfloat16)}
+    assert len(units) == 2 * 2 * 2
+    # Written out per format (bf16 scales: 16 bits); every matrix of the per-expert layout carries its
+    # own [1, in] pre-quant scale in a group format.
+    want = {"fc": {"float": 16 * 2 * I * H, "int8": 8 * 2 * I * H + 16 * 2 * I,
+                   "int4_g128": 4 * 2 * I * H + 16 * 2 * I * (H // 128) + 16 * H},
+            "proj": {"float": 16 * H * I, "int8": 8 * H * I + 16 * H,
+                     "int4_g128": 4 * H * I + 16 * H * (I // 128) + 16 * I}}
+    experts = {u.key: u for u in build_units(cal, "expert", torch.bfloat16)}
+    for (l, e, m), u in units.items():
+        assert u.n_weights == (2 * I * H if m == "fc" else H * I)
+        assert u.costs_bits == want[m]
+        for f in ("int8", "int4_g128"):
+            assert u.delta_kl[f] == cal["sensitivity"]["matrices"][m]["delta_kl"][f][l][e]
+        assert u.delta_kl["float"] == 0.0
+    for (l, e), u in experts.items():
+        fc, proj = units[(l, e, "fc")], units[(l, e, "proj")]
+        assert u.n_weights == fc.n_weights + proj.n_weights
+        assert u.costs_bits == {f: fc.costs_bits[f] + proj.costs_bits[f] for f in u.costs_bits}
+        assert u.delta_kl == pytest.approx({f: fc.delta_kl[f] + proj.delta_kl[f] for f in u.delta_kl}, rel=1e-12)
+
+
+def test_matrix_plan_matches_brute_force_and_beats_expert_plans():
+    import torch
+
+    from trtmoe.quant.policies import build_units, make_plan, plan_bpw, predicted_delta_kl
+
+    rng = np.random.default_rng(22)
+    strictly_better = 0
+    for _ in range(6):
+        cal = _matrix_calib(rng)
+        units = build_units(cal, "matrix", torch.bfloat16)
+        lo, hi = feasible_bpw_range(units)
+        for budget in (lo, *sorted(rng.uniform(lo, hi, 4)), hi):
+            budget = float(budget)
+            plan = make_plan(cal, "graded", budget_bpw=budget, granularity="matrix", dtype=torch.bfloat16)
+            assert plan.granularity == "matrix"
+            ref = brute_force(units, allocate(units, budget).budget_bits)  # the budget in bits, as allocated
+            assert predicted_delta_kl(plan, cal) == pytest.approx(ref, rel=1e-12, abs=1e-15)
+            assert plan_bpw(plan, cal, torch.bfloat16) <= budget + 1e-12
+            # Every expert plan is a matrix plan with fc = proj at the same cost, so the matrix
+            # optimum can only be lower.
+            ex = make_plan(cal, "graded", budget_bpw=budget, granularity="expert", dtype=torch.bfloat16)
+            assert predicted_delta_kl(plan, cal) <= predicted_delta_kl(ex, cal) + 1e-15
+            strictly_better += predicted_delta_kl(plan, cal) < predicted_delta_kl(ex, cal) * (1 - 1e-9)
+    assert strictly_better > 0
+
+
+def test_bytes_baselines_run_at_matrix_granularity():
+    import torch
+
+    from trtmoe.quant.policies import build_units, make_plan, plan_bpw
+
+    cal = _matrix_calib(np.random.default_rng(23), layers=3, experts=4)
+    units = build_units(cal, "matrix", torch.bfloat16)
+    lo, hi = feasible_bpw_range(units)
+    step = max(max(u.costs_bits.values()) - min(u.costs_bits.values()) for u in units) / sum(
+        u.n_weights for u in units)
+    share = cal["routing"]["share"]
+    for budget in (lo + 0.3 * (hi - lo), lo + 0.6 * (hi - lo)):
+        fr = make_plan(cal, "frequency-bytes", budget_bpw=budget, granularity="matrix", dtype=torch.bfloat16)
+        seeds = [make_plan(cal, "random-bytes", budget_bpw=budget, granularity="matrix", dtype=torch.bfloat16,
+                           seed=s) for s in range(3)]
+        for p in (fr, *seeds):
+            assert p.granularity == "matrix"
+            # Equal bytes: within one unit's format step of the budget, never over it.
+            assert budget - step <= plan_bpw(p, cal, torch.bfloat16) <= budget + 1e-12
+        # The busiest expert's matrices are filled first: its fc gets the richest format.
+        l, e = max(((l, e) for l in range(3) for e in range(4)), key=lambda le: share[le[0]][le[1]])
+        assert fr.matrix_format(l, e, "fc") == "float"
+        # Different seeds spend the bytes on different matrices.
+        assert len({json.dumps(p.to_dict()["formats"]) + json.dumps(p.to_dict()["proj_formats"])
+                    for p in seeds}) > 1

@@ -108,6 +108,16 @@ def ckpt_per_expert(mixtral_hf, tmp_path_factory):
     return _quantized(mixtral_hf, tmp_path_factory.mktemp("ck") / "pe", plan, tp=1, dtype="float16")
 
 
+@pytest.fixture(scope="module")
+def ckpt_per_matrix(mixtral_hf, tmp_path_factory):
+    """Per-matrix formats: an expert's fc and proj differ (same per-expert tensor layout)."""
+    def plan(m):
+        layers = [l for l in range(m.num_layers) if m.moe_layers[l]]
+        return QuantPlan({l: ["int8", "float", "int4", "int4"] for l in layers}, granularity="matrix",
+                         proj_formats={l: ["int4", "int8", "float", "int4"] for l in layers})
+    return _quantized(mixtral_hf, tmp_path_factory.mktemp("ck") / "pm", plan, tp=1, dtype="float16")
+
+
 def build_yaml(tmp_path: Path, body: str) -> Path:
     p = tmp_path / "build.yaml"
     p.write_text(textwrap.dedent(body))
@@ -232,17 +242,20 @@ def test_missing_tensorrt_llm_is_one_clear_line_exit_1(ckpt_fp16, tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".engine*"))
 
 
-def test_per_expert_checkpoint_refused_with_layer_granularity_hint(ckpt_per_expert, tmp_path):
-    qc = json.loads((ckpt_per_expert / "quant_cfg.json").read_text())
+@pytest.mark.parametrize("which,gran", [("ckpt_per_expert", "expert"), ("ckpt_per_matrix", "matrix")])
+def test_per_expert_checkpoint_refused_with_layer_granularity_hint(request, tmp_path, which, gran):
+    ck = request.getfixturevalue(which)
+    qc = json.loads((ck / "quant_cfg.json").read_text())
     assert qc["trtmoe_granularity"] == "trtmoe-per-expert"
     for extra in ([], ["--dry-run"]):
-        r = cli(["build", ckpt_per_expert, "-o", tmp_path / "e", "--backend", "tensorrt-llm",
+        r = cli(["build", ck, "-o", tmp_path / "e", "--backend", "tensorrt-llm",
                  "--max-input-len", 100, *extra])
         assert r.exit_code == 2
         line = one_line(r.stderr)
         assert "per expert" in line and "layer granularity" in line and "--target tensorrt-llm" in line
+        assert f"granularity '{gran}'" in line
     # The embedded engine runs it.
-    r = cli(["build", ckpt_per_expert, "-o", tmp_path / "e", "--backend", "embedded", "--max-input-len", 100])
+    r = cli(["build", ck, "-o", tmp_path / "e", "--backend", "embedded", "--max-input-len", 100])
     assert r.exit_code == 0, r.output
 
 

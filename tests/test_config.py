@@ -185,7 +185,8 @@ def test_cli_choices_match_the_yaml_schema():
     from trtmoe.cli import convert
 
     where = {"dtype": ("convert", "dtype"), "policy": ("quantize", "policy"), "fmt": ("quantize", "format"),
-             "target": ("build", "backend"), "placement": ("quantize", "placement")}
+             "target": ("build", "backend"), "placement": ("quantize", "placement"),
+             "granularity": ("quantize", "granularity")}
     seen = set()
     for param in convert.params:
         if isinstance(param.type, click.Choice) and param.name in where:

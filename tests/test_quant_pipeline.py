@@ -155,6 +155,77 @@ def test_sensitivity_finds_planted_fragile_expert(mixtral8, tmp_path):
     assert max(range(E), key=lambda e: before[e]) != planted or before[planted] < d[planted] / 10
 
 
+def test_calibration_localises_a_fragile_proj(mixtral8, tmp_path):
+    """A planted proj that only quantization can hurt: expert ``planted``'s up row c is zeroed, so its
+    activation c is exactly 0 and proj's column c can hold huge weights without changing the float
+    model; int4's per-row scale (amax / 8) then rounds the rest of every proj row to zero, while
+    int8's (amax / 128) still resolves them. Only the proj measurement of that expert may jump; its fc
+    measurement must not."""
+    layer, c = 1, 5
+    ids = _ids(8, 32)
+    base = measure(EmbeddedEngine.from_checkpoint(convert(mixtral8, tmp_path / "a").out_dir, device="cpu"), ids,
+                   formats=("int4",))
+    share = base["routing"]["share"][layer]
+    planted = sorted(range(E), key=lambda e: share[e])[E // 2]
+
+    def plant(t):
+        pre = MOE.format(l=layer) + f"experts.{planted}."
+        t[pre + "w3.weight"][c] = 0.0  # up row c: HF w3 is up_proj, fc = [up; gate]
+        t[pre + "w2.weight"][:, c] = 30 * t[pre + "w2.weight"].abs().max()
+
+    hf = _edit_hf(mixtral8, tmp_path / "planted", plant)
+    res = measure(EmbeddedEngine.from_checkpoint(convert(hf, tmp_path / "b").out_dir, device="cpu"), ids,
+                  formats=("int8", "int4"))
+    mats, before = res["sensitivity"]["matrices"], base["sensitivity"]["matrices"]
+    proj, fc = mats["proj"]["delta_kl"]["int4"], mats["fc"]["delta_kl"]["int4"]
+    top = sorted(((proj[l][e], l, e) for l in res["moe_layers"] for e in range(E)), reverse=True)
+    assert top[0][1:] == (layer, planted), top[:3]
+    assert top[0][0] > 5 * top[1][0]
+    assert proj[layer][planted] > 5 * before["proj"]["delta_kl"]["int4"][layer][planted]
+    # fc of the planted expert is not what broke: its ΔKL stays near its value before planting and
+    # far below the planted proj's.
+    fc_before = before["fc"]["delta_kl"]["int4"][layer][planted]
+    assert 0.3 * fc_before < fc[layer][planted] < 3 * fc_before
+    assert fc[layer][planted] < proj[layer][planted] / 10
+    # The expert-level sensitivity is the sum, so expert plans see the planted expert as fragile too.
+    d = res["sensitivity"]["delta_kl"]["int4"][layer]
+    assert max(range(E), key=lambda e: d[e]) == planted
+    assert d[planted] == pytest.approx(fc[layer][planted] + proj[layer][planted], rel=1e-12)
+    # The plan puts the bits there: with room for exactly one proj in int8 (an fc costs twice that),
+    # the graded matrix plan spends it on the planted proj.
+    units = build_units(res, "matrix", torch.float32, ["int8", "int4"])
+    up = next(u for u in units if u.key[2] == "proj")
+    room = sum(u.costs_bits["int4"] for u in units) + up.costs_bits["int8"] - up.costs_bits["int4"]
+    plan = make_plan(res, "graded", budget_bpw=room / sum(u.n_weights for u in units), granularity="matrix",
+                     formats=["int8", "int4"], dtype=torch.float32)
+    int8 = [(l, e, m) for m in ("fc", "proj") for l, fs in plan.matrix_formats(m).items()
+            for e, f in enumerate(fs) if f == "int8"]
+    assert int8 == [(layer, planted, "proj")]
+
+
+def test_load_calib_refuses_other_layout_versions(mixtral8, tmp_path):
+    from trtmoe.errors import InputError
+    from trtmoe.quant.calibrate import CALIB_VERSION, load_calib
+
+    cal = json.loads((_calib(mixtral8, tmp_path, _ids(4, 16), formats=("int8",)) / "calib.json").read_text())
+    assert cal["version"] == CALIB_VERSION == 2
+    assert load_calib(tmp_path / "calib")["version"] == 2
+    # A version-1 file (whole-expert ΔKL only) is refused with a clear instruction, not misread.
+    old = {k: v for k, v in cal.items()}
+    old["version"] = 1
+    old["sensitivity"] = {k: v for k, v in cal["sensitivity"].items() if k != "matrices"}
+    (tmp_path / "v1.json").write_text(json.dumps(old))
+    with pytest.raises(InputError, match="version 1.*recalibrate"):
+        load_calib(tmp_path / "v1.json")
+    # The same check guards plans made from a dict that never went through load_calib.
+    with pytest.raises(InputError, match="recalibrate"):
+        make_plan(old, "graded", budget_bpw=10.0, dtype=torch.float32)
+    newer = dict(cal, version=CALIB_VERSION + 1)
+    (tmp_path / "v3.json").write_text(json.dumps(newer))
+    with pytest.raises(InputError, match="newer trtmoe"):
+        load_calib(tmp_path / "v3.json")
+
+
 # ---- coverage -----------------------------------------------------------------------------------------------
 def test_unreached_experts_still_plan_and_warn(mixtral8_bf16, tokdir, tmp_path):
     hf = _edit_hf(mixtral8_bf16, tmp_path / "hf", lambda t: _dead_router(t, 0))
@@ -171,14 +242,20 @@ def test_unreached_experts_still_plan_and_warn(mixtral8_bf16, tokdir, tmp_path):
     cal = json.loads((tmp_path / "calib" / "calib.json").read_text())
     dead = {(d["layer"], d["expert"]) for d in cal["routing"]["dead"]}
     assert {(0, e) for e in DEAD} <= dead
-    # Never-routed experts still get a non-zero sensitivity (estimated from all-token output error).
+    # Never-routed experts still get a non-zero sensitivity, per matrix (estimated from all-token
+    # output error), and the expert's is the sum of its two matrices'.
+    mats = cal["sensitivity"]["matrices"]
     for e in DEAD:
-        assert cal["sensitivity"]["delta_kl"]["int4"][0][e] > 0
-        assert cal["sensitivity"]["measured"]["int4"][0][e] == 0
+        for m in ("fc", "proj"):
+            assert mats[m]["delta_kl"]["int4"][0][e] > 0
+            assert mats[m]["measured"]["int4"][0][e] == 0
+        assert cal["sensitivity"]["delta_kl"]["int4"][0][e] == pytest.approx(
+            mats["fc"]["delta_kl"]["int4"][0][e] + mats["proj"]["delta_kl"]["int4"][0][e], rel=1e-12)
     cli("convert", hf, "-o", tmp_path / "ck", "--calib", tmp_path / "calib", "--budget", "6", "--formats",
         "fp16,int8,int4")
     m = json.loads((tmp_path / "ck" / "manifest.json").read_text())["quantization"]
-    assert m["policy"] == "graded" and abs(m["avg_bpw"] - 6) <= 0.5
+    # The embedded target's default granularity for a budget: each expert's fc and proj apart.
+    assert m["policy"] == "graded" and m["granularity"] == "matrix" and abs(m["avg_bpw"] - 6) <= 0.5
     eng = EmbeddedEngine.from_checkpoint(tmp_path / "ck", device="cpu")
     assert torch.isfinite(eng.logits(_ids(1, 8))).all()
 
@@ -212,27 +289,32 @@ def test_router_gate_embeddings_head_norms_stay_float(tiny_model, tmp_path):
 
 
 # ---- packed bytes in the engine ------------------------------------------------------------------------------
-def _manual_expert_weights(ck: Path, layer: int, slot: int, fmt: str):
-    """Dequantize one expert straight from the rank file, independently of trtmoe.quant.formats."""
+def _manual_matrix(f: SafetensorsFile, pre: str, fmt: str, pick=lambda t: t) -> torch.Tensor:
+    """One expert matrix [out, in] in float32, dequantized straight from the rank file's tensors under
+    ``pre`` independently of trtmoe.quant.formats (``pick`` selects the expert of a stacked tensor)."""
+    w = pick(f.read(pre + "weight"))
+    if fmt == "float":
+        return w.float()
+    if fmt.startswith("int4_g"):
+        return _dequant_group_int4(w, pick(f.read(pre + "weights_scaling_factor")),
+                                   f.read(pre + "prequant_scaling_factor"))
+    s = pick(f.read(pre + "per_channel_scale")).float()  # [out]
+    if fmt == "int8":
+        q = w.float()  # [in, out]
+    else:  # int4 per channel: [in, out/2], column 2j in the low nibble
+        b = w.view(torch.uint8).to(torch.int16)
+        lo, hi = b & 0xF, b >> 4
+        lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
+        q = torch.stack((lo, hi), -1).flatten(-2).float()
+    return (q * s).t()
+
+
+def _manual_expert_weights(ck: Path, layer: int, slot: int, fmt: str, proj_fmt: str | None = None):
+    """[fc, proj] of one per-expert slot, dequantized straight from the rank file."""
     f = SafetensorsFile(ck / "rank0.safetensors")
     try:
-        out = []
-        for mod in ("fc", "proj"):
-            pre = f"transformer.layers.{layer}.mlp.experts.{slot}.{mod}."
-            w = f.read(pre + "weight")
-            if fmt == "float":
-                out.append(w.float())
-                continue
-            s = f.read(pre + "per_channel_scale").float()  # [out]
-            if fmt == "int8":
-                q = w.float()  # [in, out]
-            else:  # int4 per channel: [in, out/2], column 2j in the low nibble
-                b = w.view(torch.uint8).to(torch.int16)
-                lo, hi = b & 0xF, b >> 4
-                lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
-                q = torch.stack((lo, hi), -1).flatten(-2).float()
-            out.append((q * s).t())
-        return out
+        return [_manual_matrix(f, f"transformer.layers.{layer}.mlp.experts.{slot}.{mod}.", name)
+                for mod, name in (("fc", fmt), ("proj", proj_fmt or fmt))]
     finally:
         f.close()
 
@@ -252,7 +334,9 @@ def test_graded_plan_runs_from_packed_int8_bytes(mixtral8, tmp_path):
         for s in range(E):
             fmt = plan.formats[l][s]
             assert bank.format_of(s) == fmt
-            (f, fc, proj), = bank.shards[s]
+            (sh,) = bank.shards[s]
+            fc, proj = sh.fc, sh.proj
+            assert bank.formats_of(s) == (fmt, fmt) and sh.fc_fmt.name == sh.proj_fmt.name
             if fmt == "int8":
                 n_int8 += 1
                 assert fc["weight"].dtype == torch.int8 and proj["weight"].dtype == torch.int8
@@ -291,14 +375,37 @@ def test_target_sets_granularity(mixtral8_bf16, bf16_calib, tmp_path):
         assert algo in ("W8A16", "W4A16")
     cli("convert", mixtral8_bf16, "-o", tmp_path / "emb", "--calib", bf16_calib, "--budget", "6.5", *fm)
     q = json.loads((tmp_path / "emb" / "config.json").read_text())["trtmoe"]["quantization"]
-    assert q["granularity"] == "expert"
-    assert any(len(set(fs)) > 1 for fs in q["expert_formats"].values()), q["expert_formats"]
+    assert q["granularity"] == "matrix" and "expert_formats" not in q
+    mf = q["matrix_formats"]
+    assert set(mf) == {"fc", "proj"} and set(mf["fc"]) == set(mf["proj"]) == {"0", "1", "2"}
+    assert mf["fc"] != mf["proj"], mf  # the allocator used the freedom to part an expert's matrices
     qc = json.loads((tmp_path / "emb" / "quant_cfg.json").read_text())
     assert qc["trtmoe_granularity"] == "trtmoe-per-expert"
     assert any(".experts." in k for k in qc["quantized_layers"])
-    # Both run in the embedded engine.
-    for d in ("trt", "emb"):
+    for l, fs in mf["fc"].items():
+        for s, f in enumerate(fs):
+            for mod, name in (("fc", f), ("proj", mf["proj"][l][s])):
+                entry = qc["quantized_layers"].get(f"transformer.layers.{l}.mlp.experts.{s}.{mod}")
+                assert (entry is None) == (name == "float")
+                if entry is not None:
+                    assert entry == FORMATS[name].trtllm_layer_config()
+    cli("convert", mixtral8_bf16, "-o", tmp_path / "embx", "--calib", bf16_calib, "--budget", "6.5", *fm,
+        "--granularity", "expert")
+    q = json.loads((tmp_path / "embx" / "config.json").read_text())["trtmoe"]["quantization"]
+    assert q["granularity"] == "expert" and "matrix_formats" not in q
+    assert any(len(set(fs)) > 1 for fs in q["expert_formats"].values()), q["expert_formats"]
+    # All three run in the embedded engine.
+    for d in ("trt", "emb", "embx"):
         assert torch.isfinite(EmbeddedEngine.from_checkpoint(tmp_path / d, device="cpu").logits(_ids(1, 8))).all()
+
+
+def test_matrix_granularity_for_tensorrt_llm_is_exit_2(mixtral8_bf16, bf16_calib, tmp_path):
+    res = cli("convert", mixtral8_bf16, "-o", tmp_path / "ck", "--calib", bf16_calib, "--budget", "6",
+              "--formats", "fp16,int8,int4", "--target", "tensorrt-llm", "--granularity", "matrix", expect=2)
+    out = " ".join(res.output.split())
+    assert "one format per MoE layer" in out and "fc and proj" in out and "embedded engine" in out, out
+    assert "--granularity layer" in out
+    assert not (tmp_path / "ck").exists()
 
 
 # ---- placement -------------------------------------------------------------------------------------------------
@@ -372,6 +479,16 @@ def test_placement_and_formats_round_trip_through_the_checkpoint(skewed, tmp_pat
     assert placement_of(ck) == {l: p for l, p in plan.permutations.items()}
     assert expert_format_grid(ck) == plan.formats
     assert isinstance(plan, QuantPlan)
+    # Per matrix: both grids come back per original expert id, through the same permutation.
+    from trtmoe.report.quality import matrix_format_grid
+
+    mplan = make_plan(cal, "graded", budget_bpw=6.0, granularity="matrix", formats=["float", "int8", "int4"],
+                      dtype=torch.float32)
+    assert mplan.formats != mplan.proj_formats  # the case worth checking: fc and proj parted somewhere
+    mplan.permutations = plan.permutations
+    ck = convert(skewed, tmp_path / "ckm", tp=2, moe_ep=2, quant=mplan).out_dir
+    assert matrix_format_grid(ck) == {"fc": mplan.formats, "proj": mplan.proj_formats}
+    assert QuantPlan.from_dict(json.loads(json.dumps(mplan.to_dict()))).proj_formats == mplan.proj_formats
 
 
 # ---- group-wise INT4 with two group sizes (g64 / g128) ------------------------------------------------------
@@ -404,28 +521,19 @@ def _dequant_group_int4(weight: torch.Tensor, scale: torch.Tensor, prequant: tor
 
 
 def _manual_bank(ck: Path, plan: QuantPlan, layer: int) -> FloatExperts:
-    """Float experts rebuilt from the rank file's bytes (per-expert or stacked layout)."""
+    """Float experts rebuilt from the rank file's bytes (per-expert or stacked layout), each matrix in
+    the format the plan gives it."""
     f = SafetensorsFile(ck / "rank0.safetensors")
     try:
         fcs, projs = [], []
         for s in range(E):
-            name = plan.slot_format(layer, s, E)
             ws = []
             for mod in ("fc", "proj"):
-                if plan.granularity == "expert":
-                    pre = f"transformer.layers.{layer}.mlp.experts.{s}.{mod}."
-                    pick = lambda t: t  # noqa: E731
+                name = plan.slot_matrix_format(layer, s, mod, E)
+                if plan.per_expert_layout:
+                    ws.append(_manual_matrix(f, f"transformer.layers.{layer}.mlp.experts.{s}.{mod}.", name))
                 else:
-                    pre = f"transformer.layers.{layer}.mlp.{mod}."
-                    pick = lambda t: t[s]  # noqa: E731
-                if name.startswith("int4_g"):
-                    ws.append(_dequant_group_int4(pick(f.read(pre + "weight")),
-                                                  pick(f.read(pre + "weights_scaling_factor")),
-                                                  f.read(pre + "prequant_scaling_factor")))
-                else:
-                    ws.append(None)
-            if None in ws:  # int8 / float slots: the existing independent reader
-                ws = _manual_expert_weights(ck, layer, s, name)
+                    ws.append(_manual_matrix(f, f"transformer.layers.{layer}.mlp.{mod}.", name, lambda t: t[s]))
             fcs.append(ws[0])
             projs.append(ws[1])
         return FloatExperts(torch.stack(fcs), torch.stack(projs), "float32")
@@ -438,7 +546,8 @@ def _engine_matches_manual(ck: Path, plan: QuantPlan, ref_ck: Path) -> None:
     manual = EmbeddedEngine.from_checkpoint(ck, device="cpu")
     for l, lay in enumerate(eng.layers):
         assert isinstance(lay.experts, PackedExperts)
-        assert [lay.experts.format_of(s) for s in range(E)] == [plan.slot_format(l, s, E) for s in range(E)]
+        assert [lay.experts.formats_of(s) for s in range(E)] == [
+            tuple(plan.slot_matrix_format(l, s, mod, E) for mod in ("fc", "proj")) for s in range(E)]
         manual.layers[l].experts = _manual_bank(ck, plan, l)
     ids = _ids(2, 24, seed=6)
     a, b = eng.logits(ids), manual.logits(ids)
@@ -552,11 +661,100 @@ def test_calibration_measures_g64_and_the_allocator_drops_what_does_not_fit(mixt
     bpw = cal["bits_per_weight"]
     assert bpw["int4_g64"] - bpw["int4_g128"] == pytest.approx(32 / 128, abs=1e-12)
     # Measured through g64's own numerics: finer groups reproduce the experts more closely.
-    mse = cal["sensitivity"]["output_mse"]
-    assert sum(map(sum, mse["int4_g64"])) < sum(map(sum, mse["int4_g128"]))
+    for m in ("fc", "proj"):
+        mse = cal["sensitivity"]["matrices"][m]["output_mse"]
+        assert sum(map(sum, mse["int4_g64"])) < sum(map(sum, mse["int4_g128"])), m
     names = lambda units: {f for u in units for f in u.costs_bits}  # noqa: E731
     assert names(build_units(cal, "expert", torch.float32)) == {"float", "int8", "int4_g128", "int4_g64"}
     # moe_tp=2: I_loc=64 keeps g64 and drops g128.
     assert names(build_units(cal, "expert", torch.float32, I_loc=64)) == {"float", "int8", "int4_g64"}
     plan = make_plan(cal, "graded", budget_bpw=5.0, dtype=torch.float32, I_loc=64)
     assert "int4_g64" in plan.used_formats() and "int4_g128" not in plan.used_formats()
+    # Per matrix, only proj's input (the 64 FFN columns per rank) is too short for 128-groups; fc's
+    # input is the hidden size (128), so fc keeps g128.
+    units = build_units(cal, "matrix", torch.float32, I_loc=64)
+    assert names([u for u in units if u.key[2] == "fc"]) == {"float", "int8", "int4_g128", "int4_g64"}
+    assert names([u for u in units if u.key[2] == "proj"]) == {"float", "int8", "int4_g64"}
+
+
+# ---- per-matrix formats (fc and proj of one expert apart) -------------------------------------------------
+def _every_pair_plan(perm: dict | None = None) -> QuantPlan:
+    """All 16 (fc, proj) pairs of GROUP_CYCLE over the 24 experts of three layers (i = 8·l + e)."""
+    fc = {l: [GROUP_CYCLE[(8 * l + e) % 4] for e in range(E)] for l in range(3)}
+    proj = {l: [GROUP_CYCLE[((8 * l + e) // 4) % 4] for e in range(E)] for l in range(3)}
+    return QuantPlan(fc, granularity="matrix", proj_formats=proj, permutations=perm or {})
+
+
+def test_per_matrix_mix_round_trips_byte_exact_and_runs_from_its_bytes(mixtral_h128, h128_float_ck, tmp_path):
+    perm = {1: list(reversed(range(E)))}  # slots != expert ids in layer 1: both matrices must follow
+    plan = _every_pair_plan(perm)
+    pairs = {(plan.matrix_format(l, e, "fc"), plan.matrix_format(l, e, "proj")) for l in range(3) for e in range(E)}
+    assert len(pairs) == 16
+    ck = convert(mixtral_h128, tmp_path / "ck", quant=plan).out_dir
+    f = SafetensorsFile(ck / "rank0.safetensors")
+    try:
+        for l in range(3):
+            for s in range(E):
+                e = plan.perm(l, E)[s]
+                fc, proj = _hf_expert(mixtral_h128, l, e)
+                for mod, w in (("fc", fc), ("proj", proj)):
+                    name = plan.matrix_format(l, e, mod)
+                    pre = f"transformer.layers.{l}.mlp.experts.{s}.{mod}."
+                    want = format_obj(name, torch.float32).quantize(w, dtype=torch.float32)
+                    got = {k[len(pre):]: f.read(k) for k in f.tensors if k.startswith(pre)}
+                    assert got.keys() == want.keys(), (l, s, mod, name)
+                    assert all(torch.equal(got[k], want[k]) for k in want), (l, s, mod, name)
+    finally:
+        f.close()
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["quantization"] == {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None}
+    q = cfg["trtmoe"]["quantization"]
+    assert q["granularity"] == "matrix" and "expert_formats" not in q
+    for mod in ("fc", "proj"):
+        assert q["matrix_formats"][mod] == {str(l): [plan.slot_matrix_format(l, s, mod, E) for s in range(E)]
+                                            for l in range(3)}
+    qc = json.loads((ck / "quant_cfg.json").read_text())
+    assert qc["trtmoe_granularity"] == "trtmoe-per-expert"
+    want_entries = {}
+    for l in range(3):
+        for s in range(E):
+            for mod in ("fc", "proj"):
+                name = plan.slot_matrix_format(l, s, mod, E)
+                if name != "float":
+                    want_entries[f"transformer.layers.{l}.mlp.experts.{s}.{mod}"] = FORMATS[name].trtllm_layer_config()
+    assert qc["quantized_layers"] == want_entries
+    _engine_matches_manual(ck, plan, h128_float_ck)
+    # Stored bytes are what the per-matrix costs say: the allocator's accounting is the file's.
+    from trtmoe.quant.policies import matrix_cost_bits
+    from trtmoe.report.quality import checkpoint_footprint
+
+    bits = sum(matrix_cost_bits(plan.matrix_format(l, e, m), m, 128, 128, torch.float32)
+               for l in range(3) for e in range(E) for m in ("fc", "proj"))
+    fp = checkpoint_footprint(ck)
+    assert 8 * fp["ranks"][0]["routed_expert_bytes_stored"] == bits
+    # verify rechecks the files and the config; the per-expert layout is refused by TensorRT-LLM builds.
+    res = cli("verify", ck, "--json")
+    assert json.loads(res.output)["kind"] == "trtllm-checkpoint"
+
+
+def test_per_matrix_shapes_are_checked_per_matrix(mixtral_h128, tmp_path):
+    """moe_tp=2 leaves 64 FFN columns per rank: g128 still fits fc (input = hidden size 128) but not proj."""
+    from trtmoe.errors import UnsupportedError
+
+    ok = QuantPlan({l: ["int4_g128"] * E for l in range(3)}, granularity="matrix",
+                   proj_formats={l: ["int4_g64"] * E for l in range(3)})
+    ck = convert(mixtral_h128, tmp_path / "ok", tp=2, moe_tp=2, quant=ok).out_dir
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    assert eng.layers[0].experts.formats_of(3) == ("int4_g128", "int4_g64")
+    assert len(eng.layers[0].experts.shards[3]) == 2  # one shard per moe_tp rank, summed
+    ref = EmbeddedEngine.from_checkpoint(convert(mixtral_h128, tmp_path / "ok1", quant=ok).out_dir, device="cpu")
+    ids = _ids(2, 16, seed=8)
+    # Per-rank groups and scales differ from tp=1 only in how proj's columns are grouped; g64 groups
+    # never straddle the split, so both layouts compute the same expert outputs up to summation order.
+    a, b = eng.logits(ids), ref.logits(ids)
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    bad = QuantPlan({l: ["int4_g64"] * E for l in range(3)}, granularity="matrix",
+                    proj_formats={l: ["int4_g128"] * E for l in range(3)})
+    with pytest.raises(UnsupportedError, match=r"int4_g128 cannot store the experts' proj \[128, 64\]"):
+        convert(mixtral_h128, tmp_path / "bad", tp=2, moe_tp=2, quant=bad)
+    assert not (tmp_path / "bad").exists()

@@ -49,8 +49,9 @@ def _ids(n, t, seed=0):
 
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory):
-    """A float32 tiny Mixtral with a tokenizer, its float checkpoint, calibration and three quantized
-    checkpoints (graded per expert, uniform int8 in layer form, uniform int4 per expert)."""
+    """A float32 tiny Mixtral with a tokenizer, its float checkpoint, calibration and four quantized
+    checkpoints (graded per expert, graded per expert matrix, uniform int8 in layer form, uniform int4
+    per expert)."""
     root = tmp_path_factory.mktemp("report")
     hf = root / "hf"
     shutil.copytree(tiny_model("mixtral", num_local_experts=E, num_hidden_layers=3, seed=11), hf)
@@ -65,6 +66,8 @@ def setup(tiny_model, tmp_path_factory):
     L = range(3)
     plans = {
         "graded": make_plan(cal, "graded", budget_bpw=10.0, formats=["float", "int8", "int4"], dtype=torch.float32),
+        "graded_matrix": make_plan(cal, "graded", budget_bpw=6.0, granularity="matrix",
+                                   formats=["float", "int8", "int4"], dtype=torch.float32),
         "int8_layer": QuantPlan({l: ["int8"] * E for l in L}, granularity="layer", meta={"policy": "uniform-int8"}),
         "int4_expert": QuantPlan({l: ["int4"] * E for l in L}, granularity="expert", meta={"policy": "uniform-int4"}),
     }
@@ -141,13 +144,16 @@ def test_report_renders(setup, tmp_path):
     root, cks = setup["root"], setup["cks"]
     bench = {"rows": [], "targets": [{"name": "demo target", "value": 1.0, "threshold": "≤ 2", "ok": True}]}
     ref = Reference(setup["fp"], _ids(4, 16))
-    for name, pol in (("graded", "graded (expert)"), ("int8_layer", "uniform int8"), ("int4_expert", "uniform int4")):
+    for name, pol, budget in (("graded", "graded (expert)", 10.0), ("graded_matrix", "graded (matrix)", 6.0),
+                              ("int8_layer", "uniform int8", None), ("int4_expert", "uniform int4", None)):
         ev = ref.compare(cks[name])
-        bench["rows"].append({"policy": pol, "budget": 10.0 if name == "graded" else None, "bpw": ev["expert_bpw"],
+        bench["rows"].append({"policy": pol, "budget": budget, "bpw": ev["expert_bpw"],
                               "kl_mean": ev["kl"]["mean"], "kl_stderr": ev["kl"]["stderr"]})
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     out = tmp_path / "rep"
+    # One checkpoint per granularity: expert (graded), matrix (graded_matrix), layer (int8_layer).
     res = CliRunner().invoke(main, ["report", "--ref", str(setup["fp"]), "--quant", str(cks["graded"]),
+                                    "--quant", str(cks["graded_matrix"]), "--quant", str(cks["int8_layer"]),
                                     "--quant", str(cks["int4_expert"]), "--calib", str(root / "calib"),
                                     "--data", str(root / "heldout.txt"), "--samples", "6", "--seq-len", "32",
                                     "--bench", str(tmp_path / "bench.json"), "-o", str(out)],
@@ -166,13 +172,29 @@ def test_report_renders(setup, tmp_path):
     assert '<table class="stats">' in page and "graded" in page and "int4_expert" in page
     assert "demo target" in page
     rep = json.loads((out / "report.json").read_text())
-    assert [e["name"] for e in rep["evaluations"]] == ["graded", "int4_expert"]
+    assert [e["name"] for e in rep["evaluations"]] == ["graded", "graded_matrix", "int8_layer", "int4_expert"]
     ev = rep["evaluations"][0]
-    for k in ("kl", "same_top1", "rms_dp_top1", "ppl_ratio", "router", "footprint", "expert_bpw", "formats"):
+    for k in ("kl", "same_top1", "rms_dp_top1", "ppl_ratio", "router", "footprint", "expert_bpw", "formats",
+              "matrix_formats"):
         assert k in ev
     assert rep["heldout"]["samples"] == 6 and rep["heldout"]["seq_len"] == 32
     assert rep["curve"]["bench"]["uniform int8"][0]["bpw"] == pytest.approx(setup["calib"]["bits_per_weight"]["int8"])
+    assert rep["curve"]["bench"]["graded (matrix)"][0]["budget"] == 6.0
     assert "Held-out statistics" in res.output
+    # The matrix plan's formats come back per matrix (original expert ids) and draw as two panels.
+    from trtmoe.report.html import _format_panels
+
+    evs = {e["name"]: e for e in rep["evaluations"]}
+    plan = setup["plans"]["graded_matrix"]
+    mf = evs["graded_matrix"]["matrix_formats"]
+    assert mf == {m: {str(l): fs for l, fs in plan.matrix_formats(m).items()} for m in ("fc", "proj")}
+    assert evs["graded_matrix"]["plan"]["granularity"] == "matrix"
+    assert [t for t, _ in _format_panels(evs["graded_matrix"])] == ["fc = [up; gate]", "proj = down"]
+    for name in ("graded", "int8_layer", "int4_expert"):
+        assert len(_format_panels(evs[name])) == 1
+    assert {"graded (matrix)", "graded (expert)"} <= set(rep["curve"]["inputs"])
+    # The calibration section says what an expert's sensitivity is.
+    assert "fc + proj" in page
 
 
 def test_report_warns_when_heldout_is_the_calibration_text(setup, tmp_path):

@@ -159,13 +159,17 @@ def _render_inspect(rep: dict) -> None:
               help="Format for --policy uniform.")
 @click.option("--formats", default=None, help="Candidate formats, comma separated [default: fp16 and every format measured in calibration].")
 @click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,
-              help="Build backend the checkpoint is for: sets granularity (per expert vs per MoE layer).")
+              help="Build backend the checkpoint is for: sets the default granularity (per expert matrix vs "
+                   "per MoE layer).")
+@click.option("--granularity", type=click.Choice(["auto", "matrix", "expert", "layer"]), default=None,
+              help="Format unit: matrix (each expert's fc and proj apart), expert, or layer [default: auto = "
+                   "matrix for the embedded target's budgeted policies, layer for tensorrt-llm].")
 @click.option("--placement", type=click.Choice(["identity", "balanced"]), default=None,
               help="balanced: permute experts per layer to even out measured load across EP ranks.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_version, calib, policy, budget_bpw,
-            budget_gb, fmt, formats, target, placement, force, as_json):
+            budget_gb, fmt, formats, target, granularity, placement, force, as_json):
     """Convert an HF MoE checkpoint into a TensorRT-LLM checkpoint directory.
 
     Streams tensor by tensor (memory stays bounded whatever the model size) into a temporary
@@ -175,7 +179,8 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
     Examples:
       trtmoe convert ./Mixtral-8x7B -o ckpt/ --tp 8 --moe-ep 8 --dtype bfloat16
       trtmoe convert ./qwen-moe -o ckpt/ -c build_configs/qwen-moe.yaml --tp 2
-      trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5            # graded, per expert
+      trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5            # graded, per expert matrix
+      trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5 --granularity expert
       trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5 --target tensorrt-llm  # per layer
       trtmoe convert ./model -o ckpt/ --policy uniform --format int8
     """
@@ -186,7 +191,7 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
         "convert": dict(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, dtype=dtype, trtllm_version=trtllm_version),
         "quantize": dict(policy=policy, budget_bpw=budget_bpw, budget_gb=budget_gb, format=fmt,
                          formats=formats.split(",") if formats else None, calib=str(calib) if calib else None,
-                         placement=placement),
+                         placement=placement, granularity=granularity),
         "build": dict(backend=target)})
     cv = cfg["convert"]
     from .quant.commands import plan_from_config

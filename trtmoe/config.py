@@ -46,7 +46,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "budget_bpw": Key((int, float), None, nullable=True, minimum=1, maximum=32,
                           help="average bits per expert weight, scales counted"),
         "budget_gb": Key((int, float), None, nullable=True, minimum=0, help="expert bytes per GPU, in GB"),
-        "granularity": Key(str, "auto", choices=("auto", "expert", "layer")),
+        "granularity": Key(str, "auto", choices=("auto", "matrix", "expert", "layer"),
+                           help="auto: matrix (fc and proj apart) for the embedded target's budgeted "
+                                "policies, layer for tensorrt-llm"),
         "formats": Key(list, None, nullable=True,
                        choices=("fp16", "bf16", "fp32", "float", "int8", "int4", "int4_g128", "int4_g64"),
                        help="candidate formats, e.g. [fp16, int8, int4_g64, int4_g128]; choices apply to each item"),

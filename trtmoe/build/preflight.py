@@ -62,7 +62,7 @@ class CheckpointFacts:
     target_trtllm_version: str
     quant_algo: str | None
     kv_cache_quant_algo: str | None
-    granularity: str | None  # trtmoe's quantization granularity ("expert" / "layer"), None for float
+    granularity: str | None  # trtmoe's quantization granularity ("matrix" / "expert" / "layer"), None for float
     quant_cfg: dict | None = None  # quant_cfg.json (MIXED_PRECISION), when present
 
     @property
@@ -174,11 +174,12 @@ def resolve_limits(build: dict, facts: CheckpointFacts, backend: str) -> Limits:
 # ---- what TensorRT-LLM 1.2 can build --------------------------------------------------------------
 def check_trtllm_compatible(facts: CheckpointFacts) -> None:
     """Raise UnsupportedError (exit 2) for checkpoints TensorRT-LLM 1.2's model classes cannot build."""
-    per_expert = facts.granularity == "expert" or (facts.quant_cfg or {}).get("trtmoe_granularity") == \
+    per_expert = facts.granularity in ("expert", "matrix") or (facts.quant_cfg or {}).get("trtmoe_granularity") == \
         "trtmoe-per-expert"
     if per_expert:
+        gran = facts.granularity if facts.granularity in ("expert", "matrix") else "expert"
         raise UnsupportedError(
-            "this checkpoint is quantized per expert (trtmoe granularity 'expert'); TensorRT-LLM's fused MoE "
+            f"this checkpoint is quantized per expert (trtmoe granularity '{gran}'); TensorRT-LLM's fused MoE "
             "plugin runs one format per MoE layer", where=str(facts.path),
             hint="reconvert with layer granularity: trtmoe convert MODEL -o CKPT ... --target tensorrt-llm; "
                  "or build this one with --backend embedded")

@@ -237,10 +237,18 @@ class RankLayout:
 
     def expert_shard(self, l: int, e: int, t: int, I_loc: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Original expert ``e``'s moe_tp shard ``t``: fc [2·I_loc, H] = [up; gate], proj [H, I_loc]."""
+        return self.expert_matrix(l, e, t, I_loc, "fc"), self.expert_matrix(l, e, t, I_loc, "proj")
+
+    def expert_matrix(self, l: int, e: int, t: int, I_loc: int, mod: str) -> torch.Tensor:
+        """One matrix of original expert ``e``'s moe_tp shard ``t`` in the model dtype: ``fc``
+        [2·I_loc, H] = [up; gate] or ``proj`` [H, I_loc]."""
         rows = (t * I_loc, (t + 1) * I_loc)
-        fc = torch.cat([self.src.role("expert_up", l, e, rows=rows), self.src.role("expert_gate", l, e, rows=rows)])
-        proj = self.src.role("expert_down", l, e)[:, rows[0]:rows[1]]
-        return _cast(fc, self.dtype), _cast(proj, self.dtype)
+        if mod == "fc":
+            w = torch.cat([self.src.role("expert_up", l, e, rows=rows),
+                           self.src.role("expert_gate", l, e, rows=rows)])
+        else:
+            w = self.src.role("expert_down", l, e)[:, rows[0]:rows[1]]
+        return _cast(w, self.dtype)
 
     def _moe(self, p: str, l: int) -> list[TensorSpec]:
         m, mp, plan = self.m, self.mp, self.plan
@@ -256,7 +264,7 @@ class RankLayout:
             emit(w[perm] if perm != list(range(m.num_experts)) else w)
 
         specs = [TensorSpec(p + "mlp.router.weight", (m.num_experts, H), torch.float32, router, "router")]
-        kind = "float" if plan is None else ("expert" if plan.granularity == "expert" else plan.layer_format(l))
+        kind = "float" if plan is None else ("expert" if plan.per_expert_layout else plan.layer_format(l))
         if kind == "expert":
             specs.extend(self._per_expert(p, l, slots, orig, t, I_loc))
         elif packed_at_conversion(kind):
@@ -316,28 +324,27 @@ class RankLayout:
 
                 def produce(emit, mod=mod, key=key, shared=shared):
                     for e in orig[:1] if shared else orig:
-                        fc, proj = self.expert_shard(l, e, t, I_loc)
-                        emit(fmt.quantize(fc if mod == "fc" else proj, dtype=self.dtype)[key])
+                        emit(fmt.quantize(self.expert_matrix(l, e, t, I_loc, mod), dtype=self.dtype)[key])
 
                 full = shape if shared else (len(orig), *shape)
                 specs.append(TensorSpec(f"{p}mlp.{mod}.{key}", full, dtype, produce, f"expert_{mod}"))
         return specs
 
     def _per_expert(self, p: str, l: int, slots, orig: list[int], t: int, I_loc: int):
-        """trtmoe's per-expert variant (embedded engine only): every expert under its own name, in
-        its own format. TensorRT-LLM cannot build it; the config and quant_cfg.json say so."""
+        """trtmoe's per-expert variant (embedded engine only): every expert matrix under its own name,
+        in its own format (fc and proj of one expert may differ at matrix granularity). TensorRT-LLM
+        cannot build it; the config and quant_cfg.json say so."""
         from ..quant.plan import format_obj
 
         H = self.m.hidden_size
         specs = []
         for slot, e in zip(slots, orig):
-            name = self.plan.slot_format(l, slot, self.m.num_experts)
-            fmt = format_obj(name, self.dtype)
             for mod, (out_f, in_f) in (("fc", (2 * I_loc, H)), ("proj", (H, I_loc))):
+                name = self.plan.slot_matrix_format(l, slot, mod, self.m.num_experts)
+                fmt = format_obj(name, self.dtype)
                 for key, (shape, dtype) in self._packed_shapes(name, out_f, in_f).items():
                     def produce(emit, mod=mod, key=key, e=e, fmt=fmt):
-                        fc, proj = self.expert_shard(l, e, t, I_loc)
-                        emit(fmt.quantize(fc if mod == "fc" else proj, dtype=self.dtype)[key])
+                        emit(fmt.quantize(self.expert_matrix(l, e, t, I_loc, mod), dtype=self.dtype)[key])
 
                     specs.append(TensorSpec(f"{p}mlp.experts.{slot}.{mod}.{key}", shape, dtype, produce,
                                             f"expert_{mod}"))

@@ -1,14 +1,21 @@
-"""``trtmoe calibrate``: routing statistics and measured per-expert sensitivity.
+"""``trtmoe calibrate``: routing statistics and measured per-matrix sensitivity.
 
-Sensitivity of expert e (layer l) to format f is the end-to-end ΔKL: the mean over calibration tokens
-of KL(p_ref ‖ p_q), where p_q is the model's next-token distribution with only that expert quantized
-(through the format's own quantize + packed ``linear``). The residual stream entering layer l is
-cached from the reference pass, so each measurement reruns layers l..L-1 only.
+Sensitivity of matrix m ∈ {fc, proj} of expert e (layer l) to format f is the end-to-end ΔKL: the
+mean over calibration tokens of KL(p_ref ‖ p_q), where p_q is the model's next-token distribution
+with only that matrix quantized (through the format's own quantize + packed ``linear``; the other
+matrix and every other expert stay float). The residual stream entering layer l is cached from the
+reference pass, so each measurement reruns layers l..L-1, and only over the sequences in which some
+token routes to e (the others reproduce the reference exactly).
+
+An expert's sensitivity (what expert- and layer-granularity plans and the report use) is the sum
+fc + proj: on the trained fixture the measured sum is ~1.07× the ΔKL of quantizing the whole expert
+at once, additive enough for the allocator, and it saves measuring the whole expert as well.
 
 Experts the router seldom picks see few calibration tokens, so their measured ΔKL says little about
-text that does route to them. For those we also estimate ΔKL from the expert's output error on *all*
-of the layer's calibration inputs (routing ignored), scaled by a per-layer coefficient fitted on the
-well-covered experts and by a floor routing share, and keep the larger of measured and estimated.
+text that does route to them. For those we also estimate ΔKL from the matrix's output error on *all*
+of the layer's calibration inputs (routing ignored), scaled by a per-(layer, format, matrix)
+coefficient fitted on the well-covered experts and by a floor routing share, and keep the larger of
+measured and estimated.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ from ..errors import InputError
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from .formats import FORMATS
-from .plan import FLOAT, format_obj
+from .plan import FLOAT, MATRICES, format_obj
 
 DEFAULT_FORMATS = ("int8", "int4", "int4_g128", "int4_g64")
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
+# Version 2: ΔKL per expert matrix (fc, proj); the expert-level ΔKL is their sum. Version 1 measured
+# whole experts only, which matrix-granularity plans cannot use.
+CALIB_VERSION = 2
 
 
 @dataclass
@@ -66,32 +76,33 @@ def kl_per_token(ref_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (ref_logp.exp() * (ref_logp - logq)).sum(-1)
 
 
-class _OneExpertSwapped(ExpertBank):
-    """A bank where expert ``e`` runs from packed bytes in another format; all others as before."""
+class _MatrixSwapped(ExpertBank):
+    """A bank where expert ``e``'s fc and/or proj run from packed bytes (``(format, packed)``, None =
+    the float matrix, computed exactly as ``FloatExperts`` does); every other expert as before."""
 
-    def __init__(self, base: ExpertBank, e: int, fmt, fc_packed, proj_packed):
-        self.base, self.e, self.fmt, self.fc, self.proj = base, e, fmt, fc_packed, proj_packed
+    def __init__(self, base: FloatExperts, e: int, fc=None, proj=None):
+        self.base, self.e, self.fc, self.proj = base, e, fc, proj
 
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if e != self.e:
             return self.base.forward(e, x)
-        h = self.fmt.linear(x, self.fc)
+        h = x @ self.base.fc[e].t() if self.fc is None else self.fc[0].linear(x, self.fc[1])
         up, gate = h.chunk(2, dim=-1)
-        return self.fmt.linear(F.silu(gate) * up, self.proj)
+        a = F.silu(gate) * up
+        return a @ self.base.proj[e].t() if self.proj is None else self.proj[0].linear(a, self.proj[1])
 
     def format_of(self, e: int) -> str:
-        return self.fmt.name if e == self.e else self.base.format_of(e)
-
-
-def _expert_float(bank: FloatExperts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return bank.fc[e], bank.proj[e]
+        if e != self.e:
+            return self.base.format_of(e)
+        fc, proj = (self.base.fmt if m is None else m[0].name for m in (self.fc, self.proj))
+        return fc if fc == proj else f"fc:{fc},proj:{proj}"
 
 
 def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = None, *, samples: int = 32,
               seq_len: int = 128, formats: tuple[str, ...] = DEFAULT_FORMATS, min_tokens: int = 16,
               batch_size: int = 8, tokenizer: str | Path | None = None,
               progress: Callable[[str, int, int], None] | None = None, text_field: str = "text") -> dict:
-    """Measure routing statistics and per-(layer, expert, format) ΔKL on calibration text.
+    """Measure routing statistics and per-(layer, expert, matrix, format) ΔKL on calibration text.
 
     ``model`` is an HF MoE directory (converted to a temporary single-rank checkpoint in its own
     dtype); ``data`` a text file, directory or JSONL. Writes ``calib.json`` into ``out_dir`` when
@@ -129,7 +140,11 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
 @torch.inference_mode()
 def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, min_tokens: int = 16,
             batch_size: int = 8, progress=None) -> dict:
-    """Routing statistics and sensitivities with a loaded engine (tp=1 float checkpoint)."""
+    """Routing statistics and sensitivities with a loaded engine (tp=1 float checkpoint).
+
+    Returns the calib.json dict (``version`` = CALIB_VERSION). ΔKL values are mean KL per calibration
+    token, in nats: ``sensitivity.matrices[m].delta_kl[f][l][e]`` per matrix m ∈ {fc, proj}, and
+    ``sensitivity.delta_kl[f][l][e]`` = fc + proj per expert."""
     c = eng.cfg
     L, E, k = c.num_layers, c.num_experts, c.top_k
     moe_layers = [l for l in range(L) if c.moe_layers[l]]
@@ -157,11 +172,12 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
     counts, mass = stats["counts"], stats["weight_mass"]
     tokens = ids.numel()
     share = counts.double() / (tokens * k)  # fraction of top-k assignments per expert
-    # 2. Sensitivity: end-to-end ΔKL per (layer, expert, format).
-    total = len(moe_layers) * E * len(formats)
+    # 2. Sensitivity: end-to-end ΔKL per (layer, expert, matrix, format).
+    total = len(moe_layers) * E * len(formats) * len(MATRICES)
     done = 0
-    measured = {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}
-    out_err = {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}
+    zeros = lambda: {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}  # noqa: E731
+    measured = {m: zeros() for m in MATRICES}
+    out_err = {m: zeros() for m in MATRICES}
     passes = 0.0
     for l in moe_layers:
         lay = eng.layers[l]
@@ -169,46 +185,47 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
         x_all = torch.cat(moe_in[l])  # [tokens, H]: every calibration token's input to this layer
         frac = (L - l) / L
         for e in range(E):
-            fc, proj = _expert_float(base, e)
             y_ref = base.forward(e, x_all)
+            # Only sequences with a token routed to e can change (the rest reproduce the reference
+            # exactly), so only those are rerun.
+            seqs = routed[l].eq(e).any(-1).any(-1).nonzero().flatten()
             for f in formats:
                 fmt = format_obj(f, eng.dtype)
-                qfc, qproj = fmt.quantize(fc, dtype=eng.dtype), fmt.quantize(proj, dtype=eng.dtype)
-                swapped = _OneExpertSwapped(base, e, fmt, qfc, qproj)
-                # Output error over all tokens, routing ignored (for seldom-routed experts).
-                y_q = swapped.forward(e, x_all)
-                out_err[f][l, e] = float((y_q - y_ref).float().pow(2).sum(-1).mean())
-                # Only sequences with a token routed to e can change (the rest reproduce the
-                # reference exactly), so only those are rerun.
-                seqs = routed[l].eq(e).any(-1).any(-1).nonzero().flatten()
-                if len(seqs):
-                    lay.experts = swapped
-                    try:
-                        kl = sum(float(kl_per_token(ref_all[chunk], eng.logits_from(l, resid_all[l][chunk])).sum())
-                                 for chunk in seqs.split(batch_size))
-                    finally:
-                        lay.experts = base
-                    measured[f][l, e] = kl / tokens
-                    passes += frac * len(seqs) / N
-                done += 1
-                if progress:
-                    progress("sensitivity", done, total)
+                for m in MATRICES:
+                    w = base.fc[e] if m == "fc" else base.proj[e]
+                    swapped = _MatrixSwapped(base, e, **{m: (fmt, fmt.quantize(w, dtype=eng.dtype))})
+                    # Output error over all tokens, routing ignored (for seldom-routed experts).
+                    y_q = swapped.forward(e, x_all)
+                    out_err[m][f][l, e] = float((y_q - y_ref).float().pow(2).sum(-1).mean())
+                    if len(seqs):
+                        lay.experts = swapped
+                        try:
+                            kl = sum(float(kl_per_token(ref_all[chunk], eng.logits_from(l, resid_all[l][chunk])).sum())
+                                     for chunk in seqs.split(batch_size))
+                        finally:
+                            lay.experts = base
+                        measured[m][f][l, e] = kl / tokens
+                        passes += frac * len(seqs) / N
+                    done += 1
+                    if progress:
+                        progress("sensitivity", done, total)
     eng.reset_routing_stats()  # the measurement passes are not calibration statistics
-    # 3. Seldom-routed experts: estimate from all-token output error, fitted per layer and format.
+    # 3. Seldom-routed experts: estimate from all-token output error, fitted per layer, format, matrix.
     floor = 0.25 * k / E  # a share we assume an under-observed expert could see on other text
-    sens = {f: measured[f].clone() for f in formats}
-    estimated = {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}
+    sens = {m: {f: measured[m][f].clone() for f in formats} for m in MATRICES}
+    estimated = {m: zeros() for m in MATRICES}
     flagged = []
     for l in moe_layers:
         covered = [e for e in range(E) if counts[l, e] >= min_tokens]
-        for f in formats:
-            num = sum(float(measured[f][l, e]) for e in covered)
-            den = sum(float(out_err[f][l, e] * share[l, e]) for e in covered)
-            coef = num / den if den > 0 else 0.0
-            for e in range(E):
-                estimated[f][l, e] = coef * float(out_err[f][l, e]) * max(float(share[l, e]), floor)
-                if counts[l, e] < min_tokens:
-                    sens[f][l, e] = max(float(measured[f][l, e]), float(estimated[f][l, e]))
+        for m in MATRICES:
+            for f in formats:
+                num = sum(float(measured[m][f][l, e]) for e in covered)
+                den = sum(float(out_err[m][f][l, e] * share[l, e]) for e in covered)
+                coef = num / den if den > 0 else 0.0
+                for e in range(E):
+                    estimated[m][f][l, e] = coef * float(out_err[m][f][l, e]) * max(float(share[l, e]), floor)
+                    if counts[l, e] < min_tokens:
+                        sens[m][f][l, e] = max(float(measured[m][f][l, e]), float(estimated[m][f][l, e]))
         flagged += [{"layer": l, "expert": e, "tokens": int(counts[l, e])} for e in range(E)
                     if counts[l, e] < min_tokens]
     entropy = [float(stats["entropy_sum"][l]) / tokens for l in range(L)]
@@ -217,8 +234,9 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
                  for l in range(L)]
     I, H = c.expert_intermediate_size, c.hidden_size
     expert_weights = 3 * I * H
+    as_lists = lambda d: {f: t.tolist() for f, t in d.items()}  # noqa: E731
     return {
-        "version": 1,
+        "version": CALIB_VERSION,
         "architecture": c.family,
         "num_layers": L, "num_experts": E, "top_k": k, "moe_layers": moe_layers,
         "hidden_size": H, "expert_intermediate_size": I, "dtype": str(eng.dtype).replace("torch.", ""),
@@ -239,13 +257,15 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
         },
         "sensitivity": {
             "metric": "mean KL(p_ref || p_quant) per calibration token, nats",
-            "delta_kl": {f: sens[f].tolist() for f in formats},
-            "measured": {f: measured[f].tolist() for f in formats},
-            "estimated": {f: estimated[f].tolist() for f in formats},
-            "output_mse": {f: out_err[f].tolist() for f in formats},
+            # Per expert: the sum of its two matrices' ΔKL (see the module docstring).
+            "delta_kl": {f: (sens["fc"][f] + sens["proj"][f]).tolist() for f in formats},
+            "expert_delta_kl": "fc + proj",
+            "matrices": {m: {"delta_kl": as_lists(sens[m]), "measured": as_lists(measured[m]),
+                             "estimated": as_lists(estimated[m]), "output_mse": as_lists(out_err[m])}
+                         for m in MATRICES},
             "floor_share": floor,
             # Full forward passes over the calibration set that the measurement cost (the reference
-            # pass not included); each per-expert pass reruns layers l..L-1 only.
+            # pass not included); each per-matrix pass reruns layers l..L-1 only.
             "cost_forward_passes": passes,
         },
     }
@@ -258,9 +278,29 @@ def _expert_bpw(name: str, I: int, H: int, dtype: torch.dtype) -> float:
     return bits / (3 * I * H)
 
 
+def check_calib(calib: dict, where: str | None = None) -> dict:
+    """Raise InputError unless ``calib`` has this trtmoe's calib.json layout (CALIB_VERSION)."""
+    v = calib.get("version")
+    if v != CALIB_VERSION:
+        newer = isinstance(v, int) and v > CALIB_VERSION
+        raise InputError(f"calib.json has layout version {v}; this trtmoe reads version {CALIB_VERSION} "
+                         "(ΔKL per expert matrix, fc and proj)", where=where,
+                         hint="it was written by a newer trtmoe" if newer else
+                         "recalibrate: trtmoe calibrate MODEL --data TEXT -o DIR")
+    return calib
+
+
 def load_calib(path: str | Path) -> dict:
+    """Read ``calib.json`` (a file or the directory holding it); InputError when it is missing, not
+    JSON, or of another layout version (an older one needs recalibrating)."""
     p = Path(path)
     f = p / "calib.json" if p.is_dir() else p
     if not f.is_file():
         raise InputError("no calib.json", where=str(p), hint="run `trtmoe calibrate` first")
-    return json.loads(f.read_text())
+    try:
+        calib = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"calib.json is not valid JSON ({e})", where=str(f)) from None
+    if not isinstance(calib, dict):
+        raise InputError("calib.json does not hold a calibration object", where=str(f))
+    return check_calib(calib, str(f))

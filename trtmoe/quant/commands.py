@@ -24,8 +24,19 @@ def plan_from_config(model, cfg: dict):
         return None
     granularity = q["granularity"]
     if granularity == "auto":
-        # Uniform plans are layer-uniform anyway: write them in the form TensorRT-LLM also builds.
-        granularity = "layer" if backend == "tensorrt-llm" or policy == "uniform" else "expert"
+        # Uniform plans are layer-uniform anyway: write them in the form TensorRT-LLM also builds. The
+        # budgeted policies get the finest granularity the target runs: fc and proj apart on the
+        # embedded engine, one format per MoE layer on TensorRT-LLM. Frequency tiers are per expert.
+        if backend == "tensorrt-llm" or policy == "uniform":
+            granularity = "layer"
+        else:
+            granularity = "matrix" if policy in ("graded", "frequency-bytes", "random-bytes") else "expert"
+    if backend == "tensorrt-llm" and granularity == "matrix" and policy not in ("none",):
+        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer, and its "
+                               "MIXED_PRECISION config requires a MoE layer's fc and proj to share it; "
+                               "per-matrix formats (fc and proj apart) only run on the embedded engine",
+                               hint="use --granularity layer (the default for --target tensorrt-llm), "
+                                    "or --target embedded")
     if backend == "tensorrt-llm" and granularity == "expert" and policy not in ("none",):
         raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer; per-expert "
                                "formats only run on the embedded engine",
@@ -95,7 +106,8 @@ def plan_from_config(model, cfg: dict):
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None, help="Tokenizer dir [default: MODEL].")
 @click.option("--json", "as_json", is_flag=True, help="Print calib.json's summary as JSON.")
 def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, tokenizer, as_json):
-    """Measure routing statistics and per-expert sensitivity (ΔKL per format) on calibration text.
+    """Measure routing statistics and sensitivity (ΔKL per format of each expert's fc and proj) on
+    calibration text.
 
     \b
     Example:
@@ -148,7 +160,7 @@ def _render_coverage(res: dict, console, err_console) -> None:
                           f"calibration tokens (< {r['min_tokens_threshold']}); its ΔKL is also estimated from "
                           f"all-token output error")
     s = res["sensitivity"]
-    console.print(f"sensitivity measured for {len(res['formats'])} formats in "
+    console.print(f"sensitivity measured for {len(res['formats'])} formats × 2 expert matrices (fc, proj) in "
                   f"{s['cost_forward_passes']:.1f} forward-pass equivalents ({res['seconds']:.1f} s)")
 
 

@@ -1,5 +1,9 @@
 """Turn calibration measurements into a QuantPlan: the graded (exact knapsack) policy and the
-baselines it is compared against (uniform, frequency tiers, frequency and random at equal bytes)."""
+baselines it is compared against (uniform, frequency tiers, frequency and random at equal bytes).
+
+Three granularities (units of the knapsack): ``matrix`` — each expert's fc and proj apart (the
+finest the embedded engine runs), ``expert`` — one format per expert, ``layer`` — one format per MoE
+layer (what TensorRT-LLM's fused MoE plugin runs)."""
 
 from __future__ import annotations
 
@@ -10,17 +14,36 @@ import torch
 from ..errors import InputError
 from .allocate import Unit, allocate
 from .formats import FORMATS
-from .plan import FLOAT, QuantPlan, expert_shape_problem, format_obj
+from .plan import (FLOAT, GRANULARITIES, MATRICES, QuantPlan, expert_shape_problem, format_obj, matrix_shape,
+                   matrix_shape_problem)
 
 POLICIES = ("graded", "uniform", "frequency", "frequency-bytes", "random-bytes")
+
+
+def _scale_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def matrix_cost_bits(fmt: str, mod: str, I: int, H: int, dtype: torch.dtype) -> int:
+    """Stored bits of one expert's ``mod`` matrix ("fc" [2I, H] or "proj" [H, I]) in ``fmt`` in the
+    per-expert layout, scales counted (a group format's [1, in] pre-quant scale included: every
+    matrix of that layout has its own)."""
+    o, i = matrix_shape(mod, H, I)
+    return 8 * format_obj(fmt, dtype).weight_bytes(o, i, 1, _scale_bytes(dtype))
 
 
 def expert_cost_bits(fmt: str, I: int, H: int, dtype: torch.dtype, n: int = 1) -> int:
     """Stored bits of ``n`` stacked experts (fc [2I, H] + proj [H, I]) in ``fmt``, scales counted
     (a scale tensor shared by the stack, like AWQ's pre-quant scale, once)."""
     f = format_obj(fmt, dtype)
-    scale = torch.empty((), dtype=dtype).element_size()
+    scale = _scale_bytes(dtype)
     return 8 * (f.weight_bytes(2 * I, H, n, scale) + f.weight_bytes(H, I, n, scale))
+
+
+def _check_calib(calib: dict) -> None:
+    from .calibrate import check_calib
+
+    check_calib(calib)
 
 
 def _candidates(calib: dict, formats: list[str] | None) -> list[str]:
@@ -37,13 +60,36 @@ def _candidates(calib: dict, formats: list[str] | None) -> list[str]:
 
 def build_units(calib: dict, granularity: str, dtype: torch.dtype, formats: list[str] | None = None,
                 I_loc: int | None = None) -> list[Unit]:
-    """Allocation units: one per (layer, expert), or one per MoE layer (sums of the expert ΔKLs)."""
+    """Allocation units for the knapsack, with costs in stored bits and values in ΔKL (nats/token).
+
+    ``matrix``: one unit per (layer, expert, "fc" | "proj"), costed from that matrix's own bits
+    (per-expert layout) and valued with its own measured ΔKL. ``expert``: one per (layer, expert),
+    ΔKL = fc + proj. ``layer``: one per MoE layer (key ``(layer,)``), the sum over its experts, costed
+    as a stack (shared pre-quant scale once). Formats whose packing the per-rank shapes (hidden size,
+    FFN size ``I_loc``) do not allow drop out: per matrix at matrix granularity, else per expert."""
+    _check_calib(calib)
+    if granularity not in GRANULARITIES:
+        raise InputError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
     I, H, E = calib["expert_intermediate_size"], calib["hidden_size"], calib["num_experts"]
-    # Formats whose packing the per-rank expert shapes do not allow (group size vs H / I_loc) drop out.
-    fs = [f for f in _candidates(calib, formats) if not expert_shape_problem(f, H, I_loc or I)]
+    cands = _candidates(calib, formats)
+    units = []
+    if granularity == "matrix":
+        per = {}
+        for m in MATRICES:
+            fs = [f for f in cands if not matrix_shape_problem(f, m, H, I_loc or I)]
+            o, i = matrix_shape(m, H, I)
+            per[m] = (fs, o * i, {f: matrix_cost_bits(f, m, I, H, dtype) for f in fs},
+                      calib["sensitivity"]["matrices"][m]["delta_kl"])
+        for l in calib["moe_layers"]:
+            for e in range(E):
+                for m in MATRICES:
+                    fs, n, cost, dkl = per[m]
+                    units.append(Unit(key=(l, e, m), n_weights=n, costs_bits=dict(cost),
+                                      delta_kl={f: 0.0 if f == FLOAT else float(dkl[f][l][e]) for f in fs}))
+        return units
+    fs = [f for f in cands if not expert_shape_problem(f, H, I_loc or I)]
     dkl = calib["sensitivity"]["delta_kl"]
     cost = {f: expert_cost_bits(f, I, H, dtype) for f in fs}
-    units = []
     for l in calib["moe_layers"]:
         if granularity == "expert":
             for e in range(E):
@@ -58,13 +104,17 @@ def build_units(calib: dict, granularity: str, dtype: torch.dtype, formats: list
 
 def _to_plan(calib: dict, assignment: dict, granularity: str, meta: dict) -> QuantPlan:
     E = calib["num_experts"]
-    formats = {}
+    formats, proj = {}, None
+    if granularity == "matrix":
+        proj = {l: [assignment[(l, e, "proj")] for e in range(E)] for l in calib["moe_layers"]}
     for l in calib["moe_layers"]:
-        if granularity == "expert":
+        if granularity == "matrix":
+            formats[l] = [assignment[(l, e, "fc")] for e in range(E)]
+        elif granularity == "expert":
             formats[l] = [assignment[(l, e)] for e in range(E)]
         else:
             formats[l] = [assignment[(l,)]] * E
-    return QuantPlan(formats, granularity=granularity, meta=meta)
+    return QuantPlan(formats, granularity=granularity, meta=meta, proj_formats=proj)
 
 
 def _fill_by_order(units: list[Unit], order: list[int], budget_bpw: float) -> dict:
@@ -92,7 +142,11 @@ def _fill_by_order(units: list[Unit], order: list[int], budget_bpw: float) -> di
 def make_plan(calib: dict, policy: str, *, budget_bpw: float | None = None, granularity: str = "expert",
               fmt: str | None = None, formats: list[str] | None = None, dtype: torch.dtype = torch.float16,
               seed: int = 0, I_loc: int | None = None) -> QuantPlan:
-    """A plan for ``policy`` (see POLICIES). ``budget_bpw`` = average bits per routed-expert weight."""
+    """A plan for ``policy`` (see POLICIES) at ``granularity`` ("matrix", "expert" or "layer"; the
+    frequency-tier policy is per expert by definition). ``budget_bpw`` = average stored bits per
+    routed-expert weight, scales counted; the bytes baselines spend it unit by unit at the same
+    granularity, so they compare with the graded plan at equal bytes."""
+    _check_calib(calib)
     E = calib["num_experts"]
     share = calib["routing"]["share"]
     if policy not in POLICIES:
@@ -125,7 +179,9 @@ def make_plan(calib: dict, policy: str, *, budget_bpw: float | None = None, gran
                         {"policy": "graded", "budget_bpw": budget_bpw, "avg_bpw": p.avg_bits_per_weight,
                          "predicted_delta_kl": p.predicted_delta_kl})
     if policy == "frequency-bytes":
-        if granularity == "expert":
+        if granularity in ("expert", "matrix"):
+            # Busiest experts first; a stable sort keeps an expert's fc before its proj (no
+            # knowledge of which matrix is more sensitive: that is the graded policy's job).
             order = sorted(range(len(units)), key=lambda i: -share[units[i].key[0]][units[i].key[1]])
         else:
             order = list(range(len(units)))
@@ -140,15 +196,22 @@ def make_plan(calib: dict, policy: str, *, budget_bpw: float | None = None, gran
 
 
 def plan_bpw(plan: QuantPlan, calib: dict, dtype: torch.dtype) -> float:
+    """Average stored bits per routed-expert weight of ``plan`` in the per-expert layout (each
+    matrix costed in its own format, scales counted)."""
     I, H = calib["expert_intermediate_size"], calib["hidden_size"]
-    bits = sum(expert_cost_bits(f, I, H, dtype) for fs in plan.formats.values() for f in fs)
+    bits = sum(matrix_cost_bits(f, m, I, H, dtype) for m in MATRICES
+               for fs in plan.matrix_formats(m).values() for f in fs)
     n = sum(len(fs) for fs in plan.formats.values()) * 3 * I * H
     return bits / n
 
 
 def predicted_delta_kl(plan: QuantPlan, calib: dict) -> float:
-    dkl = calib["sensitivity"]["delta_kl"]
-    return sum(0.0 if f == FLOAT else dkl[f][l][e] for l, fs in plan.formats.items() for e, f in enumerate(fs))
+    """The allocator's objective for ``plan``: the sum of the measured per-matrix ΔKL (nats/token) of
+    every quantized expert matrix (for expert and layer plans, the sum of expert ΔKL = fc + proj)."""
+    _check_calib(calib)
+    mats = calib["sensitivity"]["matrices"]
+    return sum(0.0 if f == FLOAT else mats[m]["delta_kl"][f][l][e]
+               for m in MATRICES for l, fs in plan.matrix_formats(m).items() for e, f in enumerate(fs))
 
 
 # ---- expert placement for EP ---------------------------------------------------------------------

@@ -25,13 +25,19 @@ FORMAT_LABELS = {"float": "FP16/BF16 (unquantized)", "int8": "INT8 per-channel",
                  "int4_g128": "INT4 g128", "int4": "INT4 per-channel"}
 FORMAT_SHORT = {"float": "16", "int8": "8", "int4_g64": "g64", "int4_g128": "g128", "int4": "4"}
 SERIES_STYLE = {  # curve series -> (colour, marker, line)
+    "graded (matrix)": ("#0d47a1", "*", "-"),
+    "graded +int4 (matrix)": ("#6a1b9a", "*", ":"),
     "graded (expert)": ("#1b5e20", "o", "-"),
-    "graded (layer)": ("#2e7d32", "s", "--"),
     "graded +int4 (expert)": ("#00838f", "o", ":"),
-    "frequency-bytes": ("#ef6c00", "^", "-"),
-    "random-bytes": ("#757575", "v", "-"),
-    "frequency-bytes +int4": ("#ffa726", "^", ":"),
-    "random-bytes +int4": ("#bdbdbd", "v", ":"),
+    "graded (layer)": ("#2e7d32", "s", "--"),
+    "frequency-bytes (matrix)": ("#bf360c", "<", "-"),
+    "random-bytes (matrix)": ("#424242", ">", "-"),
+    "frequency-bytes +int4 (matrix)": ("#ff8a65", "<", ":"),
+    "random-bytes +int4 (matrix)": ("#9e9e9e", ">", ":"),
+    "frequency-bytes (expert)": ("#ef6c00", "^", "-"),
+    "random-bytes (expert)": ("#757575", "v", "-"),
+    "frequency-bytes +int4 (expert)": ("#ffa726", "^", ":"),
+    "random-bytes +int4 (expert)": ("#bdbdbd", "v", ":"),
     "frequency tiers": ("#ad1457", "P", ""),
     "uniform int8": ("#55a868", "D", ""),
     "uniform int4": ("#c44e52", "D", ""),
@@ -60,8 +66,10 @@ def _calib_summary(calib: dict) -> dict:
         "under_observed": r["under_observed"], "dead": r["dead"],
         "load_imbalance": r["load_imbalance"], "entropy_nats": r["entropy_nats"],
         "max_entropy_nats": r["max_entropy_nats"],
+        # An expert's sensitivity is the sum of its two matrices' ΔKL (fc + proj), as the allocator uses it.
         "sensitivity_format": low, "sensitivity": calib["sensitivity"]["delta_kl"][low],
         "sensitivity_all": calib["sensitivity"]["delta_kl"],
+        "sensitivity_matrices": {m: d["delta_kl"][low] for m, d in calib["sensitivity"]["matrices"].items()},
         "cost_forward_passes": calib["sensitivity"].get("cost_forward_passes"),
     }
 
@@ -215,7 +223,10 @@ def plot_sensitivity(cal: dict) -> bytes:
     if hi <= lo:
         hi = lo * 10
     shown = [[v if v > 0 else float("nan") for v in row] for row in data]
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * E + 2), max(2.5, 0.45 * len(layers) + 1.4)))
+    mats = cal.get("sensitivity_matrices")
+    w, h = max(5.0, 0.55 * E + 2), max(2.5, 0.45 * len(layers) + 1.4)
+    fig, axes = plt.subplots(1, 2 if mats else 1, figsize=(w * (2 if mats else 1), h), squeeze=False)
+    ax = axes[0][0]
     im = ax.imshow(shown, cmap="magma_r", norm=LogNorm(vmin=lo, vmax=hi), aspect="auto")
     if E <= 32:
         mid = math.sqrt(lo * hi)
@@ -224,9 +235,29 @@ def plot_sensitivity(cal: dict) -> bytes:
     for u in cal["under_observed"]:
         ax.add_patch(_rect(u["expert"], layers.index(u["layer"])))
     fig.colorbar(im, ax=ax, label="ΔKL (nats / token), log scale")
-    ax.set_title(f"Sensitivity: ΔKL with one expert in {cal['sensitivity_format']} (lowest-bit candidate)"
+    ax.set_title(f"Expert ΔKL = fc + proj, each alone in {cal['sensitivity_format']} (lowest-bit candidate)"
                  + ("\nred box: under-observed, ΔKL partly estimated" if cal["under_observed"] else ""))
+    if mats:
+        # proj is a third of an expert's weights; its share of the ΔKL says where bits pay off.
+        share = [[(p / (f + p)) if f + p > 0 else float("nan") for f, p in zip(mats["fc"][l], mats["proj"][l])]
+                 for l in layers]
+        ax2 = axes[0][1]
+        im2 = ax2.imshow(share, cmap="coolwarm", vmin=0, vmax=1, aspect="auto")
+        if E <= 32:
+            _annotate(ax2, share, lambda v: f"{v:.2f}", lambda v: v < 0.15 or v > 0.85)
+        _expert_axes(ax2, E, layers)
+        fig.colorbar(im2, ax=ax2, label="proj ΔKL / (fc ΔKL + proj ΔKL)")
+        ax2.set_title("proj's share of the expert's ΔKL (proj holds 1/3 of its weights)")
     return _png(fig)
+
+
+def _format_panels(ev: dict) -> list[tuple[str, dict[str, list[str]]]]:
+    """(title suffix, {layer: [format per expert]}) per heatmap panel: two (fc, proj) when the
+    evaluated plan gives an expert's matrices different formats, else one."""
+    mf = ev.get("matrix_formats")
+    if mf and (mf["fc"] != mf["proj"] or (ev.get("plan") or {}).get("granularity") == "matrix"):
+        return [("fc = [up; gate]", mf["fc"]), ("proj = down", mf["proj"])]
+    return [("", mf["fc"] if mf else ev["formats"])]
 
 
 def plot_formats(evals: list[dict], layers: list[int], E: int) -> bytes | None:
@@ -234,29 +265,40 @@ def plot_formats(evals: list[dict], layers: list[int], E: int) -> bytes | None:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    evs = [ev for ev in evals if ev.get("formats")]
-    if not evs:
+    # Rows of two panels; a per-matrix plan gets a row of its own, fc beside proj.
+    rows_of: list[list[tuple]] = []
+    for ev in evals:
+        if not (ev.get("formats") or ev.get("matrix_formats")):
+            continue
+        panels = [(ev, sub, grid) for sub, grid in _format_panels(ev)]
+        if len(panels) == 1 and rows_of and len(rows_of[-1]) == 1 and len(_format_panels(rows_of[-1][0][0])) == 1:
+            rows_of[-1].append(panels[0])
+        else:
+            rows_of.append(panels)
+    if not rows_of:
         return None
-    cols = min(2, len(evs))
-    rows = math.ceil(len(evs) / cols)
+    cols = max(len(r) for r in rows_of)
+    rows = len(rows_of)
     w = max(4.5, 0.45 * E + 1.5)
     h = max(1.8, 0.4 * len(layers) + 1.0)
     fig, axes = plt.subplots(rows, cols, figsize=(w * cols, h * rows + 0.6), squeeze=False)
     cmap = ListedColormap([FORMAT_COLORS[f] for f in FORMAT_ORDER])
     used = set()
-    for ax, ev in zip(axes.flat, evs):
-        grid = [[FORMAT_ORDER.index(f) for f in ev["formats"][str(l)]] for l in layers]
-        used |= {f for l in layers for f in ev["formats"][str(l)]}
+    placed = [(axes[i][j], p) for i, r in enumerate(rows_of) for j, p in enumerate(r)]
+    for ax, (ev, sub, fmts) in placed:
+        grid = [[FORMAT_ORDER.index(f) for f in fmts[str(l)]] for l in layers]
+        used |= {f for l in layers for f in fmts[str(l)]}
         ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=len(FORMAT_ORDER) - 0.5, aspect="auto")
         if E <= 32:
             _annotate(ax, grid, lambda v: FORMAT_SHORT[FORMAT_ORDER[v]], lambda v: True)
         _expert_axes(ax, E, layers)
-        ax.set_title(f"{ev['name']}: {ev['expert_bpw']:.3f} bpw", fontsize=10)
-    for ax in list(axes.flat)[len(evs):]:
-        ax.axis("off")
+        ax.set_title(f"{ev['name']}{': ' + sub if sub else ''} ({ev['expert_bpw']:.3f} bpw)", fontsize=10)
+    for i, r in enumerate(rows_of):
+        for j in range(len(r), cols):
+            axes[i][j].axis("off")
     fig.legend(handles=[Patch(color=FORMAT_COLORS[f], label=FORMAT_LABELS[f]) for f in FORMAT_ORDER if f in used],
                loc="lower center", ncol=4, bbox_to_anchor=(0.5, -0.02), frameon=False)
-    fig.suptitle("Assigned format per expert (original expert ids)")
+    fig.suptitle("Assigned format per expert (original expert ids; per-matrix plans: fc and proj panels)")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return _png(fig)
 
@@ -289,7 +331,8 @@ def plot_curve(curve: dict) -> bytes | None:
     ax.set_yscale("log")
     ax.set_xlabel("average bits per routed-expert weight (scales counted)")
     ax.set_ylabel("mean KL(p_ref ‖ p_quant), nats / token (log)")
-    ax.set_title("Held-out KL versus bits: graded plans against the baselines")
+    ax.set_title("Held-out KL versus bits: graded plans (per expert matrix, per expert, per layer) "
+                 "against the baselines")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return _png(fig)
@@ -457,10 +500,13 @@ def _page(rep: dict, pngs: dict[str, bytes | None]) -> str:
                              for r in brows], "bench"))
     tg = (rep.get("curve") or {}).get("bench_targets")
     if tg:
+        cmp = any(t.get("comparison") for t in tg)  # e.g. the expert-granularity number beside the target's
         trs = [[esc(t["name"]), esc(str(t.get("value", ""))), esc(str(t.get("threshold", ""))),
-                f"<span class='{'pass' if t['ok'] else 'fail'}'>{'pass' if t['ok'] else 'miss'}</span>"]
-               for t in tg]
-        parts.append(_table(["benchmark target", "measured", "required", ""], trs))
+                ("info" if t.get("info") else
+                 f"<span class='{'pass' if t['ok'] else 'fail'}'>{'pass' if t['ok'] else 'miss'}</span>")]
+               + ([esc(str(t.get("comparison") or ""))] if cmp else []) for t in tg]
+        parts.append(_table(["benchmark target", "measured", "required", ""] + (["for comparison"] if cmp else []),
+                            trs))
     parts.append("<h2>Router top-k agreement</h2>")
     parts.append(_img(pngs.get("router"), "router agreement per layer"))
     parts.append("<h2>Assigned formats</h2>")
@@ -470,7 +516,10 @@ def _page(rep: dict, pngs: dict[str, bytes | None]) -> str:
         d = cal.get("data") or {}
         parts.append(f"<p class='note'>{cal['tokens']} calibration tokens ({d.get('samples', '?')} × "
                      f"{d.get('seq_len', '?')}) from <code>{esc(str(d.get('path', '?')))}</code>; "
-                     f"sensitivity cost {cal.get('cost_forward_passes') or 0:.1f} forward-pass equivalents.</p>")
+                     f"sensitivity cost {cal.get('cost_forward_passes') or 0:.1f} forward-pass equivalents. "
+                     "ΔKL is measured per expert matrix (fc = [up; gate], proj = down), each quantized alone; "
+                     "an expert's ΔKL is fc + proj, which is what expert- and layer-granularity plans "
+                     "allocate with.</p>")
         parts.append(_img(pngs.get("share"), "routed-token share heatmap"))
         parts.append(_img(pngs.get("sensitivity"), "sensitivity heatmap"))
         parts.append(_img(pngs.get("min_tokens"), "minimum routed tokens per expert"))
@@ -510,7 +559,7 @@ def render(rep: dict, out_dir: str | Path) -> dict[str, Path]:
         pngs["formats"] = plot_formats(evals, cal["moe_layers"], cal["num_experts"])
     elif evals and evals[0].get("formats"):
         layers = sorted(int(l) for l in evals[0]["formats"])
-        pngs["formats"] = plot_formats(evals, layers, len(evals[0]["formats"][str(layers[0])]))
+        pngs["formats"] = plot_formats(evals, layers, len(evals[0]["formats"][str(layers[0])])) if layers else None
     paths: dict[str, Path] = {}
     for name, png in pngs.items():
         if png is not None:

@@ -31,8 +31,8 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["Reference", "evaluate", "compare", "checkpoint_footprint", "expert_format_grid", "placement_of",
-           "kl_summary", "heldout_ids"]
+__all__ = ["Reference", "evaluate", "compare", "checkpoint_footprint", "expert_format_grid", "matrix_format_grid",
+           "placement_of", "kl_summary", "heldout_ids"]
 
 
 # ---- checkpoint facts -----------------------------------------------------------------------------
@@ -50,25 +50,35 @@ def placement_of(ckpt: str | Path) -> dict[int, list[int]]:
     return {int(l): [int(x) for x in p] for l, p in (q.get("placement") or {}).items()}
 
 
-def expert_format_grid(ckpt: str | Path) -> dict[int, list[str]]:
-    """Per MoE layer, the format of each *original* expert id (slot formats un-permuted)."""
+def matrix_format_grid(ckpt: str | Path) -> dict[str, dict[int, list[str]]]:
+    """``{"fc": {layer: [...]}, "proj": {layer: [...]}}``: per MoE layer, the format of each *original*
+    expert id's fc and proj (slot formats un-permuted); both equal unless the plan is per matrix."""
     from ..runtime.checkpoint_reader import load_config
-    from ..runtime.experts import layer_formats
+    from ..runtime.experts import slot_formats
 
     ck, _ = _ck(ckpt)
     cfg = load_config(ck)
     perms = placement_of(ck)
-    out = {}
+    out: dict[str, dict[int, list[str]]] = {"fc": {}, "proj": {}}
     for l in range(cfg.num_layers):
         if not cfg.moe_layers[l]:
             continue
-        _, slot_fmt = layer_formats(cfg, l)
+        _, fc, proj = slot_formats(cfg, l)
         perm = perms.get(l, list(range(cfg.num_experts)))
-        fs = [""] * cfg.num_experts
-        for s, e in enumerate(perm):
-            fs[e] = slot_fmt[s]
-        out[l] = fs
+        for mod, slot_fmt in (("fc", fc), ("proj", proj)):
+            fs = [""] * cfg.num_experts
+            for s, e in enumerate(perm):
+                fs[e] = slot_fmt[s]
+            out[mod][l] = fs
     return out
+
+
+def expert_format_grid(ckpt: str | Path) -> dict[int, list[str]]:
+    """Per MoE layer, the format of each *original* expert id (slot formats un-permuted). An expert
+    whose fc and proj differ (matrix granularity) is shown as ``fc:<format>,proj:<format>``; see
+    ``matrix_format_grid`` for the two grids."""
+    g = matrix_format_grid(ckpt)
+    return {l: [a if a == b else f"fc:{a},proj:{b}" for a, b in zip(fs, g["proj"][l])] for l, fs in g["fc"].items()}
 
 
 def _ck(ckpt):
@@ -92,7 +102,7 @@ def checkpoint_footprint(ckpt: str | Path) -> dict:
     from ..hf.safetensors_io import SafetensorsFile
     from ..quant.plan import FLOAT, format_obj
     from ..runtime.checkpoint_reader import load_config
-    from ..runtime.experts import layer_formats
+    from ..runtime.experts import slot_formats
 
     ck, _ = _ck(ckpt)
     cfg = load_config(ck)
@@ -121,7 +131,7 @@ def checkpoint_footprint(ckpt: str | Path) -> dict:
         ep = mp.moe_ep_rank(r)
         deployed = dict(stored)
         for l in moe_layers:
-            gran, names = layer_formats(cfg, l)
+            gran, names, _ = slot_formats(cfg, l)  # layer granularity: fc and proj share the format
             if gran == "layer" and names[0] != FLOAT and not packed_at_conversion(names[0]):
                 # Float weights under a weight-only quant_algo: the build packs them to this size.
                 fmt = format_obj(names[0], cfg.dtype)
@@ -283,6 +293,8 @@ class Reference:
             "footprint": fp,
             "expert_bpw": fp["expert_bpw"],
             "formats": {str(l): fs for l, fs in expert_format_grid(quant_ckpt).items()},
+            "matrix_formats": {mod: {str(l): fs for l, fs in g.items()}
+                               for mod, g in matrix_format_grid(quant_ckpt).items()},
             "plan": manifest,
             "seconds": time.perf_counter() - t0,
         }

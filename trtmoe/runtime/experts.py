@@ -2,11 +2,14 @@
 
 A bank computes ``expert_e(x) = proj_e(silu(gate_e x) * up_e x)`` for a block of tokens. Float
 banks hold the reassembled [up; gate] / down matrices. Quantized banks hold each rank shard's packed
-bytes and run from them through the format's own ``linear`` (see ``trtmoe.quant``): with moe_tp > 1
-the expert output is the sum over its shards, exactly as the ranks would compute it.
+bytes, fc and proj each in its own format, and run from them through that format's own ``linear``
+(see ``trtmoe.quant``): with moe_tp > 1 the expert output is the sum over its shards, exactly as the
+ranks would compute it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,33 +62,65 @@ def _float_fc_proj(files, cfg, pre: str, pp_rank: int):
     return torch.cat(fcs), torch.cat(projs)
 
 
-class PackedExperts(ExpertBank):
-    """Per expert: a list of moe_tp shards, each (format, fc packed tensors, proj packed tensors).
-    Runs from the packed bytes through the format's own ``linear``."""
+class PackedShard(NamedTuple):
+    """One moe_tp shard of an expert: each matrix with its own format and packed tensors."""
 
-    def __init__(self, shards: list[list[tuple]], names: list[str]):
-        self.shards, self.names = shards, names
+    fc_fmt: object  # trtmoe.quant.formats.QuantFormat
+    fc: dict[str, torch.Tensor]
+    proj_fmt: object
+    proj: dict[str, torch.Tensor]
+
+
+class PackedExperts(ExpertBank):
+    """Per expert: a list of moe_tp shards (``PackedShard``), fc and proj each in its own format.
+    Runs from the packed bytes through each format's own ``linear``."""
+
+    def __init__(self, shards: list[list[PackedShard]], fc_names: list[str], proj_names: list[str] | None = None):
+        self.shards, self.fc_names = shards, fc_names
+        self.proj_names = list(fc_names) if proj_names is None else proj_names
 
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         y = None
-        for fmt, fc, proj in self.shards[e]:
-            h = fmt.linear(x, fc)
+        for sh in self.shards[e]:
+            h = sh.fc_fmt.linear(x, sh.fc)
             up, gate = h.chunk(2, dim=-1)
-            part = fmt.linear(F.silu(gate) * up, proj)
+            part = sh.proj_fmt.linear(F.silu(gate) * up, sh.proj)
             y = part if y is None else y + part
         return y
 
+    def formats_of(self, e: int) -> tuple[str, str]:
+        """(fc format, proj format) of expert slot ``e``."""
+        return self.fc_names[e], self.proj_names[e]
+
     def format_of(self, e: int) -> str:
-        return self.names[e]
+        fc, proj = self.formats_of(e)
+        return fc if fc == proj else f"fc:{fc},proj:{proj}"
 
 
-def layer_formats(cfg, layer: int) -> tuple[str, list[str]]:
-    """(granularity, format per expert slot) recorded by the writer; float when absent."""
+def slot_formats(cfg, layer: int) -> tuple[str, list[str], list[str]]:
+    """(granularity, fc format per expert slot, proj format per slot) as recorded by the writer.
+
+    Layers without a recorded format are float: stacked for ``layer`` granularity (and for
+    checkpoints without quantization), one tensor set per expert for ``expert`` / ``matrix``."""
+    from ..errors import CheckpointError
+
     q = (cfg.raw.get("trtmoe") or {}).get("quantization") or {}
+    gran = q.get("granularity", "layer")
+    floats = ["float"] * cfg.num_experts
+    if gran == "matrix":
+        mf = q.get("matrix_formats") or {}
+        fc, proj = ((mf.get(mod) or {}).get(str(layer)) for mod in ("fc", "proj"))
+        if (fc is None) != (proj is None):
+            raise CheckpointError(f"config.json records matrix formats of layer {layer} for "
+                                  f"{'fc' if fc is not None else 'proj'} only")
+        return gran, fc or floats, proj or floats
+    if gran not in ("expert", "layer"):
+        raise CheckpointError(f"config.json records an unknown quantization granularity {gran!r}",
+                              hint="this checkpoint was written by a newer trtmoe")
     fs = (q.get("expert_formats") or {}).get(str(layer))
     if fs is None:
-        return "layer", ["float"] * cfg.num_experts
-    return q.get("granularity", "layer"), fs
+        return gran, floats, list(floats)
+    return gran, fs, list(fs)
 
 
 def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
@@ -93,15 +128,15 @@ def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
     from ..checkpoint.layout import packed_at_conversion
     from ..quant.plan import FLOAT, format_obj
 
-    gran, names = layer_formats(cfg, layer)
+    gran, fc_names, proj_names = slot_formats(cfg, layer)
     dt = cfg.dtype
-    if gran == "layer" and names[0] == FLOAT:
+    if gran == "layer" and fc_names[0] == FLOAT:
         fc, proj = _float_fc_proj(files, cfg, pre, pp_rank)
         cdt = compute_dtype or dt
         return FloatExperts(fc.to(device, cdt), proj.to(device, cdt), str(dt).replace("torch.", ""))
     mp = cfg.mapping
     E_loc = cfg.num_experts // mp.moe_ep_size
-    shards: list[list[tuple]] = [[] for _ in range(cfg.num_experts)]
+    shards: list[list[PackedShard]] = [[] for _ in range(cfg.num_experts)]
     mv = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
     for ep in range(mp.moe_ep_size):
         for t in range(mp.moe_tp_size):
@@ -109,23 +144,23 @@ def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
             f = files.file(mp.rank(r, pp_rank))
             for i in range(E_loc):
                 slot = ep * E_loc + i
-                fmt = format_obj(names[slot], dt)
-                if gran == "expert":
+                fmts = {"fc": format_obj(fc_names[slot], dt), "proj": format_obj(proj_names[slot], dt)}
+                if gran in ("expert", "matrix"):
                     parts = {}
                     for mod in ("fc", "proj"):
                         prefix = f"{pre}mlp.experts.{slot}.{mod}."
                         parts[mod] = {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
-                elif packed_at_conversion(names[slot]):
+                elif packed_at_conversion(fc_names[slot]):
                     parts = {}
                     for mod in ("fc", "proj"):
                         prefix = f"{pre}mlp.{mod}."
                         stack = {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
-                        parts[mod] = fmt.expert(stack, i)
+                        parts[mod] = fmts[mod].expert(stack, i)
                 else:
                     # Float weights with a weight-only quant_algo: quantize each rank shard as
                     # trtllm-build would, then run from the packed bytes.
                     fc = f.read(f"{pre}mlp.fc.weight")[i]
                     proj = f.read(f"{pre}mlp.proj.weight")[i]
-                    parts = {"fc": fmt.quantize(fc, dtype=dt), "proj": fmt.quantize(proj, dtype=dt)}
-                shards[slot].append((fmt, mv(parts["fc"]), mv(parts["proj"])))
-    return PackedExperts(shards, list(names))
+                    parts = {"fc": fmts["fc"].quantize(fc, dtype=dt), "proj": fmts["proj"].quantize(proj, dtype=dt)}
+                shards[slot].append(PackedShard(fmts["fc"], mv(parts["fc"]), fmts["proj"], mv(parts["proj"])))
+    return PackedExperts(shards, list(fc_names), list(proj_names))
