@@ -97,7 +97,9 @@ class _KVPool:
             old = list(kv)
             kv.clear()
             for l in range(self.num_layers):
-                new = torch.empty(shape, dtype=self.dtype, device=self.device)
+                # Zeros, not empty: a step reads every row up to its longest sequence, and masked
+                # attention weights (0) times uninitialized NaN/Inf bits would still be NaN.
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if old:
                     new[: self.slots, :, : self.capacity] = old[l]
                 kv.append(new)
