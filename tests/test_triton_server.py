@@ -325,6 +325,23 @@ def test_example_client_script(served):
     assert out.stdout == served["ref"].text("def main(", 12) + "\n"
 
 
+def test_streamed_multibyte_characters_arrive_whole(served):
+    """A seeded sample whose text ends in a 3-byte character ('“', three byte tokens for this
+    vocabulary): streamed through the ensemble (each response decoded alone) it arrives whole."""
+    ref = served["ref"]
+    prompt, n = "# 日本語 ", 24
+    ids = ref.ids(prompt)
+    with ref.lock:
+        toks = ref.engine.generate(ids, SamplingParams(max_new_tokens=n, temperature=1.5, seed=32,
+                                                       end_id=ref.tok.eos_token_id))
+    want = ref.tok.decode(ids + toks, skip_special_tokens=True)[len(ref.tok.decode(ids, skip_special_tokens=True)):]
+    assert "\u201c" in want and any("\ufffd" in ref.tok.decode([t]) for t in toks), "fixture behaviour changed"
+    # top_p turns sampling on (as in TensorRT-LLM, a bare temperature stays greedy).
+    r = generate(served["url"], prompt, max_tokens=n, temperature=1.5, top_p=1.0, seed=32)
+    assert r.streamed and r.text == want
+    assert not any("\ufffd" in p for p in r.pieces)
+
+
 def test_stream_interval_server(served, tmp_path):
     """A repository generated with stream_interval 4 serves the same text in fewer responses: the first
     token alone, then four tokens per response (the last one carries the rest)."""

@@ -44,6 +44,7 @@ class GenerationRequest:
     return_num_output_tokens: bool = False
     batch_size: int = 1  # prompts in the Triton request this one came from
     sent_tokens: int = 0  # generated tokens already sent back (owned by the responder)
+    held: list[int] = field(default_factory=list)  # streamed ids held back until a character is whole
 
 
 Getter = Callable[[str], "np.ndarray | None"]

@@ -190,7 +190,9 @@ def backend_parameters(info: EngineInfo, s: RepoSettings) -> dict[str, Any]:
                 "max_input_len": s.max_input_len, "max_seq_len": s.max_seq_len,
                 "exclude_input_in_output": _bool(s.exclude_input_in_output), "enable_metrics": "true",
                 "metrics_interval_s": "0.5", "max_waiting_requests": s.max_queue_size,
-                "stream_interval": s.stream_interval}
+                "stream_interval": s.stream_interval,
+                # Streamed responses never end inside a character (see trtmoe.triton.textstream).
+                "tokenizer_dir": TOKENIZER_SUBDIR, "trust_remote_code": _bool(s.trust_remote_code)}
     return {
         "gpt_model_type": "inflight_fused_batching",
         "gpt_model_path": str(info.path),

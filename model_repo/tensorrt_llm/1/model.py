@@ -23,6 +23,7 @@ from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
 from trtmoe.triton.engine_dir import read_engine_dir
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
 from trtmoe.triton.metrics import RoutingMetricsPublisher
+from trtmoe.triton.textstream import split_at_character
 
 
 def _param(config: dict, key: str, default: str = "") -> str:
@@ -84,6 +85,15 @@ class TritonPythonModel:
         self.limits = EngineLimits(max_input_len=max_input, max_seq_len=max_seq, vocab_size=int(eng.vocab_size),
                                    max_beam_width=info.max_beam_width, default_end_id=info.eos_token_id)
         self.exclude_input = _flag(config, "exclude_input_in_output", True)
+        self.decode = None  # token ids -> text, to keep streamed responses on character boundaries
+        tok_dir = _param(config, "tokenizer_dir")
+        if tok_dir:
+            from transformers import AutoTokenizer
+
+            if not os.path.isabs(tok_dir):
+                tok_dir = os.path.join(os.path.dirname(os.path.abspath(args["model_repository"])), tok_dir)
+            tok = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=_flag(config, "trust_remote_code", False))
+            self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.metrics = None
         if _flag(config, "enable_metrics", True):
@@ -186,14 +196,19 @@ class TritonPythonModel:
             else:
                 treq.errors.append(msg)
             return
+        held = gen.held
         if final is None:
             if gen.streaming and new_tokens:
-                treq.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(gen, req, new_tokens, False)))
+                ids = held + new_tokens
+                if self.decode is not None:  # hold a character's leading bytes until it is whole
+                    ids, gen.held = split_at_character(self.decode, ids)
+                if ids:
+                    treq.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(gen, req, ids, False)))
             return
         last = treq.finish_one()
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0
         if gen.streaming:
-            ids = new_tokens
+            ids = held + new_tokens
         else:
             ids = req.tokens if gen.exclude_input_in_output else gen.prompt_ids + req.tokens
         if not self.decoupled:
