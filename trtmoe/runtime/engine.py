@@ -111,18 +111,14 @@ class _KVPool:
         """A free slot able to hold ``need`` tokens."""
         slots, cap = self.slots, self.capacity
         if need > cap:
-            cap = max(need + (-need) % 64, min(2 * cap, self._cap_limit(need)))
+            # Doubling amortizes growth, but never reserve more than 4x what was asked for.
+            cap = max(need + (-need) % 64, min(2 * cap, 4 * need))
         if not self._free:
             slots = max(4, 2 * self.slots)
         if (slots, cap) != (self.slots, self.capacity):
             self._resize(slots, cap)
         self.live += 1
         return heapq.heappop(self._free)
-
-    @staticmethod
-    def _cap_limit(need: int) -> int:
-        # Doubling amortizes growth, but never reserve more than 4x what was asked for.
-        return 4 * need
 
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
@@ -138,14 +134,8 @@ class _KVPool:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
+    wqkv: torch.Tensor  # [q; k; v] rows: one matmul per layer
     wo: torch.Tensor
-    wqkv: torch.Tensor | None = None  # [q; k; v] rows
-    bq: torch.Tensor | None = None
-    bk: torch.Tensor | None = None
-    bv: torch.Tensor | None = None
     bqkv: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -240,16 +230,11 @@ class EmbeddedEngine:
             pre = f"transformer.layers.{j}."
             g = lambda name, r=0: files.get(pre + name, r, p)  # noqa: E731
             q, k, v = gather_qkv(files, pre, "weight", p)
-            # One [q; k; v] matrix (one matmul per layer); wq/wk/wv are views into it.
-            qkv = to(torch.cat([q, k, v]))
-            nq, nk = q.shape[0], k.shape[0]
             lay = _Layer(input_norm=to(g("input_layernorm.weight")), post_norm=to(g("post_layernorm.weight")),
-                         wq=qkv[:nq], wk=qkv[nq:nq + nk], wv=qkv[nq + nk:], wqkv=qkv,
+                         wqkv=to(torch.cat([q, k, v])),
                          wo=to(torch.cat([g("attention.dense.weight", r) for r in range(mp.tp_size)], dim=1)))
             if c.qkv_bias:
-                bq, bk, bv = gather_qkv(files, pre, "bias", p)
-                lay.bq, lay.bk, lay.bv = to(bq), to(bk), to(bv)
-                lay.bqkv = torch.cat([lay.bq, lay.bk, lay.bv])
+                lay.bqkv = to(torch.cat(gather_qkv(files, pre, "bias", p)))
             if c.qk_norm:
                 lay.q_norm, lay.k_norm = to(g("attention.q_layernorm.weight")), to(g("attention.k_layernorm.weight"))
             if c.moe_layers[l]:
@@ -373,7 +358,7 @@ class EmbeddedEngine:
         dev = pos.device
         slots = [s.slot for s in seqs]
         lens = [s.length + T for s in seqs]
-        plan = {"lens": lens, "Lmax": max(lens), "slots": slots, "slot_t": None, "rows": None}
+        plan = {"Lmax": max(lens), "slot_t": None, "rows": None}
         first = slots[0]
         if slots != list(range(first, first + len(seqs))):  # rows are gathered, not viewed
             plan["slot_t"] = torch.tensor(slots, device=dev)
