@@ -300,6 +300,17 @@ def _load_in_transformers(model_dir: Path):
     return model.eval()
 
 
+def _assert_reference_matches(ds_dir, renamed: dict, tmp_path) -> None:
+    """The DeepSeek-v1 reference on ``ds_dir`` equals transformers on the renamed weights saved
+    beside the config already written to ``tmp_path``."""
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        expected = _load_in_transformers(tmp_path)(input_ids=INPUT_IDS).logits
+    got = deepseek_v1_logits(ds_dir, INPUT_IDS)
+    err = (got - expected).abs().max().item()
+    assert err <= 1e-5, f"max |reference - transformers| = {err:.3g}"
+
+
 def test_deepseek_reference_matches_transformers_mixtral(tiny_model, tmp_path):
     from transformers import MixtralConfig
 
@@ -324,13 +335,7 @@ def test_deepseek_reference_matches_transformers_mixtral(tiny_model, tmp_path):
         rope_theta=cfg["rope_theta"], max_position_embeddings=cfg["max_position_embeddings"],
         tie_word_embeddings=False,
     ).save_pretrained(tmp_path)
-    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-
-    with torch.no_grad():
-        expected = _load_in_transformers(tmp_path)(input_ids=INPUT_IDS).logits
-    got = deepseek_v1_logits(ds_dir, INPUT_IDS)
-    err = (got - expected).abs().max().item()
-    assert err <= 1e-5, f"max |reference - transformers| = {err:.3g}"
+    _assert_reference_matches(ds_dir, renamed, tmp_path)
 
 
 def test_deepseek_reference_matches_transformers_qwen2_moe(tiny_model, tmp_path):
@@ -368,10 +373,4 @@ def test_deepseek_reference_matches_transformers_qwen2_moe(tiny_model, tmp_path)
         qkv_bias=True, rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
         max_position_embeddings=cfg["max_position_embeddings"], tie_word_embeddings=False,
     ).save_pretrained(tmp_path)
-    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-
-    with torch.no_grad():
-        expected = _load_in_transformers(tmp_path)(input_ids=INPUT_IDS).logits
-    got = deepseek_v1_logits(ds_dir, INPUT_IDS)
-    err = (got - expected).abs().max().item()
-    assert err <= 1e-5, f"max |reference - transformers| = {err:.3g}"
+    _assert_reference_matches(ds_dir, renamed, tmp_path)
