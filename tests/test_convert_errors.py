@@ -207,6 +207,33 @@ def build_cases(tiny_model, root: Path) -> dict[str, Case]:
     set_value(m, name, float("inf"))
     cases["inf_expert"] = _convert_case(w, m, [repr(name), "0 NaN and 1 Inf"], "--tp", 2, "--moe-ep", 2)
 
+    # A float weight whose header says I32 (same byte count): refused by name, never cast bit by bit.
+    w = work("integer_dtype")
+    m = copy_model(mixtral, w / "model")
+    header, data = read_header(m / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.0.w2.weight"
+    assert header[name]["dtype"] == "F32"
+    header[name]["dtype"] = "I32"
+    write_with_header(m / "model.safetensors", header, data)
+    cases["integer_dtype"] = _convert_case(w, m, [repr(name), "I32", "integer"])
+
+    # A finite fp32 value that float16 cannot hold: refused after the cast, by name.
+    w = work("float16_overflow")
+    m = copy_model(mixtral, w / "model")
+    name = "model.embed_tokens.weight"
+    set_value(m, name, 1.0e6)
+    cases["float16_overflow"] = _convert_case(w, m, [repr(name), "beyond the float16 range", "1e+06"],
+                                              "--dtype", "float16")
+
+    # The same overflow in an expert quantized at conversion (the packed-format path).
+    w = work("float16_overflow_packed")
+    m = copy_model(mixtral, w / "model")
+    name = "model.layers.2.block_sparse_moe.experts.1.w3.weight"
+    set_value(m, name, -7.0e4)
+    cases["float16_overflow_packed"] = _convert_case(w, m, [repr(name), "beyond the float16 range", "70000"],
+                                                     "--dtype", "float16", "--policy", "uniform",
+                                                     "--format", "int8", "--granularity", "expert")
+
     # An architecture with no adapter: the message lists the supported ones.
     w = work("unsupported_arch")
     m = copy_model(mixtral, w / "model")
@@ -262,7 +289,8 @@ def error_runs(tiny_model, tmp_path_factory):
 
 CASE_NAMES = [
     "truncated", "offsets_beyond_file", "size_mismatch", "overlap", "missing_shard", "not_in_index",
-    "index_wrong_shard", "wrong_shape_expert", "nan_expert", "inf_expert", "unsupported_arch", "pickle_only",
+    "index_wrong_shard", "wrong_shape_expert", "nan_expert", "inf_expert", "integer_dtype", "float16_overflow",
+    "float16_overflow_packed", "unsupported_arch", "pickle_only",
     "experts_not_divisible_by_moe_ep", "ffn_not_divisible_by_moe_tp", "heads_not_divisible_by_tp",
     "moe_product_not_tp", "existing_output",
 ]

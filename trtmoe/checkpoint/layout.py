@@ -109,10 +109,6 @@ def trtllm_config(m: MoEModel, mapping: Mapping, dtype: torch.dtype, *, version:
     return cfg
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 class RankLayout:
     """Tensor specs of one rank. ``src`` is an HFCheckpoint (or None for pure accounting)."""
 
@@ -146,7 +142,7 @@ class RankLayout:
         name = src.adapter.name(role, layer, expert)
         info = src.info(name)
         if not info.shape:
-            emit(_cast(src.read(name), dtype))
+            emit(src.read(name, dtype=dtype))
             return
         a, b = rows if rows is not None else (0, info.shape[0])
         row_bytes = info.nbytes // max(1, info.shape[0])
@@ -154,9 +150,12 @@ class RankLayout:
         buf = torch.empty(min(b - a, step) * row_bytes, dtype=torch.uint8)
         for r in range(a, b, step):
             t = src.read(name, (r, min(b, r + step)), check_finite=False, out=buf)
+            if t.dtype != dtype:  # checked after the cast, which may overflow
+                emit(src.cast(t if cols is None else t[:, cols[0]:cols[1]], dtype, name, rows))
+                continue
             if t.is_floating_point() and not all_finite(t):
                 raise src.nonfinite_error(name, rows)
-            emit(_cast(t if cols is None else t[:, cols[0]:cols[1]], dtype))
+            emit(t if cols is None else t[:, cols[0]:cols[1]])
 
     def specs(self) -> list[TensorSpec]:
         m, mp, tp, r = self.m, self.mp, self.mp.tp_size, self.tp_rank
@@ -244,11 +243,11 @@ class RankLayout:
         [2·I_loc, H] = [up; gate] or ``proj`` [H, I_loc]."""
         rows = (t * I_loc, (t + 1) * I_loc)
         if mod == "fc":
-            w = torch.cat([self.src.role("expert_up", l, e, rows=rows),
-                           self.src.role("expert_gate", l, e, rows=rows)])
+            w = torch.cat([self.src.role("expert_up", l, e, rows=rows, dtype=self.dtype),
+                           self.src.role("expert_gate", l, e, rows=rows, dtype=self.dtype)])
         else:
-            w = self.src.role("expert_down", l, e)[:, rows[0]:rows[1]]
-        return _cast(w, self.dtype)
+            w = self.src.role("expert_down", l, e, dtype=self.dtype)[:, rows[0]:rows[1]]
+        return w
 
     def _moe(self, p: str, l: int) -> list[TensorSpec]:
         m, mp, plan = self.m, self.mp, self.plan

@@ -11,7 +11,7 @@ import torch
 from ..errors import CheckpointError, InputError
 from ..model.description import MoEModel
 from .adapters import Adapter, describe, expected_tensors
-from .safetensors_io import SafetensorsFile, SourceRange, pread_into
+from .safetensors_io import DTYPE_NAMES, SafetensorsFile, SourceRange, pread_into
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -76,6 +76,29 @@ def range_nonfinite_error(rng: SourceRange, chunk_bytes: int = 16 << 20) -> Chec
         t = torch.frombuffer(view, dtype=rng.dtype)
         nan, inf = nan + int(torch.isnan(t).sum()), inf + int(torch.isinf(t).sum())
     return nonfinite_error(rng.name, rng.path, rng.rows, nan, inf)
+
+
+def cast_finite(t: torch.Tensor, dtype: torch.dtype, name: str, where, rows: tuple[int, int] | None = None
+                ) -> torch.Tensor:
+    """``t`` cast to ``dtype``, refused when the result holds NaN/Inf. The check runs once, on the
+    cast result: a cast keeps NaN/Inf, so it also catches non-finite source values, and it catches a
+    finite value that overflows ``dtype`` (what a check before the cast would miss)."""
+    out = t if t.dtype == dtype else t.to(dtype)
+    if out.is_floating_point() and not all_finite(out):
+        if out is not t and all_finite(t):
+            raise overflow_error(name, where, rows, t, dtype)
+        raise nonfinite_error(name, where, rows, int(torch.isnan(t).sum()), int(torch.isinf(t).sum()))
+    return out
+
+
+def overflow_error(name: str, where, rows: tuple[int, int] | None, t: torch.Tensor,
+                   dtype: torch.dtype) -> InputError:
+    """The one message for finite source values (``t``, rows ``[a, b)`` or None) that ``dtype`` cannot hold."""
+    part = f" in rows [{rows[0]}, {rows[1]})" if rows else ""
+    dname = str(dtype).replace("torch.", "")
+    return InputError(f"tensor {name!r} has values{part} beyond the {dname} range (largest magnitude "
+                      f"{float(t.abs().max()):.6g} > {torch.finfo(dtype).max:.6g}); the cast would write Inf",
+                      where=str(where), hint="convert with --dtype bfloat16 or float32")
 
 
 def all_finite_bytes(buf: memoryview, dtype: torch.dtype) -> bool:
@@ -164,10 +187,16 @@ class HFCheckpoint:
                                   where=str(self.path),
                                   hint=f"does config.json match the weights? ({self.adapter.family} layout)")
         for name, shape in want.items():
-            got = self.info(name).shape
-            if tuple(got) != tuple(shape):
-                raise CheckpointError(f"tensor {name!r} has shape {list(got)}, config implies {list(shape)}",
-                                      where=str(self.location[name]))
+            info = self.info(name)
+            if tuple(info.shape) != tuple(shape):
+                raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}, config implies "
+                                      f"{list(shape)}", where=str(self.location[name]))
+            if not info.dtype.is_floating_point:
+                # Casting integer storage to float would turn bit patterns into huge weights.
+                raise CheckpointError(f"tensor {name!r} is stored as {DTYPE_NAMES[info.dtype]}, an integer "
+                                      f"type; weights must be F32, F16, BF16 or F64",
+                                      where=str(self.location[name]),
+                                      hint="the header's dtype is wrong or the checkpoint is quantized")
         # Tied checkpoints may still carry an lm_head copy; anything else unknown is an error
         # because silently dropping weights is how conversions go wrong.
         known = set(want) | {self.adapter.name("lm_head")}
@@ -184,14 +213,27 @@ class HFCheckpoint:
         return name in self.location
 
     def read(self, name: str, rows: tuple[int, int] | None = None, *, check_finite: bool = True,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read one tensor (or a row range) from disk; raises on NaN/Inf. With ``out`` (a contiguous
-        uint8 tensor, bytes) the result is a view of its front instead of a fresh tensor."""
+        uint8 tensor, bytes) the result is a view of its front instead of a fresh tensor. With
+        ``dtype`` the result is cast to it and the NaN/Inf check runs after the cast (see
+        ``cast_finite``), so values the cast overflows are refused too."""
         t = self._file(self.location[name]).read(name, rows, out=out)
+        if dtype is not None:
+            return self.cast(t, dtype, name, rows) if check_finite else t.to(dtype)
         if check_finite and t.is_floating_point() and not all_finite(t):
             nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             raise self._nonfinite(name, rows, nan, inf)
         return t
+
+    def cast(self, t: torch.Tensor, dtype: torch.dtype, name: str, rows: tuple[int, int] | None = None
+             ) -> torch.Tensor:
+        """``cast_finite`` for ``t``, read from rows ``rows`` (or all) of source tensor ``name`` or a
+        chunk of them; NaN/Inf are counted over all of ``rows`` when found."""
+        try:
+            return cast_finite(t, dtype, name, self.location[name], rows)
+        except CheckpointError:
+            raise self.nonfinite_error(name, rows) from None
 
     def _nonfinite(self, name: str, rows: tuple[int, int] | None, nan: int, inf: int) -> CheckpointError:
         return nonfinite_error(name, self.location[name], rows, nan, inf)
