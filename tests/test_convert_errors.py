@@ -327,17 +327,6 @@ def test_pickle_is_never_unpickled(error_runs):
     assert case.extra["sentinel"].is_dir()
 
 
-def test_force_replaces_existing_output(tiny_model, tmp_path):
-    out = tmp_path / "ckpt"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
-    proc = run_cli(["convert", tiny_model("mixtral"), "-o", out, "--force"])
-    assert proc.returncode == 0, proc.stderr
-    assert not (out / "stale.txt").exists()
-    assert (out / "rank0.safetensors").is_file() and (out / "manifest.json").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
-
-
 # ---- interrupted and repeated converts -------------------------------------------------------------
 
 def _bench_module():

@@ -200,7 +200,7 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
         task = prog.add_task("converting", total=None)
         res = do_convert(model, out, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"],
                          dtype=cv["dtype"], trtllm_version=cv["trtllm_version"], force=force,
-                         resolved_config=cfg, quant=plan,
+                         resolved_config=cfg, quant=plan, inputs=(calib,) if calib else (),
                          progress=lambda d, t: prog.update(task, completed=d, total=t))
     summary = {"output": str(res.out_dir), "mapping": res.mapping.describe(), "dtype": res.dtype,
                "bytes": res.bytes_written, "files": res.files,

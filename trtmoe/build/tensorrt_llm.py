@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint.atomic import atomic_directory
+from ..checkpoint.atomic import atomic_directory, check_output_spares_inputs
 from ..checkpoint.manifest import write_manifest
 from ..checkpoint.verify import verify_artifact
 from ..errors import InputError, TrtmoeError
@@ -82,6 +82,7 @@ def plan_tensorrt_llm(checkpoint: str | Path, output: str | Path, build: dict, *
     """Cheap checks first (settings, what TensorRT-LLM can build), then the hash verification; no GPU
     and no TensorRT-LLM needed. Used by ``--dry-run`` and as the first half of a real build."""
     facts = read_checkpoint(checkpoint)
+    check_output_spares_inputs(output, (facts.path,), what="engine directory")
     limits = resolve_limits(build, facts, "tensorrt-llm")
     check_trtllm_compatible(facts)
     if verify:
@@ -137,7 +138,7 @@ def build_tensorrt_llm(checkpoint: str | Path, output: str | Path, build: dict, 
     versions["tensorrt_llm_dist"] = inst.version
     versions["driver"] = _driver_version(env)
     t0 = time.perf_counter()
-    with atomic_directory(out, force=force) as tmp:
+    with atomic_directory(out, force=force, inputs=(facts.path,)) as tmp:
         argv = [*inst.trtllm_build, *trtllm_build_argv(facts.path, tmp, plan.limits.build)[1:]]
         log("running: " + " ".join(argv))
         log_path = tmp / "build.log"

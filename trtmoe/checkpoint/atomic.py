@@ -1,20 +1,33 @@
-"""Write an artifact directory atomically: into a hidden temporary sibling, renamed into place at the
-end. Interrupted runs (SIGINT/SIGTERM) remove their partial directory; a partial left by a killed
-process is recognised by its owner pid and removed by the next run."""
+"""Artifact directories written atomically, and the path rules that keep a command from touching its
+own inputs.
+
+An artifact is written into a hidden temporary sibling and swapped into place at the end. The swap
+of an existing output is one ``renameat2(RENAME_EXCHANGE)`` where the file system supports it, so a
+kill at any moment leaves either the previous output or the new one at the final path. Elsewhere
+the previous output is first moved aside to a marked sibling, and the next run puts it back if the
+process died before the new one took its place. Interrupted runs (SIGINT/SIGTERM) remove their
+partial directory; leftovers of a killed process are recognised by their owner pid and cleaned by
+the next run for the same output."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import json
 import os
 import shutil
 import signal
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ..errors import InputError
 
 _MARK = ".trtmoe-partial-"
+_OLD = "old-"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
 
 
 def _pid_alive(pid: int) -> bool:
@@ -27,15 +40,91 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _clean_stale(parent: Path, name: str) -> None:
-    prefix = f".{name}{_MARK}"
-    for p in parent.glob(prefix + "*"):
-        try:  # ".NAME.trtmoe-partial-PID-HEX" or, for a replaced output, "...-PID-old-HEX"
-            pid = int(p.name[len(prefix):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
+def _parse_leftover(prefix: str, name: str) -> tuple[int, bool] | None:
+    """``.NAME.trtmoe-partial-PID-HEX`` (a partial new output) or ``…-PID-old-HEX`` (a previous
+    output moved aside) → (pid, is_previous_output)."""
+    if not name.startswith(prefix):
+        return None
+    pid, _, rest = name[len(prefix):].partition("-")
+    if not pid.isdigit():
+        return None
+    return int(pid), rest.startswith(_OLD)
+
+
+def recover_leftovers(out: Path) -> None:
+    """Clean up after killed runs that wrote ``out``: a previous output that was moved aside and
+    never replaced goes back to ``out``; partial outputs and replaced previous outputs are removed.
+    Leftovers of live processes are left alone."""
+    parent, prefix = out.parent, f".{out.name}{_MARK}"
+    if not parent.is_dir():
+        return
+    dead = []
+    for p in sorted(parent.glob(prefix + "*")):
+        parsed = _parse_leftover(prefix, p.name)
+        if parsed is not None and not _pid_alive(parsed[0]):
+            dead.append((p, parsed[1]))
+    for p, previous in dead:
+        if previous and not os.path.lexists(out) and (p / "manifest.json").is_file():
+            os.rename(p, out)
+            _fsync_dir(parent)
+        else:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _libc_exchange():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _libc_exchange()
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step. False where the system or file system cannot (then nothing
+    changed); OSError for any other failure."""
+    if _renameat2 is None:
+        return False
+    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def _resolved(p: str | Path) -> Path:
+    return Path(os.path.realpath(Path(p).expanduser()))
+
+
+def check_output_spares_inputs(out: str | Path, inputs: Iterable[str | Path], *, what: str = "output") -> None:
+    """Refuse an output path that is one of the inputs or holds one (an ancestor directory): writing
+    it would delete or overwrite what the command reads. Paths are compared after resolving links."""
+    o = _resolved(out)
+    for i in inputs:
+        r = _resolved(i)
+        if r == o or o in r.parents:
+            raise InputError(f"the {what} would replace one of this command's inputs ({i})", where=str(out),
+                             hint="choose an output directory outside the inputs")
+
+
+def _is_replaceable(out: Path) -> bool:
+    """--force replaces only what this tool wrote (a directory with a trtmoe manifest) or an empty
+    directory, never an arbitrary directory such as a home or a model folder."""
+    if not out.is_dir() or out.is_symlink():
+        return False
+    if not any(out.iterdir()):
+        return True
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("tool") == "trtmoe"
 
 
 class _Interrupted(BaseException):
@@ -43,15 +132,22 @@ class _Interrupted(BaseException):
 
 
 @contextlib.contextmanager
-def atomic_directory(out: str | Path, *, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory; on success it becomes ``out`` (replacing it if ``force``)."""
-    out = Path(out).absolute()
-    if out.exists() and not force:
-        raise InputError("output already exists", where=str(out), hint="pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise InputError("output exists and is not a directory", where=str(out))
+def atomic_directory(out: str | Path, *, force: bool = False, inputs: Iterable[str | Path] = ()) -> Iterator[Path]:
+    """Yield a temporary directory; on success it becomes ``out`` (replacing a previous trtmoe
+    artifact there if ``force``). ``inputs`` are paths the command reads: ``out`` may not be or
+    contain any of them."""
+    out = Path(out).expanduser().absolute()
+    check_output_spares_inputs(out, inputs)
+    recover_leftovers(out)
+    if os.path.lexists(out):
+        if not force:
+            raise InputError("output already exists", where=str(out), hint="pass --force to replace it")
+        if not _is_replaceable(out):
+            raise InputError("output exists and is not a trtmoe artifact; --force replaces only those",
+                             where=str(out), hint="remove it yourself or choose another output")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise InputError("the output's parent is not a directory", where=str(out.parent))
     out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(out.parent, out.name)
     tmp = out.parent / f".{out.name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
 
@@ -67,14 +163,7 @@ def atomic_directory(out: str | Path, *, force: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_dir(tmp)
-        if out.exists():
-            trash = out.parent / f".{out.name}{_MARK}{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, trash)
-            os.rename(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        _swap_into_place(tmp, out)
     except _Interrupted:
         shutil.rmtree(tmp, ignore_errors=True)
         raise KeyboardInterrupt("terminated") from None
@@ -84,6 +173,21 @@ def atomic_directory(out: str | Path, *, force: bool = False) -> Iterator[Path]:
     finally:
         if in_main and old is not None:
             signal.signal(signal.SIGTERM, old)
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Make the complete directory ``tmp`` the new ``out``. After an exchange ``tmp`` holds the
+    previous output (removed here, or by the next run if this one is killed first)."""
+    if not os.path.lexists(out):
+        os.rename(tmp, out)
+    elif not exchange(tmp, out):
+        aside = out.parent / f".{out.name}{_MARK}{os.getpid()}-{_OLD}{uuid.uuid4().hex[:8]}"
+        os.rename(out, aside)
+        os.rename(tmp, out)
+        tmp = aside
+    _fsync_dir(out.parent)
+    if tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -405,11 +405,14 @@ def _copy_tokenizer(src_dir: Path, out: Path) -> None:
 def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, moe_tp: int | None = None,
             moe_ep: int | None = None, dtype: str = "auto", trtllm_version: str = DEFAULT_TRTLLM_VERSION,
             force: bool = False, resolved_config: dict | None = None,
-            progress: Callable[[int, int], None] | None = None, quant=None) -> ConvertResult:
+            progress: Callable[[int, int], None] | None = None, quant=None,
+            inputs: tuple[str | Path, ...] = ()) -> ConvertResult:
     """Convert ``model`` (HF dir or cached hub id) into a TensorRT-LLM checkpoint at ``out_dir``.
 
     ``progress(done_bytes, total_bytes)`` is called as rank bytes are written. ``quant`` is an
-    optional ``trtmoe.quant.plan.QuantPlan`` (format per expert, granularity, placement). Nothing is written unless the whole conversion succeeds.
+    optional ``trtmoe.quant.plan.QuantPlan`` (format per expert, granularity, placement). Nothing is
+    written unless the whole conversion succeeds, and ``out_dir`` may not be or hold the model or any
+    other path in ``inputs`` (a calibration directory, say).
     """
     with HFCheckpoint(model) as src:
         mapping = Mapping.create(tp, pp, moe_tp, moe_ep)
@@ -436,7 +439,7 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
         follower, syncer = _RankFollower(len(all_specs)), _Syncer()
         workers = (hasher, follower, syncer)
         result = ConvertResult(Path(out_dir), mapping, DTYPE_STR[tdtype])
-        with atomic_directory(out_dir, force=force) as tmp:
+        with atomic_directory(out_dir, force=force, inputs=(src.path, *src.files, *inputs)) as tmp:
             for t in workers:
                 t.start()
             try:
