@@ -124,7 +124,9 @@ def _is_replaceable(out: Path) -> bool:
         manifest = json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return False
-    return isinstance(manifest, dict) and manifest.get("tool") == "trtmoe"
+    # Checkpoints, engines and calibrations say "tool"; repositories name their "generator".
+    return isinstance(manifest, dict) and (manifest.get("tool") == "trtmoe"
+                                           or str(manifest.get("generator", "")).startswith("trtmoe "))
 
 
 class _Interrupted(BaseException):
