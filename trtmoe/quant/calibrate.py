@@ -20,11 +20,14 @@ measured and estimated.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
+import shutil
 import tempfile
-import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -32,11 +35,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint.atomic import _MARK, atomic_directory, recover_leftovers
 from ..errors import InputError
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from .formats import FORMATS
-from .plan import FLOAT, MATRICES, format_obj
+from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
 
 DEFAULT_FORMATS = ("int8", "int4", "int4_g128", "int4_g64")
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
@@ -71,9 +75,10 @@ def token_batches(texts: list[str], tokenizer, samples: int, seq_len: int) -> to
 
 
 def kl_per_token(ref_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """KL(p_ref ‖ p) per position, nats. ref_logp and logits [..., V]."""
+    """KL(p_ref ‖ p) per position, nats, float64 and never negative (a KL is ≥ 0; float32 rounding
+    of two nearly equal distributions can otherwise give -1e-9). ref_logp and logits [..., V]."""
     logq = logits.float().log_softmax(-1)
-    return (ref_logp.exp() * (ref_logp - logq)).sum(-1)
+    return (ref_logp.exp() * (ref_logp - logq)).double().sum(-1).clamp_min_(0.0)
 
 
 class _MatrixSwapped(ExpertBank):
@@ -101,40 +106,133 @@ class _MatrixSwapped(ExpertBank):
 def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = None, *, samples: int = 32,
               seq_len: int = 128, formats: tuple[str, ...] = DEFAULT_FORMATS, min_tokens: int = 16,
               batch_size: int = 8, tokenizer: str | Path | None = None,
-              progress: Callable[[str, int, int], None] | None = None, text_field: str = "text") -> dict:
+              progress: Callable[[str, int, int], None] | None = None, text_field: str = "text",
+              force: bool = False, add_bos: bool | None = None, notes: list[str] | None = None) -> dict:
     """Measure routing statistics and per-(layer, expert, matrix, format) ΔKL on calibration text.
 
-    ``model`` is an HF MoE directory (converted to a temporary single-rank checkpoint in its own
-    dtype); ``data`` a text file, directory or JSONL. Writes ``calib.json`` into ``out_dir`` when
-    given and returns the same dict.
-    """
+    ``model`` is an HF MoE directory (converted to a scratch single-rank checkpoint in its own dtype);
+    ``data`` a text file, directory or JSONL. With ``out_dir`` the result is written atomically as a
+    calibration artifact (calib.json + manifest.json; ``force`` replaces an existing one); the scratch
+    checkpoint lives in the output's hidden partial sibling (or, without ``out_dir``, a pid-marked
+    directory in the system temp dir), so a killed run's leftovers are removed by the next run.
+    ``add_bos`` overrides the tokenizer's own choice. Formats whose packing the model's shapes do not
+    allow are skipped; each skip, and which BOS/EOS were used, is appended to ``notes`` and recorded
+    in calib.json. Returns the calib.json dict."""
     from ..checkpoint.writer import convert
     from ..data import load_texts
-    from ..runtime.load import load_tokenizer
+    from ..runtime.load import find_tokenizer_dir, load_tokenizer
 
     for f in formats:
         if f not in FORMATS or f in _FLOAT_NAMES:
             raise InputError(f"unknown candidate format {f!r}",
                              hint="choose from " + ", ".join(n for n in FORMATS if n not in _FLOAT_NAMES))
+    notes = notes if notes is not None else []
     texts = load_texts(data, field=text_field)
-    tok = load_tokenizer(tokenizer or model)
+    tok_dir = find_tokenizer_dir(tokenizer or model)
+    tok = load_tokenizer(tok_dir)
+    special = _special_tokens(tok, tok_dir, add_bos)
+    tok.add_bos = special["add_bos"]
+    notes.append(special["note"])
     ids = token_batches(texts, tok, samples, seq_len)
     data_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="trtmoe-calib-") as tmp:
-        ck = Path(tmp) / "ckpt"
+    with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None]) as work:
+        ck = work / "scratch-checkpoint"
         convert(model, ck)
+        source = json.loads((ck / "manifest.json").read_text()).get("source")
         eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
-        result = measure(eng, ids, formats=formats, min_tokens=min_tokens, batch_size=batch_size, progress=progress)
-    result["data"] = {"path": str(data), "samples": int(ids.shape[0]), "seq_len": int(ids.shape[1]),
-                      "tokens": int(ids.numel()), "sha256": data_hash}
-    result["model"] = str(model)
-    result["seconds"] = time.perf_counter() - t0
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "calib.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+        usable, skipped = applicable_formats(formats, eng.cfg.hidden_size, eng.cfg.expert_intermediate_size)
+        for f, why in skipped.items():
+            notes.append(f"{f} skipped: {why}")
+        if not usable:
+            raise InputError("none of the candidate formats can store this model's experts: "
+                             + "; ".join(skipped.values()), hint="choose --formats int8,int4")
+        result = measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size, progress=progress)
+        del eng
+        shutil.rmtree(ck)
+        result["skipped_formats"] = skipped
+        result["tokens"] = {k: special[k] for k in ("bos_id", "eos_id", "add_bos", "add_bos_from")}
+        result["data"] = {"path": _identity(data), "samples": int(ids.shape[0]), "seq_len": int(ids.shape[1]),
+                          "tokens": int(ids.numel()), "sha256": data_hash}
+        result["model"] = _identity(model)
+        if out_dir is not None:
+            write_calibration(work, result, source=source)
     return result
+
+
+def write_calibration(out: Path, result: dict, *, source: dict | None = None) -> None:
+    """calib.json (deterministic bytes) and the manifest that ``verify`` checks, into ``out``."""
+    from ..checkpoint.manifest import dump_json, write_manifest
+
+    dump_json(result, out / "calib.json")
+    write_manifest(out, kind="calibration", file_hashes={}, source=source, model=result.get("model"),
+                   data=result.get("data"))
+
+
+def _identity(p: str | Path) -> str:
+    """A path as an absolute, resolved path when it exists (a hub id or other name as given)."""
+    q = Path(p)
+    return str(q.resolve()) if q.exists() else str(p)
+
+
+@contextlib.contextmanager
+def _workspace(out_dir, force: bool, inputs=()):
+    """The directory a calibration works in: the output's atomic partial sibling, or without an
+    output a pid-marked directory in the system temp dir. Either way a killed run's directory carries
+    its pid, and the next run (to the same output, or any output-less run) removes it."""
+    if out_dir is not None:
+        with atomic_directory(out_dir, force=force, inputs=inputs) as tmp:
+            yield tmp
+        return
+    parent, name = Path(tempfile.gettempdir()), "trtmoe-calib"
+    recover_leftovers(parent / name)
+    tmp = parent / f".{name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def applicable_formats(formats, hidden: int, inter: int) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The formats that can store an expert (fc [2I, H], proj [H, I]), and why each other one cannot."""
+    usable, skipped = [], {}
+    for f in formats:
+        problem = expert_shape_problem(f, hidden, inter)
+        if problem:
+            skipped[f] = problem
+        else:
+            usable.append(f)
+    return tuple(usable), skipped
+
+
+def _special_tokens(tok, tok_dir: Path, add_bos: bool | None) -> dict:
+    """Which BOS/EOS calibration uses and where the BOS choice came from: an explicit override, the
+    tokenizer_config.json's add_bos_token, or, lacking that, BOS whenever the tokenizer's files name
+    one (a Llama-style tokenizer prepends it unless told otherwise)."""
+    conf_file = tok_dir / "tokenizer_config.json"
+    conf = {}
+    if conf_file.is_file():
+        try:
+            conf = json.loads(conf_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            conf = {}
+    bos = tok.bos_id
+    if add_bos is not None:
+        use, origin = bool(add_bos), "--add-bos" if add_bos else "--no-add-bos"
+    elif isinstance(conf, dict) and "add_bos_token" in conf:
+        use, origin = bool(conf["add_bos_token"]), "tokenizer_config.json add_bos_token"
+    else:
+        use, origin = bos is not None, "no add_bos_token in the tokenizer's files: BOS prepended when it has one"
+    if use and bos is None:
+        if add_bos:
+            raise InputError("--add-bos: the tokenizer names no BOS token", where=str(tok_dir))
+        use = False
+    name = lambda i: "none" if i is None else f"{tok.tok.id_to_token(i)!r} (id {i})"  # noqa: E731
+    note = (f"calibration text: BOS {name(bos) if use else 'not prepended'}"
+            f"{'' if use or bos is None else f' (tokenizer has {name(bos)})'}, EOS {name(tok.eos_id)} between "
+            f"documents ({origin})")
+    return {"bos_id": bos if use else None, "eos_id": tok.eos_id, "add_bos": use, "add_bos_from": origin,
+            "note": note}
 
 
 @torch.inference_mode()

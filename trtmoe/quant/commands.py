@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -66,6 +67,12 @@ def plan_from_config(model, cfg: dict):
         calib = load_calib(q["calib"])
         if calib["num_experts"] != m.num_experts or calib["num_layers"] != m.num_layers:
             raise InputError("calibration was measured on a different model", where=q["calib"])
+        # The manifest records which calibration this is (resolved path and content hash), not the
+        # path as typed: cfg is the resolved config the writer stores.
+        cpath = Path(q["calib"])
+        cfile = cpath / "calib.json" if cpath.is_dir() else cpath
+        q["calib"] = str(cpath.resolve())
+        calib_identity = {"path": q["calib"], "sha256": hashlib.sha256(cfile.read_bytes()).hexdigest()}
     budget = q["budget_bpw"]
     if q["budget_gb"] is not None:
         if budget is not None:
@@ -83,6 +90,8 @@ def plan_from_config(model, cfg: dict):
     else:
         plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=q["formats"],
                          dtype=dtype, seed=q["seed"], I_loc=m.expert_intermediate_size // moe_tp)
+    if calib is not None:
+        plan.meta["calib"] = calib_identity
     if q["placement"] == "balanced":
         perms, rep = placement(calib, moe_ep)
         plan.permutations = perms
@@ -104,8 +113,12 @@ def plan_from_config(model, cfg: dict):
               help="Experts routed fewer tokens than this are flagged and their ΔKL also estimated.")
 @click.option("--field", default="text", show_default=True, help="JSONL field holding the text.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None, help="Tokenizer dir [default: MODEL].")
+@click.option("--add-bos/--no-add-bos", "add_bos", default=None,
+              help="Prepend BOS to each document [default: the tokenizer's add_bos_token; lacking one, BOS "
+                   "when the tokenizer names one].")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print calib.json's summary as JSON.")
-def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, tokenizer, as_json):
+def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, tokenizer, add_bos, force, as_json):
     """Measure routing statistics and sensitivity (ΔKL per format of each expert's fc and proj) on
     calibration text.
 
@@ -121,15 +134,18 @@ def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, to
 
     if samples < 1 or seq_len < 2:
         raise InputError("--samples must be ≥ 1 and --seq-len ≥ 2")
+    notes: list[str] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err_console, transient=True) as prog:
         task = prog.add_task("measuring sensitivity", total=None)
         res = run(model, data, out, samples=samples, seq_len=seq_len, formats=tuple(formats.split(",")),
-                  min_tokens=min_tokens, tokenizer=tokenizer, text_field=field,
-                  progress=lambda what, d, t: prog.update(task, completed=d, total=t))
+                  min_tokens=min_tokens, tokenizer=tokenizer, text_field=field, force=force, add_bos=add_bos,
+                  notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t))
     if as_json:
-        click.echo(json.dumps({k: res[k] for k in ("routing", "data", "seconds")}, indent=1))
+        click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats")}, indent=1))
         return
+    for n in notes:
+        err_console.print(f"note: {n}")
     _render_coverage(res, console, err_console)
 
 
@@ -161,7 +177,7 @@ def _render_coverage(res: dict, console, err_console) -> None:
                           f"all-token output error")
     s = res["sensitivity"]
     console.print(f"sensitivity measured for {len(res['formats'])} formats × 2 expert matrices (fc, proj) in "
-                  f"{s['cost_forward_passes']:.1f} forward-pass equivalents ({res['seconds']:.1f} s)")
+                  f"{s['cost_forward_passes']:.1f} forward-pass equivalents")
 
 
 @click.command()
