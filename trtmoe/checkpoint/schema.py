@@ -2,7 +2,9 @@
 
 TensorRT-LLM parses ``mapping``, ``moe`` and ``quantization`` strictly (``cls(**d)``): an unknown key
 is a TypeError at build time. These tables say which keys each supported release line accepts; the
-writer emits only keys from the table and ``verify`` rejects anything else.
+writer emits only keys from the table and ``verify`` rejects anything else. Which (architecture ×
+quantization × layout × mapping) cells a release line can build is the support table beside it,
+``trtmoe.checkpoint.support``, keyed by the same release lines.
 """
 
 from __future__ import annotations

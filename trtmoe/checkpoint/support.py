@@ -1,0 +1,344 @@
+"""What each TensorRT-LLM release line can build: one versioned support table.
+
+A *cell* is (release line × architecture × expert format × layout) for quantization, or
+(release line × architecture × mapping feature) for parallelism. Each cell is
+
+* ``supported``: TensorRT-LLM's model code declares exactly what trtmoe writes, and NVIDIA's own
+  examples list the combination;
+* ``unlisted``: the model code declares what trtmoe writes, but NVIDIA's support matrices do not
+  list the combination (accepted, with a caution printed wherever the cell is consulted);
+* ``refused``: ``trtllm-build`` would fail or would declare other parameters than the checkpoint
+  holds. The reason says what the source does.
+
+``convert --target tensorrt-llm`` (and its allocator's candidate formats), ``build``'s preflight,
+``build --dry-run`` and ``inspect`` all ask :func:`check` / :func:`options`; the README's table is
+:func:`markdown_table`. The facts were read from TensorRT-LLM's source (1.x line):
+``models/modeling_utils.py`` (``PretrainedConfig.to_layer_quant_config``, ``LayerQuantConfig``,
+``preprocess_weights``), ``quantization/quantize.py`` (``quantize``, ``quantize_layers``,
+``weight_only_groupwise_quantize``), ``layers/moe.py`` (``MixtureOfExperts``, ``SharedMoE``,
+``MOEWeightWrapper``), the model classes of ``models/llama`` (Mixtral), ``models/qwen`` and
+``models/deepseek_v1``, the MoE plugin and its CUTLASS dispatch, and the support matrix of
+``examples/models/core/qwen/README.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import UnsupportedError
+from .schema import schema_for
+
+SUPPORTED, UNLISTED, REFUSED = "supported", "unlisted", "refused"
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1")
+ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
+              "deepseek_v1": "DeepSeek-MoE v1"}
+TRTLLM_ARCHITECTURE = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v1": "DeepseekForCausalLM"}
+
+# Expert storage formats (trtmoe names) and what a TensorRT-LLM checkpoint calls them.
+FORMATS = ("float", "int8", "int4", "int4_g128", "int4_g64")
+FORMAT_LABEL = {"float": "fp16/bf16", "int8": "W8A16", "int4": "W4A16", "int4_g128": "W4A16_AWQ g128",
+                "int4_g64": "W4A16_AWQ g64"}
+FORMAT_ALGO = {"float": None, "int8": "W8A16", "int4": "W4A16", "int4_g128": "W4A16_AWQ",
+               "int4_g64": "W4A16_AWQ"}
+LAYOUTS = ("uniform", "mixed")  # one quant_algo for every MoE layer / MIXED_PRECISION + quant_cfg.json
+FEATURES = ("tp", "moe_tp", "moe_ep", "pp")
+_FLOAT_ALIASES = {"float", "fp16", "bf16", "fp32"}
+
+
+@dataclass(frozen=True)
+class Cell:
+    status: str
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status != REFUSED
+
+
+# ---- the facts, per release line -----------------------------------------------------------------
+# Why each refused / unlisted cell is what it is (restated from the source, not quoted).
+_SHARED_MOE_AWQ = ("its routed experts live in a SharedMoE layer, and TensorRT-LLM's group-wise quantization "
+                   "re-creates every MoE module as type(module) with group_size / pre_quant_scale / zero / "
+                   "use_w4a8_awq / use_int8_weight arguments, which SharedMoE.__init__ does not take (TypeError "
+                   "in quantize_layers); NVIDIA's Qwen support matrix marks AWQ unsupported for Qwen MoE")
+_NO_MIXED = ("PretrainedConfig.to_layer_quant_config adds the per-MoE-module quant_cfg.json entry only for "
+             "MixtralForCausalLM; for {arch} the MoE layer matches no entry and keeps the quant mode it was "
+             "built with, the union of every layer's mode, so its declared weights differ from the checkpoint's")
+_MIXED_FLOAT = ("a float MoE layer gets no quant_cfg.json entry, so TensorRT-LLM leaves it declared in the union "
+                "of the quantized layers' modes (it expects per_channel_scale / group scales and quantized "
+                "shapes); an entry with quant_algo null is skipped the same way")
+_PER_EXPERT = ("TensorRT-LLM's fused MoE (MOEWeightWrapper) stacks every expert of a layer in one format; "
+               "per-expert tensors are trtmoe's embedded-engine layout")
+_G64 = ("the MoE plugin hands the group size to its fine-grained CUTLASS grouped GEMM (64 is one whole K tile), "
+        "but NVIDIA's MoE examples only use group size 128")
+_QWEN3_WO = ("the QWen model builds Qwen3-MoE with the plain MOE class, which takes every weight-only argument, "
+             "but NVIDIA's Qwen support matrix lists no weight-only or AWQ build for Qwen3 MoE")
+_DEEPSEEK_WO = ("SharedMoE is re-created with quant_mode only for per-channel weight-only, which it takes, but "
+                "NVIDIA lists no weight-only build for DeepSeek-MoE v1")
+
+
+def _quant_cells_1_2() -> dict[tuple[str, str, str], Cell]:
+    cells: dict[tuple[str, str, str], Cell] = {}
+    uniform = {
+        "mixtral": {"float": Cell(SUPPORTED), "int8": Cell(SUPPORTED), "int4": Cell(SUPPORTED),
+                    "int4_g128": Cell(SUPPORTED), "int4_g64": Cell(UNLISTED, _G64)},
+        "qwen2_moe": {"float": Cell(SUPPORTED), "int8": Cell(SUPPORTED), "int4": Cell(SUPPORTED),
+                      "int4_g128": Cell(REFUSED, _SHARED_MOE_AWQ), "int4_g64": Cell(REFUSED, _SHARED_MOE_AWQ)},
+        "qwen3_moe": {"float": Cell(SUPPORTED), "int8": Cell(UNLISTED, _QWEN3_WO),
+                      "int4": Cell(UNLISTED, _QWEN3_WO), "int4_g128": Cell(UNLISTED, _QWEN3_WO),
+                      "int4_g64": Cell(UNLISTED, _QWEN3_WO + "; " + _G64)},
+        "deepseek_v1": {"float": Cell(SUPPORTED), "int8": Cell(UNLISTED, _DEEPSEEK_WO),
+                        "int4": Cell(UNLISTED, _DEEPSEEK_WO),
+                        "int4_g128": Cell(REFUSED, _SHARED_MOE_AWQ.replace(
+                            "; NVIDIA's Qwen support matrix marks AWQ unsupported for Qwen MoE", "")),
+                        "int4_g64": Cell(REFUSED, _SHARED_MOE_AWQ.replace(
+                            "; NVIDIA's Qwen support matrix marks AWQ unsupported for Qwen MoE", ""))},
+    }
+    for fam, row in uniform.items():
+        for fmt, cell in row.items():
+            cells[(fam, fmt, "uniform")] = cell
+            if fam != "mixtral":
+                mixed = Cell(REFUSED, _NO_MIXED.format(arch=TRTLLM_ARCHITECTURE[fam]))
+            elif fmt == "float":
+                mixed = Cell(REFUSED, _MIXED_FLOAT)
+            else:
+                mixed = cell
+            cells[(fam, fmt, "mixed")] = mixed
+    return cells
+
+
+_EP_QWEN2 = ("the QWen converter takes --moe_ep_size and MixtureOfExperts splits experts by moe_ep, but NVIDIA's "
+             "Qwen support matrix marks EP unsupported for Qwen1.5-MoE / Qwen2-57B-A14B")
+_PP_QWEN3 = "NVIDIA's Qwen support matrix marks PP unsupported for Qwen3 MoE (TP and EP are listed)"
+_DEEPSEEK_PAR = "NVIDIA lists no {what} build for DeepSeek-MoE v1; its model class shards experts like every MoE"
+
+
+def _mapping_cells_1_2() -> dict[tuple[str, str], Cell]:
+    c = {(fam, "tp"): Cell(SUPPORTED) for fam in FAMILIES}
+    c.update({(fam, "moe_tp"): Cell(SUPPORTED) for fam in FAMILIES})
+    c.update({("mixtral", "moe_ep"): Cell(SUPPORTED), ("qwen2_moe", "moe_ep"): Cell(UNLISTED, _EP_QWEN2),
+              ("qwen3_moe", "moe_ep"): Cell(SUPPORTED),
+              ("deepseek_v1", "moe_ep"): Cell(UNLISTED, _DEEPSEEK_PAR.format(what="expert-parallel")),
+              ("mixtral", "pp"): Cell(SUPPORTED), ("qwen2_moe", "pp"): Cell(SUPPORTED),
+              ("qwen3_moe", "pp"): Cell(UNLISTED, _PP_QWEN3),
+              ("deepseek_v1", "pp"): Cell(UNLISTED, _DEEPSEEK_PAR.format(what="pipeline-parallel"))})
+    return c
+
+
+@dataclass(frozen=True)
+class ReleaseSupport:
+    """The support table of one TensorRT-LLM release line."""
+
+    line: str
+    quant: dict[tuple[str, str, str], Cell]
+    mapping: dict[tuple[str, str], Cell]
+    sources: tuple[str, ...] = field(default=())
+
+
+SUPPORT: dict[str, ReleaseSupport] = {
+    "1.2": ReleaseSupport("1.2", _quant_cells_1_2(), _mapping_cells_1_2(), sources=(
+        "tensorrt_llm/models/modeling_utils.py", "tensorrt_llm/quantization/quantize.py",
+        "tensorrt_llm/layers/moe.py", "tensorrt_llm/models/qwen/model.py",
+        "tensorrt_llm/models/deepseek_v1/model.py", "tensorrt_llm/models/llama/model.py",
+        "cpp/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_template_dispatch.h",
+        "examples/models/core/qwen/README.md", "examples/models/core/mixtral/README.md")),
+}
+
+
+def release_support(version: str) -> ReleaseSupport:
+    """The table for a release line ('1.2') or release ('1.2.1'); unknown lines raise UnsupportedError."""
+    schema_for(version)  # the same refusal for an unknown release line as the config schema's
+    return SUPPORT[".".join(str(version).split(".")[:2])]
+
+
+def canonical_format(name: str) -> str:
+    return "float" if name in _FLOAT_ALIASES else name
+
+
+def quant_cell(version: str, family: str, fmt: str, layout: str) -> Cell:
+    return release_support(version).quant[(family, canonical_format(fmt), layout)]
+
+
+def mapping_cell(version: str, family: str, feature: str) -> Cell:
+    return release_support(version).mapping[(family, feature)]
+
+
+def _labels(fmts) -> str:
+    fmts = list(fmts)
+    lab = [f"{FORMAT_LABEL[f]} ({f})" if f != "float" else "float" for f in fmts]
+    return " or ".join(lab) if len(lab) <= 2 else ", ".join(lab[:-1]) + " or " + lab[-1]
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one architecture can have on one release line, for the allocator."""
+
+    family: str
+    line: str
+    uniform: tuple[str, ...]  # formats one quant_algo may name for every MoE layer
+    mixed: tuple[str, ...]  # formats a MIXED_PRECISION layer may have (empty: no MIXED for this cell)
+
+    @property
+    def has_mixed(self) -> bool:
+        return bool(self.mixed)
+
+
+def options(version: str, family: str) -> Options:
+    """Formats the target accepts for ``family``: per uniform checkpoint and per MIXED_PRECISION layer."""
+    rs = release_support(version)
+    uni = tuple(f for f in FORMATS if rs.quant[(family, f, "uniform")].ok)
+    mixed = tuple(f for f in FORMATS if rs.quant[(family, f, "mixed")].ok)
+    return Options(family, rs.line, uni, mixed)
+
+
+def what_works(version: str, family: str) -> str:
+    """One phrase: the quantization a family can have on a release line."""
+    o = options(version, family)
+    quantized = [f for f in o.uniform if f != "float"]
+    s = f"{_labels(quantized)} per MoE layer" if quantized else "float experts only"
+    if o.has_mixed:
+        s += ", MIXED_PRECISION of " + _labels(o.mixed)
+    else:
+        s += " (one format for every MoE layer: no MIXED_PRECISION)"
+    return s
+
+
+# ---- checking a concrete checkpoint --------------------------------------------------------------
+@dataclass
+class Verdict:
+    """The cells a checkpoint touches: refusals (each one line) and cautions for unlisted cells."""
+
+    cells: list[dict] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+    cautions: list[str] = field(default_factory=list)
+    hint: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.refusals
+
+    def raise_if_refused(self, where: str | None = None) -> None:
+        if self.refusals:
+            raise UnsupportedError(self.refusals[0] + (f" (and {len(self.refusals) - 1} more)"
+                                                       if len(self.refusals) > 1 else ""),
+                                   where=where, hint=self.hint)
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "cells": self.cells, "refusals": self.refusals, "cautions": self.cautions}
+
+
+def check(version: str, family: str, *, layer_formats: dict[int, str] | None, per_expert: bool = False,
+          tp: int = 1, pp: int = 1, moe_tp: int = 1, moe_ep: int = 1,
+          moe_layers: list[bool] | tuple[bool, ...] = ()) -> Verdict:
+    """Every cell a checkpoint touches on TensorRT-LLM ``version``.
+
+    ``layer_formats`` maps each MoE layer to its format ("float" for unquantized; None or empty for a
+    float checkpoint); ``per_expert`` is trtmoe's per-expert tensor layout. ``moe_layers[l]`` says
+    which decoder layers have routed experts (dense layers are checked against what the model class
+    builds). Never raises for refused cells: the caller decides (see ``Verdict.raise_if_refused``)."""
+    rs = release_support(version)
+    arch = ARCH_LABEL[family]
+    head = f"{arch} on TensorRT-LLM {rs.line}"
+    v = Verdict()
+    fmts = {l: canonical_format(f) for l, f in (layer_formats or {}).items()}
+    used = sorted(set(fmts.values()) or {"float"}, key=FORMATS.index)
+    quantized = any(f != "float" for f in used)
+    mixed = len(used) > 1
+    layout = "mixed" if mixed else "uniform"
+
+    def add(kind, key, cell, label):
+        v.cells.append({"kind": kind, "key": list(key), "status": cell.status, "reason": cell.reason})
+        if cell.status == REFUSED:
+            v.refusals.append(f"{head}: {label} cannot be built: {cell.reason}; what builds: "
+                              f"{what_works(version, family)}")
+        elif cell.status == UNLISTED:
+            v.cautions.append(f"{head}: {label} is not in NVIDIA's support lists ({cell.reason})")
+
+    if per_expert:
+        add("quant", (family, "per-expert", "per-expert"), Cell(REFUSED, _PER_EXPERT), "per-expert formats")
+    else:
+        for f in used:
+            label = (f"MIXED_PRECISION with {'float' if f == 'float' else FORMAT_LABEL[f]} MoE layers" if mixed
+                     else f"{FORMAT_LABEL[f]} experts" if f != "float" else "float experts")
+            add("quant", (family, f, layout), rs.quant[(family, f, layout)], label)
+    for feat, size in (("tp", tp), ("moe_tp", moe_tp), ("moe_ep", moe_ep), ("pp", pp)):
+        if size > 1:
+            add("mapping", (family, feat), rs.mapping[(family, feat)], f"{feat}={size}")
+    dense = [l for l, moe in enumerate(moe_layers) if not moe]
+    if family in ("qwen2_moe", "qwen3_moe") and dense:
+        add("model", (family, "dense_layers"), Cell(REFUSED, (
+            f"its QWen model makes every decoder layer MoE and would not load the dense layers {dense} "
+            f"(mlp_only_layers / decoder_sparse_step)")), "a model with dense layers")
+    if family == "deepseek_v1" and moe_layers and dense != [0]:
+        add("model", (family, "dense_layers"), Cell(REFUSED, (
+            f"its DeepSeek-V1 model hard-codes exactly layer 0 as the dense layer; this model's dense layers "
+            f"are {dense}")), "this layer pattern")
+    if pp > 1 and mixed and not per_expert:
+        add("combo", (family, "mixed", "pp"), Cell(REFUSED, (
+            "quant_cfg.json is one file for every rank and is matched against each rank's module names, which "
+            "number layers from 0 on every pipeline stage")), f"MIXED_PRECISION with pp={pp}")
+    if pp > 1 and quantized and dense and not mixed and not per_expert:
+        add("combo", (family, "exclude_modules", "pp"), Cell(REFUSED, (
+            "exclude_modules names dense layers by their global index, but each pipeline stage numbers its "
+            "layers from 0")), f"quantized experts with dense layers and pp={pp}")
+    if v.refusals:
+        v.hint = ("or convert with --target embedded (the embedded engine runs every cell)" if not per_expert
+                  else "reconvert with --granularity layer, or build with --backend embedded")
+    return v
+
+
+def check_checkpoint_config(cfg: dict, quant_cfg: dict | None, version: str) -> Verdict:
+    """``check`` for a written checkpoint (its config.json and optional quant_cfg.json)."""
+    ours = cfg.get("trtmoe") or {}
+    family = ours.get("family") or {v: k for k, v in TRTLLM_ARCHITECTURE.items()}.get(cfg.get("architecture"))
+    if family not in FAMILIES:
+        raise UnsupportedError(f"architecture {cfg.get('architecture')!r} has no support-table row",
+                               hint="supported: " + ", ".join(TRTLLM_ARCHITECTURE.values()))
+    q = ours.get("quantization") or {}
+    gran = q.get("granularity")
+    per_expert = gran in ("expert", "matrix") or (quant_cfg or {}).get("trtmoe_granularity") == "trtmoe-per-expert"
+    layer_formats = None
+    if q.get("expert_formats"):
+        layer_formats = {int(l): canonical_format(fs[0]) for l, fs in q["expert_formats"].items() if fs}
+    elif q.get("matrix_formats"):
+        per_expert = True
+    mp = cfg.get("mapping") or {}
+    return check(version, family, layer_formats=layer_formats, per_expert=per_expert,
+                 tp=int(mp.get("tp_size", 1)), pp=int(mp.get("pp_size", 1)),
+                 moe_tp=int(mp.get("moe_tp_size", 1)), moe_ep=int(mp.get("moe_ep_size", 1)),
+                 moe_layers=ours.get("moe_layers") or ())
+
+
+# ---- the README table -----------------------------------------------------------------------------
+_MARK = {SUPPORTED: "yes", UNLISTED: "unlisted", REFUSED: "no"}
+
+
+def markdown_table(version: str) -> str:
+    """The README's support table for one release line (generated; a test compares the README)."""
+    rs = release_support(version)
+    cols = [f"{FORMAT_LABEL[f]}" for f in FORMATS] + ["MIXED_PRECISION"] + list(FEATURES)
+    lines = [f"| TensorRT-LLM {rs.line} | " + " | ".join(cols) + " |",
+             "|" + "---|" * (len(cols) + 1)]
+    for fam in FAMILIES:
+        row = [_MARK[rs.quant[(fam, f, "uniform")].status] for f in FORMATS]
+        mixed_ok = [f for f in FORMATS if rs.quant[(fam, f, "mixed")].ok]
+        row.append(("yes: " + ", ".join(FORMAT_LABEL[f] for f in mixed_ok)) if mixed_ok else "no")
+        row += [_MARK[rs.mapping[(fam, feat)].status] for feat in FEATURES]
+        lines.append(f"| {ARCH_LABEL[fam]} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def reasons(version: str) -> list[str]:
+    """One line per refused or unlisted cell, for the README under the table."""
+    rs = release_support(version)
+    seen: dict[str, list[str]] = {}
+    for (fam, fmt, layout), c in rs.quant.items():
+        if c.status != SUPPORTED:
+            what = f"{ARCH_LABEL[fam]} {FORMAT_LABEL[fmt]}" + (" in MIXED_PRECISION" if layout == "mixed" else "")
+            seen.setdefault(f"{_MARK[c.status]}: {c.reason}", []).append(what)
+    for (fam, feat), c in rs.mapping.items():
+        if c.status != SUPPORTED:
+            seen.setdefault(f"{_MARK[c.status]}: {c.reason}", []).append(f"{ARCH_LABEL[fam]} {feat}")
+    return [f"- {', '.join(whats)} — {why}" for why, whats in seen.items()]
