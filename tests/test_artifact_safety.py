@@ -176,3 +176,34 @@ def test_kill_at_every_swap_step(tiny_model, tmp_path, exchange_ok):
         convert(model, out, tp=2, force=True)
         assert tree_digest(out) == new_bytes
         assert [p.name for p in parent.iterdir()] == ["ckpt"], k
+
+
+# ---- manifests and links that lead outside the artifact ---------------------------------------------
+
+@pytest.mark.parametrize("key", ["../outside.txt", "/etc/hostname", "a/../../outside.txt", "escape.txt"])
+def test_manifest_paths_stay_inside_the_artifact(tiny_model, tmp_path, key):
+    ck = tmp_path / "ckpt"
+    convert(tiny_model("mixtral"), ck)
+    (tmp_path / "outside.txt").write_text("not yours")
+    if key == "escape.txt":  # a listed file that is a link out of the artifact
+        (ck / key).symlink_to(tmp_path / "outside.txt")
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"][key] = hashlib.sha256(b"not yours").hexdigest()
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    for args in (["verify", ck], ["build", ck, "-o", tmp_path / "engine", "--backend", "embedded"]):
+        proc = run_cli(args)
+        assert proc.returncode == 1, (args, proc.stderr)
+        assert key in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "engine").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "outside.txt"]
+
+
+def test_tokenizer_links_out_of_the_model_are_not_copied(tmp_path):
+    model = shutil.copytree(REPO_ROOT / "tests" / "fixtures" / "trained_mixtral", tmp_path / "model")
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"secret": 1}')
+    (model / "special_tokens_map.json").unlink(missing_ok=True)
+    (model / "special_tokens_map.json").symlink_to(secret)
+    convert(model, tmp_path / "ckpt")
+    copied = {p.name for p in (tmp_path / "ckpt" / "tokenizer").iterdir()}
+    assert "tokenizer.json" in copied and "special_tokens_map.json" not in copied

@@ -113,6 +113,21 @@ def check_output_spares_inputs(out: str | Path, inputs: Iterable[str | Path], *,
                              hint="choose an output directory outside the inputs")
 
 
+def source_tree(model_dir: Path) -> Path:
+    """The tree a model's files may link into: the folder itself, or for a hub-cache snapshot
+    (``models--ORG--NAME/snapshots/REV``) its repository, whose ``blobs/`` hold the bytes."""
+    d = Path(os.path.realpath(model_dir))
+    if d.parent.name == "snapshots" and d.parent.parent.name.startswith("models--"):
+        return d.parent.parent
+    return d
+
+
+def stays_inside(path: Path, tree: Path) -> bool:
+    """True when ``path``, with every link resolved, is a file inside ``tree``."""
+    real = Path(os.path.realpath(path))
+    return real.is_file() and Path(os.path.realpath(tree)) in real.parents
+
+
 def _is_replaceable(out: Path) -> bool:
     """--force replaces only what this tool wrote (a directory with a trtmoe manifest) or an empty
     directory, never an arbitrary directory such as a home or a model folder."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .. import __version__
@@ -38,9 +39,28 @@ def read_manifest(path: str | Path) -> dict:
         raise InputError(f"no {MANIFEST}; not a trtmoe artifact", where=str(d),
                          hint="produce it with `trtmoe convert` or `trtmoe build`")
     try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise VerifyError(f"{MANIFEST} is not valid JSON ({e})", where=str(d)) from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+        raise VerifyError(f"{MANIFEST} must be an object whose 'files' maps paths to sha256", where=str(d))
+    for rel, want in manifest.get("files", {}).items():
+        problem = unsafe_member(d, rel)
+        if problem or not isinstance(want, str):
+            raise VerifyError(f"{MANIFEST} lists {rel!r}: {problem or 'its sha256 is not a string'}", where=str(d))
+    return manifest
+
+
+def unsafe_member(root: Path, rel: str) -> str | None:
+    """Why ``rel`` is not a plain relative path to a file inside ``root`` (None when it is): no
+    absolute paths, no ``..``, no empty parts, no link that leads out of the artifact."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+        return "not a plain relative path inside the artifact"
+    real, top = Path(os.path.realpath(root / rel)), Path(os.path.realpath(root))
+    if top not in real.parents:
+        return "leads outside the artifact"
+    return None
 
 
 def directory_problems(path: str | Path, *, progress=None) -> tuple[dict, list[str]]:

@@ -35,7 +35,7 @@ from ..errors import CheckpointError
 from ..hf.reader import HFCheckpoint, all_finite_bytes, parse_dtype, range_nonfinite_error
 from ..hf.safetensors_io import SourceRange, StreamingWriter, iter_chunks
 from ..parallel.mapping import Mapping
-from .atomic import atomic_directory
+from .atomic import atomic_directory, source_tree, stays_inside
 from .layout import DTYPE_STR, TensorSpec, rank_specs, trtllm_config
 from .manifest import dump_json, write_manifest
 from .schema import check_strict_blocks
@@ -395,7 +395,8 @@ def _copy_tokenizer(src_dir: Path, out: Path) -> None:
     can find it without another path."""
     from ..runtime.load import TOKENIZER_FILES
 
-    files = [src_dir / n for n in TOKENIZER_FILES if (src_dir / n).is_file()]
+    tree = source_tree(src_dir)  # a link leading out of the model's own tree is never followed
+    files = [src_dir / n for n in TOKENIZER_FILES if stays_inside(src_dir / n, tree)]
     if any(f.name == "tokenizer.json" for f in files):
         (out / "tokenizer").mkdir()
         for f in files:
