@@ -11,6 +11,7 @@ import torch
 from ..errors import CheckpointError, InputError
 from ..model.description import MoEModel
 from .adapters import Adapter, describe, expected_tensors
+from .validate import validate_hf_config
 from .safetensors_io import DTYPE_NAMES, SafetensorsFile, SourceRange, pread_into
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -42,6 +43,22 @@ def resolve_model_path(model: str | Path) -> Path:
                              hint="download it first with `huggingface-cli download " + text
                                   + "` or pass a local directory") from None
     raise InputError("no such directory", where=str(p))
+
+
+def read_json(path: Path):
+    """A JSON file's value; unreadable, non-UTF-8 or invalid JSON is a CheckpointError naming the file."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"not UTF-8 text (byte {e.start})", where=str(path)) from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read: {e.strerror}", where=str(path)) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"not valid JSON ({e})", where=str(path)) from None
+    except RecursionError:
+        raise CheckpointError("not valid JSON (nested too deeply)", where=str(path)) from None
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -117,10 +134,7 @@ class HFCheckpoint:
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError("no config.json", where=str(self.path))
-        try:
-            self.hf_config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"config.json is not valid JSON ({e})", where=str(self.path)) from None
+        self.hf_config = validate_hf_config(read_json(cfg_path), cfg_path)
         self.adapter, self.model = describe(self.hf_config)
         self.files = self._weight_files()
         self._open: dict[Path, SafetensorsFile] = {}
@@ -161,11 +175,16 @@ class HFCheckpoint:
                 raise CheckpointError(f"{len(self.files)} safetensors shards but no model.safetensors.index.json",
                                       where=str(self.path))
             return
-        try:
-            weight_map = json.loads(idx_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"index is malformed ({e})", where=str(idx_path)) from None
+        index = read_json(idx_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            got = "no weight_map" if not isinstance(index, dict) or "weight_map" not in index \
+                else f"weight_map is {type(weight_map).__name__}"
+            raise CheckpointError(f"index must be an object with a weight_map object ({got})", where=str(idx_path))
         for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard or Path(shard).name != shard:
+                raise CheckpointError(f"weight_map[{name!r}] must be a shard file name in the model directory, "
+                                      f"got {shard!r}", where=str(idx_path))
             if not (self.path / shard).is_file():
                 raise CheckpointError(f"index names shard {shard!r} (for {name!r}) which does not exist",
                                       where=str(idx_path))

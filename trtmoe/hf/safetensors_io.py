@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedError
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -29,6 +30,24 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
+# Valid safetensors dtypes trtmoe does not read (named as such, not as corruption).
+UNSUPPORTED_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64",
+                      "C64", "C128"}
+
+
+def _as_int(x) -> int:
+    """A header integer; anything else (a string, a fraction, a boolean) is malformed."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"not an integer: {x!r}")
+    return x
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -77,15 +96,24 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._fd = None
         try:
-            size = self.path.stat().st_size
-            self._fd = os.open(self.path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO must not wait for a writer (regular files ignore the flag).
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            st = os.fstat(self._fd)
         except OSError as e:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
             raise CheckpointError(f"cannot open: {e.strerror}", where=str(self.path)) from None
         try:
-            self.tensors, self.metadata = self._parse_header(size)
-        except Exception:
-            os.close(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"not a regular file ({_file_kind(st.st_mode)})", where=str(self.path),
+                                      hint="weights must be plain files")
+            os.set_blocking(self._fd, True)
+            self.tensors, self.metadata = self._parse_header(st.st_size)
+        except BaseException:
+            self.close()
             raise
         try:  # tensors are mostly read front to back; a larger readahead window helps cold caches
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -106,6 +134,8 @@ class SafetensorsFile:
             header = json.loads(os.pread(self._fd, n, 8))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise self._bad(f"header is not valid JSON ({e})") from None
+        except RecursionError:
+            raise self._bad("header is not valid JSON (nested too deeply)") from None
         if not isinstance(header, dict):
             raise self._bad("header is not a JSON object")
         meta = header.pop("__metadata__", None) or {}
@@ -113,10 +143,16 @@ class SafetensorsFile:
         infos: dict[str, TensorInfo] = {}
         spans = []
         for name, h in header.items():
+            if isinstance(h, dict) and h.get("dtype") in UNSUPPORTED_DTYPES and h["dtype"] not in DTYPES:
+                raise UnsupportedError(f"tensor {name!r} has dtype {h['dtype']}, which trtmoe does not read",
+                                       where=str(self.path),
+                                       hint="supported: " + ", ".join(DTYPES) + "; dequantize the checkpoint first")
             try:
                 dtype = DTYPES[h["dtype"]]
-                shape = tuple(int(x) for x in h["shape"])
-                a, b = (int(x) for x in h["data_offsets"])
+                shape = tuple(_as_int(x) for x in h["shape"])
+                a, b = (_as_int(x) for x in h["data_offsets"])
+                if any(x < 0 for x in shape):
+                    raise ValueError("negative dimension")
             except (KeyError, TypeError, ValueError):
                 raise self._bad(f"tensor {name!r} has a malformed header entry {h!r}") from None
             want = math.prod(shape) * dtype_size(dtype)
