@@ -3,13 +3,17 @@ library function and renders its result; errors are one line with an exit code (
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape as rich_escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -21,20 +25,81 @@ err_console = Console(stderr=True)
 console = Console()
 
 
+# What an OSError's errno means for the user, where the bare strerror is not enough.
+_OS_HINTS = {
+    errno.ENOSPC: "free some space or write elsewhere; nothing half-written was kept",
+    errno.EDQUOT: "disk quota exceeded; free some space or write elsewhere",
+    errno.EROFS: "the file system is read-only; choose another output path",
+    errno.EFBIG: "the file-size limit (ulimit -f) or the file system's maximum file size is too small",
+    errno.EACCES: "check the permissions of the path and its parent directories",
+    errno.EPERM: "check the permissions of the path and its parent directories",
+    errno.ENOTDIR: "a component of the path is a file, not a directory",
+    errno.EMFILE: "too many open files (ulimit -n)",
+}
+
+
+def os_error_message(e: OSError) -> str:
+    """One line for an OSError: the path(s) it concerns, what went wrong, and a hint."""
+    what = e.strerror or str(e) or type(e).__name__
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    msg = f"{' -> '.join(paths)}: {what}" if paths else what
+    hint = _OS_HINTS.get(e.errno)
+    return f"{msg} ({hint})" if hint else msg
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 class TrtmoeGroup(click.Group):
-    """Maps our error classes to one-line messages and exit codes; --debug shows tracebacks."""
+    """Maps errors to one-line messages and exit codes (our error classes by their exit code, OS
+    errors 1, usage errors 2); --debug shows tracebacks."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:  # a bad top-level option: one line too
+            sub = e.ctx.command_path if e.ctx is not None else "trtmoe"
+            err_console.print(f"[bold red]error:[/] {rich_escape(_one_line(e.format_message()))} "
+                              f"(see `{sub} --help`)", highlight=False, soft_wrap=True, emoji=False)
+            sys.exit(e.exit_code)
 
     def invoke(self, ctx):
+        debug = bool(ctx.params.get("debug") or (ctx.obj or {}).get("debug"))
+
+        def fail(msg: str, code: int):
+            if debug:
+                traceback.print_exc()
+            err_console.print(f"[bold red]error:[/] {_one_line(msg)}", markup=True, highlight=False,
+                              soft_wrap=True, emoji=False)
+            sys.exit(code)
+
         try:
             return super().invoke(ctx)
         except TrtmoeError as e:
-            if ctx.params.get("debug") or (ctx.obj or {}).get("debug"):
-                traceback.print_exc()
-            err_console.print(f"[bold red]error:[/] {e.render()}", highlight=False, soft_wrap=True)
-            sys.exit(e.exit_code)
+            fail(rich_escape(e.render()), e.exit_code)
+        except click.exceptions.Exit:
+            raise
+        except click.UsageError as e:
+            sub = e.ctx.command_path if e.ctx is not None else "trtmoe"
+            fail(rich_escape(f"{e.format_message()} (see `{sub} --help`)"), e.exit_code)
+        except click.ClickException as e:
+            fail(rich_escape(e.format_message()), e.exit_code)
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]; nothing was written")
             sys.exit(130)
+        except BrokenPipeError:
+            # The reader of our output went away (e.g. `| head`): nothing to report to it.
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+        except OSError as e:
+            fail(rich_escape(os_error_message(e)), 1)
+        except (click.Abort, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - the last line of defence against a traceback
+            fail(rich_escape(f"internal error: {type(e).__name__}: {e}")
+                 + " (a bug in trtmoe; rerun with --debug for the traceback)", 1)
 
 
 @click.group(cls=TrtmoeGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
