@@ -1,6 +1,7 @@
 """What a TensorRT-LLM checkpoint holds: config.json and, per rank, every tensor's name, shape, dtype
-and how to produce its bytes from the HF source. The writer streams these specs; ``inspect`` sums
-them for per-rank bytes; tests compare them with the reference tables. One source of truth.
+and how to produce its bytes from the HF source, by interpreting the architecture registry's rule
+table (``trtmoe.hf.adapters``). The writer streams these specs; ``inspect`` sums them for per-rank
+bytes; tests compare them with the reference tables. One source of truth.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from typing import Callable, Union
 import torch
 
 from .. import DEFAULT_TRTLLM_VERSION
+from ..hf.adapters import (ADAPTERS, EP, FIRST, FLOAT32, KV_HEADS, LAST, MOE_TP, REPLICATED, TP, VOCAB, Rule,
+                           expert_rules, global_rules, layer_rules, role_shapes)
 from ..hf.reader import all_finite
 from ..hf.safetensors_io import SourceRange
 from ..model.description import MoEModel
 from ..parallel.mapping import Mapping
+from ..quant.formats import FORMATS, GroupInt4Format
+from ..quant.plan import format_obj
 from .schema import MAPPING_KEYS, schema_for
 
 _SHAPE_CACHE: dict = {}
@@ -48,14 +53,16 @@ DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16:
 
 def trtllm_config(m: MoEModel, mapping: Mapping, dtype: torch.dtype, *, version: str = DEFAULT_TRTLLM_VERSION,
                   quantization: dict | None = None, extra: dict | None = None) -> dict:
-    """The checkpoint ``config.json`` for the target TensorRT-LLM release line."""
+    """The checkpoint ``config.json`` for the target TensorRT-LLM release line: the keys every
+    architecture shares, then the architecture's own (``Adapter.trtllm_facts``)."""
+    adapter = ADAPTERS[m.family]
     schema = schema_for(version)
     mp = {"world_size": mapping.world_size, "gpus_per_node": mapping.gpus_per_node, "cp_size": 1,
           "tp_size": mapping.tp_size, "pp_size": mapping.pp_size, "moe_tp_size": mapping.moe_tp_size,
           "moe_ep_size": mapping.moe_ep_size}
     assert set(MAPPING_KEYS) <= schema["mapping"]
     moe = {"num_experts": m.num_experts, "top_k": m.top_k, "normalization_mode": m.normalization_mode,
-           "sparse_mixer_epsilon": 0.01, "tp_mode": 0,
+           "sparse_mixer_epsilon": m.sparse_mixer_epsilon, "tp_mode": 0,
            "shared_expert_intermediate_size": m.shared_expert_intermediate_size,
            "device_limited_n_group": 0, "device_limited_topk_group": 0,
            "device_limited_routed_scaling_factor": 1.0}
@@ -63,8 +70,7 @@ def trtllm_config(m: MoEModel, mapping: Mapping, dtype: torch.dtype, *, version:
     quant = {"quant_algo": None, "kv_cache_quant_algo": None}
     quant.update(quantization or {})
     cfg = {
-        "architecture": {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                         "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v1": "DeepseekForCausalLM"}[m.family],
+        "architecture": adapter.trtllm_architecture,
         "dtype": DTYPE_STR[dtype],
         "logits_dtype": "float32",
         "vocab_size": m.vocab_size,
@@ -87,22 +93,8 @@ def trtllm_config(m: MoEModel, mapping: Mapping, dtype: torch.dtype, *, version:
         "moe": moe,
         "mapping": mp,
         "quantization": quant,
+        **adapter.trtllm_facts(m),
     }
-    if m.family == "mixtral":
-        cfg["intermediate_size"] = m.expert_intermediate_size
-    else:
-        cfg["intermediate_size"] = m.dense_intermediate_size or m.expert_intermediate_size
-        cfg["moe_intermediate_size"] = m.expert_intermediate_size
-    if m.family in ("qwen2_moe", "qwen3_moe"):
-        cfg["qwen_type"] = m.family
-        cfg["moe_shared_expert_intermediate_size"] = m.shared_expert_intermediate_size
-        cfg["qk_layernorm"] = m.qk_norm
-        cfg["seq_length"] = m.max_position_embeddings
-        cfg["use_logn_attn"] = False
-        # Stored for completeness; TensorRT-LLM's QWen model makes every layer MoE, which
-        # `trtmoe build --backend tensorrt-llm` checks before building.
-        cfg["mlp_only_layers"] = [l for l, moe_l in enumerate(m.moe_layers) if not moe_l]
-        cfg["decoder_sparse_step"] = 1
     # trtmoe's own facts, under one top-level key (TensorRT-LLM tolerates extra top-level keys).
     cfg["trtmoe"] = {"family": m.family, "moe_layers": list(m.moe_layers),
                      "bos_token_id": m.bos_token_id, "eos_token_id": m.eos_token_id, **(extra or {})}
@@ -158,151 +150,136 @@ class RankLayout:
             emit(t if cols is None else t[:, cols[0]:cols[1]])
 
     def specs(self) -> list[TensorSpec]:
-        m, mp, tp, r = self.m, self.mp, self.mp.tp_size, self.tp_rank
-        H, dt = m.hidden_size, self.dtype
+        """Every tensor of this rank, in file order: the registry's rules that apply, interpreted."""
+        m, mp = self.m, self.mp
         out: list[TensorSpec] = []
-        add = out.append
-
         if mp.is_first_pp_rank(self.rank):
-            add(TensorSpec("transformer.vocab_embedding.weight", (m.vocab_size, H), dt,
-                           lambda emit: self._rows(emit, "embed", None, 0, m.vocab_size), "embedding"))
-
+            out.extend(self._spec("", rule, None) for rule in global_rules(m, FIRST))
         for j, l in enumerate(mp.pp_layers(m.num_layers, self.pp_rank)):
             p = f"transformer.layers.{j}."
-            add(TensorSpec(p + "input_layernorm.weight", (H,), dt,
-                           self._full("input_norm", l), "norm"))
-            out.extend(self._attention(p, l))
-            add(TensorSpec(p + "post_layernorm.weight", (H,), dt, self._full("post_norm", l), "norm"))
-            if m.moe_layers[l]:
-                out.extend(self._moe(p, l))
-            else:
-                out.extend(self._dense(p, l))
-
+            rules = layer_rules(m, l)
+            experts = [rule for rule in rules if rule.shard == MOE_TP]
+            for rule in rules:
+                if rule.shard != MOE_TP:
+                    out.append(self._spec(p, rule, l))
+                elif rule is experts[0]:  # the routed experts' tensors are written as one group
+                    out.extend(self._experts(p, l, experts))
         if mp.is_last_pp_rank(self.rank):
-            add(TensorSpec("transformer.ln_f.weight", (H,), dt, self._full("final_norm", None), "norm"))
-            vpad = mp.padded_vocab(m.vocab_size)
-            per = vpad // tp
-            a, b = r * per, (r + 1) * per
-            head_role = "embed" if m.tie_word_embeddings else "lm_head"
-
-            def lm_head(emit, a=a, b=b, role=head_role):
-                real_b = min(b, m.vocab_size)
-                if a < real_b:
-                    self._rows(emit, role, None, a, real_b)
-                if b > max(a, m.vocab_size):  # zero rows that pad the vocabulary to a multiple of tp
-                    emit(torch.zeros(b - max(a, m.vocab_size), H, dtype=dt))
-
-            add(TensorSpec("lm_head.weight", (per, H), dt, lm_head, "lm_head"))
+            out.extend(self._spec("", rule, None) for rule in global_rules(m, LAST))
         return out
 
-    def _full(self, role: str, layer: int | None, dtype=None) -> Producer:
-        return lambda emit: self._rows(emit, role, layer, dtype=dtype)
-
-    def _attention(self, p: str, l: int) -> list[TensorSpec]:
+    # -- one rule -> one tensor ---------------------------------------------------------------------
+    def _spec(self, prefix: str, rule: Rule, l: int | None) -> TensorSpec:
         m, mp, r = self.m, self.mp, self.tp_rank
-        hd, H = m.head_dim, m.hidden_size
-        nh = m.num_heads // mp.tp_size
-        kvr = mp.kv_head_range(m.num_kv_heads, r)
-        qkv_rows = (nh + 2 * len(kvr)) * hd
+        tp = mp.tp_size
+        roles = rule.source_roles(m)
+        shapes = role_shapes(m, l)
+        src_shape = [shapes[role] for role in rule.roles]
+        dt = torch.float32 if rule.dtype == FLOAT32 else self.dtype
+        ax = rule.axis
+        if rule.shard == REPLICATED:
+            shape = _concat(src_shape, ax)
 
-        def qkv(emit, suffix=""):
-            roles = ("q", "k", "v") if not suffix else ("q_bias", "k_bias", "v_bias")
-            self._rows(emit, roles[0], l, r * nh * hd, (r + 1) * nh * hd)
-            for role in roles[1:]:
-                self._rows(emit, role, l, kvr.start * hd, kvr.stop * hd)
+            def produce(emit):
+                for role in roles:
+                    self._rows(emit, role, l, dtype=dt)
+        elif rule.shard == EP:
+            shape = src_shape[0]
+            perm = self._perm(l)
 
-        specs = [TensorSpec(p + "attention.qkv.weight", (qkv_rows, H), self.dtype, qkv, "attention")]
-        if m.qkv_bias:
-            specs.append(TensorSpec(p + "attention.qkv.bias", (qkv_rows,), self.dtype,
-                                    lambda emit: qkv(emit, "bias"), "attention"))
-        if m.qk_norm:
-            specs.append(TensorSpec(p + "attention.q_layernorm.weight", (hd,), self.dtype,
-                                    self._full("q_norm", l), "norm"))
-            specs.append(TensorSpec(p + "attention.k_layernorm.weight", (hd,), self.dtype,
-                                    self._full("k_norm", l), "norm"))
-        specs.append(TensorSpec(p + "attention.dense.weight", (H, nh * hd), self.dtype,
-                                lambda emit: self._cols(emit, "o", l, r * nh * hd, (r + 1) * nh * hd),
-                                "attention"))
-        return specs
+            def produce(emit, role=roles[0]):  # rows in slot order: the plan's expert placement
+                w = self.src.role(role, l).to(dt)
+                emit(w[perm] if perm != list(range(len(perm))) else w)
+        elif rule.shard == TP:
+            parts = [tuple(d // tp if i == ax else d for i, d in enumerate(sh)) for sh in src_shape]
+            shape = _concat(parts, ax)
 
-    def _gated_pair(self, up_role: str, gate_role: str, l: int, size: int, parts: int, part: int) -> Producer:
-        """[up_r; gate_r] rows, the fused swiglu order (linear branch first, activated branch second)."""
-        per = size // parts
+            def produce(emit):
+                for role, part in zip(roles, parts):
+                    n = part[ax]
+                    if ax == 0:
+                        self._rows(emit, role, l, r * n, (r + 1) * n)
+                    else:
+                        self._cols(emit, role, l, r * n, (r + 1) * n)
+        elif rule.shard == KV_HEADS:
+            hd, nh = m.head_dim, m.num_heads // tp
+            kvr = mp.kv_head_range(m.num_kv_heads, r)
+            shape = ((nh + 2 * len(kvr)) * hd, *src_shape[0][1:])
 
-        def produce(emit):
-            self._rows(emit, up_role, l, part * per, (part + 1) * per)
-            self._rows(emit, gate_role, l, part * per, (part + 1) * per)
-        return produce
+            def produce(emit):
+                self._rows(emit, roles[0], l, r * nh * hd, (r + 1) * nh * hd)
+                for role in roles[1:]:
+                    self._rows(emit, role, l, kvr.start * hd, kvr.stop * hd)
+        elif rule.shard == VOCAB:
+            V = m.vocab_size
+            per = mp.padded_vocab(V) // tp
+            a, b = r * per, (r + 1) * per
+            shape = (per, *src_shape[0][1:])
 
-    def expert_shard(self, l: int, e: int, t: int, I_loc: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Original expert ``e``'s moe_tp shard ``t``: fc [2·I_loc, H] = [up; gate], proj [H, I_loc]."""
-        return self.expert_matrix(l, e, t, I_loc, "fc"), self.expert_matrix(l, e, t, I_loc, "proj")
+            def produce(emit, role=roles[0]):
+                if a < min(b, V):
+                    self._rows(emit, role, l, a, min(b, V))
+                if b > max(a, V):  # zero rows that pad the vocabulary to a multiple of tp
+                    emit(torch.zeros(b - max(a, V), *shape[1:], dtype=dt))
+        else:
+            raise AssertionError(f"unknown shard kind {rule.shard!r}")
+        return TensorSpec(prefix + rule.name, tuple(shape), dt, produce, rule.kind)
 
+    def _perm(self, l: int) -> list[int]:
+        E = self.m.num_experts
+        return self.plan.perm(l, E) if self.plan is not None else list(range(E))
+
+    # -- routed experts -------------------------------------------------------------------------------
     def expert_matrix(self, l: int, e: int, t: int, I_loc: int, mod: str) -> torch.Tensor:
         """One matrix of original expert ``e``'s moe_tp shard ``t`` in the model dtype: ``fc``
-        [2·I_loc, H] = [up; gate] or ``proj`` [H, I_loc]."""
-        rows = (t * I_loc, (t + 1) * I_loc)
-        if mod == "fc":
-            w = torch.cat([self.src.role("expert_up", l, e, rows=rows, dtype=self.dtype),
-                           self.src.role("expert_gate", l, e, rows=rows, dtype=self.dtype)])
-        else:
-            w = self.src.role("expert_down", l, e, dtype=self.dtype)[:, rows[0]:rows[1]]
-        return w
+        [2·I_loc, H] = [up; gate] or ``proj`` [H, I_loc] (the roles of the registry's rule)."""
+        rule = self._expert_rules[mod]
+        a, b = t * I_loc, (t + 1) * I_loc
+        if rule.axis == 0:
+            return torch.cat([self.src.role(role, l, e, rows=(a, b), dtype=self.dtype) for role in rule.roles])
+        return self.src.role(rule.roles[0], l, e, dtype=self.dtype)[:, a:b]
 
-    def _moe(self, p: str, l: int) -> list[TensorSpec]:
+    def _experts(self, p: str, l: int, rules: list[Rule]) -> list[TensorSpec]:
         m, mp, plan = self.m, self.mp, self.plan
-        H, I, dt = m.hidden_size, m.expert_intermediate_size, self.dtype
+        self._expert_rules = {mod: rule for mod, rule in expert_rules().items() if rule in rules}
         slots = mp.ep_experts(m.num_experts, self.rank)
         t = mp.moe_tp_rank(self.rank)
-        I_loc = I // mp.moe_tp_size
-        perm = plan.perm(l, m.num_experts) if plan is not None else list(range(m.num_experts))
+        I_loc = m.expert_intermediate_size // mp.moe_tp_size
+        perm = self._perm(l)
         orig = [perm[s] for s in slots]
-
-        def router(emit):
-            w = self.src.role("router", l).float()
-            emit(w[perm] if perm != list(range(m.num_experts)) else w)
-
-        specs = [TensorSpec(p + "mlp.router.weight", (m.num_experts, H), torch.float32, router, "router")]
         kind = "float" if plan is None else ("expert" if plan.per_expert_layout else plan.layer_format(l))
         if kind == "expert":
-            specs.extend(self._per_expert(p, l, slots, orig, t, I_loc))
-        elif packed_at_conversion(kind):
-            specs.extend(self._stacked_packed(p, l, orig, t, I_loc, kind))
-        else:
-            # Float weights; for W8A16/W4A16 layers trtllm-build quantizes them itself, for the
-            # GPU it builds on (and the embedded engine quantizes them the same way at load).
-            def fc(emit):
-                for e in orig:
-                    self._rows(emit, "expert_up", l, t * I_loc, (t + 1) * I_loc, expert=e)
-                    self._rows(emit, "expert_gate", l, t * I_loc, (t + 1) * I_loc, expert=e)
+            return self._per_expert(p, l, slots, orig, t, I_loc)
+        if packed_at_conversion(kind):
+            return self._stacked_packed(p, l, orig, t, I_loc, kind)
+        # Float weights; for W8A16/W4A16 layers trtllm-build quantizes them itself, for the GPU it
+        # builds on (and the embedded engine quantizes them the same way at load).
+        specs = []
+        for rule in rules:
+            shape = role_shapes(m, l)[rule.roles[0]]
+            per = tuple(d // mp.moe_tp_size if i == rule.axis else d for i, d in enumerate(shape))
+            full = (len(orig), *_concat([per] * len(rule.roles), rule.axis))
 
-            def proj(emit):
+            def produce(emit, rule=rule):
                 for e in orig:
-                    if mp.moe_tp_size == 1:  # the whole expert: a verbatim copy when no cast is needed
-                        self._rows(emit, "expert_down", l, expert=e)
-                    else:
-                        self._cols(emit, "expert_down", l, t * I_loc, (t + 1) * I_loc, expert=e)
+                    for role in rule.roles:
+                        if rule.axis == 0:
+                            self._rows(emit, role, l, t * I_loc, (t + 1) * I_loc, expert=e)
+                        elif mp.moe_tp_size == 1:  # the whole expert: a verbatim copy when no cast is needed
+                            self._rows(emit, role, l, expert=e)
+                        else:
+                            self._cols(emit, role, l, t * I_loc, (t + 1) * I_loc, expert=e)
 
-            specs.append(TensorSpec(p + "mlp.fc.weight", (len(orig), 2 * I_loc, H), dt, fc, "expert_fc"))
-            specs.append(TensorSpec(p + "mlp.proj.weight", (len(orig), H, I_loc), dt, proj, "expert_proj"))
-        if m.shared_expert_intermediate_size:
-            S = m.shared_expert_intermediate_size
-            S_loc = S // mp.tp_size
-            r = self.tp_rank
-            specs.append(TensorSpec(p + "mlp.shared_expert.fc.weight", (2 * S_loc, H), dt,
-                                    self._gated_pair("shared_up", "shared_gate_proj", l, S, mp.tp_size, r),
-                                    "shared_expert"))
-            specs.append(TensorSpec(p + "mlp.shared_expert.proj.weight", (H, S_loc), dt,
-                                    lambda emit: self._cols(emit, "shared_down", l, r * S_loc, (r + 1) * S_loc),
-                                    "shared_expert"))
-        if m.shared_expert_gate:
-            specs.append(TensorSpec(p + "mlp.shared_expert_gate.weight", (1, H), dt,
-                                    self._full("shared_expert_gate", l), "shared_expert_gate"))
+            specs.append(TensorSpec(p + rule.name, full, self.dtype, produce, rule.kind))
         return specs
 
-    def _packed_shapes(self, fmt_name: str, out_f: int, in_f: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        from ..quant.plan import format_obj
+    def _expert_matrix_shapes(self, I_loc: int) -> list[tuple[str, tuple[int, int]]]:
+        """(module, (out, in)) of each routed-expert matrix on this rank, from the registry's rules."""
+        H = self.m.hidden_size
+        return [(mod, (len(rule.roles) * I_loc, H) if rule.axis == 0 else (H, I_loc))
+                for mod, rule in self._expert_rules.items()]
 
+    def _packed_shapes(self, fmt_name: str, out_f: int, in_f: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         key = (fmt_name, out_f, in_f, self.dtype)  # scales are stored in the model dtype
         if key not in _SHAPE_CACHE:
             packed = format_obj(fmt_name, self.dtype).quantize(torch.ones(out_f, in_f, dtype=self.dtype),
@@ -312,12 +289,9 @@ class RankLayout:
 
     def _stacked_packed(self, p: str, l: int, orig: list[int], t: int, I_loc: int, fmt_name: str):
         """One format for the whole layer, stacked [E_loc, ...] per packed tensor (AWQ-style layout)."""
-        from ..quant.plan import format_obj
-
         fmt = format_obj(fmt_name, self.dtype)
-        H = self.m.hidden_size
         specs = []
-        for mod, (out_f, in_f) in (("fc", (2 * I_loc, H)), ("proj", (H, I_loc))):
+        for mod, (out_f, in_f) in self._expert_matrix_shapes(I_loc):
             for key, (shape, dtype) in self._packed_shapes(fmt_name, out_f, in_f).items():
                 shared = key == "prequant_scaling_factor"  # one row shared by every expert
 
@@ -333,12 +307,9 @@ class RankLayout:
         """trtmoe's per-expert variant (embedded engine only): every expert matrix under its own name,
         in its own format (fc and proj of one expert may differ at matrix granularity). TensorRT-LLM
         cannot build it; the config and quant_cfg.json say so."""
-        from ..quant.plan import format_obj
-
-        H = self.m.hidden_size
         specs = []
         for slot, e in zip(slots, orig):
-            for mod, (out_f, in_f) in (("fc", (2 * I_loc, H)), ("proj", (H, I_loc))):
+            for mod, (out_f, in_f) in self._expert_matrix_shapes(I_loc):
                 name = self.plan.slot_matrix_format(l, slot, mod, self.m.num_experts)
                 fmt = format_obj(name, self.dtype)
                 for key, (shape, dtype) in self._packed_shapes(name, out_f, in_f).items():
@@ -349,30 +320,21 @@ class RankLayout:
                                             f"expert_{mod}"))
         return specs
 
-    def _dense(self, p: str, l: int) -> list[TensorSpec]:
-        m, mp, r, dt = self.m, self.mp, self.tp_rank, self.dtype
-        H, D = m.hidden_size, m.dense_intermediate_size
-        D_loc = D // mp.tp_size
-        a, b = r * D_loc, (r + 1) * D_loc
-        # TensorRT-LLM GatedMLP names: fc = gate_proj (activated), gate = up_proj, proj = down_proj.
-        return [
-            TensorSpec(p + "mlp.fc.weight", (D_loc, H), dt, lambda emit: self._rows(emit, "dense_gate", l, a, b),
-                       "dense_mlp"),
-            TensorSpec(p + "mlp.gate.weight", (D_loc, H), dt, lambda emit: self._rows(emit, "dense_up", l, a, b),
-                       "dense_mlp"),
-            TensorSpec(p + "mlp.proj.weight", (H, D_loc), dt, lambda emit: self._cols(emit, "dense_down", l, a, b),
-                       "dense_mlp"),
-        ]
-
 
 def packed_at_conversion(fmt_name: str) -> bool:
     """Layer-uniform formats whose bytes trtmoe packs itself (group-wise INT4, ModelOpt style); the
     per-channel weight-only formats stay float in the file and ``trtllm-build`` quantizes them."""
-    from ..quant.formats import FORMATS, GroupInt4Format
-
     return isinstance(FORMATS.get(fmt_name), GroupInt4Format)
 
 
 def rank_specs(m: MoEModel, mapping: Mapping, rank: int, dtype: torch.dtype, src=None,
                plan=None) -> list[TensorSpec]:
     return RankLayout(m, mapping, rank, dtype, src, plan).specs()
+
+
+def _concat(shapes: list[tuple[int, ...]], axis: int) -> tuple[int, ...]:
+    """The shape of ``shapes`` concatenated along ``axis``."""
+    out = list(shapes[0])
+    out[axis] = sum(sh[axis] for sh in shapes)
+    return tuple(out)
+

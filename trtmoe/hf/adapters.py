@@ -1,16 +1,155 @@
-"""Declarative architecture adapters: Hugging Face tensor names -> canonical roles, plus config facts.
+"""The architecture registry: everything trtmoe knows about one Hugging Face MoE architecture.
 
-Adding an architecture means adding one ``Adapter`` entry: a name table and a function that reads
-the few config facts that differ. Nothing else in the project knows HF names.
+Per architecture (one ``Adapter``): the HF tensor name of every role, the config facts read from
+``config.json``, the TensorRT-LLM architecture name and the config keys written for it (and read
+back), and capability fields (norm kind, router kind, shared-expert gate, dense layers). Which
+TensorRT-LLM tensor is built from which roles, in which order, sharded how and stored in which
+dtype is the rule table ``DECODER_RULES``: the checkpoint layout interprets it to write rank
+files and the embedded engine's loader applies it in reverse. Adding an architecture means adding
+an ``Adapter`` here (plus, for a new kind of norm, router or attention, its kernel in the engine).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import CheckpointError, UnsupportedError
-from ..model.description import NORM_NONE, NORM_RENORMALIZE, MoEModel
+from ..model.description import NORM_NONE, NORM_RENORMALIZE, NORM_SPARSE_MIXER, MoEModel
+
+# ---- the tensor rule table -----------------------------------------------------------------------
+
+# Shard kinds: how a TensorRT-LLM tensor is split over ranks.
+REPLICATED = "replicated"  # every rank (of the PP stage) holds all of it
+TP = "tp"  # split along ``axis`` over tp; with several roles each is split, then they are concatenated
+KV_HEADS = "kv_heads"  # [q; k; v]: q split over tp by heads, k and v by KV head (duplicated when fewer than tp)
+VOCAB = "vocab"  # rows split over tp after zero-padding the vocabulary to a multiple of tp
+MOE_TP = "moe_tp"  # routed experts: this EP rank's slots stacked, each expert split along ``axis`` over moe_tp
+EP = "ep"  # one row per routed expert, in slot order (the plan's placement), on every rank
+
+# Where a rule applies.
+FIRST = "first"  # once, on the first PP stage
+LAST = "last"  # once, on the last PP stage
+LAYER = "layer"  # every decoder layer
+MOE = "moe"  # MoE layers only
+DENSE = "dense"  # dense-MLP layers only
+
+MODEL_DTYPE = "model"
+FLOAT32 = "float32"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One TensorRT-LLM tensor: ``name`` (layer-relative for layer rules) <- HF ``roles``, concatenated
+    in that order along ``axis``, sharded by ``shard``, stored in the model dtype or float32.
+    ``when`` names the ``MoEModel`` fact that must be truthy for the tensor to exist; ``tied`` is the
+    role read instead of the first one when the model ties its word embeddings."""
+
+    name: str
+    roles: tuple[str, ...]
+    shard: str
+    where: str
+    axis: int = 0
+    dtype: str = MODEL_DTYPE
+    when: str | None = None
+    tied: str | None = None
+    kind: str = ""  # accounting group, e.g. "expert_fc"
+
+    def applies(self, m: MoEModel) -> bool:
+        return self.when is None or bool(getattr(m, self.when))
+
+    def source_roles(self, m: MoEModel) -> tuple[str, ...]:
+        if self.tied and m.tie_word_embeddings:
+            return (self.tied, *self.roles[1:])
+        return self.roles
+
+
+# Llama-style decoders (every architecture below). Order = order in the rank file.
+DECODER_RULES: tuple[Rule, ...] = (
+    Rule("transformer.vocab_embedding.weight", ("embed",), REPLICATED, FIRST, kind="embedding"),
+    Rule("input_layernorm.weight", ("input_norm",), REPLICATED, LAYER, kind="norm"),
+    Rule("input_layernorm.bias", ("input_norm_bias",), REPLICATED, LAYER, when="norm_bias", kind="norm"),
+    Rule("attention.qkv.weight", ("q", "k", "v"), KV_HEADS, LAYER, kind="attention"),
+    Rule("attention.qkv.bias", ("q_bias", "k_bias", "v_bias"), KV_HEADS, LAYER, when="qkv_bias", kind="attention"),
+    Rule("attention.q_layernorm.weight", ("q_norm",), REPLICATED, LAYER, when="qk_norm", kind="norm"),
+    Rule("attention.k_layernorm.weight", ("k_norm",), REPLICATED, LAYER, when="qk_norm", kind="norm"),
+    Rule("attention.dense.weight", ("o",), TP, LAYER, axis=1, kind="attention"),
+    Rule("attention.dense.bias", ("o_bias",), REPLICATED, LAYER, when="attn_out_bias", kind="attention"),
+    Rule("post_layernorm.weight", ("post_norm",), REPLICATED, LAYER, kind="norm"),
+    Rule("post_layernorm.bias", ("post_norm_bias",), REPLICATED, LAYER, when="norm_bias", kind="norm"),
+    Rule("mlp.router.weight", ("router",), EP, MOE, dtype=FLOAT32, kind="router"),
+    # The fused swiglu order: linear branch (up) first, activated branch (gate) second.
+    Rule("mlp.fc.weight", ("expert_up", "expert_gate"), MOE_TP, MOE, kind="expert_fc"),
+    Rule("mlp.proj.weight", ("expert_down",), MOE_TP, MOE, axis=1, kind="expert_proj"),
+    Rule("mlp.shared_expert.fc.weight", ("shared_up", "shared_gate_proj"), TP, MOE,
+         when="shared_expert_intermediate_size", kind="shared_expert"),
+    Rule("mlp.shared_expert.proj.weight", ("shared_down",), TP, MOE, axis=1,
+         when="shared_expert_intermediate_size", kind="shared_expert"),
+    Rule("mlp.shared_expert_gate.weight", ("shared_expert_gate",), REPLICATED, MOE, when="shared_expert_gate",
+         kind="shared_expert_gate"),
+    # GatedMLP names: fc = gate_proj (activated), gate = up_proj, proj = down_proj.
+    Rule("mlp.fc.weight", ("dense_gate",), TP, DENSE, kind="dense_mlp"),
+    Rule("mlp.gate.weight", ("dense_up",), TP, DENSE, kind="dense_mlp"),
+    Rule("mlp.proj.weight", ("dense_down",), TP, DENSE, axis=1, kind="dense_mlp"),
+    Rule("transformer.ln_f.weight", ("final_norm",), REPLICATED, LAST, kind="norm"),
+    Rule("transformer.ln_f.bias", ("final_norm_bias",), REPLICATED, LAST, when="norm_bias", kind="norm"),
+    Rule("lm_head.weight", ("lm_head",), VOCAB, LAST, tied="embed", kind="lm_head"),
+    Rule("lm_head.bias", ("lm_head_bias",), VOCAB, LAST, when="lm_head_bias", kind="lm_head"),
+)
+
+
+def layer_rules(m: MoEModel, layer: int, rules: tuple[Rule, ...] = DECODER_RULES) -> list[Rule]:
+    """The rules that apply to decoder layer ``layer`` of ``m``, in file order."""
+    kinds = (LAYER, MOE if m.moe_layers[layer] else DENSE)
+    return [r for r in rules if r.where in kinds and r.applies(m)]
+
+
+def expert_rules(rules: tuple[Rule, ...] = DECODER_RULES) -> dict[str, Rule]:
+    """The routed-expert rules by the expert matrix they build: ``fc`` ([up; gate]) and ``proj`` (down)."""
+    return {r.name.split(".")[-2]: r for r in rules if r.shard == MOE_TP}
+
+
+def global_rules(m: MoEModel, where: str, rules: tuple[Rule, ...] = DECODER_RULES) -> list[Rule]:
+    return [r for r in rules if r.where == where and r.applies(m)]
+
+
+def role_shapes(m: MoEModel, layer: int | None) -> dict[str, tuple[int, ...]]:
+    """HF shape of every role that exists in ``layer`` (None: the global tensors); routed experts
+    under their role names (the same shape for every expert)."""
+    H, V = m.hidden_size, m.vocab_size
+    if layer is None:
+        out = {"embed": (V, H), "final_norm": (H,), "lm_head": (V, H)}
+        if m.norm_bias:
+            out["final_norm_bias"] = (H,)
+        if m.lm_head_bias:
+            out["lm_head_bias"] = (V,)
+        return out
+    out = {"input_norm": (H,), "post_norm": (H,), "q": (m.q_size, H), "k": (m.kv_size, H),
+           "v": (m.kv_size, H), "o": (H, m.q_size)}
+    if m.norm_bias:
+        out.update(input_norm_bias=(H,), post_norm_bias=(H,))
+    if m.qkv_bias:
+        out.update(q_bias=(m.q_size,), k_bias=(m.kv_size,), v_bias=(m.kv_size,))
+    if m.attn_out_bias:
+        out["o_bias"] = (H,)
+    if m.qk_norm:
+        out.update(q_norm=(m.head_dim,), k_norm=(m.head_dim,))
+    if m.moe_layers[layer]:
+        I = m.expert_intermediate_size
+        out.update(router=(m.num_experts, H), expert_gate=(I, H), expert_up=(I, H), expert_down=(H, I))
+        S = m.shared_expert_intermediate_size
+        if S:
+            out.update(shared_gate_proj=(S, H), shared_up=(S, H), shared_down=(H, S))
+        if m.shared_expert_gate:
+            out["shared_expert_gate"] = (1, H)
+    else:
+        D = m.dense_intermediate_size
+        out.update(dense_gate=(D, H), dense_up=(D, H), dense_down=(H, D))
+    return out
+
+
+# ---- HF names ------------------------------------------------------------------------------------
 
 # Names shared by every Llama-style decoder we support. {l} = layer index, {e} = expert index.
 _COMMON = {
@@ -41,17 +180,26 @@ _QWEN_MOE = {
     "expert_down": "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
 }
 
-# Roles, grouped by where they occur; the reader uses this to know which names to expect.
-GLOBAL_ROLES = ("embed", "final_norm", "lm_head")
-ATTN_ROLES = ("input_norm", "post_norm", "q", "k", "v", "o")
-QKV_BIAS_ROLES = ("q_bias", "k_bias", "v_bias")
-QK_NORM_ROLES = ("q_norm", "k_norm")
-ROUTER_ROLES = ("router",)
-EXPERT_ROLES = ("expert_gate", "expert_up", "expert_down")
-SHARED_ROLES = ("shared_gate_proj", "shared_up", "shared_down")
-SHARED_GATE_ROLES = ("shared_expert_gate",)
-DENSE_ROLES = ("dense_gate", "dense_up", "dense_down")
+# Mixtral's hub layout (also Phi-3.5-MoE's): w1 = gate, w2 = down, w3 = up.
+_BLOCK_SPARSE_MOE = {
+    **_COMMON,
+    "router": "model.layers.{l}.block_sparse_moe.gate.weight",
+    "expert_gate": "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight",
+    "expert_down": "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
+    "expert_up": "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
+}
 
+_PHIMOE = {
+    **_BLOCK_SPARSE_MOE,
+    "input_norm_bias": "model.layers.{l}.input_layernorm.bias",
+    "post_norm_bias": "model.layers.{l}.post_attention_layernorm.bias",
+    "o_bias": "model.layers.{l}.self_attn.o_proj.bias",
+    "final_norm_bias": "model.norm.bias",
+    "lm_head_bias": "lm_head.bias",
+}
+
+
+# ---- HF config facts -----------------------------------------------------------------------------
 
 def _first(cfg: dict, *keys, default=None):
     for k in keys:
@@ -60,15 +208,18 @@ def _first(cfg: dict, *keys, default=None):
     return default
 
 
+def _rope_params(cfg: dict) -> dict:
+    # transformers 5 keeps RoPE settings in rope_parameters; older configs use rope_scaling.
+    return {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+
+
+def _rope_type(cfg: dict) -> str:
+    p = _rope_params(cfg)
+    return p.get("rope_type") or p.get("type") or "default"
+
+
 def _rope_theta(cfg: dict) -> float:
-    # transformers 5 moved rope_theta into rope_parameters; older configs keep it top level.
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise UnsupportedError(
-            f"RoPE scaling type {rope_type!r} is not supported", where="config.json",
-            hint="only unscaled RoPE ('default') is converted")
     return float(_first(params, "rope_theta", default=None) or _first(cfg, "rope_theta", default=10000.0))
 
 
@@ -79,7 +230,7 @@ def _require(cfg: dict, key: str, *aliases):
     return v
 
 
-def _base_facts(cfg: dict) -> dict:
+def _base_facts(cfg: dict, default_norm_eps: float) -> dict:
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     head_dim = _first(cfg, "head_dim")
@@ -95,13 +246,22 @@ def _base_facts(cfg: dict) -> dict:
         num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
         head_dim=int(head_dim) if head_dim else hidden // heads,
         rope_theta=_rope_theta(cfg),
-        norm_eps=float(_first(cfg, "rms_norm_eps", default=1e-6)),
+        norm_eps=float(_first(cfg, "rms_norm_eps", default=default_norm_eps)),
         max_position_embeddings=int(_first(cfg, "max_position_embeddings", default=4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         source_dtype=str(dtype).replace("torch.", ""),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos,
     )
+
+
+def _unscaled_rope(cfg: dict) -> dict:
+    rope_type = _rope_type(cfg)
+    if rope_type != "default":
+        raise UnsupportedError(
+            f"RoPE scaling type {rope_type!r} is not supported", where="config.json",
+            hint="only unscaled RoPE ('default') is converted for this architecture")
+    return {}
 
 
 def _check_act(cfg: dict):
@@ -120,6 +280,7 @@ def _mixtral(cfg: dict) -> dict:
         expert_intermediate_size=int(_require(cfg, "intermediate_size")),
         normalization_mode=NORM_RENORMALIZE,
         moe_layers=(True,) * n,
+        **_unscaled_rope(cfg),
     )
 
 
@@ -141,6 +302,7 @@ def _qwen_moe(cfg: dict) -> dict:
         normalization_mode=NORM_RENORMALIZE if cfg.get("norm_topk_prob") else NORM_NONE,
         moe_layers=_qwen_moe_layers(cfg, n),
         dense_intermediate_size=int(_first(cfg, "intermediate_size", default=0)),
+        **_unscaled_rope(cfg),
     )
 
 
@@ -176,16 +338,137 @@ def _deepseek_v1(cfg: dict) -> dict:
         moe_layers=tuple(l >= k_dense and l % freq == 0 for l in range(n)),
         dense_intermediate_size=int(_require(cfg, "intermediate_size")),
         shared_expert_intermediate_size=shared * moe_i,
+        **_unscaled_rope(cfg),
     )
 
 
+def _longrope(cfg: dict, head_dim: int) -> dict | None:
+    """Phi-3 LongRoPE: per-frequency divisors for short and long contexts and their cos/sin scales."""
+    if _rope_type(cfg) == "default":
+        return None
+    p = _rope_params(cfg)
+    if _rope_type(cfg) != "longrope":
+        raise UnsupportedError(f"RoPE scaling type {_rope_type(cfg)!r} is not supported", where="config.json",
+                               hint="Phi-3.5-MoE converts with 'longrope' or unscaled RoPE")
+    short, long_ = p.get("short_factor"), p.get("long_factor")
+    orig = _first(p, "original_max_position_embeddings", default=None) or cfg.get("original_max_position_embeddings")
+    if not short or not long_ or orig is None or len(short) != head_dim // 2 or len(long_) != head_dim // 2:
+        raise CheckpointError(f"longrope needs short_factor and long_factor of {head_dim // 2} values each and "
+                              "original_max_position_embeddings", where="config.json")
+    scale = float(cfg.get("max_position_embeddings", orig)) / float(orig)
+    default_mscale = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(orig))
+    return {"short_factor": [float(x) for x in short], "long_factor": [float(x) for x in long_],
+            "short_mscale": float(_first(p, "short_mscale", default=default_mscale)),
+            "long_mscale": float(_first(p, "long_mscale", default=default_mscale)),
+            "original_max_position_embeddings": int(orig)}
+
+
+def _phimoe(cfg: dict) -> dict:
+    _check_act(cfg)
+    n = int(_require(cfg, "num_hidden_layers"))
+    heads = int(_require(cfg, "num_attention_heads"))
+    head_dim = int(_first(cfg, "head_dim", default=0) or int(_require(cfg, "hidden_size")) // heads)
+    top_k = int(_require(cfg, "num_experts_per_tok"))
+    if top_k != 2:
+        raise UnsupportedError(f"Phi-3.5-MoE's sparse-mixer routing is defined for top-2, got "
+                               f"num_experts_per_tok={top_k}", where="config.json")
+    window = cfg.get("sliding_window")
+    max_pos = int(_first(cfg, "max_position_embeddings", default=4096))
+    if window is not None and int(window) < max_pos:
+        raise UnsupportedError(f"sliding_window={window} < max_position_embeddings={max_pos} is not supported",
+                               where="config.json", hint="only full causal attention")
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(
+        num_experts=int(_require(cfg, "num_local_experts")),
+        top_k=top_k,
+        expert_intermediate_size=int(_require(cfg, "intermediate_size")),
+        normalization_mode=NORM_SPARSE_MIXER,
+        sparse_mixer_epsilon=float(_first(cfg, "router_jitter_noise", default=0.01)),
+        moe_layers=(True,) * n,
+        norm_kind="layer",
+        norm_bias=True,
+        qkv_bias=bias,
+        attn_out_bias=bias,
+        lm_head_bias=bool(cfg.get("lm_head_bias", False)),
+        longrope=_longrope(cfg, head_dim),
+    )
+
+
+# ---- TensorRT-LLM config facts -------------------------------------------------------------------
+
+def _mixtral_trtllm(m: MoEModel) -> dict:
+    return {"intermediate_size": m.expert_intermediate_size}
+
+
+def _qwen_trtllm(m: MoEModel) -> dict:
+    return {
+        "intermediate_size": m.dense_intermediate_size or m.expert_intermediate_size,
+        "moe_intermediate_size": m.expert_intermediate_size,
+        "qwen_type": m.family,
+        "moe_shared_expert_intermediate_size": m.shared_expert_intermediate_size,
+        "qk_layernorm": m.qk_norm,
+        "seq_length": m.max_position_embeddings,
+        "use_logn_attn": False,
+        # Stored for completeness; TensorRT-LLM's QWen model makes every layer MoE, which
+        # `trtmoe build --backend tensorrt-llm` checks before building.
+        "mlp_only_layers": [l for l, moe_l in enumerate(m.moe_layers) if not moe_l],
+        "decoder_sparse_step": 1,
+    }
+
+
+def _deepseek_trtllm(m: MoEModel) -> dict:
+    return {"intermediate_size": m.dense_intermediate_size or m.expert_intermediate_size,
+            "moe_intermediate_size": m.expert_intermediate_size}
+
+
+def _phimoe_trtllm(m: MoEModel) -> dict:
+    out = {"intermediate_size": m.expert_intermediate_size}
+    if m.longrope is not None:
+        lr = m.longrope
+        out.update(position_embedding_type="long_rope",
+                   original_max_position_embeddings=lr["original_max_position_embeddings"],
+                   longrope_scaling_short_factors=lr["short_factor"], longrope_scaling_long_factors=lr["long_factor"],
+                   longrope_short_mscale=lr["short_mscale"], longrope_long_mscale=lr["long_mscale"])
+    return out
+
+
+def _moe_layers_from_mlp_only(raw: dict, n: int) -> list[bool]:
+    dense = set(raw.get("mlp_only_layers") or [])
+    return [l not in dense for l in range(n)]
+
+
+def _phimoe_from_trtllm(raw: dict) -> dict:
+    out = {"norm_kind": "layer", "norm_bias": True, "attn_out_bias": bool(raw.get("attn_bias")), "lm_head_bias": True}
+    if raw.get("position_embedding_type") == "long_rope":
+        out["longrope"] = {"short_factor": list(raw["longrope_scaling_short_factors"]),
+                           "long_factor": list(raw["longrope_scaling_long_factors"]),
+                           "short_mscale": float(raw["longrope_short_mscale"]),
+                           "long_mscale": float(raw["longrope_long_mscale"]),
+                           "original_max_position_embeddings": int(raw["original_max_position_embeddings"])}
+    return out
+
+
+# ---- the registry --------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class Adapter:
+    """One architecture. ``facts`` reads the HF config facts that differ from the common ones;
+    ``trtllm_facts`` gives the architecture's own TensorRT-LLM config keys and ``from_trtllm`` the
+    model facts read back from them (beyond the common ones)."""
+
     family: str
     hf_architectures: tuple[str, ...]
     trtllm_architecture: str
     names: dict[str, str]
     facts: Callable[[dict], dict]
+    trtllm_facts: Callable[[MoEModel], dict]
+    from_trtllm: Callable[[dict], dict] = field(default=lambda raw: {})
+    default_norm_eps: float = 1e-6
+    dense_layers: bool = True  # may have dense-MLP layers (intermediate_size is their FFN size)
+    shared_expert_gate: bool = False  # sigmoid gate on the shared expert's output
+    # Which layers TensorRT-LLM's checkpoint loader treats as MoE, from config.json alone.
+    trtllm_moe_layers: Callable[[dict, int], list[bool]] = _moe_layers_from_mlp_only
+    rules: tuple[Rule, ...] = DECODER_RULES
 
     def name(self, role: str, layer: int | None = None, expert: int | None = None) -> str:
         return self.names[role].format(l=layer, e=expert)
@@ -194,31 +477,33 @@ class Adapter:
 ADAPTERS: dict[str, Adapter] = {
     a.family: a
     for a in (
-        Adapter("mixtral", ("MixtralForCausalLM",), "MixtralForCausalLM", {
-            **_COMMON,
-            "router": "model.layers.{l}.block_sparse_moe.gate.weight",
-            "expert_gate": "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight",
-            "expert_down": "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
-            "expert_up": "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
-        }, _mixtral),
+        Adapter("mixtral", ("MixtralForCausalLM",), "MixtralForCausalLM", _BLOCK_SPARSE_MOE, _mixtral,
+                _mixtral_trtllm, default_norm_eps=1e-5, dense_layers=False),
         Adapter("qwen2_moe", ("Qwen2MoeForCausalLM",), "Qwen2MoeForCausalLM", {
             **_QWEN_MOE,
             "shared_gate_proj": "model.layers.{l}.mlp.shared_expert.gate_proj.weight",
             "shared_up": "model.layers.{l}.mlp.shared_expert.up_proj.weight",
             "shared_down": "model.layers.{l}.mlp.shared_expert.down_proj.weight",
             "shared_expert_gate": "model.layers.{l}.mlp.shared_expert_gate.weight",
-        }, _qwen2_moe),
-        Adapter("qwen3_moe", ("Qwen3MoeForCausalLM",), "Qwen3MoeForCausalLM", _QWEN_MOE, _qwen3_moe),
+        }, _qwen2_moe, _qwen_trtllm, shared_expert_gate=True),
+        Adapter("qwen3_moe", ("Qwen3MoeForCausalLM",), "Qwen3MoeForCausalLM", _QWEN_MOE, _qwen3_moe, _qwen_trtllm),
         Adapter("deepseek_v1", ("DeepseekForCausalLM",), "DeepseekForCausalLM", {
             **_QWEN_MOE,
             "shared_gate_proj": "model.layers.{l}.mlp.shared_experts.gate_proj.weight",
             "shared_up": "model.layers.{l}.mlp.shared_experts.up_proj.weight",
             "shared_down": "model.layers.{l}.mlp.shared_experts.down_proj.weight",
-        }, _deepseek_v1),
+        }, _deepseek_v1, _deepseek_trtllm,
+            # TensorRT-LLM's DeepSeek-V1 makes layer 0 dense and every other layer MoE.
+            trtllm_moe_layers=lambda raw, n: [l > 0 for l in range(n)]),
+        # Phi-3.5-MoE: transformers 5 names the class PhimoeForCausalLM, the hub's remote code
+        # PhiMoEForCausalLM (also TensorRT-LLM's name, which its phi3 model family builds).
+        Adapter("phimoe", ("PhimoeForCausalLM", "PhiMoEForCausalLM"), "PhiMoEForCausalLM", _PHIMOE, _phimoe,
+                _phimoe_trtllm, _phimoe_from_trtllm, default_norm_eps=1e-5, dense_layers=False),
     )
 }
 
 _BY_ARCH = {arch: a for a in ADAPTERS.values() for arch in a.hf_architectures}
+_BY_TRTLLM = {a.trtllm_architecture: a for a in ADAPTERS.values()}
 
 
 def supported_architectures() -> list[str]:
@@ -236,10 +521,19 @@ def adapter_for(hf_config: dict) -> Adapter:
         hint="supported: " + ", ".join(supported_architectures()))
 
 
+def adapter_for_checkpoint(raw: dict) -> Adapter | None:
+    """The adapter of a TensorRT-LLM checkpoint ``config.json`` (trtmoe's own record first)."""
+    family = (raw.get("trtmoe") or {}).get("family")
+    if family in ADAPTERS:
+        return ADAPTERS[family]
+    return _BY_TRTLLM.get(raw.get("architecture"))
+
+
 def describe(hf_config: dict) -> tuple[Adapter, MoEModel]:
     """Build the architecture-neutral description from an HF ``config.json`` dict."""
     adapter = adapter_for(hf_config)
-    facts = {**_base_facts(hf_config), **adapter.facts(hf_config)}
+    facts = {**_base_facts(hf_config, adapter.default_norm_eps), **adapter.facts(hf_config)}
+    facts.setdefault("shared_expert_gate", adapter.shared_expert_gate)
     model = MoEModel(family=adapter.family, hf_architecture=adapter.hf_architectures[0], **facts)
     if model.top_k < 1 or model.top_k > model.num_experts:
         raise CheckpointError(f"num_experts_per_tok={model.top_k} must be in 1..{model.num_experts}",
@@ -249,32 +543,15 @@ def describe(hf_config: dict) -> tuple[Adapter, MoEModel]:
 
 def expected_tensors(adapter: Adapter, m: MoEModel) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the model must have, with its expected shape."""
-    H, I, E = m.hidden_size, m.expert_intermediate_size, m.num_experts
-    out: dict[str, tuple[int, ...]] = {adapter.name("embed"): (m.vocab_size, H),
-                                       adapter.name("final_norm"): (H,)}
-    if not m.tie_word_embeddings:
-        out[adapter.name("lm_head")] = (m.vocab_size, H)
+    out = {}
+    for role, shape in role_shapes(m, None).items():
+        if role != "lm_head" or not m.tie_word_embeddings:
+            out[adapter.name(role)] = shape
     for l in range(m.num_layers):
-        shapes = {"input_norm": (H,), "post_norm": (H,), "q": (m.q_size, H), "k": (m.kv_size, H),
-                  "v": (m.kv_size, H), "o": (H, m.q_size)}
-        if m.qkv_bias:
-            shapes.update(q_bias=(m.q_size,), k_bias=(m.kv_size,), v_bias=(m.kv_size,))
-        if m.qk_norm:
-            shapes.update(q_norm=(m.head_dim,), k_norm=(m.head_dim,))
-        if m.moe_layers[l]:
-            shapes["router"] = (E, H)
-            if m.shared_expert_intermediate_size:
-                S = m.shared_expert_intermediate_size
-                shapes.update(shared_gate_proj=(S, H), shared_up=(S, H), shared_down=(H, S))
-            if m.shared_expert_gate:
-                shapes["shared_expert_gate"] = (1, H)
-            for e in range(E):
-                out[adapter.name("expert_gate", l, e)] = (I, H)
-                out[adapter.name("expert_up", l, e)] = (I, H)
-                out[adapter.name("expert_down", l, e)] = (H, I)
-        else:
-            D = m.dense_intermediate_size
-            shapes.update(dense_gate=(D, H), dense_up=(D, H), dense_down=(H, D))
-        for role, shape in shapes.items():
-            out[adapter.name(role, l)] = shape
+        for role, shape in role_shapes(m, l).items():
+            if role.startswith("expert_"):
+                for e in range(m.num_experts):
+                    out[adapter.name(role, l, e)] = shape
+            else:
+                out[adapter.name(role, l)] = shape
     return out

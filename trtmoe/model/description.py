@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 # TensorRT-LLM MoeConfig.normalization_mode values we produce.
 NORM_NONE = 0  # topk(softmax(logits)), weights not renormalised
 NORM_RENORMALIZE = 1  # softmax over the top-k logits (= top-k of softmax, renormalised)
+NORM_SPARSE_MIXER = 2  # Phi-3.5-MoE's sparse mixer: each pick's weight is a softmax over the logits near it
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,7 @@ class MoEModel:
     False where it has a dense gated MLP of ``dense_intermediate_size``.
     """
 
-    family: str  # adapter key: mixtral | qwen2_moe | qwen3_moe | deepseek_v1
+    family: str  # adapter key (trtmoe.hf.adapters.ADAPTERS): mixtral | qwen2_moe | qwen3_moe | deepseek_v1 | phimoe
     hf_architecture: str
     vocab_size: int
     hidden_size: int
@@ -35,6 +36,11 @@ class MoEModel:
     shared_expert_gate: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    attn_out_bias: bool = False  # o_proj has a bias
+    norm_kind: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm)
+    norm_bias: bool = False  # the norms have a bias (LayerNorm)
+    lm_head_bias: bool = False
+    sparse_mixer_epsilon: float = 0.01  # used with NORM_SPARSE_MIXER
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
@@ -42,6 +48,9 @@ class MoEModel:
     source_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Phi-3 LongRoPE: short_factor, long_factor, short_mscale, long_mscale,
+    # original_max_position_embeddings; None for unscaled RoPE.
+    longrope: dict | None = field(default=None, compare=False)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

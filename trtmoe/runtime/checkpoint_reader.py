@@ -1,47 +1,30 @@
 """Read a TensorRT-LLM checkpoint directory back into whole-model tensors, undoing the TP/EP/PP split
-with the same Mapping that made it. This is the inverse of ``checkpoint.layout``."""
+with the same Mapping that made it: the architecture registry's rule table (``trtmoe.hf.adapters``)
+applied in reverse. This is the inverse of ``checkpoint.layout``."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError, InputError
+from ..hf.adapters import ADAPTERS, EP, KV_HEADS, REPLICATED, TP, VOCAB, Rule, adapter_for_checkpoint
 from ..hf.safetensors_io import SafetensorsFile
+from ..model.description import MoEModel
 from ..parallel.mapping import Mapping
 
 
-@dataclass
-class CheckpointConfig:
-    raw: dict
-    mapping: Mapping
-    dtype: torch.dtype
-    family: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    normalization_mode: int
-    expert_intermediate_size: int
-    dense_intermediate_size: int
-    shared_expert_intermediate_size: int
-    shared_expert_gate: bool
-    qkv_bias: bool
-    qk_norm: bool
-    rope_theta: float
-    norm_eps: float
-    max_position_embeddings: int
-    moe_layers: list[bool]
-    eos_token_id: int | None
-    bos_token_id: int | None
-    tie_word_embeddings: bool = False
+@dataclass(frozen=True)
+class CheckpointConfig(MoEModel):
+    """The model a checkpoint holds (the same facts as ``MoEModel``, read back from config.json), with
+    the layout that split it, its weight dtype and the raw config."""
+
+    mapping: Mapping = field(default_factory=Mapping)
+    dtype: torch.dtype = torch.float32
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -54,40 +37,39 @@ def load_config(ckpt_dir: str | Path) -> CheckpointConfig:
         raise InputError("no config.json; not a TensorRT-LLM checkpoint directory", where=str(d))
     raw = json.loads(f.read_text())
     try:
+        adapter = adapter_for_checkpoint(raw) or ADAPTERS.get(raw.get("qwen_type"))
+        if adapter is None:
+            raise InputError(f"checkpoint architecture {raw['architecture']!r} is not one the embedded engine runs",
+                             where=str(f))
         ours = raw.get("trtmoe") or {}
-        arch = raw["architecture"]
-        family = ours.get("family") or {"MixtralForCausalLM": "mixtral", "DeepseekForCausalLM": "deepseek_v1"}.get(
-            arch) or raw.get("qwen_type")
-        if family not in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1"):
-            raise InputError(f"checkpoint architecture {arch!r} is not one the embedded engine runs", where=str(f))
         moe = raw["moe"]
         L = raw["num_hidden_layers"]
-        if "moe_layers" in ours:
-            moe_layers = list(ours["moe_layers"])
-        elif family == "deepseek_v1":
-            moe_layers = [l > 0 for l in range(L)]  # TensorRT-LLM's DeepSeek-V1 makes layer 0 dense
-        else:
-            dense = set(raw.get("mlp_only_layers") or [])
-            moe_layers = [l not in dense for l in range(L)]
-        I = raw.get("moe_intermediate_size") or raw["intermediate_size"]
-        return CheckpointConfig(
-            raw=raw, mapping=Mapping.from_config(raw["mapping"]), dtype=_DT[raw["dtype"]], family=family,
+        moe_layers = ours["moe_layers"] if "moe_layers" in ours else adapter.trtllm_moe_layers(raw, L)
+        facts = dict(
+            family=adapter.family, hf_architecture=adapter.hf_architectures[0],
             vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], num_layers=L,
             num_heads=raw["num_attention_heads"],
             num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
             head_dim=raw.get("head_size") or raw["hidden_size"] // raw["num_attention_heads"],
             num_experts=moe["num_experts"], top_k=moe["top_k"], normalization_mode=moe["normalization_mode"],
-            expert_intermediate_size=I,
-            dense_intermediate_size=raw.get("intermediate_size", 0) if family != "mixtral" else 0,
+            sparse_mixer_epsilon=float(moe.get("sparse_mixer_epsilon", 0.01)),
+            expert_intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+            dense_intermediate_size=raw.get("intermediate_size", 0) if adapter.dense_layers else 0,
             shared_expert_intermediate_size=moe.get("shared_expert_intermediate_size", 0)
             or raw.get("moe_shared_expert_intermediate_size", 0),
-            shared_expert_gate=family == "qwen2_moe",
+            shared_expert_gate=adapter.shared_expert_gate,
             qkv_bias=bool(raw.get("attn_bias")), qk_norm=bool(raw.get("qk_layernorm")),
-            rope_theta=float(raw.get("rotary_base", 10000.0)), norm_eps=float(raw.get("norm_epsilon", 1e-5)),
-            max_position_embeddings=raw.get("max_position_embeddings") or 2048,
-            moe_layers=moe_layers, eos_token_id=ours.get("eos_token_id"), bos_token_id=ours.get("bos_token_id"),
+            moe_layers=tuple(moe_layers), eos_token_id=ours.get("eos_token_id"), bos_token_id=ours.get("bos_token_id"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            source_dtype=raw["dtype"],
         )
+        for key, name in (("rope_theta", "rotary_base"), ("norm_eps", "norm_epsilon"),
+                          ("max_position_embeddings", "max_position_embeddings")):
+            if raw.get(name) is not None:
+                facts[key] = raw[name]
+        facts.update(adapter.from_trtllm(raw))
+        return CheckpointConfig(mapping=Mapping.from_config(raw["mapping"]), dtype=_DT[raw["dtype"]], raw=raw,
+                                **facts)
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e.args[0]!r}", where=str(f)) from None
 
@@ -143,3 +125,29 @@ def gather_qkv(files: RankFiles, prefix: str, suffix: str, pp_rank: int) -> tupl
             ks.setdefault(h, k[i * hd:(i + 1) * hd])
             vs.setdefault(h, v[i * hd:(i + 1) * hd])
     return torch.cat(qs), torch.cat([ks[h] for h in sorted(ks)]), torch.cat([vs[h] for h in sorted(vs)])
+
+
+def unshard(parts: list[torch.Tensor], n_roles: int, axis: int) -> torch.Tensor:
+    """Undo a split along ``axis`` of a tensor made of ``n_roles`` equal role blocks concatenated
+    along it (each role split, then the slices concatenated, on every part): the whole tensor, roles
+    in order."""
+    if len(parts) == 1:
+        return parts[0]
+    blocks = [p.chunk(n_roles, axis) for p in parts]
+    return torch.cat([torch.cat([b[i] for b in blocks], axis) for i in range(n_roles)], axis)
+
+
+def whole(files: RankFiles, rule: Rule, prefix: str, pp_rank: int) -> torch.Tensor:
+    """The whole tensor of one (non-expert) rule: its HF roles concatenated in the rule's order."""
+    c, mp = files.cfg, files.mp
+    name = prefix + rule.name
+    if rule.shard in (REPLICATED, EP):
+        return files.get(name, 0, pp_rank)
+    parts = [files.get(name, r, pp_rank) for r in range(mp.tp_size)]
+    if rule.shard == TP:
+        return unshard(parts, len(rule.roles), rule.axis)
+    if rule.shard == KV_HEADS:
+        return torch.cat(gather_qkv(files, prefix, rule.name.rsplit(".", 1)[1], pp_rank))
+    if rule.shard == VOCAB:
+        return torch.cat(parts)[: c.vocab_size]
+    raise AssertionError(f"no whole tensor for shard kind {rule.shard!r}")

@@ -2,8 +2,12 @@
 
 It is the executable spec of the checkpoint, written from TensorRT-LLM's semantics: fused expert
 ``fc`` = [up; gate] with swiglu (linear half first), ``proj`` = down; router in float32 with
-normalization mode NONE (top-k of softmax) or RENORMALIZE (softmax of the top-k logits); Qwen2-MoE's
-shared expert scaled by sigmoid(shared_expert_gate); dense GatedMLP fc = gate, gate = up.
+normalization mode NONE (top-k of softmax), RENORMALIZE (softmax of the top-k logits) or SPARSE_MIXER
+(Phi-3.5-MoE: each pick's weight is a softmax over the logits within a relative margin of it);
+Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate); dense GatedMLP fc = gate, gate = up;
+RMSNorm or LayerNorm (with bias) as the architecture says; RoPE, or Phi-3 LongRoPE (short factors and
+scale while a forward stays within original_max_position_embeddings, long ones beyond).
+The tensors are read through the architecture registry's rules, applied in reverse.
 
 Prefill + decode with a pooled KV cache (one tensor per layer, a slot per live sequence, so a
 batched decode step over sequences of different lengths writes and reads every sequence's keys
@@ -23,7 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from .checkpoint_reader import CheckpointConfig, RankFiles, gather_qkv, load_config
+from ..hf.adapters import FIRST, LAST, MOE_TP, global_rules, layer_rules
+from ..model.description import NORM_NONE, NORM_SPARSE_MIXER
+from ..model.params import count_params
+from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
 from .experts import ExpertBank, load_expert_bank
 
 
@@ -136,7 +143,10 @@ class _Layer:
     post_norm: torch.Tensor
     wqkv: torch.Tensor  # [q; k; v] rows: one matmul per layer
     wo: torch.Tensor
+    input_norm_b: torch.Tensor | None = None  # LayerNorm biases
+    post_norm_b: torch.Tensor | None = None
     bqkv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None  # [E, H] float32
@@ -154,6 +164,21 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(dt)
+
+
+def _sparse_mixer(logits: torch.Tensor, k: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse-mixer routing (inference form): pick the best remaining expert k times; each pick's
+    weight is its softmax share among the logits within a relative margin 2·eps of it (the others,
+    and earlier picks, masked out)."""
+    masked = logits
+    ws, idxs = [], []
+    for _ in range(k):
+        top, idx = masked.max(-1, keepdim=True)
+        far = (top - logits) / logits.abs().clamp(min=top) > 2 * eps
+        ws.append(masked.masked_fill(far, -math.inf).softmax(-1).gather(-1, idx))
+        idxs.append(idx)
+        masked = masked.scatter(-1, idx, -math.inf)
+    return torch.cat(ws, -1), torch.cat(idxs, -1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -178,10 +203,17 @@ class EmbeddedEngine:
         self.layers: list[_Layer] = []
         self.embedding: torch.Tensor | None = None
         self.final_norm: torch.Tensor | None = None
+        self.final_norm_b: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
+        self.lm_head_b: torch.Tensor | None = None
         hd = cfg.head_dim
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-        self._inv_freq = inv.to(device)
+        expo = cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd)
+        self._inv_freq = (1.0 / expo).to(device)
+        lr = cfg.longrope
+        if lr is not None:  # (inverse frequencies, cos/sin scale) for short and long contexts
+            self._longrope = tuple((1.0 / (torch.tensor(lr[f"{n}_factor"], dtype=torch.float32) * expo)).to(device)
+                                   for n in ("short", "long"))
+            self._mscale = (lr["short_mscale"], lr["long_mscale"])
         self.max_seq_len = cfg.max_position_embeddings
         L, E = cfg.num_layers, cfg.num_experts
         self._kv = _KVPool(L, cfg.num_kv_heads, hd, compute_dtype, device)
@@ -219,43 +251,31 @@ class EmbeddedEngine:
     def _load(self, files: RankFiles):
         c, mp = self.cfg, self.cfg.mapping
         dev, cdt = self.device, self.compute_dtype
-        to = lambda t: t.to(dev, cdt)  # noqa: E731
-        self.embedding = to(files.get("transformer.vocab_embedding.weight", 0, 0))
-        last = mp.pp_size - 1
-        self.final_norm = to(files.get("transformer.ln_f.weight", 0, last))
-        head = torch.cat([files.get("lm_head.weight", r, last) for r in range(mp.tp_size)])
-        self.lm_head = to(head[: c.vocab_size])
+        to = lambda t: None if t is None else t.to(dev, cdt)  # noqa: E731
+        g = {r.name: whole(files, r, "", 0) for r in global_rules(c, FIRST)}
+        g.update({r.name: whole(files, r, "", mp.pp_size - 1) for r in global_rules(c, LAST)})
+        self.embedding = to(g["transformer.vocab_embedding.weight"])
+        self.final_norm, self.final_norm_b = to(g["transformer.ln_f.weight"]), to(g.get("transformer.ln_f.bias"))
+        self.lm_head, self.lm_head_b = to(g["lm_head.weight"]), to(g.get("lm_head.bias"))
         for l in range(c.num_layers):
             p, j = mp.layer_owner(c.num_layers, l)
             pre = f"transformer.layers.{j}."
-            g = lambda name, r=0: files.get(pre + name, r, p)  # noqa: E731
-            q, k, v = gather_qkv(files, pre, "weight", p)
-            lay = _Layer(input_norm=to(g("input_layernorm.weight")), post_norm=to(g("post_layernorm.weight")),
-                         wqkv=to(torch.cat([q, k, v])),
-                         wo=to(torch.cat([g("attention.dense.weight", r) for r in range(mp.tp_size)], dim=1)))
-            if c.qkv_bias:
-                lay.bqkv = to(torch.cat(gather_qkv(files, pre, "bias", p)))
-            if c.qk_norm:
-                lay.q_norm, lay.k_norm = to(g("attention.q_layernorm.weight")), to(g("attention.k_layernorm.weight"))
+            t = {r.name: whole(files, r, pre, p) for r in layer_rules(c, l) if r.shard != MOE_TP}
+            lay = _Layer(input_norm=to(t["input_layernorm.weight"]), post_norm=to(t["post_layernorm.weight"]),
+                         wqkv=to(t["attention.qkv.weight"]), wo=to(t["attention.dense.weight"]),
+                         input_norm_b=to(t.get("input_layernorm.bias")), post_norm_b=to(t.get("post_layernorm.bias")),
+                         bqkv=to(t.get("attention.qkv.bias")), bo=to(t.get("attention.dense.bias")),
+                         q_norm=to(t.get("attention.q_layernorm.weight")),
+                         k_norm=to(t.get("attention.k_layernorm.weight")))
             if c.moe_layers[l]:
-                lay.router = to(g("mlp.router.weight").float())
+                lay.router = t["mlp.router.weight"].float().to(dev)
                 lay.experts = load_expert_bank(files, c, l, pre, p, dev, cdt)
-                if c.shared_expert_intermediate_size:
-                    ups, gates, downs = [], [], []
-                    for r in range(mp.tp_size):
-                        fc = g("mlp.shared_expert.fc.weight", r)
-                        half = fc.shape[0] // 2
-                        ups.append(fc[:half])
-                        gates.append(fc[half:])
-                        downs.append(g("mlp.shared_expert.proj.weight", r))
-                    lay.shared_fc = to(torch.cat(ups + gates))
-                    lay.shared_proj = to(torch.cat(downs, dim=1))
-                if c.shared_expert_gate:
-                    lay.shared_gate = to(g("mlp.shared_expert_gate.weight"))
+                lay.shared_fc = to(t.get("mlp.shared_expert.fc.weight"))  # [up; gate]
+                lay.shared_proj = to(t.get("mlp.shared_expert.proj.weight"))
+                lay.shared_gate = to(t.get("mlp.shared_expert_gate.weight"))
             else:
-                lay.dense_gate = to(torch.cat([g("mlp.fc.weight", r) for r in range(mp.tp_size)]))
-                lay.dense_up = to(torch.cat([g("mlp.gate.weight", r) for r in range(mp.tp_size)]))
-                lay.dense_down = to(torch.cat([g("mlp.proj.weight", r) for r in range(mp.tp_size)], dim=1))
+                lay.dense_gate, lay.dense_up = to(t["mlp.fc.weight"]), to(t["mlp.gate.weight"])
+                lay.dense_down = to(t["mlp.proj.weight"])
             self.layers.append(lay)
 
     # ---- facts ----------------------------------------------------------------------------------
@@ -273,7 +293,6 @@ class EmbeddedEngine:
 
     @property
     def active_params_per_token(self) -> int:
-        from ..model.params import count_params
         return count_params(self.cfg).active
 
     def routing_stats(self) -> dict:
@@ -291,9 +310,16 @@ class EmbeddedEngine:
     # ---- the model --------------------------------------------------------------------------------
     def _rope_tables(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, 1, hd] for positions pos [B, T] (gpt-neox halves); shared by all layers."""
-        freqs = pos.float()[..., None] * self._inv_freq  # [B, T, hd/2]
+        inv, scale = self._inv_freq, None
+        if self.cfg.longrope is not None:
+            long = int(pos.max()) + 1 > self.cfg.longrope["original_max_position_embeddings"]
+            inv, scale = self._longrope[long], self._mscale[long]
+        freqs = pos.float()[..., None] * inv  # [B, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if scale is not None:
+            cos, sin = cos * scale, sin * scale
+        return cos.to(dtype), sin.to(dtype)
 
     @staticmethod
     def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -313,8 +339,10 @@ class EmbeddedEngine:
             self.layer_hook(li, h)
         logits = h.float() @ lay.router.t()
         probs = logits.softmax(-1)
-        if c.normalization_mode == 0:
+        if c.normalization_mode == NORM_NONE:
             w, idx = probs.topk(c.top_k, dim=-1)
+        elif c.normalization_mode == NORM_SPARSE_MIXER:
+            w, idx = _sparse_mixer(logits, c.top_k, c.sparse_mixer_epsilon)
         else:
             top, idx = logits.topk(c.top_k, dim=-1)
             w = top.softmax(-1)
@@ -412,15 +440,14 @@ class EmbeddedEngine:
         # Grouped-query heads read their shared KV head in place (no repeated copy of the cache).
         o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=causal and T > 1,
                                            scale=1.0 / math.sqrt(hd), enable_gqa=nh != nkv)
-        o = o.transpose(1, 2).reshape(B, T, nh * hd)
-        return o @ lay.wo.t()
+        o = o.transpose(1, 2).reshape(B, T, nh * hd) @ lay.wo.t()
+        return o if lay.bo is None else o + lay.bo
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None,
                  start_layer: int = 0, hidden: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                  last: list[int] | None = None) -> torch.Tensor:
         """Logits [B, T, V]; with ``last`` (a position per row) only those, [B, 1, V]. ``valid``
         [B, T] marks the real tokens of a right-padded batch: only they are routed and counted."""
-        c = self.cfg
         x = self.embedding[ids] if hidden is None else hidden
         rope = self._rope_tables(pos, x.dtype)
         plan = self._cache_plan(seqs, pos, ids.shape[1]) if seqs is not None else None
@@ -428,15 +455,21 @@ class EmbeddedEngine:
             lay = self.layers[li]
             if self.residual_hook is not None:
                 self.residual_hook(li, x)
-            h = _rms_norm(x, lay.input_norm, c.norm_eps)
+            h = self._norm(x, lay.input_norm, lay.input_norm_b)
             x = x + self._attention(lay, h, rope, li, seqs, plan)
-            h = _rms_norm(x, lay.post_norm, c.norm_eps)
+            h = self._norm(x, lay.post_norm, lay.post_norm_b)
             x = x + (self._moe(li, lay, h, valid) if lay.router is not None else self._dense(lay, h))
         self._tokens += ids.numel() if valid is None else int(valid.sum())
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), torch.tensor(last, device=x.device)][:, None]
-        x = _rms_norm(x, self.final_norm, c.norm_eps)
-        return (x @ self.lm_head.t()).float()
+        x = self._norm(x, self.final_norm, self.final_norm_b)
+        logits = x @ self.lm_head.t()
+        return (logits if self.lm_head_b is None else logits + self.lm_head_b).float()
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if self.cfg.norm_kind == "layer":
+            return F.layer_norm(x, w.shape, w, b, self.cfg.norm_eps)
+        return _rms_norm(x, w, self.cfg.norm_eps)
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

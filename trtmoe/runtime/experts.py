@@ -14,6 +14,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint.layout import packed_at_conversion
+from ..errors import CheckpointError
+from ..hf.adapters import expert_rules
+from ..quant.plan import FLOAT, format_obj
+from .checkpoint_reader import unshard
+
 
 class ExpertBank:
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
@@ -39,27 +45,16 @@ class FloatExperts(ExpertBank):
 
 
 def _float_fc_proj(files, cfg, pre: str, pp_rank: int):
-    """Reassemble full per-expert fc/proj from the EP/TP rank shards."""
+    """Reassemble full per-expert fc/proj from the EP/TP rank shards (the registry's expert rules in
+    reverse: EP blocks stacked, moe_tp shards joined role by role)."""
     mp = cfg.mapping
-    E_loc = cfg.num_experts // mp.moe_ep_size
-    if mp.moe_tp_size == 1:  # each EP rank already holds whole experts: no reassembly copies
-        fcs = [files.get(pre + "mlp.fc.weight", mp.tp_rank_for(0, ep), pp_rank) for ep in range(mp.moe_ep_size)]
-        projs = [files.get(pre + "mlp.proj.weight", mp.tp_rank_for(0, ep), pp_rank) for ep in range(mp.moe_ep_size)]
-        return (fcs[0], projs[0]) if len(fcs) == 1 else (torch.cat(fcs), torch.cat(projs))
-    fcs, projs = [], []
-    for ep in range(mp.moe_ep_size):
-        ups, gates, downs = [], [], []
-        for t in range(mp.moe_tp_size):
-            r = mp.tp_rank_for(t, ep)
-            fc = files.get(pre + "mlp.fc.weight", r, pp_rank)  # [E_loc, 2 I_loc, H]
-            half = fc.shape[1] // 2
-            ups.append(fc[:, :half])
-            gates.append(fc[:, half:])
-            downs.append(files.get(pre + "mlp.proj.weight", r, pp_rank))  # [E_loc, H, I_loc]
-        fcs.append(torch.cat([torch.cat(ups, 1), torch.cat(gates, 1)], 1))
-        projs.append(torch.cat(downs, 2))
-        assert fcs[-1].shape[0] == E_loc
-    return torch.cat(fcs), torch.cat(projs)
+    out = []
+    for rule in expert_rules().values():
+        name, axis = pre + rule.name, rule.axis + 1  # dim 0 stacks the experts
+        blocks = [unshard([files.get(name, mp.tp_rank_for(t, ep), pp_rank) for t in range(mp.moe_tp_size)],
+                          len(rule.roles), axis) for ep in range(mp.moe_ep_size)]
+        out.append(blocks[0] if len(blocks) == 1 else torch.cat(blocks))
+    return tuple(out)
 
 
 class PackedShard(NamedTuple):
@@ -102,8 +97,6 @@ def slot_formats(cfg, layer: int) -> tuple[str, list[str], list[str]]:
 
     Layers without a recorded format are float: stacked for ``layer`` granularity (and for
     checkpoints without quantization), one tensor set per expert for ``expert`` / ``matrix``."""
-    from ..errors import CheckpointError
-
     q = (cfg.raw.get("trtmoe") or {}).get("quantization") or {}
     gran = q.get("granularity", "layer")
     floats = ["float"] * cfg.num_experts
@@ -125,9 +118,6 @@ def slot_formats(cfg, layer: int) -> tuple[str, list[str], list[str]]:
 
 def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
                      compute_dtype: torch.dtype | None = None) -> ExpertBank:
-    from ..checkpoint.layout import packed_at_conversion
-    from ..quant.plan import FLOAT, format_obj
-
     gran, fc_names, proj_names = slot_formats(cfg, layer)
     dt = cfg.dtype
     if gran == "layer" and fc_names[0] == FLOAT:
