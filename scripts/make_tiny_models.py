@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1")
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
@@ -86,6 +86,26 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
         "norm_topk_prob": True,
         "rms_norm_eps": 1e-6,
+    },
+    # Phi-3.5-MoE's shape: LayerNorm with bias, attention and lm_head biases, sparse-mixer top-2
+    # routing, LongRoPE with distinct short and long factors.
+    "phimoe": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "num_local_experts": 4,
+        "intermediate_size": 48,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
+        "lm_head_bias": True,
+        "router_jitter_noise": 0.01,
+        "input_jitter_noise": 0.0,
+        "original_max_position_embeddings": 128,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0, 2.5],
+                            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0],
+                            "short_mscale": 1.1, "long_mscale": 1.2,
+                            "original_max_position_embeddings": 128},
     },
     # Field set of deepseek-ai/deepseek-moe-16b-base's config.json, shrunk.
     "deepseek_v1": {
@@ -167,6 +187,7 @@ def _hf_classes(arch: str):
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "phimoe": (transformers.PhimoeConfig, transformers.PhimoeForCausalLM),
     }[arch]
 
 

@@ -1,6 +1,6 @@
 """The embedded engine on the converted checkpoint must reproduce the source model.
 
-Reference: transformers' own model classes (Mixtral, Qwen2-MoE, Qwen3-MoE); for DeepSeek-MoE v1,
+Reference: transformers' own model classes (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3.5-MoE); for DeepSeek-MoE v1,
 which transformers does not ship, the independent reference in tests/reference/deepseek_v1.py.
 """
 
@@ -14,7 +14,7 @@ from trtmoe.checkpoint.writer import convert
 from trtmoe.errors import InputError
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams, Sequence
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
 LAYOUTS = {
     "tp1": dict(),
     "tp2-ep2": dict(tp=2, moe_ep=2),
