@@ -113,10 +113,8 @@ def build_embedded(checkpoint: str | Path, output: str | Path, build: dict, *, f
     plan = plan_embedded(checkpoint, build, verify=True)
     facts = plan.facts
     src_files: dict[str, str] = dict(facts.manifest["files"])
-    if facts.path.resolve() in out.resolve().parents:  # replacing the checkpoint is refused below
-        raise InputError("the engine directory cannot lie inside its own checkpoint", where=str(out))
     linked = copied = 0
-    with atomic_directory(out, force=force, inputs=(facts.path,)) as tmp:
+    with atomic_directory(out, force=force, inputs=(facts.path,), outside=(facts.path,)) as tmp:
         ck = tmp / CHECKPOINT_SUBDIR
         ck.mkdir()
         hashes = {}

@@ -102,14 +102,20 @@ def _resolved(p: str | Path) -> Path:
     return Path(os.path.realpath(Path(p).expanduser()))
 
 
-def check_output_spares_inputs(out: str | Path, inputs: Iterable[str | Path], *, what: str = "output") -> None:
+def check_output_spares_inputs(out: str | Path, inputs: Iterable[str | Path], *, what: str = "output",
+                               outside: Iterable[str | Path] = ()) -> None:
     """Refuse an output path that is one of the inputs or holds one (an ancestor directory): writing
-    it would delete or overwrite what the command reads. Paths are compared after resolving links."""
+    it would delete or overwrite what the command reads. It may not lie inside an ``outside`` input
+    either (an artifact that another artifact must not be nested in). Links are resolved first."""
     o = _resolved(out)
     for i in inputs:
         r = _resolved(i)
         if r == o or o in r.parents:
             raise InputError(f"the {what} would replace one of this command's inputs ({i})", where=str(out),
+                             hint="choose an output directory outside the inputs")
+    for i in outside:
+        if _resolved(i) in o.parents:
+            raise InputError(f"the {what} may not lie inside {i}", where=str(out),
                              hint="choose an output directory outside the inputs")
 
 
@@ -149,12 +155,13 @@ class _Interrupted(BaseException):
 
 
 @contextlib.contextmanager
-def atomic_directory(out: str | Path, *, force: bool = False, inputs: Iterable[str | Path] = ()) -> Iterator[Path]:
+def atomic_directory(out: str | Path, *, force: bool = False, inputs: Iterable[str | Path] = (),
+                     outside: Iterable[str | Path] = ()) -> Iterator[Path]:
     """Yield a temporary directory; on success it becomes ``out`` (replacing a previous trtmoe
     artifact there if ``force``). ``inputs`` are paths the command reads: ``out`` may not be or
-    contain any of them."""
+    contain any of them, nor lie inside an ``outside`` one."""
     out = Path(out).expanduser().absolute()
-    check_output_spares_inputs(out, inputs)
+    check_output_spares_inputs(out, inputs, outside=outside)
     recover_leftovers(out)
     if os.path.lexists(out):
         if not force:

@@ -408,12 +408,10 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                          hint="pass --tokenizer DIR (a Hugging Face tokenizer folder)")
     tpl = Path(templates) if templates else templates_dir()
     out = Path(out_dir).expanduser().absolute()
-    if info.path.resolve() in out.resolve().parents:  # replacing the engine or tokenizer is refused below
-        raise InputError("the repository may not be written inside the engine directory", where=str(out))
     values = template_values(info, settings)
     warnings: list[str] = []
     configs = {}
-    with atomic_directory(out, force=force, inputs=(info.path, tok_src)) as tmp:
+    with atomic_directory(out, force=force, inputs=(info.path, tok_src), outside=(info.path,)) as tmp:
         copy_tokenizer(tok_src, tmp / TOKENIZER_SUBDIR)
         warnings += test_load_tokenizer(tmp / TOKENIZER_SUBDIR, info, trust_remote_code=trust_remote_code)
         for model in MODELS:
