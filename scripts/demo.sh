@@ -17,7 +17,7 @@ trtmoe inspect "$MODEL" --tp 2 --moe-ep 2
 
 step "calibrate: routing statistics and per-matrix sensitivity (each expert's fc and proj)"
 python3 -c "from trtmoe.data import write_split_text; write_split_text('calib', '$OUT/calib.txt', max_bytes=400_000)"
-trtmoe calibrate "$MODEL" --data "$OUT/calib.txt" -o "$OUT/calib" --samples 8 --seq-len 128
+trtmoe calibrate "$MODEL" --data "$OUT/calib.txt" -o "$OUT/calib" --samples 8 --seq-len 128 --force
 
 step "convert: graded per-matrix quantization at 4.5 bits per expert weight"
 trtmoe convert "$MODEL" -o "$OUT/ckpt" --calib "$OUT/calib" --budget 4.5 --force
