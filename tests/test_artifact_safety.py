@@ -207,3 +207,22 @@ def test_tokenizer_links_out_of_the_model_are_not_copied(tmp_path):
     convert(model, tmp_path / "ckpt")
     copied = {p.name for p in (tmp_path / "ckpt" / "tokenizer").iterdir()}
     assert "tokenizer.json" in copied and "special_tokens_map.json" not in copied
+
+
+def test_repository_tokenizer_links_out_of_its_folder_are_not_copied(tmp_path):
+    from trtmoe.build.embedded import build_embedded
+    from trtmoe.config import defaults
+    from trtmoe.triton.repository import generate_repository
+
+    model = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
+    convert(model, tmp_path / "ckpt")
+    build_embedded(tmp_path / "ckpt", tmp_path / "engine", {**defaults()["build"], "max_input_len": 128})
+    tok = shutil.copytree(model, tmp_path / "tok", ignore=shutil.ignore_patterns("*.safetensors"))
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"secret": 1}')
+    (tok / "special_tokens_map.json").unlink(missing_ok=True)
+    (tok / "special_tokens_map.json").symlink_to(secret)
+    (tok / "inside.json").symlink_to(tok / "tokenizer_config.json")  # a link within the folder is fine
+    generate_repository(tmp_path / "engine", tmp_path / "repo", tokenizer_dir=tok)
+    copied = {p.name for p in (tmp_path / "repo" / "preprocessing" / "tokenizer").iterdir()}
+    assert {"tokenizer.json", "inside.json"} <= copied and "special_tokens_map.json" not in copied

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..checkpoint.atomic import atomic_directory
+from ..checkpoint.atomic import atomic_directory, source_tree, stays_inside
 from ..errors import InputError, TrtmoeError
 from .engine_dir import EMBEDDED, TENSORRT_LLM, EngineInfo, read_engine_dir
 
@@ -327,8 +327,11 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
         raise InputError("tokenizer directory not found", where=str(src))
     dst.mkdir(parents=True)
     names = []
+    tree = source_tree(src)  # a link leading out of the tokenizer's own tree is never followed
     for f in sorted(src.iterdir()):
         if not f.is_file() or f.name.endswith(_WEIGHT_SUFFIXES) or f.name.endswith(".index.json"):
+            continue
+        if not stays_inside(f, tree):
             continue
         if f.stat().st_size > _MAX_TOKENIZER_FILE:
             continue
