@@ -70,7 +70,7 @@ def test_killed_calibration_leaves_its_scratch_beside_the_output_and_the_next_ru
     assert not out.exists()
     cli(*_args(model, text, tokdir, out))
     assert not list(tmp_path.glob(".calib*")), "the killed run's scratch checkpoint is still there"
-    assert sorted(p.name for p in out.iterdir()) == ["calib.json", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["activations.safetensors", "calib.json", "manifest.json"]
 
 
 def test_killed_outputless_calibration_is_cleaned_by_the_next_one(model, text, tokdir, tmp_path):
@@ -101,7 +101,7 @@ def test_calibration_is_an_artifact_with_deterministic_bytes(model, text, tokdir
     assert "seconds" not in cal
     assert cal["model"] == str(Path(model).resolve()) and cal["data"]["path"] == str(Path(text).resolve())
     man = verify_directory(a)
-    assert man["kind"] == "calibration" and set(man["files"]) == {"calib.json"}
+    assert man["kind"] == "calibration" and set(man["files"]) == {"calib.json", "activations.safetensors"}
     assert "model.safetensors" in man["source"]["files"]
     (a / "calib.json").write_text((a / "calib.json").read_text().replace('"version": 2', '"version": 2 '))
     with pytest.raises(Exception, match="sha256"):

@@ -39,6 +39,7 @@ from ..checkpoint.atomic import _MARK, atomic_directory, recover_leftovers
 from ..errors import InputError
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
+from . import awq
 from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
 
@@ -107,7 +108,8 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
               seq_len: int = 128, formats: tuple[str, ...] = DEFAULT_FORMATS, min_tokens: int = 16,
               batch_size: int = 8, tokenizer: str | Path | None = None,
               progress: Callable[[str, int, int], None] | None = None, text_field: str = "text",
-              force: bool = False, add_bos: bool | None = None, notes: list[str] | None = None) -> dict:
+              force: bool = False, add_bos: bool | None = None, notes: list[str] | None = None,
+              rounding: str = awq.DEFAULT_ROUNDING) -> dict:
     """Measure routing statistics and per-(layer, expert, matrix, format) ΔKL on calibration text.
 
     ``model`` is an HF MoE directory (converted to a scratch single-rank checkpoint in its own dtype);
@@ -117,7 +119,9 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     directory in the system temp dir), so a killed run's leftovers are removed by the next run.
     ``add_bos`` overrides the tokenizer's own choice. Formats whose packing the model's shapes do not
     allow are skipped; each skip, and which BOS/EOS were used, is appended to ``notes`` and recorded
-    in calib.json. Returns the calib.json dict."""
+    in calib.json. ``rounding`` is how the int4 formats are rounded when their ΔKL is measured (the
+    routed-token activation statistics awq needs are always collected, into activations.safetensors).
+    Returns the calib.json dict."""
     from ..checkpoint.writer import convert
     from ..data import load_texts
     from ..runtime.load import find_tokenizer_dir, load_tokenizer
@@ -146,7 +150,9 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
         if not usable:
             raise InputError("none of the candidate formats can store this model's experts: "
                              + "; ".join(skipped.values()), hint="choose --formats int8,int4")
-        result = measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size, progress=progress)
+        acts = awq.ActivationStats()
+        result = measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size, progress=progress,
+                         rounding=rounding, activations=acts)
         del eng
         shutil.rmtree(ck)
         result["skipped_formats"] = skipped
@@ -155,6 +161,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
                           "tokens": int(ids.numel()), "sha256": data_hash}
         result["model"] = _identity(model)
         if out_dir is not None:
+            acts.save(work / awq.ACT_FILE)
             write_calibration(work, result, source=source)
     return result
 
@@ -237,12 +244,17 @@ def _special_tokens(tok, tok_dir: Path, add_bos: bool | None) -> dict:
 
 @torch.inference_mode()
 def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, min_tokens: int = 16,
-            batch_size: int = 8, progress=None) -> dict:
+            batch_size: int = 8, progress=None, rounding: str = awq.DEFAULT_ROUNDING,
+            activations: "awq.ActivationStats | None" = None) -> dict:
     """Routing statistics and sensitivities with a loaded engine (tp=1 float checkpoint).
 
     Returns the calib.json dict (``version`` = CALIB_VERSION). ΔKL values are mean KL per calibration
     token, in nats: ``sensitivity.matrices[m].delta_kl[f][l][e]`` per matrix m ∈ {fc, proj}, and
-    ``sensitivity.delta_kl[f][l][e]`` = fc + proj per expert."""
+    ``sensitivity.delta_kl[f][l][e]`` = fc + proj per expert. The int4 formats are quantized with
+    ``rounding`` (awq: from each matrix's routed-token statistics, gathered into ``activations``)."""
+    if rounding not in awq.ROUNDINGS:
+        raise InputError(f"unknown rounding {rounding!r}", hint="use rtn or awq")
+    acts = activations if activations is not None else awq.ActivationStats()
     c = eng.cfg
     L, E, k = c.num_layers, c.num_experts, c.top_k
     moe_layers = [l for l in range(L) if c.moe_layers[l]]
@@ -281,6 +293,7 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
         lay = eng.layers[l]
         base = lay.experts
         x_all = torch.cat(moe_in[l])  # [tokens, H]: every calibration token's input to this layer
+        acts.add_layer(l, awq.collect_layer(base.fc, base.proj, x_all, routed[l].reshape(-1, k)))
         frac = (L - l) / L
         for e in range(E):
             y_ref = base.forward(e, x_all)
@@ -291,7 +304,8 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
                 fmt = format_obj(f, eng.dtype)
                 for m in MATRICES:
                     w = base.fc[e] if m == "fc" else base.proj[e]
-                    swapped = _MatrixSwapped(base, e, **{m: (fmt, fmt.quantize(w, dtype=eng.dtype))})
+                    packed = awq.quantize(fmt, w, dtype=eng.dtype, stats=acts.get(l, e, m), rounding=rounding)
+                    swapped = _MatrixSwapped(base, e, **{m: (fmt, packed)})
                     # Output error over all tokens, routing ignored (for seldom-routed experts).
                     y_q = swapped.forward(e, x_all)
                     out_err[m][f][l, e] = float((y_q - y_ref).float().pow(2).sum(-1).mean())
@@ -340,6 +354,8 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
         "hidden_size": H, "expert_intermediate_size": I, "dtype": str(eng.dtype).replace("torch.", ""),
         "weights_per_expert": expert_weights,
         "formats": list(formats),
+        "rounding": rounding,
+        "activations": acts.summary(),
         "bits_per_weight": {f: _expert_bpw(f, I, H, eng.dtype) for f in (FLOAT, *formats)},
         "routing": {
             "tokens": tokens,

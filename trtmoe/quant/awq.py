@@ -1,0 +1,528 @@
+"""Activation-aware INT4 rounding (``--rounding awq``) from the routed-token activations calibration sees.
+
+Round-to-nearest (``rtn``) quantizes each expert matrix from its weights alone. ``awq`` also uses the
+inputs that matrix receives on calibration text — for ``fc`` ([up; gate], w1/w3) the hidden states of
+the tokens routed to that expert, for ``proj`` (down, w2) its intermediate activations
+``silu(gate x) * up x`` — and picks, among transforms TensorRT-LLM's int4 kernels run unchanged, the one
+whose output error on those tokens is smallest:
+
+* Group-wise INT4 (``int4_g128``, ``int4_g64``; W4A16_AWQ): a per-input-channel scale ``s``. The
+  matrix stored is ``W·diag(s)`` and its input is multiplied by ``1/s``, which TensorRT-LLM applies as
+  the layer's ``prequant_scaling_factor`` ([1, in], model dtype). ``s = act^a / w^(1-a)`` (``act`` the
+  mean |x| per input channel over the routed tokens, ``w`` the mean group-normalized |W| per input
+  channel) for ``a`` on a 20-point grid over [0, 1], plus ``s = 1``, normalized to a geometric mean of
+  one; then a clip search per (output row, group): the group's amax shrunk by a ratio in 1.0 … 0.5.
+* Per-channel INT4 (W4A16): TensorRT-LLM's weight-only per-channel path has no pre-quant scale, so
+  only the clip search applies (per output row; the row error is exact there).
+
+Every candidate's error is computed with the exact numerics of the format (weights cast to the model
+dtype, scales rounded into it, codes dequantized in it, the input multiplied by the stored pre-quant
+scale in the activation dtype), and the final choice is never worse than round-to-nearest on the
+calibration rows: RTN is always one of the candidates. Clipping is carried out by clamping the weight
+before the format's own ``quantize``, so the packed bytes keep their layout and the TensorRT-LLM
+numerics (amax / 7 per group, amax / 8 per channel) hold unchanged; for per-channel layers that
+``trtllm-build`` quantizes itself the clamped float weight is what the checkpoint stores.
+
+The embedded engine gets one pre-quant scale per expert matrix; TensorRT-LLM's fused MoE has one per
+stacked ``fc`` and ``proj`` of a layer, so for its layout the scale is searched jointly over every
+expert of the layer (the summed routed-token error) and then each expert's clip is searched with it.
+
+Statistics (per MoE layer, expert and matrix): mean |x| over every routed token, the count, and a
+bounded, evenly spaced sample of routed-token input rows (what the searches evaluate output error
+on). An expert routed fewer than ``MIN_ROUTED`` calibration tokens gets the layer's tokens (routing
+ignored) instead. They live in the calibration artifact as ``activations.safetensors``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import InputError
+from .formats import GroupInt4Format, PerChannelIntFormat, QuantFormat
+
+ROUNDINGS = ("rtn", "awq")
+DEFAULT_ROUNDING = "awq"
+ALPHA_GRID = tuple(i / 19 for i in range(20))  # 20 points, 0 and 1 included
+CLIP_GRID = tuple(1.0 - i / 40 for i in range(21))  # amax × 1.0, 0.975, …, 0.5
+MAX_ROWS = 512  # routed-token rows kept per expert matrix
+MIN_ROUTED = 16  # fewer routed tokens than this: use the layer's tokens instead
+ACT_FILE = "activations.safetensors"
+MATRIX_KINDS = ("fc", "proj")
+
+
+def applies(fmt: QuantFormat) -> bool:
+    """Whether activation-aware rounding changes anything for ``fmt`` (the int4 formats)."""
+    return isinstance(fmt, GroupInt4Format) or (isinstance(fmt, PerChannelIntFormat) and fmt.bits == 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+
+@dataclass
+class MatrixStats:
+    """Routed-token inputs of one expert matrix: mean |x| per input channel (float32, every routed
+    token), a bounded sample of input rows (the activation dtype), and how many tokens were routed."""
+
+    act_mean: Tensor  # [in]
+    rows: Tensor  # [n, in]
+    count: int
+    source: str = "routed"  # "layer": too few routed tokens, the layer's tokens stand in
+
+    def columns(self, a: int, b: int) -> "MatrixStats":
+        """The statistics of input channels [a, b) (a moe_tp shard of ``proj``)."""
+        return MatrixStats(self.act_mean[a:b], self.rows[:, a:b], self.count, self.source)
+
+
+def _sample(x: Tensor, n: int) -> Tensor:
+    """``n`` rows of ``x`` evenly spaced over it (all rows when it has no more)."""
+    if x.shape[0] <= n:
+        return x.clone()
+    idx = torch.div(torch.arange(n, dtype=torch.int64) * x.shape[0], n, rounding_mode="floor")
+    return x[idx].clone()
+
+
+def _stats(x: Tensor, max_rows: int, source: str, count: int) -> MatrixStats:
+    return MatrixStats(x.double().abs().mean(0).float(), _sample(x, max_rows), count, source)
+
+
+def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, max_rows: int = MAX_ROWS,
+                  min_routed: int = MIN_ROUTED) -> dict[tuple[int, str], MatrixStats]:
+    """Statistics of every expert matrix of one MoE layer. ``fc`` [E, 2I, H] ([up; gate]) and ``proj``
+    [E, H, I] are the float expert weights, ``x_all`` [tokens, H] the layer's inputs, ``routed``
+    [tokens, k] the experts each token was routed to. Returns ``{(expert, "fc" | "proj"): stats}``."""
+    out = {}
+    routed = routed.reshape(x_all.shape[0], -1)
+    for e in range(fc.shape[0]):
+        mask = routed.eq(e).any(-1)
+        count = int(mask.sum())
+        x, source = (x_all[mask], "routed") if count >= min_routed else (x_all, "layer")
+        h = x @ fc[e].t()
+        up, gate = h.chunk(2, dim=-1)
+        a = F.silu(gate) * up
+        out[(e, "fc")] = _stats(x, max_rows, source, count)
+        out[(e, "proj")] = _stats(a, max_rows, source, count)
+    return out
+
+
+class ActivationStats:
+    """Per (layer, expert, matrix) statistics; saved as one safetensors file in the calibration
+    artifact (deterministic bytes: fixed tensor order, no timestamps)."""
+
+    def __init__(self, stats: dict[tuple[int, int, str], MatrixStats] | None = None, max_rows: int = MAX_ROWS):
+        self.stats = dict(stats or {})
+        self.max_rows = max_rows
+
+    def add_layer(self, layer: int, per_expert: dict[tuple[int, str], MatrixStats]) -> None:
+        for (e, m), s in per_expert.items():
+            self.stats[(layer, e, m)] = s
+
+    def get(self, layer: int, expert: int, mod: str) -> MatrixStats | None:
+        return self.stats.get((layer, expert, mod))
+
+    def summary(self) -> dict:
+        layer_src = sorted({(l, e) for (l, e, _), s in self.stats.items() if s.source == "layer"})
+        return {"file": ACT_FILE, "rows_per_matrix": self.max_rows, "min_routed_tokens": MIN_ROUTED,
+                "matrices": len(self.stats),
+                "layer_tokens_used_for": [{"layer": l, "expert": e} for l, e in layer_src]}
+
+    def save(self, path: str | Path) -> str:
+        from ..hf.safetensors_io import write_file
+
+        items = []
+        for (l, e, m) in sorted(self.stats):
+            s = self.stats[(l, e, m)]
+            p = f"{l}.{e}.{m}."
+            items += [(p + "act_mean", s.act_mean.contiguous()), (p + "rows", s.rows.contiguous()),
+                      (p + "count", torch.tensor([s.count], dtype=torch.int64)),
+                      (p + "layer_tokens", torch.tensor([int(s.source == "layer")], dtype=torch.int64))]
+        return write_file(path, items, metadata={"format": "trtmoe-activations", "rows": str(self.max_rows)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ActivationStats":
+        from ..hf.safetensors_io import SafetensorsFile
+
+        f = SafetensorsFile(path)
+        try:
+            keys = {tuple(n.split(".")[:3]) for n in f.tensors}
+            stats = {}
+            for l, e, m in keys:
+                p = f"{l}.{e}.{m}."
+                stats[(int(l), int(e), m)] = MatrixStats(
+                    f.read(p + "act_mean").float(), f.read(p + "rows"), int(f.read(p + "count")[0]),
+                    "layer" if int(f.read(p + "layer_tokens")[0]) else "routed")
+            rows = int((f.metadata or {}).get("rows", MAX_ROWS))
+        except (KeyError, ValueError) as e:
+            raise InputError(f"activation statistics are malformed ({e})", where=str(path)) from None
+        finally:
+            f.close()
+        return cls(stats, rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# exact numerics of the int4 formats (what the packed bytes dequantize to)
+
+
+def _in_dtype(w: Tensor, dtype: torch.dtype) -> Tensor:
+    return w.to(dtype).to(torch.float32)
+
+
+def _fake_group(wd: Tensor, g: int, dtype: torch.dtype, clip: Tensor | None = None) -> Tensor:
+    """What GroupInt4Format stores for ``wd`` (float32 holding model-dtype values) clamped to ±clip
+    per (row, group), dequantized the way its ``linear`` does."""
+    out_f, in_f = wd.shape
+    wg = wd.reshape(out_f, in_f // g, g)
+    amax = wg.abs().amax(-1)
+    if clip is not None:
+        amax = torch.minimum(amax, clip)
+        wg = torch.maximum(torch.minimum(wg, amax.unsqueeze(-1)), -amax.unsqueeze(-1))
+    scale = amax / 7.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (wg / scale.unsqueeze(-1)).round().clamp(-8, 7)
+    return (q.to(dtype) * scale.to(dtype).unsqueeze(-1)).float().reshape(out_f, in_f)
+
+
+def _fake_channel(wd: Tensor, dtype: torch.dtype, clip: Tensor | None = None) -> Tensor:
+    """What PerChannelIntFormat (int4) stores for ``wd`` clamped to ±clip per row, dequantized."""
+    amax = wd.abs().amax(-1)
+    if clip is not None:
+        amax = torch.minimum(amax, clip)
+        wd = torch.maximum(torch.minimum(wd, amax.unsqueeze(-1)), -amax.unsqueeze(-1))
+    scale = amax / 8.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = wd / safe.unsqueeze(-1)
+    q = (q.abs() + 0.5).floor() * q.sign()
+    q = q.clamp(-8, 7)
+    return (q.to(dtype) * scale.to(dtype).unsqueeze(-1)).float()
+
+
+def _scaled_input(x: Tensor, pq: Tensor | None) -> Tensor:
+    """The matrix input as the kernel sees it: ``x * pq`` in the activation dtype, then float32."""
+    return x.float() if pq is None else (x * pq.to(x.dtype)).float()
+
+
+def _err(x: Tensor, w_ref: Tensor, deq: Tensor, pq: Tensor | None, y_ref: Tensor | None = None) -> float:
+    """Sum over rows of ||x W^T − (x·pq) Wq^T||² (float64 sum); ``y_ref`` = x W^T when known."""
+    y = x.float() @ w_ref.t() if y_ref is None else y_ref
+    yq = _scaled_input(x, pq) @ deq.t()
+    return float((y - yq).double().pow(2).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# the transform: a pre-quant scale and clip values, applied before the format's own quantize
+
+
+@dataclass
+class Recipe:
+    """How a matrix is transformed before the format quantizes it: ``pq`` [in] the stored pre-quant
+    scale (model dtype; the weight's columns are divided by it), ``clip`` the amax per (row, group)
+    [out, in/g] or per row [out] (model-dtype values; None = no clipping)."""
+
+    pq: Tensor | None = None
+    clip: Tensor | None = None
+
+
+def transformed_weight(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe) -> Tensor:
+    """The model-dtype weight the format quantizes: columns divided by the pre-quant scale, then
+    clamped to ±clip per (row, group) or row."""
+    wd = _in_dtype(w, dtype)
+    if recipe.pq is not None:
+        wd = _in_dtype(wd / recipe.pq.float(), dtype)
+    if recipe.clip is not None:
+        c = recipe.clip.float()
+        if isinstance(fmt, GroupInt4Format):
+            g = fmt.group_size
+            wg = wd.reshape(wd.shape[0], -1, g)
+            lim = torch.minimum(wg.abs().amax(-1), c).unsqueeze(-1)
+            wd = torch.maximum(torch.minimum(wg, lim), -lim).reshape(wd.shape)
+        else:
+            lim = torch.minimum(wd.abs().amax(-1), c).unsqueeze(-1)
+            wd = torch.maximum(torch.minimum(wd, lim), -lim)
+    return wd.to(dtype)
+
+
+def apply(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe | None) -> dict[str, Tensor]:
+    """The packed tensors of ``w`` in ``fmt`` under ``recipe`` (None: round to nearest, bytes exactly
+    ``fmt.quantize``'s)."""
+    if recipe is None or (recipe.pq is None and recipe.clip is None):
+        return fmt.quantize(w, dtype=dtype)
+    packed = fmt.quantize(transformed_weight(fmt, w, dtype, recipe), dtype=dtype)
+    if recipe.pq is not None:
+        packed["prequant_scaling_factor"] = recipe.pq.to(dtype).reshape(1, -1).contiguous()
+    return packed
+
+
+def _weight_stat(wd: Tensor, g: int) -> Tensor:
+    """Mean over rows of |W| normalized by its group's amax, per input channel."""
+    out_f, in_f = wd.shape
+    wg = wd.abs().reshape(out_f, in_f // g, g)
+    wg = wg / wg.amax(-1, keepdim=True).clamp_min(1e-12)
+    return wg.reshape(out_f, in_f).mean(0)
+
+
+def _scale_candidates(act: Tensor, wstat: Tensor, dtype: torch.dtype) -> list[Tensor | None]:
+    """None (no scale) first, then one stored pre-quant scale per grid point."""
+    out: list[Tensor | None] = [None]
+    act = act.float().clamp_min(1e-6)
+    wstat = wstat.float().clamp_min(1e-6)
+    for a in ALPHA_GRID:
+        s = act.pow(a) / wstat.pow(1.0 - a)
+        s = s / math.sqrt(float(s.max()) * float(s.min()))
+        pq = (1.0 / s).to(dtype)
+        if not bool(torch.isfinite(pq.float()).all()) or bool((pq.float() <= 0).any()):
+            continue
+        out.append(pq)
+    return out
+
+
+def search_prequant(fmt: GroupInt4Format, ws: list[Tensor], stats: list[MatrixStats], dtype: torch.dtype
+                    ) -> Tensor | None:
+    """The pre-quant scale (model dtype, [in]) shared by the matrices ``ws`` that minimizes their summed
+    routed-token output error under round-to-nearest (None when no scale does better than none)."""
+    g = fmt.group_size
+    wds = [_in_dtype(w, dtype) for w in ws]
+    n = sum(s.count for s in stats)
+    act = sum(s.act_mean.double() * max(s.count, 1) for s in stats) / max(n, len(stats))
+    wstat = sum(_weight_stat(wd, g) for wd in wds) / len(wds)
+    y_refs = [s.rows.float() @ wd.t() for wd, s in zip(wds, stats)]
+    best, best_err = None, None
+    for pq in _scale_candidates(act, wstat, dtype):
+        err = 0.0
+        for wd, s, y in zip(wds, stats, y_refs):
+            wt = wd if pq is None else _in_dtype(wd / pq.float(), dtype)
+            err += _err(s.rows, wd, _fake_group(wt, g, dtype), pq, y)
+        if best_err is None or err < best_err:
+            best, best_err = pq, err
+    return best
+
+
+def _clip_group(wt: Tensor, wd: Tensor, x: Tensor, pq: Tensor | None, g: int, dtype: torch.dtype) -> Tensor | None:
+    """Per (row, group) clip of ``wt`` (the scaled weight) minimizing each group's share of the output
+    error on rows ``x``; None when the result is not better overall than no clipping."""
+    xs = _scaled_input(x, pq)  # [n, in]
+    out_f, in_f = wt.shape
+    G = in_f // g
+    xg = xs.reshape(-1, G, g)
+    gram = torch.einsum("ngk,ngl->gkl", xg, xg)  # [G, g, g]
+    amax = wt.reshape(out_f, G, g).abs().amax(-1)
+    best_err = best_clip = None
+    for r in CLIP_GRID:
+        clip = _in_dtype(amax * r, dtype)
+        d = (wt - _fake_group(wt, g, dtype, clip)).reshape(out_f, G, g)
+        e = torch.einsum("ogk,gkl,ogl->og", d, gram, d)
+        if best_err is None:
+            best_err, best_clip = e, clip
+        else:
+            better = e < best_err
+            best_err = torch.where(better, e, best_err)
+            best_clip = torch.where(better, clip, best_clip)
+    if bool((best_clip >= amax).all()):
+        return None
+    y = x.float() @ wd.t()
+    base = _err(x, wd, _fake_group(wt, g, dtype), pq, y)
+    clipped = _err(x, wd, _fake_group(wt, g, dtype, best_clip), pq, y)
+    return best_clip if clipped < base else None
+
+
+def _clip_channel(wd: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """Per-row clip of a per-channel int4 matrix minimizing its row's output error on rows ``x``
+    (exact: one scale per row); None when no row gains."""
+    xs = x.float()
+    amax = wd.abs().amax(-1)
+    best_err = best_clip = None
+    for r in CLIP_GRID:
+        clip = _in_dtype(amax * r, dtype)
+        d = wd - _fake_channel(wd, dtype, clip)
+        e = (xs @ d.t()).double().pow(2).sum(0)  # [out]
+        if best_err is None:
+            best_err, best_clip = e, clip
+        else:
+            better = e < best_err
+            best_err = torch.where(better, e, best_err)
+            best_clip = torch.where(better, clip, best_clip)
+    return None if bool((best_clip >= amax).all()) else best_clip
+
+
+def recipe_for(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats | None,
+               pq: Tensor | None | str = "search") -> Recipe | None:
+    """The activation-aware transform of one matrix ``w`` [out, in] (None: round to nearest). ``pq``
+    "search" searches this matrix's own pre-quant scale; a tensor (or None) imposes a shared one."""
+    if stats is None or not applies(fmt) or stats.rows.shape[0] == 0:
+        return None
+    if stats.rows.shape[-1] != w.shape[-1]:
+        raise InputError(f"activation statistics have {stats.rows.shape[-1]} input channels, the matrix "
+                         f"{w.shape[-1]}", hint="recalibrate this model")
+    wd = _in_dtype(w, dtype)
+    if isinstance(fmt, PerChannelIntFormat):
+        clip = _clip_channel(wd, stats.rows, dtype)
+        return None if clip is None else Recipe(None, clip)
+    if isinstance(pq, str):
+        pq = search_prequant(fmt, [w], [stats], dtype)
+    wt = wd if pq is None else _in_dtype(wd / pq.float(), dtype)
+    clip = _clip_group(wt, wd, stats.rows, pq, fmt.group_size, dtype)
+    if pq is None and clip is None:
+        return None
+    return Recipe(pq, clip)
+
+
+def quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: MatrixStats | None,
+             rounding: str = DEFAULT_ROUNDING) -> dict[str, Tensor]:
+    """``fmt.quantize`` with ``rounding`` ("rtn": exactly ``fmt.quantize``; "awq": this matrix's own
+    activation-aware transform, when it is an int4 format and statistics are given)."""
+    if rounding not in ROUNDINGS:
+        raise InputError(f"unknown rounding {rounding!r}", hint="use rtn or awq")
+    if rounding == "rtn":
+        return fmt.quantize(w, dtype=dtype)
+    return apply(fmt, w, dtype, recipe_for(fmt, w, dtype, stats))
+
+
+def output_error(fmt: QuantFormat, packed: dict[str, Tensor], w: Tensor, x: Tensor, dtype: torch.dtype) -> float:
+    """Mean over rows of ||x W^T − fmt.linear(x, packed)||², from the packed bytes (the engine's path)."""
+    y = x.float() @ _in_dtype(w, dtype).t()
+    yq = fmt.linear(x, packed).float()
+    return float((y - yq).double().pow(2).sum(-1).mean())
+
+
+# ---------------------------------------------------------------------------------------------
+# what the checkpoint layout asks
+
+
+class CheckpointRounding:
+    """Activation-aware transforms for the matrices a checkpoint writes, searched once and cached.
+
+    ``shared=True`` (TensorRT-LLM's stacked layout): one pre-quant scale per MoE layer and matrix
+    kind, searched on every expert of the layer; otherwise one per expert matrix. Pre-quant scales are
+    searched on whole matrices (moe_tp-independent; a ``proj`` shard gets its slice, ``fc`` shards the
+    whole scale, as TensorRT-LLM shards the tensor), clips on the shard each rank stores."""
+
+    def __init__(self, stats: ActivationStats, dtype: torch.dtype):
+        self.stats, self.dtype = stats, dtype
+        self._pq: dict = {}
+        self._recipes: dict = {}
+        self._layer = None
+
+    def _evict(self, layer: int) -> None:
+        if layer != self._layer:
+            self._pq.clear()
+            self._recipes.clear()
+            self._layer = layer
+
+    def _stats(self, layer: int, expert: int, mod: str) -> MatrixStats:
+        s = self.stats.get(layer, expert, mod)
+        if s is None:
+            raise InputError(f"the calibration's activation statistics lack layer {layer} expert {expert} {mod}",
+                             hint="recalibrate this model, or convert with --rounding rtn")
+        return s
+
+    def recipe(self, fmt: QuantFormat, layer: int, expert: int, mod: str, shard: tuple[int, int],
+               w: Tensor, full, experts: list[int] | None = None) -> Recipe | None:
+        """The transform of original expert ``expert``'s ``mod`` shard ``w``; ``shard`` = (t, I_loc)
+        (moe_tp rank and per-rank FFN size); ``full(e)`` returns expert ``e``'s whole matrix;
+        ``experts`` (all of the layer's) makes the pre-quant scale shared by them."""
+        if not applies(fmt):
+            return None
+        self._evict(layer)
+        shared = experts is not None
+        key = (fmt.name, expert, mod, shard, shared)
+        if key in self._recipes:
+            return self._recipes[key]
+        t, I_loc = shard
+        st = self._stats(layer, expert, mod)
+        if mod == "proj":
+            st = st.columns(t * I_loc, (t + 1) * I_loc)
+        wd = _in_dtype(w, self.dtype)
+        if isinstance(fmt, PerChannelIntFormat):
+            clip = _clip_channel(wd, st.rows, self.dtype)
+            rec = None if clip is None else Recipe(None, clip)
+        else:
+            pkey = (fmt.name, mod, "layer" if shared else expert)
+            if pkey not in self._pq:
+                who = experts if shared else [expert]
+                self._pq[pkey] = search_prequant(fmt, [full(e) for e in who],
+                                                 [self._stats(layer, e, mod) for e in who], self.dtype)
+            pq = self._pq[pkey]
+            if pq is not None and mod == "proj":
+                pq = pq[t * I_loc:(t + 1) * I_loc]
+            wt = wd if pq is None else _in_dtype(wd / pq.float(), self.dtype)
+            clip = _clip_group(wt, wd, st.rows, pq, fmt.group_size, self.dtype)
+            rec = None if pq is None and clip is None else Recipe(pq, clip)
+        self._recipes[key] = rec
+        return rec
+
+    def shared_prequant(self, fmt: QuantFormat, layer: int, mod: str, shard: tuple[int, int], full,
+                        experts: list[int]) -> Tensor:
+        """The layer's shared [1, in] pre-quant scale tensor for the stacked layout (ones when none)."""
+        self._evict(layer)
+        pkey = (fmt.name, mod, "layer")
+        if pkey not in self._pq:
+            self._pq[pkey] = search_prequant(fmt, [full(e) for e in experts],
+                                             [self._stats(layer, e, mod) for e in experts], self.dtype)
+        pq = self._pq[pkey]
+        t, I_loc = shard
+        in_f = full(experts[0]).shape[-1] if mod == "fc" else I_loc
+        if pq is None:
+            return torch.ones(1, in_f, dtype=self.dtype)
+        if mod == "proj":
+            pq = pq[t * I_loc:(t + 1) * I_loc]
+        return pq.to(self.dtype).reshape(1, -1).contiguous()
+
+
+_LOADED: dict = {}
+
+
+def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
+    """The checkpoint rounding a plan asks for (``plan.meta["rounding"] == "awq"`` with
+    ``plan.meta["activations"]["path"]``), or None for round-to-nearest."""
+    meta = getattr(plan, "meta", None) or {}
+    if meta.get("rounding", "rtn") != "awq":
+        return None
+    act = meta.get("activations") or {}
+    path = act.get("path")
+    if not path:
+        raise InputError("awq rounding needs the calibration's activation statistics",
+                         hint="convert with --calib CALIB (from `trtmoe calibrate`) or --rounding rtn")
+    p = Path(path)
+    if not p.is_file():
+        raise InputError("activation statistics are missing", where=str(p),
+                         hint="recalibrate, or convert with --rounding rtn")
+    key = (str(p.resolve()), act.get("sha256"), p.stat().st_mtime_ns)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = ActivationStats.load(p)
+    return CheckpointRounding(_LOADED[key], dtype)
+
+
+def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None) -> None:
+    """Record ``rounding`` in ``plan.meta`` (what the layout reads and the manifest keeps). awq needs a
+    calibration with activation statistics; without one the plan is rounded to nearest and says why.
+    A plan that keeps no int4 format is left as it is."""
+    from ..hf.safetensors_io import sha256_file
+
+    if rounding not in ROUNDINGS:
+        raise InputError(f"unknown rounding {rounding!r}", hint="use rtn or awq")
+    if plan is None or plan.is_float:
+        return
+    if rounding == "rtn":
+        plan.meta["rounding"] = "rtn"
+        return
+    act = None
+    if calib_dir is not None:
+        d = Path(calib_dir)
+        f = (d if d.is_dir() else d.parent) / ACT_FILE
+        act = f if f.is_file() else None
+    if act is None:
+        plan.meta["rounding"] = "rtn"
+        plan.meta["rounding_note"] = ("awq needs a calibration with activation statistics (--calib from "
+                                      "`trtmoe calibrate`); rounded to nearest")
+        return
+    plan.meta["rounding"] = "awq"
+    plan.meta["activations"] = {"path": str(act.resolve()), "sha256": sha256_file(act)}
+    measured = (calib or {}).get("rounding")
+    if measured is not None and measured != "awq":
+        plan.meta["rounding_note"] = f"sensitivities were measured with {measured} rounding"
