@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Serving benchmark: 1, 8 and 32 concurrent gRPC streams against the trained fixture on Triton.
 
-Builds checkpoint -> embedded engine dir -> repository in a temp dir and starts the CPU Triton
-server (or uses --url of a running one), then runs closed-loop streaming clients through the
-`ensemble`. Every request asks for exactly --tokens tokens (min_tokens = max_tokens), so runs are
+Builds checkpoint -> embedded engine dir -> streaming repository (`trtmoe repo --streaming`) in a
+temp dir and starts the CPU Triton server (or uses --url of a running, decoupled one), then runs
+closed-loop streaming clients through the `ensemble`. Every request asks for exactly --tokens tokens (min_tokens = max_tokens), so runs are
 comparable. Reports output tokens/s (all streams together, and the ratio to the 1-stream baseline
 measured in the same run), time to first token and inter-token latency p50/p99 (per token: a
 response carrying k tokens after a gap g counts k times g/k), next to what the embedded engine
@@ -11,6 +11,10 @@ alone reaches decoding the same number of sequences in this process (the ceiling
 
     python scripts/bench_serve.py                      # fixture, 1/8/32 streams
     python scripts/bench_serve.py --url 127.0.0.1:8001 --concurrency 1 4 16
+    python scripts/bench_serve.py --concurrency 1 8 --torch-threads 2   # compare with the default
+
+It also prints the resident memory of the served stack (tritonserver and each backend process),
+idle after loading and after the run.
 
 Targets: tokens/s at 32 streams >= 8x single-stream; p99 ITL <= 3x p50.
 """
@@ -109,9 +113,11 @@ def engine_only(ckpt: Path, levels: list[int], tokens: int, threads: int) -> dic
 
 def serve_fixture(workdir: Path, args):
     from trtmoe.checkpoint.writer import convert
-    from trtmoe.triton.repository import generate_repository
+    from trtmoe.triton.repository import default_torch_threads, generate_repository
     from trtmoe.triton.serve import serve_repository
 
+    if not args.torch_threads:  # what `trtmoe repo` picks: cores less one per two pre/post/BLS instances
+        args.torch_threads = default_torch_threads(3)
     ckpt = workdir / "ckpt"
     convert(args.fixture, ckpt, dtype=args.dtype)
     print("engine alone (no server), same dtype and threads ...", flush=True)
@@ -122,8 +128,25 @@ def serve_fixture(workdir: Path, args):
              "max_beam_width": 1, "tokens_per_block": 32}
     (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": build}))
     repo = generate_repository(engine, workdir / "repo", torch_num_threads=args.torch_threads,
-                               stream_interval=args.stream_interval)
+                               stream_interval=args.stream_interval, streaming=True)
     return serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=300)
+
+
+def stack_rss_mb(server) -> dict[str, float]:
+    """Resident memory (MB) of tritonserver and each Python-backend process of ``server``."""
+    import subprocess
+
+    ps = subprocess.run(["ps", "-ww", "-o", "rss=,args=", "-g", str(server.process.pid)], capture_output=True,
+                        text=True).stdout
+    out: dict[str, float] = {}
+    for line in ps.splitlines():
+        rss, cmd = line.split(None, 1)
+        name = "tritonserver"
+        if "triton_python_backend_stub" in cmd:
+            name = Path(cmd.split()[1]).parent.parent.name  # .../<model>/1/model.py
+        out[name] = out.get(name, 0.0) + int(rss) / 1024
+    out["total"] = sum(out.values())
+    return out
 
 
 def main() -> None:
@@ -134,7 +157,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--rounds", type=int, default=3, help="requests per stream")
     ap.add_argument("--max-batch-size", type=int, default=32)
-    ap.add_argument("--torch-threads", type=int, default=1, help="torch threads in the server's engine")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch threads in the server's engine [default: the repository's default, chosen from "
+                         "the cores and the model instances]")
     ap.add_argument("--stream-interval", type=int, default=None,
                     help="tokens per streamed response (trtmoe repo --stream-interval; first and last at once); "
                          "default: the repository's default, auto")
@@ -151,9 +176,13 @@ def main() -> None:
     try:
         if args.url is None:
             print(f"starting Triton on {args.fixture.name} (max_batch_size {args.max_batch_size}, "
-                  f"torch threads {args.torch_threads}) ...", flush=True)
+                  f"torch threads {args.torch_threads or 'default'}) ...", flush=True)
             server = serve_fixture(Path(tmp.name), args)
             url = server.endpoints.grpc
+            time.sleep(2.0)
+            idle = stack_rss_mb(server)
+            print(f"torch threads {args.torch_threads}; RSS idle after load: "
+                  + ", ".join(f"{k} {v:.0f} MB" for k, v in idle.items()), flush=True)
         else:
             url = args.url
         run_level(url, 2, 1, 8)  # warm-up: first-call costs stay out of the numbers
@@ -188,6 +217,8 @@ def main() -> None:
         print(f"target ITL p99 <= 3x p50 (worst row): {worst:.2f}x -> {'met' if worst <= 3 else 'NOT met'}")
         if any(r["errors"] for r in rows):
             print("errors:", [r["first_error"] for r in rows if r["errors"]])
+        if server is not None:
+            print("RSS after the run: " + ", ".join(f"{k} {v:.0f} MB" for k, v in stack_rss_mb(server).items()))
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
     finally:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The main job end to end on a CPU machine, with the small trained MoE committed in this repo:
 # inspect -> calibrate -> convert (graded, 4.5 bits per expert weight) -> verify -> run (embedded)
-# -> build (embedded) -> Triton repository -> a real Triton server -> a streamed gRPC answer.
+# -> build (embedded) -> Triton repository -> a real Triton server -> a gRPC answer.
+# STREAMING=1 makes the repository decoupled (`trtmoe repo --streaming`): the answer then streams
+# token by token; the default repository (upstream's default, not decoupled) answers in one piece.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-tests/fixtures/trained_mixtral}
 OUT=${OUT:-out/demo}
 PORT=${PORT:-18000}
 PROMPT=${PROMPT:-"def read_config(path):"}
+STREAMING=${STREAMING:-}
 mkdir -p "$OUT"
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -30,9 +33,9 @@ step "build: an embedded engine directory"
 trtmoe build "$OUT/ckpt" -c build_configs/tiny-cpu.yaml -o "$OUT/engine" --force
 
 step "repo: the Triton model repository"
-trtmoe repo "$OUT/engine" -o "$OUT/repo" --force
+trtmoe repo "$OUT/engine" -o "$OUT/repo" --force ${STREAMING:+--streaming}
 
-step "serve + generate: a real Triton server, a streamed gRPC answer"
+step "serve + generate: a real Triton server, a gRPC answer (streamed when the repository is decoupled)"
 trtmoe serve "$OUT/repo" --http-port "$PORT" --grpc-port $((PORT + 1)) --metrics-port $((PORT + 2)) \
     --log-file "$OUT/triton.log" &
 SERVER=$!
@@ -48,5 +51,5 @@ for _ in range(600):
         time.sleep(0.5)
 sys.exit("Triton did not become ready; see the server log")
 PY
-trtmoe generate "$PROMPT" --url "127.0.0.1:$((PORT + 1))" -n 40 --stream
+trtmoe generate "$PROMPT" --url "127.0.0.1:$((PORT + 1))" -n 40
 step "done: artifacts in $OUT"

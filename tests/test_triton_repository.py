@@ -4,6 +4,7 @@ no placeholder left, every config.pbtxt parsed back with Triton's ModelConfig sc
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -121,15 +122,21 @@ def test_embedded_repository(setup):
     assert set(configs) == set(MODELS)
     llm, ens, bls = configs["tensorrt_llm"], configs["ensemble"], configs["tensorrt_llm_bls"]
     assert llm.backend == "python" and llm.max_batch_size == 4 and ens.max_batch_size == 4
-    assert llm.model_transaction_policy.decoupled and bls.model_transaction_policy.decoupled
+    # Upstream's defaults: not decoupled, the prompt included in non-streamed outputs.
+    assert not llm.model_transaction_policy.decoupled and not bls.model_transaction_policy.decoupled
     params = {k: v.string_value for k, v in llm.parameters.items()}
-    assert params["engine_dir"] == str(setup["engine"].resolve())
+    assert params["exclude_input_in_output"] == "false"
+    # Relative to the repository root: the repository can move together with its engine.
+    assert params["engine_dir"] == os.path.relpath(setup["engine"], out) and not os.path.isabs(params["engine_dir"])
+    assert int(params["torch_num_threads"]) >= 1
     assert params["max_input_len"] == "48" and params["max_seq_len"] == "96"
     assert params["stream_interval"] == "0"  # auto
     assert (out / "tensorrt_llm" / "1" / "model.py").is_file()
-    # The 1.2.x tensor names.
-    names = {i.name for i in ens.input}
-    assert {"min_tokens", "seed", "return_num_output_tokens"} <= names and not {"min_length", "random_seed"} & names
+    # The 1.2.x tensor names, and v0.19.0's older names for the same two inputs.
+    for cfg in (ens, bls, llm):
+        names = {i.name for i in cfg.input}
+        assert {"min_tokens", "seed", "min_length", "random_seed"} <= names, cfg.name
+    assert "return_num_output_tokens" in {i.name for i in ens.input}
     # The copied tokenizer loads and matches the source.
     from transformers import AutoTokenizer
 
@@ -154,12 +161,14 @@ def test_tokenizer_found_beside_checkpoint(setup, tmp_path):
     assert (r.tokenizer_dir / "tokenizer.json").read_bytes() == (setup["tok"] / "tokenizer.json").read_bytes()
 
 
-def test_no_streaming_repository(setup):
-    out = setup["root"] / "repo-unary"
-    generate_repository(setup["engine"], out, tokenizer_dir=setup["tok"], streaming=False)
+def test_streaming_repository(setup):
+    out = setup["root"] / "repo-stream"
+    generate_repository(setup["engine"], out, tokenizer_dir=setup["tok"], streaming=True, exclude_input_in_output=True)
     configs = validate_repository(out)
-    assert not configs["tensorrt_llm"].model_transaction_policy.decoupled
-    assert not configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
+    assert configs["tensorrt_llm"].model_transaction_policy.decoupled
+    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
+    params = {k: v.string_value for k, v in configs["tensorrt_llm"].parameters.items()}
+    assert params["exclude_input_in_output"] == "true"
 
 
 @pytest.mark.parametrize("kwargs, field, values", [
@@ -239,7 +248,7 @@ def test_cross_model_check_catches_miswiring(setup):
     with pytest.raises(TrtmoeError, match="no_such_input"):
         check_repository_configs(configs)
     configs = validate_repository(setup["root"] / "repo")
-    configs["tensorrt_llm_bls"].model_transaction_policy.decoupled = False
+    configs["tensorrt_llm_bls"].model_transaction_policy.decoupled = True  # the default repository is not
     with pytest.raises(TrtmoeError, match="decoupled"):
         check_repository_configs(configs)
 
@@ -279,3 +288,80 @@ def test_repo_command(setup, tmp_path):
     assert bad.exit_code == 2 and "max_batch_size 64" in bad.output
     again = runner.invoke(group, ["repo", str(setup["engine"]), "-o", str(tmp_path / "r"), "--tokenizer", str(setup["tok"])])
     assert again.exit_code == 2 and "--force" in again.output
+
+
+def test_pre_and_post_processing_import_no_transformers_or_torch():
+    """They load the tokenizer with the `tokenizers` library alone (smaller processes, any container)."""
+    import ast
+
+    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+        tree = ast.parse((templates_dir() / model / "1" / "model.py").read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not imported & {"transformers", "torch", "trtmoe"}, (model, imported)
+
+
+def test_tokenizer_facts_for_the_tokenizers_only_models(setup, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    r = generate_repository(setup["engine"], tmp_path / "repo", tokenizer_dir=setup["tok"])
+    facts = json.loads((r.tokenizer_dir / "trtmoe_tokenizer.json").read_text())
+    hf = AutoTokenizer.from_pretrained(str(setup["tok"]))
+    assert (facts["eos_token_id"], facts["pad_token_id"], facts["bos_token_id"]) == (
+        hf.eos_token_id, hf.pad_token_id, hf.bos_token_id)
+    assert set(hf.all_special_ids) <= set(facts["special_ids"])
+    tok = Tokenizer.from_file(str(r.tokenizer_dir / "tokenizer.json"))
+    for text in ("def main(): pass", "x = [1, 2]  # ok", "日本語"):
+        assert tok.encode(text).ids == hf.encode(text)
+        assert tok.decode(tok.encode(text).ids, skip_special_tokens=True) == hf.decode(hf.encode(text),
+                                                                                       skip_special_tokens=True)
+
+
+def _run_repo(args):
+    from trtmoe.cli import TrtmoeGroup
+
+    group = TrtmoeGroup(commands={c.name: c for c in commands.COMMANDS})
+    return CliRunner().invoke(group, ["repo", *args])
+
+
+def test_missing_optional_dependency_is_one_line_naming_the_extra(setup, tmp_path, monkeypatch):
+    import shutil
+    import sys
+
+    # A SentencePiece-only tokenizer folder needs transformers (+ sentencepiece) to become tokenizer.json.
+    spm = tmp_path / "spm-tok"
+    spm.mkdir()
+    (spm / "tokenizer.model").write_bytes(b"\0" * 16)
+    shutil.copy(setup["tok"] / "tokenizer_config.json", spm / "tokenizer_config.json")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    out = _run_repo([str(setup["engine"]), "-o", str(tmp_path / "r1"), "--tokenizer", str(spm)])
+    assert out.exit_code == 1 and out.output.count("\n") == 1, out.output
+    assert "pip install 'trtmoe[tokenizer]'" in out.output and "Traceback" not in out.output
+    # Checking the configs needs tritonclient (the serve extra).
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)
+    out = _run_repo([str(setup["engine"]), "-o", str(tmp_path / "r2"), "--tokenizer", str(setup["tok"])])
+    assert out.exit_code == 1 and out.output.count("\n") == 1, out.output
+    assert "pip install 'trtmoe[serve]'" in out.output
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+def test_default_torch_threads_leave_room_for_pre_and_post():
+    from trtmoe.triton.repository import default_torch_threads
+
+    assert default_torch_threads(3, cores=2) == 1  # never oversubscribe a small machine
+    assert default_torch_threads(3, cores=1) == 1
+    assert default_torch_threads(3, cores=16) == 14
+    assert default_torch_threads(3, engine_instances=2, cores=16) == 7
+    assert default_torch_threads(8, cores=8) == 4
+
+
+def test_streaming_and_exclude_flags(setup, tmp_path):
+    out = _run_repo([str(setup["engine"]), "-o", str(tmp_path / "r"), "--tokenizer", str(setup["tok"]),
+                     "--decoupled", "--exclude-input", "--torch-threads", "3", "--json"])
+    assert out.exit_code == 0, out.output
+    s = json.loads(out.output)["settings"]
+    assert s["streaming"] and s["exclude_input_in_output"] and s["torch_num_threads"] == 3
+    configs = validate_repository(tmp_path / "r")
+    assert configs["tensorrt_llm"].model_transaction_policy.decoupled
+    assert configs["tensorrt_llm"].parameters["torch_num_threads"].string_value == "3"

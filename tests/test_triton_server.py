@@ -63,6 +63,10 @@ class Reference:
         with self.lock:
             return self.engine.generate(self.ids(prompt), SamplingParams(max_new_tokens=n, end_id=self.tok.eos_token_id))
 
+    def full_text(self, prompt: str, n: int) -> str:
+        """Prompt and completion decoded together, as a non-streamed response with the prompt reads."""
+        return self.tok.decode(self.ids(prompt) + self.tokens(prompt, n), skip_special_tokens=True)
+
     def text(self, prompt: str, n: int) -> str:
         ids = self.ids(prompt)
         full = self.tok.decode(ids + self.tokens(prompt, n), skip_special_tokens=True)
@@ -82,7 +86,8 @@ def served(tmp_path_factory):
     engine = root / "engine"
     engine.mkdir()
     (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": BUILD}))
-    repo = generate_repository(engine, root / "repo", torch_num_threads=1)
+    # The streaming (decoupled) repository; tests/test_triton_contract.py serves the default one.
+    repo = generate_repository(engine, root / "repo", torch_num_threads=1, streaming=True)
     server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
     try:
         yield {"server": server, "url": server.endpoints.grpc, "ref": Reference(ckpt, repo.tokenizer_dir),
@@ -140,7 +145,8 @@ def test_greedy_text_matches_engine(served):
         body = json.dumps({"text_input": prompt, "max_tokens": 24}).encode()
         http = served["server"].endpoints.http + "/v2/models/ensemble/generate"
         with urllib.request.urlopen(urllib.request.Request(http, data=body), timeout=60) as r:
-            assert json.loads(r.read())["text_output"] == want
+            # exclude_input_in_output defaults to false, as upstream's: the prompt leads the text.
+            assert json.loads(r.read())["text_output"] == ref.full_text(prompt, 24)
 
 
 def test_token_ids_match_engine(served):
@@ -346,7 +352,7 @@ def test_stream_interval_server(served, tmp_path):
     """A repository generated with stream_interval 4 serves the same text in fewer responses: the first
     token alone, then four tokens per response (the last one carries the rest)."""
     repo = generate_repository(served["repo"].engine.path, tmp_path / "repo", stream_interval=4,
-                               torch_num_threads=1)
+                               torch_num_threads=1, streaming=True)
     server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
     try:
         assert len(served["ref"].tokens("def main(", 17)) == 17  # no end token on the way

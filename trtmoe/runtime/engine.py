@@ -68,6 +68,7 @@ class Sequence:
     finish_reason: str | None = None
     slot: int = -1  # row of the engine's KV pool; -1 once released
     length: int = 0  # tokens held in the KV cache
+    kv_capacity: int = 0  # tokens of the pool row reserved for it when it was admitted
     generator: torch.Generator | None = field(default=None, repr=False)
     _release: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -488,11 +489,17 @@ class EmbeddedEngine:
         return self._forward(torch.zeros(B, T, dtype=torch.long, device=self.device), pos, None,
                              start_layer=layer, hidden=hidden.to(self.device))
 
+    def kv_cache_stats(self) -> dict[str, int]:
+        """The pooled KV cache now: rows allocated, rows held by live sequences, tokens per row."""
+        pool = self._kv
+        return {"slots": pool.slots, "live": pool.live, "capacity": pool.capacity}
+
     # ---- generation ---------------------------------------------------------------------------
     def _alloc_cache(self, s: Sequence, capacity: int):
         pool = self._kv
         slot = pool.acquire(capacity)
         s.slot = slot
+        s.kv_capacity = pool.capacity
         # Freed when the sequence finishes, or when it is dropped unfinished (cancelled request).
         s._release = weakref.finalize(s, pool.release, slot)
 

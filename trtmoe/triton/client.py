@@ -1,5 +1,9 @@
 """gRPC client for a generated repository's ``ensemble`` / ``tensorrt_llm_bls`` (tritonclient.grpc).
 
+Works with either kind of repository: the default one (not decoupled, as upstream's templates) is
+called with unary ``ModelInfer``; a ``trtmoe repo --streaming`` one (decoupled) through the stream.
+``text_output`` is read as upstream's clients read it (the first string of the 1-D array).
+
 Decoupled models are called through the bi-directional stream (``ModelStreamInfer``) - the only gRPC
 call Triton allows for them, for streamed and non-streamed requests alike - and text is handed to
 ``on_text`` as each response arrives. Other models are called with unary ``ModelInfer``. A call that
@@ -140,15 +144,30 @@ def _is_final(result) -> bool:
 _DECOUPLED: dict[tuple[str, str], bool] = {}  # (url, model) -> decoupled, refreshed by check=True calls
 
 
+_OUTPUTS = ("num_input_tokens", "num_output_tokens", "batch_index")
+
+
+def _record_outputs(result: GenerateResult, res) -> None:
+    for name in _OUTPUTS:
+        arr = res.as_numpy(name)
+        if arr is not None:
+            result.outputs[name] = arr.reshape(-1)[0].item()
+            if name == "num_output_tokens":
+                result.output_token_counts.append(int(result.outputs[name]))
+
+
 def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int = 64, stream: bool | None = None,
              unary: bool = False, on_text: Callable[[str], None] | None = None, timeout_s: float = 300.0,
-             request_id: str = "", check: bool = True, client: Any = None, **sampling: Any) -> GenerateResult:
+             request_id: str = "", check: bool = True, client: Any = None,
+             exclude_input_in_output: bool | None = True, **sampling: Any) -> GenerateResult:
     """Generate text for ``prompt`` on the Triton gRPC endpoint ``url`` (``host:port``).
 
     ``stream``: None streams whenever the model is decoupled. ``unary`` forces a unary ModelInfer
     call (refused for decoupled models). ``on_text(piece)`` sees each piece as it arrives.
-    ``sampling``: temperature, top_k, top_p, seed, stop_words, exclude_input_in_output, end_id, extra
-    (a dict of additional input arrays). ``timeout_s`` bounds the whole call. ``check`` verifies the
+    ``exclude_input_in_output``: True (default) asks for the completion alone; None leaves it to the
+    repository's default (upstream's: the prompt is included in non-streamed outputs).
+    ``sampling``: temperature, top_k, top_p, seed, stop_words, end_id, extra (a dict of additional
+    input arrays). ``timeout_s`` bounds the whole call. ``check`` verifies the
     server and model first; without it the model's decoupled policy is looked up once per url.
     ``client``: a ``tritonclient.grpc.InferenceServerClient`` to reuse (one call at a time); it is
     left open. Raises InputError / BackendUnavailable / TrtmoeError.
@@ -174,8 +193,10 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
             stream = decoupled and not unary
         if stream and not decoupled:
             raise InputError(f"model {model!r} is not decoupled, so it cannot stream tokens",
-                             hint="call it without --stream, or regenerate the repository with streaming enabled")
-        inputs = build_inputs(prompt, max_tokens=max_tokens, stream=stream, **sampling)
+                             hint="call it without --stream, or regenerate the repository with "
+                                  "`trtmoe repo --streaming`")
+        inputs = build_inputs(prompt, max_tokens=max_tokens, stream=stream,
+                              exclude_input_in_output=exclude_input_in_output, **sampling)
         result = GenerateResult(text="", streamed=stream, model=model)
         if not decoupled:
             t0 = time.perf_counter()
@@ -185,6 +206,7 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
                 raise TrtmoeError(f"{model}: {e.message()}") from None
             result.text = _text(res)
             result.pieces, result.response_times = [result.text], [time.perf_counter() - t0]
+            _record_outputs(result, res)
             if on_text:
                 on_text(result.text)
             result.total_s = result.response_times[-1]
@@ -210,12 +232,7 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
                     result.response_times.append(t - t0)
                     if on_text and piece:
                         on_text(piece)
-                    for name in ("num_input_tokens", "num_output_tokens", "batch_index"):
-                        arr = res.as_numpy(name)
-                        if arr is not None:
-                            result.outputs[name] = arr.reshape(-1)[0].item()
-                            if name == "num_output_tokens":
-                                result.output_token_counts.append(int(result.outputs[name]))
+                    _record_outputs(result, res)
                 if final:
                     complete = True
                     break

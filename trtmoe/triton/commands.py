@@ -31,10 +31,13 @@ def _echo_json(obj) -> None:
 @click.option("--max-input-len", type=int, default=None, help="Prompt limit in tokens (<= the engine's).")
 @click.option("--max-seq-len", type=int, default=None, help="Prompt + output limit in tokens (<= the engine's).")
 @click.option("--world-size", type=int, default=None, help="Checked against the engine's tp x pp.")
-@click.option("--streaming/--no-streaming", default=True, show_default=True,
-              help="Decoupled tensorrt_llm/BLS (and ensemble) so tokens stream; --no-streaming allows unary calls.")
-@click.option("--exclude-input/--include-input", "exclude_input_in_output", default=True, show_default=True,
-              help="Whether outputs leave out the prompt.")
+@click.option("--streaming/--no-streaming", "--decoupled/--not-decoupled", "streaming", default=False,
+              show_default=True,
+              help="Decoupled tensorrt_llm/BLS (and so ensemble): tokens stream over gRPC streams / generate_stream, "
+                   "and unary ModelInfer is refused. Default as upstream's templates: not decoupled.")
+@click.option("--exclude-input/--include-input", "exclude_input_in_output", default=False, show_default=True,
+              help="Default for requests that do not send exclude_input_in_output: leave the prompt out of "
+                   "non-streamed outputs (upstream's default: include it).")
 @click.option("--max-queue-delay-us", "max_queue_delay_microseconds", type=int, default=0, show_default=True)
 @click.option("--max-queue-size", type=int, default=0, show_default=True, help="0 = unbounded.")
 @click.option("--preprocessing-instances", "preprocessing_instance_count", type=int, default=1, show_default=True)
@@ -43,7 +46,9 @@ def _echo_json(obj) -> None:
 @click.option("--kv-cache-free-gpu-mem-fraction", type=float, default=None, help="TensorRT engines only [default: 0.9].")
 @click.option("--device", default=None, help="Embedded engine device: auto, cpu, cuda, cuda:N [default: auto].")
 @click.option("--torch-threads", "torch_num_threads", type=int, default=0, show_default=True,
-              help="Embedded engine torch threads (0 = torch's default).")
+              help="Embedded engine torch intra-op threads; 0 = this machine's cores less one per two "
+                   "pre/post/BLS instances (at least 1). Written to config.pbtxt; capped at the serving "
+                   "machine's cores.")
 @click.option("--stream-interval", type=int, default=None,
               help="Embedded engine: a streamed response every N tokens (the first and last at once). "
                    "1 = every token; default/0 = auto: every token up to 8 active streams, then "
@@ -61,6 +66,7 @@ def repo_command(engine_dir, out_dir, as_json, **options):
     \b
     Example:
       trtmoe repo engine/ -o repo/ --max-batch-size 8
+      trtmoe repo engine/ -o repo-stream/ --streaming --exclude-input
       trtmoe serve repo/
     """
     from .repository import generate_repository
@@ -76,7 +82,11 @@ def repo_command(engine_dir, out_dir, as_json, **options):
     click.echo(f"  models         {', '.join(r.models)}")
     click.echo(f"  max_batch_size {s.max_batch_size} (engine {e.max_batch_size}); max_input_len {s.max_input_len}; "
                f"max_seq_len {s.max_seq_len}; beam {s.max_beam_width}")
-    click.echo(f"  streaming      {'yes (decoupled tensorrt_llm, BLS and ensemble)' if s.streaming else 'no'}")
+    click.echo(f"  streaming      {'yes (decoupled tensorrt_llm, BLS and ensemble)' if s.streaming else 'no (not decoupled; --streaming to stream)'}")
+    click.echo(f"  prompt         {'left out of' if s.exclude_input_in_output else 'included in'} non-streamed outputs "
+               "(per request: exclude_input_in_output)")
+    if e.backend == "embedded":
+        click.echo(f"  torch threads  {s.torch_num_threads}")
     click.echo(f"  tokenizer      {r.tokenizer_dir}")
     for w in r.warnings:
         click.echo(f"  warning: {w}", err=True)
@@ -146,6 +156,7 @@ def serve_command(repo, host, http_port, grpc_port, metrics_port, world_size, se
 @click.option("--model", default="ensemble", show_default=True, help="ensemble or tensorrt_llm_bls.")
 @click.option("-n", "--max-tokens", type=int, default=64, show_default=True)
 @click.option("--stream/--no-stream", default=None, help="[default: stream when the model is decoupled]")
+@click.option("--include-input", is_flag=True, help="Ask for the prompt in front of the completion (non-streamed).")
 @click.option("--unary", is_flag=True, help="Use a unary ModelInfer call (only for non-decoupled models).")
 @click.option("--temperature", type=float, default=None)
 @click.option("--top-k", type=int, default=None)
@@ -154,12 +165,13 @@ def serve_command(repo, host, http_port, grpc_port, metrics_port, world_size, se
 @click.option("--stop", "stop_words", multiple=True, help="Stop string (repeatable).")
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print text and timings as JSON at the end.")
-def generate_command(prompt, url, model, max_tokens, stream, unary, temperature, top_k, top_p, seed, stop_words,
-                     timeout_s, as_json):
+def generate_command(prompt, url, model, max_tokens, stream, include_input, unary, temperature, top_k, top_p, seed,
+                     stop_words, timeout_s, as_json):
     """Generate text from a served model over gRPC, printing tokens as they arrive.
 
-    Decoupled models (the default streaming repository) are called through the gRPC stream;
-    others with a unary call. A call that cannot work (e.g. --unary to a decoupled model) is
+    Decoupled models (a `trtmoe repo --streaming` repository) are called through the gRPC stream;
+    others (the default repository) with a unary call. Only the completion is printed unless
+    --include-input. A call that cannot work (e.g. --unary to a decoupled model) is
     refused with the reason.
 
     \b
@@ -174,7 +186,7 @@ def generate_command(prompt, url, model, max_tokens, stream, unary, temperature,
     on_text = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     r = generate(url, prompt, model=model, max_tokens=max_tokens, stream=stream, unary=unary, on_text=on_text,
                  timeout_s=timeout_s, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                 stop_words=list(stop_words) or None)
+                 stop_words=list(stop_words) or None, exclude_input_in_output=not include_input)
     if as_json:
         _echo_json({"model": r.model, "text": r.text, "streamed": r.streamed, "responses": len(r.pieces),
                     "ttft_s": r.ttft_s, "total_s": r.total_s})

@@ -101,8 +101,20 @@ def word_list(arr: np.ndarray | None, b: int) -> list[list[int]]:
     return words
 
 
+# TensorRT-LLM 1.2 input name -> the name tensorrtllm_backend <= v0.19.0 used for it; either is accepted.
+ALIASES = {"min_tokens": "min_length", "seed": "random_seed"}
+
+
+def _aliased(get: Getter, name: str, b: int) -> Any:
+    """``name``'s value, or its older alias's; both given with different values is an error."""
+    new, old = _scalar(get, name, b), _scalar(get, ALIASES[name], b)
+    if new is not None and old is not None and new != old:
+        raise RequestError(f"input '{name}'={new} and its older name '{ALIASES[name]}'={old} disagree; send one")
+    return new if new is not None else old
+
+
 def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[..., Any], *,
-                   default_exclude_input: bool = True, decoupled: bool = True) -> list[GenerationRequest]:
+                   default_exclude_input: bool = False, decoupled: bool = True) -> list[GenerationRequest]:
     """Validate one Triton request (batch of B prompts) and build a GenerationRequest per prompt."""
     for name in _UNSUPPORTED:
         arr = get(name)
@@ -166,8 +178,8 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
         temperature = _scalar(get, "temperature", b)
         top_k = _scalar(get, "runtime_top_k", b)
         top_p = _scalar(get, "runtime_top_p", b)
-        seed = _scalar(get, "seed", b)
-        min_tokens = _scalar(get, "min_tokens", b)
+        seed = _aliased(get, "seed", b)
+        min_tokens = _aliased(get, "min_tokens", b)
         end_id = _scalar(get, "end_id", b)
         if temperature is not None and float(temperature) < 0:
             raise RequestError(f"temperature must be >= 0, got {temperature}")

@@ -14,6 +14,21 @@ the router entropy and the load imbalance (busiest expert / mean expert load).
 | ``trtmoe_batcher_requests`` | gauge | model, state=active/waiting | in-flight batcher occupancy |
 | ``trtmoe_batcher_iterations_total`` | counter | model | decode steps run |
 | ``trtmoe_generated_tokens_total`` | counter | model | tokens generated |
+
+Beside them, the gauges TensorRT-LLM's Triton backend exports (names, label keys and label values
+as its ``custom_metrics_reporter``; labels ``model`` and ``version`` on each), for dashboards built
+for it. Per-iteration values describe the latest decode iteration (as the backend's iteration stats
+do); they are measured by :class:`IterationRecorder` around the engine's own calls.
+
+| family | label key | values (embedded engine) |
+|---|---|---|
+| ``nv_trt_llm_request_metrics`` | ``request_type`` | active (in the batch), max (max batch size), scheduled (context + generation requests of the latest iteration), context (prefilled in it), waiting (queued) |
+| ``nv_trt_llm_kv_cache_block_metrics`` | ``kv_cache_block_type`` | max (blocks of the pooled cache as allocated now), free, used (rows held by live sequences), tokens_per (the engine's ``tokens_per_block``), reused (0: no prefix reuse), fraction (used / max) |
+| ``nv_trt_llm_inflight_batcher_metrics`` | ``inflight_batcher_specific_metric`` | total_context_tokens, generation_requests (latest iteration), micro_batch_id (0: no pipeline micro-batches), paused_requests (0: nothing is paused) |
+| ``nv_trt_llm_general_metrics`` | ``general_type`` | timestamp (of the latest iteration, microseconds since the epoch), iteration_counter |
+
+The embedded engine's cache is one row per sequence (see ``trtmoe.runtime.engine``); block counts
+are rows in units of ``tokens_per_block`` (ceil(row tokens / tokens_per_block) per row).
 """
 
 from __future__ import annotations
@@ -58,6 +73,102 @@ def summarize_routing(counts: Any) -> list[LayerRouting]:
         out.append(LayerRouting(layer, tuple(row), (max(row) / mean) if mean > 0 else 0.0,
                                 sum(1 for c in row if c == 0)))
     return out
+
+
+def blocks(tokens: int, tokens_per_block: int) -> int:
+    """KV-cache blocks that hold ``tokens`` tokens."""
+    return -(-int(tokens) // max(int(tokens_per_block), 1))
+
+
+class IterationRecorder:
+    """Wraps an engine (``start``/``start_many``/``step``) and records what each iteration of the
+    in-flight batcher ran: prefilled requests and tokens since the previous decode step, then the
+    step's generation requests. ``latest`` is replaced (not mutated) once per decode step, so another
+    thread can read it without a lock. Every other attribute is the engine's."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self._ctx_requests = 0
+        self._ctx_tokens = 0
+        self.iterations = 0
+        self.latest: dict[str, float] = {"context_requests": 0, "context_tokens": 0, "generation_requests": 0,
+                                         "scheduled_requests": 0, "timestamp_us": 0, "iteration": 0}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def start_many(self, prompts, params):
+        seqs = self._engine.start_many(prompts, params)
+        self._ctx_requests += len(prompts)
+        self._ctx_tokens += sum(len(p) for p in prompts)
+        return seqs
+
+    def start(self, prompt_ids, params):
+        seq = self._engine.start(prompt_ids, params)
+        self._ctx_requests += 1
+        self._ctx_tokens += len(prompt_ids)
+        return seq
+
+    def step(self, seqs):
+        generation = sum(1 for s in seqs if not getattr(s, "finished", False))
+        out = self._engine.step(seqs)
+        self.iterations += 1
+        self.latest = {"context_requests": self._ctx_requests, "context_tokens": self._ctx_tokens,
+                       "generation_requests": generation, "scheduled_requests": self._ctx_requests + generation,
+                       "timestamp_us": time.time_ns() // 1000, "iteration": self.iterations}
+        self._ctx_requests = self._ctx_tokens = 0
+        return out
+
+
+class TrtLlmMetricsPublisher:
+    """The ``nv_trt_llm_*`` gauges (see the module docstring) through ``pb_utils.MetricFamily``."""
+
+    REQUEST = "nv_trt_llm_request_metrics"
+    KV_CACHE = "nv_trt_llm_kv_cache_block_metrics"
+    INFLIGHT = "nv_trt_llm_inflight_batcher_metrics"
+    GENERAL = "nv_trt_llm_general_metrics"
+    _GROUPS = {
+        REQUEST: ("request_type", ("active", "max", "scheduled", "context", "waiting"), "TRT LLM request metrics"),
+        KV_CACHE: ("kv_cache_block_type", ("max", "free", "used", "tokens_per", "reused", "fraction"),
+                   "TRT LLM KV cache block metrics"),
+        INFLIGHT: ("inflight_batcher_specific_metric",
+                   ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests"),
+                   "TRT LLM inflight_batcher-specific metrics"),
+        GENERAL: ("general_type", ("timestamp", "iteration_counter"), "General TRT LLM metrics"),
+    }
+
+    def __init__(self, pb_utils: Any, *, model: str = "tensorrt_llm", version: str = "1"):
+        mf = pb_utils.MetricFamily
+        self.families = {}  # kept: a Metric whose family is garbage-collected stops working
+        self.metrics: dict[tuple[str, str], Any] = {}
+        for name, (key, values, description) in self._GROUPS.items():
+            fam = self.families[name] = mf(name=name, description=description, kind=mf.GAUGE)
+            for v in values:
+                self.metrics[(name, v)] = fam.Metric(labels={"model": model, "version": str(version), key: v})
+
+    @staticmethod
+    def values(*, batcher_stats: dict, max_batch_size: int, kv: dict, tokens_per_block: int,
+               iteration: dict) -> dict[tuple[str, str], float]:
+        """Every gauge's value from the batcher's stats, the engine's KV pool and the latest iteration."""
+        row = blocks(kv.get("capacity", 0), tokens_per_block)
+        total, used = kv.get("slots", 0) * row, kv.get("live", 0) * row
+        R, K, I, G = (TrtLlmMetricsPublisher.REQUEST, TrtLlmMetricsPublisher.KV_CACHE,
+                      TrtLlmMetricsPublisher.INFLIGHT, TrtLlmMetricsPublisher.GENERAL)
+        return {
+            (R, "active"): batcher_stats.get("active", 0), (R, "max"): max_batch_size,
+            (R, "scheduled"): iteration.get("scheduled_requests", 0),
+            (R, "context"): iteration.get("context_requests", 0), (R, "waiting"): batcher_stats.get("waiting", 0),
+            (K, "max"): total, (K, "free"): total - used, (K, "used"): used, (K, "tokens_per"): tokens_per_block,
+            (K, "reused"): 0, (K, "fraction"): used / total if total else 0.0,
+            (I, "total_context_tokens"): iteration.get("context_tokens", 0),
+            (I, "generation_requests"): iteration.get("generation_requests", 0),
+            (I, "micro_batch_id"): 0, (I, "paused_requests"): 0,
+            (G, "timestamp"): iteration.get("timestamp_us", 0), (G, "iteration_counter"): iteration.get("iteration", 0),
+        }
+
+    def update(self, values: dict[tuple[str, str], float]) -> None:
+        for k, v in values.items():
+            self.metrics[k].set(float(v))
 
 
 class RoutingMetricsPublisher:

@@ -3,18 +3,33 @@
 The repository follows the ``inflight_batcher_llm`` contract of TensorRT-LLM 1.2.x's Triton backend:
 ``ensemble`` (preprocessing -> tensorrt_llm -> postprocessing), ``preprocessing``, ``tensorrt_llm``,
 ``postprocessing`` and ``tensorrt_llm_bls``. Input names are the 1.2.x ones, ``min_tokens`` and
-``seed``: the 1.2.x backend reads those, and ``min_length`` / ``random_seed`` (tensorrtllm_backend
-<= v0.19.0) would not reach it. Clients of the older templates (e.g. genai-perf's deterministic
-output mode, which sends ``min_length``) need ``--extra-inputs min_tokens:N`` instead.
+``seed``; the older names ``min_length`` / ``random_seed`` (tensorrtllm_backend <= v0.19.0, sent by
+its clients and by genai-perf's deterministic output mode) are accepted too: the ensemble and BLS
+pass both to preprocessing, which merges each pair into the 1.2 input, and the embedded engine's
+``tensorrt_llm`` model reads either.
 
 * ``tensorrt_llm`` uses ``backend: "tensorrtllm"`` for a TensorRT-LLM engine dir, and a Python model
   running trtmoe's embedded engine behind an in-flight batcher for an embedded engine dir; the
   inputs and outputs are the same.
 * Values come from the engine's ``config.json`` (max batch size, beam width, input/sequence limits,
   logits dtype, world size); requested settings that contradict it are rejected naming the field.
-* Streaming (the default) makes ``tensorrt_llm`` and ``tensorrt_llm_bls`` decoupled, and with them
-  the ensemble.
-* The tokenizer is copied into ``preprocessing/tokenizer`` and test-loaded.
+* Defaults are upstream's: not decoupled (unary ModelInfer and HTTP ``/infer`` work) and
+  ``exclude_input_in_output`` false (a non-streamed completion starts with the prompt).
+  ``streaming=True`` (``trtmoe repo --streaming``) makes ``tensorrt_llm`` and ``tensorrt_llm_bls``
+  decoupled, and with them the ensemble; ``exclude_input_in_output=True`` (``--exclude-input``)
+  leaves the prompt out.
+* ``text_output`` is 1-D per request (one string per batch item and beam), as upstream's
+  postprocessing returns it.
+* The tokenizer is copied into ``preprocessing/tokenizer`` as ``tokenizer.json`` (converted once
+  here when the source has only a SentencePiece model, which needs the ``tokenizer`` extra), plus
+  ``trtmoe_tokenizer.json`` with its special-token ids; pre/postprocessing load it with the
+  ``tokenizers`` library alone (no transformers or torch in those processes).
+* No absolute path is stored for the embedded engine: ``engine_dir`` and the manifest's paths are
+  relative to the repository, so a repository moved together with its engine still serves. (The
+  TensorRT-LLM C++ backend opens ``gpt_model_path`` as given, so that one stays absolute.)
+* The embedded engine's torch intra-op threads default to this machine's cores less one per two
+  Python-backend instances (pre/post/BLS, each one thread), at least 1; the number is written to
+  ``config.pbtxt`` (``torch_num_threads``) and capped at load by the serving machine's cores.
 * Every ``config.pbtxt`` is checked for leftover ``${`` and parsed back with Triton's ``ModelConfig``
   protobuf schema; the ensemble's wiring is checked against its steps' declared tensors. The whole
   repository is written to a temporary sibling and renamed into place.
@@ -33,7 +48,7 @@ from typing import Any
 
 from .. import __version__
 from ..checkpoint.atomic import atomic_directory, source_tree, stays_inside
-from ..errors import InputError, TrtmoeError
+from ..errors import BackendUnavailable, InputError, TrtmoeError
 from .engine_dir import EMBEDDED, TENSORRT_LLM, EngineInfo, read_engine_dir
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -69,8 +84,8 @@ class RepoSettings:
     max_beam_width: int
     max_input_len: int
     max_seq_len: int
-    streaming: bool = True
-    exclude_input_in_output: bool = True
+    streaming: bool = False
+    exclude_input_in_output: bool = False
     max_queue_delay_microseconds: int = 0
     max_queue_size: int = 0
     preprocessing_instance_count: int = 1
@@ -82,7 +97,7 @@ class RepoSettings:
     trust_remote_code: bool = False
     kv_cache_free_gpu_mem_fraction: float | None = None
     device: str = "auto"
-    torch_num_threads: int = 0
+    torch_num_threads: int = 0  # embedded engine; resolved from the cores when not given
     stream_interval: int = 0  # embedded engine: tokens per streamed response, 0 = auto
 
     @property
@@ -111,7 +126,7 @@ def _contradiction(field_name: str, requested: Any, engine_value: Any, cfg: Path
 
 def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max_beam_width: int | None = None,
                      max_input_len: int | None = None, max_seq_len: int | None = None, world_size: int | None = None,
-                     streaming: bool = True, kv_cache_free_gpu_mem_fraction: float | None = None,
+                     streaming: bool = False, kv_cache_free_gpu_mem_fraction: float | None = None,
                      device: str | None = None, **rest: Any) -> RepoSettings:
     """Merge requested settings with the engine's limits; raise InputError naming a contradicting field."""
     cfg = info.path / "config.json"
@@ -162,10 +177,32 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
         raise InputError("stream_interval applies to the embedded engine only; the TensorRT-LLM backend "
                          "streams every token")
     rest = {k: v for k, v in rest.items() if v is not None}
+    if info.backend == EMBEDDED and not rest.get("torch_num_threads"):
+        rest["torch_num_threads"] = default_torch_threads(
+            sum(rest.get(k, 1) for k in ("preprocessing_instance_count", "postprocessing_instance_count",
+                                         "bls_instance_count")))
     return RepoSettings(max_batch_size=max_batch_size or info.max_batch_size, max_beam_width=beam,
                         max_input_len=max_input_len or info.max_input_len, max_seq_len=max_seq_len or info.max_seq_len,
                         streaming=streaming, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
                         device=device or "auto", **rest)
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_torch_threads(python_instances: int, engine_instances: int = 1, cores: int | None = None) -> int:
+    """Torch intra-op threads for each embedded-engine instance: the cores less one per two
+    single-threaded Python-backend instances (pre/post/BLS, busy only between decode steps' outputs),
+    shared among the engine instances; at least 1. More threads than cores makes OpenMP workers
+    spin against each other and against the pre/post processes."""
+    cores = cores or available_cores()
+    reserve = min(-(-python_instances // 2), cores - 1)
+    return max(1, (cores - reserve) // max(engine_instances, 1))
 
 
 # ---------------------------------------------------------------- template filling
@@ -183,10 +220,18 @@ def render_parameters(params: dict[str, Any]) -> str:
                      for k, v in params.items())
 
 
-def backend_parameters(info: EngineInfo, s: RepoSettings) -> dict[str, Any]:
+def _engine_ref(info: EngineInfo, repo: Path | None) -> str:
+    """The engine directory as the repository records it: relative to the repository root for the
+    embedded engine (its model resolves it so), absolute for the C++ backend (it opens it as given)."""
+    if info.backend == EMBEDDED and repo is not None:
+        return os.path.relpath(info.path, repo)
+    return str(info.path)
+
+
+def backend_parameters(info: EngineInfo, s: RepoSettings, repo: Path | None = None) -> dict[str, Any]:
     """The ``tensorrt_llm`` model's parameters for its backend."""
     if info.backend == EMBEDDED:
-        return {"engine_dir": str(info.path), "device": s.device, "torch_num_threads": s.torch_num_threads,
+        return {"engine_dir": _engine_ref(info, repo), "device": s.device, "torch_num_threads": s.torch_num_threads,
                 "max_input_len": s.max_input_len, "max_seq_len": s.max_seq_len,
                 "exclude_input_in_output": _bool(s.exclude_input_in_output), "enable_metrics": "true",
                 "metrics_interval_s": "0.5", "max_waiting_requests": s.max_queue_size,
@@ -208,11 +253,21 @@ def backend_parameters(info: EngineInfo, s: RepoSettings) -> dict[str, Any]:
     }
 
 
-def template_values(info: EngineInfo, s: RepoSettings) -> dict[str, str]:
-    """Every placeholder of the templates, as text."""
+# Inputs the embedded tensorrt_llm model also reads under tensorrtllm_backend <= v0.19.0's names. The
+# C++ backend of 1.2 would ignore them silently, so its config does not declare them (a client
+# sending one there gets Triton's "unexpected input" error instead).
+_LEGACY_ALIAS_INPUTS = (
+    '  { name: "min_length" data_type: TYPE_INT32 dims: [ 1 ] reshape: { shape: [ ] } optional: true },\n'
+    '  { name: "random_seed" data_type: TYPE_UINT64 dims: [ 1 ] reshape: { shape: [ ] } optional: true },')
+
+
+def template_values(info: EngineInfo, s: RepoSettings, repo: Path | None = None) -> dict[str, str]:
+    """Every placeholder of the templates, as text. ``repo``: where the repository will live (paths
+    are recorded relative to it)."""
     emb_dtype = _DTYPE_TO_TRITON.get(info.dtype, "TYPE_FP16")
     return {
-        "engine_dir": str(info.path),
+        "engine_dir": _engine_ref(info, repo),
+        "legacy_alias_inputs": _LEGACY_ALIAS_INPUTS if info.backend == EMBEDDED else "",
         "engine_kind": "embedded" if info.backend == EMBEDDED else "TensorRT-LLM",
         "triton_backend": "python" if info.backend == EMBEDDED else "tensorrtllm",
         "triton_max_batch_size": str(s.max_batch_size),
@@ -230,7 +285,7 @@ def template_values(info: EngineInfo, s: RepoSettings) -> dict[str, str]:
         "postprocessing_instance_count": str(s.postprocessing_instance_count),
         "bls_instance_count": str(s.bls_instance_count),
         "accumulate_tokens": _bool(s.accumulate_tokens),
-        "backend_parameters": render_parameters(backend_parameters(info, s)),
+        "backend_parameters": render_parameters(backend_parameters(info, s, repo)),
     }
 
 
@@ -250,8 +305,12 @@ def fill_template(text: str, values: dict[str, str], *, where: str) -> str:
 
 def parse_model_config(text: str, *, where: str):
     """Parse a config.pbtxt with Triton's own ``ModelConfig`` protobuf schema (as tritonclient ships it)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise BackendUnavailable(f"checking the repository's configs needs tritonclient ({e.name} is missing)",
+                                 hint="pip install 'trtmoe[serve]'") from None
 
     try:
         return text_format.Parse(text, model_config_pb2.ModelConfig())
@@ -342,26 +401,109 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return names
 
 
-def test_load_tokenizer(path: Path, info: EngineInfo, *, trust_remote_code: bool) -> list[str]:
-    """Load the copied tokenizer the way preprocessing will, round-trip a text, check it fits the
-    engine's vocabulary. Returns warnings."""
+TOKENIZER_FACTS = "trtmoe_tokenizer.json"  # special-token ids for the tokenizers-only pre/post models
+_TOKENIZER_EXTRA = "pip install 'trtmoe[tokenizer]'"
+
+
+def _special_token(cfg: dict, key: str) -> str | None:
+    v = cfg.get(key)
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) and v else None
+
+
+def _read_json(p: Path) -> dict:
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _convert_with_transformers(path: Path, *, trust_remote_code: bool) -> None:
+    """Write ``tokenizer.json`` for a folder that has only a SentencePiece (or vocab) tokenizer."""
     try:
         from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(path), padding_side="left", trust_remote_code=trust_remote_code)
-        sample = "def main(): return 42"
-        ids = tok.encode(sample, add_special_tokens=False)
-        text = tok.decode(ids)
+    except ImportError:
+        raise BackendUnavailable("this tokenizer has no tokenizer.json; converting it needs transformers "
+                                 "and sentencepiece", where=str(path), hint=_TOKENIZER_EXTRA) from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"{type(tok).__name__} has no fast (tokenizers) form")
+        backend.save(str(path / "tokenizer.json"))
+    except ImportError as e:
+        raise BackendUnavailable(f"converting this tokenizer to tokenizer.json needs {e.name or 'sentencepiece'}",
+                                 where=str(path), hint=_TOKENIZER_EXTRA) from None
     except Exception as e:  # noqa: BLE001 - any loader failure is the user's tokenizer
-        raise InputError(f"the tokenizer does not load with transformers.AutoTokenizer: {e}", where=str(path),
+        raise InputError(f"the tokenizer cannot be converted to tokenizer.json: {e}", where=str(path),
+                         hint="pass --tokenizer with a Hugging Face tokenizer folder holding tokenizer.json") from None
+
+
+def _match_transformers(path: Path, tok: Any, sample: str, *, trust_remote_code: bool) -> tuple[Any, list[str]]:
+    """Where transformers is installed, make ``tokenizer.json`` encode as ``AutoTokenizer`` does (a
+    tokenizer_config's add_bos_token/add_eos_token can override the file's post-processor)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return tok, []
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - tokenizer.json loaded; transformers' view is only a cross-check
+        return tok, []
+    want = hf.encode(sample)
+    if tok.encode(sample).ids == want:
+        return tok, []
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None and backend.encode(sample).ids == want:
+        backend.save(str(path / "tokenizer.json"))
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path / "tokenizer.json")), []
+    return tok, [f"tokenizer.json encodes {sample!r} differently from transformers.AutoTokenizer; "
+                 "pre/postprocessing use tokenizer.json"]
+
+
+def prepare_tokenizer(path: Path, info: EngineInfo, *, trust_remote_code: bool) -> list[str]:
+    """Make the copied tokenizer loadable by the ``tokenizers`` library alone, the way pre/post
+    processing load it: ``tokenizer.json`` (converted when missing) and ``trtmoe_tokenizer.json``
+    (eos/pad/bos ids, the special ids, the decode clean-up flag). Round-trips a text and checks that
+    the vocabulary fits the engine's. Returns warnings; raises InputError / BackendUnavailable."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise BackendUnavailable("the tokenizers library is missing", hint="pip install 'trtmoe'") from None
+    if not (path / "tokenizer.json").is_file():
+        _convert_with_transformers(path, trust_remote_code=trust_remote_code)
+    try:
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - any loader failure is the user's tokenizer
+        raise InputError(f"tokenizer.json does not load with the tokenizers library: {e}", where=str(path),
                          hint="pass --tokenizer with a local Hugging Face tokenizer folder") from None
-    warnings = []
-    if len(tok) > info.vocab_size:
-        raise InputError(f"the tokenizer has {len(tok)} tokens but the engine's vocab_size is {info.vocab_size}",
+    sample = "def main(): return 42"
+    tok, warnings = _match_transformers(path, tok, sample, trust_remote_code=trust_remote_code)
+    cfg = {**_read_json(path / "special_tokens_map.json"), **_read_json(path / "tokenizer_config.json")}
+    ids = {}
+    for role in ("eos", "pad", "bos", "unk"):
+        name = _special_token(cfg, f"{role}_token")
+        ids[role] = tok.token_to_id(name) if name else None
+        if name and ids[role] is None:
+            warnings.append(f"{role}_token {name!r} is not in the tokenizer's vocabulary")
+    special = sorted({i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+                     | {i for i in ids.values() if i is not None})
+    facts = {"eos_token_id": ids["eos"], "pad_token_id": ids["pad"], "bos_token_id": ids["bos"],
+             "unk_token_id": ids["unk"], "special_ids": special,
+             "clean_up_tokenization_spaces": bool(cfg.get("clean_up_tokenization_spaces", False))}
+    (path / TOKENIZER_FACTS).write_text(json.dumps(facts, indent=2) + "\n")
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > info.vocab_size:
+        raise InputError(f"the tokenizer has {size} tokens but the engine's vocab_size is {info.vocab_size}",
                          where=str(path), hint="this tokenizer belongs to a different model")
+    text = tok.decode(tok.encode(sample, add_special_tokens=False).ids)
     if text.strip() != sample:
         warnings.append(f"tokenizer round trip changed {sample!r} into {text!r}")
-    if tok.eos_token_id is None:
+    if ids["eos"] is None:
         warnings.append("the tokenizer has no eos token; generation stops only at max_tokens unless end_id is sent")
     return warnings
 
@@ -378,7 +520,7 @@ def _sha256(p: Path) -> str:
 def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
                         max_batch_size: int | None = None, max_beam_width: int | None = None,
                         max_input_len: int | None = None, max_seq_len: int | None = None,
-                        world_size: int | None = None, streaming: bool = True, exclude_input_in_output: bool = True,
+                        world_size: int | None = None, streaming: bool = False, exclude_input_in_output: bool = False,
                         max_queue_delay_microseconds: int = 0, max_queue_size: int = 0,
                         preprocessing_instance_count: int = 1, postprocessing_instance_count: int = 1,
                         bls_instance_count: int = 1, kv_cache_free_gpu_mem_fraction: float | None = None,
@@ -390,7 +532,9 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     ``tokenizer_dir`` defaults to a tokenizer found beside the engine or its checkpoint. Limits
     (``max_batch_size``, ``max_input_len``, ``max_seq_len``: requests/tokens) default to the engine's
     build_config and may not exceed it; ``max_beam_width`` and ``world_size`` must equal it.
-    ``streaming`` makes tensorrt_llm/BLS (and so the ensemble) decoupled. ``stream_interval``
+    ``streaming`` makes tensorrt_llm/BLS (and so the ensemble) decoupled (upstream's default is not);
+    ``exclude_input_in_output`` sets the default for requests that do not send it (upstream: false).
+    ``torch_num_threads`` 0: chosen from the cores (see ``default_torch_threads``). ``stream_interval``
     (embedded engine): a streamed response every that many tokens; None/0 = auto (every token
     up to 8 active streams, then ceil(active / 8)). Raises InputError.
     """
@@ -411,12 +555,12 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                          hint="pass --tokenizer DIR (a Hugging Face tokenizer folder)")
     tpl = Path(templates) if templates else templates_dir()
     out = Path(out_dir).expanduser().absolute()
-    values = template_values(info, settings)
+    values = template_values(info, settings, out)
     warnings: list[str] = []
     configs = {}
     with atomic_directory(out, force=force, inputs=(info.path, tok_src), outside=(info.path,)) as tmp:
         copy_tokenizer(tok_src, tmp / TOKENIZER_SUBDIR)
-        warnings += test_load_tokenizer(tmp / TOKENIZER_SUBDIR, info, trust_remote_code=trust_remote_code)
+        warnings += prepare_tokenizer(tmp / TOKENIZER_SUBDIR, info, trust_remote_code=trust_remote_code)
         for model in MODELS:
             src = tpl / model
             text = fill_template((src / "config.pbtxt").read_text(), values, where=str(src / "config.pbtxt"))
@@ -438,14 +582,18 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                 if not rel.startswith(TOKENIZER_SUBDIR + "/") and "${" in p.read_text(errors="replace"):
                     raise TrtmoeError("unresolved ${...} placeholder left", where=rel)
                 files[rel] = _sha256(p)
+        engine = info.to_json()
+        for key in ("path", "checkpoint_dir"):  # no absolute paths: the repository may move with its engine
+            if engine.get(key):
+                engine[key] = os.path.relpath(engine[key], out)
         manifest = {
             "generator": f"trtmoe {__version__}",
             "contract": TRTLLM_CONTRACT,
-            "engine": info.to_json(),
+            "engine": engine,
             "settings": asdict(settings),
             "launch_world_size": info.launch_world_size,
             "models": list(MODELS),
-            "tokenizer_source": str(tok_src),
+            "tokenizer_source": os.path.relpath(tok_src, out),
             "files": files,
             "warnings": warnings,
         }

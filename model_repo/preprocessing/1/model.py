@@ -1,17 +1,32 @@
 """Triton Python model `preprocessing`: prompt text -> token ids, plus stop/bad word lists.
 
-Self-contained (numpy + transformers) so it runs in any Triton container, including the NGC
-TensorRT-LLM one where trtmoe itself is not installed.
+It also merges the sampling inputs that two template generations name differently: `min_length`
+(tensorrtllm_backend <= v0.19.0) and `min_tokens` (TensorRT-LLM 1.2), `random_seed` and `seed`.
+Either name is accepted (both with different values is an error) and the value goes to
+tensorrt_llm's 1.2 input (`OUT_MIN_TOKENS` -> min_tokens, `OUT_SEED` -> seed).
+
+Self-contained (numpy + the `tokenizers` library; no transformers, no torch) so it runs in any
+Triton container, including the NGC TensorRT-LLM one where trtmoe itself is not installed. It reads
+the repository's `tokenizer.json` and the special-token facts `trtmoe repo` resolved into
+`trtmoe_tokenizer.json`. One thread: many of these processes share the machine with the engine.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
-import numpy as np
-import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
+for _var in ("RAYON_NUM_THREADS", "OMP_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+# (1.2 name, older name, output, dtype)
+_ALIASES = (("MIN_TOKENS", "MIN_LENGTH", "OUT_MIN_TOKENS", np.int32), ("SEED", "RANDOM_SEED", "OUT_SEED", np.uint64))
 
 
 def _param(config: dict, key: str, default: str = "") -> str:
@@ -47,16 +62,21 @@ def _strings(arr) -> list[str]:
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            resolve_tokenizer_dir(args, config), padding_side="left",
-            trust_remote_code=_flag(config, "trust_remote_code", False))
+        path = resolve_tokenizer_dir(args, config)
+        self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        with open(os.path.join(path, "trtmoe_tokenizer.json")) as f:
+            facts = json.load(f)
         self.add_special_tokens = _flag(config, "add_special_tokens", True)
-        tok = self.tokenizer
-        self.end_id = tok.eos_token_id if tok.eos_token_id is not None else -1
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else max(self.end_id, 0)
+        self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        eos, pad = facts.get("eos_token_id"), facts.get("pad_token_id")
+        self.end_id = eos if eos is not None else -1
+        self.pad_id = pad if pad is not None else max(self.end_id, 0)
+
+    def _ids(self, text: str, special: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     def _encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids = [self.tokenizer.encode(t, add_special_tokens=self.add_special_tokens) for t in texts]
+        ids = [self._ids(t, self.add_special_tokens) for t in texts]
         width = max(1, max(len(x) for x in ids))
         out = np.full((len(ids), width), self.pad_id, dtype=np.int32)
         for i, x in enumerate(ids):
@@ -72,7 +92,7 @@ class TritonPythonModel:
                 for word in _strings(arr[b if arr.shape[0] > 1 else 0]):
                     if not word:
                         continue
-                    ids += self.tokenizer.encode(word, add_special_tokens=False)
+                    ids += self._ids(word, False)
                     offsets.append(len(ids))
             rows.append((ids, offsets))
         width = max(1, max(max(len(i), len(o)) for i, o in rows))
@@ -86,7 +106,7 @@ class TritonPythonModel:
     def _embedding_bias(self, words, weights, batch: int) -> np.ndarray:
         if words is None or weights is None:
             return np.zeros((batch, 0), dtype=np.float32)
-        vocab = len(self.tokenizer)
+        vocab = self.vocab
         out = np.zeros((batch, vocab), dtype=np.float32)
         for b in range(batch):
             ws = _strings(words[b if words.shape[0] > 1 else 0])
@@ -94,13 +114,18 @@ class TritonPythonModel:
             if len(ws) != len(vs):
                 raise ValueError(f"embedding_bias_words has {len(ws)} entries but embedding_bias_weights {len(vs)}")
             for w, v in zip(ws, vs):
-                for t in self.tokenizer.encode(w, add_special_tokens=False):
+                for t in self._ids(w, False):
                     out[b, t] += float(v)
         return out
 
     def _one(self, request) -> "pb_utils.InferenceResponse":
         get = lambda n: (lambda t: None if t is None else t.as_numpy())(pb_utils.get_input_tensor_by_name(request, n))
         query = get("QUERY")
+        if query is None:
+            raise ValueError("missing input 'text_input' (QUERY)")
+        out_len = get("REQUEST_OUTPUT_LEN")
+        if out_len is None:
+            raise ValueError("missing input 'max_tokens' (REQUEST_OUTPUT_LEN)")
         batch = query.shape[0]
         input_ids, input_len = self._encode(_strings(query.reshape(batch, -1)[:, 0]))
         decoder = get("DECODER_QUERY")
@@ -121,13 +146,21 @@ class TritonPythonModel:
             pb_utils.Tensor("STOP_WORDS_IDS", self._word_list(get("STOP_WORDS_DICT"), batch)),
             pb_utils.Tensor("EMBEDDING_BIAS", self._embedding_bias(get("EMBEDDING_BIAS_WORDS"),
                                                                    get("EMBEDDING_BIAS_WEIGHTS"), batch)),
-            pb_utils.Tensor("REQUEST_OUTPUT_LEN", get("REQUEST_OUTPUT_LEN").astype(np.int32)),
+            pb_utils.Tensor("REQUEST_OUTPUT_LEN", out_len.astype(np.int32)),
             pb_utils.Tensor("OUT_END_ID", end_id.reshape(batch, 1)),
             pb_utils.Tensor("OUT_PAD_ID", pad_id.reshape(batch, 1)),
         ]
+        for new, old, out_name, dtype in _ALIASES:  # only sent when given, like the inputs themselves
+            a, b = get(new), get(old)
+            if a is not None and b is not None and not np.array_equal(a.reshape(-1), b.reshape(-1)):
+                raise ValueError(f"{new.lower()} {a.reshape(-1).tolist()} and its older name {old.lower()} "
+                                 f"{b.reshape(-1).tolist()} disagree; send one of them")
+            value = a if a is not None else b
+            if value is not None:
+                outputs.append(pb_utils.Tensor(out_name, value.astype(dtype).reshape(batch, -1)[:, :1]))
         extra = get("PROMPT_TABLE_EXTRA_ID")
         if extra is not None:  # only sent when given: the engine treats its presence as p-tuning
-            vocab = len(self.tokenizer)
+            vocab = self.vocab
             table = np.where(input_ids >= vocab, extra.reshape(batch, 1), 0).astype(np.uint64)
             outputs.append(pb_utils.Tensor("OUT_PROMPT_TABLE_EXTRA_IDS", table))
         return pb_utils.InferenceResponse(output_tensors=outputs)

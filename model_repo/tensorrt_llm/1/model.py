@@ -1,11 +1,15 @@
 """Triton Python model `tensorrt_llm` for trtmoe's embedded engine.
 
 Same inputs and outputs as the TensorRT-LLM C++ backend's model. One in-flight batcher thread owns
-the engine: `execute` validates each request, hands its prompts to the batcher and returns at once
-(decoupled mode). A sender thread sends each new token through the request's response sender (the
-tokens of one request that piled up while the client was slow go out together) and attaches the
-FINAL flag to the last response. Routing and batcher metrics are exported as custom Prometheus
-metrics on the server's metrics port.
+the engine: `execute` validates each request, hands its prompts to the batcher and returns at once,
+decoupled or not (a non-decoupled model answers through the response sender too, with exactly one
+response, so requests still join the running batch). A sender thread sends each new token through
+the request's response sender (the tokens of one request that piled up while the client was slow
+go out together) and attaches the FINAL flag to the last response. Routing and batcher metrics, and
+TensorRT-LLM's `nv_trt_llm_*` gauges, are exported on the server's metrics port.
+
+`engine_dir` and `tokenizer_dir` may be relative to the repository root, so a repository moved
+together with its engine still serves.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import triton_python_backend_utils as pb_utils
 from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
 from trtmoe.triton.engine_dir import read_engine_dir
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
-from trtmoe.triton.metrics import RoutingMetricsPublisher
+from trtmoe.triton.metrics import IterationRecorder, RoutingMetricsPublisher, TrtLlmMetricsPublisher, blocks
 from trtmoe.triton.textstream import split_at_character
 
 
@@ -43,17 +47,11 @@ class _TritonRequest:
         self.model, self.sender, self.gens = model, sender, gens
         self.remaining = len(gens)
         self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.responses = []  # non-decoupled mode: collected here, returned by execute
-        self.errors = []
 
     def finish_one(self) -> bool:
         with self.lock:
             self.remaining -= 1
-            last = self.remaining == 0
-        if last:
-            self.done.set()
-        return last
+            return self.remaining == 0
 
 
 class TritonPythonModel:
@@ -61,19 +59,23 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", "tensorrt_llm")
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        threads = int(_param(config, "torch_num_threads", "0") or 0)
         import torch
 
+        # Intra-op threads: `trtmoe repo` records a count chosen from the cores and the model
+        # instances; never more than this machine's cores (a repository may move to a smaller one).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = int(_param(config, "torch_num_threads", "0") or 0)
         if threads > 0:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(min(threads, cores))
         from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
 
         self.SamplingParams = SamplingParams
         engine_dir = _param(config, "engine_dir")
         if not engine_dir:
             raise pb_utils.TritonModelException("parameter engine_dir is not set")
+        repo_root = os.path.dirname(os.path.abspath(args["model_repository"]))  # that arg is this model's folder
         if not os.path.isabs(engine_dir):
-            engine_dir = os.path.join(os.path.abspath(args["model_repository"]), engine_dir)
+            engine_dir = os.path.join(repo_root, engine_dir)
         info = read_engine_dir(engine_dir)
         device = _param(config, "device", "auto")
         self.engine = EmbeddedEngine.from_checkpoint(str(info.checkpoint_dir), device=None if device == "auto" else device,
@@ -84,15 +86,16 @@ class TritonPythonModel:
                       int(getattr(eng, "max_seq_len", info.max_seq_len)))
         self.limits = EngineLimits(max_input_len=max_input, max_seq_len=max_seq, vocab_size=int(eng.vocab_size),
                                    max_beam_width=info.max_beam_width, default_end_id=info.eos_token_id)
-        self.exclude_input = _flag(config, "exclude_input_in_output", True)
+        self.exclude_input = _flag(config, "exclude_input_in_output", False)
+        self.tokens_per_block = int(info.tokens_per_block)
         self.decode = None  # token ids -> text, to keep streamed responses on character boundaries
         tok_dir = _param(config, "tokenizer_dir")
         if tok_dir:
-            from transformers import AutoTokenizer
+            from tokenizers import Tokenizer
 
             if not os.path.isabs(tok_dir):
-                tok_dir = os.path.join(os.path.dirname(os.path.abspath(args["model_repository"])), tok_dir)
-            tok = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=_flag(config, "trust_remote_code", False))
+                tok_dir = os.path.join(repo_root, tok_dir)
+            tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
             self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.metrics = None
@@ -101,6 +104,9 @@ class TritonPythonModel:
                                                    num_experts=int(eng.num_experts), model=self.model_name,
                                                    min_interval_s=float(_param(config, "metrics_interval_s", "0.5")))
             self.metrics.set_active_params(int(eng.active_params_per_token))
+            self.trt_metrics = TrtLlmMetricsPublisher(pb_utils, model=self.model_name,
+                                                      version=str(args.get("model_version", "1")))
+        self.recorder = IterationRecorder(eng)  # what each batcher iteration ran, for nv_trt_llm_*
         # Batcher -> sender hand-off: appends are atomic; the sender is woken once per burst of
         # events (batcher on_flush), not once per token.
         self.outbox: deque = deque()
@@ -110,7 +116,7 @@ class TritonPythonModel:
         self.sender_thread.start()
         budget = _param(config, "prefill_budget_ms", "")
         self.batcher = InflightBatcher(
-            eng, max_batch_size=min(int(config["max_batch_size"]) or 1, info.max_batch_size),
+            self.recorder, max_batch_size=min(int(config["max_batch_size"]) or 1, info.max_batch_size),
             max_waiting=int(_param(config, "max_waiting_requests", "0") or 0),
             prefill_budget_s=float(budget) / 1000.0 if budget else None,
             stream_interval=max(int(_param(config, "stream_interval", "0")), 0), on_flush=self._flush)
@@ -122,13 +128,17 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"tensorrt_llm: embedded engine {info.architecture} from {info.checkpoint_dir}, "
             f"max_batch_size={self.batcher.max_batch_size} max_input_len={max_input} max_seq_len={max_seq} "
-            f"decoupled={self.decoupled}")
+            f"decoupled={self.decoupled} torch_threads={torch.get_num_threads()} (cores {cores})")
 
     # -- metrics (own thread) ------------------------------------------------------------------
     def _metrics_loop(self):
         while not self.stopping.wait(self.metrics.min_interval_s):
             try:
-                self.metrics.update(self.engine.routing_stats(), self.batcher.stats(), force=True)
+                stats = self.batcher.stats()
+                self.metrics.update(self.engine.routing_stats(), stats, force=True)
+                self.trt_metrics.update(TrtLlmMetricsPublisher.values(
+                    batcher_stats=stats, max_batch_size=self.batcher.max_batch_size, kv=self.engine.kv_cache_stats(),
+                    tokens_per_block=self.tokens_per_block, iteration=self.recorder.latest))
             except Exception as e:  # noqa: BLE001 - metrics must never take the model down
                 pb_utils.Logger.log_warn(f"tensorrt_llm: metrics update failed: {e}")
 
@@ -145,11 +155,23 @@ class TritonPythonModel:
             out.append(pb_utils.Tensor("num_input_tokens", np.array([[len(gen.prompt_ids)]], dtype=np.int32)))
         if gen.return_num_output_tokens:  # generated tokens sent so far, this response included
             out.append(pb_utils.Tensor("num_output_tokens", np.array([[gen.sent_tokens]], dtype=np.int32)))
-        if gen.return_perf_metrics and final:
+        if gen.return_perf_metrics:  # on every response, as TensorRT-LLM's backend sends them
             off = self.clock_offset_ns
             for name, t in (("arrival_time_ns", req.arrival_ns), ("first_scheduled_time_ns", req.first_scheduled_ns),
                             ("first_token_time_ns", req.first_token_ns), ("last_token_time_ns", req.last_token_ns)):
                 out.append(pb_utils.Tensor(name, np.array([[t + off if t else 0]], dtype=np.int64)))
+            # The KV-cache row reserved for the sequence at admission, in blocks; the pool shares no
+            # prefixes, so none is reused. The engine proposes no draft tokens (no speculative
+            # decoding), so its draft counts are zero and so is the acceptance rate.
+            new = blocks(getattr(req.seq, "kv_capacity", 0), self.tokens_per_block)
+            reused = 0
+            draft = accepted = 0
+            for name, v in (("kv_cache_alloc_new_blocks", new), ("kv_cache_reused_blocks", reused),
+                            ("kv_cache_alloc_total_blocks", new + reused), ("total_accepted_draft_tokens", accepted),
+                            ("total_draft_tokens", draft)):
+                out.append(pb_utils.Tensor(name, np.array([[v]], dtype=np.int32)))
+            out.append(pb_utils.Tensor("acceptance_rate", np.array([[accepted / draft if draft else 0.0]],
+                                                                   dtype=np.float32)))
         return out
 
     def _on_event(self, treq: _TritonRequest, gen, event):
@@ -190,11 +212,8 @@ class TritonPythonModel:
         if final is not None and final.finish_reason == FINISH_ERROR:
             msg = f"generation failed: {final.error}"
             last = treq.finish_one()
-            if self.decoupled:
-                treq.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),
-                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
-            else:
-                treq.errors.append(msg)
+            treq.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),
+                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
             return
         held = gen.held
         if final is None:
@@ -211,9 +230,6 @@ class TritonPythonModel:
             ids = held + new_tokens
         else:
             ids = req.tokens if gen.exclude_input_in_output else gen.prompt_ids + req.tokens
-        if not self.decoupled:
-            treq.responses.append((gen.batch_index, self._tensors(gen, req, ids, True)))
-            return
         if gen.streaming and not ids and not (gen.return_perf_metrics or gen.return_num_output_tokens):
             if last:
                 treq.sender.send(flags=flags)
@@ -244,43 +260,24 @@ class TritonPythonModel:
         return treq
 
     def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                sender = request.get_response_sender()
-                try:
-                    if self._submit(request, sender) is None:
-                        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                except RequestError as e:
-                    sender.send(pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                except Exception as e:  # noqa: BLE001
-                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm: {e}")),
-                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            return None
-        # Non-decoupled: the requests of this call are decoded together, then answered at once.
-        pending = []
+        # Decoupled or not, every request is answered through its response sender, so execute
+        # returns at once and the next requests join the running batch (a non-decoupled request
+        # gets exactly one response: parse_requests refuses streaming and batches there).
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
+            sender = request.get_response_sender()
             try:
-                pending.append(self._submit(request, None))
+                if self._submit(request, sender) is None:  # a `stop` request
+                    if self.decoupled:
+                        sender.send(flags=final)
+                    else:
+                        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=final)
             except RequestError as e:
-                pending.append(pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+                sender.send(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=final)
             except Exception as e:  # noqa: BLE001
-                pending.append(pb_utils.TritonError(f"tensorrt_llm: {e}"))
-        responses = []
-        for item in pending:
-            if item is None:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
-            elif isinstance(item, _TritonRequest):
-                item.done.wait()
-                if item.errors:
-                    responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("; ".join(item.errors))))
-                else:
-                    # One prompt per request here (parse_requests enforces it without decoupling).
-                    responses.append(pb_utils.InferenceResponse(output_tensors=sorted(item.responses, key=lambda r: r[0])[0][1]))
-            else:
-                responses.append(pb_utils.InferenceResponse(error=item))
-        return responses
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm: {e}")), flags=final)
+        return None
 
     def finalize(self):
         self.stopping.set()

@@ -19,15 +19,18 @@ import triton_python_backend_utils as pb_utils
 _TO_PRE = {"text_input": "QUERY", "decoder_text_input": "DECODER_QUERY", "max_tokens": "REQUEST_OUTPUT_LEN",
            "bad_words": "BAD_WORDS_DICT", "stop_words": "STOP_WORDS_DICT",
            "embedding_bias_words": "EMBEDDING_BIAS_WORDS", "embedding_bias_weights": "EMBEDDING_BIAS_WEIGHTS",
-           "end_id": "END_ID", "pad_id": "PAD_ID", "prompt_table_extra_id": "PROMPT_TABLE_EXTRA_ID"}
+           "end_id": "END_ID", "pad_id": "PAD_ID", "prompt_table_extra_id": "PROMPT_TABLE_EXTRA_ID",
+           # both template generations' names; preprocessing merges each pair
+           "min_tokens": "MIN_TOKENS", "min_length": "MIN_LENGTH", "seed": "SEED", "random_seed": "RANDOM_SEED"}
 _PRE_TO_LLM = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "DECODER_INPUT_ID": "decoder_input_ids",
                "REQUEST_DECODER_INPUT_LEN": "decoder_input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
                "STOP_WORDS_IDS": "stop_words_list", "BAD_WORDS_IDS": "bad_words_list",
                "EMBEDDING_BIAS": "embedding_bias", "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id",
-               "OUT_PROMPT_TABLE_EXTRA_IDS": "prompt_table_extra_ids"}
+               "OUT_PROMPT_TABLE_EXTRA_IDS": "prompt_table_extra_ids", "OUT_MIN_TOKENS": "min_tokens",
+               "OUT_SEED": "seed"}
 _TO_LLM = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "length_penalty": "len_penalty", "stream": "streaming"}
-_DIRECT = ("exclude_input_in_output", "temperature", "repetition_penalty", "min_tokens", "presence_penalty",
-           "frequency_penalty", "seed", "return_log_probs", "return_context_logits", "return_generation_logits",
+_DIRECT = ("exclude_input_in_output", "temperature", "repetition_penalty", "presence_penalty",
+           "frequency_penalty", "return_log_probs", "return_context_logits", "return_generation_logits",
            "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens", "num_return_sequences",
            "beam_width", "prompt_embedding_table", "prompt_vocab_size", "lora_task_id", "lora_weights", "lora_config",
            "guided_decoding_guide_type", "guided_decoding_guide")
@@ -85,7 +88,8 @@ class TritonPythonModel:
             t = pb_utils.get_output_tensor_by_name(pre, out_name)
             if t is not None:
                 arr = t.as_numpy()
-                if in_name in ("input_lengths", "request_output_len", "decoder_input_lengths", "end_id", "pad_id"):
+                if in_name in ("input_lengths", "request_output_len", "decoder_input_lengths", "end_id", "pad_id",
+                               "min_tokens", "seed"):
                     arr = arr.reshape(arr.shape[0], 1)
                 llm_inputs.append(pb_utils.Tensor(in_name, arr))
         for k, v in list(_TO_LLM.items()) + [(d, d) for d in _DIRECT]:
@@ -118,12 +122,12 @@ class TritonPythonModel:
             else:
                 text = self._detok(np.array(ids))
             send(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)), *passthrough]))
+                pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)), *passthrough]))
         if streaming and self.accumulate and tokens:
             rest = self._detok(np.array(tokens))  # a sequence that ended inside a character
             if rest.startswith(sent) and len(rest) > len(sent):
                 send(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("text_output", np.array([[rest[len(sent):].encode("utf-8")]], dtype=object))]))
+                    pb_utils.Tensor("text_output", np.array([rest[len(sent):].encode("utf-8")], dtype=object))]))
 
     def _serve(self, request):
         sender = request.get_response_sender()
