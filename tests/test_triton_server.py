@@ -149,6 +149,34 @@ def test_greedy_text_matches_engine(served):
             assert json.loads(r.read())["text_output"] == ref.full_text(prompt, 24)
 
 
+PERF = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "total_accepted_draft_tokens",
+        "total_draft_tokens", "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+        "acceptance_rate")
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_streamed_responses_follow_upstream_contract(served, model):
+    """Streamed: text_output is 1-D (clients do output[0].decode()) and, with return_perf_metrics,
+    every response carries all ten perf outputs (upstream's client reads them from each one)."""
+    ref = served["ref"]
+    inputs = _ens_inputs(PROMPTS[0], 12, stream=(np.array([[True]]), "BOOL"),
+                         return_perf_metrics=(np.array([[True]]), "BOOL"))
+    responses, err = stream_call(served["url"], model, inputs)
+    assert err is None
+    texts = [r.as_numpy("text_output") for r in responses if r.as_numpy("text_output") is not None]
+    assert len(texts) > 1 and all(t.shape == (1,) for t in texts)
+    assert "".join(t[0].decode() for t in texts) == ref.text(PROMPTS[0], 12)
+    last_token = 0
+    for r in responses:
+        if r.as_numpy("text_output") is None:
+            continue
+        v = {n: r.as_numpy(n) for n in PERF}
+        assert all(a is not None and a.size == 1 for a in v.values()), [n for n, a in v.items() if a is None]
+        assert v["kv_cache_alloc_total_blocks"].item() >= 1 and v["total_draft_tokens"].item() == 0
+        assert v["last_token_time_ns"].item() >= max(last_token, v["first_token_time_ns"].item())
+        last_token = v["last_token_time_ns"].item()
+
+
 def test_token_ids_match_engine(served):
     """The tensorrt_llm model alone: exactly the engine's tokens, streamed as they are generated."""
     ref = served["ref"]
@@ -236,6 +264,7 @@ def _ens_inputs(prompt="def main(", max_tokens=8, **override):
 
 @pytest.mark.parametrize("case, inputs, message", [
     ("no text_input", lambda: _ens_inputs(text_input=(None, None)), "text_input"),
+    ("no max_tokens", lambda: _ens_inputs(max_tokens=None), "max_tokens"),
     ("max_tokens 0", lambda: _ens_inputs(max_tokens=0), "max_tokens"),
     ("max_tokens -3", lambda: _ens_inputs(max_tokens=-3), "max_tokens"),
     ("max_tokens beyond the engine", lambda: _ens_inputs(max_tokens=100_000), "max_seq_len"),
