@@ -266,10 +266,12 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
         res = do_convert(model, out, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"],
                          dtype=cv["dtype"], trtllm_version=cv["trtllm_version"], force=force,
                          resolved_config=cfg, quant=plan, inputs=(calib,) if calib else (),
+                         target=cfg["build"]["backend"],
                          progress=lambda d, t: prog.update(task, completed=d, total=t))
     summary = {"output": str(res.out_dir), "mapping": res.mapping.describe(), "dtype": res.dtype,
                "bytes": res.bytes_written, "files": res.files,
-               "quantization": plan.manifest_entry() if plan is not None else None}
+               "quantization": plan.manifest_entry() if plan is not None else None,
+               "notes": list((plan.meta.get("notes") or []) if plan is not None else []) + res.cautions}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -281,6 +283,8 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
             extra = f", {m['avg_bpw']:.3f} bpw" if "avg_bpw" in m else ""
             pred = f", predicted ΔKL {m['predicted_delta_kl']:.4g}" if "predicted_delta_kl" in m else ""
             console.print(f"  experts: {m.get('policy')} ({plan.granularity} granularity; {used}{extra}{pred})")
+        for n in summary["notes"]:
+            err_console.print(f"[yellow]note:[/] {rich_escape(n)}")
 
 
 # ---- verify ----------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
   reads every byte).
 * ``resolve_limits``: the build settings against each other and against the model (every
   contradiction named in one error).
-* ``check_trtllm_compatible``: checkpoints TensorRT-LLM 1.2's model classes cannot build.
+* ``check_trtllm_compatible``: what the checkpoint's TensorRT-LLM release line cannot build, by the support table.
 * ``find_tensorrt_llm`` / ``probe_tensorrt_llm``: TensorRT-LLM present, of the checkpoint's target
   release, and importable (the import needs the NVIDIA driver library, so it runs in a subprocess).
 * ``visible_gpu_count`` / ``count_gpus`` / ``check_gpus``: GPUs for the checkpoint's world size.
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.manifest import MANIFEST, read_manifest
+from ..checkpoint.support import check_checkpoint_config
 from ..errors import BackendUnavailable, ConfigError, InputError, UnsupportedError
 from ..parallel.mapping import Mapping
 
@@ -172,27 +173,12 @@ def resolve_limits(build: dict, facts: CheckpointFacts, backend: str) -> Limits:
 
 
 # ---- what TensorRT-LLM 1.2 can build --------------------------------------------------------------
-def check_trtllm_compatible(facts: CheckpointFacts) -> None:
-    """Raise UnsupportedError (exit 2) for checkpoints TensorRT-LLM 1.2's model classes cannot build."""
-    per_expert = facts.granularity in ("expert", "matrix") or (facts.quant_cfg or {}).get("trtmoe_granularity") == \
-        "trtmoe-per-expert"
-    if per_expert:
-        gran = facts.granularity if facts.granularity in ("expert", "matrix") else "expert"
-        raise UnsupportedError(
-            f"this checkpoint is quantized per expert (trtmoe granularity '{gran}'); TensorRT-LLM's fused MoE "
-            "plugin runs one format per MoE layer", where=str(facts.path),
-            hint="reconvert with layer granularity: trtmoe convert MODEL -o CKPT ... --target tensorrt-llm; "
-                 "or build this one with --backend embedded")
-    dense = facts.dense_layers
-    if facts.family in ("qwen2_moe", "qwen3_moe") and dense:
-        raise UnsupportedError(
-            f"{facts.family} checkpoint has dense layers {dense} (mlp_only_layers); TensorRT-LLM 1.2's QWen model "
-            f"makes every decoder layer MoE and would not load them", where=str(facts.path),
-            hint="build it with --backend embedded")
-    if facts.family == "deepseek_v1" and dense != [0]:
-        raise UnsupportedError(
-            f"DeepSeek-V1 checkpoint has dense layers {dense}; TensorRT-LLM 1.2's DeepSeek-V1 model hard-codes "
-            f"exactly layer 0 as dense", where=str(facts.path), hint="build it with --backend embedded")
+def check_trtllm_compatible(facts: CheckpointFacts) -> list[str]:
+    """Raise UnsupportedError (exit 2) for a checkpoint its TensorRT-LLM release line cannot build, by
+    the support table (``trtmoe.checkpoint.support``); return its cautions (cells NVIDIA does not list)."""
+    verdict = check_checkpoint_config(facts.config, facts.quant_cfg, facts.target_trtllm_version)
+    verdict.raise_if_refused(where=str(facts.path), stage="build")
+    return verdict.cautions
 
 
 # ---- TensorRT-LLM ----------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def plan_tensorrt_llm(checkpoint: str | Path, output: str | Path, build: dict, *
     facts = read_checkpoint(checkpoint)
     check_output_spares_inputs(output, (facts.path,), what="engine directory")
     limits = resolve_limits(build, facts, "tensorrt-llm")
-    check_trtllm_compatible(facts)
+    limits.notes.extend(check_trtllm_compatible(facts))
     if verify:
         verify_artifact(facts.path)
     argv = trtllm_build_argv(facts.path, output, limits.build)

@@ -16,9 +16,9 @@ A *cell* is (release line × architecture × expert format × layout) for quanti
 ``models/modeling_utils.py`` (``PretrainedConfig.to_layer_quant_config``, ``LayerQuantConfig``,
 ``preprocess_weights``), ``quantization/quantize.py`` (``quantize``, ``quantize_layers``,
 ``weight_only_groupwise_quantize``), ``layers/moe.py`` (``MixtureOfExperts``, ``SharedMoE``,
-``MOEWeightWrapper``), the model classes of ``models/llama`` (Mixtral), ``models/qwen`` and
-``models/deepseek_v1``, the MoE plugin and its CUTLASS dispatch, and the support matrix of
-``examples/models/core/qwen/README.md``.
+``MOEWeightWrapper``), the model classes of ``models/llama`` (Mixtral), ``models/qwen``, ``models/deepseek_v1`` and
+``models/phi3`` (Phi-3.5-MoE), the MoE plugin and its CUTLASS dispatch, and the support matrix of
+``examples/models/core/qwen/README.md`` and ``examples/models/core/phi/README.md``.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedError
+from ..hf.adapters import ADAPTERS
 from .schema import schema_for
 
 SUPPORTED, UNLISTED, REFUSED = "supported", "unlisted", "refused"
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
 ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
-              "deepseek_v1": "DeepSeek-MoE v1"}
-TRTLLM_ARCHITECTURE = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                       "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v1": "DeepseekForCausalLM"}
+              "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE"}
+# The TensorRT-LLM class name each row is about: the architecture registry's.
+TRTLLM_ARCHITECTURE = {fam: ADAPTERS[fam].trtllm_architecture for fam in FAMILIES}
 
 # Expert storage formats (trtmoe names) and what a TensorRT-LLM checkpoint calls them.
 FORMATS = ("float", "int8", "int4", "int4_g128", "int4_g64")
@@ -75,6 +76,9 @@ _G64 = ("the MoE plugin hands the group size to its fine-grained CUTLASS grouped
         "but NVIDIA's MoE examples only use group size 128")
 _QWEN3_WO = ("the QWen model builds Qwen3-MoE with the plain MOE class, which takes every weight-only argument, "
              "but NVIDIA's Qwen support matrix lists no weight-only or AWQ build for Qwen3 MoE")
+_PHIMOE_WO = ("TensorRT-LLM's phi3 model builds PhiMoEForCausalLM with the plain MOE class (as Mixtral), which "
+              "takes every weight-only and group-wise argument, but NVIDIA's Phi support matrix lists only "
+              "FP16/BF16, FP8 and INT8 SmoothQuant for Phi-3.5-MoE")
 _DEEPSEEK_WO = ("SharedMoE is re-created with quant_mode only for per-channel weight-only, which it takes, but "
                 "NVIDIA lists no weight-only build for DeepSeek-MoE v1")
 
@@ -95,6 +99,8 @@ def _quant_cells_1_2() -> dict[tuple[str, str, str], Cell]:
                             "; NVIDIA's Qwen support matrix marks AWQ unsupported for Qwen MoE", "")),
                         "int4_g64": Cell(REFUSED, _SHARED_MOE_AWQ.replace(
                             "; NVIDIA's Qwen support matrix marks AWQ unsupported for Qwen MoE", ""))},
+        "phimoe": {"float": Cell(SUPPORTED), "int8": Cell(UNLISTED, _PHIMOE_WO), "int4": Cell(UNLISTED, _PHIMOE_WO),
+                   "int4_g128": Cell(UNLISTED, _PHIMOE_WO), "int4_g64": Cell(UNLISTED, _PHIMOE_WO + "; " + _G64)},
     }
     for fam, row in uniform.items():
         for fmt, cell in row.items():
@@ -112,6 +118,8 @@ def _quant_cells_1_2() -> dict[tuple[str, str, str], Cell]:
 _EP_QWEN2 = ("the QWen converter takes --moe_ep_size and MixtureOfExperts splits experts by moe_ep, but NVIDIA's "
              "Qwen support matrix marks EP unsupported for Qwen1.5-MoE / Qwen2-57B-A14B")
 _PP_QWEN3 = "NVIDIA's Qwen support matrix marks PP unsupported for Qwen3 MoE (TP and EP are listed)"
+_PP_PHIMOE = ("the phi3 model splits its decoder layers by pp like every decoder model, but NVIDIA's Phi support "
+              "matrix lists TP only (and its README expert parallelism via --moe_tp_size / --moe_ep_size)")
 _DEEPSEEK_PAR = "NVIDIA lists no {what} build for DeepSeek-MoE v1; its model class shards experts like every MoE"
 
 
@@ -123,7 +131,8 @@ def _mapping_cells_1_2() -> dict[tuple[str, str], Cell]:
               ("deepseek_v1", "moe_ep"): Cell(UNLISTED, _DEEPSEEK_PAR.format(what="expert-parallel")),
               ("mixtral", "pp"): Cell(SUPPORTED), ("qwen2_moe", "pp"): Cell(SUPPORTED),
               ("qwen3_moe", "pp"): Cell(UNLISTED, _PP_QWEN3),
-              ("deepseek_v1", "pp"): Cell(UNLISTED, _DEEPSEEK_PAR.format(what="pipeline-parallel"))})
+              ("deepseek_v1", "pp"): Cell(UNLISTED, _DEEPSEEK_PAR.format(what="pipeline-parallel")),
+              ("phimoe", "moe_ep"): Cell(SUPPORTED), ("phimoe", "pp"): Cell(UNLISTED, _PP_PHIMOE)})
     return c
 
 
@@ -142,6 +151,7 @@ SUPPORT: dict[str, ReleaseSupport] = {
         "tensorrt_llm/models/modeling_utils.py", "tensorrt_llm/quantization/quantize.py",
         "tensorrt_llm/layers/moe.py", "tensorrt_llm/models/qwen/model.py",
         "tensorrt_llm/models/deepseek_v1/model.py", "tensorrt_llm/models/llama/model.py",
+        "tensorrt_llm/models/phi3/model.py", "examples/models/core/phi/README.md",
         "cpp/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_template_dispatch.h",
         "examples/models/core/qwen/README.md", "examples/models/core/mixtral/README.md")),
 }
@@ -214,28 +224,32 @@ class Verdict:
     refusals: list[str] = field(default_factory=list)
     cautions: list[str] = field(default_factory=list)
     hint: str | None = None
+    hints: dict[str, str] = field(default_factory=dict)  # per stage: "convert" / "build"
 
     @property
     def ok(self) -> bool:
         return not self.refusals
 
-    def raise_if_refused(self, where: str | None = None) -> None:
+    def raise_if_refused(self, where: str | None = None, *, stage: str = "convert") -> None:
+        """Raise UnsupportedError with the first refusal; the hint says what ``stage`` ("convert" or
+        "build") can do instead."""
         if self.refusals:
             raise UnsupportedError(self.refusals[0] + (f" (and {len(self.refusals) - 1} more)"
                                                        if len(self.refusals) > 1 else ""),
-                                   where=where, hint=self.hint)
+                                   where=where, hint=self.hints.get(stage, self.hint))
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "cells": self.cells, "refusals": self.refusals, "cautions": self.cautions}
 
 
-def check(version: str, family: str, *, layer_formats: dict[int, str] | None, per_expert: bool = False,
+def check(version: str, family: str, *, layer_formats: dict[int, str] | None, per_expert: bool | str = False,
           tp: int = 1, pp: int = 1, moe_tp: int = 1, moe_ep: int = 1,
           moe_layers: list[bool] | tuple[bool, ...] = ()) -> Verdict:
     """Every cell a checkpoint touches on TensorRT-LLM ``version``.
 
     ``layer_formats`` maps each MoE layer to its format ("float" for unquantized; None or empty for a
-    float checkpoint); ``per_expert`` is trtmoe's per-expert tensor layout. ``moe_layers[l]`` says
+    float checkpoint); ``per_expert`` is trtmoe's per-expert tensor layout (true, or the trtmoe
+    granularity that produced it: "expert" / "matrix"). ``moe_layers[l]`` says
     which decoder layers have routed experts (dense layers are checked against what the model class
     builds). Never raises for refused cells: the caller decides (see ``Verdict.raise_if_refused``)."""
     rs = release_support(version)
@@ -251,13 +265,15 @@ def check(version: str, family: str, *, layer_formats: dict[int, str] | None, pe
     def add(kind, key, cell, label):
         v.cells.append({"kind": kind, "key": list(key), "status": cell.status, "reason": cell.reason})
         if cell.status == REFUSED:
-            v.refusals.append(f"{head}: {label} cannot be built: {cell.reason}; what builds: "
-                              f"{what_works(version, family)}")
+            works = f"; what builds: {what_works(version, family)}" if kind in ("quant", "combo") else ""
+            v.refusals.append(f"{head}: {label} cannot be built: {cell.reason}{works}")
         elif cell.status == UNLISTED:
             v.cautions.append(f"{head}: {label} is not in NVIDIA's support lists ({cell.reason})")
 
     if per_expert:
-        add("quant", (family, "per-expert", "per-expert"), Cell(REFUSED, _PER_EXPERT), "per-expert formats")
+        gran = f" (trtmoe granularity '{per_expert}')" if isinstance(per_expert, str) else ""
+        add("quant", (family, "per-expert", "per-expert"), Cell(REFUSED, _PER_EXPERT),
+            f"experts quantized per expert{gran}")
     else:
         for f in used:
             label = (f"MIXED_PRECISION with {'float' if f == 'float' else FORMAT_LABEL[f]} MoE layers" if mixed
@@ -273,8 +289,8 @@ def check(version: str, family: str, *, layer_formats: dict[int, str] | None, pe
             f"(mlp_only_layers / decoder_sparse_step)")), "a model with dense layers")
     if family == "deepseek_v1" and moe_layers and dense != [0]:
         add("model", (family, "dense_layers"), Cell(REFUSED, (
-            f"its DeepSeek-V1 model hard-codes exactly layer 0 as the dense layer; this model's dense layers "
-            f"are {dense}")), "this layer pattern")
+            f"its DeepSeek-V1 model hard-codes exactly layer 0 as the dense layer, but this model has "
+            f"dense layers {dense}")), "this layer pattern")
     if pp > 1 and mixed and not per_expert:
         add("combo", (family, "mixed", "pp"), Cell(REFUSED, (
             "quant_cfg.json is one file for every rank and is matched against each rank's module names, which "
@@ -284,8 +300,15 @@ def check(version: str, family: str, *, layer_formats: dict[int, str] | None, pe
             "exclude_modules names dense layers by their global index, but each pipeline stage numbers its "
             "layers from 0")), f"quantized experts with dense layers and pp={pp}")
     if v.refusals:
-        v.hint = ("or convert with --target embedded (the embedded engine runs every cell)" if not per_expert
-                  else "reconvert with --granularity layer, or build with --backend embedded")
+        if per_expert:
+            v.hints = {"convert": "use layer granularity (the default for --target tensorrt-llm), or --target "
+                                  "embedded (the embedded engine runs every cell)",
+                       "build": "reconvert with layer granularity: trtmoe convert MODEL -o CKPT ... --target "
+                                "tensorrt-llm; or build this one with --backend embedded"}
+        else:
+            v.hints = {"convert": "convert with --target embedded (the embedded engine runs every cell)",
+                       "build": "build it with --backend embedded (the embedded engine runs every cell)"}
+        v.hint = v.hints["convert"]
     return v
 
 
@@ -298,12 +321,13 @@ def check_checkpoint_config(cfg: dict, quant_cfg: dict | None, version: str) -> 
                                hint="supported: " + ", ".join(TRTLLM_ARCHITECTURE.values()))
     q = ours.get("quantization") or {}
     gran = q.get("granularity")
-    per_expert = gran in ("expert", "matrix") or (quant_cfg or {}).get("trtmoe_granularity") == "trtmoe-per-expert"
+    per_expert: bool | str = gran if gran in ("expert", "matrix") else \
+        (quant_cfg or {}).get("trtmoe_granularity") == "trtmoe-per-expert"
     layer_formats = None
     if q.get("expert_formats"):
         layer_formats = {int(l): canonical_format(fs[0]) for l, fs in q["expert_formats"].items() if fs}
     elif q.get("matrix_formats"):
-        per_expert = True
+        per_expert = per_expert or "matrix"
     mp = cfg.get("mapping") or {}
     return check(version, family, layer_formats=layer_formats, per_expert=per_expert,
                  tp=int(mp.get("tp_size", 1)), pp=int(mp.get("pp_size", 1)),
@@ -336,9 +360,27 @@ def reasons(version: str) -> list[str]:
     seen: dict[str, list[str]] = {}
     for (fam, fmt, layout), c in rs.quant.items():
         if c.status != SUPPORTED:
-            what = f"{ARCH_LABEL[fam]} {FORMAT_LABEL[fmt]}" + (" in MIXED_PRECISION" if layout == "mixed" else "")
-            seen.setdefault(f"{_MARK[c.status]}: {c.reason}", []).append(what)
+            whole = layout == "mixed" and len({rs.quant[(fam, f, "mixed")] for f in FORMATS}) == 1
+            what = (f"{ARCH_LABEL[fam]} MIXED_PRECISION" if whole else
+                    f"{ARCH_LABEL[fam]} {FORMAT_LABEL[fmt]}" + (" layers in MIXED_PRECISION" if layout == "mixed"
+                                                               else ""))
+            whats = seen.setdefault(f"{_MARK[c.status]}: {c.reason}", [])
+            if what not in whats:
+                whats.append(what)
     for (fam, feat), c in rs.mapping.items():
         if c.status != SUPPORTED:
             seen.setdefault(f"{_MARK[c.status]}: {c.reason}", []).append(f"{ARCH_LABEL[fam]} {feat}")
     return [f"- {', '.join(whats)} — {why}" for why, whats in seen.items()]
+
+
+def readme_section(version: str) -> str:
+    """The README's support section (table plus the reason of each cell that is not a plain yes)."""
+    return (markdown_table(version) + "\n\n"
+            + "Cells other than *yes*, and why (restated from TensorRT-LLM's source and NVIDIA's support "
+              "lists):\n\n" + "\n".join(reasons(version)) + "\n")
+
+
+if __name__ == "__main__":  # python -m trtmoe.checkpoint.support [RELEASE]: print the README section
+    import sys
+
+    print(readme_section(sys.argv[1] if len(sys.argv) > 1 else "1.2"), end="")

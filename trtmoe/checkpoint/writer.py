@@ -39,6 +39,7 @@ from .atomic import atomic_directory, source_tree, stays_inside
 from .layout import DTYPE_STR, TensorSpec, rank_specs, trtllm_config
 from .manifest import dump_json, write_manifest
 from .schema import check_strict_blocks
+from .support import check_checkpoint_config
 
 _WINDOW = 16 << 20  # bytes the background hashers map at a time (bounds their resident pages)
 
@@ -71,6 +72,7 @@ class ConvertResult:
     files: dict[str, str] = field(default_factory=dict)
     bytes_written: int = 0
     rank_bytes: list[int] = field(default_factory=list)
+    cautions: list[str] = field(default_factory=list)  # support-table cells NVIDIA does not list
 
 
 def resolve_dtype(src: HFCheckpoint, dtype: str) -> torch.dtype:
@@ -407,13 +409,15 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
             moe_ep: int | None = None, dtype: str = "auto", trtllm_version: str = DEFAULT_TRTLLM_VERSION,
             force: bool = False, resolved_config: dict | None = None,
             progress: Callable[[int, int], None] | None = None, quant=None,
-            inputs: tuple[str | Path, ...] = ()) -> ConvertResult:
+            inputs: tuple[str | Path, ...] = (), target: str | None = None) -> ConvertResult:
     """Convert ``model`` (HF dir or cached hub id) into a TensorRT-LLM checkpoint at ``out_dir``.
 
     ``progress(done_bytes, total_bytes)`` is called as rank bytes are written. ``quant`` is an
     optional ``trtmoe.quant.plan.QuantPlan`` (format per expert, granularity, placement). Nothing is
     written unless the whole conversion succeeds, and ``out_dir`` may not be or hold the model or any
-    other path in ``inputs`` (a calibration directory, say).
+    other path in ``inputs`` (a calibration directory, say). With ``target="tensorrt-llm"`` a checkpoint
+    that TensorRT-LLM's release line cannot build (see ``trtmoe.checkpoint.support``) is refused before
+    anything is written; the cells NVIDIA does not list come back as ``cautions``.
     """
     with HFCheckpoint(model) as src:
         mapping = Mapping.create(tp, pp, moe_tp, moe_ep)
@@ -427,6 +431,11 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
         cfg = trtllm_config(src.model, mapping, tdtype, version=trtllm_version, quantization=quant_cfg, extra=extra)
         problems = check_strict_blocks(cfg, trtllm_version)
         assert not problems, problems  # our own tables must agree with themselves
+        cautions: list[str] = []
+        if target == "tensorrt-llm":
+            verdict = check_checkpoint_config(cfg, None, trtllm_version)
+            verdict.raise_if_refused(stage="convert")
+            cautions = verdict.cautions
         all_specs = [rank_specs(src.model, mapping, r, tdtype, src, quant) for r in mapping.ranks()]
         total = sum(s.nbytes for specs in all_specs for s in specs)
         done = [0]
@@ -439,7 +448,7 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
         hasher = _SourceHasher(sorted(src.path.glob("*.json")) + list(src.files))
         follower, syncer = _RankFollower(len(all_specs)), _Syncer()
         workers = (hasher, follower, syncer)
-        result = ConvertResult(Path(out_dir), mapping, DTYPE_STR[tdtype])
+        result = ConvertResult(Path(out_dir), mapping, DTYPE_STR[tdtype], cautions=cautions)
         with atomic_directory(out_dir, force=force, inputs=(src.path, *src.files, *inputs)) as tmp:
             for t in workers:
                 t.start()

@@ -48,7 +48,9 @@ def plan_from_config(model, cfg: dict):
     from ..hf.reader import HFCheckpoint, parse_dtype
     from .calibrate import load_calib
     from .plan import QuantPlan, uniform_plan
-    from .policies import make_plan, placement
+    from ..checkpoint.support import ARCH_LABEL
+    from ..checkpoint.support import options as support_options
+    from .policies import make_plan, make_target_plan, placement
 
     with HFCheckpoint(model) as src:
         m = src.model
@@ -87,6 +89,15 @@ def plan_from_config(model, cfg: dict):
     elif policy == "none":
         # Placement only: experts stay stacked float tensors (layer form), which every target loads.
         plan = QuantPlan({}, granularity="layer", meta={"policy": "none"})
+    elif backend == "tensorrt-llm" and policy in ("graded", "frequency-bytes", "random-bytes"):
+        # Candidates are what the support table lets this architecture build on the target release.
+        if budget is None:
+            raise InputError(f"policy {policy!r} needs a budget (--budget BPW or --budget-gb)")
+        opts = support_options(cv["trtllm_version"], m.family)
+        plan = make_target_plan(calib, policy, budget_bpw=budget, uniform=opts.uniform, mixed=opts.mixed,
+                                dtype=dtype, formats=q["formats"], seed=q["seed"],
+                                I_loc=m.expert_intermediate_size // moe_tp,
+                                target=f"{ARCH_LABEL[m.family]} on TensorRT-LLM {opts.line}")
     else:
         plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=q["formats"],
                          dtype=dtype, seed=q["seed"], I_loc=m.expert_intermediate_size // moe_tp)

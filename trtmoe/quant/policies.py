@@ -12,7 +12,7 @@ import random as _random
 import torch
 
 from ..errors import InputError
-from .allocate import Unit, allocate
+from .allocate import Unit, allocate, feasible_bpw_range
 from .formats import FORMATS
 from .plan import (FLOAT, GRANULARITIES, MATRICES, QuantPlan, expert_shape_problem, format_obj, matrix_shape,
                    matrix_shape_problem)
@@ -193,6 +193,106 @@ def make_plan(calib: dict, policy: str, *, budget_bpw: float | None = None, gran
     return _to_plan(calib, assignment, granularity,
                     {"policy": policy, "budget_bpw": budget_bpw, "avg_bpw": bits / sum(u.n_weights for u in units),
                      "seed": seed})
+
+
+def make_target_plan(calib: dict, policy: str, *, budget_bpw: float, uniform: tuple[str, ...],
+                     mixed: tuple[str, ...], dtype: torch.dtype, formats: list[str] | None = None, seed: int = 0,
+                     I_loc: int | None = None, target: str = "the target") -> QuantPlan:
+    """A plan of one format per MoE layer for a target that builds a checkpoint of one format from
+    ``uniform`` for every layer, or a MIXED_PRECISION one whose layers each take a format from
+    ``mixed`` (empty: the target has no MIXED_PRECISION). For TensorRT-LLM these come from the
+    support table (``trtmoe.checkpoint.support.options``).
+
+    Every candidate plan the target builds is considered: the exact allocation over ``mixed`` and
+    each uniform format that fits ``budget_bpw``. ``graded`` keeps the one with the least predicted
+    ΔKL; the bytes baselines spend the budget in their order over ``mixed``, or take the richest
+    uniform format that fits. ``meta["notes"]`` says what was chosen instead of what was asked and
+    why budget was left unspent (``meta["unspent_bpw"]``)."""
+    _check_calib(calib)
+    cands = _candidates(calib, formats)
+    share = calib["routing"]["share"]
+    options: list[tuple[float, int, str, QuantPlan]] = []  # (ΔKL, bits, kind, plan)
+    n_w = None
+    mixed_c = [f for f in cands if f in mixed]
+    notes: list[str] = []
+    if mixed_c:
+        units = build_units(calib, "layer", dtype, mixed_c, I_loc)
+        n_w = sum(u.n_weights for u in units)
+        if all(u.costs_bits for u in units):
+            lo, hi = feasible_bpw_range(units)
+            if budget_bpw >= lo - 1e-12:
+                b = min(budget_bpw, hi)
+                if policy == "graded":
+                    p = allocate(units, b)
+                    assignment = p.assignment
+                else:
+                    order = list(range(len(units)))
+                    if policy == "random-bytes":
+                        _random.Random(seed).shuffle(order)
+                    assignment = _fill_by_order(units, order, b)
+                bits = sum(u.costs_bits[assignment[u.key]] for u in units)
+                dkl = sum(u.delta_kl[assignment[u.key]] for u in units)
+                options.append((dkl, bits, "mixed", _to_plan(calib, assignment, "layer", {})))
+    for f in cands:
+        if f not in uniform:
+            continue
+        units = build_units(calib, "layer", dtype, [f], I_loc)
+        if not all(f in u.costs_bits for u in units):
+            continue  # the shapes do not allow this format's packing
+        n_w = sum(u.n_weights for u in units)
+        bits = sum(u.costs_bits[f] for u in units)
+        if bits <= budget_bpw * n_w * (1 + 1e-12):
+            dkl = sum(u.delta_kl[f] for u in units)
+            options.append((dkl, bits, "uniform", _to_plan(calib, {u.key: f for u in units}, "layer", {})))
+    if not options:
+        allowed = sorted(set(uniform) | set(mixed))
+        raise InputError(f"budget {budget_bpw} bpw is below the cheapest plan {target} builds from the "
+                         f"measured formats (allowed there: {', '.join(allowed) or 'none'})",
+                         hint="raise --budget, or measure more formats in calibration")
+    if policy == "graded":
+        dkl, bits, kind, plan = min(options, key=lambda o: (o[0], o[1]))
+    else:
+        mixed_opts = [o for o in options if o[2] == "mixed"]
+        dkl, bits, kind, plan = mixed_opts[0] if mixed_opts else max(options, key=lambda o: o[1])
+    n_w = sum(len(fs) for fs in plan.formats.values()) * 3 * calib["expert_intermediate_size"] * calib["hidden_size"]
+    avg = bits / n_w
+    unspent = budget_bpw - avg
+    if not mixed:
+        notes.append(f"{target} builds one format for every MoE layer (no MIXED_PRECISION): "
+                     f"{next(iter(plan.used_formats()))} is the best single format within {budget_bpw} bpw")
+    if unspent > 0.02:
+        notes.append(f"{unspent:.3f} bpw of the {budget_bpw} bpw budget is unspent: "
+                     + _why_unspent(calib, plan, kind, mixed_c, uniform, cands, dtype, I_loc, unspent))
+    plan.meta = {"policy": policy, "budget_bpw": budget_bpw, "avg_bpw": avg, "predicted_delta_kl": dkl,
+                 "target_layout": kind, "unspent_bpw": max(0.0, unspent), "notes": notes,
+                 **({"seed": seed} if policy == "random-bytes" else {})}
+    return plan
+
+
+def _why_unspent(calib, plan, kind, mixed_c, uniform, cands, dtype, I_loc, unspent) -> str:
+    """Why ``plan`` leaves budget unspent: the cheapest change the target allows that would lower the
+    predicted ΔKL, and its cost against what is left."""
+    n_w = sum(len(fs) for fs in plan.formats.values()) * 3 * calib["expert_intermediate_size"] * calib["hidden_size"]
+    units = build_units(calib, "layer", dtype, [f for f in cands if f in mixed_c or f in uniform], I_loc)
+    cur = {u.key: plan.formats[u.key[0]][0] for u in units}
+    steps = []  # (bits per weight, description)
+    if kind == "mixed":
+        for u in units:
+            c = cur[u.key]
+            steps += [((u.costs_bits[f] - u.costs_bits[c]) / n_w, f"layer {u.key[0]}: {c} → {f}")
+                      for f in mixed_c if f in u.costs_bits and u.delta_kl[f] < u.delta_kl[c]
+                      and u.costs_bits[f] > u.costs_bits[c]]
+    shared = set.intersection(*(set(u.costs_bits) for u in units)) if units else set()
+    c0 = set(cur.values())
+    for f in sorted(shared & set(uniform)):
+        bits = sum(u.costs_bits[f] for u in units) - sum(u.costs_bits[cur[u.key]] for u in units)
+        dkl = sum(u.delta_kl[f] for u in units) - sum(u.delta_kl[cur[u.key]] for u in units)
+        if bits > 0 and dkl < 0 and c0 != {f}:
+            steps.append((bits / n_w, f"{f} for every MoE layer"))
+    if not steps:
+        return "no richer format the target allows lowers the predicted ΔKL"
+    cost, what = min(steps)
+    return f"the cheapest change that lowers the predicted ΔKL ({what}) costs {cost:.3f} bpw more, above what is left"
 
 
 def plan_bpw(plan: QuantPlan, calib: dict, dtype: torch.dtype) -> float:
