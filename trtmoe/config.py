@@ -117,17 +117,38 @@ def defaults() -> dict:
     return out
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error as one phrase with its position (PyYAML's own text spans several lines)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    what = getattr(e, "problem", None) or getattr(e, "context", None) or type(e).__name__
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{' '.join(str(what).split())}{where}"
+
+
 def load_yaml(path: str | Path | None) -> dict:
     """Read and validate a YAML build config; returns only the keys it sets."""
     if path is None:
         return {}
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        raw = p.read_bytes()
     except FileNotFoundError:
         raise ConfigError("config file not found", where=str(p)) from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory, not a YAML file", where=str(p)) from None
+    except OSError as e:
+        raise ConfigError(f"cannot read: {e.strerror}", where=str(p)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"not UTF-8 text (byte {e.start}, line {line})", where=str(p)) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"not valid YAML ({e})", where=str(p)) from None
+        raise ConfigError(f"not valid YAML: {_yaml_problem(e)}", where=str(p)) from None
+    except RecursionError:
+        raise ConfigError("not valid YAML: nested too deeply", where=str(p)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

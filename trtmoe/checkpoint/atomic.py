@@ -106,13 +106,15 @@ def check_output_spares_inputs(out: str | Path, inputs: Iterable[str | Path], *,
                                outside: Iterable[str | Path] = ()) -> None:
     """Refuse an output path that is one of the inputs or holds one (an ancestor directory): writing
     it would delete or overwrite what the command reads. It may not lie inside an ``outside`` input
-    either (an artifact that another artifact must not be nested in). Links are resolved first."""
+    either (an artifact that another artifact must not be nested in), nor inside an input directory
+    (which would then hold files it did not have). Links are resolved first."""
     o = _resolved(out)
     for i in inputs:
         r = _resolved(i)
         if r == o or o in r.parents:
             raise InputError(f"the {what} would replace one of this command's inputs ({i})", where=str(out),
                              hint="choose an output directory outside the inputs")
+    outside = [*outside, *(i for i in inputs if _resolved(i).is_dir())]
     for i in outside:
         if _resolved(i) in o.parents:
             raise InputError(f"the {what} may not lie inside {i}", where=str(out),

@@ -61,6 +61,19 @@ def read_json(path: Path):
         raise CheckpointError("not valid JSON (nested too deeply)", where=str(path)) from None
 
 
+def model_context(model: str | Path) -> int:
+    """The longest sequence (tokens) a model's positions are defined for: its config.json's
+    max_position_embeddings (validated), or the default the adapters assume when it is absent."""
+    from .validate import _DEFAULT_CONTEXT
+
+    path = resolve_model_path(model)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError("no config.json", where=str(path))
+    cfg = validate_hf_config(read_json(cfg_path), cfg_path)
+    return int(cfg.get("max_position_embeddings") or _DEFAULT_CONTEXT)
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """True when ``t`` has no NaN/Inf. min and max propagate NaN and expose ±Inf, and one fused
     reduction is ~40x faster on CPU than ``isfinite(t).all()`` for bf16 (no bool temporary)."""

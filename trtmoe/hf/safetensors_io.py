@@ -139,14 +139,16 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise self._bad("header is not a JSON object")
         meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise self._bad(f"__metadata__ must be an object of strings, got {meta!r:.80}")
         base = 8 + n
         infos: dict[str, TensorInfo] = {}
         spans = []
         for name, h in header.items():
             if isinstance(h, dict) and h.get("dtype") in UNSUPPORTED_DTYPES and h["dtype"] not in DTYPES:
-                raise UnsupportedError(f"tensor {name!r} has dtype {h['dtype']}, which trtmoe does not read",
-                                       where=str(self.path),
-                                       hint="supported: " + ", ".join(DTYPES) + "; dequantize the checkpoint first")
+                raise UnsupportedError(f"tensor {name!r} has unsupported dtype {h['dtype']} (a valid safetensors "
+                                       "type that trtmoe does not read)", where=str(self.path),
+                                       hint="weights must be F32, F16, BF16 or F64; dequantize the checkpoint first")
             try:
                 dtype = DTYPES[h["dtype"]]
                 shape = tuple(_as_int(x) for x in h["shape"])

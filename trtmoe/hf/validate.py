@@ -29,6 +29,16 @@ _STR_FIELDS = {"hidden_act", "scoring_func", "dtype", "torch_dtype", "model_type
 _DICT_FIELDS = {"rope_parameters", "rope_scaling"}
 # The default the adapters assume when max_position_embeddings is not given.
 _DEFAULT_CONTEXT = 4096
+# Far beyond any real model: a larger count is a corrupt file, and reading it literally would
+# allocate per-layer or per-expert tables until memory runs out.
+_COUNT_LIMITS = {"num_hidden_layers": 100_000, "num_attention_heads": 100_000, "num_key_value_heads": 100_000,
+                 "num_local_experts": 1_000_000, "num_experts": 1_000_000, "n_routed_experts": 1_000_000,
+                 "num_experts_per_tok": 1_000_000, "n_shared_experts": 1_000_000}
+_SIZE_LIMIT = 1 << 40
+# The model_type Hugging Face writes beside each architecture trtmoe reads.
+_MODEL_TYPES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekForCausalLM": "deepseek",
+                "PhimoeForCausalLM": "phimoe", "PhiMoEForCausalLM": "phimoe"}
 
 
 def _kind(v: Any) -> str:
@@ -60,6 +70,13 @@ def validate_hf_config(cfg: Any, path: str | Path = "config.json") -> dict:
                   hint=f'write ["{archs}"]')
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise bad("architectures", f"must be a list of names, got {archs!r}")
+    if archs and len(set(archs)) > 1:
+        raise bad("architectures", f"names {len(set(archs))} different architectures {archs!r}; a checkpoint "
+                  "holds one")
+    mtype = cfg.get("model_type")
+    if archs and isinstance(mtype, str) and _MODEL_TYPES.get(archs[0], mtype) != mtype:
+        raise bad("model_type", f"= {mtype!r} contradicts architectures {archs!r} (which Hugging Face "
+                  f"writes with model_type {_MODEL_TYPES[archs[0]]!r})")
     for key, low in _INT_FIELDS.items():
         v = cfg.get(key)
         if v is None:
@@ -68,6 +85,9 @@ def validate_hf_config(cfg: Any, path: str | Path = "config.json") -> dict:
             raise bad(key, f"must be an integer, got {_kind(v)} {v!r}")
         if v < low:
             raise bad(key, f"must be at least {low}, got {v!r}")
+        high = _COUNT_LIMITS.get(key, _SIZE_LIMIT)
+        if v > high:
+            raise bad(key, f"= {v!r} is beyond any real model (at most {high})")
     for key in _FLOAT_FIELDS:
         v = cfg.get(key)
         if v is None:
@@ -89,6 +109,9 @@ def validate_hf_config(cfg: Any, path: str | Path = "config.json") -> dict:
     only = cfg.get("mlp_only_layers")
     if only is not None and not (isinstance(only, list) and all(is_int(x) for x in only)):
         raise bad("mlp_only_layers", f"must be a list of layer indices, got {only!r}")
+    layers = cfg.get("num_hidden_layers")
+    if only and layers is not None and not all(0 <= x < layers for x in only):
+        raise bad("mlp_only_layers", f"= {only!r} names layers outside 0..{layers - 1}")
     _check_token_ids(cfg, bad)
     _check_rope(cfg, bad)
     _check_sliding_window(cfg, where)

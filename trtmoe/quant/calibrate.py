@@ -130,6 +130,16 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
         if f not in FORMATS or f in _FLOAT_NAMES:
             raise InputError(f"unknown candidate format {f!r}",
                              hint="choose from " + ", ".join(n for n in FORMATS if n not in _FLOAT_NAMES))
+    if min_tokens < 0:
+        raise InputError(f"--min-tokens must be ≥ 0, got {min_tokens}")
+    from ..hf.reader import model_context
+
+    # Windows past the model's context would measure positions the model was never defined for;
+    # they are refused rather than clipped, so that --seq-len always means what it says.
+    context = model_context(model)
+    if seq_len > context:
+        raise InputError(f"--seq-len {seq_len} is longer than the model's context (max_position_embeddings "
+                         f"{context})", hint=f"choose --seq-len {context} or less")
     notes = notes if notes is not None else []
     texts = load_texts(data, field=text_field)
     tok_dir = find_tokenizer_dir(tokenizer or model)
@@ -401,7 +411,9 @@ def check_calib(calib: dict, where: str | None = None) -> dict:
                          "(ΔKL per expert matrix, fc and proj)", where=where,
                          hint="it was written by a newer trtmoe" if newer else
                          "recalibrate: trtmoe calibrate MODEL --data TEXT -o DIR")
-    return calib
+    from .calib_schema import validate_calib
+
+    return validate_calib(calib, where)
 
 
 def load_calib(path: str | Path) -> dict:
@@ -412,8 +424,10 @@ def load_calib(path: str | Path) -> dict:
     if not f.is_file():
         raise InputError("no calib.json", where=str(p), hint="run `trtmoe calibrate` first")
     try:
-        calib = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+        calib = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise InputError(f"calib.json is not UTF-8 text (byte {e.start})", where=str(f)) from None
+    except (json.JSONDecodeError, RecursionError) as e:
         raise InputError(f"calib.json is not valid JSON ({e})", where=str(f)) from None
     if not isinstance(calib, dict):
         raise InputError("calib.json does not hold a calibration object", where=str(f))

@@ -156,6 +156,25 @@ def _record_outputs(result: GenerateResult, res) -> None:
                 result.output_token_counts.append(int(result.outputs[name]))
 
 
+def _check_request_args(url: str, timeout_s: float, sampling: dict) -> None:
+    """Refuse values no server could honour before connecting (so they are not reported as a
+    connection failure)."""
+    import math
+
+    host, sep, port = str(url).rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise InputError(f"--url {url!r} must be host:port (the gRPC port, e.g. 127.0.0.1:8001)")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise InputError(f"timeout must be a positive number of seconds, got {timeout_s!r}")
+    t, k, p = sampling.get("temperature"), sampling.get("top_k"), sampling.get("top_p")
+    if t is not None and not (math.isfinite(t) and t >= 0):
+        raise InputError(f"temperature must be a finite number >= 0, got {t!r}")
+    if k is not None and k < 0:
+        raise InputError(f"top_k must be >= 0, got {k!r}")
+    if p is not None and not (math.isfinite(p) and 0 < p <= 1):
+        raise InputError(f"top_p must be in (0, 1], got {p!r}")
+
+
 def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int = 64, stream: bool | None = None,
              unary: bool = False, on_text: Callable[[str], None] | None = None, timeout_s: float = 300.0,
              request_id: str = "", check: bool = True, client: Any = None,
@@ -176,6 +195,7 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
 
     if max_tokens < 1:
         raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
+    _check_request_args(url, timeout_s, sampling)
     own = client is None
     client = _client(url) if own else client
     try:

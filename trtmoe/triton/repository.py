@@ -171,6 +171,9 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
         raise InputError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {kv_cache_free_gpu_mem_fraction}")
     if info.backend == TENSORRT_LLM and device not in (None, "auto"):
         raise InputError("device applies to the embedded engine only; TensorRT engines are placed by MPI rank")
+    if device is not None and not (device in ("auto", "cpu", "cuda") or
+                                   (device.startswith("cuda:") and device[5:].isdigit())):
+        raise InputError(f"device {device!r} is not one of auto, cpu, cuda, cuda:N")
     if info.backend == TENSORRT_LLM and rest.get("torch_num_threads"):
         raise InputError("torch_num_threads applies to the embedded engine only")
     if info.backend == TENSORRT_LLM and rest.get("stream_interval") not in (None, 1):
