@@ -154,13 +154,16 @@ def inspect(model, tp, pp, moe_tp, moe_ep, dtype, as_json):
     """
     from .report.inspect import inspect_model
 
-    rep = inspect_model(model, tp=tp or 1, pp=pp or 1, moe_tp=moe_tp, moe_ep=moe_ep, dtype=dtype or "auto")
+    rep = inspect_model(model, tp=1 if tp is None else tp, pp=1 if pp is None else pp, moe_tp=moe_tp,
+                        moe_ep=moe_ep, dtype=dtype or "auto")
     if as_json:
         click.echo(json.dumps(rep, indent=2))
     else:
         _render_inspect(rep)
     if not rep["layout"]["ok"]:
-        sys.exit(2)
+        from .errors import LayoutError
+
+        raise LayoutError("layout check failed: " + "; ".join(rep["layout"]["problems"]))
 
 
 def _render_inspect(rep: dict) -> None:
@@ -185,9 +188,7 @@ def _render_inspect(rep: dict) -> None:
                   f"{fmt_count(p['total'])} parameters = [bold]{100 * p['active_share']:.2f}%[/] "
                   f"(one embedding row, all attention, routers, shared experts, top-k experts, full lm_head)")
     lay = rep["layout"]
-    if not lay["ok"]:
-        for prob in lay["problems"]:
-            err_console.print(f"[bold red]layout check failed:[/] {prob}")
+    if not lay["ok"]:  # the command ends with the problems as its one error line
         return
     t = Table(title=f"Weights per rank ({rep['dtype']}, tp={lay['tp']} pp={lay['pp']} "
                     f"moe_tp={lay['moe_tp']} moe_ep={lay['moe_ep']})", title_justify="left")

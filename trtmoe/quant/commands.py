@@ -233,6 +233,15 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
         raise InputError("nothing to report", hint="pass --quant CKPT (repeatable) and/or --bench bench.json")
     if samples < 1 or seq_len < 2 or batch_size < 1:
         raise InputError("--samples and --batch-size must be ≥ 1 and --seq-len ≥ 2")
+    from ..checkpoint.atomic import check_output_spares_inputs
+
+    ins = [p for p in (ref, *quants, calib, data, *bench_paths, tokenizer) if p is not None]
+    check_output_spares_inputs(out, ins, what="report directory", outside=[p for p in ins if Path(p).is_dir()])
+    for q in (ref, *quants) if quants else ():
+        if not (Path(q) / "config.json").is_file():
+            raise InputError("no config.json here; not a checkpoint", where=str(q),
+                             hint="pass a `trtmoe convert` checkpoint or a `trtmoe build --backend embedded` "
+                                  "engine dir")
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
