@@ -142,20 +142,27 @@ def byte_progress(description: str) -> Progress:
 @main.command()
 @click.argument("model")
 @layout_options
+@click.option("--format", "fmt", type=click.Choice(["float", "int8", "int4", "int4_g128", "int4_g64"]), default=None,
+              help="Routed-expert format for the bytes per rank [default: float, the weight dtype].")
+@click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,
+              help="tensorrt-llm: also show whether TensorRT-LLM builds this layout and format (support table).")
+@click.option("--trtllm-version", default="1.2", show_default=True, help="TensorRT-LLM release line for --target.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def inspect(model, tp, pp, moe_tp, moe_ep, dtype, as_json):
+def inspect(model, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtllm_version, as_json):
     """Show what MODEL costs and really activates per token, and bytes per rank for a layout.
 
-    MODEL is a local HF directory or a hub id already in the local cache.
+    MODEL is a local HF directory or a hub id already in the local cache. Only config.json is needed:
+    plan a layout before downloading the weights.
 
     \b
-    Example:
+    Examples:
       trtmoe inspect mistralai/Mixtral-8x7B-v0.1 --tp 4 --moe-tp 2 --moe-ep 2 --dtype bfloat16
+      trtmoe inspect ./config-only-dir --tp 2 --moe-ep 2 --format int4_g128 --target tensorrt-llm
     """
     from .report.inspect import inspect_model
 
     rep = inspect_model(model, tp=1 if tp is None else tp, pp=1 if pp is None else pp, moe_tp=moe_tp,
-                        moe_ep=moe_ep, dtype=dtype or "auto")
+                        moe_ep=moe_ep, dtype=dtype or "auto", fmt=fmt, target=target, trtllm_version=trtllm_version)
     if as_json:
         click.echo(json.dumps(rep, indent=2))
     else:
@@ -169,7 +176,8 @@ def inspect(model, tp, pp, moe_tp, moe_ep, dtype, as_json):
 def _render_inspect(rep: dict) -> None:
     p = rep["parameters"]
     c = rep["config"]
-    console.print(f"[bold]{rep['architecture']}[/] ({rep['family']}) — {rep['model']}")
+    console.print(f"[bold]{rep['architecture']}[/] ({rep['family']}) — {rep['model']}"
+                  + ("" if rep.get("weights_present", True) else " [dim](config.json only: no weights here)[/]"))
     console.print(f"  {c['num_layers']} layers ({len(rep['moe_layers'])} MoE, {len(rep['dense_layers'])} dense), "
                   f"{c['num_experts']} experts, top-{c['top_k']}, hidden {c['hidden_size']}, "
                   f"expert FFN {c['expert_intermediate_size']}, vocab {c['vocab_size']}")
@@ -190,7 +198,8 @@ def _render_inspect(rep: dict) -> None:
     lay = rep["layout"]
     if not lay["ok"]:  # the command ends with the problems as its one error line
         return
-    t = Table(title=f"Weights per rank ({rep['dtype']}, tp={lay['tp']} pp={lay['pp']} "
+    experts = "" if rep.get("expert_format", "float") == "float" else f", experts {rep['expert_format']}"
+    t = Table(title=f"Weights per rank ({rep['dtype']}{experts}, tp={lay['tp']} pp={lay['pp']} "
                     f"moe_tp={lay['moe_tp']} moe_ep={lay['moe_ep']})", title_justify="left")
     for col in ("rank", "tp", "pp", "moe_ep", "moe_tp", "experts", "layers", "bytes"):
         t.add_column(col, justify="right")
@@ -200,6 +209,14 @@ def _render_inspect(rep: dict) -> None:
                   f"{r['layers'][0]}–{r['layers'][-1]}", fmt_bytes(r["bytes"]))
     console.print(t)
     console.print("  layout checks: [green]ok[/] (heads, kv heads, experts % moe_ep, FFN % moe_tp)")
+    sup = rep.get("support")
+    if sup:
+        state = "[green]builds[/]" if sup["ok"] else "[red]does not build[/]"
+        console.print(f"  TensorRT-LLM {sup['release']}: {state}; it builds {rich_escape(sup['what_works'])}")
+        for line in sup["refusals"]:
+            console.print(f"  [red]no:[/] {rich_escape(line)}")
+        for line in sup["cautions"]:
+            console.print(f"  [yellow]unlisted:[/] {rich_escape(line)}")
     for n in rep["notes"]:
         console.print(f"  [yellow]note:[/] {n}")
 

@@ -1,4 +1,7 @@
-"""``trtmoe inspect``: what a model costs and activates, and what a layout puts on each rank."""
+"""``trtmoe inspect``: what a model costs and activates, and what a layout puts on each rank.
+
+It needs only ``config.json``: a directory holding nothing else (or a hub id whose config alone is in
+the local cache) is planned from the config, before anyone downloads the weights."""
 
 from __future__ import annotations
 
@@ -6,58 +9,106 @@ from collections import defaultdict
 
 import torch
 
+from ..checkpoint import support
 from ..checkpoint.layout import DTYPE_STR, rank_specs
-from ..errors import LayoutError
-from ..hf.reader import HFCheckpoint, parse_dtype
+from ..errors import CheckpointError, LayoutError
+from ..hf.adapters import describe
+from ..hf.reader import HFCheckpoint, parse_dtype, read_json, resolve_model_path
+from ..hf.validate import validate_hf_config
 from ..model.params import count_params
 from ..parallel.mapping import Mapping
+from ..quant.plan import FLOAT, expert_shape_problem
+from ..quant.policies import expert_cost_bits
+
+EXPERT_ROLES = ("expert_fc", "expert_proj")
+
+
+def _has_weights(path) -> bool:
+    return any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists() or \
+        any(p.suffix in (".bin", ".pt", ".pth", ".ckpt") for p in path.iterdir())
+
+
+def _describe(model: str):
+    """(path, model description, source bytes or None): from the weights when present, else config.json."""
+    path = resolve_model_path(model)
+    if _has_weights(path):
+        with HFCheckpoint(path) as src:
+            return src.path, src.model, src.total_bytes()
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError("no config.json", where=str(path))
+    _, m = describe(validate_hf_config(read_json(cfg_path), cfg_path))
+    return path, m, None
 
 
 def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = None, moe_ep: int | None = None,
-                  dtype: str = "auto") -> dict:
-    """Parameter accounting and per-rank weight bytes; layout problems are reported, not raised."""
-    with HFCheckpoint(model) as src:
-        m = src.model
-        pc = count_params(m)
-        tdtype = parse_dtype(m.source_dtype if dtype == "auto" and m.source_dtype in DTYPE_STR.values()
-                             else ("float32" if dtype == "auto" else dtype))
-        report = {
-            "model": str(src.path), "architecture": m.hf_architecture, "family": m.family,
-            "config": {k: v for k, v in m.to_dict().items() if k not in ("extra", "moe_layers")},
-            "moe_layers": [l for l, x in enumerate(m.moe_layers) if x],
-            "dense_layers": [l for l, x in enumerate(m.moe_layers) if not x],
-            "parameters": {"total": pc.total, "active_per_token": pc.active, "active_share": pc.active_share,
-                           "components": {k: {"total": t, "active_per_token": a} for k, (t, a) in
-                                          pc.components.items()}},
-            "source_bytes": src.total_bytes(),
-            "dtype": DTYPE_STR[tdtype],
-        }
-        problems: list[str] = []
-        try:
-            mapping = Mapping.create(tp, pp, moe_tp, moe_ep)
-            mapping.validate(m)
-        except LayoutError as e:
-            problems.append(e.render())
-            mapping = None
-        report["layout"] = {"tp": tp, "pp": pp, "moe_tp": moe_tp, "moe_ep": moe_ep, "ok": not problems,
-                            "problems": problems}
-        if mapping is not None:
-            report["layout"].update(moe_tp=mapping.moe_tp_size, moe_ep=mapping.moe_ep_size,
-                                    world_size=mapping.world_size)
-            ranks = []
-            for r in mapping.ranks():
-                by_role: dict[str, int] = defaultdict(int)
-                for s in rank_specs(m, mapping, r, tdtype):
-                    by_role[s.role] += s.nbytes
-                ranks.append({"rank": r, "tp_rank": mapping.tp_rank(r), "pp_rank": mapping.pp_rank(r),
-                              "moe_ep_rank": mapping.moe_ep_rank(r), "moe_tp_rank": mapping.moe_tp_rank(r),
-                              "experts": [mapping.ep_experts(m.num_experts, r).start,
-                                          mapping.ep_experts(m.num_experts, r).stop - 1],
-                              "layers": mapping.pp_layers(m.num_layers, mapping.pp_rank(r)),
-                              "bytes": sum(by_role.values()), "bytes_by_role": dict(sorted(by_role.items()))})
-            report["ranks"] = ranks
-        report["notes"] = _notes(m, torch.finfo(tdtype).bits)
-        return report
+                  dtype: str = "auto", fmt: str | None = None, target: str | None = None,
+                  trtllm_version: str = "1.2") -> dict:
+    """Parameter accounting and per-rank weight bytes (routed experts in ``fmt`` when given: what the
+    engine holds); with ``target="tensorrt-llm"`` the support-table cell of that layout and format.
+    Layout and cell problems are reported, not raised."""
+    path, m, source_bytes = _describe(model)
+    pc = count_params(m)
+    tdtype = parse_dtype(m.source_dtype if dtype == "auto" and m.source_dtype in DTYPE_STR.values()
+                         else ("float32" if dtype == "auto" else dtype))
+    fmt = None if fmt in (None, FLOAT, "fp16", "bf16", "fp32") else fmt
+    report = {
+        "model": str(path), "architecture": m.hf_architecture, "family": m.family,
+        "weights_present": source_bytes is not None,
+        "config": {k: v for k, v in m.to_dict().items() if k not in ("extra", "moe_layers")},
+        "moe_layers": [l for l, x in enumerate(m.moe_layers) if x],
+        "dense_layers": [l for l, x in enumerate(m.moe_layers) if not x],
+        "parameters": {"total": pc.total, "active_per_token": pc.active, "active_share": pc.active_share,
+                       "components": {k: {"total": t, "active_per_token": a} for k, (t, a) in
+                                      pc.components.items()}},
+        "source_bytes": source_bytes,
+        "dtype": DTYPE_STR[tdtype],
+        "expert_format": fmt or "float",
+    }
+    problems: list[str] = []
+    try:
+        mapping = Mapping.create(tp, pp, moe_tp, moe_ep)
+        mapping.validate(m)
+    except LayoutError as e:
+        problems.append(e.render())
+        mapping = None
+    if mapping is not None and fmt is not None:
+        why = expert_shape_problem(fmt, m.hidden_size, m.expert_intermediate_size // mapping.moe_tp_size)
+        if why:
+            problems.append(why)
+    report["layout"] = {"tp": tp, "pp": pp, "moe_tp": moe_tp, "moe_ep": moe_ep, "ok": not problems,
+                        "problems": problems}
+    if mapping is not None:
+        report["layout"].update(moe_tp=mapping.moe_tp_size, moe_ep=mapping.moe_ep_size,
+                                world_size=mapping.world_size)
+        ranks = []
+        for r in mapping.ranks():
+            by_role: dict[str, int] = defaultdict(int)
+            for s in rank_specs(m, mapping, r, tdtype):
+                by_role[s.role] += s.nbytes
+            layers = mapping.pp_layers(m.num_layers, mapping.pp_rank(r))
+            ep = mapping.ep_experts(m.num_experts, r)
+            if fmt is not None and not problems:
+                # The routed experts as the engine holds them: the format's packed bytes and scales.
+                n_moe = sum(1 for l in layers if m.moe_layers[l])
+                i_loc = m.expert_intermediate_size // mapping.moe_tp_size
+                for role in EXPERT_ROLES:
+                    by_role.pop(role, None)
+                by_role["experts"] = n_moe * expert_cost_bits(fmt, i_loc, m.hidden_size, tdtype,
+                                                              ep.stop - ep.start) // 8
+            ranks.append({"rank": r, "tp_rank": mapping.tp_rank(r), "pp_rank": mapping.pp_rank(r),
+                          "moe_ep_rank": mapping.moe_ep_rank(r), "moe_tp_rank": mapping.moe_tp_rank(r),
+                          "experts": [ep.start, ep.stop - 1], "layers": layers,
+                          "bytes": sum(by_role.values()), "bytes_by_role": dict(sorted(by_role.items()))})
+        report["ranks"] = ranks
+    if target == "tensorrt-llm" and mapping is not None and m.family in support.FAMILIES:
+        fmts = {l: fmt or "float" for l, x in enumerate(m.moe_layers) if x}
+        v = support.check(trtllm_version, m.family, layer_formats=fmts, tp=mapping.tp_size, pp=mapping.pp_size,
+                          moe_tp=mapping.moe_tp_size, moe_ep=mapping.moe_ep_size, moe_layers=list(m.moe_layers))
+        report["support"] = {"release": trtllm_version, **v.to_dict(),
+                             "what_works": support.what_works(trtllm_version, m.family)}
+    report["notes"] = _notes(m, torch.finfo(tdtype).bits)
+    return report
 
 
 def _notes(m, bits: int) -> list[str]:

@@ -1,0 +1,79 @@
+"""``trtmoe inspect`` before the download: a directory with config.json alone is planned as fully as
+one with the weights (parameters, active parameters, bytes per rank in a format, the support cell)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from trtmoe.checkpoint.writer import convert
+from trtmoe.cli import main
+from trtmoe.hf.reader import HFCheckpoint
+from trtmoe.quant.plan import uniform_plan
+from trtmoe.report.inspect import inspect_model
+
+
+def config_only(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    shutil.copyfile(src / "config.json", dst / "config.json")
+    return dst
+
+
+def run(*args) -> tuple[int, str]:
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.output if "--json" in args else " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v1", "phimoe"])
+def test_config_alone_gives_the_same_plan_as_the_weights(tiny_model, tmp_path, arch):
+    src = tiny_model(arch)
+    bare = config_only(src, tmp_path / "bare")
+    full = inspect_model(str(src), tp=2, moe_ep=2, moe_tp=1)
+    cfg = inspect_model(str(bare), tp=2, moe_ep=2, moe_tp=1)
+    assert full["weights_present"] and not cfg["weights_present"] and cfg["source_bytes"] is None
+    for key in ("parameters", "config", "moe_layers", "dense_layers", "ranks", "layout", "dtype"):
+        assert cfg[key] == full[key], key
+    code, out = run("inspect", bare, "--tp", 2, "--moe-ep", 2)
+    assert code == 0 and "config.json only" in out
+
+
+def test_format_bytes_are_what_convert_writes(tiny_model, tmp_path):
+    # Wide enough for 128-groups; trtmoe packs group formats at conversion, so the rank file holds them.
+    src = tiny_model("mixtral", hidden_size=128, intermediate_size=256)
+    bare = config_only(src, tmp_path / "bare")
+    with HFCheckpoint(src) as s:
+        m = s.model
+    for fmt in ("int4_g128", "int4_g64"):
+        rep = inspect_model(str(bare), tp=2, moe_ep=2, moe_tp=1, dtype="float16", fmt=fmt)
+        ck = convert(src, tmp_path / fmt, tp=2, moe_ep=2, moe_tp=1, dtype="float16", quant=uniform_plan(m, fmt),
+                     target="tensorrt-llm").out_dir
+        for r in rep["ranks"]:
+            with safe_open(str(ck / f"rank{r['rank']}.safetensors"), "pt") as f:
+                tensors = [f.get_tensor(n) for n in f.keys() if re.search(r"\.mlp\.(fc|proj)\.", n)]
+            written = sum(t.numel() * t.element_size() for t in tensors)
+            assert r["bytes_by_role"]["experts"] == written, (fmt, r["rank"])
+
+
+def test_support_cell_from_config_alone(tiny_model, tmp_path):
+    bare = config_only(tiny_model("qwen2_moe", hidden_size=128, moe_intermediate_size=256, mlp_only_layers=[]),
+                       tmp_path / "bare")
+    rep = inspect_model(str(bare), fmt="int4_g128", target="tensorrt-llm")
+    assert rep["support"]["ok"] is False and "SharedMoE" in rep["support"]["refusals"][0]
+    rep = inspect_model(str(bare), fmt="int4", target="tensorrt-llm")
+    assert rep["support"]["ok"] is True and "no MIXED_PRECISION" in rep["support"]["what_works"]
+    code, out = run("inspect", bare, "--format", "int4_g128", "--target", "tensorrt-llm", "--json")
+    assert code == 0 and json.loads(out)["support"]["ok"] is False
+    code, out = run("inspect", bare, "--format", "int4_g128", "--target", "tensorrt-llm")
+    assert code == 0 and "does not build" in out
+
+
+def test_format_that_does_not_fit_the_shapes_is_a_layout_problem(tiny_model, tmp_path):
+    bare = config_only(tiny_model("mixtral"), tmp_path / "bare")  # H=64, expert FFN 48
+    code, out = run("inspect", bare, "--format", "int4_g128")
+    assert code == 2 and "int4_g128" in out and "group size 128" in out
