@@ -211,6 +211,16 @@ def test_tensorrt_engine_repository(setup):
         generate_repository(eng, setup["root"] / "x", tokenizer_dir=setup["tok"], stream_interval=4)
 
 
+@pytest.mark.parametrize("max_num_tokens,chunked", [(8192, "false"), (32, "true")])
+def test_chunked_context_follows_the_engines_step_size(setup, max_num_tokens, chunked):
+    # BUILD's max_input_len is 48: a 32-token step can only take such a prompt in chunks.
+    eng = write_trt_engine(setup["root"] / f"trt-mnt{max_num_tokens}", setup["ckpt"], max_num_tokens=max_num_tokens)
+    out = setup["root"] / f"repo-mnt{max_num_tokens}"
+    generate_repository(eng, out, tokenizer_dir=setup["tok"])
+    params = {k: v.string_value for k, v in validate_repository(out)["tensorrt_llm"].parameters.items()}
+    assert params["enable_chunked_context"] == chunked
+
+
 def test_launch_command_one_rank_per_engine_rank(tmp_path):
     inst = TritonInstall(kind="system", binary=Path("/opt/tritonserver/bin/tritonserver"), backends_dir=None)
     ep = Endpoints("127.0.0.1", 8000, 8001, 8002)

@@ -250,7 +250,9 @@ def backend_parameters(info: EngineInfo, s: RepoSettings, repo: Path | None = No
         "batch_scheduler_policy": "guaranteed_no_evict",
         "kv_cache_free_gpu_mem_fraction": s.kv_cache_free_gpu_mem_fraction or 0.9,
         "enable_kv_cache_reuse": "false",
-        "enable_chunked_context": "false",
+        # An engine whose step holds fewer tokens than its longest prompt only serves with chunked
+        # context (build's preflight allows that only when the engine can chunk: paged context FMHA).
+        "enable_chunked_context": _bool(info.max_num_tokens is not None and info.max_num_tokens < info.max_input_len),
         "normalize_log_probs": "true",
         "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
     }
