@@ -41,6 +41,7 @@ from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from . import awq
 from .formats import FORMATS
+from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, fisher_measure
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
 
 DEFAULT_FORMATS = ("int8", "int4", "int4_g128", "int4_g64")
@@ -109,7 +110,8 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
               batch_size: int = 8, tokenizer: str | Path | None = None,
               progress: Callable[[str, int, int], None] | None = None, text_field: str = "text",
               force: bool = False, add_bos: bool | None = None, notes: list[str] | None = None,
-              rounding: str = awq.DEFAULT_ROUNDING) -> dict:
+              rounding: str = awq.DEFAULT_ROUNDING, sensitivity: str = DEFAULT_SENSITIVITY,
+              device: str = "cpu", probe: str = "gaussian") -> dict:
     """Measure routing statistics and per-(layer, expert, matrix, format) ΔKL on calibration text.
 
     ``model`` is an HF MoE directory (converted to a scratch single-rank checkpoint in its own dtype);
@@ -121,11 +123,20 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     allow are skipped; each skip, and which BOS/EOS were used, is appended to ``notes`` and recorded
     in calib.json. ``rounding`` is how the int4 formats are rounded when their ΔKL is measured (the
     routed-token activation statistics awq needs are always collected, into activations.safetensors).
+    ``sensitivity``: "fisher" (one forward and backward pass, see sensitivity.py; resumable: a killed or
+    interrupted run to the same output continues from its per-batch and per-layer progress) or "exact"
+    (end-to-end ΔKL per matrix and format, the oracle). ``device``: "cpu" or "cuda".
     Returns the calib.json dict."""
     from ..checkpoint.writer import convert
     from ..data import load_texts
     from ..runtime.load import find_tokenizer_dir, load_tokenizer
 
+    if sensitivity not in SENSITIVITY_METHODS:
+        raise InputError(f"unknown sensitivity method {sensitivity!r}", hint="use fisher or exact")
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise InputError(f"unknown device {device!r}", hint="use cpu or cuda")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available", hint="use --device cpu")
     for f in formats:
         if f not in FORMATS or f in _FLOAT_NAMES:
             raise InputError(f"unknown candidate format {f!r}",
@@ -151,9 +162,11 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     data_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
     with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None]) as work:
         ck = work / "scratch-checkpoint"
+        if ck.exists():
+            shutil.rmtree(ck)
         convert(model, ck)
         source = json.loads((ck / "manifest.json").read_text()).get("source")
-        eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+        eng = EmbeddedEngine.from_checkpoint(ck, device=device)
         usable, skipped = applicable_formats(formats, eng.cfg.hidden_size, eng.cfg.expert_intermediate_size)
         for f, why in skipped.items():
             notes.append(f"{f} skipped: {why}")
@@ -161,8 +174,22 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
             raise InputError("none of the candidate formats can store this model's experts: "
                              + "; ".join(skipped.values()), hint="choose --formats int8,int4")
         acts = awq.ActivationStats()
-        result = measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size, progress=progress,
-                         rounding=rounding, activations=acts)
+        if sensitivity == "exact":
+            result = measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
+                             progress=progress, rounding=rounding, activations=acts)
+            result["sensitivity"]["method"] = "exact"
+        else:
+            if rounding not in awq.ROUNDINGS:
+                raise InputError(f"unknown rounding {rounding!r}", hint="use rtn or awq")
+            key = hashlib.sha256(json.dumps(
+                [CALIB_VERSION, source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
+                 str(device)], sort_keys=True, default=str).encode()).hexdigest()
+            result = fisher_measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
+                                    progress=progress, work=work / _PROGRESS, key=key, probe=probe,
+                                    rounding=_AwqRounding(acts, rounding), notes=notes)
+            shutil.rmtree(work / _PROGRESS, ignore_errors=True)
+            result["rounding"] = rounding
+            result["activations"] = acts.summary()
         del eng
         shutil.rmtree(ck)
         result["skipped_formats"] = skipped
@@ -191,23 +218,102 @@ def _identity(p: str | Path) -> str:
     return str(q.resolve()) if q.exists() else str(p)
 
 
+_PROGRESS = "sensitivity-progress"  # resumable per-batch / per-layer state inside the partial directory
+
+
+class _AwqRounding:
+    """The rounding fisher_measure quantizes with: awq.quantize from the routed-token statistics it
+    collects per layer into ``acts`` (saved in the artifact), or plain RTN."""
+
+    def __init__(self, acts: "awq.ActivationStats", rounding: str):
+        self.acts, self.name = acts, rounding
+
+    def add_layer(self, layer, base, x_all, routed) -> None:
+        self.acts.add_layer(layer, awq.collect_layer(base.fc, base.proj, x_all, routed))
+
+    def layer_state(self, layer):
+        return {(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer}
+
+    def restore_layer(self, layer, state) -> None:
+        if state:
+            self.acts.add_layer(layer, state)
+
+    def quantize(self, fmt, w, layer, expert, mod, dtype):
+        return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name)
+
+
+def _adopt_progress(parent: Path, name: str) -> Path | None:
+    """Move the sensitivity progress out of a dead run's partial directory for the same output (before
+    that directory is cleaned up) into a sibling marked with this process's pid; None if there is none."""
+    prefix = f".{name}{_MARK}"
+    if not parent.is_dir():
+        return None
+    for p in sorted(parent.glob(prefix + "*")):
+        pid, _, rest = p.name[len(prefix):].partition("-")
+        if not pid.isdigit() or rest.startswith("old-") or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if (p / _PROGRESS / "state.json").is_file():
+            dest = parent / f"{prefix}{os.getpid()}-resume-{uuid.uuid4().hex[:8]}"
+            os.rename(p / _PROGRESS, dest)
+            return dest
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _resumable(tmp: Path, parent: Path, name: str, adopted: Path | None):
+    """Put adopted progress into ``tmp``; if the run is interrupted (Ctrl-C, SIGTERM), move the
+    progress out to a pid-marked sibling that the next run to the same output adopts."""
+    if adopted is not None:
+        os.rename(adopted, tmp / _PROGRESS)
+    try:
+        yield tmp
+    except BaseException as e:
+        if not isinstance(e, Exception) and (tmp / _PROGRESS / "state.json").is_file():
+            keep = parent / f".{name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            keep.mkdir()
+            os.rename(tmp / _PROGRESS, keep / _PROGRESS)
+        raise
+
+
 @contextlib.contextmanager
 def _workspace(out_dir, force: bool, inputs=()):
     """The directory a calibration works in: the output's atomic partial sibling, or without an
     output a pid-marked directory in the system temp dir. Either way a killed run's directory carries
-    its pid, and the next run (to the same output, or any output-less run) removes it."""
+    its pid, and the next run (to the same output, or any output-less run) removes it, after taking
+    over its sensitivity progress (which the measurement reuses only for the same inputs)."""
     if out_dir is not None:
-        with atomic_directory(out_dir, force=force, inputs=inputs) as tmp:
-            yield tmp
+        out = Path(out_dir).expanduser().absolute()
+        adopted = _adopt_progress(out.parent, out.name)
+        try:
+            with atomic_directory(out_dir, force=force, inputs=inputs) as tmp, \
+                    _resumable(tmp, out.parent, out.name, adopted) as w:
+                yield w
+        finally:
+            if adopted is not None and adopted.exists():
+                shutil.rmtree(adopted, ignore_errors=True)
         return
     parent, name = Path(tempfile.gettempdir()), "trtmoe-calib"
+    adopted = _adopt_progress(parent, name)
     recover_leftovers(parent / name)
     tmp = parent / f".{name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        yield tmp
+        with _resumable(tmp, parent, name, adopted) as w:
+            yield w
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if adopted is not None and adopted.exists():
+            shutil.rmtree(adopted, ignore_errors=True)
 
 
 def applicable_formats(formats, hidden: int, inter: int) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -392,6 +498,41 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
             # pass not included); each per-matrix pass reruns layers l..L-1 only.
             "cost_forward_passes": passes,
         },
+    }
+
+
+def build_result(eng: EmbeddedEngine, formats, stats: dict, tokens: int, min_tokens: int, flagged: list,
+                 sensitivity: dict) -> dict:
+    """The calib.json dict (the layout ``measure`` returns) from routing statistics (``counts``,
+    ``weight_mass`` [L, E], ``entropy_sum`` [L]) and a ready ``sensitivity`` block."""
+    c = eng.cfg
+    L, E, k = c.num_layers, c.num_experts, c.top_k
+    moe_layers = [l for l in range(L) if c.moe_layers[l]]
+    counts, mass = stats["counts"], stats["weight_mass"]
+    load = counts.double()
+    I, H = c.expert_intermediate_size, c.hidden_size
+    return {
+        "version": CALIB_VERSION,
+        "architecture": c.family,
+        "num_layers": L, "num_experts": E, "top_k": k, "moe_layers": moe_layers,
+        "hidden_size": H, "expert_intermediate_size": I, "dtype": str(eng.dtype).replace("torch.", ""),
+        "weights_per_expert": 3 * I * H,
+        "formats": list(formats),
+        "bits_per_weight": {f: _expert_bpw(f, I, H, eng.dtype) for f in (FLOAT, *formats)},
+        "routing": {
+            "tokens": tokens,
+            "counts": counts.tolist(),
+            "share": (counts.double() / (tokens * k)).tolist(),
+            "weight_mass": mass.tolist(),
+            "entropy_nats": [float(stats["entropy_sum"][l]) / tokens for l in range(L)],
+            "max_entropy_nats": math.log(E),
+            "load_imbalance": [float(load[l].max() / load[l].mean()) if load[l].sum() > 0 else 0.0
+                               for l in range(L)],
+            "min_tokens_threshold": min_tokens,
+            "under_observed": flagged,
+            "dead": [{"layer": l, "expert": e} for l in moe_layers for e in range(E) if counts[l, e] == 0],
+        },
+        "sensitivity": sensitivity,
     }
 
 

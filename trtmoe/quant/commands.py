@@ -129,7 +129,14 @@ def plan_from_config(model, cfg: dict):
                    "when the tokenizer names one].")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print calib.json's summary as JSON.")
-def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, tokenizer, add_bos, force, as_json):
+@click.option("--sensitivity", type=click.Choice(["fisher", "exact"]), default="fisher", show_default=True,
+              help="fisher: second-order estimate from one forward and one backward pass, whatever the number "
+                   "of experts (resumable: rerun the same command after an interruption); exact: end-to-end "
+                   "ΔKL per expert matrix and format (about formats × experts × layers passes).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where calibration runs.")
+def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, tokenizer, add_bos, force, as_json,
+              sensitivity="fisher", device="cpu"):
     """Measure routing statistics and sensitivity (ΔKL per format of each expert's fc and proj) on
     calibration text.
 
@@ -151,7 +158,8 @@ def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, to
         task = prog.add_task("measuring sensitivity", total=None)
         res = run(model, data, out, samples=samples, seq_len=seq_len, formats=tuple(formats.split(",")),
                   min_tokens=min_tokens, tokenizer=tokenizer, text_field=field, force=force, add_bos=add_bos,
-                  notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t))
+                  notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t),
+                  sensitivity=sensitivity, device=device)
     if as_json:
         click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats")}, indent=1))
         return
@@ -187,7 +195,8 @@ def _render_coverage(res: dict, console, err_console) -> None:
                           f"calibration tokens (< {r['min_tokens_threshold']}); its ΔKL is also estimated from "
                           f"all-token output error")
     s = res["sensitivity"]
-    console.print(f"sensitivity measured for {len(res['formats'])} formats × 2 expert matrices (fc, proj) in "
+    console.print(f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices "
+                  f"(fc, proj) in "
                   f"{s['cost_forward_passes']:.1f} forward-pass equivalents")
 
 

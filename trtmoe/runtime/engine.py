@@ -225,6 +225,10 @@ class EmbeddedEngine:
         self.layer_hook: Callable[[int, torch.Tensor], None] | None = None  # sees MoE-layer inputs
         self.residual_hook: Callable[[int, torch.Tensor], None] | None = None  # sees each layer's input
         self.route_hook: Callable[[int, torch.Tensor], None] | None = None  # sees top-k expert ids [N, k]
+        # Sees each MoE layer's input h [N, H], top-k ids and weights [N, k] and its output [N, H]; under
+        # ``logits_with_grad`` the output is a node of the autograd graph (a tensor hook on it receives
+        # the gradient with respect to the layer's output).
+        self.moe_hook: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
@@ -376,6 +380,8 @@ class EmbeddedEngine:
             if lay.shared_gate is not None:
                 s = torch.sigmoid(h @ lay.shared_gate.t()) * s
             out = out + s
+        if self.moe_hook is not None:
+            self.moe_hook(li, h, idx, w, out)
         return out.reshape(shape)
 
     def _dense(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -493,6 +499,16 @@ class EmbeddedEngine:
         """The pooled KV cache now: rows allocated, rows held by live sequences, tokens per row."""
         pool = self._kv
         return {"slots": pool.slots, "live": pool.live, "capacity": pool.capacity}
+
+    def logits_with_grad(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The full causal forward of ``logits``, recorded by autograd from the embedding output on
+        (the weights stay constants, so a backward computes activation gradients only)."""
+        ids = input_ids.to(self.device)
+        B, T = ids.shape
+        pos = torch.arange(T, device=self.device).expand(B, T)
+        with torch.inference_mode(False), torch.enable_grad():
+            x = self.embedding[ids].detach().requires_grad_()
+            return self._forward(ids, pos, None, hidden=x)
 
     # ---- generation ---------------------------------------------------------------------------
     def _alloc_cache(self, s: Sequence, capacity: int):

@@ -1,0 +1,392 @@
+"""Per-matrix sensitivity from one forward and one backward pass: a Fisher (second-order) estimate of
+the end-to-end ΔKL whose cost does not grow with the number of experts (``--sensitivity fisher``, the
+default; ``--sensitivity exact`` reruns the model per expert matrix and format, see calibrate.py).
+
+The estimator. Let z_s be the logits at calibration position s and p_s = softmax(z_s) the reference
+distribution. Quantizing one matrix of expert e in MoE layer l changes that layer's output, for each
+token t routed to e, by δ_t = w_te·Δy_t (w_te the routing weight, Δy_t the expert's output change on
+that token's input); every other token's output is unchanged. KL(p_s ‖ p_s') is zero with zero
+gradient at δ = 0, so to second order
+
+    Σ_s KL_s ≈ ½ δᵀ F δ,   F = Σ_s J_sᵀ (diag p_s − p_s p_sᵀ) J_s,   J_s = ∂z_s/∂δ,
+
+F being the Fisher information of the reference's own output distributions with respect to the layer
+output (for a softmax output it equals the Gauss-Newton matrix of the KL). F is never formed: with a
+random probe v_s per position that has E[v_s v_sᵀ] = diag p_s − p_s p_sᵀ, independent across
+positions, the vector-Jacobian product g = Σ_s J_sᵀ v_s (one backward pass of Σ_s v_s·z_s) satisfies
+E[g gᵀ] = F, so ½ E[(g·δ)²] = ½ δᵀ F δ. Two probes are available: ``gaussian`` (the default),
+v = √p ⊙ u − p (√p·u) with u ~ N(0, I), whose (g·δ)² is the exact quadratic form times a χ²₁ (relative
+variance 2 whatever p looks like), and ``sample``, v = onehot(y) − p with y drawn from p_s (the
+gradient of log p_s(y), the classic Fisher probe; heavier-tailed when p_s is peaked).
+
+One backward pass gives g_t (the gradient at layer l's output for token t) for every layer and token
+at once. The quadratic form is then split by token, dropping the cross-token terms of F:
+
+    ΔKL_e ≈ 1/(N·T) · ½ Σ_{t routed to e} (g_t · w_te Δy_t)²
+
+(the ``token`` estimate). A quantization error at token t reaches later positions only through
+attention, and the cross-token terms' sign varies with the probe, so they add mostly noise for the
+number of tokens calibration has; the per-sequence form ½ Σ_seq (Σ_{t∈seq} g_t·w_te Δy_t)², unbiased
+for the full quadratic form, is recorded alongside (``sequence_delta_kl``) for comparison. Δy_t is
+computed exactly (not linearized) through the format's own packed ``linear``: for fc,
+g_t·Δy_t = (projᵀ g_t)·(a_q − a) with a = silu(gate)·up, for proj g_t·(proj_q(a) − proj(a)).
+
+Experts routed fewer than ``min_tokens`` calibration tokens are also estimated on evenly spaced tokens
+of the layer (routing ignored, the layer's mean routing weight; at most ``ESTIMATE_TOKENS`` per expert
+and a quarter of the layer's routed assignments in all), scaled by a floor routing share, as the exact
+method does; the larger value is kept.
+
+Cost, counted in forward-pass equivalents (multiply-accumulates of the reference forward over the
+calibration set): 1 forward, 1 backward (activation gradients only: the same matmuls once more, plus
+attention's second pair), and per routed token-assignment one expert pass (fc, projᵀg, proj) plus one
+expert pass per candidate format: about 2 + φ·(1 + F/3·3) with φ the experts' share of the forward —
+independent of the number of experts. No full-vocabulary tensor outlives its batch.
+
+Streaming and resumption: phase 1 runs the batches (forward + backward) and writes each MoE layer's
+inputs, routing and output gradients per batch into ``work/acts`` (activation dtype); phase 2 scores
+one layer at a time from those files (one layer's activations in memory), writes ``work/layers/L.pt``
+and deletes the layer's activations. A rerun with the same ``key`` skips every batch and layer already
+on disk, so an interrupted calibration continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+from ..runtime.engine import EmbeddedEngine
+from ..runtime.experts import FloatExperts
+from .plan import MATRICES, format_obj
+
+PROBES = ("gaussian", "sample")
+SENSITIVITY_METHODS = ("fisher", "exact")
+DEFAULT_SENSITIVITY = "fisher"
+ESTIMATE_TOKENS = 256  # layer tokens an under-observed expert's estimate is computed on
+
+
+class RTN:
+    """Round-to-nearest: each matrix quantized from its weights alone (``fmt.quantize``)."""
+
+    name = "rtn"
+
+    def add_layer(self, layer: int, base: FloatExperts, x_all: torch.Tensor, routed: torch.Tensor) -> None:
+        pass
+
+    def quantize(self, fmt, w: torch.Tensor, layer: int, expert: int, mod: str, dtype: torch.dtype) -> dict:
+        return fmt.quantize(w, dtype=dtype)
+
+
+def forward_macs(cfg, seq_len: int) -> dict:
+    """Multiply-accumulates per token of one causal forward over ``seq_len``-token windows: total,
+    routed experts, attention scores (QKᵀ and PV)."""
+    H, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    I, k, E = cfg.expert_intermediate_size, cfg.top_k, cfg.num_experts
+    ctx = (seq_len + 1) / 2  # mean keys attended per query under a causal mask
+    total = experts = scores = 0.0
+    for l in range(cfg.num_layers):
+        total += H * (nh + 2 * nkv) * hd + nh * hd * H
+        s = 2 * nh * hd * ctx
+        scores += s
+        total += s
+        if cfg.moe_layers[l]:
+            total += H * E + k * 3 * I * H
+            experts += k * 3 * I * H
+            S = cfg.shared_expert_intermediate_size
+            if S:
+                total += 3 * S * H + (H if cfg.shared_expert_gate else 0)
+        else:
+            total += 3 * cfg.dense_intermediate_size * H
+    total += H * cfg.vocab_size
+    return {"total": total, "experts": experts, "attention_scores": scores}
+
+
+def _probe(logits: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """v with E[v vᵀ] = diag p − p pᵀ per position (p = softmax(logits)), float32, detached."""
+    p = logits.detach().float().softmax(-1)
+    if kind == "gaussian":
+        u = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device)
+        sp = p.sqrt()
+        return sp * u - p * (sp * u).sum(-1, keepdim=True)
+    y = torch.multinomial(p.reshape(-1, p.shape[-1]).cpu(), 1, generator=gen).to(p.device)
+    v = -p.reshape(-1, p.shape[-1])
+    v.scatter_add_(1, y, torch.ones_like(y, dtype=v.dtype))
+    return v.reshape(p.shape)
+
+
+def _save(obj, path: Path) -> None:
+    """torch.save, atomically (a kill leaves the previous file or none, never half of one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class Progress:
+    """The resumable state in ``work``: which batches and layers are done, for which inputs."""
+
+    def __init__(self, work: Path, key: str):
+        self.work = work
+        self.acts, self.layers = work / "acts", work / "layers"
+        state = work / "state.json"
+        if state.is_file():
+            try:
+                same = json.loads(state.read_text()).get("key") == key
+            except (OSError, ValueError):
+                same = False
+            if not same:  # progress of another calibration: start over
+                shutil.rmtree(self.acts, ignore_errors=True)
+                shutil.rmtree(self.layers, ignore_errors=True)
+        self.acts.mkdir(parents=True, exist_ok=True)
+        self.layers.mkdir(parents=True, exist_ok=True)
+        state.write_text(json.dumps({"key": key}))
+
+    def batch_file(self, b: int) -> Path:
+        return self.acts / f"batch-{b:06d}.pt"
+
+    def act_file(self, l: int, b: int) -> Path:
+        return self.acts / f"layer-{l:03d}-batch-{b:06d}.pt"
+
+    def layer_file(self, l: int) -> Path:
+        return self.layers / f"layer-{l:03d}.pt"
+
+
+@torch.no_grad()
+def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_tokens: int = 16, batch_size: int = 8,
+                   progress: Callable[[str, int, int], None] | None = None, work: Path | None = None,
+                   key: str = "", probe: str = "gaussian", seed: int = 0, rounding=None,
+                   estimate_tokens: int = ESTIMATE_TOKENS, notes: list[str] | None = None) -> dict:
+    """Routing statistics and Fisher-estimated ΔKL per (layer, expert, matrix, format), in the layout
+    of ``calibrate.measure`` (calib.json). ``work`` holds the resumable progress (a temporary
+    directory when None); ``key`` identifies the inputs it belongs to. ``rounding`` quantizes the
+    matrices (default round-to-nearest; see ``RTN`` for the interface). What was resumed from
+    earlier progress is appended to ``notes``."""
+    if probe not in PROBES:
+        raise InputError(f"unknown probe {probe!r}", hint="use " + " or ".join(PROBES))
+    rounding = rounding or RTN()
+    c = eng.cfg
+    moe_layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
+    for l in moe_layers:
+        if not isinstance(eng.layers[l].experts, FloatExperts):
+            raise InputError("calibration needs an unquantized model")
+    own_work = work is None
+    if own_work:
+        work = Path(tempfile.mkdtemp(prefix="trtmoe-fisher-"))
+    try:
+        return _run(eng, ids, formats=tuple(formats), min_tokens=min_tokens, batch_size=batch_size,
+                    progress=progress, state=Progress(Path(work), key), probe=probe, seed=seed,
+                    rounding=rounding, estimate_tokens=estimate_tokens, moe_layers=moe_layers,
+                    notes=notes if notes is not None else [])
+    finally:
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress, probe, seed, rounding,
+         estimate_tokens, moe_layers, notes) -> dict:
+    c = eng.cfg
+    L, E, k = c.num_layers, c.num_experts, c.top_k
+    N, T = ids.shape
+    batches = list(ids.split(batch_size))
+    total_steps = len(batches) + len(moe_layers) * E
+    step = 0
+    dev = eng.device
+    resumed = [sum(state.batch_file(b).is_file() for b in range(len(batches))),
+               sum(state.layer_file(l).is_file() for l in moe_layers)]
+    if any(resumed):
+        notes.append(f"sensitivity resumed from an interrupted run: {resumed[0]} of {len(batches)} batches and "
+                     f"{resumed[1]} of {len(moe_layers)} MoE layers were already done")
+
+    # ---- phase 1: forward + backward per batch; each MoE layer's h, routing and output gradient
+    for b, batch in enumerate(batches):
+        step += 1
+        if state.batch_file(b).is_file():
+            if progress:
+                progress("sensitivity", step, total_steps)
+            continue
+        eng.reset_routing_stats()
+        cap: dict[int, dict] = {}
+
+        def hook(li, h, idx, w, out, cap=cap):
+            rec = cap[li] = {"h": h.detach().clone(), "idx": idx.detach().clone(), "w": w.detach().float().clone()}
+            if out.requires_grad:
+                out.register_hook(lambda g, rec=rec: rec.__setitem__("g", g.detach().clone()))
+
+        eng.moe_hook = hook
+        try:
+            logits = eng.logits_with_grad(batch)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + b)
+            v = _probe(logits, probe, gen)
+            with torch.enable_grad():
+                (logits * v).sum().backward()
+        finally:
+            eng.moe_hook = None
+        del logits, v
+        for l in moe_layers:
+            r = cap[l]
+            _save({"h": r["h"].cpu(), "g": r["g"].cpu(), "idx": r["idx"].cpu(), "w": r["w"].cpu()},
+                  state.act_file(l, b))
+        st = eng.routing_stats()
+        _save({"counts": st["counts"], "entropy_sum": st["entropy_sum"], "weight_mass": st["weight_mass"],
+               "tokens": st["tokens"]}, state.batch_file(b))
+        if progress:
+            progress("sensitivity", step, total_steps)
+    eng.reset_routing_stats()
+    counts = torch.zeros(L, E, dtype=torch.int64)
+    mass = torch.zeros(L, E, dtype=torch.float64)
+    entropy = torch.zeros(L, dtype=torch.float64)
+    for b in range(len(batches)):
+        st = torch.load(state.batch_file(b))
+        counts += st["counts"]
+        mass += st["weight_mass"]
+        entropy += st["entropy_sum"]
+    tokens = N * T
+    share = counts.double() / (tokens * k)
+    floor = 0.25 * k / E
+
+    # ---- phase 2: score one MoE layer at a time
+    zeros = lambda: {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}  # noqa: E731
+    measured = {m: zeros() for m in MATRICES}
+    per_seq = {m: zeros() for m in MATRICES}
+    estimated = {m: zeros() for m in MATRICES}
+    scored = 0.0  # token-assignment expert passes (units of one expert's fc + proj on one token)
+    I, H = c.expert_intermediate_size, c.hidden_size
+    for l in moe_layers:
+        lf = state.layer_file(l)
+        lf_existed = lf.is_file()
+        if not lf_existed:
+            _save(_score_layer(eng, l, [state.act_file(l, b) for b in range(len(batches))], formats, rounding,
+                               counts[l], mass[l], min_tokens, estimate_tokens, T, N, share[l], floor,
+                               progress=(lambda e: progress("sensitivity", step + e, total_steps)) if progress
+                               else None), lf)
+            for b in range(len(batches)):
+                state.act_file(l, b).unlink(missing_ok=True)
+        res = torch.load(lf, weights_only=False)
+        if lf_existed and hasattr(rounding, "restore_layer"):
+            rounding.restore_layer(l, res.get("rounding_state"))
+        step += E
+        if progress:
+            progress("sensitivity", step, total_steps)
+        for m in MATRICES:
+            for f in formats:
+                measured[m][f][l] = res["measured"][m][f]
+                per_seq[m][f][l] = res["per_seq"][m][f]
+                estimated[m][f][l] = res["estimated"][m][f]
+        scored += res["expert_passes"]
+    shutil.rmtree(state.acts, ignore_errors=True)
+
+    sens = {m: {f: measured[m][f].clone() for f in formats} for m in MATRICES}
+    flagged = []
+    for l in moe_layers:
+        for e in range(E):
+            if counts[l, e] < min_tokens:
+                for m in MATRICES:
+                    for f in formats:
+                        sens[m][f][l, e] = max(float(measured[m][f][l, e]), float(estimated[m][f][l, e]))
+                flagged.append({"layer": l, "expert": e, "tokens": int(counts[l, e])})
+    macs = forward_macs(c, T)
+    fwd = macs["total"] * tokens
+    cost = {"forward": 1.0, "backward": (macs["total"] + macs["attention_scores"]) / macs["total"],
+            "scoring": scored * 3 * I * H / fwd}
+    cost_total = sum(cost.values())
+    from .calibrate import build_result
+
+    stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
+    as_lists = lambda d: {f: t.tolist() for f, t in d.items()}  # noqa: E731
+    sensitivity = {
+        "method": "fisher",
+        "probe": probe,
+        "metric": "mean KL(p_ref || p_quant) per calibration token, nats (second-order Fisher estimate)",
+        "delta_kl": {f: (sens["fc"][f] + sens["proj"][f]).tolist() for f in formats},
+        "expert_delta_kl": "fc + proj",
+        "matrices": {m: {"delta_kl": as_lists(sens[m]), "measured": as_lists(measured[m]),
+                         "estimated": as_lists(estimated[m]), "sequence_delta_kl": as_lists(per_seq[m])}
+                     for m in MATRICES},
+        "floor_share": floor,
+        # Everything counted, the reference pass included (see the module docstring).
+        "cost_forward_passes": cost_total,
+        "cost_breakdown": cost,
+    }
+    return build_result(eng, formats, stats, tokens, min_tokens, flagged, sensitivity)
+
+
+def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, estimate_tokens, T, N, share,
+                 floor, progress=None) -> dict:
+    """ΔKL estimates of every expert matrix of layer ``l`` from its saved activations."""
+    c = eng.cfg
+    E, k = c.num_experts, c.top_k
+    base: FloatExperts = eng.layers[l].experts
+    dev, cdt = eng.device, eng.compute_dtype
+    parts = [torch.load(f) for f in files]
+    h = torch.cat([p["h"] for p in parts]).to(dev)  # [tokens, H]
+    g = torch.cat([p["g"] for p in parts]).to(dev).float()
+    idx = torch.cat([p["idx"] for p in parts]).to(dev)
+    w = torch.cat([p["w"] for p in parts]).to(dev)
+    del parts
+    n_tok = h.shape[0]
+    seq_of = torch.arange(n_tok, device=dev) // T
+    rounding.add_layer(l, base, h, idx)
+    layer_state = getattr(rounding, "layer_state", None)
+    tokens = N * T
+    out = {key: {m: {f: torch.zeros(E, dtype=torch.float64) for f in formats} for m in MATRICES}
+           for key in ("measured", "per_seq", "estimated")}
+    passes = 0.0
+    w_mean = float(mass.sum() / counts.sum()) if int(counts.sum()) else 1.0 / k
+    # Under-observed experts share a budget of a quarter of the layer's routed scoring, so that the
+    # estimate's cost stays bounded however many experts the router starves.
+    n_under = int((counts < min_tokens).sum())
+    n_est = max(1, min(estimate_tokens, n_tok, n_tok * k // (4 * max(n_under, 1))))
+    est_rows = torch.div(torch.arange(n_est, device=dev) * n_tok, n_est, rounding_mode="floor")
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    bounds = torch.bincount(flat, minlength=E).cumsum(0).tolist()
+    start = 0
+    for e in range(E):
+        sel = order[start:bounds[e]]
+        start = bounds[e]
+        tok = sel // k
+        jobs = [("measured", tok, w.reshape(-1)[sel])]
+        if counts[e] < min_tokens:
+            jobs.append(("estimated", est_rows, torch.full((len(est_rows),), w_mean, device=dev)))
+        packed = {}
+        for f in formats:
+            fmt = format_obj(f, eng.dtype)
+            for m in MATRICES:
+                wt = base.fc[e] if m == "fc" else base.proj[e]
+                packed[(f, m)] = (fmt, rounding.quantize(fmt, wt, l, e, m, eng.dtype))
+        for kind, rows, wts in jobs:
+            if len(rows) == 0:
+                continue
+            x, gt = h[rows], g[rows]
+            hh = x @ base.fc[e].t()
+            up, gate = hh.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+            y = a @ base.proj[e].t()
+            r = gt.to(cdt) @ base.proj[e]  # projᵀ g: g·(proj Δa) = r·Δa
+            # Once per row: fc, proj and projᵀg (4/3 of an expert pass); per format 2IH + IH (one pass).
+            passes += len(rows) * (4 / 3 + len(formats))
+            for (f, m), (fmt, pk) in packed.items():
+                if m == "fc":
+                    uq, gq = fmt.linear(x, pk).chunk(2, dim=-1)
+                    d = (r.float() * (F.silu(gq) * uq - a).float()).sum(-1)
+                else:
+                    d = (gt * (fmt.linear(a, pk) - y).float()).sum(-1)
+                d = d.double() * wts.double()
+                if kind == "measured":
+                    out["measured"][m][f][e] = 0.5 * float(d.pow(2).sum()) / tokens
+                    s = torch.zeros(N, dtype=torch.float64, device=dev).index_add_(0, seq_of[rows], d)
+                    out["per_seq"][m][f][e] = 0.5 * float(s.pow(2).sum()) / tokens
+                else:
+                    # Per-token mean on the layer's tokens, at the share the expert is assumed to see.
+                    out["estimated"][m][f][e] = 0.5 * float(d.pow(2).mean()) * k * max(float(share[e]), floor)
+        if progress:
+            progress(e + 1)
+    out["expert_passes"] = passes
+    out["rounding_state"] = layer_state(l) if layer_state is not None else None
+    return out
