@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Train the small Mixtral-architecture MoE fixture and its byte-level BPE tokenizer.
+"""Train a small MoE fixture (Mixtral-architecture, or with ``--arch qwen3_moe`` a fine-grained
+Qwen3-MoE one) and its own byte-level BPE tokenizer.
 
 The model learns Python from the interpreter's own standard library (trtmoe.data's ``train``
 split) and is evaluated on the disjoint ``heldout`` split. Training has no load-balancing loss,
 so routing is free to skew: later stages measure per-expert quantization error and routing
 statistics on this model, and need experts that are rarely chosen.
 
-Reproduce the committed fixture (about 12 minutes on one CPU thread):
+Reproduce the committed fixtures (about 12 minutes on one CPU thread for the Mixtral one; the
+fine-grained Qwen3-MoE one, 64 experts top-8 with a 64-wide expert FFN, about 4 minutes of training
+plus 5 of evaluation):
 
     python scripts/make_trained_fixture.py --out tests/fixtures/trained_mixtral
+    python scripts/make_trained_fixture.py --arch qwen3_moe --out tests/fixtures/trained_qwen3_moe --steps 600
 
 Everything is seeded and single-threaded; the result depends only on the seed, the library
 versions recorded in fixture.json and the Python version whose stdlib is the corpus.
@@ -68,6 +72,39 @@ MODEL_HPARAMS = {
     "pad_token_id": PAD_ID,
 }
 
+# Qwen3-MoE shaped, fine-grained: many small experts, top-8 of 64, renormalized top-k weights, per-head
+# q/k RMSNorm; a small vocabulary of its own, so that the committed fixture stays a few MB.
+QWEN3_HPARAMS = {
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 256,  # dense FFN width (unused: every layer is MoE)
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 512,
+    "router_aux_loss_coef": 0.0,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+}
+
+# --arch -> (model hyper-parameters, transformers config and model class names, expert-count and
+# top-k keys, default output directory name).
+ARCHS = {
+    "mixtral": (MODEL_HPARAMS, "MixtralConfig", "MixtralForCausalLM", "num_local_experts", "trained_mixtral"),
+    "qwen3_moe": (QWEN3_HPARAMS, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "num_experts", "trained_qwen3_moe"),
+}
+
 GENERATION_PROMPTS = ["def ", "import ", "class "]
 
 
@@ -78,7 +115,7 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------- tokenizer
 
 
-def train_tokenizer(texts: list[str]):
+def train_tokenizer(texts: list[str], vocab_size: int = TOKENIZER_HPARAMS["vocab_size"]):
     """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts``; encoding prepends <s>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -87,7 +124,7 @@ def train_tokenizer(texts: list[str]):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_HPARAMS["vocab_size"],
+        vocab_size=vocab_size,
         min_frequency=TOKENIZER_HPARAMS["min_frequency"],
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -139,12 +176,13 @@ def token_stream(tok, texts: list[str]) -> torch.Tensor:
 # ---------------------------------------------------------------- model
 
 
-def build_model(seed: int, router_init_std: float | None):
-    from transformers import MixtralConfig, MixtralForCausalLM
+def build_model(seed: int, router_init_std: float | None, arch: str = "mixtral"):
+    import transformers
 
+    hparams, cfg_cls, model_cls = ARCHS[arch][:3]
     torch.manual_seed(seed)
-    cfg = MixtralConfig(**MODEL_HPARAMS)
-    model = MixtralForCausalLM(cfg)
+    cfg = getattr(transformers, cfg_cls)(**hparams)
+    model = getattr(transformers, model_cls)(cfg)
     if router_init_std is not None:
         with torch.no_grad():
             for layer in model.model.layers:
@@ -279,7 +317,8 @@ def dir_bytes(path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "trained_mixtral")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="mixtral")
+    ap.add_argument("--out", type=Path, default=None, help="default: tests/fixtures/trained_<arch>")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -293,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-windows", type=int, default=None, help="cap held-out windows (default: all)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    hparams, _, model_cls, experts_key, default_dir = ARCHS[args.arch]
+    if args.out is None:
+        args.out = REPO_ROOT / "tests" / "fixtures" / default_dir
 
     torch.set_num_threads(args.threads)
     t_start = time.time()
@@ -308,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"corpus: train {len(train_texts)} files / {sum(len(t) for t in train_texts) / 1e6:.2f} M chars, "
         f"heldout {len(heldout_texts)} files / {sum(len(t) for t in heldout_texts) / 1e6:.2f} M chars")
     t0 = time.time()
-    tok = train_tokenizer(train_texts)
+    tok = train_tokenizer(train_texts, hparams["vocab_size"])
     log(f"tokenizer: vocab {tok.get_vocab_size()} trained in {time.time() - t0:.1f}s")
     train_stream = token_stream(tok, train_texts)
     heldout_stream = token_stream(tok, heldout_texts)
@@ -316,9 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         f"({sum(len(t) for t in train_texts) / len(train_stream):.2f} chars/token on train)")
 
     # ---- model
-    model = build_model(args.seed, args.router_init_std)
+    model = build_model(args.seed, args.router_init_std, args.arch)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: MixtralForCausalLM, {n_params:,} parameters, experts impl {model.config._experts_implementation}")
+    log(f"model: {model_cls}, {n_params:,} parameters, experts impl {model.config._experts_implementation}")
     opt = make_optimizer(model, args.lr, args.weight_decay, args.router_lr_mult)
     gen = torch.Generator().manual_seed(args.seed)
     max_start = len(train_stream) - args.seq_len
@@ -362,26 +404,27 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     model.to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
-    save_tokenizer(tok, tmp, MODEL_HPARAMS["max_position_embeddings"])
+    save_tokenizer(tok, tmp, hparams["max_position_embeddings"])
     del model
 
-    from transformers import AutoTokenizer, MixtralForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
 
     # bf16 weights upcast to fp32: the unquantized reference later stages compare against.
-    saved = MixtralForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+    saved = getattr(transformers, model_cls).from_pretrained(str(tmp), dtype=torch.float32)
     hf_tok = AutoTokenizer.from_pretrained(str(tmp))
-    n_exp, top_k = MODEL_HPARAMS["num_local_experts"], MODEL_HPARAMS["num_experts_per_tok"]
+    n_exp, top_k = hparams[experts_key], hparams["num_experts_per_tok"]
     t0 = time.time()
     held_wins = windows(heldout_stream, args.seq_len, args.eval_windows)
     held_loss, held_counts = evaluate(saved, held_wins, 16, n_exp, top_k)
     train_wins = windows(train_stream, args.seq_len, len(held_wins))
     train_eval_loss, _ = evaluate(saved, train_wins, 16, n_exp, top_k)
-    uni = unigram_loss(train_stream, held_wins, MODEL_HPARAMS["vocab_size"])
+    uni = unigram_loss(train_stream, held_wins, hparams["vocab_size"])
     log(f"eval ({time.time() - t0:.0f}s, {held_wins.numel():,} held-out tokens):")
     log(f"  held-out loss {held_loss:.4f} nats/token (ppl {math.exp(held_loss):.2f})")
     log(f"  train    loss {train_eval_loss:.4f} nats/token (ppl {math.exp(train_eval_loss):.2f})")
     log(f"  unigram baseline on held-out {uni:.4f} (ppl {math.exp(uni):.2f}); "
-        f"log(vocab) = {math.log(MODEL_HPARAMS['vocab_size']):.4f}")
+        f"log(vocab) = {math.log(hparams['vocab_size']):.4f}")
     table = routing_table(held_counts, top_k)
     log("routing on held-out (share of top-k assignments per expert):")
     print_routing(table)
@@ -390,8 +433,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"--- greedy from {prompt!r}:\n{text}\n---")
 
     record = {
-        "description": "Small Mixtral-architecture MoE trained on Python stdlib sources (trtmoe.data train split)",
-        "reproduce": "python scripts/make_trained_fixture.py --out tests/fixtures/trained_mixtral",
+        "description": f"Small {model_cls[:-len('ForCausalLM')]}-architecture MoE trained on Python stdlib sources "
+                       "(trtmoe.data train split)",
+        "reproduce": "python scripts/make_trained_fixture.py" + ("" if args.arch == "mixtral" else f" --arch {args.arch}")
+                     + f" --out tests/fixtures/{default_dir}"
+                     + "".join(f" --{k.replace('_', '-')} {v}" for k, v in (("steps", args.steps), ("seq_len", args.seq_len),
+                                                                         ("lr", args.lr), ("warmup", args.warmup))
+                               if v != ap.get_default(k)),
         "seed": args.seed,
         "training": {
             "steps": args.steps,
@@ -426,12 +474,12 @@ def main(argv: list[str] | None = None) -> int:
             "heldout_perplexity": round(math.exp(held_loss), 3),
             "heldout_eval_tokens": held_wins.numel(),
             "unigram_heldout_loss": round(uni, 4),
-            "log_vocab": round(math.log(MODEL_HPARAMS["vocab_size"]), 4),
+            "log_vocab": round(math.log(hparams["vocab_size"]), 4),
         },
         "routing_heldout": table,
         "greedy_samples": samples,
-        "tokenizer": TOKENIZER_HPARAMS,
-        "model": dict(MODEL_HPARAMS, parameters=n_params, saved_dtype="bfloat16"),
+        "tokenizer": dict(TOKENIZER_HPARAMS, vocab_size=hparams["vocab_size"]),
+        "model": dict(hparams, parameters=n_params, saved_dtype="bfloat16"),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
