@@ -249,10 +249,13 @@ def _render_inspect(rep: dict) -> None:
                    "matrix for the embedded target's budgeted policies, layer for tensorrt-llm].")
 @click.option("--placement", type=click.Choice(["identity", "balanced"]), default=None,
               help="balanced: permute experts per layer to even out measured load across EP ranks.")
+@click.option("--rounding", type=click.Choice(["rtn", "awq"]), default=None,
+              help="INT4 rounding: awq (activation-aware scale and clip search on the calibration's routed "
+                   "tokens; needs --calib) or rtn (round to nearest) [default: awq].")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_version, calib, policy, budget_bpw,
-            budget_gb, fmt, formats, target, granularity, placement, force, as_json):
+            budget_gb, fmt, formats, target, granularity, placement, force, as_json, rounding=None):
     """Convert an HF MoE checkpoint into a TensorRT-LLM checkpoint directory.
 
     Streams tensor by tensor (memory stays bounded whatever the model size) into a temporary
@@ -274,7 +277,7 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
         "convert": dict(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, dtype=dtype, trtllm_version=trtllm_version),
         "quantize": dict(policy=policy, budget_bpw=budget_bpw, budget_gb=budget_gb, format=fmt,
                          formats=formats.split(",") if formats else None, calib=str(calib) if calib else None,
-                         placement=placement, granularity=granularity),
+                         placement=placement, granularity=granularity, rounding=rounding),
         "build": dict(backend=target)})
     cv = cfg["convert"]
     from .quant.commands import plan_from_config

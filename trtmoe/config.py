@@ -54,6 +54,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                        help="candidate formats, e.g. [fp16, int8, int4_g64, int4_g128]; choices apply to each item"),
         "calib": Key(str, None, nullable=True, help="calibration directory from `trtmoe calibrate`"),
         "placement": Key(str, "identity", choices=("identity", "balanced")),
+        "rounding": Key(str, "awq", choices=("rtn", "awq"),
+                        help="int4 rounding: awq (activation-aware, from the calibration's routed-token "
+                             "statistics; round to nearest without them) or rtn (round to nearest)"),
         "seed": Key(int, 0),
     },
     "build": {

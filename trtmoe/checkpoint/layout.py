@@ -18,7 +18,8 @@ from ..hf.reader import all_finite
 from ..hf.safetensors_io import SourceRange
 from ..model.description import MoEModel
 from ..parallel.mapping import Mapping
-from ..quant.formats import FORMATS, GroupInt4Format
+from ..quant import awq
+from ..quant.formats import FORMATS, GroupInt4Format, PerChannelIntFormat
 from ..quant.plan import format_obj
 from .schema import MAPPING_KEYS, schema_for
 
@@ -109,6 +110,8 @@ class RankLayout:
         self.tp_rank = mapping.tp_rank(rank)
         self.pp_rank = mapping.pp_rank(rank)
         self.plan = plan  # optional trtmoe.quant.plan.QuantPlan
+        # Activation-aware int4 (plan.meta["rounding"] == "awq"); None = round to nearest.
+        self.rounding = awq.rounding_for_plan(plan, dtype) if plan is not None else None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _rows(self, emit: Emit, role: str, layer: int | None, a: int | None = None, b: int | None = None,
@@ -239,6 +242,22 @@ class RankLayout:
             return torch.cat([self.src.role(role, l, e, rows=(a, b), dtype=self.dtype) for role in rule.roles])
         return self.src.role(rule.roles[0], l, e, dtype=self.dtype)[:, a:b]
 
+    def _recipe(self, fmt, l: int, e: int, t: int, I_loc: int, mod: str, w: torch.Tensor, shared: bool):
+        """The activation-aware transform of one expert matrix shard (None: round to nearest)."""
+        if self.rounding is None:
+            return None
+        I = self.m.expert_intermediate_size
+        return self.rounding.recipe(fmt, l, e, mod, (t, I_loc), w,
+                                    lambda x: self.expert_matrix(l, x, 0, I, mod),
+                                    list(range(self.m.num_experts)) if shared else None)
+
+    def _quantized(self, fmt, l: int, e: int, t: int, I_loc: int, mod: str, shared: bool = False) -> dict:
+        """Packed tensors of original expert ``e``'s ``mod`` shard in ``fmt``, with the plan's rounding."""
+        w = self.expert_matrix(l, e, t, I_loc, mod)
+        if self.rounding is None:
+            return fmt.quantize(w, dtype=self.dtype)
+        return awq.apply(fmt, w, self.dtype, self._recipe(fmt, l, e, t, I_loc, mod, w, shared))
+
     def _experts(self, p: str, l: int, rules: list[Rule]) -> list[TensorSpec]:
         m, mp, plan = self.m, self.mp, self.plan
         self._expert_rules = {mod: rule for mod, rule in expert_rules().items() if rule in rules}
@@ -253,7 +272,12 @@ class RankLayout:
         if packed_at_conversion(kind):
             return self._stacked_packed(p, l, orig, t, I_loc, kind)
         # Float weights; for W8A16/W4A16 layers trtllm-build quantizes them itself, for the GPU it
-        # builds on (and the embedded engine quantizes them the same way at load).
+        # builds on (and the embedded engine quantizes them the same way at load). With awq rounding a
+        # W4A16 layer stores each expert matrix clamped to its searched per-row clip, so that the
+        # amax / 8 quantization trtllm-build does lands on the clipped scale.
+        clip_fmt = FORMATS.get(kind) if self.rounding is not None else None
+        if isinstance(clip_fmt, PerChannelIntFormat) and awq.applies(clip_fmt):
+            return self._clipped_float(p, l, orig, t, I_loc, rules, clip_fmt)
         specs = []
         for rule in rules:
             shape = role_shapes(m, l)[rule.roles[0]]
@@ -271,6 +295,19 @@ class RankLayout:
                             self._cols(emit, role, l, t * I_loc, (t + 1) * I_loc, expert=e)
 
             specs.append(TensorSpec(p + rule.name, full, self.dtype, produce, rule.kind))
+        return specs
+
+    def _clipped_float(self, p: str, l: int, orig: list[int], t: int, I_loc: int, rules: list[Rule], fmt):
+        specs = []
+        for mod, (out_f, in_f) in self._expert_matrix_shapes(I_loc):
+            def produce(emit, mod=mod):
+                for e in orig:
+                    w = self.expert_matrix(l, e, t, I_loc, mod)
+                    rec = self._recipe(fmt, l, e, t, I_loc, mod, w, False)
+                    emit(w if rec is None else awq.transformed_weight(fmt, w, self.dtype, rec))
+
+            rule = self._expert_rules[mod]
+            specs.append(TensorSpec(p + rule.name, (len(orig), out_f, in_f), self.dtype, produce, rule.kind))
         return specs
 
     def _expert_matrix_shapes(self, I_loc: int) -> list[tuple[str, tuple[int, int]]]:
@@ -296,8 +333,14 @@ class RankLayout:
                 shared = key == "prequant_scaling_factor"  # one row shared by every expert
 
                 def produce(emit, mod=mod, key=key, shared=shared):
+                    if shared and self.rounding is not None:  # the layer's searched pre-quant scale
+                        I = self.m.expert_intermediate_size
+                        emit(self.rounding.shared_prequant(fmt, l, mod, (t, I_loc),
+                                                           lambda x: self.expert_matrix(l, x, 0, I, mod),
+                                                           list(range(self.m.num_experts))))
+                        return
                     for e in orig[:1] if shared else orig:
-                        emit(fmt.quantize(self.expert_matrix(l, e, t, I_loc, mod), dtype=self.dtype)[key])
+                        emit(self._quantized(fmt, l, e, t, I_loc, mod, shared=True)[key])
 
                 full = shape if shared else (len(orig), *shape)
                 specs.append(TensorSpec(f"{p}mlp.{mod}.{key}", full, dtype, produce, f"expert_{mod}"))
@@ -314,7 +357,7 @@ class RankLayout:
                 fmt = format_obj(name, self.dtype)
                 for key, (shape, dtype) in self._packed_shapes(name, out_f, in_f).items():
                     def produce(emit, mod=mod, key=key, e=e, fmt=fmt):
-                        emit(fmt.quantize(self.expert_matrix(l, e, t, I_loc, mod), dtype=self.dtype)[key])
+                        emit(self._quantized(fmt, l, e, t, I_loc, mod)[key])
 
                     specs.append(TensorSpec(f"{p}mlp.experts.{slot}.{mod}.{key}", shape, dtype, produce,
                                             f"expert_{mod}"))

@@ -108,6 +108,9 @@ def plan_from_config(model, cfg: dict):
         plan.permutations = perms
         plan.meta["placement"] = {str(k): v for k, v in rep.items()}
     plan.dtype = dtype
+    from .awq import attach as attach_rounding
+
+    attach_rounding(plan, q.get("rounding", "awq"), q["calib"], calib)
     return plan
 
 
@@ -129,6 +132,8 @@ def plan_from_config(model, cfg: dict):
                    "when the tokenizer names one].")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print calib.json's summary as JSON.")
+@click.option("--rounding", type=click.Choice(["rtn", "awq"]), default="awq", show_default=True,
+              help="How INT4 formats are rounded when their ΔKL is measured (convert with the same).")
 @click.option("--sensitivity", type=click.Choice(["fisher", "exact"]), default="fisher", show_default=True,
               help="fisher: second-order estimate from one forward and one backward pass, whatever the number "
                    "of experts (resumable: rerun the same command after an interruption); exact: end-to-end "
@@ -136,7 +141,7 @@ def plan_from_config(model, cfg: dict):
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where calibration runs.")
 def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, tokenizer, add_bos, force, as_json,
-              sensitivity="fisher", device="cpu"):
+              rounding="awq", sensitivity="fisher", device="cpu"):
     """Measure routing statistics and sensitivity (ΔKL per format of each expert's fc and proj) on
     calibration text.
 
@@ -159,7 +164,7 @@ def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, to
         res = run(model, data, out, samples=samples, seq_len=seq_len, formats=tuple(formats.split(",")),
                   min_tokens=min_tokens, tokenizer=tokenizer, text_field=field, force=force, add_bos=add_bos,
                   notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t),
-                  sensitivity=sensitivity, device=device)
+                  rounding=rounding, sensitivity=sensitivity, device=device)
     if as_json:
         click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats")}, indent=1))
         return

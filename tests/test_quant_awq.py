@@ -1,0 +1,342 @@
+"""Activation-aware INT4 (``--rounding awq``): statistics from calibration, never worse than
+round-to-nearest on the routed tokens, the pre-quant scale where TensorRT-LLM declares one (shared per
+stacked fc/proj for its layout, per expert matrix for the embedded engine) and applied by the embedded
+engine, the weights written being the ones calibration measured, and ``rtn`` byte-identical to before."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from trtmoe.checkpoint.writer import convert
+from trtmoe.cli import main
+from trtmoe.hf.safetensors_io import SafetensorsFile
+from trtmoe.quant import awq
+from trtmoe.quant.calibrate import write_calibration, measure
+from trtmoe.quant.formats import FORMATS, unpack_int4
+from trtmoe.quant.plan import QuantPlan, uniform_plan
+from trtmoe.runtime.engine import EmbeddedEngine
+from trtmoe.runtime.experts import PackedExperts
+
+E, L = 8, 2
+INT4 = ("int4", "int4_g128", "int4_g64")
+MOE = "model.layers.{l}.block_sparse_moe."
+
+
+def cli(*args, expect=0):
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert res.exit_code == expect, res.output
+    return res
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    """bf16 Mixtral whose expert GEMMs fit both group sizes (hidden 128, expert FFN 128)."""
+    return tiny_model("mixtral", num_local_experts=E, num_hidden_layers=L, seed=7, hidden_size=128,
+                      intermediate_size=128, head_dim=32, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def calib(model, tmp_path_factory):
+    """A calibration artifact (calib.json + activations.safetensors) measured with awq rounding, and
+    the statistics object measure() filled."""
+    tmp = tmp_path_factory.mktemp("awqcal")
+    ck = convert(model, tmp / "ck").out_dir
+    ids = torch.randint(0, 250, (8, 32), generator=torch.Generator().manual_seed(0))
+    acts = awq.ActivationStats()
+    res = measure(EmbeddedEngine.from_checkpoint(ck, device="cpu"), ids, formats=("int8",) + INT4,
+                  activations=acts)
+    out = tmp / "calib"
+    out.mkdir()
+    acts.save(out / awq.ACT_FILE)
+    write_calibration(out, res)
+    return {"dir": out, "res": res, "acts": acts, "ids": ids, "float_ck": ck}
+
+
+def _hf_expert(model, l, e):
+    t = load_file(str(model / "model.safetensors"))
+    pre = MOE.format(l=l) + f"experts.{e}."
+    return {"fc": torch.cat([t[pre + "w3.weight"], t[pre + "w1.weight"]]), "proj": t[pre + "w2.weight"]}
+
+
+def _awq_plan(plan: QuantPlan, calib_dir) -> QuantPlan:
+    awq.attach(plan, "awq", calib_dir)
+    assert plan.meta["rounding"] == "awq"
+    return plan
+
+
+def _read(ck, prefix):
+    f = SafetensorsFile(ck / "rank0.safetensors")
+    try:
+        return {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
+    finally:
+        f.close()
+
+
+def test_statistics_are_routed_tokens_and_deterministic(calib, tmp_path):
+    res, acts = calib["res"], calib["acts"]
+    assert res["rounding"] == "awq" and res["activations"]["file"] == awq.ACT_FILE
+    counts = res["routing"]["counts"]
+    for l in res["moe_layers"]:
+        for e in range(E):
+            for m, width in (("fc", 128), ("proj", 128)):
+                s = acts.get(l, e, m)
+                assert s.count == counts[l][e]
+                assert s.rows.shape == (min(s.count, awq.MAX_ROWS) if s.source == "routed" else 256, width)
+                assert s.act_mean.shape == (width,) and bool((s.act_mean >= 0).all())
+    back = awq.ActivationStats.load(calib["dir"] / awq.ACT_FILE)
+    assert back.stats.keys() == acts.stats.keys()
+    assert all(torch.equal(back.stats[k].rows, acts.stats[k].rows) and
+               torch.equal(back.stats[k].act_mean, acts.stats[k].act_mean) for k in acts.stats)
+    back.save(tmp_path / "again.safetensors")
+    assert (tmp_path / "again.safetensors").read_bytes() == (calib["dir"] / awq.ACT_FILE).read_bytes()
+
+
+def test_fc_statistics_are_the_hidden_states_routed_to_the_expert():
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    routed = torch.randint(0, 4, (64, 2))
+    fc, proj = torch.randn(4, 24, 16), torch.randn(4, 16, 12)
+    st = awq.collect_layer(fc, proj, x, routed, min_routed=1)
+    for e in range(4):
+        mask = routed.eq(e).any(-1)
+        assert torch.equal(st[(e, "fc")].rows, x[mask])
+        up, gate = (x[mask] @ fc[e].t()).chunk(2, -1)
+        assert torch.allclose(st[(e, "proj")].rows, F.silu(gate) * up)
+        assert torch.allclose(st[(e, "fc")].act_mean, x[mask].abs().mean(0))
+
+
+@pytest.mark.parametrize("name", INT4)
+def test_awq_error_not_above_rtn_on_routed_tokens_per_matrix(model, calib, name):
+    fmt, acts = FORMATS[name], calib["acts"]
+    tot_awq = tot_rtn = 0.0
+    for l in range(L):
+        for e in range(E):
+            w = _hf_expert(model, l, e)
+            for m in ("fc", "proj"):
+                s = acts.get(l, e, m)
+                a = awq.output_error(fmt, awq.quantize(fmt, w[m], dtype=torch.bfloat16, stats=s), w[m], s.rows,
+                                     torch.bfloat16)
+                r = awq.output_error(fmt, fmt.quantize(w[m], dtype=torch.bfloat16), w[m], s.rows, torch.bfloat16)
+                assert a <= r * (1 + 1e-6), (l, e, m, a, r)
+                tot_awq, tot_rtn = tot_awq + a, tot_rtn + r
+    assert tot_awq < 0.97 * tot_rtn, (tot_awq, tot_rtn)
+
+
+def test_awq_beats_rtn_where_activations_have_outlier_channels():
+    torch.manual_seed(1)
+    x = torch.randn(2048, 256) * torch.where(torch.rand(256) < 0.05, 20.0, 1.0)
+    w = torch.randn(192, 256) * 0.02
+    st = awq._stats(x, 512, "routed", 2048)
+    held = torch.randn(1024, 256) * (x.abs().mean(0) / torch.randn(10000).abs().mean())
+    for name in INT4:
+        fmt = FORMATS[name]
+        a = awq.output_error(fmt, awq.quantize(fmt, w, dtype=torch.float16, stats=st), w, held, torch.float16)
+        r = awq.output_error(fmt, fmt.quantize(w, dtype=torch.float16), w, held, torch.float16)
+        assert a < (0.9 if name != "int4" else 0.99) * r, (name, a, r)
+
+
+def test_rtn_rounding_is_exactly_the_format():
+    w = torch.randn(64, 128)
+    st = awq._stats(torch.randn(100, 128), 64, "routed", 100)
+    for name in INT4:
+        fmt = FORMATS[name]
+        got, want = awq.quantize(fmt, w, dtype=torch.float16, stats=st, rounding="rtn"), fmt.quantize(
+            w, dtype=torch.float16)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        got = awq.quantize(fmt, w, dtype=torch.float16, stats=None)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _dequant_reference(name: str, packed: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(effective weight [out, in] float64 from the stored codes and scales, pre-quant scale [in])."""
+    if name == "int4":
+        q = unpack_int4(packed["weight"], dim=-1).double()  # [in, out]
+        return (q * packed["per_channel_scale"].double()).t(), torch.ones(q.shape[0], dtype=torch.float64)
+    g = FORMATS[name].group_size
+    q = unpack_int4(packed["weight"], dim=-2).double()
+    s = packed["weights_scaling_factor"].double().repeat_interleave(g, dim=-1)
+    return q * s, packed["prequant_scaling_factor"].double().reshape(-1)
+
+
+@pytest.mark.parametrize("gran", ["matrix", "layer"])
+def test_engine_applies_the_prequant_scale(model, calib, tmp_path, gran):
+    """Each expert the engine runs from the awq checkpoint's bytes equals the float64 reference built from
+    the dequantized transformed weights with the stored pre-quant scale; dropping the scale changes it."""
+    names = ["int4_g128", "int4_g64", "int4", "int4_g128"]
+    if gran == "matrix":
+        plan = QuantPlan({l: [names[(e + l) % 4] for e in range(E)] for l in range(L)}, granularity="matrix",
+                         proj_formats={l: [names[(e + l + 1) % 4] for e in range(E)] for l in range(L)},
+                         dtype=torch.bfloat16)
+    else:
+        plan = QuantPlan({0: ["int4_g128"] * E, 1: ["int4_g64"] * E}, granularity="layer", dtype=torch.bfloat16)
+    ck = convert(model, tmp_path / "ck", quant=_awq_plan(plan, calib["dir"])).out_dir
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    x = calib["acts"].get(0, 0, "fc").rows[:16]
+    nontrivial = 0
+    for l in range(L):
+        bank = eng.layers[l].experts
+        assert isinstance(bank, PackedExperts)
+        for e in range(E):
+            sh = bank.shards[e][0]
+            wf, pf = _dequant_reference(sh.fc_fmt.name, sh.fc)
+            wp, pp = _dequant_reference(sh.proj_fmt.name, sh.proj)
+            nontrivial += int(not torch.equal(pf, torch.ones_like(pf))) + int(not torch.equal(pp, torch.ones_like(pp)))
+            # The kernel multiplies the activations by the scale in their own dtype.
+            h = (x * pf.to(x.dtype)).double() @ wf.t()
+            up, gate = h.to(x.dtype).chunk(2, dim=-1)
+            a = F.silu(gate) * up
+            want = (a * pp.to(a.dtype)).double() @ wp.t()
+            got = bank.forward(e, x).double()
+            assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())), (l, e)
+            if not torch.equal(pf, torch.ones_like(pf)):
+                no_scale = dict(sh.fc, prequant_scaling_factor=torch.ones_like(sh.fc["prequant_scaling_factor"]))
+                assert not torch.allclose(sh.fc_fmt.linear(x, no_scale), sh.fc_fmt.linear(x, sh.fc))
+    assert nontrivial > 0
+
+
+def test_embedded_checkpoint_holds_the_weights_calibration_measured(model, calib, tmp_path):
+    """Per expert matrix, the checkpoint's tensors are what calibration's ΔKL quantized (same rounding,
+    same statistics) — so the sensitivity is measured on the weights actually written."""
+    plan = QuantPlan({l: [INT4[(e + l) % 3] for e in range(E)] for l in range(L)}, granularity="matrix",
+                     proj_formats={l: [INT4[(e + l + 1) % 3] for e in range(E)] for l in range(L)},
+                     dtype=torch.bfloat16)
+    ck = convert(model, tmp_path / "ck", quant=_awq_plan(plan, calib["dir"])).out_dir
+    acts = calib["acts"]
+    for l in range(L):
+        for e in range(E):
+            w = _hf_expert(model, l, e)
+            for m in ("fc", "proj"):
+                fmt = FORMATS[plan.matrix_format(l, e, m)]
+                want = awq.quantize(fmt, w[m], dtype=torch.bfloat16, stats=acts.get(l, e, m))
+                got = _read(ck, f"transformer.layers.{l}.mlp.experts.{e}.{m}.")
+                assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (l, e, m)
+    assert plan.meta["activations"]["path"] == str((calib["dir"] / awq.ACT_FILE).resolve())
+
+
+def test_calibration_delta_kl_uses_the_rounding(calib):
+    eng = EmbeddedEngine.from_checkpoint(calib["float_ck"], device="cpu")
+    rtn = measure(eng, calib["ids"], formats=("int8", "int4_g128"), rounding="rtn")
+    got = calib["res"]["sensitivity"]["matrices"]
+    want = rtn["sensitivity"]["matrices"]
+    for m in ("fc", "proj"):
+        assert got[m]["measured"]["int8"] == want[m]["measured"]["int8"]
+        assert got[m]["measured"]["int4_g128"] != want[m]["measured"]["int4_g128"]
+    assert rtn["rounding"] == "rtn"
+
+
+def test_rtn_is_byte_identical_to_before(model, calib, tmp_path):
+    """--rounding rtn writes exactly what a plan without any rounding wrote (the former path), even
+    with a calibration that carries activation statistics; awq changes the int4 bytes."""
+    from trtmoe.hf.reader import HFCheckpoint
+
+    with HFCheckpoint(model) as src:
+        m = src.model
+    plans = {"uniform int4_g128": lambda: uniform_plan(m, "int4_g128"), "uniform int4": lambda: uniform_plan(m, "int4"),
+             "per matrix": lambda: QuantPlan({l: [INT4[(e + l) % 3] for e in range(E)] for l in range(L)},
+                                             granularity="matrix",
+                                             proj_formats={l: [INT4[(e + 2 * l + 1) % 3] for e in range(E)]
+                                                           for l in range(L)})}
+    for label, make in plans.items():
+        before, rtn, aw = make(), make(), make()
+        awq.attach(rtn, "rtn", calib["dir"])
+        _awq_plan(aw, calib["dir"])
+        outs = [convert(model, tmp_path / f"{label}-{i}", quant=p).out_dir for i, p in enumerate((before, rtn, aw))]
+        for f in ("rank0.safetensors", "config.json"):
+            assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), (label, f)
+        assert (outs[0] / "rank0.safetensors").read_bytes() != (outs[2] / "rank0.safetensors").read_bytes(), label
+        assert (outs[0] / "config.json").read_bytes() == (outs[2] / "config.json").read_bytes(), label
+    c = tmp_path / "cli"
+    cli("convert", model, "-o", c, "--calib", calib["dir"], "--policy", "uniform", "--format", "int4_g128",
+        "--target", "tensorrt-llm", "--rounding", "rtn")
+    assert json.loads((c / "manifest.json").read_text())["quantization"]["rounding"] == "rtn"
+    d = tmp_path / "cli-default"
+    cli("convert", model, "-o", d, "--calib", calib["dir"], "--policy", "uniform", "--format", "int4_g128",
+        "--target", "tensorrt-llm")
+    assert json.loads((d / "manifest.json").read_text())["quantization"]["rounding"] == "awq"
+    assert (c / "rank0.safetensors").read_bytes() != (d / "rank0.safetensors").read_bytes()
+
+
+def test_awq_without_calibration_rounds_to_nearest_and_says_so(model, tmp_path):
+    out = tmp_path / "u"
+    cli("convert", model, "-o", out, "--policy", "uniform", "--format", "int4_g128")
+    q = json.loads((out / "manifest.json").read_text())["quantization"]
+    assert q["rounding"] == "rtn" and "awq needs" in q["rounding_note"]
+
+
+def test_tensorrt_llm_layout_has_prequant_scale_only_where_declared(model, calib, tmp_path):
+    """TensorRT-LLM's fused MoE declares one prequant_scaling_factor [1, in] per stacked fc and proj for
+    W4A16_AWQ (group-wise) and none for W4A16 (per-channel, which trtllm-build quantizes from float)."""
+    ck = tmp_path / "g"
+    cli("convert", model, "-o", ck, "--calib", calib["dir"], "--policy", "uniform", "--format", "int4_g128",
+        "--target", "tensorrt-llm")
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["quantization"]["quant_algo"] == "W4A16_AWQ" and cfg["quantization"]["pre_quant_scale"] is True
+    f = SafetensorsFile(ck / "rank0.safetensors")
+    try:
+        pq = {n: f.read(n) for n in f.tensors if n.endswith("prequant_scaling_factor")}
+    finally:
+        f.close()
+    assert set(pq) == {f"transformer.layers.{l}.mlp.{m}.prequant_scaling_factor" for l in range(L)
+                       for m in ("fc", "proj")}
+    for n, t in pq.items():
+        assert t.shape == (1, 128) and t.dtype == torch.bfloat16, n
+    assert any(not torch.equal(t, torch.ones_like(t)) for t in pq.values())
+    # Every expert of the layer was quantized against that one shared scale.
+    for l in range(L):
+        stack = _read(ck, f"transformer.layers.{l}.mlp.fc.")
+        rnd = awq.CheckpointRounding(calib["acts"], torch.bfloat16)
+        full = lambda x, l=l: _hf_expert(model, l, x)["fc"]  # noqa: E731
+        fmt = FORMATS["int4_g128"]
+        assert torch.equal(stack["prequant_scaling_factor"],
+                           rnd.shared_prequant(fmt, l, "fc", (0, 128), full, list(range(E))))
+        for e in range(E):
+            w = full(e)
+            want = awq.apply(fmt, w, torch.bfloat16, rnd.recipe(fmt, l, e, "fc", (0, 128), w, full, list(range(E))))
+            assert torch.equal(stack["weight"][e], want["weight"])
+            assert torch.equal(stack["weights_scaling_factor"][e], want["weights_scaling_factor"])
+    # Per-channel int4: no pre-quant scale; float weights clamped to the searched clip, which
+    # trtllm-build's amax / 8 quantization then lands on.
+    pc = tmp_path / "pc"
+    cli("convert", model, "-o", pc, "--calib", calib["dir"], "--policy", "uniform", "--format", "int4",
+        "--target", "tensorrt-llm")
+    f = SafetensorsFile(pc / "rank0.safetensors")
+    try:
+        assert not [n for n in f.tensors if "prequant" in n or "scaling_factor" in n or "per_channel" in n]
+        clipped = 0
+        for l in range(L):
+            fc = f.read(f"transformer.layers.{l}.mlp.fc.weight")
+            for e in range(E):
+                src = _hf_expert(model, l, e)["fc"]
+                assert bool((fc[e].float().abs() <= src.float().abs()).all())
+                clipped += int(not torch.equal(fc[e], src))
+    finally:
+        f.close()
+    assert clipped > 0
+    assert json.loads((pc / "config.json").read_text())["quantization"]["quant_algo"] == "W4A16"
+
+
+def test_moe_tp2_shares_the_fc_scale_and_slices_proj(model, calib, tmp_path):
+    one, two = tmp_path / "tp1", tmp_path / "tp2"
+    for out, tp in ((one, 1), (two, 2)):
+        cli("convert", model, "-o", out, "--calib", calib["dir"], "--policy", "uniform", "--format", "int4_g64",
+            "--target", "tensorrt-llm", "--tp", tp, "--moe-tp", tp)
+    read = lambda d, r, n: SafetensorsFile(d / f"rank{r}.safetensors").read(n)  # noqa: E731
+    for l in range(L):
+        p = f"transformer.layers.{l}.mlp."
+        full_fc, full_proj = read(one, 0, p + "fc.prequant_scaling_factor"), read(one, 0, p + "proj.prequant_scaling_factor")
+        assert torch.equal(read(two, 0, p + "fc.prequant_scaling_factor"), full_fc)
+        assert torch.equal(read(two, 1, p + "fc.prequant_scaling_factor"), full_fc)
+        assert torch.equal(torch.cat([read(two, r, p + "proj.prequant_scaling_factor") for r in (0, 1)], -1), full_proj)
+    e1, e2 = EmbeddedEngine.from_checkpoint(one, device="cpu"), EmbeddedEngine.from_checkpoint(two, device="cpu")
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(3))
+    l1, l2 = e1.logits(ids).float(), e2.logits(ids).float()
+    ref = EmbeddedEngine.from_checkpoint(calib["float_ck"], device="cpu").logits(ids).float()
+    # Different shards clip differently, so the two are not equal, but both stay close to the reference.
+    for lg in (l1, l2):
+        assert float((lg - ref).abs().max()) < 0.5 * float(ref.abs().max())
