@@ -12,17 +12,14 @@ import traceback
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.markup import escape as rich_escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from . import __version__
+from .console import console, err_console, note
 from .errors import TrtmoeError
 from .report.units import fmt_bytes, fmt_count
-
-err_console = Console(stderr=True)
-console = Console()
 
 
 # What an OSError's errno means for the user, where the bare strerror is not enough.
@@ -305,7 +302,7 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
             pred = f", predicted ΔKL {m['predicted_delta_kl']:.4g}" if "predicted_delta_kl" in m else ""
             console.print(f"  experts: {m.get('policy')} ({plan.granularity} granularity; {used}{extra}{pred})")
         for n in summary["notes"]:
-            err_console.print(f"[yellow]note:[/] {rich_escape(n)}")
+            note(n)
 
 
 # ---- verify ----------------------------------------------------------------------------------------

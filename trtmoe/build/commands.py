@@ -7,9 +7,8 @@ import shlex
 from pathlib import Path
 
 import click
-from rich.console import Console
 
-console = Console()
+from ..console import console
 
 
 def _echo_lines(lines: list[str], err: bool = False) -> None:

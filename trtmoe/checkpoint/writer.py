@@ -41,6 +41,9 @@ from .manifest import dump_json, write_manifest
 from .schema import check_strict_blocks
 from .support import check_checkpoint_config
 
+# What a checkpoint carries of the model's tokenizer (in its tokenizer/ folder).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
 _WINDOW = 16 << 20  # bytes the background hashers map at a time (bounds their resident pages)
 
 
@@ -395,8 +398,6 @@ def write_rank(path: Path, specs: list[TensorSpec], progress: Callable[[int], No
 def _copy_tokenizer(src_dir: Path, out: Path) -> None:
     """Keep the tokenizer beside the weights (TensorRT-LLM ignores the extra folder) so later stages
     can find it without another path."""
-    from ..runtime.load import TOKENIZER_FILES
-
     tree = source_tree(src_dir)  # a link leading out of the model's own tree is never followed
     files = [src_dir / n for n in TOKENIZER_FILES if stays_inside(src_dir / n, tree)]
     if any(f.name == "tokenizer.json" for f in files):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from ..console import console, err_console
 from ..errors import InputError, UnsupportedError
 
 # calibrate.DEFAULT_FORMATS, spelled out so that importing the CLI does not import torch.
@@ -152,7 +153,6 @@ def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, to
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from ..cli import console, err_console
     from .calibrate import calibrate as run
 
     if samples < 1 or seq_len < 2:
@@ -237,7 +237,6 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
     """
     import hashlib
 
-    from ..cli import console, err_console
     from ..report.html import build_report, render, stats_rows
     from ..report.quality import Reference, heldout_ids
     from ..runtime.load import load_tokenizer

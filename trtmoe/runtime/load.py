@@ -10,8 +10,6 @@ from pathlib import Path
 from ..errors import InputError
 from .engine import EmbeddedEngine
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-
 
 def checkpoint_dir_of(path: str | Path) -> tuple[Path, dict]:
     """Resolve an embedded engine directory to its checkpoint; a checkpoint dir resolves to itself.
