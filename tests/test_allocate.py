@@ -219,8 +219,11 @@ def _matrix_calib(rng, layers=2, experts=2, I=256, H=128, proj_weight=3.0):
                                 "int8": (s * 2e-5 * rng.lognormal(0, 0.3, size=s.shape)).tolist()}}
     share = rng.dirichlet(np.ones(experts), size=layers).tolist()
     expert = {f: (np.array(mats["fc"]["delta_kl"][f]) + np.array(mats["proj"]["delta_kl"][f])).tolist() for f in fmts}
-    return {"version": CALIB_VERSION, "num_layers": layers, "num_experts": experts, "moe_layers": list(range(layers)),
-            "expert_intermediate_size": I, "hidden_size": H, "formats": fmts, "routing": {"share": share},
+    counts = [[round(1000 * x) for x in row] for row in share]
+    return {"version": CALIB_VERSION, "num_layers": layers, "num_experts": experts, "top_k": 1,
+            "moe_layers": list(range(layers)), "expert_intermediate_size": I, "hidden_size": H, "formats": fmts,
+            "bits_per_weight": {"int8": 8.125, "int4_g128": 4.25},
+            "routing": {"share": share, "tokens": 1000, "counts": counts},
             "sensitivity": {"delta_kl": expert, "matrices": mats}}
 
 

@@ -29,6 +29,7 @@ from ..checkpoint.manifest import MANIFEST, read_manifest
 from ..checkpoint.support import check_checkpoint_config
 from ..errors import BackendUnavailable, ConfigError, InputError, UnsupportedError
 from ..parallel.mapping import Mapping
+from ..runtime.checkpoint_reader import load_config
 
 # The NGC Triton image that carries the pinned TensorRT-LLM (see the Dockerfile for the evidence).
 NGC_IMAGE = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
@@ -89,7 +90,6 @@ def _json(path: Path) -> dict:
 
 def read_checkpoint(path: str | Path) -> CheckpointFacts:
     """Read a ``trtmoe convert`` checkpoint's config and manifest (no hashing; see ``verify``)."""
-    from ..runtime.checkpoint_reader import load_config
 
     d = Path(path)
     if not d.is_dir():

@@ -35,6 +35,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from trtmoe.errors import InputError
+from trtmoe.quant.formats import get_format
 
 __all__ = ["Unit", "Plan", "allocate", "feasible_bpw_range", "unit_cost_bits"]
 
@@ -83,7 +84,6 @@ def unit_cost_bits(format_names: Iterable[str], matrices: Sequence[tuple[int, in
                    n: int = 1, scale_dtype_bytes: int = 2) -> dict[str, int]:
     """Stored bits per format of a unit made of ``[n, out, in]`` stacks, one per
     ``(out, in)`` in ``matrices`` (scales and shared pre-quant scales counted)."""
-    from trtmoe.quant.formats import get_format
 
     out: dict[str, int] = {}
     for name in format_names:

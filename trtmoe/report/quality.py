@@ -29,7 +29,15 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.layout import packed_at_conversion
+from ..data import load_texts, split_texts
 from ..errors import InputError
+from ..hf.safetensors_io import SafetensorsFile
+from ..quant.calibrate import token_batches
+from ..quant.plan import FLOAT, format_obj
+from ..runtime.checkpoint_reader import load_config
+from ..runtime.experts import slot_formats
+from ..runtime.load import checkpoint_dir_of, load_engine
 
 __all__ = ["Reference", "evaluate", "compare", "checkpoint_footprint", "expert_format_grid", "matrix_format_grid",
            "placement_of", "kl_summary", "heldout_ids"]
@@ -37,7 +45,6 @@ __all__ = ["Reference", "evaluate", "compare", "checkpoint_footprint", "expert_f
 
 # ---- checkpoint facts -----------------------------------------------------------------------------
 def _raw_config(ckpt: str | Path) -> dict:
-    from ..runtime.load import checkpoint_dir_of
 
     ck, _ = checkpoint_dir_of(ckpt)
     return json.loads((ck / "config.json").read_text())
@@ -53,8 +60,6 @@ def placement_of(ckpt: str | Path) -> dict[int, list[int]]:
 def matrix_format_grid(ckpt: str | Path) -> dict[str, dict[int, list[str]]]:
     """``{"fc": {layer: [...]}, "proj": {layer: [...]}}``: per MoE layer, the format of each *original*
     expert id's fc and proj (slot formats un-permuted); both equal unless the plan is per matrix."""
-    from ..runtime.checkpoint_reader import load_config
-    from ..runtime.experts import slot_formats
 
     ck, _ = _ck(ckpt)
     cfg = load_config(ck)
@@ -82,7 +87,6 @@ def expert_format_grid(ckpt: str | Path) -> dict[int, list[str]]:
 
 
 def _ck(ckpt):
-    from ..runtime.load import checkpoint_dir_of
 
     return checkpoint_dir_of(ckpt)
 
@@ -98,11 +102,6 @@ def checkpoint_footprint(ckpt: str | Path) -> dict:
     the packed size, scales included; pre-packed experts count as stored.
     ``expert_bpw``: deployed routed-expert bits / routed-expert weights.
     """
-    from ..checkpoint.layout import packed_at_conversion
-    from ..hf.safetensors_io import SafetensorsFile
-    from ..quant.plan import FLOAT, format_obj
-    from ..runtime.checkpoint_reader import load_config
-    from ..runtime.experts import slot_formats
 
     ck, _ = _ck(ckpt)
     cfg = load_config(ck)
@@ -201,7 +200,6 @@ class Reference:
     checkpoints can be compared against it without re-running it."""
 
     def __init__(self, ref_ckpt: str | Path, ids: torch.Tensor, *, batch_size: int = 8, device: str = "cpu"):
-        from ..runtime.load import load_engine
 
         if ids.dim() != 2 or ids.shape[1] < 2 or ids.shape[0] < 1:
             raise InputError(f"evaluation ids must be [windows, tokens ≥ 2], got {tuple(ids.shape)}")
@@ -229,7 +227,6 @@ class Reference:
 
     def compare(self, quant_ckpt: str | Path, *, name: str | None = None) -> dict:
         """Statistics of ``quant_ckpt`` against this reference (see the module docstring)."""
-        from ..runtime.load import load_engine
 
         t0 = time.perf_counter()
         eng = load_engine(quant_ckpt, self.device)
@@ -329,8 +326,6 @@ def heldout_ids(tokenizer, *, samples: int = 64, seq_len: int = 128, path: str |
                 text_field: str = "text") -> torch.Tensor:
     """Evaluation windows [samples, seq_len]: from ``path`` (text file, directory or JSONL) when given,
     else from the corpus's ``heldout`` split (never used for training or calibration)."""
-    from ..data import load_texts, split_texts
-    from ..quant.calibrate import token_batches
 
     # Enough text for the windows with a wide margin (a token is a few bytes of Python source).
     texts = load_texts(path, field=text_field) if path is not None else split_texts(
