@@ -22,6 +22,11 @@ Each iteration of the loop
    otherwise every ceil(active / responses_per_step) tokens, so a step never produces more than
    about that many responses.
 
+Cancellation: ``cancel()`` (or ``BatchRequest.cancel``) only sets a flag, read before every step. A
+request's ``is_cancelled`` callable (a Triton response sender's, an IPC call) is polled by a watcher
+thread about once per decode step, never on the decode thread, so a cancelled request leaves the
+batch before the next step after the poll that sees it, and polling never stalls decoding.
+
 Errors stay per request: a failing prefill, a failing sequence inside ``step`` (found by retrying the
 batch one sequence at a time) or a callback that raises ends that request only; the loop goes on.
 """
@@ -78,7 +83,6 @@ class BatchRequest:
     seq: Any = None
     _unsent: list[int] = field(default_factory=list)
     _cancel: bool = False
-    _next_cancel_check: float = 0.0
 
     def cancel(self) -> None:
         """Ask the batcher to drop this request before its next step."""
@@ -101,7 +105,9 @@ class InflightBatcher:
     ``prefill_budget_s``: prefill time allowed per iteration while others are decoding; ``None``
     adapts it to the last decode step's duration (at least 2 ms).
     ``on_iteration(batcher)``: called on the batcher thread after every step (metrics).
-    ``cancel_check_period_s``: how often a request's ``is_cancelled`` is polled (it may be an IPC call).
+    ``cancel_check_period_s``: the longest wait between two polls of a request's ``is_cancelled`` (it
+    may be an IPC call); the watcher polls once per decode step when steps are shorter (at least
+    ``min_cancel_check_period_s`` apart).
     ``stream_interval``: deliver tokens every this many; 0 = auto (see the module docstring).
     ``responses_per_step``: the auto interval's target number of responses per decode step.
     ``max_prefill_tokens``: size of one batched prefill (requests x longest prompt, padded); an
@@ -115,7 +121,8 @@ class InflightBatcher:
                  cancel_check_period_s: float = 0.1, idle_callback_period_s: float = 1.0,
                  stream_interval: int = 1, responses_per_step: int = 8,
                  on_flush: Callable[[], None] | None = None,
-                 max_prefill_tokens: int = 1024, name: str = "trtmoe-inflight-batcher"):
+                 max_prefill_tokens: int = 1024, name: str = "trtmoe-inflight-batcher",
+                 min_cancel_check_period_s: float = 0.005):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if stream_interval < 0:
@@ -132,6 +139,8 @@ class InflightBatcher:
         self.prefill_budget_s = prefill_budget_s
         self.on_iteration = on_iteration
         self.cancel_check_period_s = cancel_check_period_s
+        self.min_cancel_check_period_s = min(min_cancel_check_period_s, cancel_check_period_s)
+        self._watcher: threading.Thread | None = None
         self.idle_callback_period_s = idle_callback_period_s
         self._waiting: deque[BatchRequest] = deque()
         self._active: list[BatchRequest] = []
@@ -164,6 +173,10 @@ class InflightBatcher:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (max {self.max_waiting})")
             self._waiting.append(req)
             self._cv.notify()
+            if is_cancelled is not None and self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_cancelled, name=self._thread.name + "-cancel",
+                                                 daemon=True)
+                self._watcher.start()
         return req
 
     def cancel(self, request_id: str) -> bool:
@@ -259,25 +272,35 @@ class InflightBatcher:
             return self.stream_interval
         return max(1, -(-len(self._active) // self.responses_per_step))
 
-    def _cancelled(self, req: BatchRequest, now: float) -> bool:
-        if req._cancel:
-            return True
-        if req.is_cancelled is not None and now >= req._next_cancel_check:
-            req._next_cancel_check = now + self.cancel_check_period_s
-            try:
-                if req.is_cancelled():
-                    req._cancel = True
-            except Exception:  # noqa: BLE001 - a dead sender means nobody is listening
-                req._cancel = True
-        return req._cancel
+    def _watch_cancelled(self) -> None:
+        """Watcher thread: polls ``is_cancelled`` of every queued and running request, about once per
+        decode step (bounded by the check periods), and flags the cancelled ones for the loop."""
+        while True:
+            with self._cv:
+                if self._closed:
+                    return
+                reqs = [r for r in itertools.chain(self._waiting, self._active)
+                        if r.is_cancelled is not None and not r._cancel and not r.finished]
+            found = False
+            for r in reqs:
+                try:
+                    cancelled = bool(r.is_cancelled())
+                except Exception:  # noqa: BLE001 - a dead sender means nobody is listening
+                    cancelled = True
+                if cancelled:
+                    r._cancel = found = True
+            if found:
+                with self._cv:
+                    self._cv.notify()
+            period = min(self.cancel_check_period_s, max(self._last_step_s, self.min_cancel_check_period_s))
+            time.sleep(period if reqs else self.cancel_check_period_s)
 
     def _drop_cancelled(self) -> None:
-        now = time.monotonic()
         keep = []
         for r in self._active:
             if r.finished:
                 continue
-            if self._cancelled(r, now):
+            if r._cancel:
                 self._emit(r, r._unsent, finished=True, reason=FINISH_CANCELLED)
             else:
                 keep.append(r)
@@ -288,7 +311,6 @@ class InflightBatcher:
         within ``max_prefill_tokens`` (at least one); cancelled ones are answered and skipped."""
         batch: list[BatchRequest] = []
         longest = 0
-        now = time.monotonic()
         while len(batch) < room:
             with self._cv:
                 if not self._waiting:
@@ -298,7 +320,7 @@ class InflightBatcher:
                 if batch and n * (len(batch) + 1) > self.max_prefill_tokens:
                     break
                 self._waiting.popleft()
-            if self._cancelled(req, now):
+            if req._cancel:
                 self._emit(req, [], finished=True, reason=FINISH_CANCELLED)
                 continue
             batch.append(req)

@@ -17,11 +17,20 @@ Two installations are supported:
 The server binds to 127.0.0.1 by default, runs in its own process group and is sent SIGINT, then
 SIGKILL after a grace period, on ``stop()``; it also receives SIGTERM if this process dies (Linux),
 so no server or backend stub outlives its launcher.
+
+Supervision: Triton 2.51's Python backend neither restarts a dead stub process of a decoupled model
+nor reports it (health/ready stay 200, in-flight requests never get an answer). Once the server is
+ready, a watchdog thread records every backend stub of the server's process group and checks them
+(and the server) twice a second; when one dies it marks the server failed (``failure``), kills the
+whole group at once (so clients holding in-flight requests get a connection error instead of a
+hang, and health/ready stop answering) and removes the server's shared-memory regions. ``trtmoe
+serve`` then exits non-zero with the reason; ``restart()`` starts the same server again.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import shutil
 import signal
@@ -30,6 +39,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -221,6 +231,51 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
+STUB_NAME = "triton_python_backend_stub"
+
+
+def _proc_state(pid: int) -> str | None:
+    """The /proc state letter of ``pid`` (R, S, Z, ...), None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def backend_stubs(pgid: int) -> dict[int, str]:
+    """{pid: model instance name} of the live Python-backend stub processes in process group ``pgid``."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[2]) != pgid or fields[0] == b"Z":
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        argv = [a.decode(errors="replace") for a in argv if a]
+        if argv and argv[0].endswith(STUB_NAME):
+            out[int(entry)] = argv[-2] if len(argv) >= 3 else argv[-1]  # ... <instance name> <device kind>
+    return out
+
+
+def shm_regions(prefix: str) -> list[str]:
+    """The /dev/shm regions whose names start with ``prefix`` (a server's Python-backend regions)."""
+    return sorted(glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*"))) if prefix else []
+
+
+def _shm_prefix(command: Sequence[str]) -> str:
+    for arg in command:
+        if "shm-region-prefix-name=" in arg:
+            return arg.split("shm-region-prefix-name=", 1)[1].split(",")[0]
+    return ""
+
+
 def _preexec() -> None:  # runs in the child between fork and exec
     os.setsid()
     try:  # Linux: the server gets SIGTERM if its launcher dies, so it is never orphaned
@@ -242,13 +297,102 @@ class TritonServer:
     workspace: Path
     keep_workspace: bool = False
     process: subprocess.Popen | None = None
+    watch_period_s: float = 0.5
+    failure: str | None = None  # why the watchdog took the server down
+    stubs: dict[int, str] = field(default_factory=dict)  # backend stubs seen when the server got ready
     _log_file: object = field(default=None, repr=False)
+    _watchdog: threading.Thread | None = field(default=None, repr=False)
+    _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
 
-    def start(self) -> "TritonServer":
-        self._log_file = open(self.log_path, "wb")
+    def start(self, *, append_log: bool = False) -> "TritonServer":
+        self.failure, self.stubs = None, {}
+        self._stopping = threading.Event()
+        self._log_file = open(self.log_path, "ab" if append_log else "wb")
         self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, preexec_fn=_preexec, cwd=str(self.workspace))
         return self
+
+    @property
+    def shm_prefix(self) -> str:
+        return _shm_prefix(self.command)
+
+    # -- supervision ---------------------------------------------------------------------------
+    def check(self) -> str | None:
+        """What is wrong with the running server, or None: it exited, or a backend stub that was
+        there when it got ready has died."""
+        if self.process is None:
+            return "not started"
+        if self.process.poll() is not None:
+            return f"tritonserver exited with code {self.process.returncode}"
+        dead = [f"{name} (pid {pid})" for pid, name in self.stubs.items() if _proc_state(pid) in (None, "Z", "X")]
+        if dead:
+            return "Python backend stub process died: " + ", ".join(sorted(dead))
+        return None
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.watch_period_s):
+            problem = self.check()
+            if problem is None:
+                continue
+            if self._stopping.is_set():
+                return
+            self.failure = problem
+            if self.process is not None and self.process.poll() is None:
+                # Every model of the repository depends on the dead one and Triton 2.51 neither restarts
+                # nor reports it: end the group now, so in-flight requests fail instead of hanging.
+                self._kill_group()
+            self._remove_shm()
+            return
+
+    def join_watchdog(self, timeout: float | None = None) -> None:
+        """Wait until the watchdog has finished (after a failure: the group is gone, regions removed)."""
+        if self._watchdog is not None:
+            self._watchdog.join(timeout)
+
+    def start_watchdog(self) -> None:
+        """Record the backend stubs and start watching them (done by ``wait_ready``)."""
+        if self.process is None:
+            return
+        self.stubs = backend_stubs(self.process.pid)
+        if self._watchdog is None or not self._watchdog.is_alive():
+            self._watchdog = threading.Thread(target=self._watch, name="tritonserver-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        # Stubs are reparented when the server dies first: wait until none of the group is left.
+        deadline = time.monotonic() + 10
+        while backend_stubs(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _remove_shm(self) -> list[str]:
+        """Remove this server's shared-memory regions (left behind when the server was killed)."""
+        removed = []
+        for path in shm_regions(self.shm_prefix):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+        return removed
+
+    def restart(self, timeout_s: float = 300.0) -> "TritonServer":
+        """Start the same server again (same ports, repository and workspace) and wait until ready."""
+        self._stopping.set()
+        if self.process is not None and self.process.poll() is None:
+            self._kill_group()
+        self._remove_shm()
+        if self._log_file is not None:
+            self._log_file.close()
+        self.start(append_log=True)
+        return self.wait_ready(timeout_s)
 
     def log_tail(self, lines: int = 40) -> str:
         """The server log's error lines (E...) and its last lines, without Triton's wide status tables."""
@@ -299,6 +443,7 @@ class TritonServer:
                 raise BackendUnavailable(f"tritonserver exited with code {code} before it was ready; "
                                          f"log tail ({self.log_path}):\n{tail}")
             if self.is_ready():
+                self.start_watchdog()
                 return self
             # With strict readiness a failed model keeps the server unready forever: report it now.
             if self._get("/v2/health/live") == 200:
@@ -319,6 +464,7 @@ class TritonServer:
         (seconds); returns the server's exit code. The private
         workspace is removed, except the server log when ``keep_log`` (failures point to it)."""
         rc = None
+        self._stopping.set()
         if self.process is not None:
             if self.process.poll() is None:
                 # The server alone: it finalizes its models and stops their stubs itself (a stub
@@ -337,6 +483,10 @@ class TritonServer:
                 rc = self.process.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+            deadline = time.monotonic() + 5
+            while backend_stubs(self.process.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._remove_shm()  # a server that had to be killed cannot remove its own regions
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -427,6 +577,10 @@ def run_until_signalled(srv: TritonServer, on_ready=None) -> int:
         while stop["sig"] is None and srv.is_alive():
             time.sleep(0.2)
         if stop["sig"] is None:
+            if srv.failure:
+                raise TrtmoeError(f"{srv.failure}; tritonserver was stopped so that clients get an error instead "
+                                  f"of a hang; log tail:\n{srv.log_tail()}",
+                                  hint="restart the server (`trtmoe serve` exits non-zero so a supervisor can)")
             raise TrtmoeError(f"tritonserver exited unexpectedly (code {srv.process.returncode}); log tail:\n"
                               f"{srv.log_tail()}")
         return 0

@@ -4,6 +4,12 @@ Takes the ensemble's inputs and returns its outputs. Each request is served on i
 one instance streams many requests at once. While streaming with `accumulate_tokens` (the default)
 every response re-decodes all tokens generated so far and sends only the new text, holding back an
 incomplete UTF-8 character, so the streamed pieces always join to the non-streamed text.
+
+Cancellation: Triton does not pass a client's cancellation on to the requests a BLS model makes, so
+each inner tensorrt_llm request gets its own unique request id and one watcher thread polls every
+in-flight outer request's cancellation flag; when one is set it sends tensorrt_llm a `stop`
+request with that id, which ends the generation (and frees its batch slot) before the engine's next
+decode step. The outer request then ends with a CANCELLED error.
 Self-contained (numpy only).
 """
 
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -42,6 +49,10 @@ _PASS_OUTPUTS = ("cum_log_probs", "output_log_probs", "context_logits", "generat
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
+class _Cancelled(Exception):
+    """The client cancelled the request; tensorrt_llm was told to stop."""
+
+
 def _param(config: dict, key: str, default: str = "") -> str:
     value = config.get("parameters", {}).get(key, {}).get("string_value", "")
     return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
@@ -57,6 +68,41 @@ class TritonPythonModel:
         self.post = _param(config, "postprocessing_model_name", "postprocessing")
         self.threads: set[threading.Thread] = set()
         self.lock = threading.Lock()
+        # inner tensorrt_llm request id -> [outer request, stop sent]; read by the watcher thread
+        self.inflight: dict[str, list] = {}
+        self.cancel_poll_s = float(_param(config, "cancellation_check_period_ms", "50")) / 1000.0
+        self.closing = threading.Event()
+        self.watcher = threading.Thread(target=self._watch_cancellation, name="bls-cancel-watch", daemon=True)
+        self.watcher.start()
+
+    # -- cancellation (watcher thread) ---------------------------------------------------------
+    def _watch_cancellation(self):
+        while not self.closing.wait(self.cancel_poll_s):
+            with self.lock:
+                entries = [(k, v) for k, v in self.inflight.items() if not v[1]]
+            for inner_id, entry in entries:
+                try:
+                    cancelled = entry[0].is_cancelled()
+                except Exception:  # noqa: BLE001 - the request is gone: nobody waits for it
+                    cancelled = True
+                if cancelled:
+                    entry[1] = True
+                    self._stop(inner_id)
+
+    def _stop(self, inner_id: str):
+        """Ask tensorrt_llm to end the generation with this id (a request with `stop` set)."""
+        inputs = [pb_utils.Tensor("input_ids", np.zeros([1, 1], np.int32)),
+                  pb_utils.Tensor("input_lengths", np.zeros([1, 1], np.int32)),
+                  pb_utils.Tensor("request_output_len", np.zeros([1, 1], np.int32)),
+                  pb_utils.Tensor("stop", np.array([[True]], dtype=bool))]
+        try:
+            req = pb_utils.InferenceRequest(model_name=self.llm, requested_output_names=[], inputs=inputs,
+                                            request_id=inner_id)
+            for resp in req.exec(decoupled=True):
+                if resp.has_error():
+                    pb_utils.Logger.log_warn(f"tensorrt_llm_bls: stop of {inner_id} failed: {resp.error().message()}")
+        except Exception as e:  # noqa: BLE001 - best effort: the generation then runs to its end
+            pb_utils.Logger.log_warn(f"tensorrt_llm_bls: stop of {inner_id} failed: {e}")
 
     def _bls(self, model, names, tensors, *, decoupled=False):
         req = pb_utils.InferenceRequest(model_name=model, requested_output_names=list(names), inputs=tensors)
@@ -101,10 +147,25 @@ class TritonPythonModel:
         if streaming and not self.decoupled:
             raise ValueError("streaming needs the decoupled tensorrt_llm_bls model")
         outputs = ["output_ids", "sequence_length", *_PASS_OUTPUTS]
-        responses = self._bls(self.llm, outputs, llm_inputs, decoupled=True)
+        inner_id = f"{request.request_id() or 'bls'}#{uuid.uuid4().hex}"
+        entry = [request, False]
+        with self.lock:
+            self.inflight[inner_id] = entry
+        try:
+            self._relay(llm_inputs, outputs, inner_id, entry, streaming, send)
+        finally:
+            with self.lock:
+                self.inflight.pop(inner_id, None)
+
+    def _relay(self, llm_inputs, outputs, inner_id, entry, streaming, send):
+        req = pb_utils.InferenceRequest(model_name=self.llm, requested_output_names=list(outputs), inputs=llm_inputs,
+                                        request_id=inner_id)
+        responses = req.exec(decoupled=True)
         tokens: list[int] = []
         sent = ""
         for resp in responses:
+            if entry[1]:  # cancelled: drain tensorrt_llm's last responses, send nothing more
+                continue
             self._check(resp, self.llm)
             ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
             if ids_t is None:  # a flag-only final response
@@ -123,6 +184,8 @@ class TritonPythonModel:
                 text = self._detok(np.array(ids))
             send(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)), *passthrough]))
+        if entry[1]:
+            raise _Cancelled()
         if streaming and self.accumulate and tokens:
             rest = self._detok(np.array(tokens))  # a sequence that ended inside a character
             if rest.startswith(sent) and len(rest) > len(sent):
@@ -134,6 +197,9 @@ class TritonPythonModel:
         try:
             self._generate(request, sender.send)
             sender.send(flags=_FINAL)
+        except _Cancelled:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                "tensorrt_llm_bls: request cancelled", pb_utils.TritonError.CANCELLED)), flags=_FINAL)
         except Exception as e:  # noqa: BLE001 - report to the client, keep serving
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm_bls: {e}")), flags=_FINAL)
         finally:
@@ -154,11 +220,15 @@ class TritonPythonModel:
                 collected = []
                 self._generate(request, collected.append)
                 responses.append(collected[-1] if collected else pb_utils.InferenceResponse(output_tensors=[]))
+            except _Cancelled:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "tensorrt_llm_bls: request cancelled", pb_utils.TritonError.CANCELLED)))
             except Exception as e:  # noqa: BLE001
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tensorrt_llm_bls: {e}")))
         return responses
 
     def finalize(self):
+        self.closing.set()
         with self.lock:
             threads = list(self.threads)
         for t in threads:
