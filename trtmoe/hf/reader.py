@@ -308,8 +308,4 @@ class HFCheckpoint:
         self.close()
 
 
-def open_model(model: str | Path) -> HFCheckpoint:
-    return HFCheckpoint(model)
-
-
-__all__ = ["HFCheckpoint", "open_model", "resolve_model_path", "parse_dtype", "Adapter", "MoEModel"]
+__all__ = ["HFCheckpoint", "resolve_model_path", "parse_dtype", "Adapter", "MoEModel"]

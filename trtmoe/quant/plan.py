@@ -120,14 +120,6 @@ class QuantPlan:
         """Format of the ``mod`` matrix of the expert placed in ``slot``."""
         return self.matrix_format(layer, self.perm(layer, num_experts)[slot], mod)
 
-    def slot_format(self, layer: int, slot: int, num_experts: int) -> str:
-        """Format of the expert placed in ``slot``; ValueError when its fc and proj differ."""
-        fc, proj = (self.slot_matrix_format(layer, slot, m, num_experts) for m in MATRICES)
-        if fc != proj:
-            raise ValueError(f"layer {layer} slot {slot} stores fc in {fc} and proj in {proj}; "
-                             "ask slot_matrix_format")
-        return fc
-
     def layer_format(self, layer: int) -> str:
         fs = self.formats.get(layer) or [FLOAT]
         assert len(set(fs)) == 1
