@@ -58,9 +58,7 @@ def trtllm_config(m: MoEModel, mapping: Mapping, dtype: torch.dtype, *, version:
     architecture shares, then the architecture's own (``Adapter.trtllm_facts``)."""
     adapter = ADAPTERS[m.family]
     schema = schema_for(version)
-    mp = {"world_size": mapping.world_size, "gpus_per_node": mapping.gpus_per_node, "cp_size": 1,
-          "tp_size": mapping.tp_size, "pp_size": mapping.pp_size, "moe_tp_size": mapping.moe_tp_size,
-          "moe_ep_size": mapping.moe_ep_size}
+    mp = mapping.to_dict()
     assert set(MAPPING_KEYS) <= schema["mapping"]
     moe = {"num_experts": m.num_experts, "top_k": m.top_k, "normalization_mode": m.normalization_mode,
            "sparse_mixer_epsilon": m.sparse_mixer_epsilon, "tp_mode": 0,

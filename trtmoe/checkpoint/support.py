@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UnsupportedError
 from ..hf.adapters import ADAPTERS
+from ..parallel.mapping import Mapping
 from .schema import schema_for
 
 SUPPORTED, UNLISTED, REFUSED = "supported", "unlisted", "refused"
@@ -328,11 +329,9 @@ def check_checkpoint_config(cfg: dict, quant_cfg: dict | None, version: str) -> 
         layer_formats = {int(l): canonical_format(fs[0]) for l, fs in q["expert_formats"].items() if fs}
     elif q.get("matrix_formats"):
         per_expert = per_expert or "matrix"
-    mp = cfg.get("mapping") or {}
-    return check(version, family, layer_formats=layer_formats, per_expert=per_expert,
-                 tp=int(mp.get("tp_size", 1)), pp=int(mp.get("pp_size", 1)),
-                 moe_tp=int(mp.get("moe_tp_size", 1)), moe_ep=int(mp.get("moe_ep_size", 1)),
-                 moe_layers=ours.get("moe_layers") or ())
+    mp = Mapping.from_config(cfg.get("mapping") or {})
+    return check(version, family, layer_formats=layer_formats, per_expert=per_expert, tp=mp.tp_size, pp=mp.pp_size,
+                 moe_tp=mp.moe_tp_size, moe_ep=mp.moe_ep_size, moe_layers=ours.get("moe_layers") or ())
 
 
 # ---- the README table -----------------------------------------------------------------------------

@@ -485,8 +485,7 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
                 resolved_config=resolved_config or {
                     "tp": tp, "pp": pp, "moe_tp": mapping.moe_tp_size, "moe_ep": mapping.moe_ep_size,
                     "dtype": DTYPE_STR[tdtype], "trtllm_version": trtllm_version},
-                mapping={"tp": mapping.tp_size, "pp": mapping.pp_size, "moe_tp": mapping.moe_tp_size,
-                         "moe_ep": mapping.moe_ep_size, "world_size": mapping.world_size},
+                mapping=mapping.summary(),
                 quantization=(quant.manifest_entry() if quant is not None else None),
             )
         result.bytes_written = total

@@ -51,6 +51,17 @@ class Mapping:
             raise LayoutError("cp_size > 1 is not supported for MoE models")
         return m
 
+    def to_dict(self) -> dict:
+        """The ``mapping`` block of a TensorRT-LLM checkpoint config (``from_config`` reads it back)."""
+        return {"world_size": self.world_size, "gpus_per_node": self.gpus_per_node, "cp_size": 1,
+                "tp_size": self.tp_size, "pp_size": self.pp_size, "moe_tp_size": self.moe_tp_size,
+                "moe_ep_size": self.moe_ep_size}
+
+    def summary(self) -> dict:
+        """The short form trtmoe's manifests record (tp, pp, moe_tp, moe_ep, world_size)."""
+        return {"tp": self.tp_size, "pp": self.pp_size, "moe_tp": self.moe_tp_size, "moe_ep": self.moe_ep_size,
+                "world_size": self.world_size}
+
     # ---- sizes and ranks ---------------------------------------------------------------------
     @property
     def world_size(self) -> int:
