@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from trtmoe.checkpoint.schema import moe_prequant_problems
 from trtmoe.checkpoint.writer import convert
 from trtmoe.cli import main
 from trtmoe.hf.safetensors_io import SafetensorsFile
@@ -280,8 +281,12 @@ def test_tensorrt_llm_layout_has_prequant_scale_only_where_declared(model, calib
     f = SafetensorsFile(ck / "rank0.safetensors")
     try:
         pq = {n: f.read(n) for n in f.tensors if n.endswith("prequant_scaling_factor")}
+        shapes = {n: tuple(f.tensors[n].shape) for n in f.tensors}
     finally:
         f.close()
+    ins = {"fc": 128, "proj": 128}
+    assert moe_prequant_problems(shapes, {l: "W4A16_AWQ" for l in range(L)}, ins) == []
+    assert moe_prequant_problems(shapes, {l: "W4A16" for l in range(L)}, ins)  # it can fail
     assert set(pq) == {f"transformer.layers.{l}.mlp.{m}.prequant_scaling_factor" for l in range(L)
                        for m in ("fc", "proj")}
     for n, t in pq.items():
@@ -308,6 +313,8 @@ def test_tensorrt_llm_layout_has_prequant_scale_only_where_declared(model, calib
     f = SafetensorsFile(pc / "rank0.safetensors")
     try:
         assert not [n for n in f.tensors if "prequant" in n or "scaling_factor" in n or "per_channel" in n]
+        assert moe_prequant_problems({n: tuple(f.tensors[n].shape) for n in f.tensors},
+                                     {l: "W4A16" for l in range(L)}, ins) == []
         clipped = 0
         for l in range(L):
             fc = f.read(f"transformer.layers.{l}.mlp.fc.weight")

@@ -67,3 +67,34 @@ def check_strict_blocks(config: dict, version: str) -> list[str]:
     if algo not in s["quant_algos"]:
         problems.append(f"quant_algo {algo!r} is not known to TensorRT-LLM {version}")
     return problems
+
+
+# Which quantization algorithms give a MoE layer's stacked ``fc`` / ``proj`` a ``prequant_scaling_factor``
+# in TensorRT-LLM's fused MoE (its MoE weight wrapper declares one [1, in_features] tensor, in the model
+# dtype, per stacked fc and per stacked proj — shared by the layer's experts — only for group-wise
+# weight quantization with a pre-quant scale; per-channel weight-only and unquantized layers have none).
+MOE_PREQUANT_ALGOS: dict[str, frozenset] = {"1.2": frozenset({"W4A16_AWQ", "W4A8_AWQ"})}
+
+
+def moe_prequant_problems(tensors: dict[str, tuple[int, ...]], layer_algos: dict[int, str | None],
+                          in_features: dict[str, int], version: str = DEFAULT_VERSION) -> list[str]:
+    """Problems with the pre-quant scales of one rank's routed-expert tensors (empty list = fine):
+    ``tensors`` maps names to shapes, ``layer_algos`` gives each local MoE layer's quant_algo and
+    ``in_features`` the per-rank input size of ``fc`` and ``proj``. A layer whose algorithm declares the
+    scale needs exactly ``transformer.layers.{j}.mlp.{fc,proj}.prequant_scaling_factor`` [1, in]; no other
+    MoE tensor may carry one."""
+    declared = MOE_PREQUANT_ALGOS[".".join(str(version).split(".")[:2])]
+    problems, want = [], {}
+    for j, algo in layer_algos.items():
+        if algo in declared:
+            for mod in ("fc", "proj"):
+                want[f"transformer.layers.{j}.mlp.{mod}.prequant_scaling_factor"] = (1, in_features[mod])
+    for name, shape in want.items():
+        if name not in tensors:
+            problems.append(f"{name} is missing (TensorRT-LLM declares it for this layer's quant_algo)")
+        elif tuple(tensors[name]) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name])}, TensorRT-LLM declares {shape}")
+    for name in tensors:
+        if name.endswith("prequant_scaling_factor") and ".mlp." in name and name not in want:
+            problems.append(f"{name}: TensorRT-LLM declares no pre-quant scale there")
+    return problems
