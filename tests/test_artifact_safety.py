@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -226,3 +227,162 @@ def test_repository_tokenizer_links_out_of_its_folder_are_not_copied(tmp_path):
     generate_repository(tmp_path / "engine", tmp_path / "repo", tokenizer_dir=tok)
     copied = {p.name for p in (tmp_path / "repo" / "preprocessing" / "tokenizer").iterdir()}
     assert {"tokenizer.json", "inside.json"} <= copied and "special_tokens_map.json" not in copied
+
+
+# ---- a kill between any two file-system steps of build and repo -------------------------------------
+
+# Runs one command many times, each in a fork that SIGKILLs itself right before its k-th file-system
+# step under its own folder (a link, rename, exchange, mkdir, unlink, copy, rmtree or file opened for
+# writing), so every state the command can leave on disk is reached once. Fork: the imports (torch,
+# the tokenizer libraries) are paid once, not once per kill point.
+_STEP_DRIVER = textwrap.dedent("""
+    import builtins, json, os, pathlib, shutil, signal, sys
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from trtmoe.checkpoint import atomic
+    from trtmoe.cli import main
+    import trtmoe.build.embedded, trtmoe.triton.repository  # noqa: F401 (imported before forking)
+
+    spec = json.loads(sys.argv[1])
+
+    def run(kill_at, root):
+        count, swap_at = [0], [0]
+
+        def counted(fn):
+            def wrapped(*a, **kw):
+                if any(isinstance(x, (str, os.PathLike)) and os.fspath(x).startswith(root) for x in a[:2]):
+                    count[0] += 1
+                    if count[0] == kill_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return fn(*a, **kw)
+            return wrapped
+
+        real_open = builtins.open
+        counted_open = counted(real_open)
+        builtins.open = lambda f, mode="r", *a, **kw: (counted_open if any(c in mode for c in "wax+")
+                                                      else real_open)(f, mode, *a, **kw)
+        for owner, name in ((os, "link"), (os, "rename"), (os, "replace"), (os, "mkdir"), (os, "symlink"),
+                            (os, "unlink"), (os, "rmdir"), (shutil, "copyfile"), (shutil, "copy2"),
+                            (shutil, "copystat"), (shutil, "rmtree"), (pathlib.Path, "write_text"),
+                            (pathlib.Path, "write_bytes")):
+            setattr(owner, name, counted(getattr(owner, name)))
+        exchange = counted(atomic.exchange if spec["exchange"] else (lambda a, b: False))
+
+        def noted_exchange(a, b):
+            swap_at[0] = swap_at[0] or count[0] + 1
+            return exchange(a, b)
+        atomic.exchange = noted_exchange
+        args = [os.path.join(root, "out") if a == "OUT" else a for a in spec["args"]]
+        try:
+            main(args, prog_name="trtmoe")
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+        with real_open(os.path.join(root, "..", os.path.basename(root) + ".steps"), "w") as f:
+            f.write(f"{count[0]} {swap_at[0]}")
+        return code
+
+    # One unobserved run first, so the lazy imports (protobuf, tokenizers, ...) happen before forking.
+    warm = os.path.join(spec["warm"], "out")
+    try:
+        main([warm if a == "OUT" else a for a in spec["args"]], prog_name="trtmoe")
+    except SystemExit:
+        pass
+    shutil.rmtree(spec["warm"])
+    results = {}
+    for k, root in spec["runs"]:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = run(k, root)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        results[str(k)] = os.waitstatus_to_exitcode(status)
+    print(json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def engine_and_checkpoint(tiny_model, tmp_path_factory):
+    from trtmoe.build.embedded import build_embedded
+    from trtmoe.config import defaults
+
+    root = tmp_path_factory.mktemp("kill-steps")
+    model = shutil.copytree(tiny_model("mixtral", vocab_size=2048), root / "model")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(REPO_ROOT / "tests" / "fixtures" / "trained_mixtral" / f, model / f)
+    convert(model, root / "ckpt")
+    build_embedded(root / "ckpt", root / "engine", {**defaults()["build"], "max_input_len": 64})
+    return root / "ckpt", root / "engine"
+
+
+def _drive(driver: Path, args: list, runs: list[tuple[int, Path]], exchange_ok: bool) -> dict[str, int]:
+    warm = driver.parent / "warm"
+    warm.mkdir()
+    spec = {"args": [str(a) for a in args], "exchange": exchange_ok, "runs": [(k, str(d)) for k, d in runs],
+            "warm": str(warm)}
+    proc = subprocess.run([sys.executable, str(driver), json.dumps(spec)], capture_output=True, text=True,
+                          timeout=600, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(c in (0, -signal.SIGKILL) for c in codes.values()), (codes, proc.stderr[-3000:])
+    return codes
+
+
+@pytest.mark.parametrize("exchange_ok", [True, False], ids=["exchange", "two-renames"])
+@pytest.mark.parametrize("command", ["build", "repo"])
+def test_kill_at_every_step_of_build_and_repo(engine_and_checkpoint, tmp_path, command, exchange_ok):
+    """With a previous output in place, a SIGKILL before any one file-system step of `--force` leaves
+    at the output path the previous output or the new one, complete; the next run cleans up and
+    writes exactly the bytes of an uninterrupted run."""
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+
+    if exchange_ok and not atomic.exchange(tmp_path, tmp_path):
+        pytest.skip("this file system has no atomic exchange (renameat2 RENAME_EXCHANGE)")
+    ckpt, engine = engine_and_checkpoint
+    if command == "build":
+        base = ["build", ckpt, "-o", "OUT", "--backend", "embedded", "--max-input-len", "64"]
+    else:
+        base = ["repo", engine, "-o", "OUT"]
+    prev_args, new_args = [*base, "--max-batch-size", "4"], [*base, "--force"]
+
+    def cli(args, root: Path):
+        res = CliRunner().invoke(main, [str(root / "out") if a == "OUT" else str(a) for a in args])
+        assert res.exit_code == 0, (args, res.output, res.stderr)
+
+    # References at the same depth as the runs (a repository records its engine by relative path).
+    for name, args in (("prev", prev_args), ("new", new_args)):
+        (tmp_path / name).mkdir()
+        cli(args, tmp_path / name)
+    prev, new = tree_digest(tmp_path / "prev" / "out"), tree_digest(tmp_path / "new" / "out")
+    assert prev != new
+
+    def fresh(name: str) -> Path:
+        root = tmp_path / name
+        shutil.copytree(tmp_path / "prev" / "out", root / "out")
+        return root
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(_STEP_DRIVER)
+    # An uninterrupted run counts the steps (and must itself produce the new bytes).
+    assert _drive(driver, new_args, [(0, fresh("count"))], exchange_ok) == {"0": 0}
+    steps, swap_at = map(int, (tmp_path / "count.steps").read_text().split())
+    assert tree_digest(tmp_path / "count" / "out") == new
+    assert steps >= (8 if command == "build" else 15) and 1 < swap_at <= steps, (steps, swap_at)
+    # Every step with the exchange; the fallback differs from it only from the swap on.
+    first = 1 if exchange_ok else swap_at
+    roots = {k: fresh(f"kill{k}") for k in range(first, steps + 1)}
+    codes = _drive(driver, new_args, list(roots.items()), exchange_ok)
+    for k, root in roots.items():
+        assert codes[str(k)] == -signal.SIGKILL, (k, codes[str(k)])
+        out = root / "out"
+        if exchange_ok:
+            assert out.is_dir(), f"step {k}: no output at all"
+        if out.exists():
+            assert tree_digest(out) in (prev, new), f"step {k}: a half-written output"
+        cli(new_args, root)
+        assert tree_digest(out) == new, k
+        assert [p.name for p in root.iterdir()] == ["out"], (k, list(root.iterdir()))

@@ -64,7 +64,7 @@ def recover_leftovers(out: Path) -> None:
         if parsed is not None and not _pid_alive(parsed[0]):
             dead.append((p, parsed[1]))
     for p, previous in dead:
-        if previous and not os.path.lexists(out) and (p / "manifest.json").is_file():
+        if previous and not os.path.lexists(out) and any((p / n).is_file() for n in _MANIFEST_NAMES):
             os.rename(p, out)
             _fsync_dir(parent)
         else:
@@ -143,8 +143,17 @@ def _is_replaceable(out: Path) -> bool:
         return False
     if not any(out.iterdir()):
         return True
+    return any(_is_trtmoe_manifest(out / name) for name in _MANIFEST_NAMES)
+
+
+# Checkpoints, engines and calibrations write manifest.json; model repositories (whose root
+# Triton scans for model folders) keep theirs under a name of their own.
+_MANIFEST_NAMES = ("manifest.json", "trtmoe_repository.json")
+
+
+def _is_trtmoe_manifest(path: Path) -> bool:
     try:
-        manifest = json.loads((out / "manifest.json").read_text())
+        manifest = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return False
     # Checkpoints, engines and calibrations say "tool"; repositories name their "generator".
