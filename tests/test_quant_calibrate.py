@@ -168,3 +168,16 @@ def test_calibration_says_which_bos_and_eos_it_used(model, text, tokdir, tmp_pat
     res = cli(*_args(model, text, tokdir, tmp_path / "c"))
     assert "BOS '<s>' (id 1)" in res.output and "EOS '</s>' (id 2)" in res.output
     assert "add_bos_token" in res.output
+
+
+def test_sensitivity_method_and_device_are_chosen_on_the_command_line(model, text, tokdir, tmp_path):
+    res = cli(*_args(model, text, tokdir, tmp_path / "ex"), "--sensitivity", "exact", "--rounding", "rtn")
+    assert "sensitivity (exact)" in " ".join(res.output.split())
+    cal = json.loads((tmp_path / "ex" / "calib.json").read_text())
+    assert cal["sensitivity"]["method"] == "exact"
+    res = cli(*_args(model, text, tokdir, tmp_path / "fi"), "--rounding", "rtn")
+    cal = json.loads((tmp_path / "fi" / "calib.json").read_text())
+    assert cal["sensitivity"]["method"] == "fisher" and cal["sensitivity"]["cost_forward_passes"] <= 6
+    if not torch.cuda.is_available():
+        res = cli(*_args(model, text, tokdir, tmp_path / "gpu"), "--device", "cuda", expect=2)
+        assert "no CUDA device" in res.output and not (tmp_path / "gpu").exists()

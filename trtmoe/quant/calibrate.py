@@ -1,6 +1,11 @@
 """``trtmoe calibrate``: routing statistics and measured per-matrix sensitivity.
 
-Sensitivity of matrix m ∈ {fc, proj} of expert e (layer l) to format f is the end-to-end ΔKL: the
+By default (``--sensitivity fisher``) the ΔKL of every expert matrix is a second-order estimate from
+one forward and one backward pass over the calibration set (see sensitivity.py); its cost does not
+grow with the number of experts. ``--sensitivity exact``, described here, measures it end to end and
+is the oracle that estimate is validated against.
+
+Exact sensitivity of matrix m ∈ {fc, proj} of expert e (layer l) to format f is the end-to-end ΔKL: the
 mean over calibration tokens of KL(p_ref ‖ p_q), where p_q is the model's next-token distribution
 with only that matrix quantized (through the format's own quantize + packed ``linear``; the other
 matrix and every other expert stay float). The residual stream entering layer l is cached from the

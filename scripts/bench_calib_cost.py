@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""Calibration cost and accuracy of the Fisher sensitivity against the exact (end-to-end) ΔKL.
+
+Cost (default): for seeded random Mixtral-shaped models with E = 8, 32, 64, 128 experts (the same
+other dimensions), run ``fisher`` and ``exact`` in a fresh process each and print forward-pass
+equivalents, wall time (of the measurement) and the process's peak RSS (model, conversion and
+Python included). The exact method's recorded cost counts only its reruns of layers
+l..L-1; the ``all`` column adds its reference pass and its all-token output-error passes (E × (1 + 2F)
+expert passes over every token per layer), counted in the same multiply-accumulates as fisher's.
+
+    python scripts/bench_calib_cost.py --experts 8,32,64,128
+
+Accuracy (``--accuracy MODEL``): calibrate a trained fixture both ways on the corpus's ``calib``
+split (round-to-nearest, so that both measure the same quantized weights), report Spearman's ρ of
+fisher against exact per MoE layer (per expert, fc + proj, and per matrix) for every format, then
+build the graded per-matrix plan from each at the given budgets, convert both and compare their
+held-out KL (the ``heldout`` split, disjoint from calibration) with the float model's.
+
+    python scripts/bench_calib_cost.py --accuracy tests/fixtures/trained_mixtral --samples 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---- cost ------------------------------------------------------------------------------------------
+
+def _child(model: str, method: str, samples: int, seq_len: int, formats: str, device: str) -> None:
+    """One measurement in this (fresh) process; prints a JSON line."""
+    import torch
+
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.quant.calibrate import measure
+    from trtmoe.quant.sensitivity import fisher_measure, forward_macs
+    from trtmoe.runtime.engine import EmbeddedEngine
+
+    torch.set_num_threads(1)
+    samples, seq_len = int(samples), int(seq_len)
+    fmts = tuple(formats.split(","))
+    work = Path(model).parent / f"ck-{method}"
+    shutil.rmtree(work, ignore_errors=True)
+    ck = convert(model, work).out_dir
+    eng = EmbeddedEngine.from_checkpoint(ck, device=device)
+    vocab = eng.cfg.vocab_size
+    ids = torch.randint(0, vocab, (samples, seq_len), generator=torch.Generator().manual_seed(0))
+    t0 = time.perf_counter()
+    if method == "fisher":
+        res = fisher_measure(eng, ids, formats=fmts)
+        total = res["sensitivity"]["cost_forward_passes"]
+    else:
+        res = measure(eng, ids, formats=fmts, rounding="rtn")
+        c = eng.cfg
+        macs = forward_macs(c, seq_len)
+        n_moe = sum(c.moe_layers)
+        err = n_moe * c.num_experts * (1 + 2 * len(fmts)) * 3 * c.expert_intermediate_size * c.hidden_size
+        total = 1 + res["sensitivity"]["cost_forward_passes"] + err / macs["total"]
+    secs = time.perf_counter() - t0
+    shutil.rmtree(work, ignore_errors=True)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps({"passes": res["sensitivity"]["cost_forward_passes"], "all": total, "seconds": secs,
+                      "peak_rss_mib": rss}))
+
+
+def cost(args) -> list[dict]:
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from make_tiny_models import make_tiny_model
+
+    rows = []
+    work = Path(args.workdir)
+    for E in [int(e) for e in args.experts.split(",")]:
+        model = work / f"mixtral-E{E}"
+        if not (model / "config.json").is_file():
+            shutil.rmtree(model, ignore_errors=True)
+            make_tiny_model("mixtral", model, seed=E, num_local_experts=E, num_hidden_layers=args.layers,
+                            hidden_size=args.hidden, intermediate_size=args.inter, vocab_size=args.vocab)
+        for method in ("fisher", "exact"):
+            if method == "exact" and E > args.exact_max_experts:
+                continue
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, __file__, "--child", str(model), method, str(args.samples),
+                                str(args.seq_len), args.formats, args.device], capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if r.returncode:
+                log(r.stderr[-3000:])
+                raise SystemExit(f"{method} E={E} failed")
+            out = json.loads(r.stdout.strip().splitlines()[-1])
+            rows.append({"E": E, "method": method, "passes": out["passes"], "all": out["all"],
+                         "measure_seconds": out["seconds"], "process_seconds": wall,
+                         "peak_rss_mib": out["peak_rss_mib"]})
+            log(f"E={E:4d} {method:6s} passes {out['passes']:8.2f}  all {out['all']:8.2f}  "
+                f"measure {out['seconds']:7.1f} s  process {wall:7.1f} s  peak RSS {out['peak_rss_mib']:.0f} MiB")
+    log("")
+    log(f"calibration cost: {args.samples} x {args.seq_len} tokens, formats {args.formats}, {args.layers} layers, "
+        f"hidden {args.hidden}, expert FFN {args.inter}, top-2")
+    log(f"{'E':>5s} {'method':>7s} {'fwd-pass equiv.':>16s} {'incl. all passes':>17s} {'measure s':>10s} "
+        f"{'peak RSS MiB':>13s}")
+    for r in rows:
+        rss = f"{r['peak_rss_mib']:.0f}"
+        log(f"{r['E']:>5d} {r['method']:>7s} {r['passes']:>16.2f} {r['all']:>17.2f} {r['measure_seconds']:>10.1f} "
+            f"{rss:>13s}")
+    return rows
+
+
+# ---- accuracy --------------------------------------------------------------------------------------
+
+def accuracy(args) -> dict:
+    import torch
+    from scipy.stats import spearmanr
+
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.data import split_texts
+    from trtmoe.quant.calibrate import measure, token_batches
+    from trtmoe.quant.policies import make_plan
+    from trtmoe.quant.sensitivity import fisher_measure
+    from trtmoe.report.quality import Reference, heldout_ids
+    from trtmoe.runtime.engine import EmbeddedEngine
+    from trtmoe.runtime.load import load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    model = Path(args.accuracy)
+    work = Path(args.workdir) / f"accuracy-{model.name}"
+    work.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(model)
+    ref_ck = work / "ckpt_fp"
+    if not (ref_ck / "config.json").is_file():
+        shutil.rmtree(ref_ck, ignore_errors=True)
+        convert(model, ref_ck)
+    eng = EmbeddedEngine.from_checkpoint(ref_ck, device=args.device)
+    from trtmoe.quant.calibrate import applicable_formats
+
+    fmts, _ = applicable_formats(tuple(args.formats.split(",")), eng.cfg.hidden_size,
+                                 eng.cfg.expert_intermediate_size)
+    ids = token_batches(split_texts("calib", max_bytes=64 * args.samples * args.seq_len), tok, args.samples,
+                        args.seq_len)
+    cache = work / f"calib-{args.samples}x{args.seq_len}-{'-'.join(fmts)}.json"
+    if cache.is_file():
+        both = json.loads(cache.read_text())
+        log(f"calibrations reused from {cache}")
+    else:
+        both = {}
+        for method in ("fisher", "exact"):
+            t0 = time.perf_counter()
+            both[method] = (fisher_measure(eng, ids, formats=fmts) if method == "fisher"
+                            else measure(eng, ids, formats=fmts, rounding="rtn"))
+            both[method]["seconds"] = time.perf_counter() - t0
+        cache.write_text(json.dumps(both))
+    fi, ex = both["fisher"], both["exact"]
+    for method in ("fisher", "exact"):
+        log(f"{method}: {both[method]['sensitivity']['cost_forward_passes']:.2f} forward-pass equivalents (recorded), "
+            f"{both[method]['seconds']:.0f} s")
+    out = {"model": str(model), "tokens": int(ids.numel()), "formats": list(fmts), "spearman": {}, "plans": []}
+    log(f"Spearman rho, fisher vs exact, per MoE layer ({ids.shape[0]} x {ids.shape[1]} calibration tokens):")
+    for f in fmts:
+        for what in ("expert", "fc", "proj"):
+            if what == "expert":
+                a, b = ex["sensitivity"]["delta_kl"][f], fi["sensitivity"]["delta_kl"][f]
+            else:
+                a = ex["sensitivity"]["matrices"][what]["delta_kl"][f]
+                b = fi["sensitivity"]["matrices"][what]["delta_kl"][f]
+            rho = [float(spearmanr(a[l], b[l]).statistic) for l in ex["moe_layers"]]
+            out["spearman"][f"{f}/{what}"] = rho
+            log(f"  {f:10s} {what:6s} " + " ".join(f"{r:6.3f}" for r in rho) + f"   min {min(rho):.3f}")
+    held = heldout_ids(tok, samples=args.eval_samples, seq_len=args.eval_seq_len)
+    ref = Reference(ref_ck, held, device=args.device)
+    for budget in [float(b) for b in args.budgets.split(",")]:
+        row = {"budget": budget}
+        for method, cal in (("fisher", fi), ("exact", ex)):
+            plan = make_plan(cal, "graded", budget_bpw=budget, granularity="matrix", dtype=eng.dtype)
+            ck = work / f"plan-{method}-{budget}"
+            shutil.rmtree(ck, ignore_errors=True)
+            convert(model, ck, quant=plan)
+            ev = ref.compare(ck)
+            shutil.rmtree(ck)
+            row[method] = {"kl_mean": ev["kl"]["mean"], "kl_stderr": ev["kl"]["stderr"], "bpw": ev["expert_bpw"],
+                           "formats": sorted(plan.used_formats())}
+        row["ratio"] = row["fisher"]["kl_mean"] / row["exact"]["kl_mean"]
+        out["plans"].append(row)
+        log(f"  budget {budget}: held-out KL fisher plan {row['fisher']['kl_mean']:.5f} ± "
+            f"{row['fisher']['kl_stderr']:.5f} ({row['fisher']['bpw']:.3f} bpw), exact plan "
+            f"{row['exact']['kl_mean']:.5f} ± {row['exact']['kl_stderr']:.5f} ({row['exact']['bpw']:.3f} bpw): "
+            f"ratio {row['ratio']:.3f}")
+    return out
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(*sys.argv[2:8])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", default="/tmp/trtmoe-bench-calib-cost")
+    ap.add_argument("--experts", default="8,32,64,128")
+    ap.add_argument("--exact-max-experts", type=int, default=128, help="skip exact above this E")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--inter", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--formats", default="int8,int4")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--accuracy", default=None, help="a trained fixture: Spearman and plan KL instead of cost")
+    ap.add_argument("--budgets", default="4.5,5.0")
+    ap.add_argument("--eval-samples", type=int, default=64)
+    ap.add_argument("--eval-seq-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="write the results as JSON")
+    args = ap.parse_args(argv)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    if args.accuracy:
+        if args.formats == "int8,int4":
+            args.formats = "int8,int4,int4_g128,int4_g64"
+        res = accuracy(args)
+    else:
+        res = cost(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
