@@ -375,3 +375,29 @@ def test_streaming_and_exclude_flags(setup, tmp_path):
     configs = validate_repository(tmp_path / "r")
     assert configs["tensorrt_llm"].model_transaction_policy.decoupled
     assert configs["tensorrt_llm"].parameters["torch_num_threads"].string_value == "3"
+
+
+def test_repo_and_serve_options_merge_cli_over_yaml_over_defaults(setup, tmp_path):
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+
+    y = tmp_path / "c.yaml"
+    y.write_text("repo:\n  streaming: true\n  max_batch_size: 2\nserve:\n  grpc_port: 9101\n  http_port: 9100\n")
+    run = CliRunner().invoke
+    r = run(main, ["repo", str(setup["engine"]), "-o", str(tmp_path / "a"), "--tokenizer", str(setup["tok"]),
+                   "-c", str(y)])
+    assert r.exit_code == 0, r.output
+    a = validate_repository(tmp_path / "a")
+    assert a["tensorrt_llm"].model_transaction_policy.decoupled and a["tensorrt_llm"].max_batch_size == 2
+    r = run(main, ["repo", str(setup["engine"]), "-o", str(tmp_path / "b"), "--tokenizer", str(setup["tok"]),
+                   "-c", str(y), "--no-streaming", "--max-batch-size", "3"])
+    assert r.exit_code == 0, r.output
+    b = validate_repository(tmp_path / "b")
+    assert not b["tensorrt_llm"].model_transaction_policy.decoupled and b["tensorrt_llm"].max_batch_size == 3
+    r = run(main, ["serve", str(tmp_path / "b"), "-c", str(y), "--http-port", "9200", "--print-command"])
+    assert r.exit_code == 0, r.output
+    assert "--grpc-port=9101" in r.output and "--http-port=9200" in r.output, r.output
+    y.write_text("repo:\n  streaming: maybe\n")
+    r = run(main, ["repo", str(setup["engine"]), "-o", str(tmp_path / "c"), "-c", str(y)])
+    assert r.exit_code == 2 and "repo.streaming" in r.output and not (tmp_path / "c").exists()

@@ -1,7 +1,9 @@
 """YAML build configs, validated strictly, merged CLI > YAML > defaults.
 
-A config has up to four sections (``model``, ``convert``, ``quantize``, ``build``). An unknown
-section or key, or a bad value, is a ConfigError naming the key and what is allowed.
+A config has up to six sections (``model``, ``convert``, ``quantize``, ``build``, ``repo``, ``serve``):
+every stage's options, so one file drives ``convert``, ``build``, ``repo`` and ``serve`` and the
+command line overrides any of them. An unknown section or key, or a bad value, is a ConfigError
+naming the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -76,6 +78,37 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "remove_input_padding": Key(bool, True),
         "workers": Key(int, 1, **_POS),
         "device": Key(str, "auto", choices=("auto", "cpu", "cuda")),
+    },
+    "repo": {  # `trtmoe repo`: the Triton model repository (limits are checked against the engine's)
+        "tokenizer": Key(str, None, nullable=True, help="tokenizer folder [default: beside the engine]"),
+        "max_batch_size": Key(int, None, nullable=True, help="<= the engine's", **_POS),
+        "max_beam_width": Key(int, None, nullable=True, help="must equal the engine's", **_POS),
+        "max_input_len": Key(int, None, nullable=True, help="<= the engine's", **_POS),
+        "max_seq_len": Key(int, None, nullable=True, help="<= the engine's", **_POS),
+        "world_size": Key(int, None, nullable=True, help="checked against the engine's tp × pp", **_POS),
+        "streaming": Key(bool, False, help="decoupled models that stream tokens (upstream's default: not)"),
+        "exclude_input_in_output": Key(bool, False, help="leave the prompt out of non-streamed outputs"),
+        "max_queue_delay_microseconds": Key(int, 0, minimum=0),
+        "max_queue_size": Key(int, 0, minimum=0, help="0 = unbounded"),
+        "preprocessing_instance_count": Key(int, 1, **_POS),
+        "postprocessing_instance_count": Key(int, 1, **_POS),
+        "bls_instance_count": Key(int, 1, **_POS),
+        "kv_cache_free_gpu_mem_fraction": Key((int, float), None, nullable=True, minimum=0, maximum=1,
+                                              help="TensorRT engines only"),
+        "device": Key(str, None, nullable=True, help="embedded engine: auto, cpu, cuda, cuda:N"),
+        "torch_num_threads": Key(int, 0, minimum=0, help="0 = from this machine's cores and the instance counts"),
+        "stream_interval": Key(int, None, nullable=True, minimum=0, help="embedded engine: a response every N tokens"),
+        "trust_remote_code": Key(bool, False),
+    },
+    "serve": {  # `trtmoe serve`: the tritonserver process
+        "host": Key(str, "127.0.0.1", help="address to bind (0.0.0.0 exposes the server)"),
+        "http_port": Key(int, 8000, minimum=0, maximum=65535, help="0 picks a free port"),
+        "grpc_port": Key(int, 8001, minimum=0, maximum=65535, help="0 picks a free port"),
+        "metrics_port": Key(int, 8002, minimum=0, maximum=65535, help="0 picks a free port"),
+        "world_size": Key(int, None, nullable=True, help="MPI ranks [default: the repository's]", **_POS),
+        "server": Key(str, None, nullable=True, choices=("system", "pytriton")),
+        "timeout_s": Key((int, float), 300.0, minimum=1, help="seconds to wait for the models to load"),
+        "log_verbose": Key(int, 0, minimum=0),
     },
 }
 TOP_LEVEL = {"model": Key(str, None, nullable=True, help="HF model directory or hub id")}

@@ -20,58 +20,72 @@ def _echo_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
 
+_CONFIG = click.option("-c", "--config", "config_path", type=click.Path(path_type=Path), default=None,
+                       help="YAML config (see build_configs/); its repo/serve section sets these options and "
+                            "the command line overrides it.")
+
+
 @click.command("repo")
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Model repository to write (replaced only with --force).")
-@click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path), default=None,
+@_CONFIG
+@click.option("--tokenizer", "tokenizer", type=click.Path(path_type=Path), default=None,
               help="Hugging Face tokenizer folder [default: the one beside the engine or its checkpoint].")
 @click.option("--max-batch-size", type=int, default=None, help="Triton max_batch_size (<= the engine's) [default: engine's].")
 @click.option("--max-beam-width", type=int, default=None, help="Must equal the engine's build value.")
 @click.option("--max-input-len", type=int, default=None, help="Prompt limit in tokens (<= the engine's).")
 @click.option("--max-seq-len", type=int, default=None, help="Prompt + output limit in tokens (<= the engine's).")
 @click.option("--world-size", type=int, default=None, help="Checked against the engine's tp x pp.")
-@click.option("--streaming/--no-streaming", "--decoupled/--not-decoupled", "streaming", default=False,
-              show_default=True,
+@click.option("--streaming/--no-streaming", "--decoupled/--not-decoupled", "streaming", default=None,
               help="Decoupled tensorrt_llm/BLS (and so ensemble): tokens stream over gRPC streams / generate_stream, "
-                   "and unary ModelInfer is refused. Default as upstream's templates: not decoupled.")
-@click.option("--exclude-input/--include-input", "exclude_input_in_output", default=False, show_default=True,
+                   "and unary ModelInfer is refused [default: not decoupled, as upstream's templates].")
+@click.option("--exclude-input/--include-input", "exclude_input_in_output", default=None,
               help="Default for requests that do not send exclude_input_in_output: leave the prompt out of "
-                   "non-streamed outputs (upstream's default: include it).")
-@click.option("--max-queue-delay-us", "max_queue_delay_microseconds", type=int, default=0, show_default=True)
-@click.option("--max-queue-size", type=int, default=0, show_default=True, help="0 = unbounded.")
-@click.option("--preprocessing-instances", "preprocessing_instance_count", type=int, default=1, show_default=True)
-@click.option("--postprocessing-instances", "postprocessing_instance_count", type=int, default=1, show_default=True)
-@click.option("--bls-instances", "bls_instance_count", type=int, default=1, show_default=True)
+                   "non-streamed outputs [default: include it, as upstream].")
+@click.option("--max-queue-delay-us", "max_queue_delay_microseconds", type=int, default=None, help="[default: 0]")
+@click.option("--max-queue-size", type=int, default=None, help="0 = unbounded [default: 0].")
+@click.option("--preprocessing-instances", "preprocessing_instance_count", type=int, default=None, help="[default: 1]")
+@click.option("--postprocessing-instances", "postprocessing_instance_count", type=int, default=None,
+              help="[default: 1]")
+@click.option("--bls-instances", "bls_instance_count", type=int, default=None, help="[default: 1]")
 @click.option("--kv-cache-free-gpu-mem-fraction", type=float, default=None, help="TensorRT engines only [default: 0.9].")
 @click.option("--device", default=None, help="Embedded engine device: auto, cpu, cuda, cuda:N [default: auto].")
-@click.option("--torch-threads", "torch_num_threads", type=int, default=0, show_default=True,
+@click.option("--torch-threads", "torch_num_threads", type=int, default=None,
               help="Embedded engine torch intra-op threads; 0 = this machine's cores less one per two "
                    "pre/post/BLS instances (at least 1). Written to config.pbtxt; capped at the serving "
-                   "machine's cores.")
+                   "machine's cores [default: 0].")
 @click.option("--stream-interval", type=int, default=None,
               help="Embedded engine: a streamed response every N tokens (the first and last at once). "
                    "1 = every token; default/0 = auto: every token up to 8 active streams, then "
                    "ceil(active/8), which keeps per-response overhead bounded when many streams share the CPU.")
-@click.option("--trust-remote-code", is_flag=True, help="Let the tokenizer run code from its folder.")
+@click.option("--trust-remote-code/--no-trust-remote-code", default=None,
+              help="Let the tokenizer run code from its folder [default: no].")
 @click.option("--force", is_flag=True, help="Replace an existing repository.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def repo_command(engine_dir, out_dir, as_json, **options):
+def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
     """Write a Triton model repository for ENGINE_DIR.
 
     ENGINE_DIR is a `trtmoe build --backend embedded` or `trtllm-build` engine directory; every
     setting comes from its config.json. The repository holds ensemble, preprocessing, tensorrt_llm,
-    postprocessing and tensorrt_llm_bls, with the tokenizer copied in.
+    postprocessing and tensorrt_llm_bls, with the tokenizer copied in. Options merge command line >
+    the `repo:` section of -c CONFIG > defaults.
 
     \b
     Example:
       trtmoe repo engine/ -o repo/ --max-batch-size 8
       trtmoe repo engine/ -o repo-stream/ --streaming --exclude-input
+      trtmoe repo engine/ -o repo/ -c build_configs/tiny-cpu.yaml
       trtmoe serve repo/
     """
+    from .. import config as cfgmod
     from .repository import generate_repository
 
-    r = generate_repository(engine_dir, out_dir, **options)
+    if options.get("tokenizer") is not None:
+        options["tokenizer"] = str(options["tokenizer"])
+    kw = dict(cfgmod.resolve(config_path, {"repo": options})["repo"])
+    kw["tokenizer_dir"] = kw.pop("tokenizer")
+    r = generate_repository(engine_dir, out_dir, force=force, **kw)
     if as_json:
         _echo_json({"path": str(r.path), "engine": r.engine.to_json(), "settings": r.settings.__dict__,
                     "launch_world_size": r.launch_world_size, "models": r.models, "warnings": r.warnings})
@@ -95,19 +109,19 @@ def repo_command(engine_dir, out_dir, as_json, **options):
 
 @click.command("serve")
 @click.argument("repo", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server).")
-@click.option("--http-port", type=int, default=8000, show_default=True, help="0 picks a free port.")
-@click.option("--grpc-port", type=int, default=8001, show_default=True, help="0 picks a free port.")
-@click.option("--metrics-port", type=int, default=8002, show_default=True, help="0 picks a free port.")
+@_CONFIG
+@click.option("--host", default=None, help="Address to bind (0.0.0.0 exposes the server) [default: 127.0.0.1].")
+@click.option("--http-port", type=int, default=None, help="0 picks a free port [default: 8000].")
+@click.option("--grpc-port", type=int, default=None, help="0 picks a free port [default: 8001].")
+@click.option("--metrics-port", type=int, default=None, help="0 picks a free port [default: 8002].")
 @click.option("--world-size", type=int, default=None, help="MPI ranks [default: from the repository manifest].")
 @click.option("--server", type=click.Choice(["system", "pytriton"]), default=None,
               help="tritonserver to use [default: the one on PATH (NGC container), else nvidia-pytriton's].")
-@click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True, help="Seconds to wait for ready.")
+@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds to wait for ready [default: 300].")
 @click.option("--log-file", type=click.Path(path_type=Path), default=None, help="Server log [default: a temp file].")
-@click.option("--log-verbose", type=int, default=0, show_default=True)
+@click.option("--log-verbose", type=int, default=None, help="[default: 0]")
 @click.option("--print-command", is_flag=True, help="Print the launch command and environment, do not start.")
-def serve_command(repo, host, http_port, grpc_port, metrics_port, world_size, server, timeout_s, log_file, log_verbose,
-                  print_command):
+def serve_command(repo, config_path, log_file, print_command, **options):
     """Start tritonserver on a model repository and serve until Ctrl-C.
 
     Uses the NGC container's tritonserver (mpirun with one rank per engine rank for TensorRT
@@ -115,12 +129,21 @@ def serve_command(repo, host, http_port, grpc_port, metrics_port, world_size, se
     backend running in this Python environment.
 
     \b
+    Options merge command line > the `serve:` section of -c CONFIG > defaults.
+
+    \b
     Example:
       trtmoe serve repo/ --grpc-port 8001
+      trtmoe serve repo/ -c build_configs/tiny-cpu.yaml
       trtmoe generate "def main(" --url 127.0.0.1:8001
     """
+    from .. import config as cfgmod
     from .serve import (Endpoints, build_launch_command, find_tritonserver, read_repository_manifest,
                         run_until_signalled, serve_repository, server_environment)
+
+    o = cfgmod.resolve(config_path, {"serve": options})["serve"]
+    host, http_port, grpc_port, metrics_port = o["host"], o["http_port"], o["grpc_port"], o["metrics_port"]
+    world_size, server, timeout_s, log_verbose = o["world_size"], o["server"], float(o["timeout_s"]), o["log_verbose"]
 
     if print_command:
         install = find_tritonserver(server)
