@@ -1067,3 +1067,31 @@ def test_well_formed_inputs_succeed(args, base, tmp_path):
     c = Case("ok", args)
     argv, _, res = run_case(c, w, base)
     assert res.exit_code == 0, (argv, res.stderr, res.stdout[-400:])
+
+
+# ---- an OS limit hit mid-write: one line, exit 1, nothing left (a subprocess: the limit is per process) --
+
+@pytest.mark.parametrize("command", ["convert", "build-copy"])
+def test_file_size_limit_mid_write(command, base, tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "outs" / "out"
+    out.parent.mkdir()
+    args = (["convert", base.mix, "-o", out] if command == "convert" else
+            ["build", base.ckpt, "-o", out, "--backend", "embedded", "--max-input-len", "64", "--copy"])
+    limit = 64 << 10  # smaller than every rank file, larger than the configs
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-m", "trtmoe.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=240, preexec_fn=cap, cwd=REPO_ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(base.tmp)})
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 1, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert "File too large" in lines[0] and "ulimit -f" in lines[0], lines[0]
+    assert list(out.parent.iterdir()) == [], list(out.parent.iterdir())
+    assert not [n for n in os.listdir(base.tmp) if "trtmoe" in n]
