@@ -180,6 +180,25 @@ def accuracy(args) -> dict:
             rho = [float(spearmanr(a[l], b[l]).statistic) for l in ex["moe_layers"]]
             out["spearman"][f"{f}/{what}"] = rho
             log(f"  {f:10s} {what:6s} " + " ".join(f"{r:6.3f}" for r in rho) + f"   min {min(rho):.3f}")
+    if args.heldout_oracle:
+        # Which calibration predicts per-expert ΔKL on other text: exact ΔKL measured on held-out windows
+        # (same count and length as calibration) against exact and fisher measured on calibration text.
+        ofile = work / f"heldout-exact-{args.samples}x{args.seq_len}-{'-'.join(fmts)}.json"
+        if ofile.is_file():
+            ho = json.loads(ofile.read_text())
+        else:
+            ho = measure(eng, heldout_ids(tok, samples=args.samples, seq_len=args.seq_len), formats=fmts,
+                         rounding="rtn")
+            ofile.write_text(json.dumps(ho))
+        out["heldout_oracle"] = {}
+        log("Spearman rho against exact ΔKL measured on held-out text (per expert, fc + proj):")
+        for f in fmts:
+            for method, cal in (("exact", ex), ("fisher", fi)):
+                rho = [float(spearmanr(cal["sensitivity"]["delta_kl"][f][l], ho["sensitivity"]["delta_kl"][f][l])
+                             .statistic) for l in ex["moe_layers"]]
+                out["heldout_oracle"][f"{f}/{method}"] = rho
+                log(f"  {f:10s} {method:6s} (calibration text) " + " ".join(f"{r:6.3f}" for r in rho)
+                    + f"   mean {sum(rho) / len(rho):.3f}")
     held = heldout_ids(tok, samples=args.eval_samples, seq_len=args.eval_seq_len)
     ref = Reference(ref_ck, held, device=args.device)
     for budget in [float(b) for b in args.budgets.split(",")]:
@@ -220,6 +239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--accuracy", default=None, help="a trained fixture: Spearman and plan KL instead of cost")
     ap.add_argument("--budgets", default="4.5,5.0")
+    ap.add_argument("--heldout-oracle", action="store_true",
+                    help="also measure exact ΔKL on held-out text and rank both calibrations against it")
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--eval-seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)

@@ -322,9 +322,11 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
     c = eng.cfg
     E, k = c.num_experts, c.top_k
     base: FloatExperts = eng.layers[l].experts
-    dev, cdt = eng.device, eng.compute_dtype
+    dev = eng.device
     parts = [torch.load(f) for f in files]
-    h = torch.cat([p["h"] for p in parts]).to(dev)  # [tokens, H]
+    # Scored in float32 whatever the activation dtype (on CUDA bf16/fp16 rounding of y_q - y would swamp
+    # an int8 matrix's error); the inputs are the ones the forward pass saw.
+    h = torch.cat([p["h"] for p in parts]).to(dev).float()  # [tokens, H]
     g = torch.cat([p["g"] for p in parts]).to(dev).float()
     idx = torch.cat([p["idx"] for p in parts]).to(dev)
     w = torch.cat([p["w"] for p in parts]).to(dev)
@@ -364,19 +366,20 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
             if len(rows) == 0:
                 continue
             x, gt = h[rows], g[rows]
-            hh = x @ base.fc[e].t()
+            fc_w, proj_w = base.fc[e].float(), base.proj[e].float()
+            hh = x @ fc_w.t()
             up, gate = hh.chunk(2, dim=-1)
             a = F.silu(gate) * up
-            y = a @ base.proj[e].t()
-            r = gt.to(cdt) @ base.proj[e]  # projᵀ g: g·(proj Δa) = r·Δa
+            y = a @ proj_w.t()
+            r = gt @ proj_w  # projᵀ g: g·(proj Δa) = r·Δa
             # Once per row: fc, proj and projᵀg (4/3 of an expert pass); per format 2IH + IH (one pass).
             passes += len(rows) * (4 / 3 + len(formats))
             for (f, m), (fmt, pk) in packed.items():
                 if m == "fc":
                     uq, gq = fmt.linear(x, pk).chunk(2, dim=-1)
-                    d = (r.float() * (F.silu(gq) * uq - a).float()).sum(-1)
+                    d = (r * (F.silu(gq) * uq - a)).sum(-1)
                 else:
-                    d = (gt * (fmt.linear(a, pk) - y).float()).sum(-1)
+                    d = (gt * (fmt.linear(a, pk) - y)).sum(-1)
                 d = d.double() * wts.double()
                 if kind == "measured":
                     out["measured"][m][f][e] = 0.5 * float(d.pow(2).sum()) / tokens
