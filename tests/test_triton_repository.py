@@ -401,3 +401,29 @@ def test_repo_and_serve_options_merge_cli_over_yaml_over_defaults(setup, tmp_pat
     y.write_text("repo:\n  streaming: maybe\n")
     r = run(main, ["repo", str(setup["engine"]), "-o", str(tmp_path / "c"), "-c", str(y)])
     assert r.exit_code == 2 and "repo.streaming" in r.output and not (tmp_path / "c").exists()
+
+
+def test_repository_is_an_artifact_verify_checks(setup, tmp_path):
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+    from trtmoe.errors import VerifyError
+    from trtmoe.triton.repository import read_repository_manifest
+
+    out = tmp_path / "repo"
+    generate_repository(setup["engine"], out, tokenizer_dir=setup["tok"])
+    man = json.loads((out / MANIFEST).read_text())
+    assert man["tool"] == "trtmoe" and man["kind"] == "triton-repository"
+    assert "ensemble/config.pbtxt" in man["files"]
+    run = CliRunner().invoke
+    r = run(main, ["verify", str(out)])
+    assert r.exit_code == 0, r.output
+    cfg = out / "postprocessing" / "config.pbtxt"
+    cfg.write_text(cfg.read_text() + "\n# edited\n")
+    r = run(main, ["verify", str(out)])
+    assert r.exit_code == 1 and "postprocessing/config.pbtxt" in r.output
+    (out / MANIFEST).write_text("[1, 2")
+    with pytest.raises(VerifyError, match="not valid JSON"):
+        read_repository_manifest(out)  # a broken manifest is an error, not an empty one
+    (out / MANIFEST).unlink()
+    assert read_repository_manifest(out) == {}  # a repository from elsewhere has none

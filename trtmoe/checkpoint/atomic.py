@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..errors import InputError
+from .manifest import MANIFEST_NAMES
 
 _MARK = ".trtmoe-partial-"
 _OLD = "old-"
@@ -148,7 +149,7 @@ def _is_replaceable(out: Path) -> bool:
 
 # Checkpoints, engines and calibrations write manifest.json; model repositories (whose root
 # Triton scans for model folders) keep theirs under a name of their own.
-_MANIFEST_NAMES = ("manifest.json", "trtmoe_repository.json")
+_MANIFEST_NAMES = MANIFEST_NAMES
 
 
 def _is_trtmoe_manifest(path: Path) -> bool:

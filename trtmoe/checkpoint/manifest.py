@@ -11,6 +11,18 @@ from ..errors import InputError, VerifyError
 from ..hf.safetensors_io import sha256_file
 
 MANIFEST = "manifest.json"
+# A Triton model repository keeps its manifest under a name of its own (its root holds model folders).
+REPOSITORY_MANIFEST = "trtmoe_repository.json"
+MANIFEST_NAMES = (MANIFEST, REPOSITORY_MANIFEST)
+
+
+def manifest_file(path: str | Path) -> Path | None:
+    """The manifest of the artifact at ``path`` (checkpoint, engine, calibration, report or model
+    repository), or None when it has none."""
+    for name in MANIFEST_NAMES:
+        if (Path(path) / name).is_file():
+            return Path(path) / name
+    return None
 
 
 def dump_json(obj, path: Path) -> None:
@@ -18,36 +30,37 @@ def dump_json(obj, path: Path) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def write_manifest(out_dir: Path, *, kind: str, file_hashes: dict[str, str], **fields) -> dict:
-    """Record the artifact. ``file_hashes`` covers every file except the manifest itself; any file
-    in the directory that is not listed is hashed here."""
+def write_manifest(out_dir: Path, *, kind: str, file_hashes: dict[str, str], name: str = MANIFEST, **fields) -> dict:
+    """Record the artifact in ``name`` (one of MANIFEST_NAMES). ``file_hashes`` covers every file
+    except the manifest itself; any file in the directory that is not listed is hashed here."""
+    assert name in MANIFEST_NAMES, name
     hashes = dict(file_hashes)
     for p in sorted(out_dir.rglob("*")):
         rel = p.relative_to(out_dir).as_posix()
-        if p.is_file() and rel != MANIFEST and rel not in hashes:
+        if p.is_file() and rel not in MANIFEST_NAMES and rel not in hashes:
             hashes[rel] = sha256_file(p)
     manifest = {"tool": "trtmoe", "tool_version": __version__, "kind": kind,
                 "files": dict(sorted(hashes.items())), **fields}
-    dump_json(manifest, out_dir / MANIFEST)
+    dump_json(manifest, out_dir / name)
     return manifest
 
 
 def read_manifest(path: str | Path) -> dict:
     d = Path(path)
-    f = d / MANIFEST
-    if not f.is_file():
+    f = manifest_file(d)
+    if f is None:
         raise InputError(f"no {MANIFEST}; not a trtmoe artifact", where=str(d),
-                         hint="produce it with `trtmoe convert` or `trtmoe build`")
+                         hint="produce it with `trtmoe convert`, `calibrate`, `build` or `repo`")
     try:
         manifest = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise VerifyError(f"{MANIFEST} is not valid JSON ({e})", where=str(d)) from None
+        raise VerifyError(f"{f.name} is not valid JSON ({e})", where=str(d)) from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
-        raise VerifyError(f"{MANIFEST} must be an object whose 'files' maps paths to sha256", where=str(d))
+        raise VerifyError(f"{f.name} must be an object whose 'files' maps paths to sha256", where=str(d))
     for rel, want in manifest.get("files", {}).items():
         problem = unsafe_member(d, rel)
         if problem or not isinstance(want, str):
-            raise VerifyError(f"{MANIFEST} lists {rel!r}: {problem or 'its sha256 is not a string'}", where=str(d))
+            raise VerifyError(f"{f.name} lists {rel!r}: {problem or 'its sha256 is not a string'}", where=str(d))
     return manifest
 
 
@@ -82,7 +95,7 @@ def directory_problems(path: str | Path, *, progress=None) -> tuple[dict, list[s
             problems.append(f"{rel}: sha256 {got[:12]}… ≠ recorded {want[:12]}…")
     for p in sorted(d.rglob("*")):
         rel = p.relative_to(d).as_posix()
-        if p.is_file() and rel != MANIFEST and rel not in listed:
+        if p.is_file() and rel not in MANIFEST_NAMES and rel not in listed:
             problems.append(f"{rel}: not in the manifest")
     return manifest, problems
 

@@ -37,7 +37,6 @@ pass both to preprocessing, which merges each pair into the 1.2 input, and the e
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -48,12 +47,14 @@ from typing import Any
 
 from .. import __version__
 from ..checkpoint.atomic import atomic_directory, source_tree, stays_inside
+from ..checkpoint.manifest import REPOSITORY_MANIFEST, read_manifest, write_manifest
 from ..errors import BackendUnavailable, InputError, TrtmoeError
+from ..hf.safetensors_io import sha256_file
 from .engine_dir import EMBEDDED, TENSORRT_LLM, EngineInfo, read_engine_dir
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
 TOKENIZER_SUBDIR = "preprocessing/tokenizer"  # relative to the repository root
-MANIFEST = "trtmoe_repository.json"
+MANIFEST = REPOSITORY_MANIFEST
 TRTLLM_CONTRACT = "TensorRT-LLM 1.2.x triton_backend inflight_batcher_llm"
 
 # Files of an HF folder that are weights, never tokenizer data.
@@ -514,14 +515,6 @@ def prepare_tokenizer(path: Path, info: EngineInfo, *, trust_remote_code: bool) 
 
 
 # ---------------------------------------------------------------- the generator
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
                         max_batch_size: int | None = None, max_beam_width: int | None = None,
                         max_input_len: int | None = None, max_seq_len: int | None = None,
@@ -586,37 +579,27 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                 # Tokenizer files are data (a vocabulary may hold "${"); everything else must be filled.
                 if not rel.startswith(TOKENIZER_SUBDIR + "/") and "${" in p.read_text(errors="replace"):
                     raise TrtmoeError("unresolved ${...} placeholder left", where=rel)
-                files[rel] = _sha256(p)
+                files[rel] = sha256_file(p)
         engine = info.to_json()
         for key in ("path", "checkpoint_dir"):  # no absolute paths: the repository may move with its engine
             if engine.get(key):
                 engine[key] = os.path.relpath(engine[key], out)
-        manifest = {
-            "generator": f"trtmoe {__version__}",
-            "contract": TRTLLM_CONTRACT,
-            "engine": engine,
-            "settings": asdict(settings),
-            "launch_world_size": info.launch_world_size,
-            "models": list(MODELS),
-            "tokenizer_source": os.path.relpath(tok_src, out),
-            "files": files,
-            "warnings": warnings,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        # The artifact manifest every trtmoe output has (`trtmoe verify` rechecks its hashes).
+        write_manifest(tmp, kind="triton-repository", file_hashes=files, name=MANIFEST, contract=TRTLLM_CONTRACT,
+                       engine=engine,
+                       settings=asdict(settings), launch_world_size=info.launch_world_size, models=list(MODELS),
+                       tokenizer_source=os.path.relpath(tok_src, out), warnings=warnings)
     return RepositoryResult(path=out, engine=info, settings=settings, models=list(MODELS),
                             tokenizer_dir=out / TOKENIZER_SUBDIR, launch_world_size=info.launch_world_size,
                             files=files, warnings=warnings)
 
 
 def read_repository_manifest(repo: str | Path) -> dict:
-    """The manifest ``generate_repository`` wrote, or {} for a repository from elsewhere."""
-    p = Path(repo) / MANIFEST
-    if not p.is_file():
+    """The manifest ``generate_repository`` wrote, or {} for a repository from elsewhere (no
+    manifest.json); a manifest that is not valid is an error, never read as empty."""
+    if not (Path(repo) / MANIFEST).is_file():
         return {}
-    try:
-        return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+    return read_manifest(repo)
 
 
 def validate_repository(repo: str | Path) -> dict[str, Any]:
