@@ -15,8 +15,8 @@ Two installations are supported:
   as TensorRT-LLM's ``launch_triton_server.py`` does.
 
 The server binds to 127.0.0.1 by default, runs in its own process group and is sent SIGINT, then
-SIGKILL after a grace period, on ``stop()``; it also receives SIGTERM if this process dies (Linux),
-so no server or backend stub outlives its launcher.
+SIGKILL after a grace period, on ``stop()``; started from the main thread, it also receives SIGTERM
+if this process dies (Linux), so no server or backend stub outlives its launcher.
 
 Supervision: Triton 2.51's Python backend neither restarts a dead stub process of a decoupled model
 nor reports it (health/ready stay 200, in-flight requests never get an answer). Once the server is
@@ -276,6 +276,10 @@ def _shm_prefix(command: Sequence[str]) -> str:
     return ""
 
 
+def _new_group() -> None:  # runs in the child between fork and exec
+    os.setsid()
+
+
 def _preexec() -> None:  # runs in the child between fork and exec
     os.setsid()
     try:  # Linux: the server gets SIGTERM if its launcher dies, so it is never orphaned
@@ -308,8 +312,13 @@ class TritonServer:
         self.failure, self.stubs = None, {}
         self._stopping = threading.Event()
         self._log_file = open(self.log_path, "ab" if append_log else "wb")
+        # The parent-death signal fires when the *thread* that forked the server ends: only a server
+        # started from the main thread gets it (one restarted from a worker thread would otherwise be
+        # stopped as soon as that thread returns).
+        main = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_preexec, cwd=str(self.workspace))
+                                        stdin=subprocess.DEVNULL, preexec_fn=_preexec if main else _new_group,
+                                        cwd=str(self.workspace))
         return self
 
     @property
