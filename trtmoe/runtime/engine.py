@@ -218,9 +218,9 @@ class EmbeddedEngine:
         self.max_seq_len = cfg.max_position_embeddings
         L, E = cfg.num_layers, cfg.num_experts
         self._kv = _KVPool(L, cfg.num_kv_heads, hd, compute_dtype, device)
-        self._counts = torch.zeros(L, E, dtype=torch.int64)
-        self._entropy = torch.zeros(L, dtype=torch.float64)
-        self._mass = torch.zeros(L, E, dtype=torch.float64)
+        self._counts = torch.zeros(L, E, dtype=torch.int64, device=device)
+        self._entropy = torch.zeros(L, dtype=torch.float64, device=device)
+        self._mass = torch.zeros(L, E, dtype=torch.float64, device=device)
         self._tokens = 0
         self.layer_hook: Callable[[int, torch.Tensor], None] | None = None  # sees MoE-layer inputs
         self.residual_hook: Callable[[int, torch.Tensor], None] | None = None  # sees each layer's input
@@ -303,8 +303,8 @@ class EmbeddedEngine:
     def routing_stats(self) -> dict:
         """Cumulative routing since load: top-k assignment counts [L, E], the sum of per-token router
         entropy (nats) per layer [L], and the number of tokens routed per layer."""
-        return {"counts": self._counts.clone(), "entropy_sum": self._entropy.clone(), "tokens": self._tokens,
-                "weight_mass": self._mass.clone()}
+        return {"counts": self._counts.to("cpu", copy=True), "entropy_sum": self._entropy.to("cpu", copy=True),
+                "tokens": self._tokens, "weight_mass": self._mass.to("cpu", copy=True)}
 
     def reset_routing_stats(self) -> None:
         self._counts.zero_()
@@ -351,28 +351,24 @@ class EmbeddedEngine:
         else:
             top, idx = logits.topk(c.top_k, dim=-1)
             w = top.softmax(-1)
+        flat_idx = idx.reshape(-1)
         with torch.no_grad():
-            self._counts[li] += torch.bincount(idx.reshape(-1).cpu(), minlength=c.num_experts)
+            # Routing statistics stay on the engine's device: no host sync per layer.
+            n_e = torch.bincount(flat_idx, minlength=c.num_experts)
+            self._counts[li] += n_e
             ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-            self._entropy[li] += float(ent.sum())
-            self._mass[li].index_add_(0, idx.reshape(-1).cpu(), w.reshape(-1).double().cpu())
+            self._entropy[li] += ent.sum()
+            self._mass[li].index_add_(0, flat_idx, w.reshape(-1).double())
             if self.route_hook is not None:
                 self.route_hook(li, idx)
         w = w.to(h.dtype)
-        out = torch.zeros_like(h)
-        flat_idx = idx.reshape(-1)
+        # Group the (token, pick) pairs by expert with one stable sort, run every expert with
+        # tokens over its contiguous block, and add the weighted outputs back in one indexed op
+        # (in expert order, as a loop over the experts would).
         order = flat_idx.argsort(stable=True)
-        counts = torch.bincount(flat_idx, minlength=c.num_experts).tolist()
         token_of = order // c.top_k
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start:start + n]
-            tok = token_of[start:start + n]
-            start += n
-            y = lay.experts.forward(e, h[tok])
-            out.index_add_(0, tok, y * w.reshape(-1)[sel, None])
+        y = lay.experts.forward_grouped(h[token_of], n_e.tolist())
+        out = torch.zeros_like(h).index_add_(0, token_of, y * w.reshape(-1)[order, None])
         if lay.shared_fc is not None:
             hs = h @ lay.shared_fc.t()
             up, gate = hs.chunk(2, dim=-1)

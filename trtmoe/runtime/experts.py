@@ -25,6 +25,19 @@ class ExpertBank:
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert over its own block of rows: ``x`` [M, H] holds expert 0's ``counts[0]`` rows,
+        then expert 1's, and so on; returns the [M, H] outputs in the same order. Experts with no
+        rows cost nothing."""
+        ys, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                ys.append(self.forward(e, x[start:start + n]))
+                start += n
+        if not ys:
+            return x.clone()
+        return ys[0] if len(ys) == 1 else torch.cat(ys)
+
     def format_of(self, e: int) -> str:  # pragma: no cover - interface
         raise NotImplementedError
 

@@ -1,0 +1,304 @@
+#!/usr/bin/env python3
+"""In-process speed of the embedded engine: decode and batched prefill tokens/s, against baselines
+measured in the same run.
+
+Implementations (each in its own worker process, loaded once):
+
+* ``engine``: this tree's ``EmbeddedEngine`` on a checkpoint converted from ``--model``;
+* ``engine@REV`` (``--baseline-rev REV``): the engine as it was at git revision REV (its ``trtmoe``
+  package extracted with ``git archive`` and put first on the worker's path; that revision's own
+  converter writes its checkpoint);
+* ``transformers``: the model's own transformers class on the same HF weights, float32 (what the
+  engine computes in on CPU), decoding with its KV cache.
+
+Cases: decode at batch 1 / 8 / 32 (16-token prompts, then ``--steps`` greedy steps timed; prefill
+not counted) and prefill of 8x128 and 64x128 tokens (one batched forward filling the KV cache,
+last-position logits only). Rounds are interleaved (every round runs every case on every
+implementation, in a rotating order) and the table shows medians over rounds, wall and CPU time
+(the worker's user+system time: less sensitive than wall time to other load on a shared machine,
+but not immune to it). Greedy decode tokens are compared across implementations and reported.
+
+    python scripts/bench_engine.py --model tests/fixtures/trained_mixtral --baseline-rev 7741c3e
+    python scripts/bench_engine.py --model tests/fixtures/trained_qwen3_moe --quant int4_g64 --rounds 5
+    python scripts/bench_engine.py --model tests/fixtures/trained_mixtral --profile decode32
+
+``--threads`` sets torch's intra-op threads in every worker (default 1). ``--quant FMT`` converts
+with every routed expert in FMT (``uniform`` policy), so the engine runs from packed bytes;
+transformers still runs the float weights then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+CASES = {  # name: (kind, batch, tokens)
+    "decode1": ("decode", 1, 16),
+    "decode8": ("decode", 8, 16),
+    "decode32": ("decode", 32, 16),
+    "prefill8x128": ("prefill", 8, 128),
+    "prefill64x128": ("prefill", 64, 128),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# worker side
+# ------------------------------------------------------------------------------------------------
+
+def _prompts(vocab: int, batch: int, tokens: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (batch, tokens), generator=g).tolist()
+
+
+class _EngineRunner:
+    def __init__(self, model: str, workdir: Path, quant: str | None):
+        import torch
+
+        from trtmoe.checkpoint.writer import convert
+        from trtmoe.runtime.engine import EmbeddedEngine
+
+        plan = None
+        if quant:
+            from trtmoe.hf.reader import HFCheckpoint
+            from trtmoe.quant.plan import uniform_plan
+
+            with HFCheckpoint(model) as src:
+                plan = uniform_plan(src.model, quant)
+        ck = workdir / "ckpt"
+        convert(model, ck, quant=plan, force=True)
+        self.eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+        self.vocab = self.eng.vocab_size
+        self.torch = torch
+
+    def decode(self, prompts: list[list[int]], steps: int) -> tuple[float, float, list[list[int]]]:
+        from trtmoe.runtime.engine import SamplingParams
+
+        eng = self.eng
+        seqs = eng.start_many(prompts, [SamplingParams(max_new_tokens=steps + 1) for _ in prompts])
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            eng.step(seqs)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        return wall, cpu, [s.tokens for s in seqs]
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[float, float]:
+        from trtmoe.runtime.engine import SamplingParams
+
+        t, c = time.perf_counter(), time.process_time()
+        seqs = self.eng.start_many(prompts, [SamplingParams(max_new_tokens=2) for _ in prompts])
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        del seqs
+        return wall, cpu
+
+
+class _HFRunner:
+    def __init__(self, model: str, workdir: Path, quant: str | None):
+        import torch
+        import transformers
+
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.vocab = self.model.config.vocab_size
+        # Newer transformers call the KV cache argument ``cache`` (``past_key_values`` before).
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def decode(self, prompts: list[list[int]], steps: int) -> tuple[float, float, list[list[int]]]:
+        torch = self.torch
+        with torch.inference_mode():
+            ids = torch.tensor(prompts)
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            cache, tok = _cache_of(out), out.logits[:, -1].argmax(-1, keepdim=True)
+            toks = [tok]
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                out = self.model(input_ids=tok, use_cache=True, **{self.cache_kw: cache})
+                cache, tok = _cache_of(out), out.logits[:, -1].argmax(-1, keepdim=True)
+                toks.append(tok)
+            wall, cpu = time.perf_counter() - t, time.process_time() - c
+        return wall, cpu, torch.cat(toks, 1).tolist()
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[float, float]:
+        torch = self.torch
+        with torch.inference_mode():
+            t, c = time.perf_counter(), time.process_time()
+            self.model(input_ids=torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+            return time.perf_counter() - t, time.process_time() - c
+
+
+def _cache_of(out):
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+    runner = (_HFRunner if args.worker == "transformers" else _EngineRunner)(args.model, workdir, args.quant)
+    import trtmoe
+
+    ready = {"ready": True, "trtmoe": str(Path(trtmoe.__file__).parent), "torch_threads": torch.get_num_threads()}
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        case = line.strip()
+        if not case:
+            continue
+        kind, batch, tokens = CASES[case]
+        prompts = _prompts(runner.vocab, batch, tokens, seed=batch * 1000 + tokens)
+        if kind == "decode":
+            wall, cpu, toks = runner.decode(prompts, args.steps)
+            res = {"wall": wall, "cpu": cpu, "tokens": batch * args.steps, "out": toks}
+        else:
+            wall, cpu = runner.prefill(prompts)
+            res = {"wall": wall, "cpu": cpu, "tokens": batch * tokens}
+        print(json.dumps(res), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# coordinator side
+# ------------------------------------------------------------------------------------------------
+
+def _extract_rev(rev: str, dest: Path) -> None:
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", rev, "trtmoe"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+class _Worker:
+    def __init__(self, name: str, args, pythonpath: str | None):
+        env = dict(os.environ)
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "transformers" if name == "transformers"
+               else "engine", "--model", args.model, "--threads", str(args.threads), "--steps", str(args.steps)]
+        if args.quant:
+            cmd += ["--quant", args.quant]
+        self.name = name
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                  cwd=tempfile.gettempdir())
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            raise SystemExit(f"worker {self.name} exited (rc {self.p.wait()})")
+        return json.loads(line)
+
+    def run(self, case: str) -> dict:
+        self.p.stdin.write(case + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait()
+
+
+def profile(args) -> None:
+    import cProfile
+    import pstats
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    runner = _EngineRunner(args.model, Path(tempfile.mkdtemp(prefix="bench-engine-")), args.quant)
+    kind, batch, tokens = CASES[args.profile]
+    prompts = _prompts(runner.vocab, batch, tokens, seed=0)
+    fn = (lambda: runner.decode(prompts, args.steps)) if kind == "decode" else (lambda: runner.prefill(prompts))
+    fn()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(3):
+        fn()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"))
+    ap.add_argument("--baseline-rev", action="append", default=[],
+                    help="also run the engine at this git revision (repeatable)")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--quant", help="convert with every routed expert in this format (e.g. int8, int4_g64)")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per decode case")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="also write the raw measurements here")
+    ap.add_argument("--profile", choices=list(CASES), help="cProfile this tree's engine on one case and exit")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.model = str(Path(args.model).resolve())
+    if args.worker:
+        return worker(args)
+    if args.profile:
+        return profile(args)
+    cases = [c for c in args.cases.split(",") if c]
+    for c in cases:
+        if c not in CASES:
+            raise SystemExit(f"unknown case {c!r}; known: {', '.join(CASES)}")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-engine-revs-"))
+    workers = [_Worker("engine", args, str(REPO_ROOT))]
+    for rev in args.baseline_rev:
+        d = tmp / rev.replace("/", "_")
+        d.mkdir()
+        _extract_rev(rev, d)
+        workers.append(_Worker(f"engine@{rev}", args, str(d)))
+    if not args.no_transformers:
+        workers.append(_Worker("transformers", args, None))
+    for w in workers:
+        print(f"# {w.name}: {w.info}", file=sys.stderr)
+    results: dict[str, dict[str, list[dict]]] = {w.name: {c: [] for c in cases} for w in workers}
+    try:
+        for r in range(args.rounds):
+            for c in cases:
+                k = (r + cases.index(c)) % len(workers)
+                for w in workers[k:] + workers[:k]:  # rotate who goes first
+                    results[w.name][c].append(w.run(c))
+            print(f"# round {r + 1}/{args.rounds} done", file=sys.stderr)
+    finally:
+        for w in workers:
+            w.close()
+    names = [w.name for w in workers]
+    print(f"\nmodel {args.model}{' (' + args.quant + ' experts)' if args.quant else ''}; torch threads "
+          f"{args.threads}; medians of {args.rounds} interleaved rounds; tok/s wall (cpu). "
+          f"Shared machine: wall numbers are noisy, CPU numbers less so.\n")
+    print("| case | " + " | ".join(names) + " | " + " | ".join(f"engine / {n}" for n in names[1:]) + " |")
+    print("|---" * (1 + 2 * len(names) - 1) + "|")
+    for c in cases:
+        med = {}
+        for n in names:
+            rs = results[n][c]
+            med[n] = (statistics.median(x["tokens"] / x["wall"] for x in rs),
+                      statistics.median(x["tokens"] / x["cpu"] for x in rs if x["cpu"] > 0))
+        cells = [f"{med[n][0]:,.0f} ({med[n][1]:,.0f})" for n in names]
+        ratios = [f"{med['engine'][0] / med[n][0]:.2f}× ({med['engine'][1] / med[n][1]:.2f}×)" for n in names[1:]]
+        print(f"| {c} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    same = []
+    for c in cases:
+        if CASES[c][0] != "decode":
+            continue
+        outs = {n: results[n][c][0]["out"] for n in names}
+        agree = [n for n in names[1:] if outs[n] == outs["engine"]]
+        same.append(f"{c}: engine = {', '.join(agree) if agree else 'none'}")
+    print("\ngreedy tokens identical — " + "; ".join(same))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
