@@ -464,3 +464,16 @@ def test_error_cases():
         FORMATS["int8"].dequantize({"weight": p["weight"]}, dtype=torch.float16)
     with pytest.raises(InputError, match="positive"):
         FORMATS["int8"].weight_bytes(0, 8)
+
+
+def test_format_names_without_torch_match_the_format_objects():
+    from trtmoe.quant import QUANTIZED_NAMES
+    from trtmoe.quant.formats import BY_BITS, FORMATS, QUANTIZED
+
+    assert QUANTIZED == QUANTIZED_NAMES
+    assert sorted(BY_BITS) == sorted(QUANTIZED)
+    bits = [FORMATS[n].bits_per_weight(256, 256) for n in BY_BITS]
+    assert bits == sorted(bits, reverse=True)
+    for n in QUANTIZED:  # everything shown about a format comes from the format
+        f = FORMATS[n]
+        assert f.label and f.short and f.color.startswith("#") and f.trtllm_label

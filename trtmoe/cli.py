@@ -19,6 +19,7 @@ from rich.table import Table
 from . import __version__
 from .console import console, err_console, note
 from .errors import TrtmoeError
+from .quant import QUANTIZED_NAMES
 from .report.units import fmt_bytes, fmt_count
 
 
@@ -139,7 +140,7 @@ def byte_progress(description: str) -> Progress:
 @main.command()
 @click.argument("model")
 @layout_options
-@click.option("--format", "fmt", type=click.Choice(["float", "int8", "int4", "int4_g128", "int4_g64"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(["float", *QUANTIZED_NAMES]), default=None,
               help="Routed-expert format for the bytes per rank [default: float, the weight dtype].")
 @click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,
               help="tensorrt-llm: also show whether TensorRT-LLM builds this layout and format (support table).")
@@ -235,7 +236,7 @@ def _render_inspect(rep: dict) -> None:
 @click.option("--budget", "budget_bpw", type=float, default=None,
               help="Average bits per routed-expert weight, scales counted (e.g. 4.5).")
 @click.option("--budget-gb", type=float, default=None, help="Routed-expert bytes per GPU, in GB.")
-@click.option("--format", "fmt", type=click.Choice(["int8", "int4", "int4_g128", "int4_g64"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(QUANTIZED_NAMES), default=None,
               help="Format for --policy uniform.")
 @click.option("--formats", default=None, help="Candidate formats, comma separated [default: fp16 and every format measured in calibration].")
 @click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,

@@ -16,6 +16,7 @@ import yaml
 
 from . import DEFAULT_TRTLLM_VERSION
 from .errors import ConfigError
+from .quant import FLOAT_NAMES, QUANTIZED_NAMES
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         # Same names as `trtmoe convert --policy` and trtmoe.quant.policies.POLICIES.
         "policy": Key(str, "none", choices=("none", "graded", "uniform", "frequency", "frequency-bytes",
                                             "random-bytes")),
-        "format": Key(str, None, nullable=True, choices=("int8", "int4", "int4_g128", "int4_g64"),
+        "format": Key(str, None, nullable=True, choices=QUANTIZED_NAMES,
                       help="the format for policy=uniform"),
         "budget_bpw": Key((int, float), None, nullable=True, minimum=1, maximum=32,
                           help="average bits per expert weight, scales counted"),
@@ -52,7 +53,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                            help="auto: matrix (fc and proj apart) for the embedded target's budgeted "
                                 "policies, layer for tensorrt-llm"),
         "formats": Key(list, None, nullable=True,
-                       choices=("fp16", "bf16", "fp32", "float", "int8", "int4", "int4_g128", "int4_g64"),
+                       choices=(*FLOAT_NAMES, *QUANTIZED_NAMES),
                        help="candidate formats, e.g. [fp16, int8, int4_g64, int4_g128]; choices apply to each item"),
         "calib": Key(str, None, nullable=True, help="calibration directory from `trtmoe calibrate`"),
         "placement": Key(str, "identity", choices=("identity", "balanced")),

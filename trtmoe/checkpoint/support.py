@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from ..errors import UnsupportedError
 from ..hf.adapters import ADAPTERS
 from ..parallel.mapping import Mapping
+from ..quant.formats import FORMATS as QUANT_FORMATS
+from ..quant.formats import QUANTIZED
+from ..quant import FLOAT_NAMES
 from .schema import schema_for
 
 SUPPORTED, UNLISTED, REFUSED = "supported", "unlisted", "refused"
@@ -38,15 +41,14 @@ ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen
 # The TensorRT-LLM class name each row is about: the architecture registry's.
 TRTLLM_ARCHITECTURE = {fam: ADAPTERS[fam].trtllm_architecture for fam in FAMILIES}
 
-# Expert storage formats (trtmoe names) and what a TensorRT-LLM checkpoint calls them.
-FORMATS = ("float", "int8", "int4", "int4_g128", "int4_g64")
-FORMAT_LABEL = {"float": "fp16/bf16", "int8": "W8A16", "int4": "W4A16", "int4_g128": "W4A16_AWQ g128",
-                "int4_g64": "W4A16_AWQ g64"}
-FORMAT_ALGO = {"float": None, "int8": "W8A16", "int4": "W4A16", "int4_g128": "W4A16_AWQ",
-               "int4_g64": "W4A16_AWQ"}
+# Expert storage formats (trtmoe names) and what a TensorRT-LLM checkpoint calls them: the formats'
+# own facts. A new format needs its row of cells below (a test checks every format has them).
+FORMATS = ("float", *QUANTIZED)
+FORMAT_LABEL = {"float": QUANT_FORMATS["fp16"].trtllm_label, **{f: QUANT_FORMATS[f].trtllm_label for f in QUANTIZED}}
+FORMAT_ALGO = {"float": None, **{f: QUANT_FORMATS[f].trtllm_quant_algo for f in QUANTIZED}}
 LAYOUTS = ("uniform", "mixed")  # one quant_algo for every MoE layer / MIXED_PRECISION + quant_cfg.json
 FEATURES = ("tp", "moe_tp", "moe_ep", "pp")
-_FLOAT_ALIASES = {"float", "fp16", "bf16", "fp32"}
+_FLOAT_ALIASES = set(FLOAT_NAMES)
 
 
 @dataclass(frozen=True)

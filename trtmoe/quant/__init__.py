@@ -1,0 +1,8 @@
+"""Quantization: the formats' numerics (``formats``), calibration, sensitivity, allocation, policies.
+
+``QUANTIZED_NAMES`` names the quantized storage formats without importing torch, for the command
+line's choices and the YAML schema; ``trtmoe.quant.formats.QUANTIZED`` derives the same tuple from the
+format objects (a test keeps them equal) and ``BY_BITS`` orders them from most to fewest stored bits."""
+
+QUANTIZED_NAMES = ("int8", "int4", "int4_g128", "int4_g64")
+FLOAT_NAMES = ("float", "fp16", "bf16", "fp32")  # ways to say "unquantized"

@@ -10,9 +10,10 @@ import click
 
 from ..console import console, err_console
 from ..errors import InputError, UnsupportedError
+from . import QUANTIZED_NAMES
 
-# calibrate.DEFAULT_FORMATS, spelled out so that importing the CLI does not import torch.
-DEFAULT_FORMATS = ("int8", "int4", "int4_g128", "int4_g64")
+# Every quantized format (calibrate measures them all by default), without importing torch.
+DEFAULT_FORMATS = QUANTIZED_NAMES
 
 
 def plan_from_config(model, cfg: dict):

@@ -146,6 +146,11 @@ class QuantFormat:
 
     name: str
     trtllm_quant_algo: str | None
+    # How people see it: report label, heatmap cell text and colour, TensorRT-LLM's name for it.
+    label: str = ""
+    short: str = ""
+    color: str = "#888888"
+    trtllm_label: str = ""
 
     def bits_per_weight(self, out_features: int, in_features: int,
                         scale_dtype_bytes: int = 2, *, n: int = 1) -> float:
@@ -409,15 +414,21 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+_FLOAT_LOOK = dict(label="FP16/BF16 (unquantized)", short="16", color="#4c72b0", trtllm_label="fp16/bf16")
 FORMATS: dict[str, QuantFormat] = {
-    "fp16": FloatFormat("fp16", None, dtype=torch.float16),
-    "bf16": FloatFormat("bf16", None, dtype=torch.bfloat16),
-    "fp32": FloatFormat("fp32", None, dtype=torch.float32),
-    "int8": PerChannelIntFormat("int8", "W8A16", bits=8),
-    "int4": PerChannelIntFormat("int4", "W4A16", bits=4),
-    "int4_g128": GroupInt4Format("int4_g128", "W4A16_AWQ", group_size=128),
-    "int4_g64": GroupInt4Format("int4_g64", "W4A16_AWQ", group_size=64),
+    "fp16": FloatFormat("fp16", None, dtype=torch.float16, **_FLOAT_LOOK),
+    "bf16": FloatFormat("bf16", None, dtype=torch.bfloat16, **_FLOAT_LOOK),
+    "fp32": FloatFormat("fp32", None, dtype=torch.float32, **_FLOAT_LOOK),
+    "int8": PerChannelIntFormat("int8", "W8A16", "INT8 per-channel", "8", "#55a868", "W8A16", bits=8),
+    "int4": PerChannelIntFormat("int4", "W4A16", "INT4 per-channel", "4", "#c44e52", "W4A16", bits=4),
+    "int4_g128": GroupInt4Format("int4_g128", "W4A16_AWQ", "INT4 g128", "g128", "#dd8452", "W4A16_AWQ g128",
+                                 group_size=128),
+    "int4_g64": GroupInt4Format("int4_g64", "W4A16_AWQ", "INT4 g64", "g64", "#e5ae38", "W4A16_AWQ g64",
+                                group_size=64),
 }
+# The quantized formats in declaration order, and from most to fewest stored bits (for plots).
+QUANTIZED = tuple(n for n, f in FORMATS.items() if f.trtllm_quant_algo)
+BY_BITS = tuple(sorted(QUANTIZED, key=lambda n: -FORMATS[n].bits_per_weight(256, 256)))
 
 
 def get_format(name: str) -> QuantFormat:

@@ -15,15 +15,16 @@ import json
 import math
 from pathlib import Path
 
+from ..quant.formats import BY_BITS, FORMATS, QUANTIZED
+
 __all__ = ["build_report", "render", "curve_from_bench", "curve_from_evaluations", "FORMAT_COLORS"]
 
-# One colour per storage format, ordered from most to fewest bits.
-FORMAT_ORDER = ["float", "int8", "int4_g64", "int4_g128", "int4"]
-FORMAT_COLORS = {"float": "#4c72b0", "int8": "#55a868", "int4_g64": "#e5ae38", "int4_g128": "#dd8452",
-                 "int4": "#c44e52"}
-FORMAT_LABELS = {"float": "FP16/BF16 (unquantized)", "int8": "INT8 per-channel", "int4_g64": "INT4 g64",
-                 "int4_g128": "INT4 g128", "int4": "INT4 per-channel"}
-FORMAT_SHORT = {"float": "16", "int8": "8", "int4_g64": "g64", "int4_g128": "g128", "int4": "4"}
+# One colour per storage format, ordered from most to fewest bits: what each format says of itself.
+FORMAT_ORDER = ["float", *BY_BITS]
+_LOOK = {"float": FORMATS["fp16"], **{n: FORMATS[n] for n in QUANTIZED}}
+FORMAT_COLORS = {n: f.color for n, f in _LOOK.items()}
+FORMAT_LABELS = {n: f.label for n, f in _LOOK.items()}
+FORMAT_SHORT = {n: f.short for n, f in _LOOK.items()}
 SERIES_STYLE = {  # curve series -> (colour, marker, line)
     "graded (matrix)": ("#0d47a1", "*", "-"),
     "graded +int4 (matrix)": ("#6a1b9a", "*", ":"),
@@ -39,10 +40,7 @@ SERIES_STYLE = {  # curve series -> (colour, marker, line)
     "frequency-bytes +int4 (expert)": ("#ffa726", "^", ":"),
     "random-bytes +int4 (expert)": ("#bdbdbd", "v", ":"),
     "frequency tiers": ("#ad1457", "P", ""),
-    "uniform int8": ("#55a868", "D", ""),
-    "uniform int4": ("#c44e52", "D", ""),
-    "uniform int4_g128": ("#dd8452", "D", ""),
-    "uniform int4_g64": ("#e5ae38", "D", ""),
+    **{f"uniform {n}": (FORMAT_COLORS[n], "D", "") for n in QUANTIZED},
 }
 
 
