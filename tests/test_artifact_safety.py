@@ -314,7 +314,10 @@ def engine_and_checkpoint(tiny_model, tmp_path_factory):
         shutil.copyfile(REPO_ROOT / "tests" / "fixtures" / "trained_mixtral" / f, model / f)
     convert(model, root / "ckpt")
     build_embedded(root / "ckpt", root / "engine", {**defaults()["build"], "max_input_len": 64})
-    return root / "ckpt", root / "engine"
+    from trtmoe.data import write_split_text
+
+    write_split_text("calib", root / "calib.txt", max_bytes=20000)
+    return {"model": model, "ckpt": root / "ckpt", "engine": root / "engine", "text": root / "calib.txt"}
 
 
 def _drive(driver: Path, args: list, runs: list[tuple[int, Path]], exchange_ok: bool) -> dict[str, int]:
@@ -331,9 +334,10 @@ def _drive(driver: Path, args: list, runs: list[tuple[int, Path]], exchange_ok: 
 
 
 @pytest.mark.parametrize("exchange_ok", [True, False], ids=["exchange", "two-renames"])
-@pytest.mark.parametrize("command", ["build", "repo"])
-def test_kill_at_every_step_of_build_and_repo(engine_and_checkpoint, tmp_path, command, exchange_ok):
-    """With a previous output in place, a SIGKILL before any one file-system step of `--force` leaves
+@pytest.mark.parametrize("command", ["convert", pytest.param("calibrate", marks=pytest.mark.slow), "build", "repo"])
+def test_kill_at_every_step(engine_and_checkpoint, tmp_path, command, exchange_ok):
+    """With a previous output in place, a SIGKILL before any one file-system step of `--force` (the
+    scratch checkpoint and progress files of calibrate included) leaves
     at the output path the previous output or the new one, complete; the next run cleans up and
     writes exactly the bytes of an uninterrupted run."""
     from click.testing import CliRunner
@@ -342,12 +346,16 @@ def test_kill_at_every_step_of_build_and_repo(engine_and_checkpoint, tmp_path, c
 
     if exchange_ok and not atomic.exchange(tmp_path, tmp_path):
         pytest.skip("this file system has no atomic exchange (renameat2 RENAME_EXCHANGE)")
-    ckpt, engine = engine_and_checkpoint
-    if command == "build":
-        base = ["build", ckpt, "-o", "OUT", "--backend", "embedded", "--max-input-len", "64"]
-    else:
-        base = ["repo", engine, "-o", "OUT"]
-    prev_args, new_args = [*base, "--max-batch-size", "4"], [*base, "--force"]
+    a = engine_and_checkpoint
+    base, prev_extra, new_extra, min_steps = {
+        "convert": (["convert", a["model"], "-o", "OUT"], ["--dtype", "bfloat16"], ["--tp", "2", "--moe-ep", "2"], 8),
+        "calibrate": (["calibrate", a["model"], "--data", a["text"], "-o", "OUT", "--seq-len", "16", "--formats",
+                       "int8"], ["--samples", "2"], ["--samples", "3"], 8),
+        "build": (["build", a["ckpt"], "-o", "OUT", "--backend", "embedded", "--max-input-len", "64"],
+                  ["--max-batch-size", "4"], [], 8),
+        "repo": (["repo", a["engine"], "-o", "OUT"], ["--max-batch-size", "4"], [], 15),
+    }[command]
+    prev_args, new_args = [*base, *prev_extra], [*base, *new_extra, "--force"]
 
     def cli(args, root: Path):
         res = CliRunner().invoke(main, [str(root / "out") if a == "OUT" else str(a) for a in args])
@@ -371,7 +379,7 @@ def test_kill_at_every_step_of_build_and_repo(engine_and_checkpoint, tmp_path, c
     assert _drive(driver, new_args, [(0, fresh("count"))], exchange_ok) == {"0": 0}
     steps, swap_at = map(int, (tmp_path / "count.steps").read_text().split())
     assert tree_digest(tmp_path / "count" / "out") == new
-    assert steps >= (8 if command == "build" else 15) and 1 < swap_at <= steps, (steps, swap_at)
+    assert steps >= min_steps and 1 < swap_at <= steps, (steps, swap_at)
     # Every step with the exchange; the fallback differs from it only from the swap on.
     first = 1 if exchange_ok else swap_at
     roots = {k: fresh(f"kill{k}") for k in range(first, steps + 1)}
