@@ -282,6 +282,9 @@ def cancel_rss(soak: Soak, n: int) -> dict:
             soak.call(model, PROMPTS[0], 120, cancel=True)
         time.sleep(5.0)  # let cancelled generations that did not stop finish
         after = rss_kb(soak.srv.process.pid)
+        if before is None or after is None:
+            print(f"cancel RSS {model}: the server is not running ({soak.srv.failure})", flush=True)
+            break
         out[model] = {"cancels": n, "rss_before_kb": before, "rss_after_kb": after,
                       "growth_per_cancel_kb": round((after - before) / n, 2), "seconds": round(time.monotonic() - t0, 1)}
         print(f"cancel RSS {model:17s}: {before} -> {after} KiB over {n} cancels "
@@ -305,6 +308,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--templates", default=None, help="model_repo templates (default: the project's)")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--log-file", default=None, help="keep the tritonserver log here")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -315,7 +319,8 @@ def main() -> int:
         repo = build(Path(tmp), args.templates)
         tok = AutoTokenizer.from_pretrained(str(repo.tokenizer_dir))
         t_start = time.monotonic()
-        srv = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=600)
+        srv = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=600,
+                               log_file=args.log_file)
         report: dict = {"args": vars(args)}
         ok = True
         try:
@@ -333,11 +338,16 @@ def main() -> int:
 
             def on_progress(s: Soak):
                 with progress_lock:
+                    if srv.failure and not state["killed"] and "unplanned" not in state:
+                        state["unplanned"] = srv.failure
+                        print(f"  UNPLANNED server failure after {s.done} requests: {srv.failure}\n{srv.log_tail()}",
+                              flush=True)
                     if s.done >= warm and "warm" not in samples:
                         samples["warm"] = stack_rss(srv)
                     if state["killed"] and s.done >= rewarm and "rewarm" not in samples:
                         samples["rewarm"] = stack_rss(srv)
-                    if s.done % max(args.requests // 10, 1) == 0:
+                    if s.done % max(args.requests // 10, 1) == 0 and s.done != state.get("printed"):
+                        state["printed"] = s.done
                         print(f"  {s.done}/{args.requests} requests, {dict(s.outcomes)}", flush=True)
                     if s.done == kill_at and not state["killed"]:
                         samples["before_kill"] = stack_rss(srv)

@@ -83,6 +83,10 @@ class BatchRequest:
     seq: Any = None
     _unsent: list[int] = field(default_factory=list)
     _cancel: bool = False
+    # Held by the watcher around an is_cancelled() call and by the batcher when it finishes the
+    # request: no poll starts after the final event, so none can reach a Triton response sender
+    # whose final response went out (Triton 2.51's server then reads freed memory and crashes).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def cancel(self) -> None:
         """Ask the batcher to drop this request before its next step."""
@@ -218,7 +222,8 @@ class InflightBatcher:
               error: BaseException | None = None) -> bool:
         """Deliver an event; a callback that raises cancels its own request. Returns False then."""
         if finished:
-            req.finished, req.finish_reason = True, reason
+            with req._lock:  # waits for a poll in progress (see BatchRequest._lock)
+                req.finished, req.finish_reason = True, reason
         try:
             req.callback(TokenEvent(req, new, finished, reason, error))
             return True
@@ -226,7 +231,8 @@ class InflightBatcher:
             log.warning("callback of %s failed (%s); cancelling it", req.request_id, e)
             req.cancel()
             if not finished:
-                req.finished, req.finish_reason = True, FINISH_CANCELLED
+                with req._lock:
+                    req.finished, req.finish_reason = True, FINISH_CANCELLED
             return False
 
     def _flush(self) -> None:
@@ -283,10 +289,13 @@ class InflightBatcher:
                         if r.is_cancelled is not None and not r._cancel and not r.finished]
             found = False
             for r in reqs:
-                try:
-                    cancelled = bool(r.is_cancelled())
-                except Exception:  # noqa: BLE001 - a dead sender means nobody is listening
-                    cancelled = True
+                with r._lock:
+                    if r.finished:  # its final event may be out: the sender must not be asked again
+                        continue
+                    try:
+                        cancelled = bool(r.is_cancelled())
+                    except Exception:  # noqa: BLE001 - a dead sender means nobody is listening
+                        cancelled = True
                 if cancelled:
                     r._cancel = found = True
             if found:

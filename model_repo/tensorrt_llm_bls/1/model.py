@@ -53,6 +53,16 @@ class _Cancelled(Exception):
     """The client cancelled the request; tensorrt_llm was told to stop."""
 
 
+class _Inflight:
+    """An outer request being served. `lock` is held around every is_cancelled() poll and when the
+    request is closed, so no poll reaches a request whose final response was sent (Triton 2.51's
+    server then reads freed memory and crashes)."""
+
+    def __init__(self, request):
+        self.request, self.stopped, self.closed = request, False, False
+        self.lock = threading.Lock()
+
+
 def _param(config: dict, key: str, default: str = "") -> str:
     value = config.get("parameters", {}).get(key, {}).get("string_value", "")
     return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
@@ -68,8 +78,8 @@ class TritonPythonModel:
         self.post = _param(config, "postprocessing_model_name", "postprocessing")
         self.threads: set[threading.Thread] = set()
         self.lock = threading.Lock()
-        # inner tensorrt_llm request id -> [outer request, stop sent]; read by the watcher thread
-        self.inflight: dict[str, list] = {}
+        # inner tensorrt_llm request id -> _Inflight; read by the watcher thread
+        self.inflight: dict[str, _Inflight] = {}
         self.cancel_poll_s = float(_param(config, "cancellation_check_period_ms", "50")) / 1000.0
         self.closing = threading.Event()
         self.watcher = threading.Thread(target=self._watch_cancellation, name="bls-cancel-watch", daemon=True)
@@ -79,14 +89,17 @@ class TritonPythonModel:
     def _watch_cancellation(self):
         while not self.closing.wait(self.cancel_poll_s):
             with self.lock:
-                entries = [(k, v) for k, v in self.inflight.items() if not v[1]]
+                entries = [(k, v) for k, v in self.inflight.items() if not v.stopped]
             for inner_id, entry in entries:
-                try:
-                    cancelled = entry[0].is_cancelled()
-                except Exception:  # noqa: BLE001 - the request is gone: nobody waits for it
-                    cancelled = True
+                with entry.lock:
+                    if entry.closed:  # its final response may be out: never ask Triton about it again
+                        continue
+                    try:
+                        cancelled = entry.request.is_cancelled()
+                    except Exception:  # noqa: BLE001 - the request is gone: nobody waits for it
+                        cancelled = True
                 if cancelled:
-                    entry[1] = True
+                    entry.stopped = True
                     self._stop(inner_id)
 
     def _stop(self, inner_id: str):
@@ -148,12 +161,14 @@ class TritonPythonModel:
             raise ValueError("streaming needs the decoupled tensorrt_llm_bls model")
         outputs = ["output_ids", "sequence_length", *_PASS_OUTPUTS]
         inner_id = f"{request.request_id() or 'bls'}#{uuid.uuid4().hex}"
-        entry = [request, False]
+        entry = _Inflight(request)
         with self.lock:
             self.inflight[inner_id] = entry
         try:
             self._relay(llm_inputs, outputs, inner_id, entry, streaming, send)
         finally:
+            with entry.lock:  # before the final response: a poll in progress ends first
+                entry.closed = True
             with self.lock:
                 self.inflight.pop(inner_id, None)
 
@@ -164,7 +179,7 @@ class TritonPythonModel:
         tokens: list[int] = []
         sent = ""
         for resp in responses:
-            if entry[1]:  # cancelled: drain tensorrt_llm's last responses, send nothing more
+            if entry.stopped:  # cancelled: drain tensorrt_llm's last responses, send nothing more
                 continue
             self._check(resp, self.llm)
             ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
@@ -184,7 +199,7 @@ class TritonPythonModel:
                 text = self._detok(np.array(ids))
             send(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)), *passthrough]))
-        if entry[1]:
+        if entry.stopped:
             raise _Cancelled()
         if streaming and self.accumulate and tokens:
             rest = self._detok(np.array(tokens))  # a sequence that ended inside a character
