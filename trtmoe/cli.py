@@ -278,7 +278,7 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
                          placement=placement, granularity=granularity, rounding=rounding),
         "build": dict(backend=target)})
     cv = cfg["convert"]
-    from .quant.commands import plan_from_config
+    from .quant.planning import plan_from_config
     plan = plan_from_config(model, cfg)
     with byte_progress("convert") as prog:
         task = prog.add_task("converting", total=None)

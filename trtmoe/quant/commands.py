@@ -9,111 +9,11 @@ from pathlib import Path
 import click
 
 from ..console import console, err_console
-from ..errors import InputError, UnsupportedError
+from ..errors import InputError
 from . import QUANTIZED_NAMES
 
 # Every quantized format (calibrate measures them all by default), without importing torch.
 DEFAULT_FORMATS = QUANTIZED_NAMES
-
-
-def plan_from_config(model, cfg: dict):
-    """The QuantPlan for a resolved config (CLI > YAML > defaults), or None for a float checkpoint."""
-    q, cv, backend = cfg["quantize"], cfg["convert"], cfg["build"]["backend"]
-    policy = q["policy"]
-    has_budget = q["budget_bpw"] is not None or q["budget_gb"] is not None
-    if policy == "none" and has_budget:
-        policy = "graded"
-    if policy == "none" and q["placement"] == "identity":
-        return None
-    granularity = q["granularity"]
-    if granularity == "auto":
-        # Uniform plans are layer-uniform anyway: write them in the form TensorRT-LLM also builds. The
-        # budgeted policies get the finest granularity the target runs: fc and proj apart on the
-        # embedded engine, one format per MoE layer on TensorRT-LLM. Frequency tiers are per expert.
-        if backend == "tensorrt-llm" or policy == "uniform":
-            granularity = "layer"
-        else:
-            granularity = "matrix" if policy in ("graded", "frequency-bytes", "random-bytes") else "expert"
-    if backend == "tensorrt-llm" and granularity == "matrix" and policy not in ("none",):
-        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer, and its "
-                               "MIXED_PRECISION config requires a MoE layer's fc and proj to share it; "
-                               "per-matrix formats (fc and proj apart) only run on the embedded engine",
-                               hint="use --granularity layer (the default for --target tensorrt-llm), "
-                                    "or --target embedded")
-    if backend == "tensorrt-llm" and granularity == "expert" and policy not in ("none",):
-        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer; per-expert "
-                               "formats only run on the embedded engine",
-                               hint="use --granularity layer (the default for --target tensorrt-llm)")
-    if backend == "tensorrt-llm" and policy == "frequency":
-        raise UnsupportedError("the frequency-tier policy assigns formats per expert, which TensorRT-LLM "
-                               "cannot run", hint="use --policy frequency-bytes or graded for --target tensorrt-llm")
-    from ..hf.reader import HFCheckpoint, parse_dtype
-    from .calibrate import load_calib
-    from .plan import QuantPlan, uniform_plan
-    from ..checkpoint.support import ARCH_LABEL
-    from ..checkpoint.support import options as support_options
-    from .policies import make_plan, make_target_plan, placement
-
-    with HFCheckpoint(model) as src:
-        m = src.model
-    dname = cv["dtype"] if cv["dtype"] != "auto" else m.source_dtype
-    dtype = parse_dtype(dname if dname in ("float32", "float16", "bfloat16") else "float32")
-    tp = cv["tp"]
-    moe_ep = cv["moe_ep"] or (tp // cv["moe_tp"] if cv["moe_tp"] else 1)
-    moe_tp = cv["moe_tp"] or tp // moe_ep
-    calib = None
-    needs_calib = policy in ("graded", "frequency", "frequency-bytes", "random-bytes") or q["placement"] == "balanced"
-    if needs_calib:
-        if not q["calib"]:
-            raise InputError(f"policy {policy!r}" + (" / balanced placement" if q["placement"] == "balanced" else "")
-                             + " needs calibration data", hint="run `trtmoe calibrate MODEL --data ... -o calib/` "
-                                                               "and pass --calib calib/")
-        calib = load_calib(q["calib"])
-        if calib["num_experts"] != m.num_experts or calib["num_layers"] != m.num_layers:
-            raise InputError("calibration was measured on a different model", where=q["calib"])
-        # The manifest records which calibration this is (resolved path and content hash), not the
-        # path as typed: cfg is the resolved config the writer stores.
-        cpath = Path(q["calib"])
-        cfile = cpath / "calib.json" if cpath.is_dir() else cpath
-        q["calib"] = str(cpath.resolve())
-        calib_identity = {"path": q["calib"], "sha256": hashlib.sha256(cfile.read_bytes()).hexdigest()}
-    budget = q["budget_bpw"]
-    if q["budget_gb"] is not None:
-        if budget is not None:
-            raise InputError("give either --budget or --budget-gb, not both")
-        total_weights = m.num_moe_layers * m.num_experts * 3 * m.expert_intermediate_size * m.hidden_size
-        world = tp * cv["pp"]
-        budget = q["budget_gb"] * 1e9 * 8 * world / total_weights
-    if policy == "uniform":
-        if not q["format"]:
-            raise InputError("policy 'uniform' needs --format int8, int4, int4_g128 or int4_g64")
-        plan = uniform_plan(m, q["format"], granularity)
-    elif policy == "none":
-        # Placement only: experts stay stacked float tensors (layer form), which every target loads.
-        plan = QuantPlan({}, granularity="layer", meta={"policy": "none"})
-    elif backend == "tensorrt-llm" and policy in ("graded", "frequency-bytes", "random-bytes"):
-        # Candidates are what the support table lets this architecture build on the target release.
-        if budget is None:
-            raise InputError(f"policy {policy!r} needs a budget (--budget BPW or --budget-gb)")
-        opts = support_options(cv["trtllm_version"], m.family)
-        plan = make_target_plan(calib, policy, budget_bpw=budget, uniform=opts.uniform, mixed=opts.mixed,
-                                dtype=dtype, formats=q["formats"], seed=q["seed"],
-                                I_loc=m.expert_intermediate_size // moe_tp,
-                                target=f"{ARCH_LABEL[m.family]} on TensorRT-LLM {opts.line}")
-    else:
-        plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=q["formats"],
-                         dtype=dtype, seed=q["seed"], I_loc=m.expert_intermediate_size // moe_tp)
-    if calib is not None:
-        plan.meta["calib"] = calib_identity
-    if q["placement"] == "balanced":
-        perms, rep = placement(calib, moe_ep)
-        plan.permutations = perms
-        plan.meta["placement"] = {str(k): v for k, v in rep.items()}
-    plan.dtype = dtype
-    from .awq import attach as attach_rounding
-
-    attach_rounding(plan, q.get("rounding", "awq"), q["calib"], calib)
-    return plan
 
 
 @click.command()
@@ -236,7 +136,6 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
     Example:
       trtmoe report --calib calib/ --ref ckpt_fp/ --quant ckpt_q/ --data heldout.txt -o report/
     """
-    import hashlib
 
     from ..report.html import build_report, render, stats_rows
     from ..report.quality import Reference, heldout_ids
