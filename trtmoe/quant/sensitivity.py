@@ -108,17 +108,21 @@ def forward_macs(cfg, seq_len: int) -> dict:
     return {"total": total, "experts": experts, "attention_scores": scores}
 
 
-def _probe(logits: torch.Tensor, kind: str, gen: torch.Generator) -> torch.Tensor:
-    """v with E[v vᵀ] = diag p − p pᵀ per position (p = softmax(logits)), float32, detached."""
-    p = logits.detach().float().softmax(-1)
-    if kind == "gaussian":
-        u = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device)
-        sp = p.sqrt()
-        return sp * u - p * (sp * u).sum(-1, keepdim=True)
-    y = torch.multinomial(p.reshape(-1, p.shape[-1]).cpu(), 1, generator=gen).to(p.device)
-    v = -p.reshape(-1, p.shape[-1])
-    v.scatter_add_(1, y, torch.ones_like(y, dtype=v.dtype))
-    return v.reshape(p.shape)
+def _probe(logits: torch.Tensor, kind: str, gen: torch.Generator, chunk: int = 1024) -> torch.Tensor:
+    """v with E[v vᵀ] = diag p − p pᵀ per position (p = softmax(logits)), float32, detached; built
+    ``chunk`` positions at a time so that only one full-vocabulary copy (v itself) is added."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    v = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+    for i in range(0, flat.shape[0], chunk):
+        p = flat[i:i + chunk].float().softmax(-1)
+        if kind == "gaussian":
+            u = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device)
+            u.mul_(p.sqrt())
+            v[i:i + chunk] = u - p * u.sum(-1, keepdim=True)
+        else:
+            y = torch.multinomial(p.cpu(), 1, generator=gen).to(p.device)
+            v[i:i + chunk] = p.neg_().scatter_add_(1, y, torch.ones_like(y, dtype=p.dtype))
+    return v.reshape(logits.shape)
 
 
 def _save(obj, path: Path) -> None:
@@ -224,7 +228,7 @@ def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress
             gen = torch.Generator().manual_seed(seed * 1_000_003 + b)
             v = _probe(logits, probe, gen)
             with torch.enable_grad():
-                (logits * v).sum().backward()
+                logits.backward(v)  # the gradient of Σ v·logits, without forming the product
         finally:
             eng.moe_hook = None
         del logits, v
