@@ -117,19 +117,19 @@ _CHILD = (
     "        if sys.argv[6] == 'kill': os.kill(os.getpid(), signal.SIGKILL)\n"
     "        raise KeyboardInterrupt\n"
     "calibrate(sys.argv[1], sys.argv[2], sys.argv[4], tokenizer=sys.argv[3], samples=4, seq_len=16, batch_size=2,\n"
-    "          formats=('int8', 'int4'), rounding='rtn', progress=stop)\n")
+    "          formats=('int8', 'int4'), rounding=sys.argv[7], progress=stop)\n")
 
 
-@pytest.mark.parametrize("how", ["kill", "interrupt"])
-def test_an_interrupted_calibration_resumes_and_gives_the_same_result(small, tmp_path, how):
+@pytest.mark.parametrize("how,rounding", [("kill", "rtn"), ("interrupt", "awq")])
+def test_an_interrupted_calibration_resumes_and_gives_the_same_result(small, tmp_path, how, rounding):
     model, tok, text = small
     fresh = calibrate(model, text, tmp_path / "fresh", tokenizer=tok, samples=4, seq_len=16, batch_size=2,
-                      formats=("int8", "int4"), rounding="rtn")
+                      formats=("int8", "int4"), rounding=rounding)
     out = tmp_path / "calib"
     # Progress calls: 2 batches, then 4 experts per layer, one call per expert, then one per layer:
     # stop inside the second layer, after the first layer's result is on disk.
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(text), str(tok), str(out), "10", how],
-                       cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(text), str(tok), str(out), "10", how,
+                        rounding], cwd=REPO, capture_output=True, text=True)
     assert r.returncode != 0 and not out.exists()
     left = list(tmp_path.glob(".calib.trtmoe-partial-*"))
     assert len(left) == 1
@@ -137,7 +137,7 @@ def test_an_interrupted_calibration_resumes_and_gives_the_same_result(small, tmp
     assert sorted(p.name for p in layers.iterdir()) == ["layer-000.pt"], r.stderr[-2000:]
     notes = []
     res = calibrate(model, text, out, tokenizer=tok, samples=4, seq_len=16, batch_size=2,
-                    formats=("int8", "int4"), rounding="rtn", notes=notes)
+                    formats=("int8", "int4"), rounding=rounding, notes=notes)
     assert any("2 of 2 batches and 1 of 2 MoE layers were already done" in n for n in notes), notes
     assert not list(tmp_path.glob(".calib*"))
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "fresh").iterdir())
@@ -152,8 +152,8 @@ def test_an_interrupted_calibration_resumes_and_gives_the_same_result(small, tmp
 def test_progress_of_other_inputs_is_not_reused(small, tmp_path):
     model, tok, text = small
     out = tmp_path / "calib"
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(text), str(tok), str(out), "10", "kill"],
-                       cwd=REPO, capture_output=True)
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(text), str(tok), str(out), "10", "kill",
+                        "rtn"], cwd=REPO, capture_output=True)
     assert r.returncode == -9
     notes = []
     other = calibrate(model, text, out, tokenizer=tok, samples=4, seq_len=16, batch_size=2, formats=("int8",),
