@@ -194,6 +194,31 @@ def test_killed_client_stops_generation(served, model):
     _assert_serves(served, model)
 
 
+def test_dropped_sse_connection_stops_generation(served):
+    """HTTP generate_stream through tensorrt_llm_bls; the socket is reset after the first event."""
+    import socket
+    import struct
+
+    before = _wait_idle(served)
+    body = json.dumps({"text_input": "def main(", "max_tokens": LONG, "min_tokens": LONG, "stream": True}).encode()
+    sock = socket.create_connection((served.endpoints.host, served.endpoints.http_port), timeout=60)
+    try:
+        sock.sendall(b"POST /v2/models/tensorrt_llm_bls/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = b""
+        while b"data:" not in seen:
+            chunk = sock.recv(4096)
+            assert chunk, seen
+            seen += chunk
+        assert b" 200 " in seen.split(b"\r\n", 1)[0], seen
+    finally:  # SO_LINGER 0: close() resets the connection, as a killed client's kernel does
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    generated = _wait_idle(served, timeout=10) - before
+    assert 1 <= generated < LONG * 3 // 4, generated
+    _assert_serves(served, "tensorrt_llm_bls")
+
+
 @pytest.mark.xfail(strict=True, reason="Triton 2.51's ensemble scheduler passes a cancellation only to steps it "
                                        "schedules afterwards, never to the running tensorrt_llm step")
 def test_cancelled_ensemble_stream_frees_its_slot(served):
