@@ -490,7 +490,7 @@ class LlamaCpp(Server):
                    "-t", str(a.peer_threads), "-tb", str(a.peer_threads), "--parallel", str(c), "-c", str(c * 256),
                    "--alias", "fixture"]
             self.kind = f"llama-server, {c} slots"
-            self.extra = {"ignore_eos": True}
+            self.extra = {"ignore_eos": True, "repeat_penalty": 1.0}
             env = None
         else:
             cmd = [str(a.llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
@@ -498,7 +498,7 @@ class LlamaCpp(Server):
                    str(a.peer_threads), "--n_ctx", "512", "--model_alias", "fixture",
                    "--interrupt_requests", "False"]  # its default ends a stream when another request arrives
             self.kind = "llama-cpp-python"
-            self.extra = {"min_tokens": a.tokens}
+            self.extra = {"min_tokens": a.tokens, "repeat_penalty": 1.0}  # its default, 1.1, is not greedy
             env = llamacpp_lib_env(a)
         self._spawn(cmd, env, self.port, "/v1/models" if not self.binary else "/health")
         self.note = f"{self.kind}, {self.outtype} GGUF, threads {a.peer_threads}"
