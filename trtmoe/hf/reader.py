@@ -11,7 +11,7 @@ import torch
 from ..errors import CheckpointError, InputError
 from ..model.description import MoEModel
 from .adapters import Adapter, describe, expected_tensors
-from .validate import validate_hf_config
+from .validate import validate_hf_config, _DEFAULT_CONTEXT
 from .safetensors_io import DTYPE_NAMES, SafetensorsFile, SourceRange, pread_into
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -64,8 +64,6 @@ def read_json(path: Path):
 def model_context(model: str | Path) -> int:
     """The longest sequence (tokens) a model's positions are defined for: its config.json's
     max_position_embeddings (validated), or the default the adapters assume when it is absent."""
-    from .validate import _DEFAULT_CONTEXT
-
     path = resolve_model_path(model)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():

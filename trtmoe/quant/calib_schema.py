@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from ..errors import InputError
+from .formats import FORMATS
 
 MATRICES = ("fc", "proj")
 
@@ -63,8 +64,6 @@ def validate_calib(calib: dict, where: str | None = None) -> dict:
     formats = get(calib, "formats", "formats")
     if not isinstance(formats, list) or not formats or not all(isinstance(f, str) for f in formats):
         raise bad("formats", f"must be a non-empty list of format names, got {formats!r:.60}")
-    from .formats import FORMATS
-
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise bad("formats", f"names unknown format(s) {', '.join(map(repr, unknown))}")
