@@ -284,19 +284,22 @@ def _scale_candidates(act: Tensor, wstat: Tensor, dtype: torch.dtype) -> list[Te
 def search_prequant(fmt: GroupInt4Format, ws: list[Tensor], stats: list[MatrixStats], dtype: torch.dtype
                     ) -> Tensor | None:
     """The pre-quant scale (model dtype, [in]) shared by the matrices ``ws`` that minimizes their summed
-    routed-token output error under round-to-nearest (None when no scale does better than none)."""
+    routed-token output error under round-to-nearest (None when no scale does better than none). Each
+    matrix's error on its sample rows counts for all the tokens routed to it (count / rows), so the sum
+    estimates the layer's error over every routed token."""
     g = fmt.group_size
     wds = [_in_dtype(w, dtype) for w in ws]
     n = sum(s.count for s in stats)
     act = sum(s.act_mean.double() * max(s.count, 1) for s in stats) / max(n, len(stats))
     wstat = sum(_weight_stat(wd, g) for wd in wds) / len(wds)
     y_refs = [s.rows.float() @ wd.t() for wd, s in zip(wds, stats)]
+    weights = [max(s.count, 1) / max(s.rows.shape[0], 1) if len(stats) > 1 else 1.0 for s in stats]
     best, best_err = None, None
     for pq in _scale_candidates(act, wstat, dtype):
         err = 0.0
-        for wd, s, y in zip(wds, stats, y_refs):
+        for wd, s, y, c in zip(wds, stats, y_refs, weights):
             wt = wd if pq is None else _in_dtype(wd / pq.float(), dtype)
-            err += _err(s.rows, wd, _fake_group(wt, g, dtype), pq, y)
+            err += c * _err(s.rows, wd, _fake_group(wt, g, dtype), pq, y)
         if best_err is None or err < best_err:
             best, best_err = pq, err
     return best
@@ -519,28 +522,31 @@ def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
 def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None) -> None:
     """Record ``rounding`` in ``plan.meta`` (what the layout reads and the manifest keeps). awq needs a
     calibration with activation statistics; without one the plan is rounded to nearest and says why.
-    A plan that keeps no int4 format is left as it is."""
+    A plan that stores no int4 format is left as it is."""
     from ..hf.safetensors_io import sha256_file
+    from .formats import FORMATS
 
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint="use rtn or awq")
-    if plan is None or plan.is_float:
+    if plan is None or not any(f in FORMATS and applies(FORMATS[f]) for f in plan.used_formats()):
         return
-    if rounding == "rtn":
-        plan.meta["rounding"] = "rtn"
-        return
+
+    def note(text: str) -> None:
+        plan.meta["rounding_note"] = text
+        plan.meta.setdefault("notes", []).append(text)
+
+    measured = (calib or {}).get("rounding")
     act = None
-    if calib_dir is not None:
+    if rounding == "awq" and calib_dir is not None:
         d = Path(calib_dir)
         f = (d if d.is_dir() else d.parent) / ACT_FILE
         act = f if f.is_file() else None
-    if act is None:
-        plan.meta["rounding"] = "rtn"
-        plan.meta["rounding_note"] = ("awq needs a calibration with activation statistics (--calib from "
-                                      "`trtmoe calibrate`); rounded to nearest")
-        return
-    plan.meta["rounding"] = "awq"
-    plan.meta["activations"] = {"path": str(act.resolve()), "sha256": sha256_file(act)}
-    measured = (calib or {}).get("rounding")
-    if measured is not None and measured != "awq":
-        plan.meta["rounding_note"] = f"sensitivities were measured with {measured} rounding"
+    if rounding == "awq" and act is None:
+        rounding = "rtn"
+        note("awq needs a calibration with activation statistics (--calib from `trtmoe calibrate`); "
+             "int4 weights rounded to nearest")
+    elif measured is not None and measured != rounding:
+        note(f"sensitivities were measured with {measured} rounding, the int4 weights use {rounding}")
+    plan.meta["rounding"] = rounding
+    if act is not None:
+        plan.meta["activations"] = {"path": str(act.resolve()), "sha256": sha256_file(act)}
