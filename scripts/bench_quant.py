@@ -13,6 +13,13 @@
    Candidate formats: fp16/bf16, int8, int4_g64, int4_g128; a second family of series (graded per
    matrix and per expert, frequency, random) also offers per-channel int4 (``--no-with-int4`` drops
    it).
+   INT4 rounding: every plan is converted with ``--rounding`` (awq by default: activation-aware scale
+   and clip search on the calibration's routed tokens, which calibration also measures ΔKL with);
+   the uniform baselines come in three forms per int4 kind: round to nearest ("uniform int4_g128"),
+   awq with one pre-quant scale per MoE layer and matrix kind (TensorRT-LLM's fused-MoE form,
+   "uniform awq int4_g128") and awq with one per expert matrix (the embedded engine's form,
+   "uniform awq int4_g128 (matrix)"). Ratios are quoted against uniform RTN int4_g128 and against
+   the best uniform int4 of the same rounding arm.
 4. Checks the targets of the quantization issue on the embedded target's graded plan (matrix
    granularity), printing the expert-granularity numbers beside them; times the allocator on 3,072
    synthetic experts (expert units) and on their 6,144 matrices (matrix units) with the main family's
@@ -52,6 +59,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.data import write_split_text  # noqa: E402
+from trtmoe.quant import awq  # noqa: E402
 from trtmoe.quant.allocate import Unit, allocate  # noqa: E402
 from trtmoe.errors import InputError  # noqa: E402
 from trtmoe.quant.calibrate import calibrate, load_calib, token_batches  # noqa: E402
@@ -64,6 +72,7 @@ from trtmoe.runtime.load import load_tokenizer  # noqa: E402
 BUDGETS = (4.125, 4.25, 4.5, 5.0, 6.0, 8.0)
 FORMATS = ["float", "int8", "int4_g64", "int4_g128"]
 CALIB_FORMATS = ("int8", "int4", "int4_g128", "int4_g64")  # FORMATS' quantized ones plus per-channel int4
+INT4_KINDS = ("int4", "int4_g128", "int4_g64")
 # Synthetic ΔKL per unit of expert sensitivity, for the allocator timing: int8 ~100× below int4, g64 a
 # little below g128 (the ratio the fixture shows), so the knapsack faces real trade-offs between them.
 _SYNTH_DKL = {"int8": 1e-4, "int4_g64": 0.88e-2, "int4_g128": 1e-2}
@@ -75,6 +84,7 @@ def log(msg: str) -> None:
 
 def _row(policy: str, budget, ev: dict, plan: QuantPlan | None, calib: dict, seed=None) -> dict:
     return {"policy": policy, "budget": budget, "seed": seed, "granularity": plan.granularity if plan else None,
+            "rounding": (plan.meta.get("rounding", "rtn") if plan is not None else None),
             "bpw": ev["expert_bpw"],
             "kl_mean": ev["kl"]["mean"], "kl_stderr": ev["kl"]["stderr"], "kl_median": ev["kl"]["median"],
             "kl_p99": ev["kl"]["p99"], "kl_p999": ev["kl"]["p999"], "kl_max": ev["kl"]["max"],
@@ -174,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-calib", action="store_true", help="reuse WORKDIR/calib/calib.json if present")
     ap.add_argument("--keep", action="store_true", help="keep every quantized checkpoint")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounding", choices=awq.ROUNDINGS, default=awq.DEFAULT_ROUNDING,
+                    help="INT4 rounding of calibration's ΔKL and of every plan except the RTN baselines")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
@@ -200,12 +212,13 @@ def main(argv=None) -> int:
             calib = load_calib(cdir)
         except InputError as e:  # an older layout: measure again
             log(f"calibration in {cdir} not reused: {e.render()}")
-    if calib is not None and set(calib["formats"]) >= set(CALIB_FORMATS):
+    if calib is not None and set(calib["formats"]) >= set(CALIB_FORMATS) and calib.get("rounding") == args.rounding \
+            and (cdir / awq.ACT_FILE).is_file():
         log(f"calibration reused from {cdir}")
     else:
         t0 = time.perf_counter()
         calib = calibrate(model, calib_txt, cdir, samples=args.calib_samples, seq_len=args.calib_seq_len,
-                          formats=CALIB_FORMATS, force=True)
+                          formats=CALIB_FORMATS, force=True, rounding=args.rounding)
         calib["seconds"] = time.perf_counter() - t0  # wall time is reported here, never stored in calib.json
         log(f"calibration: {calib['data']['tokens']} tokens, {len(CALIB_FORMATS)} formats × fc, proj, "
             f"{calib['sensitivity']['cost_forward_passes']:.1f} forward-pass equivalents, "
@@ -246,7 +259,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if calib["dtype"] == "bfloat16" else (
         torch.float16 if calib["dtype"] == "float16" else torch.float32)
 
-    def do(policy_label, plan, budget=None, seed=None, keep=False, additive=False):
+    def do(policy_label, plan, budget=None, seed=None, keep=False, additive=False, rounding=None):
+        awq.attach(plan, rounding or args.rounding, cdir, calib)
         name = policy_label.replace(" ", "_").replace("(", "").replace(")", "") + (
             f"_{budget}" if budget is not None else "") + (f"_s{seed}" if seed is not None else "")
         ev, cev = run_plan(model, work, name, plan, ref, cref if additive else None, keep or args.keep)
@@ -263,9 +277,13 @@ def main(argv=None) -> int:
 
     # ---- baselines without a budget -----------------------------------------------------------------------
     E = calib["num_experts"]
+    uni = lambda f, gran="layer": QuantPlan({l: [f] * E for l in calib["moe_layers"]}, granularity=gran,  # noqa: E731
+                                            meta={"policy": f"uniform-{f}"}, dtype=dtype)
     for f in ("int8", "int4", "int4_g128", "int4_g64"):
-        do(f"uniform {f}", QuantPlan({l: [f] * E for l in calib["moe_layers"]}, granularity="layer",
-                                     meta={"policy": f"uniform-{f}"}, dtype=dtype))
+        do(f"uniform {f}", uni(f), rounding="rtn")  # round to nearest
+    for f in INT4_KINDS:
+        do(f"uniform awq {f}", uni(f), rounding="awq")  # one pre-quant scale per layer and matrix kind
+        do(f"uniform awq {f} (matrix)", uni(f, "matrix"), rounding="awq")  # one per expert matrix
     do("frequency tiers", make_plan(calib, "frequency", dtype=dtype))
 
     # ---- budgets ------------------------------------------------------------------------------------------
@@ -312,6 +330,7 @@ def main(argv=None) -> int:
     # ---- table and targets ------------------------------------------------------------------------------------
     targets = check_targets(rows, budgets, (alloc, alloc_m), place, tuple(sfx for sfx, _ in families))
     print_table(rows)
+    print_ratios(rows)
     log("\nadditivity (graded plans; calibration text): predicted ΣΔKL vs measured KL, and the predicted ratio "
         "to uniform int4_g128 (the best the allocator can promise from its measurements)")
     for a in additivity:
@@ -334,7 +353,7 @@ def main(argv=None) -> int:
                               "bits_per_weight": calib["bits_per_weight"]},
               "heldout": {"windows": int(held_ids.shape[0]), "seq_len": int(held_ids.shape[1]),
                           "tokens_scored": ref.tokens_scored},
-              "rows": rows, "targets": targets, "infeasible": infeasible, "additivity": additivity, "allocator": alloc,
+              "rows": rows, "ratios": ratio_rows(rows), "rounding": args.rounding, "targets": targets, "infeasible": infeasible, "additivity": additivity, "allocator": alloc,
               "allocator_matrix": alloc_m,
               "placement": place, "seconds": total}
     if args.out:
@@ -392,6 +411,13 @@ def check_targets(rows, budgets, allocs, place, suffixes=("",)) -> list[dict]:
             "non-increasing over ≥ 6 budgets", mono and len(done) >= 6,
             f"expert granularity {[round(x, 6) for x in xs]}"
             f" ({'non-increasing' if all(y <= x for x, y in zip(xs, xs[1:])) else 'NOT non-increasing'})")
+    for f in INT4_KINDS:
+        r = _mean(rows, f"uniform {f}", None)
+        for name in (f"uniform awq {f}", f"uniform awq {f} (matrix)"):
+            a = _mean(rows, name, None)
+            if a is not None and r:
+                need = "≤ 0.8" if f == "int4_g128" else "report only"
+                add(f"{name}: KL / uniform RTN {f} KL", round(a / r, 4), need, a / r <= 0.8 or need == "report only")
     for a in allocs:
         add(f"allocation of {a['experts']:,} experts × {a['formats']} formats "
             f"({a['units']:,} {a['granularity']} units)", f"{a['max_seconds']:.3f} s", "< 1 s", a["max_seconds"] < 1)
@@ -406,6 +432,42 @@ def check_targets(rows, budgets, allocs, place, suffixes=("",)) -> list[dict]:
             add(f"{b} bpw: 99.9% KL matrix / expert granularity", f"{pa:.4f} / {px:.4f}"
                 + (" (tail worse at matrix granularity)" if pa > px else ""), "report only", True)
     return t
+
+
+def _arm_best(rows, arm: str):
+    """(policy, KL) of the best uniform int4 plan of one rounding arm ("rtn" or "awq")."""
+    names = [f"uniform {f}" for f in INT4_KINDS] if arm == "rtn" else (
+        [f"uniform awq {f}" for f in INT4_KINDS] + [f"uniform awq {f} (matrix)" for f in INT4_KINDS])
+    got = [(n, _mean(rows, n, None)) for n in names if _mean(rows, n, None) is not None]
+    return min(got, key=lambda t: t[1]) if got else (None, None)
+
+
+def ratio_rows(rows) -> list[dict]:
+    """Every policy's mean KL against uniform RTN int4_g128 and against the best uniform int4 plan of its
+    own rounding arm."""
+    g4 = _mean(rows, "uniform int4_g128", None)
+    out, seen = [], set()
+    for r in rows:
+        key = (r["policy"], r["budget"])
+        if key in seen:
+            continue
+        seen.add(key)
+        kl = _mean(rows, *key)
+        arm = r.get("rounding") or "rtn"
+        best_name, best = _arm_best(rows, arm)
+        out.append({"policy": r["policy"], "budget": r["budget"], "rounding": arm, "bpw": _mean(rows, *key, "bpw"),
+                    "kl_mean": kl, "vs_rtn_int4_g128": kl / g4 if g4 else None,
+                    "best_uniform_int4_same_arm": best_name, "vs_best_uniform_int4": kl / best if best else None})
+    return out
+
+
+def print_ratios(rows) -> None:
+    log("\n| budget | policy | rounding | bpw | mean KL | / uniform RTN int4_g128 | / best uniform int4 (same rounding) |")
+    log("|---|---|---|---|---|---|---|")
+    for r in sorted(ratio_rows(rows), key=lambda r: (-1 if r["budget"] is None else r["budget"], r["policy"])):
+        log(f"| {'—' if r['budget'] is None else r['budget']} | {r['policy']} | {r['rounding']} | {r['bpw']:.3f} | "
+            f"{r['kl_mean']:.5f} | {r['vs_rtn_int4_g128']:.3f} | {r['vs_best_uniform_int4']:.3f} "
+            f"({r['best_uniform_int4_same_arm']}) |")
 
 
 def print_table(rows) -> None:
