@@ -15,7 +15,8 @@ Reported: how every request ended (final response / clean error / past its deadl
 kind; wrong greedy texts; resident memory (RSS) of tritonserver and every backend stub after
 warm-up and at the end of each server lifetime; greedy outputs of a fixed prompt set before the
 soak, after the restart and at the end (must be identical). With --cancel-rss N, also the
-tritonserver RSS growth per cancelled request over N cancels through each entry point.
+tritonserver RSS growth per cancelled request over N cancels through each entry point; with
+--cancel-tokens N, the tokens generated for N cancelled 150-token streams per entry point.
 
     python scripts/soak_serve.py                        # 5000 requests, concurrency 32
     python scripts/soak_serve.py --requests 600 --json soak.json
@@ -292,6 +293,52 @@ def cancel_rss(soak: Soak, n: int) -> dict:
     return out
 
 
+def _engine_counters(srv) -> tuple[float, float]:
+    from trtmoe.triton.metrics import scrape
+
+    m = scrape(srv.endpoints.metrics)
+    active = sum(v for labels, v in m.get("trtmoe_batcher_requests", []) if dict(labels).get("state") == "active")
+    return sum(v for _, v in m.get("trtmoe_generated_tokens_total", [])), active
+
+
+def _idle_tokens(srv, timeout: float = 60.0) -> float:
+    """Tokens generated so far, once no request holds a batch slot (metrics refresh every 0.5 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        if _engine_counters(srv)[1] == 0:
+            time.sleep(0.6)
+            return _engine_counters(srv)[0]
+    raise RuntimeError(f"a request still holds its batch slot after {timeout} s")
+
+
+def cancel_tokens(soak: Soak, trials: int, n: int = 150) -> dict:
+    """Tokens the engine generates for an n-token stream (min_tokens n) cancelled after its 2nd
+    response, per entry point: the tokens already sent and the engine-to-client lag included."""
+    out = {}
+    for model in ("tensorrt_llm", "tensorrt_llm_bls", "ensemble"):
+        counts = []
+        for _ in range(trials):
+            import tritonclient.grpc as grpcclient
+
+            before = _idle_tokens(soak.srv)
+            ins = soak.inputs(model, PROMPTS[0], n)
+            ins.append(_tensor("min_tokens", np.array([[n]], np.int32), "INT32"))
+            client = grpcclient.InferenceServerClient(soak.srv.endpoints.grpc)
+            q: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: q.put(error))
+            client.async_stream_infer(model, ins)
+            for _ in range(2):
+                q.get(timeout=soak.args.deadline_s)
+            client.stop_stream(cancel_requests=True)
+            client.close()
+            counts.append(int(_idle_tokens(soak.srv) - before))
+        counts.sort()
+        out[model] = {"of": n, "median": counts[len(counts) // 2], "max": counts[-1], "all": counts}
+        print(f"cancel tokens {model:17s}: median {out[model]['median']}, max {out[model]['max']} of {n}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=5000)
@@ -305,6 +352,8 @@ def main() -> int:
                                                                 "(negative: no kill)")
     ap.add_argument("--warmup", type=float, default=0.1, help="fraction of requests before the first RSS sample")
     ap.add_argument("--cancel-rss", type=int, default=0, help="also measure RSS growth over this many cancels")
+    ap.add_argument("--cancel-tokens", type=int, default=0,
+                    help="also count the tokens generated for this many cancelled 150-token streams per entry point")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--templates", default=None, help="model_repo templates (default: the project's)")
     ap.add_argument("--json", default=None, help="write the figures here")
@@ -374,6 +423,8 @@ def main() -> int:
             soak_s = time.monotonic() - t0
             samples["end"] = stack_rss(srv)
             after = soak.greedy_outputs()
+            if args.cancel_tokens:
+                report["cancel_tokens"] = cancel_tokens(soak, args.cancel_tokens)
             if args.cancel_rss:
                 report["cancel_rss"] = cancel_rss(soak, args.cancel_rss)
         finally:
