@@ -201,7 +201,8 @@ sys.stdin.read()
         rng.shuffle(kinds)
         bads = ["missing", "negative", "too_long"]
         return [(k, MODELS[i % len(MODELS)], PROMPTS[rng.randrange(len(PROMPTS))],
-                 bads[i % len(bads)] if k == "bad" else None) for i, k in enumerate(kinds)]
+                 bads[(i // len(MODELS)) % len(bads)] if k == "bad" else None)  # every bad kind on every model
+                for i, k in enumerate(kinds)]
 
     def run_one(self, item) -> None:
         kind, model, prompt, bad = item
