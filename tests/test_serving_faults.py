@@ -219,6 +219,28 @@ def test_dropped_sse_connection_stops_generation(served):
     _assert_serves(served, "tensorrt_llm_bls")
 
 
+def test_unary_cancel_in_a_non_decoupled_repository(built, tmp_path):
+    """Upstream's default repository (not decoupled): a unary gRPC request cancelled by the client
+    after 0.3 s stops generating, sent to tensorrt_llm or to tensorrt_llm_bls."""
+    repo = generate_repository(built["root"] / "engine", tmp_path / "repo", streaming=False, torch_num_threads=1)
+    server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
+    try:
+        for model in ("tensorrt_llm", "tensorrt_llm_bls"):
+            before = _wait_idle(server)
+            inputs = [t for t in _inputs(model) if t.name() not in ("stream", "streaming")]
+            client = grpcclient.InferenceServerClient(server.endpoints.grpc)
+            q: queue.Queue = queue.Queue()
+            ctx = client.async_infer(model, inputs, callback=lambda result, error: q.put(error))
+            time.sleep(0.3)
+            ctx.cancel()
+            assert "CANCELLED" in str(q.get(timeout=60))
+            generated = _wait_idle(server, timeout=10) - before
+            assert 1 <= generated < LONG * 3 // 4, (model, generated)
+            client.close()
+    finally:
+        server.stop()
+
+
 @pytest.mark.xfail(strict=True, reason="Triton 2.51's ensemble scheduler passes a cancellation only to steps it "
                                        "schedules afterwards, never to the running tensorrt_llm step")
 def test_cancelled_ensemble_stream_frees_its_slot(served):
