@@ -257,7 +257,13 @@ def test_parse_request_maps_sampling_inputs():
     (g,) = parse_requests(_getter(runtime_top_k=np.array([[5]], np.int32), temperature=np.array([[0.7]], np.float32),
                                   seed=np.array([[3]], np.uint64), streaming=np.array([[True]])),
                           LIMITS, SamplingParams)
-    assert g.prompt_ids == [1, 5, 9] and g.streaming and g.exclude_input_in_output
+    # Upstream's default: the prompt stays in the output unless the request or the repository says otherwise.
+    assert g.prompt_ids == [1, 5, 9] and g.streaming and not g.exclude_input_in_output
+    (h,) = parse_requests(_getter(), LIMITS, SamplingParams, default_exclude_input=True)
+    assert h.exclude_input_in_output
+    (h,) = parse_requests(_getter(exclude_input_in_output=np.array([[False]])), LIMITS, SamplingParams,
+                          default_exclude_input=True)
+    assert not h.exclude_input_in_output
     p = g.params
     assert (p.max_new_tokens, p.top_k, p.seed, p.end_id) == (4, 5, 3, 2) and abs(p.temperature - 0.7) < 1e-6
     # A bare temperature stays greedy, as in TensorRT-LLM.
