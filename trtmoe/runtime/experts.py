@@ -21,6 +21,35 @@ from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
 
 
+# Row blocks up to this size (a decode step, a short prompt) may run stacked: the busy experts in
+# one batched call per matrix. Bigger ones (prefill, calibration) run one expert at a time, where
+# the per-call overhead is small against the work and padding would cost more.
+STACK_MAX_ROWS = 512
+
+
+# Padding rows (multiply-adds of the expert matrices) a stacked call may waste.
+_PAD_MACS = 1 << 25
+
+
+def _padding(counts: list[int], experts: list[int], device, row_macs: int
+             ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """For ``experts`` (ascending) of a block laid out expert by expert with ``counts`` rows each:
+    (C, src, dst) where C is the busiest expert's row count, ``src`` the rows of the block that
+    belong to them and ``dst`` their places in an [len(experts) * C] padded layout; None when the
+    padding (``row_macs`` multiply-adds a row) would cost more than the per-expert calls it saves."""
+    C = max(counts[e] for e in experts)
+    rows = sum(counts[e] for e in experts)
+    if len(experts) * C > 4 * rows + 256 and (len(experts) * C - rows) * row_macs > _PAD_MACS:
+        return None
+    starts, acc = [0] * len(counts), 0
+    for e, n in enumerate(counts):
+        starts[e] = acc
+        acc += n
+    src = torch.tensor([starts[e] + r for e in experts for r in range(counts[e])], device=device)
+    dst = torch.tensor([j * C + r for j, e in enumerate(experts) for r in range(counts[e])], device=device)
+    return C, src, dst
+
+
 class ExpertBank:
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -53,6 +82,28 @@ class FloatExperts(ExpertBank):
         up, gate = h.chunk(2, dim=-1)
         return (F.silu(gate) * up) @ self.proj[e].t()
 
+    def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        # A decode step over many experts with a few rows each: one batched matmul per matrix over
+        # the busy experts (rows padded to the busiest one's) instead of a loop of small ones.
+        busy = [e for e, n in enumerate(counts) if n]
+        if x.shape[0] > STACK_MAX_ROWS or len(busy) < 4 or self.fc.requires_grad:
+            return super().forward_grouped(x, counts)
+        # Most experts busy: run them all (idle ones on padding rows only) rather than copy the
+        # busy ones' weights out; few busy: copy just theirs.
+        run = list(range(len(counts))) if 2 * len(busy) >= len(counts) else busy
+        plan = _padding(counts, run, x.device, self.fc[0].numel() + self.proj[0].numel())
+        if plan is None:
+            return super().forward_grouped(x, counts)
+        C, _, dst = plan
+        xp = x.new_zeros(len(run) * C, x.shape[1]).index_copy_(0, dst, x)
+        sel = None if len(run) == len(counts) else torch.tensor(run, device=x.device)
+        fc = self.fc if sel is None else self.fc.index_select(0, sel)
+        proj = self.proj if sel is None else self.proj.index_select(0, sel)
+        h = torch.bmm(xp.view(len(run), C, -1), fc.transpose(1, 2))
+        up, gate = h.chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, proj.transpose(1, 2))
+        return y.reshape(len(run) * C, -1).index_select(0, dst)
+
     def format_of(self, e: int) -> str:
         return self.fmt
 
@@ -79,22 +130,134 @@ class PackedShard(NamedTuple):
     proj: dict[str, torch.Tensor]
 
 
+class _Stack(NamedTuple):
+    """Experts whose shard ``t`` shares formats, tensor shapes and shared (unstacked) tensors: their
+    packed tensors stacked along a new leading dim, so one ``linear`` call runs any subset of them."""
+
+    t: int
+    experts: list[int]
+    fc_fmt: object
+    fc: dict[str, torch.Tensor]
+    fc_shared: frozenset[str]
+    proj_fmt: object
+    proj: dict[str, torch.Tensor]
+    proj_shared: frozenset[str]
+    row_macs: int  # multiply-adds of one row through fc and proj (about: int4 bytes count twice)
+
+
+def _shared_keys(fmt) -> frozenset[str]:
+    # The tensors a format keeps whole (not one per expert) in an [E, ...] stack.
+    keys = getattr(fmt, "_shared_keys", None)
+    return keys() if keys is not None else frozenset()
+
+
+def _stack_shards(shards: list[list[PackedShard]]) -> tuple[list[list[PackedShard]], list[_Stack]]:
+    """Group expert shards into ``_Stack``s; the per-expert dicts become views of the stacks (the
+    packed bytes are held once)."""
+    stacks: list[_Stack] = []
+    by_key: dict[tuple, list[list[int]]] = {}
+    for e, per in enumerate(shards):
+        for t, sh in enumerate(per):
+            key = (t, sh.fc_fmt, sh.proj_fmt,
+                   tuple((k, v.shape, v.dtype, v.device) for k, v in sorted(sh.fc.items())),
+                   tuple((k, v.shape, v.dtype, v.device) for k, v in sorted(sh.proj.items())))
+            groups = by_key.setdefault(key, [])
+            for g in groups:  # shared tensors must be equal to run in one call
+                rep = shards[g[0]][t]
+                if all(torch.equal(rep.fc[k], sh.fc[k]) for k in _shared_keys(sh.fc_fmt) if k in sh.fc) and all(
+                        torch.equal(rep.proj[k], sh.proj[k]) for k in _shared_keys(sh.proj_fmt) if k in sh.proj):
+                    g.append(e)
+                    break
+            else:
+                groups.append([e])
+    new = [list(per) for per in shards]
+    for key, groups in by_key.items():
+        t, fc_fmt, proj_fmt = key[:3]
+        for g in groups:
+            if len(g) < 2:
+                continue
+            parts = {}
+            for mod, fmt in (("fc", fc_fmt), ("proj", proj_fmt)):
+                shared = _shared_keys(fmt)
+                ds = [getattr(shards[e][t], mod) for e in g]
+                parts[mod] = {k: ds[0][k] if k in shared else torch.stack([d[k] for d in ds]) for k in ds[0]}
+            for j, e in enumerate(g):
+                views = {mod: {k: v if k in _shared_keys(f) else v[j] for k, v in parts[mod].items()}
+                         for mod, f in (("fc", fc_fmt), ("proj", proj_fmt))}
+                new[e][t] = PackedShard(fc_fmt, views["fc"], proj_fmt, views["proj"])
+            macs = sum(v[0].numel() * (2 if v.dtype in (torch.int8, torch.uint8) else 1)
+                       for mod in ("fc", "proj") for k, v in parts[mod].items() if k == "weight")
+            stacks.append(_Stack(t, g, fc_fmt, parts["fc"], _shared_keys(fc_fmt) & parts["fc"].keys(),
+                                 proj_fmt, parts["proj"], _shared_keys(proj_fmt) & parts["proj"].keys(), macs))
+    return new, stacks
+
+
+def _select(d: dict[str, torch.Tensor], shared: frozenset[str], sel: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    if sel is None:
+        return d
+    return {k: v if k in shared else v.index_select(0, sel) for k, v in d.items()}
+
+
 class PackedExperts(ExpertBank):
     """Per expert: a list of moe_tp shards (``PackedShard``), fc and proj each in its own format.
-    Runs from the packed bytes through each format's own ``linear``."""
+    Runs from the packed bytes through each format's own ``linear``.
+
+    Experts that share formats are also held as stacks: ``forward_grouped`` then runs all of a
+    stack's experts that have tokens in one ``linear`` call per matrix (their rows padded to the
+    busiest one's), so a decode step unpacks each layer's packed bytes in one go instead of once per
+    expert. Busy blocks (prefill) keep one call per expert, where padding would cost more."""
 
     def __init__(self, shards: list[list[PackedShard]], fc_names: list[str], proj_names: list[str] | None = None):
-        self.shards, self.fc_names = shards, fc_names
+        self.shards, self._stacks = _stack_shards(shards)
+        self.fc_names = fc_names
         self.proj_names = list(fc_names) if proj_names is None else proj_names
 
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         y = None
         for sh in self.shards[e]:
-            h = sh.fc_fmt.linear(x, sh.fc)
-            up, gate = h.chunk(2, dim=-1)
-            part = sh.proj_fmt.linear(F.silu(gate) * up, sh.proj)
+            part = self._shard_forward(sh, x)
             y = part if y is None else y + part
         return y
+
+    def _shard_forward(self, sh: PackedShard, x: torch.Tensor) -> torch.Tensor:
+        h = sh.fc_fmt.linear(x, sh.fc)
+        up, gate = h.chunk(2, dim=-1)
+        return sh.proj_fmt.linear(F.silu(gate) * up, sh.proj)
+
+    def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        M = x.shape[0]
+        if not self._stacks or M > STACK_MAX_ROWS:
+            return super().forward_grouped(x, counts)
+        starts, acc = [], 0
+        for n in counts:
+            starts.append(acc)
+            acc += n
+        busy = [e for e, n in enumerate(counts) if n]
+        out = x.new_zeros(M, x.shape[1])
+        # Shard by shard, in rank order: each expert's output is the sum of its shards, as in ``forward``.
+        for t in range(max(len(self.shards[e]) for e in busy)):
+            covered: set[int] = set()
+            for st in self._stacks:
+                if st.t != t:
+                    continue
+                act = [e for e in st.experts if counts[e]]
+                plan = _padding(counts, act, x.device, st.row_macs) if len(act) > 1 else None
+                if plan is None:
+                    continue
+                C, src, dst = plan
+                xp = x.new_zeros(len(act) * C, x.shape[1]).index_copy_(0, dst, x.index_select(0, src))
+                sel = None if len(act) == len(st.experts) else torch.tensor(
+                    [st.experts.index(e) for e in act], device=x.device)
+                h = st.fc_fmt.linear(xp.view(len(act), C, -1), _select(st.fc, st.fc_shared, sel))
+                up, gate = h.chunk(2, dim=-1)
+                y = st.proj_fmt.linear(F.silu(gate) * up, _select(st.proj, st.proj_shared, sel))
+                out.index_add_(0, src, y.reshape(len(act) * C, -1).index_select(0, dst))
+                covered.update(act)
+            for e in busy:
+                if e not in covered and t < len(self.shards[e]):
+                    a, b = starts[e], starts[e] + counts[e]
+                    out[a:b] += self._shard_forward(self.shards[e][t], x[a:b])
+        return out
 
     def formats_of(self, e: int) -> tuple[str, str]:
         """(fc format, proj format) of expert slot ``e``."""
