@@ -93,6 +93,15 @@ class _EngineRunner:
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         return wall, cpu, [s.tokens for s in seqs]
 
+    def count_step(self, prompts: list[list[int]], counter) -> int:
+        from trtmoe.runtime.engine import SamplingParams
+
+        seqs = self.eng.start_many(prompts, [SamplingParams(max_new_tokens=4) for _ in prompts])
+        self.eng.step(seqs)
+        with counter():
+            self.eng.step(seqs)
+        return counter.n
+
     def prefill(self, prompts: list[list[int]]) -> tuple[float, float]:
         from trtmoe.runtime.engine import SamplingParams
 
@@ -130,12 +139,43 @@ class _HFRunner:
             wall, cpu = time.perf_counter() - t, time.process_time() - c
         return wall, cpu, torch.cat(toks, 1).tolist()
 
+    def count_step(self, prompts: list[list[int]], counter) -> int:
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+            for i in range(2):
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                if i:
+                    with counter():
+                        self.model(input_ids=tok, use_cache=True, **{self.cache_kw: _cache_of(out)})
+                    return counter.n
+                out = self.model(input_ids=tok, use_cache=True, **{self.cache_kw: _cache_of(out)})
+
     def prefill(self, prompts: list[list[int]]) -> tuple[float, float]:
         torch = self.torch
         with torch.inference_mode():
             t, c = time.perf_counter(), time.process_time()
             self.model(input_ids=torch.tensor(prompts), use_cache=True, logits_to_keep=1)
             return time.perf_counter() - t, time.process_time() - c
+
+
+def _count_ops(runner, kind: str, prompts: list[list[int]]) -> int:
+    """Tensor operations dispatched by one decode step (after one untimed step) or by the prefill:
+    a count that, unlike time, other load on the machine cannot disturb."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.n += 1
+            return func(*args, **(kwargs or {}))
+
+    if kind == "decode":
+        return runner.count_step(prompts, Counter)
+    with Counter():
+        runner.prefill(prompts)
+    return Counter.n
 
 
 def _cache_of(out):
@@ -156,8 +196,13 @@ def worker(args) -> None:
         case = line.strip()
         if not case:
             continue
+        count = case.startswith("ops:")
+        case = case.removeprefix("ops:")
         kind, batch, tokens = CASES[case]
         prompts = _prompts(runner.vocab, batch, tokens, seed=batch * 1000 + tokens)
+        if count:
+            print(json.dumps({"ops": _count_ops(runner, kind, prompts)}), flush=True)
+            continue
         if kind == "decode":
             wall, cpu, toks = runner.decode(prompts, args.steps)
             res = {"wall": wall, "cpu": cpu, "tokens": batch * args.steps, "out": toks}
@@ -270,6 +315,7 @@ def main() -> None:
                 for w in workers[k:] + workers[:k]:  # rotate who goes first
                     results[w.name][c].append(w.run(c))
             print(f"# round {r + 1}/{args.rounds} done", file=sys.stderr)
+        ops = {w.name: {c: w.run("ops:" + c)["ops"] for c in cases} for w in workers}
     finally:
         for w in workers:
             w.close()
@@ -288,6 +334,11 @@ def main() -> None:
         cells = [f"{med[n][0]:,.0f} ({med[n][1]:,.0f})" for n in names]
         ratios = [f"{med['engine'][0] / med[n][0]:.2f}× ({med['engine'][1] / med[n][1]:.2f}×)" for n in names[1:]]
         print(f"| {c} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    print("\ntensor ops dispatched per decode step / per prefill forward (deterministic):\n")
+    print("| case | " + " | ".join(names) + " |")
+    print("|---" * (1 + len(names)) + "|")
+    for c in cases:
+        print(f"| {c} | " + " | ".join(f"{ops[n][c]:,}" for n in names) + " |")
     same = []
     for c in cases:
         if CASES[c][0] != "decode":
@@ -297,7 +348,7 @@ def main() -> None:
         same.append(f"{c}: engine = {', '.join(agree) if agree else 'none'}")
     print("\ngreedy tokens identical — " + "; ".join(same))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "ops": ops}, indent=1))
 
 
 if __name__ == "__main__":

@@ -162,6 +162,8 @@ class _Layer:
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dt = x.dtype
+    if dt == torch.float32 and w.dtype == torch.float32:  # one fused op, the same arithmetic
+        return F.rms_norm(x, w.shape, w, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(dt)
@@ -182,9 +184,6 @@ def _sparse_mixer(logits: torch.Tensor, k: int, eps: float) -> tuple[torch.Tenso
     return torch.cat(ws, -1), torch.cat(idxs, -1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 class EmbeddedEngine:
@@ -210,6 +209,7 @@ class EmbeddedEngine:
         hd = cfg.head_dim
         expo = cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd)
         self._inv_freq = (1.0 / expo).to(device)
+        self._rope_sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2))).to(device)
         lr = cfg.longrope
         if lr is not None:  # (inverse frequencies, cos/sin scale) for short and long contexts
             self._longrope = tuple((1.0 / (torch.tensor(lr[f"{n}_factor"], dtype=torch.float32) * expo)).to(device)
@@ -321,16 +321,18 @@ class EmbeddedEngine:
             inv, scale = self._longrope[long], self._mscale[long]
         freqs = pos.float()[..., None] * inv  # [B, T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        cos, sin = emb.cos(), emb.sin()
+        # The sine's first half negated: rotate_half(x) * sin == x.roll(hd/2) * signed sin, exactly.
+        cos, sin = emb.cos(), emb.sin() * self._rope_sign
         if scale is not None:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)
 
     @staticmethod
     def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [B, T, heads, hd] rotated by the step's tables."""
+        """x [B, T, heads, hd] rotated by the step's tables (gpt-neox halves: x * cos +
+        rotate_half(x) * sin, rotate_half(x) = [-x2, x1], with the sign carried by ``sin``)."""
         cos, sin = rope
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     def _moe(self, li: int, lay: _Layer, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         if valid is not None:  # a padded batch: route and run only the real tokens
@@ -355,9 +357,9 @@ class EmbeddedEngine:
         with torch.no_grad():
             # Routing statistics stay on the engine's device: no host sync per layer.
             n_e = torch.bincount(flat_idx, minlength=c.num_experts)
-            self._counts[li] += n_e
+            self._counts[li].add_(n_e)
             ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-            self._entropy[li] += ent.sum()
+            self._entropy[li].add_(ent.sum())
             self._mass[li].index_add_(0, flat_idx, w.reshape(-1).double())
             if self.route_hook is not None:
                 self.route_hook(li, idx)
@@ -390,6 +392,8 @@ class EmbeddedEngine:
         slots = [s.slot for s in seqs]
         lens = [s.length + T for s in seqs]
         plan = {"Lmax": max(lens), "slot_t": None, "rows": None}
+        starts = {s.length for s in seqs}
+        plan["same_start"] = starts.pop() if len(starts) == 1 else None  # e.g. a batched prefill
         first = slots[0]
         if slots != list(range(first, first + len(seqs))):  # rows are gathered, not viewed
             plan["slot_t"] = torch.tensor(slots, device=dev)
@@ -412,13 +416,14 @@ class EmbeddedEngine:
         qkv = x @ lay.wqkv.t()
         if lay.bqkv is not None:
             qkv = qkv + lay.bqkv
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.reshape(B, T, nkv, hd)
+        v = qkv[..., (nh + nkv) * hd:].reshape(B, T, nkv, hd)
         if lay.q_norm is not None:
-            q = _rms_norm(q, lay.q_norm, c.norm_eps)
-            k = _rms_norm(k, lay.k_norm, c.norm_eps)
-        q, k = self._rope(q, rope), self._rope(k, rope)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+            q, k = qkv[..., :nh * hd].view(B, T, nh, hd), qkv[..., nh * hd:(nh + nkv) * hd].view(B, T, nkv, hd)
+            qk = torch.cat((_rms_norm(q, lay.q_norm, c.norm_eps), _rms_norm(k, lay.k_norm, c.norm_eps)), 2)
+        else:
+            qk = qkv[..., :(nh + nkv) * hd].view(B, T, nh + nkv, hd)
+        qk = self._rope(qk, rope)  # queries and keys rotated in one go
+        q, k, v = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
         if seqs is None:  # plain causal forward, no cache
             kk, vv, mask = k, v, None
             causal = True
@@ -428,6 +433,10 @@ class EmbeddedEngine:
             if T == 1:  # decode: one indexed write for the whole batch
                 kp[plan["write_slot"], :, plan["write_at"]] = k[:, :, 0]
                 vp[plan["write_slot"], :, plan["write_at"]] = v[:, :, 0]
+            elif plan["rows"] is not None and plan["same_start"] is not None:  # one block write
+                a = plan["same_start"]
+                kp[plan["rows"], :, a:a + T] = k
+                vp[plan["rows"], :, a:a + T] = v
             else:
                 for b, s in enumerate(seqs):
                     kp[s.slot, :, s.length:s.length + T] = k[b]
