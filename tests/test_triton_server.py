@@ -265,6 +265,10 @@ def _ens_inputs(prompt="def main(", max_tokens=8, **override):
 @pytest.mark.parametrize("case, inputs, message", [
     ("no text_input", lambda: _ens_inputs(text_input=(None, None)), "text_input"),
     ("no max_tokens", lambda: _ens_inputs(max_tokens=None), "max_tokens"),
+    ("no max_tokens, streamed", lambda: _ens_inputs(max_tokens=None, stream=(np.array([[True]]), "BOOL")),
+     "max_tokens"),
+    ("no text_input, streamed", lambda: _ens_inputs(text_input=(None, None), stream=(np.array([[True]]), "BOOL")),
+     "text_input"),
     ("max_tokens 0", lambda: _ens_inputs(max_tokens=0), "max_tokens"),
     ("max_tokens -3", lambda: _ens_inputs(max_tokens=-3), "max_tokens"),
     ("max_tokens beyond the engine", lambda: _ens_inputs(max_tokens=100_000), "max_seq_len"),
@@ -273,9 +277,10 @@ def _ens_inputs(prompt="def main(", max_tokens=8, **override):
      "max_tokens"),
 ])
 def test_bad_requests_get_clear_errors(served, case, inputs, message):
-    responses, err = stream_call(served["url"], "ensemble", inputs())
-    assert err is not None, case
-    assert message in str(err), (case, str(err))
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        responses, err = stream_call(served["url"], model, inputs())
+        assert err is not None, (model, case)
+        assert message in str(err), (model, case, str(err))
     _assert_still_serving(served)
 
 
