@@ -38,9 +38,11 @@ method does; the larger value is kept.
 
 Cost, counted in forward-pass equivalents (multiply-accumulates of the reference forward over the
 calibration set): 1 forward, 1 backward (activation gradients only: the same matmuls once more, plus
-attention's second pair), and per routed token-assignment one expert pass (fc, projᵀg, proj) plus one
-expert pass per candidate format: about 2 + φ·(1 + F/3·3) with φ the experts' share of the forward —
-independent of the number of experts. No full-vocabulary tensor outlives its batch.
+attention's second pair), and per routed token-assignment 4/3 of an expert pass once (fc, proj and
+projᵀg) plus one expert pass per candidate format (fc_q: 2IH, proj_q: IH): about 2 + φ·(4/3 + F) with
+φ the routed experts' share of the forward's multiply-accumulates — independent of the number of
+experts (5.3 on the trained Mixtral fixture with 4 formats). No full-vocabulary tensor outlives its
+batch.
 
 Streaming and resumption: phase 1 runs the batches (forward + backward) and writes each MoE layer's
 inputs, routing and output gradients per batch into ``work/acts`` (activation dtype); phase 2 scores
@@ -64,6 +66,7 @@ import torch.nn.functional as F
 from ..errors import InputError
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import FloatExperts
+from .calib_schema import build_result
 from .plan import MATRICES, format_obj
 
 PROBES = ("gaussian", "sample")
@@ -299,8 +302,6 @@ def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress
     cost = {"forward": 1.0, "backward": (macs["total"] + macs["attention_scores"]) / macs["total"],
             "scoring": scored * 3 * I * H / fwd}
     cost_total = sum(cost.values())
-    from .calibrate import build_result
-
     stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
     as_lists = lambda d: {f: t.tolist() for f, t in d.items()}  # noqa: E731
     sensitivity = {
