@@ -27,8 +27,12 @@ from .checkpoint_reader import unshard
 STACK_MAX_ROWS = 512
 
 
-# Padding rows (multiply-adds of the expert matrices) a stacked call may waste.
+# Padding rows (multiply-adds of the expert matrices) a stacked call may always waste; beyond
+# this, at most as much as the real rows cost.
 _PAD_MACS = 1 << 25
+# Expert weights a stacked call may materialize at once (gathered float matrices, or packed ones
+# dequantized), bytes: on a full-size model a decode step keeps to a few experts per call.
+_STACK_BYTES = 64 << 20
 
 
 def _padding(counts: list[int], experts: list[int], device, row_macs: int
@@ -39,7 +43,7 @@ def _padding(counts: list[int], experts: list[int], device, row_macs: int
     padding (``row_macs`` multiply-adds a row) would cost more than the per-expert calls it saves."""
     C = max(counts[e] for e in experts)
     rows = sum(counts[e] for e in experts)
-    if len(experts) * C > 4 * rows + 256 and (len(experts) * C - rows) * row_macs > _PAD_MACS:
+    if (len(experts) * C - rows) * row_macs > max(_PAD_MACS, rows * row_macs):
         return None
     starts, acc = [0] * len(counts), 0
     for e, n in enumerate(counts):
@@ -90,8 +94,10 @@ class FloatExperts(ExpertBank):
             return super().forward_grouped(x, counts)
         # Most experts busy: run them all (idle ones on padding rows only) rather than copy the
         # busy ones' weights out; few busy: copy just theirs.
-        run = list(range(len(counts))) if 2 * len(busy) >= len(counts) else busy
-        plan = _padding(counts, run, x.device, self.fc[0].numel() + self.proj[0].numel())
+        per = self.fc[0].numel() + self.proj[0].numel()
+        gather_bytes = len(busy) * per * self.fc.element_size()
+        run = list(range(len(counts))) if 2 * len(busy) >= len(counts) or gather_bytes > _STACK_BYTES else busy
+        plan = _padding(counts, run, x.device, per)
         if plan is None:
             return super().forward_grouped(x, counts)
         C, _, dst = plan
@@ -240,24 +246,33 @@ class PackedExperts(ExpertBank):
             for st in self._stacks:
                 if st.t != t:
                     continue
-                act = [e for e in st.experts if counts[e]]
-                plan = _padding(counts, act, x.device, st.row_macs) if len(act) > 1 else None
-                if plan is None:
-                    continue
-                C, src, dst = plan
-                xp = x.new_zeros(len(act) * C, x.shape[1]).index_copy_(0, dst, x.index_select(0, src))
-                sel = None if len(act) == len(st.experts) else torch.tensor(
-                    [st.experts.index(e) for e in act], device=x.device)
-                h = st.fc_fmt.linear(xp.view(len(act), C, -1), _select(st.fc, st.fc_shared, sel))
-                up, gate = h.chunk(2, dim=-1)
-                y = st.proj_fmt.linear(F.silu(gate) * up, _select(st.proj, st.proj_shared, sel))
-                out.index_add_(0, src, y.reshape(len(act) * C, -1).index_select(0, dst))
-                covered.update(act)
+                # A few experts per call on a large model: their dequantized weights stay bounded.
+                per_call = max(1, _STACK_BYTES // max(1, 8 * st.row_macs))
+                busy_here = [e for e in st.experts if counts[e]]
+                for i in range(0, len(busy_here), per_call):
+                    act = busy_here[i:i + per_call]
+                    plan = _padding(counts, act, x.device, st.row_macs) if len(act) > 1 else None
+                    if plan is None:
+                        continue
+                    self._run_stack(st, x, act, plan, out)
+                    covered.update(act)
             for e in busy:
                 if e not in covered and t < len(self.shards[e]):
                     a, b = starts[e], starts[e] + counts[e]
                     out[a:b] += self._shard_forward(self.shards[e][t], x[a:b])
         return out
+
+    @staticmethod
+    def _run_stack(st: _Stack, x: torch.Tensor, act: list[int], plan, out: torch.Tensor) -> None:
+        """Experts ``act`` of stack ``st`` in one ``linear`` call per matrix; adds into ``out``."""
+        C, src, dst = plan
+        xp = x.new_zeros(len(act) * C, x.shape[1]).index_copy_(0, dst, x.index_select(0, src))
+        sel = None if len(act) == len(st.experts) else torch.tensor(
+            [st.experts.index(e) for e in act], device=x.device)
+        h = st.fc_fmt.linear(xp.view(len(act), C, -1), _select(st.fc, st.fc_shared, sel))
+        up, gate = h.chunk(2, dim=-1)
+        y = st.proj_fmt.linear(F.silu(gate) * up, _select(st.proj, st.proj_shared, sel))
+        out.index_add_(0, src, y.reshape(len(act) * C, -1).index_select(0, dst))
 
     def formats_of(self, e: int) -> tuple[str, str]:
         """(fc format, proj format) of expert slot ``e``."""
