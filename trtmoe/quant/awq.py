@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import InputError
-from .formats import GroupInt4Format, PerChannelIntFormat, QuantFormat
+from ..hf.safetensors_io import SafetensorsFile, sha256_file, write_file
+from .formats import FORMATS, GroupInt4Format, PerChannelIntFormat, QuantFormat
 
 ROUNDINGS = ("rtn", "awq")
 DEFAULT_ROUNDING = "awq"
@@ -133,8 +134,6 @@ class ActivationStats:
                 "layer_tokens_used_for": [{"layer": l, "expert": e} for l, e in layer_src]}
 
     def save(self, path: str | Path) -> str:
-        from ..hf.safetensors_io import write_file
-
         items = []
         for (l, e, m) in sorted(self.stats):
             s = self.stats[(l, e, m)]
@@ -146,8 +145,6 @@ class ActivationStats:
 
     @classmethod
     def load(cls, path: str | Path) -> "ActivationStats":
-        from ..hf.safetensors_io import SafetensorsFile
-
         f = SafetensorsFile(path)
         try:
             keys = {tuple(n.split(".")[:3]) for n in f.tensors}
@@ -523,9 +520,6 @@ def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None
     """Record ``rounding`` in ``plan.meta`` (what the layout reads and the manifest keeps). awq needs a
     calibration with activation statistics; without one the plan is rounded to nearest and says why.
     A plan that stores no int4 format is left as it is."""
-    from ..hf.safetensors_io import sha256_file
-    from .formats import FORMATS
-
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint="use rtn or awq")
     if plan is None or not any(f in FORMATS and applies(FORMATS[f]) for f in plan.used_formats()):

@@ -1,4 +1,5 @@
-"""The shape of calib.json, checked before any policy or report reads it.
+"""calib.json: its layout version, how a calibration becomes one (``build_result``), and its shape,
+checked before any policy or report reads it (``check_calib`` / ``validate_calib``).
 
 A calibration names its layers, experts and formats; every table in it must then have exactly
 that shape (``[num_layers][num_experts]`` of finite numbers, non-negative where they are counts,
@@ -10,8 +11,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from ..errors import InputError
 from .formats import FORMATS
+from .plan import FLOAT, format_obj
+
+# Version 2: ΔKL per expert matrix (fc, proj); the expert-level ΔKL is their sum. Version 1 measured
+# whole experts only, which matrix-granularity plans cannot use.
+CALIB_VERSION = 2
 
 MATRICES = ("fc", "proj")
 
@@ -119,3 +127,57 @@ def validate_calib(calib: dict, where: str | None = None) -> dict:
         for f in formats:
             table(get(md, f, f"sensitivity.matrices.{m}.delta_kl.{f}"), f"sensitivity.matrices.{m}.delta_kl.{f}")
     return calib
+
+
+def build_result(eng, formats, stats: dict, tokens: int, min_tokens: int, flagged: list,
+                 sensitivity: dict) -> dict:
+    """The calib.json dict (the layout ``measure`` returns) from routing statistics (``counts``,
+    ``weight_mass`` [L, E], ``entropy_sum`` [L]) and a ready ``sensitivity`` block."""
+    c = eng.cfg
+    L, E, k = c.num_layers, c.num_experts, c.top_k
+    moe_layers = [l for l in range(L) if c.moe_layers[l]]
+    counts, mass = stats["counts"], stats["weight_mass"]
+    load = counts.double()
+    I, H = c.expert_intermediate_size, c.hidden_size
+    return {
+        "version": CALIB_VERSION,
+        "architecture": c.family,
+        "num_layers": L, "num_experts": E, "top_k": k, "moe_layers": moe_layers,
+        "hidden_size": H, "expert_intermediate_size": I, "dtype": str(eng.dtype).replace("torch.", ""),
+        "weights_per_expert": 3 * I * H,
+        "formats": list(formats),
+        "bits_per_weight": {f: _expert_bpw(f, I, H, eng.dtype) for f in (FLOAT, *formats)},
+        "routing": {
+            "tokens": tokens,
+            "counts": counts.tolist(),
+            "share": (counts.double() / (tokens * k)).tolist(),
+            "weight_mass": mass.tolist(),
+            "entropy_nats": [float(stats["entropy_sum"][l]) / tokens for l in range(L)],
+            "max_entropy_nats": math.log(E),
+            "load_imbalance": [float(load[l].max() / load[l].mean()) if load[l].sum() > 0 else 0.0
+                               for l in range(L)],
+            "min_tokens_threshold": min_tokens,
+            "under_observed": flagged,
+            "dead": [{"layer": l, "expert": e} for l in moe_layers for e in range(E) if counts[l, e] == 0],
+        },
+        "sensitivity": sensitivity,
+    }
+
+
+def _expert_bpw(name: str, I: int, H: int, dtype: torch.dtype) -> float:
+    fmt = format_obj(name, dtype)
+    scale = torch.empty((), dtype=dtype).element_size()
+    bits = 8 * (fmt.weight_bytes(2 * I, H, 1, scale) + fmt.weight_bytes(H, I, 1, scale))
+    return bits / (3 * I * H)
+
+
+def check_calib(calib: dict, where: str | None = None) -> dict:
+    """Raise InputError unless ``calib`` has this trtmoe's calib.json layout (CALIB_VERSION)."""
+    v = calib.get("version")
+    if v != CALIB_VERSION:
+        newer = isinstance(v, int) and v > CALIB_VERSION
+        raise InputError(f"calib.json has layout version {v}; this trtmoe reads version {CALIB_VERSION} "
+                         "(ΔKL per expert matrix, fc and proj)", where=where,
+                         hint="it was written by a newer trtmoe" if newer else
+                         "recalibrate: trtmoe calibrate MODEL --data TEXT -o DIR")
+    return validate_calib(calib, where)

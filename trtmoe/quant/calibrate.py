@@ -41,19 +41,22 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.atomic import _MARK, atomic_directory, recover_leftovers
+from ..checkpoint.manifest import dump_json, write_manifest
+from ..checkpoint.writer import convert
+from ..data import load_texts
 from ..errors import InputError
+from ..hf.reader import model_context
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
-from . import awq
+from ..runtime.load import find_tokenizer_dir, load_tokenizer
+from . import QUANTIZED_NAMES, awq
+from .calib_schema import CALIB_VERSION, _expert_bpw, build_result, check_calib  # noqa: F401 - calib.json's home
 from .formats import FORMATS
-from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, fisher_measure
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
+from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, fisher_measure
 
-DEFAULT_FORMATS = ("int8", "int4", "int4_g128", "int4_g64")
+DEFAULT_FORMATS = QUANTIZED_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
-# Version 2: ΔKL per expert matrix (fc, proj); the expert-level ΔKL is their sum. Version 1 measured
-# whole experts only, which matrix-granularity plans cannot use.
-CALIB_VERSION = 2
 
 
 @dataclass
@@ -132,9 +135,6 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     interrupted run to the same output continues from its per-batch and per-layer progress) or "exact"
     (end-to-end ΔKL per matrix and format, the oracle). ``device``: "cpu" or "cuda".
     Returns the calib.json dict."""
-    from ..checkpoint.writer import convert
-    from ..data import load_texts
-    from ..runtime.load import find_tokenizer_dir, load_tokenizer
 
     if sensitivity not in SENSITIVITY_METHODS:
         raise InputError(f"unknown sensitivity method {sensitivity!r}", hint="use fisher or exact")
@@ -148,7 +148,6 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
                              hint="choose from " + ", ".join(n for n in FORMATS if n not in _FLOAT_NAMES))
     if min_tokens < 0:
         raise InputError(f"--min-tokens must be ≥ 0, got {min_tokens}")
-    from ..hf.reader import model_context
 
     # Windows past the model's context would measure positions the model was never defined for;
     # they are refused rather than clipped, so that --seq-len always means what it says.
@@ -210,7 +209,6 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
 
 def write_calibration(out: Path, result: dict, *, source: dict | None = None) -> None:
     """calib.json (deterministic bytes) and the manifest that ``verify`` checks, into ``out``."""
-    from ..checkpoint.manifest import dump_json, write_manifest
 
     dump_json(result, out / "calib.json")
     write_manifest(out, kind="calibration", file_hashes={}, source=source, model=result.get("model"),
@@ -504,62 +502,6 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
             "cost_forward_passes": passes,
         },
     }
-
-
-def build_result(eng: EmbeddedEngine, formats, stats: dict, tokens: int, min_tokens: int, flagged: list,
-                 sensitivity: dict) -> dict:
-    """The calib.json dict (the layout ``measure`` returns) from routing statistics (``counts``,
-    ``weight_mass`` [L, E], ``entropy_sum`` [L]) and a ready ``sensitivity`` block."""
-    c = eng.cfg
-    L, E, k = c.num_layers, c.num_experts, c.top_k
-    moe_layers = [l for l in range(L) if c.moe_layers[l]]
-    counts, mass = stats["counts"], stats["weight_mass"]
-    load = counts.double()
-    I, H = c.expert_intermediate_size, c.hidden_size
-    return {
-        "version": CALIB_VERSION,
-        "architecture": c.family,
-        "num_layers": L, "num_experts": E, "top_k": k, "moe_layers": moe_layers,
-        "hidden_size": H, "expert_intermediate_size": I, "dtype": str(eng.dtype).replace("torch.", ""),
-        "weights_per_expert": 3 * I * H,
-        "formats": list(formats),
-        "bits_per_weight": {f: _expert_bpw(f, I, H, eng.dtype) for f in (FLOAT, *formats)},
-        "routing": {
-            "tokens": tokens,
-            "counts": counts.tolist(),
-            "share": (counts.double() / (tokens * k)).tolist(),
-            "weight_mass": mass.tolist(),
-            "entropy_nats": [float(stats["entropy_sum"][l]) / tokens for l in range(L)],
-            "max_entropy_nats": math.log(E),
-            "load_imbalance": [float(load[l].max() / load[l].mean()) if load[l].sum() > 0 else 0.0
-                               for l in range(L)],
-            "min_tokens_threshold": min_tokens,
-            "under_observed": flagged,
-            "dead": [{"layer": l, "expert": e} for l in moe_layers for e in range(E) if counts[l, e] == 0],
-        },
-        "sensitivity": sensitivity,
-    }
-
-
-def _expert_bpw(name: str, I: int, H: int, dtype: torch.dtype) -> float:
-    fmt = format_obj(name, dtype)
-    scale = torch.empty((), dtype=dtype).element_size()
-    bits = 8 * (fmt.weight_bytes(2 * I, H, 1, scale) + fmt.weight_bytes(H, I, 1, scale))
-    return bits / (3 * I * H)
-
-
-def check_calib(calib: dict, where: str | None = None) -> dict:
-    """Raise InputError unless ``calib`` has this trtmoe's calib.json layout (CALIB_VERSION)."""
-    v = calib.get("version")
-    if v != CALIB_VERSION:
-        newer = isinstance(v, int) and v > CALIB_VERSION
-        raise InputError(f"calib.json has layout version {v}; this trtmoe reads version {CALIB_VERSION} "
-                         "(ΔKL per expert matrix, fc and proj)", where=where,
-                         hint="it was written by a newer trtmoe" if newer else
-                         "recalibrate: trtmoe calibrate MODEL --data TEXT -o DIR")
-    from .calib_schema import validate_calib
-
-    return validate_calib(calib, where)
 
 
 def load_calib(path: str | Path) -> dict:

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import InputError
 from .allocate import Unit, allocate, feasible_bpw_range
+from .calib_schema import check_calib
 from .formats import FORMATS
 from .plan import (FLOAT, GRANULARITIES, MATRICES, QuantPlan, expert_shape_problem, format_obj, matrix_shape,
                    matrix_shape_problem)
@@ -41,8 +42,6 @@ def expert_cost_bits(fmt: str, I: int, H: int, dtype: torch.dtype, n: int = 1) -
 
 
 def _check_calib(calib: dict) -> None:
-    from .calibrate import check_calib
-
     check_calib(calib)
 
 
