@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trtmoe.checkpoint.manifest import verify_directory
+from trtmoe.checkpoint.manifest import read_manifest
+from trtmoe.checkpoint.verify import verify_artifact
 from trtmoe.checkpoint.writer import convert
 from trtmoe.data import write_split_text
 from trtmoe.quant.calibrate import calibrate, measure
@@ -100,12 +101,13 @@ def test_calibration_is_an_artifact_with_deterministic_bytes(model, text, tokdir
     cal = json.loads((a / "calib.json").read_text())
     assert "seconds" not in cal
     assert cal["model"] == str(Path(model).resolve()) and cal["data"]["path"] == str(Path(text).resolve())
-    man = verify_directory(a)
+    assert verify_artifact(a)["kind"] == "calibration"
+    man = read_manifest(a)
     assert man["kind"] == "calibration" and set(man["files"]) == {"calib.json", "activations.safetensors"}
     assert "model.safetensors" in man["source"]["files"]
     (a / "calib.json").write_text((a / "calib.json").read_text().replace('"version": 2', '"version": 2 '))
     with pytest.raises(Exception, match="sha256"):
-        verify_directory(a)
+        verify_artifact(a)
 
 
 def test_sensitivity_is_never_negative_and_does_not_depend_on_the_thread_count(model, tmp_path):

@@ -98,12 +98,3 @@ def directory_problems(path: str | Path, *, progress=None) -> tuple[dict, list[s
         if p.is_file() and rel not in MANIFEST_NAMES and rel not in listed:
             problems.append(f"{rel}: not in the manifest")
     return manifest, problems
-
-
-def verify_directory(path: str | Path, *, progress=None) -> dict:
-    """Recompute every hash listed in the manifest; raise VerifyError on any difference, missing
-    or unlisted file. Returns the manifest."""
-    manifest, problems = directory_problems(path, progress=progress)
-    if problems:
-        raise VerifyError(f"{len(problems)} problem(s): " + "; ".join(problems[:5]), where=str(path))
-    return manifest

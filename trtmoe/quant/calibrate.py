@@ -33,7 +33,6 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -57,13 +56,6 @@ from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, fisher_measur
 
 DEFAULT_FORMATS = QUANTIZED_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
-
-
-@dataclass
-class CalibData:
-    ids: torch.Tensor  # [N, T] token ids
-    source: str
-    sha256: str
 
 
 def token_batches(texts: list[str], tokenizer, samples: int, seq_len: int) -> torch.Tensor:
