@@ -157,9 +157,18 @@ def openai_connect(port: int, model: str, tokens: int, extra: dict) -> Callable[
         def call(prompt: str) -> Reply:
             body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
                     **extra}
-            t0 = time.perf_counter()
-            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-            resp = conn.getresponse()
+            for attempt in (0, 1):
+                t0 = time.perf_counter()
+                try:
+                    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+                    resp = conn.getresponse()
+                    break
+                except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                    # llama-server closes the connection after a streamed reply without saying so:
+                    # open a new one and send the request again (the time restarts with it)
+                    conn.close()
+                    if attempt:
+                        raise
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
             reply, n, usage = Reply(""), 0, None
@@ -560,6 +569,7 @@ def main() -> None:
     args.torch_threads = args.torch_threads or default_torch_threads(3)
     args.peer_threads = args.peer_threads or args.torch_threads
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers are stopped below
     print(f"cpu cores {os.cpu_count()}; load average {loadavg()} at the start", flush=True)
     tmp = tempfile.TemporaryDirectory(prefix="trtmoe-peers-")
     work = Path(tmp.name)
