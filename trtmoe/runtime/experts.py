@@ -27,31 +27,39 @@ from .checkpoint_reader import unshard
 STACK_MAX_ROWS = 512
 
 
-# Padding rows (multiply-adds of the expert matrices) a stacked call may always waste; beyond
-# this, at most as much as the real rows cost.
-_PAD_MACS = 1 << 25
+# Multiply-adds that padding may waste per expert call a stacked call saves (about the time a
+# call's fixed overhead costs on a CPU core); a packed expert's call, which unpacks its bytes, is
+# worth more.
+_CALL_MACS = 1 << 19
+_PACKED_CALL_MACS = 1 << 20
 # Expert weights a stacked call may materialize at once (gathered float matrices, or packed ones
 # dequantized), bytes: on a full-size model a decode step keeps to a few experts per call.
 _STACK_BYTES = 64 << 20
 
 
-def _padding(counts: list[int], experts: list[int], device, row_macs: int
-             ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-    """For ``experts`` (ascending) of a block laid out expert by expert with ``counts`` rows each:
-    (C, src, dst) where C is the busiest expert's row count, ``src`` the rows of the block that
-    belong to them and ``dst`` their places in an [len(experts) * C] padded layout; None when the
-    padding (``row_macs`` multiply-adds a row) would cost more than the per-expert calls it saves."""
-    C = max(counts[e] for e in experts)
-    rows = sum(counts[e] for e in experts)
-    if (len(experts) * C - rows) * row_macs > max(_PAD_MACS, rows * row_macs):
+def _padding(counts: list[int], experts: list[int], device, row_macs: int, call_macs: int = _CALL_MACS
+             ) -> tuple[int, list[int], torch.Tensor, torch.Tensor] | None:
+    """Which of ``experts`` (ascending) of a block laid out expert by expert with ``counts`` rows
+    each to run as one padded stack: (C, chosen, src, dst) where C is the row count every chosen
+    expert is padded to (the busiest experts, above C, run on their own), ``src`` the rows of the
+    block that belong to the chosen ones and ``dst`` their places in a [len(chosen) * C] layout;
+    None when no padding (``row_macs`` multiply-adds a row) is cheaper than the calls it saves."""
+    best = None
+    for C in sorted({counts[e] for e in experts if counts[e]}):
+        grp = [e for e in experts if counts[e] <= C]
+        rows = sum(counts[e] for e in grp)
+        if len(grp) > 1 and (len(grp) * C - rows) * row_macs <= call_macs * (len(grp) - 1):
+            best = (C, grp)
+    if best is None:
         return None
+    C, grp = best
     starts, acc = [0] * len(counts), 0
     for e, n in enumerate(counts):
         starts[e] = acc
         acc += n
-    src = torch.tensor([starts[e] + r for e in experts for r in range(counts[e])], device=device)
-    dst = torch.tensor([j * C + r for j, e in enumerate(experts) for r in range(counts[e])], device=device)
-    return C, src, dst
+    src = torch.tensor([starts[e] + r for e in grp for r in range(counts[e])], device=device)
+    dst = torch.tensor([j * C + r for j, e in enumerate(grp) for r in range(counts[e])], device=device)
+    return C, grp, src, dst
 
 
 class ExpertBank:
@@ -88,27 +96,34 @@ class FloatExperts(ExpertBank):
 
     def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         # A decode step over many experts with a few rows each: one batched matmul per matrix over
-        # the busy experts (rows padded to the busiest one's) instead of a loop of small ones.
+        # the lightly loaded experts (rows padded to the same count); the busiest run on their own.
         busy = [e for e, n in enumerate(counts) if n]
         if x.shape[0] > STACK_MAX_ROWS or len(busy) < 4 or self.fc.requires_grad:
             return super().forward_grouped(x, counts)
+        per = self.fc[0].numel() + self.proj[0].numel()
         # Most experts busy: run them all (idle ones on padding rows only) rather than copy the
         # busy ones' weights out; few busy: copy just theirs.
-        per = self.fc[0].numel() + self.proj[0].numel()
-        gather_bytes = len(busy) * per * self.fc.element_size()
-        run = list(range(len(counts))) if 2 * len(busy) >= len(counts) or gather_bytes > _STACK_BYTES else busy
+        run = list(range(len(counts))) if 2 * len(busy) >= len(counts) else busy
         plan = _padding(counts, run, x.device, per)
         if plan is None:
             return super().forward_grouped(x, counts)
-        C, _, dst = plan
-        xp = x.new_zeros(len(run) * C, x.shape[1]).index_copy_(0, dst, x)
-        sel = None if len(run) == len(counts) else torch.tensor(run, device=x.device)
+        C, grp, src, dst = plan
+        sel = None if len(grp) == len(counts) else torch.tensor(grp, device=x.device)
+        if sel is not None and len(grp) * per * self.fc.element_size() > _STACK_BYTES:
+            return super().forward_grouped(x, counts)
+        xp = x.new_zeros(len(grp) * C, x.shape[1]).index_copy_(0, dst, x.index_select(0, src))
         fc = self.fc if sel is None else self.fc.index_select(0, sel)
         proj = self.proj if sel is None else self.proj.index_select(0, sel)
-        h = torch.bmm(xp.view(len(run), C, -1), fc.transpose(1, 2))
+        h = torch.bmm(xp.view(len(grp), C, -1), fc.transpose(1, 2))
         up, gate = h.chunk(2, dim=-1)
         y = torch.bmm(F.silu(gate) * up, proj.transpose(1, 2))
-        return y.reshape(len(run) * C, -1).index_select(0, dst)
+        out = x.new_empty(x.shape[0], proj.shape[1]).index_copy_(0, src, y.reshape(len(grp) * C, -1).index_select(0, dst))
+        stacked, start = set(grp), 0
+        for e, n in enumerate(counts):
+            if n and e not in stacked:
+                out[start:start + n] = self.forward(e, x[start:start + n])
+            start += n
+        return out
 
     def format_of(self, e: int) -> str:
         return self.fmt
@@ -251,11 +266,11 @@ class PackedExperts(ExpertBank):
                 busy_here = [e for e in st.experts if counts[e]]
                 for i in range(0, len(busy_here), per_call):
                     act = busy_here[i:i + per_call]
-                    plan = _padding(counts, act, x.device, st.row_macs) if len(act) > 1 else None
+                    plan = _padding(counts, act, x.device, st.row_macs, _PACKED_CALL_MACS) if len(act) > 1 else None
                     if plan is None:
                         continue
-                    self._run_stack(st, x, act, plan, out)
-                    covered.update(act)
+                    self._run_stack(st, x, plan, out)
+                    covered.update(plan[1])
             for e in busy:
                 if e not in covered and t < len(self.shards[e]):
                     a, b = starts[e], starts[e] + counts[e]
@@ -263,9 +278,9 @@ class PackedExperts(ExpertBank):
         return out
 
     @staticmethod
-    def _run_stack(st: _Stack, x: torch.Tensor, act: list[int], plan, out: torch.Tensor) -> None:
-        """Experts ``act`` of stack ``st`` in one ``linear`` call per matrix; adds into ``out``."""
-        C, src, dst = plan
+    def _run_stack(st: _Stack, x: torch.Tensor, plan, out: torch.Tensor) -> None:
+        """The experts ``plan`` chose, of stack ``st``, in one ``linear`` call per matrix; adds into ``out``."""
+        C, act, src, dst = plan
         xp = x.new_zeros(len(act) * C, x.shape[1]).index_copy_(0, dst, x.index_select(0, src))
         sel = None if len(act) == len(st.experts) else torch.tensor(
             [st.experts.index(e) for e in act], device=x.device)
