@@ -682,8 +682,10 @@ def main() -> None:
                 if bad:
                     p = bad[0]
                     got = sorted(seen[p])
-                    print(f"{s.name}: first differing prompt {p!r}: transformers {ref[p][:60]!r}, served "
-                          f"{[g[:60] for g in got]!r}")
+                    i = min(next((k for k, (x, y) in enumerate(zip(ref[p], g)) if x != y), min(len(ref[p]), len(g)))
+                            for g in got if g != ref[p])
+                    print(f"{s.name}: prompt {p!r} differs from character {i} on (of {len(ref[p])}): transformers "
+                          f"{ref[p][max(i - 20, 0):i + 30]!r}, served {[g[max(i - 20, 0):i + 30] for g in got]!r}")
         if args.json:
             args.json.write_text(json.dumps({"load_end": load_end, "skipped": skipped, "servers": report}, indent=2))
     finally:
