@@ -44,15 +44,15 @@ def _padding(counts: list[int], experts: list[int], device, row_macs: int, call_
     expert is padded to (the busiest experts, above C, run on their own), ``src`` the rows of the
     block that belong to the chosen ones and ``dst`` their places in a [len(chosen) * C] layout;
     None when no padding (``row_macs`` multiply-adds a row) is cheaper than the calls it saves."""
-    best = None
-    for C in sorted({counts[e] for e in experts if counts[e]}):
-        grp = [e for e in experts if counts[e] <= C]
-        rows = sum(counts[e] for e in grp)
-        if len(grp) > 1 and (len(grp) * C - rows) * row_macs <= call_macs * (len(grp) - 1):
-            best = (C, grp)
-    if best is None:
+    by_count = sorted(experts, key=counts.__getitem__)
+    best, rows = -1, 0
+    for i, e in enumerate(by_count):  # the i + 1 least loaded, padded to counts[e] rows each
+        rows += counts[e]
+        if i and counts[e] and (i + 1) * counts[e] - rows <= call_macs * i // max(row_macs, 1):
+            best = i
+    if best < 0:
         return None
-    C, grp = best
+    C, grp = counts[by_count[best]], sorted(by_count[:best + 1])
     starts, acc = [0] * len(counts), 0
     for e, n in enumerate(counts):
         starts[e] = acc
