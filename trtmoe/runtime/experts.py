@@ -21,23 +21,22 @@ from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
 
 
-# Row blocks up to this size (a decode step, a short prompt) may run stacked: the busy experts in
-# one batched call per matrix. Bigger ones (prefill, calibration) run one expert at a time, where
-# the per-call overhead is small against the work and padding would cost more.
+# Row blocks up to this size (a decode step, a short prompt) may run stacked: a packed bank's busy
+# experts in one call per matrix. Bigger ones (prefill, calibration) run one expert at a time, where
+# the per-call overhead is small against the work and padding would cost more. (Float banks always
+# run one matmul per busy expert: on CPU a padded batched matmul measured slower than that loop.)
 STACK_MAX_ROWS = 512
 
 
-# Multiply-adds that padding may waste per expert call a stacked call saves (about the time a
-# call's fixed overhead costs on a CPU core); a packed expert's call, which unpacks its bytes, is
-# worth more.
-_CALL_MACS = 1 << 19
+# Multiply-adds that padding may waste per packed-expert call a stacked call saves (about what a
+# call's fixed overhead, unpacking included, costs on a CPU core).
 _PACKED_CALL_MACS = 1 << 20
-# Expert weights a stacked call may materialize at once (gathered float matrices, or packed ones
-# dequantized), bytes: on a full-size model a decode step keeps to a few experts per call.
+# Expert weights a stacked call may materialize at once (packed ones dequantized), bytes: on a
+# full-size model a decode step keeps to a few experts per call.
 _STACK_BYTES = 64 << 20
 
 
-def _padding(counts: list[int], experts: list[int], device, row_macs: int, call_macs: int = _CALL_MACS
+def _padding(counts: list[int], experts: list[int], device, row_macs: int, call_macs: int = _PACKED_CALL_MACS
              ) -> tuple[int, list[int], torch.Tensor, torch.Tensor] | None:
     """Which of ``experts`` (ascending) of a block laid out expert by expert with ``counts`` rows
     each to run as one padded stack: (C, chosen, src, dst) where C is the row count every chosen
@@ -93,37 +92,6 @@ class FloatExperts(ExpertBank):
         h = x @ self.fc[e].t()
         up, gate = h.chunk(2, dim=-1)
         return (F.silu(gate) * up) @ self.proj[e].t()
-
-    def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        # A decode step over many experts with a few rows each: one batched matmul per matrix over
-        # the lightly loaded experts (rows padded to the same count); the busiest run on their own.
-        busy = [e for e, n in enumerate(counts) if n]
-        if x.shape[0] > STACK_MAX_ROWS or len(busy) < 4 or self.fc.requires_grad:
-            return super().forward_grouped(x, counts)
-        per = self.fc[0].numel() + self.proj[0].numel()
-        # Most experts busy: run them all (idle ones on padding rows only) rather than copy the
-        # busy ones' weights out; few busy: copy just theirs.
-        run = list(range(len(counts))) if 2 * len(busy) >= len(counts) else busy
-        plan = _padding(counts, run, x.device, per)
-        if plan is None:
-            return super().forward_grouped(x, counts)
-        C, grp, src, dst = plan
-        sel = None if len(grp) == len(counts) else torch.tensor(grp, device=x.device)
-        if sel is not None and len(grp) * per * self.fc.element_size() > _STACK_BYTES:
-            return super().forward_grouped(x, counts)
-        xp = x.new_zeros(len(grp) * C, x.shape[1]).index_copy_(0, dst, x.index_select(0, src))
-        fc = self.fc if sel is None else self.fc.index_select(0, sel)
-        proj = self.proj if sel is None else self.proj.index_select(0, sel)
-        h = torch.bmm(xp.view(len(grp), C, -1), fc.transpose(1, 2))
-        up, gate = h.chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, proj.transpose(1, 2))
-        out = x.new_empty(x.shape[0], proj.shape[1]).index_copy_(0, src, y.reshape(len(grp) * C, -1).index_select(0, dst))
-        stacked, start = set(grp), 0
-        for e, n in enumerate(counts):
-            if n and e not in stacked:
-                out[start:start + n] = self.forward(e, x[start:start + n])
-            start += n
-        return out
 
     def format_of(self, e: int) -> str:
         return self.fmt
