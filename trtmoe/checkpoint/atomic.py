@@ -31,7 +31,8 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -62,7 +63,7 @@ def recover_leftovers(out: Path) -> None:
     dead = []
     for p in sorted(parent.glob(prefix + "*")):
         parsed = _parse_leftover(prefix, p.name)
-        if parsed is not None and not _pid_alive(parsed[0]):
+        if parsed is not None and not pid_alive(parsed[0]):
             dead.append((p, parsed[1]))
     for p, previous in dead:
         if previous and not os.path.lexists(out) and any((p / n).is_file() for n in _MANIFEST_NAMES):

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.atomic import _MARK, atomic_directory, recover_leftovers
+from ..checkpoint.atomic import _MARK, atomic_directory, pid_alive, recover_leftovers
 from ..checkpoint.manifest import dump_json, write_manifest
 from ..checkpoint.writer import convert
 from ..data import load_texts
@@ -245,23 +245,13 @@ def _adopt_progress(parent: Path, name: str) -> Path | None:
         return None
     for p in sorted(parent.glob(prefix + "*")):
         pid, _, rest = p.name[len(prefix):].partition("-")
-        if not pid.isdigit() or rest.startswith("old-") or int(pid) == os.getpid() or _alive(int(pid)):
+        if not pid.isdigit() or rest.startswith("old-") or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         if (p / _PROGRESS / "state.json").is_file():
             dest = parent / f"{prefix}{os.getpid()}-resume-{uuid.uuid4().hex[:8]}"
             os.rename(p / _PROGRESS, dest)
             return dest
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
