@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,3 +83,25 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def start_serve_command(repo: Path, log_file: Path, timeout_s: float = 240) -> tuple[subprocess.Popen, str]:
+    """Run the real `trtmoe serve REPO` (free ports) in a child process until it prints its ready line.
+    Returns the process and that line; the caller stops the process."""
+    script = ("import sys; from trtmoe.triton.commands import serve_command; "
+              "serve_command.main(sys.argv[1:], standalone_mode=True)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(repo), "--http-port", "0", "--grpc-port", "0",
+                             "--metrics-port", "0", "--log-file", str(log_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    lines = []
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if line.startswith("ready:") or proc.poll() is not None:
+            break
+    if not lines or not lines[-1].startswith("ready:"):
+        proc.kill()
+        raise AssertionError("trtmoe serve did not get ready:\n" + "".join(lines))
+    return proc, lines[-1]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import start_serve_command
 
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
@@ -330,20 +331,8 @@ def test_dead_backend_stub_fails_clients_and_stops_the_server(built, tmp_path):
 
 @pytest.mark.slow
 def test_serve_command_exits_nonzero_when_a_stub_dies(built, tmp_path):
-    script = ("import sys; from trtmoe.triton.commands import serve_command; "
-              "serve_command.main(sys.argv[1:], standalone_mode=True)")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(built["repo"].path), "--http-port", "0", "--grpc-port",
-                             "0", "--metrics-port", "0", "--log-file", str(tmp_path / "server.log")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
-    lines = []
+    proc, _ = start_serve_command(built["repo"].path, tmp_path / "server.log")
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("ready:") or proc.poll() is not None:
-                break
-        assert lines[-1].startswith("ready:"), "".join(lines)
         server_pid = next(int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid), "tritonserver"],
                                                           capture_output=True, text=True).stdout.split())
         with open(f"/proc/{server_pid}/cmdline", "rb") as f:

@@ -4,6 +4,7 @@ the trained Mixtral fixture with the embedded engine: one server for the module.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import start_serve_command
 
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
@@ -418,29 +420,21 @@ def test_stop_leaves_no_process(served):
 @pytest.mark.slow
 def test_serve_command_sigterm(served, tmp_path):
     """`serve` in the foreground: prints endpoints when ready, exits 0 on SIGTERM, leaves nothing behind."""
-    script = ("import sys; from trtmoe.triton.commands import serve_command; "
-              "serve_command.main(sys.argv[1:], standalone_mode=True)")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(served["repo"].path), "--http-port", "0", "--grpc-port",
-                             "0", "--metrics-port", "0", "--log-file", str(tmp_path / "server.log")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
-    lines = []
+    proc, ready = start_serve_command(served["repo"].path, tmp_path / "server.log")
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("ready:") or proc.poll() is not None:
-                break
-        assert lines[-1].startswith("ready:"), "".join(lines)
-        url = lines[-1].split("gRPC ")[1].split()[0]
+        url = ready.split("gRPC ")[1].split()[0]
         assert generate(url, "def main(", max_tokens=4).text == served["ref"].text("def main(", 4)
+        # The server this command started (the module's own server serves the same repository).
+        server_pid = int(subprocess.run(["pgrep", "-P", str(proc.pid), "tritonserver"], capture_output=True,
+                                        text=True).stdout.split()[0])
+        group = os.getpgid(server_pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = subprocess.run(["pgrep", "-f", str(served["repo"].path)], capture_output=True, text=True)
-    assert out.stdout.strip() == "", out.stdout
+    out = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True)
+    assert out.stdout.strip() == "", "processes left in the server's group: " + out.stdout
 
 
 def test_failed_model_load_is_reported_with_log(tmp_path):
