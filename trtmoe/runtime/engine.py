@@ -31,7 +31,7 @@ from ..hf.adapters import FIRST, LAST, MOE_TP, global_rules, layer_rules
 from ..model.description import NORM_NONE, NORM_SPARSE_MIXER
 from ..model.params import count_params
 from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
-from .experts import ExpertBank, load_expert_bank
+from .experts import STACK_MAX_ROWS, ExpertBank, load_expert_bank
 
 
 @dataclass
@@ -369,8 +369,18 @@ class EmbeddedEngine:
         # (in expert order, as a loop over the experts would).
         order = flat_idx.argsort(stable=True)
         token_of = order // c.top_k
-        y = lay.experts.forward_grouped(h[token_of], n_e.tolist())
-        out = torch.zeros_like(h).index_add_(0, token_of, y * w.reshape(-1)[order, None])
+        counts = n_e.tolist()
+        w_sorted = w.reshape(-1)[order, None]
+        if len(token_of) <= STACK_MAX_ROWS:
+            y = lay.experts.forward_grouped(h[token_of], counts)
+            out = torch.zeros_like(h).index_add_(0, token_of, y * w_sorted)
+        else:  # a big block (prefill): expert by expert, without a copy of every routed row
+            out, start = torch.zeros_like(h), 0
+            for e, n in enumerate(counts):
+                if n:
+                    tok = token_of[start:start + n]
+                    out.index_add_(0, tok, lay.experts.forward(e, h[tok]) * w_sorted[start:start + n])
+                    start += n
         if lay.shared_fc is not None:
             hs = h @ lay.shared_fc.t()
             up, gate = hs.chunk(2, dim=-1)
