@@ -99,7 +99,7 @@ def _render_coverage(res: dict, console, err_console) -> None:
     for f in r["under_observed"]:
         err_console.print(f"[yellow]warning:[/] layer {f['layer']} expert {f['expert']} saw {f['tokens']} "
                           f"calibration tokens (< {r['min_tokens_threshold']}); its ΔKL is also estimated from "
-                          f"the layer's other tokens sent through it, and the larger value is used")
+                          f"all of the layer's tokens sent through it, and the larger value is used")
     s = res["sensitivity"]
     console.print(f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices "
                   f"(fc, proj) in "
