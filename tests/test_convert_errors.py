@@ -384,11 +384,13 @@ def test_interrupted_convert_then_rerun_is_identical(synthetic_mixtral, tmp_path
     for p in parents.values():
         p.mkdir()
     outs = {k: p / "ckpt" for k, p in parents.items()}
-    # An uninterrupted reference run and two runs to interrupt, all at once.
-    procs = {k: _start_convert(synthetic_mixtral, outs[k]) for k in ("ref", "term", "kill")}
+    # An uninterrupted reference run, and two runs to interrupt, each started only when it is next to be
+    # watched (on a quiet machine a convert that waited its turn could finish before its signal).
+    procs = {k: _start_convert(synthetic_mixtral, outs[k]) for k in ("ref", "term")}
     try:
         _wait_mid_write(procs["term"], parents["term"], "ckpt")
         procs["term"].send_signal(signal.SIGTERM)
+        procs["kill"] = _start_convert(synthetic_mixtral, outs["kill"])
         _wait_mid_write(procs["kill"], parents["kill"], "ckpt")
         procs["kill"].send_signal(signal.SIGKILL)
         errs = {k: p.communicate(timeout=240)[1] for k, p in procs.items()}
