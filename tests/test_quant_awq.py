@@ -347,3 +347,26 @@ def test_moe_tp2_shares_the_fc_scale_and_slices_proj(model, calib, tmp_path):
     # Different shards clip differently, so the two are not equal, but both stay close to the reference.
     for lg in (l1, l2):
         assert float((lg - ref).abs().max()) < 0.5 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["int4_g128", "int4_g64", "int4"])
+def test_search_numerics_are_the_formats_own(name, dtype):
+    """The scale/clip search scores candidates with a fast restatement of the int4 formats; it must
+    give exactly what the format stores and dequantizes (in the model dtype), clipped or not."""
+    from trtmoe.quant.awq import _fake_channel, _fake_group
+    from trtmoe.quant.formats import FORMATS
+
+    torch.manual_seed(3)
+    f = FORMATS[name]
+    w = (torch.randn(32, 256) * 0.05).to(dtype)
+    g = getattr(f, "group_size", 256)
+    amax = w.float().reshape(32, -1, g).abs().amax(-1)
+    for clip in (None, (amax * 0.7).to(dtype).float()):  # the search keeps clip values model-dtype exact
+        wc = w.float().reshape(32, -1, g)
+        if clip is not None:
+            wc = torch.maximum(torch.minimum(wc, clip.unsqueeze(-1)), -clip.unsqueeze(-1))
+        stored = f.dequantize(f.quantize(wc.reshape(32, 256).to(dtype), dtype=dtype), dtype=dtype).float()
+        fake = (_fake_group(w.float(), g, dtype, clip) if name != "int4"
+                else _fake_channel(w.float(), dtype, None if clip is None else clip.reshape(32)))
+        assert torch.equal(stored, fake), (name, dtype, clip is None, (stored - fake).abs().max())
