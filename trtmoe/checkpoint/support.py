@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedError
-from ..hf.adapters import ADAPTERS
+from ..hf.adapters import ADAPTERS, adapter_for_checkpoint
 from ..parallel.mapping import Mapping
 from ..quant.formats import FORMATS as QUANT_FORMATS
 from ..quant.formats import QUANTIZED
@@ -318,7 +318,8 @@ def check(version: str, family: str, *, layer_formats: dict[int, str] | None, pe
 def check_checkpoint_config(cfg: dict, quant_cfg: dict | None, version: str) -> Verdict:
     """``check`` for a written checkpoint (its config.json and optional quant_cfg.json)."""
     ours = cfg.get("trtmoe") or {}
-    family = ours.get("family") or {v: k for k, v in TRTLLM_ARCHITECTURE.items()}.get(cfg.get("architecture"))
+    adapter = adapter_for_checkpoint(cfg)
+    family = adapter.family if adapter is not None else None
     if family not in FAMILIES:
         raise UnsupportedError(f"architecture {cfg.get('architecture')!r} has no support-table row",
                                hint="supported: " + ", ".join(TRTLLM_ARCHITECTURE.values()))
