@@ -77,3 +77,11 @@ def test_format_that_does_not_fit_the_shapes_is_a_layout_problem(tiny_model, tmp
     bare = config_only(tiny_model("mixtral"), tmp_path / "bare")  # H=64, expert FFN 48
     code, out = run("inspect", bare, "--format", "int4_g128")
     assert code == 2 and "int4_g128" in out and "group size 128" in out
+
+
+def test_dense_layer_rules_are_the_support_tables(tiny_model, tmp_path):
+    # The Qwen2-MoE fixture has a dense layer (mlp_only_layers = [2]), which TensorRT-LLM's QWen model
+    # cannot load; Mixtral has none.
+    notes = inspect_model(str(config_only(tiny_model("qwen2_moe"), tmp_path / "q")))["notes"]
+    assert len(notes) == 1 and "dense layers [2]" in notes[0] and "embedded engine" in notes[0]
+    assert inspect_model(str(config_only(tiny_model("mixtral"), tmp_path / "m")))["notes"] == []

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
-
+from .. import DEFAULT_TRTLLM_VERSION
 from ..checkpoint import support
 from ..checkpoint.layout import DTYPE_STR, rank_specs
 from ..errors import CheckpointError, LayoutError
@@ -107,15 +106,14 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
                           moe_tp=mapping.moe_tp_size, moe_ep=mapping.moe_ep_size, moe_layers=list(m.moe_layers))
         report["support"] = {"release": trtllm_version, **v.to_dict(),
                              "what_works": support.what_works(trtllm_version, m.family)}
-    report["notes"] = _notes(m, torch.finfo(tdtype).bits)
+    report["notes"] = _notes(m)
     return report
 
 
-def _notes(m, bits: int) -> list[str]:
-    notes = []
-    if not all(m.moe_layers) and m.family in ("qwen2_moe", "qwen3_moe"):
-        notes.append("dense layers (mlp_only_layers/decoder_sparse_step) run on the embedded engine; "
-                     "TensorRT-LLM 1.2's QWen model treats every layer as MoE")
-    if m.family == "deepseek_v1" and list(m.moe_layers) != [l > 0 for l in range(m.num_layers)]:
-        notes.append("TensorRT-LLM's DeepSeek-V1 model hard-codes layer 0 as the only dense layer")
-    return notes
+def _notes(m) -> list[str]:
+    """What TensorRT-LLM's model class refuses about this model whatever its layout and format (the
+    support table's dense-layer rules); the embedded engine runs it either way."""
+    if m.family not in support.FAMILIES:
+        return []
+    v = support.check(DEFAULT_TRTLLM_VERSION, m.family, layer_formats=None, moe_layers=list(m.moe_layers))
+    return [f"{r} (the embedded engine runs it)" for r in v.refusals]
