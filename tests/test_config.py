@@ -190,7 +190,7 @@ def test_cli_choices_match_the_yaml_schema():
     """Every ``trtmoe convert`` option with fixed choices offers exactly the YAML key's choices."""
     from trtmoe.cli import convert
 
-    where = {"dtype": ("convert", "dtype"), "policy": ("quantize", "policy"), "fmt": ("quantize", "format"),
+    where = {"dtype": ("convert", "dtype"), "policy": ("quantize", "policy"), "format": ("quantize", "format"),
              "target": ("build", "backend"), "placement": ("quantize", "placement"),
              "granularity": ("quantize", "granularity")}
     seen = set()

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from . import __version__
+from . import config as cfgmod
 from .console import console, err_console, note
 from .errors import TrtmoeError
 from .quant import QUANTIZED_NAMES
@@ -119,16 +120,8 @@ def main(ctx, debug):
 
 
 def layout_options(f):
-    for opt in reversed([
-        click.option("--tp", type=int, default=None, help="Tensor-parallel size [default: 1]."),
-        click.option("--pp", type=int, default=None, help="Pipeline-parallel size [default: 1]."),
-        click.option("--moe-tp", type=int, default=None, help="MoE tensor-parallel size (moe_tp × moe_ep = tp)."),
-        click.option("--moe-ep", type=int, default=None, help="MoE expert-parallel size."),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default=None,
-                     help="Weight dtype; auto keeps the source dtype [default: auto]."),
-    ]):
-        f = opt(f)
-    return f
+    """--tp, --pp, --moe-tp, --moe-ep and --dtype, as the YAML schema's ``convert`` keys."""
+    return cfgmod.click_options("convert", "tp", "pp", "moe_tp", "moe_ep", "dtype")(f)
 
 
 def byte_progress(description: str) -> Progress:
@@ -226,34 +219,15 @@ def _render_inspect(rep: dict) -> None:
               help="Output checkpoint directory (written atomically).")
 @click.option("-c", "--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="YAML build config (see build_configs/); CLI options override it.")
-@layout_options
-@click.option("--trtllm-version", default=None, help="Target TensorRT-LLM release line [default: 1.2].")
-@click.option("--calib", type=click.Path(path_type=Path), default=None,
-              help="Calibration directory from `trtmoe calibrate` (needed by graded/frequency/balanced).")
-@click.option("--policy", type=click.Choice(["none", "graded", "uniform", "frequency", "frequency-bytes",
-                                             "random-bytes"]), default=None,
-              help="Expert quantization policy [default: graded when a budget is given, else none].")
-@click.option("--budget", "budget_bpw", type=float, default=None,
-              help="Average bits per routed-expert weight, scales counted (e.g. 4.5).")
-@click.option("--budget-gb", type=float, default=None, help="Routed-expert bytes per GPU, in GB.")
-@click.option("--format", "fmt", type=click.Choice(QUANTIZED_NAMES), default=None,
-              help="Format for --policy uniform.")
-@click.option("--formats", default=None, help="Candidate formats, comma separated [default: fp16 and every format measured in calibration].")
-@click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,
+@cfgmod.click_options("convert")
+@cfgmod.click_options("quantize")
+@click.option("--target", type=click.Choice(cfgmod.SCHEMA["build"]["backend"].choices), default=None,
               help="Build backend the checkpoint is for: sets the default granularity (per expert matrix vs "
-                   "per MoE layer).")
-@click.option("--granularity", type=click.Choice(["auto", "matrix", "expert", "layer"]), default=None,
-              help="Format unit: matrix (each expert's fc and proj apart), expert, or layer [default: auto = "
-                   "matrix for the embedded target's budgeted policies, layer for tensorrt-llm].")
-@click.option("--placement", type=click.Choice(["identity", "balanced"]), default=None,
-              help="balanced: permute experts per layer to even out measured load across EP ranks.")
-@click.option("--rounding", type=click.Choice(["rtn", "awq"]), default=None,
-              help="INT4 rounding: awq (activation-aware scale and clip search on the calibration's routed "
-                   "tokens; needs --calib) or rtn (round to nearest) [default: awq].")
+                   "per MoE layer) and, for tensorrt-llm, the formats and layouts TensorRT-LLM builds "
+                   "[default: embedded].")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_version, calib, policy, budget_bpw,
-            budget_gb, fmt, formats, target, granularity, placement, force, as_json, rounding=None):
+def convert(model, out, config_path, target, force, as_json, **options):
     """Convert an HF MoE checkpoint into a TensorRT-LLM checkpoint directory.
 
     Streams tensor by tensor (memory stays bounded whatever the model size) into a temporary
@@ -268,16 +242,11 @@ def convert(model, out, config_path, tp, pp, moe_tp, moe_ep, dtype, trtllm_versi
       trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5 --target tensorrt-llm  # per layer
       trtmoe convert ./model -o ckpt/ --policy uniform --format int8
     """
-    from . import config as cfgmod
     from .checkpoint.writer import convert as do_convert
 
-    cfg = cfgmod.resolve(config_path, {
-        "convert": dict(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, dtype=dtype, trtllm_version=trtllm_version),
-        "quantize": dict(policy=policy, budget_bpw=budget_bpw, budget_gb=budget_gb, format=fmt,
-                         formats=formats.split(",") if formats else None, calib=str(calib) if calib else None,
-                         placement=placement, granularity=granularity, rounding=rounding),
-        "build": dict(backend=target)})
+    cfg = cfgmod.resolve(config_path, {**cfgmod.from_cli(options, "convert", "quantize"), "build": {"backend": target}})
     cv = cfg["convert"]
+    calib = cfg["quantize"]["calib"]
     from .quant.planning import plan_from_config
     plan = plan_from_config(model, cfg)
     with byte_progress("convert") as prog:

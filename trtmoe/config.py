@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
 import yaml
 
 from . import DEFAULT_TRTLLM_VERSION
@@ -28,88 +29,126 @@ class Key:
     maximum: float | None = None
     nullable: bool = False
     help: str = ""
+    # The command-line spelling: "--name" (the default is the key with dashes), "--on/--off" for a
+    # bool, several spellings separated by spaces; "" keeps the key YAML-only.
+    flag: str | None = None
+    shown_default: str | None = None  # the help's "[default: …]" where the bare default would mislead
+    metavar: str | None = None  # the help's name for the value (DIR, LIST)
 
 
 _POS = dict(minimum=1)
 SCHEMA: dict[str, dict[str, Key]] = {
     "convert": {
-        "tp": Key(int, 1, help="tensor-parallel size", **_POS),
-        "pp": Key(int, 1, help="pipeline-parallel size", **_POS),
-        "moe_tp": Key(int, None, nullable=True, help="MoE tensor-parallel size (moe_tp × moe_ep = tp)", **_POS),
-        "moe_ep": Key(int, None, nullable=True, help="MoE expert-parallel size", **_POS),
-        "dtype": Key(str, "auto", choices=("auto", "float32", "float16", "bfloat16")),
-        "trtllm_version": Key(str, DEFAULT_TRTLLM_VERSION, choices=("1.2", "1.2.0", "1.2.1")),
+        "tp": Key(int, 1, help="Tensor-parallel size.", **_POS),
+        "pp": Key(int, 1, help="Pipeline-parallel size.", **_POS),
+        "moe_tp": Key(int, None, nullable=True, help="MoE tensor-parallel size (moe_tp × moe_ep = tp).", **_POS),
+        "moe_ep": Key(int, None, nullable=True, help="MoE expert-parallel size.", **_POS),
+        "dtype": Key(str, "auto", choices=("auto", "float32", "float16", "bfloat16"),
+                     help="Weight dtype; auto keeps the source dtype."),
+        "trtllm_version": Key(str, DEFAULT_TRTLLM_VERSION, choices=("1.2", "1.2.0", "1.2.1"),
+                              help="Target TensorRT-LLM release line."),
     },
     "quantize": {
-        # Same names as `trtmoe convert --policy` and trtmoe.quant.policies.POLICIES.
+        # Same names as trtmoe.quant.policies.POLICIES.
         "policy": Key(str, "none", choices=("none", "graded", "uniform", "frequency", "frequency-bytes",
-                                            "random-bytes")),
-        "format": Key(str, None, nullable=True, choices=QUANTIZED_NAMES,
-                      help="the format for policy=uniform"),
-        "budget_bpw": Key((int, float), None, nullable=True, minimum=1, maximum=32,
-                          help="average bits per expert weight, scales counted"),
-        "budget_gb": Key((int, float), None, nullable=True, minimum=0, help="expert bytes per GPU, in GB"),
+                                            "random-bytes"),
+                      help="Expert quantization policy.", shown_default="graded when a budget is given, else none"),
+        "format": Key(str, None, nullable=True, choices=QUANTIZED_NAMES, help="Format for --policy uniform."),
+        "budget_bpw": Key((int, float), None, nullable=True, minimum=1, maximum=32, flag="--budget",
+                          help="Average bits per routed-expert weight, scales counted (e.g. 4.5)."),
+        "budget_gb": Key((int, float), None, nullable=True, minimum=0, help="Routed-expert bytes per GPU, in GB."),
         "granularity": Key(str, "auto", choices=("auto", "matrix", "expert", "layer"),
-                           help="auto: matrix (fc and proj apart) for the embedded target's budgeted "
-                                "policies, layer for tensorrt-llm"),
+                           help="Format unit: matrix (each expert's fc and proj apart), expert, or layer.",
+                           shown_default="auto = matrix for the embedded target's budgeted policies, layer for "
+                                         "tensorrt-llm"),
         "formats": Key(list, None, nullable=True,
                        choices=(*FLOAT_NAMES, *QUANTIZED_NAMES),
-                       help="candidate formats, e.g. [fp16, int8, int4_g64, int4_g128]; choices apply to each item"),
-        "calib": Key(str, None, nullable=True, help="calibration directory from `trtmoe calibrate`"),
-        "placement": Key(str, "identity", choices=("identity", "balanced")),
+                       help="Candidate formats, comma separated (YAML: a list), e.g. fp16,int8,int4_g64,int4_g128.",
+                       metavar="LIST",
+                       shown_default="fp16 and every format measured in calibration"),
+        "calib": Key(str, None, nullable=True, metavar="DIR",
+                     help="Calibration directory from `trtmoe calibrate` (needed by graded/frequency/balanced)."),
+        "placement": Key(str, "identity", choices=("identity", "balanced"),
+                         help="balanced: permute experts per layer to even out measured load across EP ranks."),
         "rounding": Key(str, "awq", choices=("rtn", "awq"),
-                        help="int4 rounding: awq (activation-aware, from the calibration's routed-token "
-                             "statistics; round to nearest without them) or rtn (round to nearest)"),
-        "seed": Key(int, 0),
+                        help="INT4 rounding: awq (activation-aware scale and clip search on the calibration's "
+                             "routed tokens; round to nearest without them) or rtn (round to nearest)."),
+        "seed": Key(int, 0, help="Seed of the random-bytes policy."),
     },
     "build": {
-        "backend": Key(str, "embedded", choices=("embedded", "tensorrt-llm")),
-        "max_batch_size": Key(int, 8, **_POS),
-        "max_input_len": Key(int, 1024, **_POS),
-        "max_seq_len": Key(int, None, nullable=True, **_POS),
-        "max_num_tokens": Key(int, 8192, **_POS),
-        "max_beam_width": Key(int, 1, choices=(1,), help="beam search is not supported"),
-        "tokens_per_block": Key(int, 32, choices=(8, 16, 32, 64, 128)),
-        "kv_cache_type": Key(str, "paged", choices=("paged", "continuous")),
+        "backend": Key(str, "embedded", choices=("embedded", "tensorrt-llm"),
+                       help="tensorrt-llm: run trtllm-build (GPU + TensorRT-LLM 1.2.x); embedded: engine dir for "
+                            "the embedded PyTorch engine."),
+        "max_batch_size": Key(int, 8, help="Requests decoded together.", **_POS),
+        "max_input_len": Key(int, 1024, help="Longest prompt, tokens.", **_POS),
+        "max_seq_len": Key(int, None, nullable=True, help="Longest prompt + output, tokens.",
+                           shown_default="the model's max_position_embeddings", **_POS),
+        "max_num_tokens": Key(int, 8192, help="Tokens per engine step.", **_POS),
+        "max_beam_width": Key(int, 1, choices=(1,), help="Beams per request (beam search is not supported)."),
+        "tokens_per_block": Key(int, 32, choices=(8, 16, 32, 64, 128), help="Tokens per paged KV block."),
+        "kv_cache_type": Key(str, "paged", choices=("paged", "continuous"), help="KV cache kind for TensorRT-LLM."),
         "gemm_plugin": Key(str, "auto", choices=("auto", "float16", "bfloat16", "float32", "disable")),
         "gpt_attention_plugin": Key(str, "auto", choices=("auto", "float16", "bfloat16", "float32")),
         "moe_plugin": Key(str, "auto", choices=("auto", "float16", "bfloat16", "float32")),
-        "context_fmha": Key(bool, True),
-        "use_paged_context_fmha": Key(bool, True),
-        "remove_input_padding": Key(bool, True),
-        "workers": Key(int, 1, **_POS),
-        "device": Key(str, "auto", choices=("auto", "cpu", "cuda")),
+        "context_fmha": Key(bool, True, help="Fused attention in the context phase."),
+        "use_paged_context_fmha": Key(bool, True, help="Paged context FMHA (KV reuse, chunked context)."),
+        "remove_input_padding": Key(bool, True, help="Packed (unpadded) inputs."),
+        "workers": Key(int, 1, help="Ranks trtllm-build builds in parallel.", **_POS),
+        "device": Key(str, "auto", choices=("auto", "cpu", "cuda"), help="Device recorded for the embedded engine."),
     },
     "repo": {  # `trtmoe repo`: the Triton model repository (limits are checked against the engine's)
-        "tokenizer": Key(str, None, nullable=True, help="tokenizer folder [default: beside the engine]"),
-        "max_batch_size": Key(int, None, nullable=True, help="<= the engine's", **_POS),
-        "max_beam_width": Key(int, None, nullable=True, help="must equal the engine's", **_POS),
-        "max_input_len": Key(int, None, nullable=True, help="<= the engine's", **_POS),
-        "max_seq_len": Key(int, None, nullable=True, help="<= the engine's", **_POS),
-        "world_size": Key(int, None, nullable=True, help="checked against the engine's tp × pp", **_POS),
-        "streaming": Key(bool, False, help="decoupled models that stream tokens (upstream's default: not)"),
-        "exclude_input_in_output": Key(bool, False, help="leave the prompt out of non-streamed outputs"),
-        "max_queue_delay_microseconds": Key(int, 0, minimum=0),
-        "max_queue_size": Key(int, 0, minimum=0, help="0 = unbounded"),
-        "preprocessing_instance_count": Key(int, 1, **_POS),
-        "postprocessing_instance_count": Key(int, 1, **_POS),
-        "bls_instance_count": Key(int, 1, **_POS),
+        "tokenizer": Key(str, None, nullable=True, metavar="DIR", help="Hugging Face tokenizer folder.",
+                         shown_default="the one beside the engine or its checkpoint"),
+        "max_batch_size": Key(int, None, nullable=True, help="Triton max_batch_size (<= the engine's).",
+                              shown_default="the engine's", **_POS),
+        "max_beam_width": Key(int, None, nullable=True, help="Must equal the engine's build value.",
+                              shown_default="the engine's", **_POS),
+        "max_input_len": Key(int, None, nullable=True, help="Prompt limit in tokens (<= the engine's).",
+                             shown_default="the engine's", **_POS),
+        "max_seq_len": Key(int, None, nullable=True, help="Prompt + output limit in tokens (<= the engine's).",
+                           shown_default="the engine's", **_POS),
+        "world_size": Key(int, None, nullable=True, help="Checked against the engine's tp × pp.",
+                          shown_default="the engine's", **_POS),
+        "streaming": Key(bool, False, flag="--streaming/--no-streaming --decoupled/--not-decoupled",
+                         help="Decoupled tensorrt_llm/BLS (and so ensemble): tokens stream over gRPC streams / "
+                              "generate_stream, and unary ModelInfer is refused.",
+                         shown_default="not decoupled, as upstream's templates"),
+        "exclude_input_in_output": Key(bool, False, flag="--exclude-input/--include-input",
+                                       help="Default for requests that do not send exclude_input_in_output: leave "
+                                            "the prompt out of non-streamed outputs.",
+                                       shown_default="include it, as upstream"),
+        "max_queue_delay_microseconds": Key(int, 0, minimum=0, flag="--max-queue-delay-us",
+                                            help="Dynamic batching delay, microseconds."),
+        "max_queue_size": Key(int, 0, minimum=0, help="Requests queued per model; 0 = unbounded."),
+        "preprocessing_instance_count": Key(int, 1, flag="--preprocessing-instances", **_POS),
+        "postprocessing_instance_count": Key(int, 1, flag="--postprocessing-instances", **_POS),
+        "bls_instance_count": Key(int, 1, flag="--bls-instances", **_POS),
         "kv_cache_free_gpu_mem_fraction": Key((int, float), None, nullable=True, minimum=0, maximum=1,
-                                              help="TensorRT engines only"),
-        "device": Key(str, None, nullable=True, help="embedded engine: auto, cpu, cuda, cuda:N"),
-        "torch_num_threads": Key(int, 0, minimum=0, help="0 = from this machine's cores and the instance counts"),
-        "stream_interval": Key(int, None, nullable=True, minimum=0, help="embedded engine: a response every N tokens"),
-        "trust_remote_code": Key(bool, False),
+                                              help="TensorRT engines only.", shown_default="0.9"),
+        "device": Key(str, None, nullable=True, help="Embedded engine device: auto, cpu, cuda, cuda:N.",
+                      shown_default="auto"),
+        "torch_num_threads": Key(int, 0, minimum=0, flag="--torch-threads",
+                                 help="Embedded engine torch intra-op threads; 0 = this machine's cores less one "
+                                      "per two pre/post/BLS instances (at least 1). Written to config.pbtxt; "
+                                      "capped at the serving machine's cores."),
+        "stream_interval": Key(int, None, nullable=True, minimum=0,
+                               help="Embedded engine: a streamed response every N tokens (the first and last at "
+                                    "once). 1 = every token; 0 = auto: every token up to 8 active streams, then "
+                                    "ceil(active/8), which keeps per-response overhead bounded when many streams "
+                                    "share the CPU.", shown_default="auto"),
+        "trust_remote_code": Key(bool, False, help="Let the tokenizer run code from its folder."),
     },
     "serve": {  # `trtmoe serve`: the tritonserver process
-        "host": Key(str, "127.0.0.1", help="address to bind (0.0.0.0 exposes the server)"),
-        "http_port": Key(int, 8000, minimum=0, maximum=65535, help="0 picks a free port"),
-        "grpc_port": Key(int, 8001, minimum=0, maximum=65535, help="0 picks a free port"),
-        "metrics_port": Key(int, 8002, minimum=0, maximum=65535, help="0 picks a free port"),
-        "world_size": Key(int, None, nullable=True, help="MPI ranks [default: the repository's]", **_POS),
-        "server": Key(str, None, nullable=True, choices=("system", "pytriton")),
-        "timeout_s": Key((int, float), 300.0, minimum=1, help="seconds to wait for the models to load"),
-        "log_verbose": Key(int, 0, minimum=0),
+        "host": Key(str, "127.0.0.1", help="Address to bind (0.0.0.0 exposes the server)."),
+        "http_port": Key(int, 8000, minimum=0, maximum=65535, help="0 picks a free port."),
+        "grpc_port": Key(int, 8001, minimum=0, maximum=65535, help="0 picks a free port."),
+        "metrics_port": Key(int, 8002, minimum=0, maximum=65535, help="0 picks a free port."),
+        "world_size": Key(int, None, nullable=True, help="MPI ranks.", shown_default="from the repository manifest",
+                          **_POS),
+        "server": Key(str, None, nullable=True, choices=("system", "pytriton"), help="tritonserver to use.",
+                      shown_default="the one on PATH (NGC container), else nvidia-pytriton's"),
+        "timeout_s": Key((int, float), 300.0, minimum=1, flag="--timeout", help="Seconds to wait for ready."),
+        "log_verbose": Key(int, 0, minimum=0, help="tritonserver's --log-verbose level."),
     },
 }
 TOP_LEVEL = {"model": Key(str, None, nullable=True, help="HF model directory or hub id")}
@@ -223,3 +262,72 @@ def resolve(yaml_path: str | Path | None = None, cli: dict | None = None) -> dic
                 if v is not None:
                     cfg[sec][k] = check_value(f"--{k.replace('_', '-')}", SCHEMA[sec][k], v)
     return cfg
+
+
+# ---- the command line -------------------------------------------------------------------------------
+# Each option a stage takes on the command line is the schema key above, so its name, type, choices,
+# bounds and help are written once; the command merges what was given with `resolve`.
+
+def _shown_default(key: Key) -> str | None:
+    if key.shown_default is not None:
+        return key.shown_default
+    if key.default is None:
+        return None
+    if isinstance(key.default, bool):
+        return "yes" if key.default else "no"
+    return str(key.default)
+
+
+def _split_list(ctx, param, value):
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def click_option(section: str, name: str):
+    """A click option for schema key ``section.name``; its value is None when not given, so that
+    ``resolve`` lets YAML and the defaults speak."""
+    key = SCHEMA[section][name]
+    spelling = key.flag or "--" + name.replace("_", "-")
+    decls = spelling.split()
+    kw: dict[str, Any] = {"default": None}
+    if key.type is bool:
+        decls = [d if "/" in d else f"{d}/--no-{d[2:]}" for d in decls]
+    elif key.choices is not None and key.type is str:
+        kw["type"] = click.Choice(key.choices)
+    elif key.choices is not None and key.type is int:  # checked by `resolve`, named as the schema names it
+        kw["type"], kw["metavar"] = int, "[" + "|".join(map(str, key.choices)) + "]"
+    elif key.type is list:
+        kw["callback"] = _split_list
+    elif key.type is int:
+        kw["type"] = int
+    elif key.type is float or (isinstance(key.type, tuple) and float in key.type):
+        kw["type"] = float
+    if key.metavar:
+        kw["metavar"] = key.metavar
+    shown = _shown_default(key)
+    kw["help"] = " ".join(filter(None, [key.help, f"[default: {shown}]" if shown else None]))
+    return click.option(*decls, name, **kw)
+
+
+def click_options(section: str, *names: str, skip: tuple[str, ...] = ()):
+    """Decorator adding the options of ``names`` (every key of ``section`` with a command-line flag
+    when none are named, less ``skip``), in schema order."""
+    chosen = names or tuple(k for k, key in SCHEMA[section].items() if key.flag != "" and k not in skip)
+
+    def deco(f):
+        for name in reversed(chosen):
+            f = click_option(section, name)(f)
+        return f
+
+    return deco
+
+
+def from_cli(options: dict, *sections: str) -> dict:
+    """Sort a command's keyword options into ``{section: {key: value}}`` for ``resolve``; a key
+    belongs to the first named section that has it."""
+    out: dict = {s: {} for s in sections}
+    for k, v in options.items():
+        for s in sections:
+            if k in SCHEMA[s]:
+                out[s][k] = v
+                break
+    return out

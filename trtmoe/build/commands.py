@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from .. import config as cfgmod
 from ..console import console
 
 
@@ -22,28 +23,7 @@ def _echo_lines(lines: list[str], err: bool = False) -> None:
               help="Engine directory to write (atomically).")
 @click.option("-c", "--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="YAML build config (its `build:` section); CLI options override it.")
-@click.option("--backend", type=click.Choice(["tensorrt-llm", "embedded"]), default=None,
-              help="tensorrt-llm: run trtllm-build (GPU + TensorRT-LLM 1.2.x); embedded: engine dir for the "
-                   "embedded PyTorch engine [default: embedded].")
-@click.option("--max-batch-size", type=int, default=None, help="Requests decoded together [default: 8].")
-@click.option("--max-input-len", type=int, default=None, help="Longest prompt, tokens [default: 1024].")
-@click.option("--max-seq-len", type=int, default=None,
-              help="Longest prompt + output, tokens [default: the model's max_position_embeddings].")
-@click.option("--max-num-tokens", type=int, default=None, help="Tokens per engine step [default: 8192].")
-@click.option("--max-beam-width", type=int, default=None, help="Beams per request (only 1) [default: 1].")
-@click.option("--tokens-per-block", type=int, default=None, help="Tokens per paged KV block [default: 32].")
-@click.option("--kv-cache-type", type=click.Choice(["paged", "continuous"]), default=None,
-              help="KV cache kind for TensorRT-LLM [default: paged].")
-@click.option("--gemm-plugin", default=None, help="auto, float16, bfloat16, float32 or disable [default: auto].")
-@click.option("--gpt-attention-plugin", default=None, help="auto, float16, bfloat16 or float32 [default: auto].")
-@click.option("--moe-plugin", default=None, help="auto, float16, bfloat16 or float32 [default: auto].")
-@click.option("--context-fmha/--no-context-fmha", default=None, help="Fused attention in the context phase.")
-@click.option("--use-paged-context-fmha/--no-use-paged-context-fmha", default=None,
-              help="Paged context FMHA (KV reuse, chunked context).")
-@click.option("--remove-input-padding/--no-remove-input-padding", default=None, help="Packed (unpadded) inputs.")
-@click.option("--workers", type=int, default=None, help="Ranks trtllm-build builds in parallel [default: 1].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
-              help="Device recorded for the embedded engine [default: auto].")
+@cfgmod.click_options("build")
 @click.option("--dry-run", is_flag=True,
               help="Check everything that needs no GPU, print the exact command (tensorrt-llm) or engine "
                    "config (embedded) and a memory estimate; write nothing.")
@@ -53,10 +33,7 @@ def _echo_lines(lines: list[str], err: bool = False) -> None:
 @click.option("--copy", "copy_files", is_flag=True,
               help="embedded: copy the checkpoint instead of hard-linking it.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-def build(checkpoint, out, config_path, backend, max_batch_size, max_input_len, max_seq_len, max_num_tokens,
-          max_beam_width, tokens_per_block, kv_cache_type, gemm_plugin, gpt_attention_plugin, moe_plugin,
-          context_fmha, use_paged_context_fmha, remove_input_padding, workers, device, dry_run, force,
-          allow_fewer_gpus, copy_files, as_json):
+def build(checkpoint, out, config_path, dry_run, force, allow_fewer_gpus, copy_files, as_json, **options):
     """Build an engine directory from a `trtmoe convert` checkpoint.
 
     Settings merge CLI > YAML (`build:` section) > defaults. Every check that needs no GPU runs
@@ -72,14 +49,7 @@ def build(checkpoint, out, config_path, backend, max_batch_size, max_input_len, 
       trtmoe build ckpt/ -o engine/ --backend tensorrt-llm --max-seq-len 4096 --workers 4
       trtmoe verify engine/
     """
-    from .. import config as cfgmod
-
-    cfg = cfgmod.resolve(config_path, {"build": dict(
-        backend=backend, max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
-        max_num_tokens=max_num_tokens, max_beam_width=max_beam_width, tokens_per_block=tokens_per_block,
-        kv_cache_type=kv_cache_type, gemm_plugin=gemm_plugin, gpt_attention_plugin=gpt_attention_plugin,
-        moe_plugin=moe_plugin, context_fmha=context_fmha, use_paged_context_fmha=use_paged_context_fmha,
-        remove_input_padding=remove_input_padding, workers=workers, device=device)})
+    cfg = cfgmod.resolve(config_path, cfgmod.from_cli(options, "build"))
     b = cfg["build"]
     if b["backend"] == "tensorrt-llm":
         _tensorrt_llm(checkpoint, out, b, dry_run=dry_run, force=force, allow_fewer_gpus=allow_fewer_gpus,
