@@ -246,3 +246,18 @@ def test_layout_error_is_not_a_config_error():
     # Layout problems surface as LayoutError (exit 2) from Mapping, not from the YAML schema.
     with pytest.raises(LayoutError, match=r"2 × 4 = 8 ≠ 4"):
         Mapping.create(4, 1, 2, 4)
+
+
+def test_convert_never_replaces_a_calib_directory_named_in_yaml(tiny_model, tmp_path):
+    """The calibration directory is one of convert's inputs wherever it was named (CLI or YAML), so
+    `-o` pointing at it is refused and it is left as it was."""
+    cal = tmp_path / "calib"
+    cal.mkdir()
+    (cal / "keep.txt").write_text("mine")
+    p = write(tmp_path, f"quantize:\n  calib: {cal}\n")
+    proc = subprocess.run([sys.executable, "-m", "trtmoe.cli", "convert", str(tiny_model("mixtral")), "-o", str(cal),
+                           "-c", str(p), "--force"], capture_output=True, text=True, env=ENV, cwd=REPO_ROOT,
+                          timeout=240)
+    assert proc.returncode == 2, proc.stderr
+    assert "would replace one of this command's inputs" in proc.stderr
+    assert sorted(x.name for x in cal.iterdir()) == ["keep.txt"] and (cal / "keep.txt").read_text() == "mine"
