@@ -186,20 +186,33 @@ def test_resolve_checks_cli_values_too(tmp_path):
         cfgmod.resolve(None, {"convert": {"tp": 0}})
 
 
-def test_cli_choices_match_the_yaml_schema():
-    """Every ``trtmoe convert`` option with fixed choices offers exactly the YAML key's choices."""
+@pytest.mark.parametrize("command, sections", [
+    ("convert", ("convert", "quantize")), ("build", ("build",)), ("repo", ("repo",)), ("serve", ("serve",))])
+def test_every_schema_key_is_an_option_of_its_command(command, sections):
+    """Each stage's YAML keys are its command's options, with the schema's choices, and the option
+    a user passes lands in the section `resolve` reads."""
+    from trtmoe.cli import main
+
+    params = {p.name: p for p in main.commands[command].params}
+    for sec in sections:
+        for name, key in cfgmod.SCHEMA[sec].items():
+            assert name in params, f"`trtmoe {command}` has no option for {sec}.{name}"
+            p = params[name]
+            if key.type is bool:
+                assert p.secondary_opts, (command, name)
+            elif key.choices is not None and key.type is str:
+                assert isinstance(p.type, click.Choice) and tuple(p.type.choices) == key.choices, (command, name)
+            assert p.default is None, f"{command} --{name} has a default of its own; the schema's must apply"
+    routed = cfgmod.from_cli({k: 1 for k in params}, *sections)
+    for sec in sections:
+        assert set(routed[sec]) == set(cfgmod.SCHEMA[sec]), sec
+
+
+def test_convert_target_offers_the_build_backends():
     from trtmoe.cli import convert
 
-    where = {"dtype": ("convert", "dtype"), "policy": ("quantize", "policy"), "format": ("quantize", "format"),
-             "target": ("build", "backend"), "placement": ("quantize", "placement"),
-             "granularity": ("quantize", "granularity")}
-    seen = set()
-    for param in convert.params:
-        if isinstance(param.type, click.Choice) and param.name in where:
-            sec, key = where[param.name]
-            assert set(param.type.choices) == set(cfgmod.SCHEMA[sec][key].choices), param.name
-            seen.add(param.name)
-    assert seen == set(where), f"options not found on `trtmoe convert`: {set(where) - seen}"
+    target = next(p for p in convert.params if p.name == "target")
+    assert tuple(target.type.choices) == cfgmod.SCHEMA["build"]["backend"].choices
 
 
 def test_format_choices_cover_the_format_registry():

@@ -17,7 +17,7 @@ import yaml
 
 from . import DEFAULT_TRTLLM_VERSION
 from .errors import ConfigError
-from .quant import FLOAT_NAMES, QUANTIZED_NAMES
+from .quant import FLOAT_NAMES, QUANTIZED_NAMES, ROUNDING_NAMES
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
                      help="Calibration directory from `trtmoe calibrate` (needed by graded/frequency/balanced)."),
         "placement": Key(str, "identity", choices=("identity", "balanced"),
                          help="balanced: permute experts per layer to even out measured load across EP ranks."),
-        "rounding": Key(str, "awq", choices=("rtn", "awq"),
+        "rounding": Key(str, "awq", choices=ROUNDING_NAMES,
                         help="INT4 rounding: awq (activation-aware scale and clip search on the calibration's "
-                             "routed tokens; round to nearest without them) or rtn (round to nearest)."),
+                             "routed tokens; round to nearest without them), rtn (round to nearest), gptq "
+                             "(error-feedback codes from the routed tokens' input Gram matrix) or awq_gptq "
+                             "(both)."),
         "seed": Key(int, 0, help="Seed of the random-bytes policy."),
     },
     "build": {
@@ -120,9 +122,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_queue_delay_microseconds": Key(int, 0, minimum=0, flag="--max-queue-delay-us",
                                             help="Dynamic batching delay, microseconds."),
         "max_queue_size": Key(int, 0, minimum=0, help="Requests queued per model; 0 = unbounded."),
-        "preprocessing_instance_count": Key(int, 1, flag="--preprocessing-instances", **_POS),
-        "postprocessing_instance_count": Key(int, 1, flag="--postprocessing-instances", **_POS),
-        "bls_instance_count": Key(int, 1, flag="--bls-instances", **_POS),
+        "preprocessing_instance_count": Key(int, 1, flag="--preprocessing-instances",
+                                            help="Tokenizing model instances.", **_POS),
+        "postprocessing_instance_count": Key(int, 1, flag="--postprocessing-instances",
+                                             help="Detokenizing model instances.", **_POS),
+        "bls_instance_count": Key(int, 1, flag="--bls-instances", help="tensorrt_llm_bls model instances.", **_POS),
         "kv_cache_free_gpu_mem_fraction": Key((int, float), None, nullable=True, minimum=0, maximum=1,
                                               help="TensorRT engines only.", shown_default="0.9"),
         "device": Key(str, None, nullable=True, help="Embedded engine device: auto, cpu, cuda, cuda:N.",

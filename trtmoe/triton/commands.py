@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from .. import config as cfgmod
 from ..errors import InputError
 
 
@@ -30,37 +31,7 @@ _CONFIG = click.option("-c", "--config", "config_path", type=click.Path(path_typ
 @click.option("-o", "--output", "out_dir", type=click.Path(path_type=Path), required=True,
               help="Model repository to write (replaced only with --force).")
 @_CONFIG
-@click.option("--tokenizer", "tokenizer", type=click.Path(path_type=Path), default=None,
-              help="Hugging Face tokenizer folder [default: the one beside the engine or its checkpoint].")
-@click.option("--max-batch-size", type=int, default=None, help="Triton max_batch_size (<= the engine's) [default: engine's].")
-@click.option("--max-beam-width", type=int, default=None, help="Must equal the engine's build value.")
-@click.option("--max-input-len", type=int, default=None, help="Prompt limit in tokens (<= the engine's).")
-@click.option("--max-seq-len", type=int, default=None, help="Prompt + output limit in tokens (<= the engine's).")
-@click.option("--world-size", type=int, default=None, help="Checked against the engine's tp x pp.")
-@click.option("--streaming/--no-streaming", "--decoupled/--not-decoupled", "streaming", default=None,
-              help="Decoupled tensorrt_llm/BLS (and so ensemble): tokens stream over gRPC streams / generate_stream, "
-                   "and unary ModelInfer is refused [default: not decoupled, as upstream's templates].")
-@click.option("--exclude-input/--include-input", "exclude_input_in_output", default=None,
-              help="Default for requests that do not send exclude_input_in_output: leave the prompt out of "
-                   "non-streamed outputs [default: include it, as upstream].")
-@click.option("--max-queue-delay-us", "max_queue_delay_microseconds", type=int, default=None, help="[default: 0]")
-@click.option("--max-queue-size", type=int, default=None, help="0 = unbounded [default: 0].")
-@click.option("--preprocessing-instances", "preprocessing_instance_count", type=int, default=None, help="[default: 1]")
-@click.option("--postprocessing-instances", "postprocessing_instance_count", type=int, default=None,
-              help="[default: 1]")
-@click.option("--bls-instances", "bls_instance_count", type=int, default=None, help="[default: 1]")
-@click.option("--kv-cache-free-gpu-mem-fraction", type=float, default=None, help="TensorRT engines only [default: 0.9].")
-@click.option("--device", default=None, help="Embedded engine device: auto, cpu, cuda, cuda:N [default: auto].")
-@click.option("--torch-threads", "torch_num_threads", type=int, default=None,
-              help="Embedded engine torch intra-op threads; 0 = this machine's cores less one per two "
-                   "pre/post/BLS instances (at least 1). Written to config.pbtxt; capped at the serving "
-                   "machine's cores [default: 0].")
-@click.option("--stream-interval", type=int, default=None,
-              help="Embedded engine: a streamed response every N tokens (the first and last at once). "
-                   "1 = every token; default/0 = auto: every token up to 8 active streams, then "
-                   "ceil(active/8), which keeps per-response overhead bounded when many streams share the CPU.")
-@click.option("--trust-remote-code/--no-trust-remote-code", default=None,
-              help="Let the tokenizer run code from its folder [default: no].")
+@cfgmod.click_options("repo")
 @click.option("--force", is_flag=True, help="Replace an existing repository.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
@@ -78,12 +49,9 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
       trtmoe repo engine/ -o repo/ -c build_configs/tiny-cpu.yaml
       trtmoe serve repo/
     """
-    from .. import config as cfgmod
     from .repository import generate_repository
 
-    if options.get("tokenizer") is not None:
-        options["tokenizer"] = str(options["tokenizer"])
-    kw = dict(cfgmod.resolve(config_path, {"repo": options})["repo"])
+    kw = dict(cfgmod.resolve(config_path, cfgmod.from_cli(options, "repo"))["repo"])
     kw["tokenizer_dir"] = kw.pop("tokenizer")
     r = generate_repository(engine_dir, out_dir, force=force, **kw)
     if as_json:
@@ -110,16 +78,9 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
 @click.command("serve")
 @click.argument("repo", type=click.Path(path_type=Path))
 @_CONFIG
-@click.option("--host", default=None, help="Address to bind (0.0.0.0 exposes the server) [default: 127.0.0.1].")
-@click.option("--http-port", type=int, default=None, help="0 picks a free port [default: 8000].")
-@click.option("--grpc-port", type=int, default=None, help="0 picks a free port [default: 8001].")
-@click.option("--metrics-port", type=int, default=None, help="0 picks a free port [default: 8002].")
-@click.option("--world-size", type=int, default=None, help="MPI ranks [default: from the repository manifest].")
-@click.option("--server", type=click.Choice(["system", "pytriton"]), default=None,
-              help="tritonserver to use [default: the one on PATH (NGC container), else nvidia-pytriton's].")
-@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds to wait for ready [default: 300].")
+@cfgmod.click_options("serve", skip=("log_verbose",))
 @click.option("--log-file", type=click.Path(path_type=Path), default=None, help="Server log [default: a temp file].")
-@click.option("--log-verbose", type=int, default=None, help="[default: 0]")
+@cfgmod.click_options("serve", "log_verbose")
 @click.option("--print-command", is_flag=True, help="Print the launch command and environment, do not start.")
 def serve_command(repo, config_path, log_file, print_command, **options):
     """Start tritonserver on a model repository and serve until Ctrl-C.
@@ -137,11 +98,10 @@ def serve_command(repo, config_path, log_file, print_command, **options):
       trtmoe serve repo/ -c build_configs/tiny-cpu.yaml
       trtmoe generate "def main(" --url 127.0.0.1:8001
     """
-    from .. import config as cfgmod
     from .serve import (Endpoints, build_launch_command, find_tritonserver, read_repository_manifest,
                         run_until_signalled, serve_repository, server_environment)
 
-    o = cfgmod.resolve(config_path, {"serve": options})["serve"]
+    o = cfgmod.resolve(config_path, cfgmod.from_cli(options, "serve"))["serve"]
     host, http_port, grpc_port, metrics_port = o["host"], o["http_port"], o["grpc_port"], o["metrics_port"]
     world_size, server, timeout_s, log_verbose = o["world_size"], o["server"], float(o["timeout_s"]), o["log_verbose"]
 
