@@ -128,12 +128,12 @@ def estimate_memory(facts: CheckpointFacts, build: dict, backend: str) -> Memory
     mp = facts.mapping
     if backend == "tensorrt-llm":
         tokens = kv_tokens(msl, build["tokens_per_block"])
-        kvh = mp.kv_heads_per_rank(facts.num_kv_heads)
+        kvh = mp.kv_heads_per_rank(facts.model.num_kv_heads)
         ranks = []
         for r in mp.ranks():
             fb, wb, q = rank_weight_bytes(facts, r)
-            layers = len(mp.pp_layers(facts.num_layers, mp.pp_rank(r)))
-            kv = 2 * layers * kvh * facts.head_size * kv_el * mbs * tokens
+            layers = len(mp.pp_layers(facts.model.num_layers, mp.pp_rank(r)))
+            kv = 2 * layers * kvh * facts.model.head_dim * kv_el * mbs * tokens
             ranks.append(RankEstimate(r, fb, wb, q, layers, kvh, kv))
         notes = ["activation workspace not included (bounded by max_num_tokens; chosen by TensorRT at build time)"]
         return MemoryEstimate(backend, ranks, tokens, kv_el, mbs, KV_FORMULA, notes)
@@ -143,10 +143,10 @@ def estimate_memory(facts: CheckpointFacts, build: dict, backend: str) -> Memory
     for r in mp.ranks():
         a, b, qq = rank_weight_bytes(facts, r)
         fb, wb, q = fb + a, wb + b, q + qq
-    kv = 2 * facts.num_layers * facts.num_kv_heads * facts.head_size * kv_el * mbs * msl
+    kv = 2 * facts.model.num_layers * facts.model.num_kv_heads * facts.model.head_dim * kv_el * mbs * msl
     notes = ["weights: sum of all rank files (tensors replicated across ranks counted once per rank, so "
              "an upper bound)", "activations not included"]
-    one = RankEstimate(0, fb, wb, q, facts.num_layers, facts.num_kv_heads, kv)
+    one = RankEstimate(0, fb, wb, q, facts.model.num_layers, facts.model.num_kv_heads, kv)
     return MemoryEstimate(backend, [one], msl, kv_el, mbs, EMBEDDED_KV_FORMULA, notes)
 
 

@@ -29,7 +29,7 @@ from ..checkpoint.manifest import MANIFEST, read_manifest
 from ..checkpoint.support import check_checkpoint_config
 from ..errors import BackendUnavailable, ConfigError, InputError, UnsupportedError
 from ..parallel.mapping import Mapping
-from ..runtime.checkpoint_reader import load_config
+from ..runtime.checkpoint_reader import CheckpointConfig, load_config
 
 # The NGC Triton image that carries the pinned TensorRT-LLM (see the Dockerfile for the evidence).
 NGC_IMAGE = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
@@ -52,14 +52,7 @@ class CheckpointFacts:
     config: dict
     manifest: dict
     manifest_sha256: str
-    mapping: Mapping
-    family: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    moe_layers: list[bool]
-    max_position_embeddings: int
+    model: CheckpointConfig  # the model it holds, as the embedded engine reads it (one reading for every backend)
     seq_len_limit: int  # max_position_embeddings stretched by the rope factor, as trtllm-build defaults it
     target_trtllm_version: str
     quant_algo: str | None
@@ -68,12 +61,21 @@ class CheckpointFacts:
     quant_cfg: dict | None = None  # quant_cfg.json (MIXED_PRECISION), when present
 
     @property
+    def mapping(self) -> Mapping:
+        return self.model.mapping
+
+    @property
+    def dtype(self) -> str:
+        """The weight dtype's name (config.json's ``dtype``)."""
+        return self.model.source_dtype
+
+    @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]
 
     @property
     def dense_layers(self) -> list[int]:
-        return [l for l, moe in enumerate(self.moe_layers) if not moe]
+        return [l for l, moe in enumerate(self.model.moe_layers) if not moe]
 
 
 def _json(path: Path) -> dict:
@@ -114,9 +116,7 @@ def read_checkpoint(path: str | Path) -> CheckpointFacts:
     return CheckpointFacts(
         path=d, config=cfg, manifest=manifest,
         manifest_sha256=hashlib.sha256((d / MANIFEST).read_bytes()).hexdigest(),
-        mapping=c.mapping, family=c.family, dtype=cfg["dtype"], num_layers=c.num_layers,
-        num_kv_heads=c.num_kv_heads, head_size=c.head_dim, moe_layers=list(c.moe_layers),
-        max_position_embeddings=c.max_position_embeddings, seq_len_limit=limit,
+        model=c, seq_len_limit=limit,
         target_trtllm_version=str(manifest.get("target_trtllm_version") or "1.2"),
         quant_algo=quant.get("quant_algo"), kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
         granularity=ours.get("granularity"), quant_cfg=quant_cfg)
@@ -142,7 +142,7 @@ def resolve_limits(build: dict, facts: CheckpointFacts, backend: str) -> Limits:
     mi, ms, mnt, mbs = b["max_input_len"], b["max_seq_len"], b["max_num_tokens"], b["max_batch_size"]
     if ms > facts.seq_len_limit:
         problems.append(f"max_seq_len {ms} exceeds the model's limit {facts.seq_len_limit} "
-                        f"(max_position_embeddings{' × rope factor' if facts.seq_len_limit != facts.max_position_embeddings else ''})")
+                        f"(max_position_embeddings{' × rope factor' if facts.seq_len_limit != facts.model.max_position_embeddings else ''})")
     if mi >= ms:
         problems.append(f"max_input_len {mi} ≥ max_seq_len {ms} (a request needs room for at least one "
                         f"generated token)")
