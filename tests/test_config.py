@@ -17,7 +17,7 @@ import pytest
 from trtmoe import config as cfgmod
 from trtmoe.build.preflight import resolve_limits
 from trtmoe.errors import ConfigError, LayoutError
-from trtmoe.model.description import MoEModel
+from trtmoe.model.description import ModelSpec
 from trtmoe.parallel.mapping import Mapping
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_gpu_configs_fit_their_models(name):
     facts = MODEL_FACTS[resolved["model"]]
     cv = resolved["convert"]
     mapping = Mapping.create(cv["tp"], cv["pp"], cv["moe_tp"], cv["moe_ep"])
-    mapping.validate(MoEModel(**facts))
+    mapping.validate(ModelSpec(**facts))
     assert cv["dtype"] == facts["source_dtype"]
     b = resolved["build"]
     assert b["backend"] == "tensorrt-llm" and b["workers"] == mapping.world_size

@@ -16,7 +16,7 @@ from ..hf.adapters import (ADAPTERS, EP, FIRST, FLOAT32, KV_HEADS, LAST, MOE_TP,
                            expert_rules, global_rules, layer_rules, role_shapes)
 from ..hf.reader import all_finite
 from ..hf.safetensors_io import SourceRange
-from ..model.description import MoEModel
+from ..model.description import ModelSpec
 from ..parallel.mapping import Mapping
 from ..quant import awq
 from ..quant.formats import FORMATS, GroupInt4Format, PerChannelIntFormat
@@ -52,7 +52,7 @@ class TensorSpec:
 DTYPE_STR = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def trtllm_config(m: MoEModel, mapping: Mapping, dtype: torch.dtype, *, version: str = DEFAULT_TRTLLM_VERSION,
+def trtllm_config(m: ModelSpec, mapping: Mapping, dtype: torch.dtype, *, version: str = DEFAULT_TRTLLM_VERSION,
                   quantization: dict | None = None, extra: dict | None = None) -> dict:
     """The checkpoint ``config.json`` for the target TensorRT-LLM release line: the keys every
     architecture shares, then the architecture's own (``Adapter.trtllm_facts``)."""
@@ -103,7 +103,7 @@ def trtllm_config(m: MoEModel, mapping: Mapping, dtype: torch.dtype, *, version:
 class RankLayout:
     """Tensor specs of one rank. ``src`` is an HFCheckpoint (or None for pure accounting)."""
 
-    def __init__(self, m: MoEModel, mapping: Mapping, rank: int, dtype: torch.dtype, src=None, plan=None):
+    def __init__(self, m: ModelSpec, mapping: Mapping, rank: int, dtype: torch.dtype, src=None, plan=None):
         self.m, self.mp, self.rank, self.dtype, self.src = m, mapping, rank, dtype, src
         self.tp_rank = mapping.tp_rank(rank)
         self.pp_rank = mapping.pp_rank(rank)
@@ -368,7 +368,7 @@ def packed_at_conversion(fmt_name: str) -> bool:
     return isinstance(FORMATS.get(fmt_name), GroupInt4Format)
 
 
-def rank_specs(m: MoEModel, mapping: Mapping, rank: int, dtype: torch.dtype, src=None,
+def rank_specs(m: ModelSpec, mapping: Mapping, rank: int, dtype: torch.dtype, src=None,
                plan=None) -> list[TensorSpec]:
     return RankLayout(m, mapping, rank, dtype, src, plan).specs()
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import CheckpointError, UnsupportedError
-from ..model.description import NORM_NONE, NORM_RENORMALIZE, NORM_SPARSE_MIXER, MoEModel
+from ..model.description import NORM_NONE, NORM_RENORMALIZE, NORM_SPARSE_MIXER, ModelSpec
 
 # ---- the tensor rule table -----------------------------------------------------------------------
 
@@ -43,7 +43,7 @@ FLOAT32 = "float32"
 class Rule:
     """One TensorRT-LLM tensor: ``name`` (layer-relative for layer rules) <- HF ``roles``, concatenated
     in that order along ``axis``, sharded by ``shard``, stored in the model dtype or float32.
-    ``when`` names the ``MoEModel`` fact that must be truthy for the tensor to exist; ``tied`` is the
+    ``when`` names the ``ModelSpec`` fact that must be truthy for the tensor to exist; ``tied`` is the
     role read instead of the first one when the model ties its word embeddings."""
 
     name: str
@@ -56,10 +56,10 @@ class Rule:
     tied: str | None = None
     kind: str = ""  # accounting group, e.g. "expert_fc"
 
-    def applies(self, m: MoEModel) -> bool:
+    def applies(self, m: ModelSpec) -> bool:
         return self.when is None or bool(getattr(m, self.when))
 
-    def source_roles(self, m: MoEModel) -> tuple[str, ...]:
+    def source_roles(self, m: ModelSpec) -> tuple[str, ...]:
         if self.tied and m.tie_word_embeddings:
             return (self.tied, *self.roles[1:])
         return self.roles
@@ -99,7 +99,7 @@ DECODER_RULES: tuple[Rule, ...] = (
 )
 
 
-def layer_rules(m: MoEModel, layer: int, rules: tuple[Rule, ...] = DECODER_RULES) -> list[Rule]:
+def layer_rules(m: ModelSpec, layer: int, rules: tuple[Rule, ...] = DECODER_RULES) -> list[Rule]:
     """The rules that apply to decoder layer ``layer`` of ``m``, in file order."""
     kinds = (LAYER, MOE if m.moe_layers[layer] else DENSE)
     return [r for r in rules if r.where in kinds and r.applies(m)]
@@ -110,11 +110,11 @@ def expert_rules(rules: tuple[Rule, ...] = DECODER_RULES) -> dict[str, Rule]:
     return {r.name.split(".")[-2]: r for r in rules if r.shard == MOE_TP}
 
 
-def global_rules(m: MoEModel, where: str, rules: tuple[Rule, ...] = DECODER_RULES) -> list[Rule]:
+def global_rules(m: ModelSpec, where: str, rules: tuple[Rule, ...] = DECODER_RULES) -> list[Rule]:
     return [r for r in rules if r.where == where and r.applies(m)]
 
 
-def role_shapes(m: MoEModel, layer: int | None) -> dict[str, tuple[int, ...]]:
+def role_shapes(m: ModelSpec, layer: int | None) -> dict[str, tuple[int, ...]]:
     """HF shape of every role that exists in ``layer`` (None: the global tensors); routed experts
     under their role names (the same shape for every expert)."""
     H, V = m.hidden_size, m.vocab_size
@@ -396,11 +396,11 @@ def _phimoe(cfg: dict) -> dict:
 
 # ---- TensorRT-LLM config facts -------------------------------------------------------------------
 
-def _mixtral_trtllm(m: MoEModel) -> dict:
+def _mixtral_trtllm(m: ModelSpec) -> dict:
     return {"intermediate_size": m.expert_intermediate_size}
 
 
-def _qwen_trtllm(m: MoEModel) -> dict:
+def _qwen_trtllm(m: ModelSpec) -> dict:
     return {
         "intermediate_size": m.dense_intermediate_size or m.expert_intermediate_size,
         "moe_intermediate_size": m.expert_intermediate_size,
@@ -416,12 +416,12 @@ def _qwen_trtllm(m: MoEModel) -> dict:
     }
 
 
-def _deepseek_trtllm(m: MoEModel) -> dict:
+def _deepseek_trtllm(m: ModelSpec) -> dict:
     return {"intermediate_size": m.dense_intermediate_size or m.expert_intermediate_size,
             "moe_intermediate_size": m.expert_intermediate_size}
 
 
-def _phimoe_trtllm(m: MoEModel) -> dict:
+def _phimoe_trtllm(m: ModelSpec) -> dict:
     out = {"intermediate_size": m.expert_intermediate_size}
     if m.longrope is not None:
         lr = m.longrope
@@ -461,7 +461,7 @@ class Adapter:
     trtllm_architecture: str
     names: dict[str, str]
     facts: Callable[[dict], dict]
-    trtllm_facts: Callable[[MoEModel], dict]
+    trtllm_facts: Callable[[ModelSpec], dict]
     from_trtllm: Callable[[dict], dict] = field(default=lambda raw: {})
     default_norm_eps: float = 1e-6
     dense_layers: bool = True  # may have dense-MLP layers (intermediate_size is their FFN size)
@@ -529,19 +529,19 @@ def adapter_for_checkpoint(raw: dict) -> Adapter | None:
     return _BY_TRTLLM.get(raw.get("architecture"))
 
 
-def describe(hf_config: dict) -> tuple[Adapter, MoEModel]:
+def describe(hf_config: dict) -> tuple[Adapter, ModelSpec]:
     """Build the architecture-neutral description from an HF ``config.json`` dict."""
     adapter = adapter_for(hf_config)
     facts = {**_base_facts(hf_config, adapter.default_norm_eps), **adapter.facts(hf_config)}
     facts.setdefault("shared_expert_gate", adapter.shared_expert_gate)
-    model = MoEModel(family=adapter.family, hf_architecture=adapter.hf_architectures[0], **facts)
+    model = ModelSpec(family=adapter.family, hf_architecture=adapter.hf_architectures[0], **facts)
     if model.top_k < 1 or model.top_k > model.num_experts:
         raise CheckpointError(f"num_experts_per_tok={model.top_k} must be in 1..{model.num_experts}",
                               where="config.json")
     return adapter, model
 
 
-def expected_tensors(adapter: Adapter, m: MoEModel) -> dict[str, tuple[int, ...]]:
+def expected_tensors(adapter: Adapter, m: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the model must have, with its expected shape."""
     out = {}
     for role, shape in role_shapes(m, None).items():

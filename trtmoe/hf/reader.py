@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, InputError
-from ..model.description import MoEModel
+from ..model.description import ModelSpec
 from .adapters import Adapter, describe, expected_tensors
 from .validate import validate_hf_config, _DEFAULT_CONTEXT
 from .safetensors_io import DTYPE_NAMES, SafetensorsFile, SourceRange, pread_into
@@ -306,4 +306,4 @@ class HFCheckpoint:
         self.close()
 
 
-__all__ = ["HFCheckpoint", "resolve_model_path", "parse_dtype", "Adapter", "MoEModel"]
+__all__ = ["HFCheckpoint", "resolve_model_path", "parse_dtype", "Adapter", "ModelSpec"]

@@ -11,7 +11,7 @@ NORM_SPARSE_MIXER = 2  # Phi-3.5-MoE's sparse mixer: each pick's weight is a sof
 
 
 @dataclass(frozen=True)
-class MoEModel:
+class ModelSpec:
     """Everything a converter, engine or planner needs to know about a MoE decoder-only model.
 
     Sizes are element counts; ``moe_layers[l]`` is True where layer ``l`` has routed experts and

@@ -17,7 +17,7 @@ class ParamCount:
 
 
 def count_params(m) -> ParamCount:
-    """Count parameters of a MoE description (``MoEModel`` or a checkpoint config).
+    """Count parameters of a MoE description (``ModelSpec`` or a checkpoint config).
 
     Active per token counts what one token's forward pass multiplies with: one embedding row, all of
     attention and the norms, every router, the shared experts, ``top_k`` routed experts per MoE layer,

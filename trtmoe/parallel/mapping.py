@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import LayoutError
-from ..model.description import MoEModel
+from ..model.description import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class Mapping:
         return -(-vocab_size // self.tp_size) * self.tp_size
 
     # ---- checks ----------------------------------------------------------------------------------
-    def validate(self, m: MoEModel) -> None:
+    def validate(self, m: ModelSpec) -> None:
         """Raise LayoutError, with the numbers, if this layout cannot hold the model."""
         problems = []
         if m.num_heads % self.tp_size:

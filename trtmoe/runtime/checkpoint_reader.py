@@ -13,13 +13,13 @@ import torch
 from ..errors import CheckpointError, InputError
 from ..hf.adapters import ADAPTERS, EP, KV_HEADS, REPLICATED, TP, VOCAB, Rule, adapter_for_checkpoint
 from ..hf.safetensors_io import SafetensorsFile
-from ..model.description import MoEModel
+from ..model.description import ModelSpec
 from ..parallel.mapping import Mapping
 
 
 @dataclass(frozen=True)
-class CheckpointConfig(MoEModel):
-    """The model a checkpoint holds (the same facts as ``MoEModel``, read back from config.json), with
+class CheckpointConfig(ModelSpec):
+    """The model a checkpoint holds (the same facts as ``ModelSpec``, read back from config.json), with
     the layout that split it, its weight dtype and the raw config."""
 
     mapping: Mapping = field(default_factory=Mapping)
