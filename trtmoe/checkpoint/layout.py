@@ -261,7 +261,7 @@ class RankLayout:
         self._expert_rules = {mod: rule for mod, rule in expert_rules().items() if rule in rules}
         slots = mp.ep_experts(m.num_experts, self.rank)
         t = mp.moe_tp_rank(self.rank)
-        I_loc = m.expert_intermediate_size // mp.moe_tp_size
+        I_loc = mp.expert_ffn_per_rank(m.expert_intermediate_size)
         perm = self._perm(l)
         orig = [perm[s] for s in slots]
         kind = "float" if plan is None else ("expert" if plan.per_expert_layout else plan.layer_format(l))

@@ -103,8 +103,20 @@ class Mapping:
                 return p, layer - layers[0]
         raise IndexError(layer)
 
+    def experts_per_rank(self, num_experts: int) -> int:
+        """Routed experts each expert-parallel rank holds."""
+        return num_experts // self.moe_ep_size
+
+    def expert_ffn_per_rank(self, intermediate_size: int) -> int:
+        """An expert's FFN width on each MoE tensor-parallel rank."""
+        return intermediate_size // self.moe_tp_size
+
+    def heads_per_rank(self, num_heads: int) -> int:
+        """Query heads per tensor-parallel rank."""
+        return num_heads // self.tp_size
+
     def ep_experts(self, num_experts: int, rank: int) -> range:
-        per = num_experts // self.moe_ep_size
+        per = self.experts_per_rank(num_experts)
         r = self.moe_ep_rank(rank)
         return range(r * per, (r + 1) * per)
 

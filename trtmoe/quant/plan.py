@@ -145,7 +145,7 @@ class QuantPlan:
                 raise InputError(f"plan names layer {l}, which is not a MoE layer")
             if len(fs) != model.num_experts:
                 raise InputError(f"plan for layer {l} has {len(fs)} formats for {model.num_experts} experts")
-        I_loc = model.expert_intermediate_size // mapping.moe_tp_size
+        I_loc = mapping.expert_ffn_per_rank(model.expert_intermediate_size)
         H = model.hidden_size
         if self.granularity == "matrix":
             self._check_matrix_shapes(H, I_loc)

@@ -72,7 +72,7 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
         problems.append(e.render())
         mapping = None
     if mapping is not None and fmt is not None:
-        why = expert_shape_problem(fmt, m.hidden_size, m.expert_intermediate_size // mapping.moe_tp_size)
+        why = expert_shape_problem(fmt, m.hidden_size, mapping.expert_ffn_per_rank(m.expert_intermediate_size))
         if why:
             problems.append(why)
     report["layout"] = {"tp": tp, "pp": pp, "moe_tp": moe_tp, "moe_ep": moe_ep, "ok": not problems,
@@ -90,7 +90,7 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
             if fmt is not None and not problems:
                 # The routed experts as the engine holds them: the format's packed bytes and scales.
                 n_moe = sum(1 for l in layers if m.moe_layers[l])
-                i_loc = m.expert_intermediate_size // mapping.moe_tp_size
+                i_loc = mapping.expert_ffn_per_rank(m.expert_intermediate_size)
                 for role in EXPERT_ROLES:
                     by_role.pop(role, None)
                 by_role["experts"] = n_moe * expert_cost_bits(fmt, i_loc, m.hidden_size, tdtype,

@@ -107,7 +107,7 @@ def checkpoint_footprint(ckpt: str | Path) -> dict:
     cfg = load_config(ck)
     mp = cfg.mapping
     H, I, E = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
-    I_loc, E_loc = I // mp.moe_tp_size, E // mp.moe_ep_size
+    I_loc, E_loc = mp.expert_ffn_per_rank(I), mp.experts_per_rank(E)
     scale_bytes = torch.empty((), dtype=cfg.dtype).element_size()
     ranks = []
     total_expert_bits = 0
