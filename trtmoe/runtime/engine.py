@@ -78,7 +78,9 @@ class Sequence:
 
 
 class _KVPool:
-    """Keys and values of every live sequence: per layer one ``[slots, nkv, capacity, hd]`` tensor.
+    """Keys and values of every live sequence: per layer one ``[slots, capacity, nkv, hd]`` tensor
+    (a token's heads side by side, so a decode step writes every sequence's new key with one
+    ``index_copy_`` into the flat ``[slots * capacity]`` rows; attention reads a transposed view).
 
     A sequence holds one slot from its prefill until it finishes (or is garbage-collected, e.g. when
     a cancelled request is dropped). Both dimensions grow on demand (existing rows are copied over),
@@ -100,7 +102,7 @@ class _KVPool:
         self.live = 0
 
     def _resize(self, slots: int, capacity: int) -> None:
-        shape = (slots, self.nkv, capacity, self.hd)
+        shape = (slots, capacity, self.nkv, self.hd)
         for kv in (self.k, self.v):
             old = list(kv)
             kv.clear()
@@ -109,7 +111,7 @@ class _KVPool:
                 # attention weights (0) times uninitialized NaN/Inf bits would still be NaN.
                 new = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if old:
-                    new[: self.slots, :, : self.capacity] = old[l]
+                    new[: self.slots, : self.capacity] = old[l]
                 kv.append(new)
         for i in range(self.slots, slots):
             heapq.heappush(self._free, i)
@@ -215,6 +217,7 @@ class EmbeddedEngine:
             self._longrope = tuple((1.0 / (torch.tensor(lr[f"{n}_factor"], dtype=torch.float32) * expo)).to(device)
                                    for n in ("short", "long"))
             self._mscale = (lr["short_mscale"], lr["long_mscale"])
+        self._rope_cache: dict[tuple[bool, torch.dtype], torch.Tensor] = {}
         self.max_seq_len = cfg.max_position_embeddings
         L, E = cfg.num_layers, cfg.num_experts
         self._kv = _KVPool(L, cfg.num_kv_heads, hd, compute_dtype, device)
@@ -222,6 +225,7 @@ class EmbeddedEngine:
         self._entropy = torch.zeros(L, dtype=torch.float64, device=device)
         self._mass = torch.zeros(L, E, dtype=torch.float64, device=device)
         self._tokens = 0
+        self._layer_ids: dict[tuple[int, ...], torch.Tensor] = {}
         self.layer_hook: Callable[[int, torch.Tensor], None] | None = None  # sees MoE-layer inputs
         self.residual_hook: Callable[[int, torch.Tensor], None] | None = None  # sees each layer's input
         self.route_hook: Callable[[int, torch.Tensor], None] | None = None  # sees top-k expert ids [N, k]
@@ -313,19 +317,33 @@ class EmbeddedEngine:
         self._tokens = 0
 
     # ---- the model --------------------------------------------------------------------------------
-    def _rope_tables(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, 1, hd] for positions pos [B, T] (gpt-neox halves); shared by all layers."""
+    def _rope_tables(self, pos: torch.Tensor, dtype: torch.dtype, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, 1, hd] for positions pos [B, T] (gpt-neox halves), all below ``n_pos``;
+        shared by all layers. They are rows of per-position tables computed once (element by
+        element the same float32 arithmetic as computing them for the step's positions)."""
+        long = False
+        if self.cfg.longrope is not None:
+            long = n_pos > self.cfg.longrope["original_max_position_embeddings"]
+        tab = self._rope_cache.get((long, dtype))
+        if tab is None or tab.shape[0] < n_pos:
+            tab = self._rope_table(long, max(n_pos, min(2 * (0 if tab is None else tab.shape[0]), self.max_seq_len), 256),
+                                   dtype)
+            self._rope_cache[(long, dtype)] = tab
+        cs = tab[pos]  # [B, T, 2, hd]
+        return cs[:, :, 0:1], cs[:, :, 1:2]
+
+    def _rope_table(self, long: bool, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """[n, 2, hd]: cos and signed sin of positions 0..n-1."""
         inv, scale = self._inv_freq, None
         if self.cfg.longrope is not None:
-            long = int(pos.max()) + 1 > self.cfg.longrope["original_max_position_embeddings"]
             inv, scale = self._longrope[long], self._mscale[long]
-        freqs = pos.float()[..., None] * inv  # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        freqs = torch.arange(n, device=inv.device).float()[:, None] * inv  # [n, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
         # The sine's first half negated: rotate_half(x) * sin == x.roll(hd/2) * signed sin, exactly.
         cos, sin = emb.cos(), emb.sin() * self._rope_sign
         if scale is not None:
             cos, sin = cos * scale, sin * scale
-        return cos.to(dtype), sin.to(dtype)
+        return torch.stack((cos.to(dtype), sin.to(dtype)), 1)
 
     @staticmethod
     def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -334,17 +352,18 @@ class EmbeddedEngine:
         cos, sin = rope
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
-    def _moe(self, li: int, lay: _Layer, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def _moe(self, li: int, lay: _Layer, x: torch.Tensor, valid: torch.Tensor | None = None,
+             stats: list | None = None) -> torch.Tensor:
         if valid is not None:  # a padded batch: route and run only the real tokens
             out = torch.zeros_like(x)
-            out[valid] = self._moe(li, lay, x[valid])
+            out[valid] = self._moe(li, lay, x[valid], stats=stats)
             return out
         c = self.cfg
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         if self.layer_hook is not None:
             self.layer_hook(li, h)
-        logits = h.float() @ lay.router.t()
+        logits = F.linear(h if h.dtype == torch.float32 else h.float(), lay.router)
         probs = logits.softmax(-1)
         if c.normalization_mode == NORM_NONE:
             w, idx = probs.topk(c.top_k, dim=-1)
@@ -355,15 +374,16 @@ class EmbeddedEngine:
             w = top.softmax(-1)
         flat_idx = idx.reshape(-1)
         with torch.no_grad():
-            # Routing statistics stay on the engine's device: no host sync per layer.
             n_e = torch.bincount(flat_idx, minlength=c.num_experts)
-            self._counts[li].add_(n_e)
-            ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-            self._entropy[li].add_(ent.sum())
-            self._mass[li].index_add_(0, flat_idx, w.reshape(-1).double())
+            rec = (li, n_e, probs, flat_idx, w)
+            if stats is None:
+                self._record_routing([rec])
+            else:  # a small block: every layer's statistics are added together after the forward
+                stats.append(rec)
             if self.route_hook is not None:
                 self.route_hook(li, idx)
-        w = w.to(h.dtype)
+        if w.dtype != h.dtype:
+            w = w.to(h.dtype)
         # Group the (token, pick) pairs by expert with one stable sort, run every expert with
         # tokens over its contiguous block, and add the weighted outputs back in one indexed op
         # (in expert order, as a loop over the experts would).
@@ -372,7 +392,9 @@ class EmbeddedEngine:
         counts = n_e.tolist()
         w_sorted = w.reshape(-1)[order, None]
         if len(token_of) <= STACK_MAX_ROWS:
-            y = lay.experts.forward_grouped(h[token_of], counts)
+            # One token: each of its experts reads it as it is (a [1, H] view, no gathered copy).
+            xs = h.expand(len(token_of), h.shape[1]) if h.shape[0] == 1 else h[token_of]
+            y = lay.experts.forward_grouped(xs, counts)
             out = torch.zeros_like(h).index_add_(0, token_of, y * w_sorted)
         else:  # a big block (prefill): expert by expert, without a copy of every routed row
             out, start = torch.zeros_like(h), 0
@@ -382,37 +404,68 @@ class EmbeddedEngine:
                     out.index_add_(0, tok, lay.experts.forward(e, h[tok]) * w_sorted[start:start + n])
                     start += n
         if lay.shared_fc is not None:
-            hs = h @ lay.shared_fc.t()
+            hs = F.linear(h, lay.shared_fc)
             up, gate = hs.chunk(2, dim=-1)
-            s = (F.silu(gate) * up) @ lay.shared_proj.t()
+            s = F.linear(F.silu(gate) * up, lay.shared_proj)
             if lay.shared_gate is not None:
-                s = torch.sigmoid(h @ lay.shared_gate.t()) * s
+                s = torch.sigmoid(F.linear(h, lay.shared_gate)) * s
             out = out + s
         if self.moe_hook is not None:
             self.moe_hook(li, h, idx, w, out)
         return out.reshape(shape)
 
+    def _record_routing(self, recs: list[tuple]) -> None:
+        """Add routing statistics (layer, expert counts, router probabilities, flat top-k ids,
+        top-k weights) of one or more layers; they stay on the engine's device (no host sync)."""
+        with torch.no_grad():
+            if len(recs) == 1:
+                li, n_e, probs, flat_idx, w = recs[0]
+                self._counts[li].add_(n_e)
+                ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+                self._entropy[li].add_(ent.sum())
+                self._mass[li].index_add_(0, flat_idx, w.reshape(-1).double())
+                return
+            key = tuple(r[0] for r in recs)
+            at = self._layer_ids.get(key)
+            if at is None:
+                at = self._layer_ids[key] = torch.tensor(key, device=self.device)
+            self._counts.index_add_(0, at, torch.stack([r[1] for r in recs]))
+            p = torch.stack([r[2] for r in recs])  # [layers, N, E]
+            ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
+            self._entropy.index_add_(0, at, ent.sum(-1).double())
+            E = self.cfg.num_experts
+            flat = (torch.stack([r[3] for r in recs]) + (at * E)[:, None]).view(-1)
+            self._mass.view(-1).index_add_(0, flat, torch.stack([r[4] for r in recs]).view(-1).double())
+
     def _dense(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x @ lay.dense_gate.t()) * (x @ lay.dense_up.t())) @ lay.dense_down.t()
+        return F.linear(F.silu(F.linear(x, lay.dense_gate)) * F.linear(x, lay.dense_up), lay.dense_down)
 
     def _cache_plan(self, seqs: list[Sequence], pos: torch.Tensor, T: int) -> dict:
         """What every layer's attention needs to write and read the pooled cache for this batch,
         computed once per forward: slots, write positions, the rows to read, and the mask."""
         dev = pos.device
         slots = [s.slot for s in seqs]
-        lens = [s.length + T for s in seqs]
-        plan = {"Lmax": max(lens), "slot_t": None, "rows": None}
-        starts = {s.length for s in seqs}
-        plan["same_start"] = starts.pop() if len(starts) == 1 else None  # e.g. a batched prefill
+        starts = [s.length for s in seqs]
+        lens = [a + T for a in starts]
+        Lmax = max(lens)
+        plan = {"Lmax": Lmax, "slot_t": None, "rows": None}
+        # e.g. a batched prefill, or a decode step over sequences of one length
+        plan["same_start"] = starts[0] if starts.count(starts[0]) == len(starts) else None
         first = slots[0]
         if slots != list(range(first, first + len(seqs))):  # rows are gathered, not viewed
             plan["slot_t"] = torch.tensor(slots, device=dev)
         else:
             plan["rows"] = slice(first, first + len(seqs))
         if T == 1:
-            plan["write_slot"] = plan["slot_t"] if plan["slot_t"] is not None else torch.tensor(slots, device=dev)
-            plan["write_at"] = torch.tensor([s.length for s in seqs], device=dev)
-        key_pos = torch.arange(plan["Lmax"], device=dev)
+            # Each sequence's new key goes to row slot * capacity + length of the flat pool.
+            cap = self._kv.capacity
+            plan["write_at"] = torch.tensor([sl * cap + a for sl, a in zip(slots, starts)], device=dev)
+            # The one query of each sequence, at its last position, sees exactly its own keys: the
+            # causal part of the mask is implied, and sequences of one length need no mask at all.
+            plan["mask"] = None if plan["same_start"] is not None else (
+                torch.arange(Lmax, device=dev) < torch.tensor(lens, device=dev)[:, None])[:, None, None, :]
+            return plan
+        key_pos = torch.arange(Lmax, device=dev)
         qpos = pos[:, None, :, None]  # [B, 1, T, 1]
         plan["mask"] = (key_pos[None, None, None, :] <= qpos) & (
             key_pos[None, None, None, :] < torch.tensor(lens, device=dev)[:, None, None, None])
@@ -423,46 +476,47 @@ class EmbeddedEngine:
         c = self.cfg
         B, T, _ = x.shape
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        qkv = x @ lay.wqkv.t()
+        qkv = F.linear(x, lay.wqkv)
         if lay.bqkv is not None:
             qkv = qkv + lay.bqkv
-        v = qkv[..., (nh + nkv) * hd:].reshape(B, T, nkv, hd)
+        v = qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd)
         if lay.q_norm is not None:
             q, k = qkv[..., :nh * hd].view(B, T, nh, hd), qkv[..., nh * hd:(nh + nkv) * hd].view(B, T, nkv, hd)
             qk = torch.cat((_rms_norm(q, lay.q_norm, c.norm_eps), _rms_norm(k, lay.k_norm, c.norm_eps)), 2)
         else:
             qk = qkv[..., :(nh + nkv) * hd].view(B, T, nh + nkv, hd)
         qk = self._rope(qk, rope)  # queries and keys rotated in one go
-        q, k, v = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
+        q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:]  # q [B, heads, T, hd]; k, v [B, T, heads, hd]
         if seqs is None:  # plain causal forward, no cache
             kk, vv, mask = k, v, None
             causal = True
         else:
             # Append to each sequence's pooled cache, then attend over its own history.
             kp, vp = self._kv.k[li], self._kv.v[li]
-            if T == 1:  # decode: one indexed write for the whole batch
-                kp[plan["write_slot"], :, plan["write_at"]] = k[:, :, 0]
-                vp[plan["write_slot"], :, plan["write_at"]] = v[:, :, 0]
+            if T == 1:  # decode: one indexed write into the flat rows for the whole batch
+                kp.view(-1, nkv, hd).index_copy_(0, plan["write_at"], k[:, 0])
+                vp.view(-1, nkv, hd).index_copy_(0, plan["write_at"], v[:, 0])
             elif plan["rows"] is not None and plan["same_start"] is not None:  # one block write
                 a = plan["same_start"]
-                kp[plan["rows"], :, a:a + T] = k
-                vp[plan["rows"], :, a:a + T] = v
+                kp[plan["rows"], a:a + T] = k
+                vp[plan["rows"], a:a + T] = v
             else:
                 for b, s in enumerate(seqs):
-                    kp[s.slot, :, s.length:s.length + T] = k[b]
-                    vp[s.slot, :, s.length:s.length + T] = v[b]
+                    kp[s.slot, s.length:s.length + T] = k[b]
+                    vp[s.slot, s.length:s.length + T] = v[b]
             Lmax = plan["Lmax"]
             if plan["rows"] is not None:  # a contiguous block of rows: a view
-                kk, vv = kp[plan["rows"], :, :Lmax], vp[plan["rows"], :, :Lmax]
+                kk, vv = kp[plan["rows"], :Lmax], vp[plan["rows"], :Lmax]
             else:
-                kk = kp[:, :, :Lmax].index_select(0, plan["slot_t"])
-                vv = vp[:, :, :Lmax].index_select(0, plan["slot_t"])
+                kk = kp[:, :Lmax].index_select(0, plan["slot_t"])
+                vv = vp[:, :Lmax].index_select(0, plan["slot_t"])
             mask = plan["mask"]
             causal = False
+        kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)  # [B, heads, L, hd] views
         # Grouped-query heads read their shared KV head in place (no repeated copy of the cache).
         o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=causal and T > 1,
                                            scale=1.0 / math.sqrt(hd), enable_gqa=nh != nkv)
-        o = o.transpose(1, 2).reshape(B, T, nh * hd) @ lay.wo.t()
+        o = F.linear(o.transpose(1, 2).reshape(B, T, nh * hd), lay.wo)
         return o if lay.bo is None else o + lay.bo
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None,
@@ -471,8 +525,10 @@ class EmbeddedEngine:
         """Logits [B, T, V]; with ``last`` (a position per row) only those, [B, 1, V]. ``valid``
         [B, T] marks the real tokens of a right-padded batch: only they are routed and counted."""
         x = self.embedding[ids] if hidden is None else hidden
-        rope = self._rope_tables(pos, x.dtype)
         plan = self._cache_plan(seqs, pos, ids.shape[1]) if seqs is not None else None
+        rope = self._rope_tables(pos, x.dtype, plan["Lmax"] if plan is not None else int(pos.max()) + 1)
+        # A small block (a decode step) adds every layer's routing statistics in one go afterwards.
+        stats = [] if ids.numel() <= STACK_MAX_ROWS else None
         for li in range(start_layer, len(self.layers)):
             lay = self.layers[li]
             if self.residual_hook is not None:
@@ -480,13 +536,17 @@ class EmbeddedEngine:
             h = self._norm(x, lay.input_norm, lay.input_norm_b)
             x = x + self._attention(lay, h, rope, li, seqs, plan)
             h = self._norm(x, lay.post_norm, lay.post_norm_b)
-            x = x + (self._moe(li, lay, h, valid) if lay.router is not None else self._dense(lay, h))
+            x = x + (self._moe(li, lay, h, valid, stats) if lay.router is not None else self._dense(lay, h))
+        if stats:
+            self._record_routing(stats)
         self._tokens += ids.numel() if valid is None else int(valid.sum())
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), torch.tensor(last, device=x.device)][:, None]
         x = self._norm(x, self.final_norm, self.final_norm_b)
-        logits = x @ self.lm_head.t()
-        return (logits if self.lm_head_b is None else logits + self.lm_head_b).float()
+        logits = F.linear(x, self.lm_head)
+        if self.lm_head_b is not None:
+            logits = logits + self.lm_head_b
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         if self.cfg.norm_kind == "layer":
@@ -640,10 +700,10 @@ class EmbeddedEngine:
         live = [s for s in seqs if not s.finished]
         if not live:
             return []
-        ids = torch.tensor([[s.last_token] for s in live], device=self.device)
-        pos = torch.tensor([[s.length] for s in live], device=self.device)
         if any(s.slot < 0 for s in live):
             raise InputError("a sequence whose KV cache was released cannot be stepped")
+        ids_pos = torch.tensor([[s.last_token, s.length] for s in live], device=self.device)
+        ids, pos = ids_pos[:, :1], ids_pos[:, 1:]
         logits = self._forward(ids, pos, live)[:, -1]
         toks = self._greedy_batch(live, logits)
         out = []
@@ -663,10 +723,12 @@ class EmbeddedEngine:
         out: list[int | None] = [None] * len(live)
         if not rows:
             return out
-        sub = logits[rows] if len(rows) < len(live) else logits.clone()
+        sub = logits[rows] if len(rows) < len(live) else logits
         for i, b in enumerate(rows):
             p = live[b].params
             if p.end_id is not None and len(live[b].tokens) < p.min_tokens:
+                if sub is logits:  # the caller's logits stay as they are
+                    sub = logits.clone()
                 sub[i, p.end_id] = -float("inf")
         for b, t in zip(rows, sub.argmax(-1).tolist()):
             out[b] = t

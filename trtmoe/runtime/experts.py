@@ -87,11 +87,15 @@ class FloatExperts(ExpertBank):
 
     def __init__(self, fc: torch.Tensor, proj: torch.Tensor, fmt: str):
         self.fc, self.proj, self.fmt = fc, proj, fmt
+        # Per expert, the transposed views ``mm`` takes (what ``x @ w.t()`` multiplies), made once.
+        self._fc_t = [w.t() for w in fc.unbind(0)]
+        self._proj_t = [w.t() for w in proj.unbind(0)]
 
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        h = x @ self.fc[e].t()
+        h = torch.mm(x, self._fc_t[e]) if x.dim() == 2 else x @ self._fc_t[e]
         up, gate = h.chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.proj[e].t()
+        a = F.silu(gate).mul_(up)
+        return torch.mm(a, self._proj_t[e]) if a.dim() == 2 else a @ self._proj_t[e]
 
     def format_of(self, e: int) -> str:
         return self.fmt
