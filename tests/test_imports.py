@@ -7,7 +7,7 @@ Layers, lowest first (a module's layer is its longest matching pattern):
 1. ``model``, ``data``, ``config``
 2. ``hf``, ``parallel``
 3. quantization numerics: ``quant.formats``, ``quant.plan``, ``quant.allocate``, ``quant.awq``,
-   ``quant.calib_schema``
+   ``quant.gptq``, ``quant.calib_schema``
 4. ``checkpoint`` (layout, writer, manifest, support table, verify)
 5. ``runtime`` (the embedded engine)
 6. calibration and policies: ``quant.calibrate``, ``quant.sensitivity``, ``quant.policies``,
@@ -34,7 +34,7 @@ LAYERS = [
     ["trtmoe.model.*", "trtmoe.data", "trtmoe.config"],
     ["trtmoe.hf.*", "trtmoe.parallel.*"],
     ["trtmoe.quant.formats", "trtmoe.quant.plan", "trtmoe.quant.allocate", "trtmoe.quant.awq",
-     "trtmoe.quant.calib_schema"],
+     "trtmoe.quant.gptq", "trtmoe.quant.calib_schema"],
     ["trtmoe.checkpoint.*"],
     ["trtmoe.runtime.*"],
     ["trtmoe.quant.calibrate", "trtmoe.quant.sensitivity", "trtmoe.quant.policies", "trtmoe.quant.planning"],

@@ -6,3 +6,6 @@ format objects (a test keeps them equal) and ``BY_BITS`` orders them from most t
 
 QUANTIZED_NAMES = ("int8", "int4", "int4_g128", "int4_g64")
 FLOAT_NAMES = ("float", "fp16", "bf16", "fp32")  # ways to say "unquantized"
+# INT4 roundings (trtmoe.quant.awq.ROUNDINGS, kept equal by a test): round to nearest, activation-aware
+# scale and clip search, error-feedback codes, and both.
+ROUNDING_NAMES = ("rtn", "awq", "gptq", "awq_gptq")

@@ -176,7 +176,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
             result["sensitivity"]["method"] = "exact"
         else:
             if rounding not in awq.ROUNDINGS:
-                raise InputError(f"unknown rounding {rounding!r}", hint="use rtn or awq")
+                raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
             key = hashlib.sha256(json.dumps(
                 [CALIB_VERSION, source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
                  str(device)], sort_keys=True, default=str).encode()).hexdigest()
@@ -224,7 +224,8 @@ class _AwqRounding:
         self.acts, self.name = acts, rounding
 
     def add_layer(self, layer, base, x_all, routed) -> None:
-        self.acts.add_layer(layer, awq.collect_layer(base.fc, base.proj, x_all, routed))
+        self.acts.add_layer(layer, awq.collect_layer(base.fc, base.proj, x_all, routed,
+                                                     gram=self.name in awq.ERROR_FEEDBACK))
 
     def layer_state(self, layer):
         return {(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer}
@@ -354,7 +355,7 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
     ``sensitivity.delta_kl[f][l][e]`` = fc + proj per expert. The int4 formats are quantized with
     ``rounding`` (awq: from each matrix's routed-token statistics, gathered into ``activations``)."""
     if rounding not in awq.ROUNDINGS:
-        raise InputError(f"unknown rounding {rounding!r}", hint="use rtn or awq")
+        raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
     acts = activations if activations is not None else awq.ActivationStats()
     c = eng.cfg
     L, E, k = c.num_layers, c.num_experts, c.top_k
@@ -394,7 +395,8 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
         lay = eng.layers[l]
         base = lay.experts
         x_all = torch.cat(moe_in[l])  # [tokens, H]: every calibration token's input to this layer
-        acts.add_layer(l, awq.collect_layer(base.fc, base.proj, x_all, routed[l].reshape(-1, k)))
+        acts.add_layer(l, awq.collect_layer(base.fc, base.proj, x_all, routed[l].reshape(-1, k),
+                                            gram=rounding in awq.ERROR_FEEDBACK))
         frac = (L - l) / L
         for e in range(E):
             y_ref = base.forward(e, x_all)

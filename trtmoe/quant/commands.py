@@ -10,7 +10,7 @@ import click
 
 from ..console import console, err_console
 from ..errors import InputError
-from . import QUANTIZED_NAMES
+from . import QUANTIZED_NAMES, ROUNDING_NAMES
 
 # Every quantized format (calibrate measures them all by default), without importing torch.
 DEFAULT_FORMATS = QUANTIZED_NAMES
@@ -34,8 +34,10 @@ DEFAULT_FORMATS = QUANTIZED_NAMES
                    "when the tokenizer names one].")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print calib.json's summary as JSON.")
-@click.option("--rounding", type=click.Choice(["rtn", "awq"]), default="awq", show_default=True,
-              help="How INT4 formats are rounded when their ΔKL is measured (convert with the same).")
+@click.option("--rounding", type=click.Choice(list(ROUNDING_NAMES)), default="awq", show_default=True,
+              help="How INT4 formats are rounded when their ΔKL is measured (convert with the same): rtn, "
+                   "awq (activation-aware scale and clip), gptq (error-feedback codes from the routed "
+                   "tokens' input Gram matrix) or awq_gptq (both).")
 @click.option("--sensitivity", type=click.Choice(["fisher", "exact"]), default="fisher", show_default=True,
               help="fisher: second-order estimate from one forward and one backward pass, whatever the number "
                    "of experts (resumable: rerun the same command after an interruption); exact: end-to-end "

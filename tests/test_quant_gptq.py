@@ -1,0 +1,157 @@
+"""Error-feedback INT4 rounding (``--rounding gptq`` / ``awq_gptq``): only the codes change — the scales,
+the packed layout and the dequantization are the format's own — the codes lower the output error on the
+routed tokens' Gram matrix below round-to-nearest (and below awq alone), calibration keeps that Gram
+matrix only for these roundings, and the embedded checkpoint stores the codes calibration measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trtmoe.checkpoint.writer import convert
+from trtmoe.quant import ROUNDING_NAMES, awq, gptq
+from trtmoe.quant.calibrate import measure, write_calibration
+from trtmoe.quant.formats import FORMATS, unpack_int4
+from trtmoe.quant.plan import QuantPlan
+from trtmoe.runtime.engine import EmbeddedEngine
+
+INT4 = ("int4", "int4_g128", "int4_g64")
+DT = torch.bfloat16
+
+
+def _correlated(n: int, d: int, seed: int, mix_seed: int = 0) -> torch.Tensor:
+    """Rows with correlated channels of uneven scale (what makes error feedback pay); ``mix_seed`` fixes
+    the distribution, ``seed`` the sample."""
+    mix = torch.randn(d, d, generator=torch.Generator().manual_seed(mix_seed)) / d ** 0.5 + torch.eye(d)
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(1000 + seed)) @ mix
+    return (x * torch.linspace(0.2, 2.0, d)).to(DT)
+
+
+def _matrix(out_f: int, in_f: int, seed: int) -> torch.Tensor:
+    return (torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05).to(DT)
+
+
+def _stats(x: torch.Tensor) -> awq.MatrixStats:
+    return awq.MatrixStats(x.double().abs().mean(0).float(), x[:256].clone(), x.shape[0], "routed", gptq.gram(x))
+
+
+def test_roundings_are_the_package_names():
+    assert awq.ROUNDINGS == ROUNDING_NAMES and set(awq.ERROR_FEEDBACK) < set(ROUNDING_NAMES)
+
+
+@pytest.mark.parametrize("name", INT4)
+@pytest.mark.parametrize("rounding", ["gptq", "awq_gptq"])
+def test_only_codes_change_and_error_drops(name, rounding):
+    """Same tensors, shapes and dtypes as the format writes; scales equal those the format computes from
+    the (transformed) weight; error on held-out rows of the same distribution is below RTN's."""
+    fmt = FORMATS[name]
+    w, x, xh = _matrix(96, 256, 1), _correlated(4096, 256, 2), _correlated(2048, 256, 3)
+    st = _stats(x)
+    rec = awq.recipe_for(fmt, w, DT, st, rounding=rounding)
+    assert rec is not None and rec.codes is not None and rec.codes.dtype == torch.int8
+    assert int(rec.codes.min()) >= -8 and int(rec.codes.max()) <= 7
+    packed = awq.quantize(fmt, w, dtype=DT, stats=st, rounding=rounding)
+    base = fmt.quantize(awq.transformed_weight(fmt, w, DT, rec), dtype=DT)
+    assert packed.keys() == base.keys() | ({"prequant_scaling_factor"} if rec.pq is not None else set())
+    for k, v in base.items():
+        assert packed[k].shape == v.shape and packed[k].dtype == v.dtype, k
+        if k != "weight" and not (k == "prequant_scaling_factor" and rec.pq is not None):
+            assert torch.equal(packed[k], v), k  # the scales are the format's own
+    codes = unpack_int4(packed["weight"], dim=-2) if name != "int4" else unpack_int4(packed["weight"], dim=-1).t()
+    assert torch.equal(codes, rec.codes)
+    assert not torch.equal(packed["weight"], base["weight"])
+    rtn = fmt.quantize(w, dtype=DT)
+    for rows, margin in ((x, 0.8), (xh, 0.9)):
+        e_new = awq.output_error(fmt, packed, w, rows, DT)
+        e_rtn = awq.output_error(fmt, rtn, w, rows, DT)
+        assert e_new < margin * e_rtn, (rows.shape, e_new, e_rtn)
+    if rounding == "awq_gptq":  # codes on top of awq's scale and clip do better than awq alone
+        e_awq = awq.output_error(fmt, awq.quantize(fmt, w, dtype=DT, stats=st, rounding="awq"), w, xh, DT)
+        assert awq.output_error(fmt, packed, w, xh, DT) < e_awq
+
+
+def test_codes_never_worse_than_the_base_on_the_gram():
+    """The kept candidate's Gram-matrix error is at most the base recipe's (round to nearest here)."""
+    fmt = FORMATS["int4_g128"]
+    for seed in range(4):
+        w, x = _matrix(64, 128, 10 + seed), _correlated(2048, 128, 20 + seed, seed)
+        st = _stats(x)
+        rec = awq.with_codes(fmt, w, DT, st, None)
+        wd = w.float()
+        rtn_err = awq._gram_err(st.gram, wd, awq._fake_group(wd, 128, DT), None)
+        got = rtn_err if rec is None else awq._gram_err(st.gram, wd, awq._dequant_codes(fmt, wd, rec.codes, DT), None)
+        assert got <= rtn_err
+        direct = float(((x.float() @ wd.t() - x.float() @ awq._dequant_codes(fmt, wd, rec.codes, DT).t()) ** 2
+                        ).double().sum())
+        assert got == pytest.approx(direct, rel=1e-3)  # tr(D H Dᵀ) is the summed output error
+
+
+def test_error_feedback_reduces_to_rounding_when_inputs_are_uncorrelated():
+    """With H diagonal no error is fed forward: the codes are round-to-nearest's."""
+    fmt = FORMATS["int4_g64"]
+    w = _matrix(32, 128, 5).float()
+    qs, ds = awq._format_scales(fmt, w, DT)
+    q = gptq.codes(w, qs, ds, torch.diag(torch.rand(128) + 0.5), DT)
+    want = unpack_int4(fmt.quantize(w.to(DT), dtype=DT)["weight"], dim=-2)
+    assert torch.equal(q, want)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("mixtral", num_local_experts=4, num_hidden_layers=2, seed=11, hidden_size=128,
+                      intermediate_size=128, head_dim=32, dtype="bfloat16")
+
+
+def test_calibration_keeps_the_gram_only_for_error_feedback(model, tmp_path):
+    """awq calibrations store no Gram matrix (their artifact is unchanged); awq_gptq stores X^T X over
+    every routed token, round-trips it, and the embedded checkpoint holds exactly what calibration's
+    ΔKL quantized."""
+    ck = convert(model, tmp_path / "ck").out_dir
+    ids = torch.randint(0, 250, (4, 32), generator=torch.Generator().manual_seed(0))
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    acts = {}
+    for r in ("awq", "awq_gptq"):
+        acts[r] = awq.ActivationStats()
+        res = measure(eng, ids, formats=("int4_g128",), activations=acts[r], rounding=r)
+        out = tmp_path / r
+        out.mkdir()
+        acts[r].save(out / awq.ACT_FILE)
+        write_calibration(out, res)
+    assert all(s.gram is None for s in acts["awq"].stats.values())
+    assert "gram_matrices" not in acts["awq"].summary()
+    loaded = awq.ActivationStats.load(tmp_path / "awq_gptq" / awq.ACT_FILE)
+    for key, s in acts["awq_gptq"].stats.items():
+        assert s.gram is not None and s.gram.shape == (s.rows.shape[1],) * 2
+        assert torch.equal(loaded.stats[key].gram, s.gram)
+    plan = QuantPlan({l: ["int4_g128"] * 4 for l in range(2)}, granularity="matrix", dtype=DT)
+    awq.attach(plan, "awq_gptq", tmp_path / "awq_gptq")
+    assert plan.meta["rounding"] == "awq_gptq"
+    out = convert(model, tmp_path / "q", quant=plan).out_dir
+    got = load_file(str(out / "rank0.safetensors"))
+    src = load_file(str(model / "model.safetensors"))
+    fmt = FORMATS["int4_g128"]
+    p = "model.layers.{l}.block_sparse_moe.experts.{e}."
+    for l in range(2):
+        for e in range(4):
+            q = p.format(l=l, e=e)
+            w = {"fc": torch.cat([src[q + "w3.weight"], src[q + "w1.weight"]]), "proj": src[q + "w2.weight"]}
+            for m in ("fc", "proj"):
+                want = awq.quantize(fmt, w[m], dtype=DT, stats=loaded.get(l, e, m), rounding="awq_gptq")
+                for k, v in want.items():
+                    assert torch.equal(got[f"transformer.layers.{l}.mlp.experts.{e}.{m}.{k}"], v), (l, e, m, k)
+
+
+def test_too_few_rows_and_no_gram_keeps_the_base_recipe():
+    """Without a Gram matrix and with fewer than MIN_ROWS_PER_INPUT sampled rows per input channel the
+    codes would fit the sample's noise: no codes are chosen (gptq = RTN, awq_gptq = awq)."""
+    fmt = FORMATS["int4_g128"]
+    w, x = _matrix(64, 128, 3), _correlated(4 * 128, 128, 4)
+    st = awq.MatrixStats(x.double().abs().mean(0).float(), x, x.shape[0], "routed", None)
+    assert awq.recipe_for(fmt, w, DT, st, rounding="gptq") is None
+    a = awq.recipe_for(fmt, w, DT, st, rounding="awq")
+    b = awq.recipe_for(fmt, w, DT, st, rounding="awq_gptq")
+    assert b is not None and b.codes is None and torch.equal(a.pq, b.pq)
+    x = _correlated(awq.MIN_ROWS_PER_INPUT * 128, 128, 4)
+    st = awq.MatrixStats(x.double().abs().mean(0).float(), x, x.shape[0], "routed", None)
+    assert awq.recipe_for(fmt, w, DT, st, rounding="gptq").codes is not None

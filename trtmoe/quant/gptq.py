@@ -1,0 +1,84 @@
+"""Error-feedback rounding of INT4 codes (``--rounding gptq`` and ``awq_gptq``).
+
+Round-to-nearest picks each code on its own. Here the codes of one matrix are chosen a column at a
+time, and the output error each column's rounding leaves on the calibration inputs is pushed onto the
+columns not yet rounded, through the inverse of the input Gram matrix ``H = Xᵀ X`` (X: the routed
+tokens' inputs of that expert matrix, as the kernel sees them). This is the optimal-brain-surgeon
+update GPTQ uses; columns are visited in decreasing ``diag(H)`` (the most active input channels first).
+
+Only the codes change. The scales are fixed before the first column is rounded, to exactly what the
+format computes from the (optionally pre-scaled and clipped) weight — amax / 7 per (row, group) for the
+group formats, amax / 8 per row for per-channel INT4 — so ``weights_scaling_factor`` /
+``per_channel_scale``, the packed byte layout and TensorRT-LLM's dequantization (code × scale in the
+model dtype) are those of round-to-nearest. Codes may use the whole signed range [-8, 7].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+DAMP = 0.01  # relative dampening of diag(H): λ = DAMP · mean(diag H)
+BLOCK = 128  # columns per lazy-update block
+
+
+def gram(x: Tensor) -> Tensor:
+    """``Xᵀ X`` (float32, accumulated in float64) of the rows ``x`` [n, in]."""
+    xd = x.double()
+    return (xd.t() @ xd).float()
+
+
+def codes(w: Tensor, q_scale: Tensor, deq_scale: Tensor, h: Tensor, dtype: torch.dtype, *,
+          damp: float = DAMP, block: int = BLOCK) -> Tensor:
+    """int8 codes [out, in] in [-8, 7] of ``w`` [out, in] (float32 holding model-dtype values) under
+    per-element scales: ``q_scale`` [out, in] (float32; what codes are rounded against) and
+    ``deq_scale`` [out, in] (the stored model-dtype scale: what a code dequantizes with, ``code ×
+    scale`` computed in ``dtype``), minimizing ``‖X (W − Ŵ)ᵀ‖²`` greedily with error feedback
+    through ``h`` = Xᵀ X [in, in]."""
+    w = w.float().clone()
+    out_f, in_f = w.shape
+    h = h.float().clone()
+    dead = torch.diagonal(h) <= 0
+    h[dead, dead] = 1.0
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+    inv = torch.argsort(perm)
+    w, q_scale, deq_scale = w[:, perm], q_scale.float()[:, perm], deq_scale.to(dtype)[:, perm]
+    h = h[perm][:, perm]
+    lam = damp * float(torch.diagonal(h).mean())
+    idx = torch.arange(in_f)
+    h[idx, idx] += lam
+    hinv = _upper_inverse_factor(h)
+    q = torch.zeros(out_f, in_f, dtype=torch.int8)
+    for a in range(0, in_f, block):
+        b = min(a + block, in_f)
+        w1 = w[:, a:b].clone()
+        err1 = torch.zeros_like(w1)
+        hb = hinv[a:b, a:b]
+        for i in range(b - a):
+            col = w1[:, i]
+            c = (col / q_scale[:, a + i]).round().clamp(-8, 7)
+            deq = (c.to(dtype) * deq_scale[:, a + i]).float()
+            q[:, a + i] = c.to(torch.int8)
+            e = (col - deq) / hb[i, i]
+            w1[:, i:] -= e.unsqueeze(1) * hb[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        if b < in_f:
+            w[:, b:] -= err1 @ hinv[a:b, b:]
+    return q[:, inv].contiguous()
+
+
+def _upper_inverse_factor(h: Tensor) -> Tensor:
+    """Upper Cholesky factor of ``h⁻¹`` (float64 for the factorizations; more dampening when ``h`` is
+    numerically not positive definite)."""
+    hd = h.double()
+    extra = 0.0
+    mean = float(torch.diagonal(hd).mean())
+    for _ in range(6):
+        try:
+            hh = hd if extra == 0.0 else hd + extra * mean * torch.eye(hd.shape[0], dtype=hd.dtype)
+            lo = torch.linalg.cholesky(hh)
+            hinv = torch.cholesky_inverse(lo)
+            return torch.linalg.cholesky(hinv, upper=True).float()
+        except torch.linalg.LinAlgError:
+            extra = 0.1 if extra == 0.0 else extra * 10
+    raise torch.linalg.LinAlgError("input Gram matrix is not positive definite even with dampening")
