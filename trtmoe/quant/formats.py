@@ -86,12 +86,11 @@ def unpack_int4(packed: Tensor, dim: int) -> Tensor:
     if packed.dim() == 0:
         raise InputError("unpack_int4 needs at least one dimension")
     dim = dim % packed.dim()
-    b = packed.movedim(dim, -1).view(torch.uint8)
-    # (n ^ 8) - 8 sign-extends a 4-bit two's-complement nibble; it stays in int8 range.
-    low = ((b & 0x0F).view(torch.int8) ^ 8) - 8
-    high = ((b >> 4).view(torch.int8) ^ 8) - 8
-    out = torch.stack((low, high), dim=-1).flatten(-2)
-    return out.movedim(-1, dim).contiguous()
+    b = packed.view(torch.int8)
+    # Arithmetic shifts sign-extend a 4-bit two's-complement nibble: the high one is b >> 4, the
+    # low one (b << 4) >> 4. Stacking them right after ``dim`` interleaves them along it in place
+    # (a contiguous result, no transposed copy).
+    return torch.stack(((b << 4) >> 4, b >> 4), dim=dim + 1).flatten(dim, dim + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +403,9 @@ class GroupInt4Format(QuantFormat):
         q = self._codes(packed)
         _check_x(x, q.shape[-1], self.name)
         s = packed["weights_scaling_factor"]
-        w = (q.to(s.dtype) * s.repeat_interleave(self.group_size, dim=-1)).float()
+        # Each group's codes times its scale, broadcast (no repeated copy of the scales).
+        g = q.to(s.dtype).unflatten(-1, (-1, self.group_size))
+        w = (g * s.unsqueeze(-1)).flatten(-2).float()
         pq = packed["prequant_scaling_factor"].reshape(-1)
         xs = (x * pq.to(x.dtype)).float()
         return torch.matmul(xs, w.transpose(-1, -2)).to(x.dtype)
