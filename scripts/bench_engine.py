@@ -9,7 +9,14 @@ Implementations (each in its own worker process, loaded once):
   package extracted with ``git archive`` and put first on the worker's path; that revision's own
   converter writes its checkpoint);
 * ``transformers``: the model's own transformers class on the same HF weights, float32 (what the
-  engine computes in on CPU), decoding with its KV cache.
+  engine computes in on CPU), decoding with its KV cache;
+* ``vllm`` (``--vllm-python PY``, a Python whose environment has vLLM, e.g. the CPU build set up as
+  in scripts/bench_peers.py; never a dependency of this project): vLLM's offline ``LLM.generate`` on
+  the same HF weights, float32, with the given torch/OMP thread count and its engine core in the
+  worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so its CPU time is counted). A decode case
+  times ``generate`` of --steps + 1 greedy tokens (``ignore_eos``) minus ``generate`` of one token on
+  the same prompts (prefill and first token), so both engines are timed on the same steps; a prefill
+  case times ``generate`` of one token.
 
 Cases: decode at batch 1 / 8 / 32 (16-token prompts, then ``--steps`` greedy steps timed; prefill
 not counted) and prefill of 8x128 and 64x128 tokens (one batched forward filling the KV cache,
@@ -21,6 +28,7 @@ but not immune to it). Greedy decode tokens are compared across implementations 
     python scripts/bench_engine.py --model tests/fixtures/trained_mixtral --baseline-rev 7741c3e
     python scripts/bench_engine.py --model tests/fixtures/trained_qwen3_moe --quant int4_g64 --rounds 5
     python scripts/bench_engine.py --model tests/fixtures/trained_mixtral --profile decode32
+    python scripts/bench_engine.py --vllm-python /tmp/peers/vllm/bin/python --no-transformers
 
 ``--threads`` sets torch's intra-op threads in every worker (default 1). ``--quant FMT`` converts
 with every routed expert in FMT (``uniform`` policy), so the engine runs from packed bytes;
@@ -159,6 +167,38 @@ class _HFRunner:
             return time.perf_counter() - t, time.process_time() - c
 
 
+class _VllmRunner:
+    def __init__(self, model: str, workdir: Path, quant: str | None, threads: int):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        import torch
+        from vllm import LLM, SamplingParams
+
+        self.torch, self.SamplingParams = torch, SamplingParams
+        self.llm = LLM(model=model, dtype="float32", max_model_len=512, max_num_seqs=64, seed=0)
+        self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
+
+    def _generate(self, prompts: list[list[int]], n: int):
+        sp = self.SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        t, c = time.perf_counter(), time.process_time()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return time.perf_counter() - t, time.process_time() - c, [list(o.outputs[0].token_ids) for o in outs]
+
+    def decode(self, prompts: list[list[int]], steps: int) -> tuple[float, float, list[list[int]]]:
+        w1, c1, _ = self._generate(prompts, 1)
+        wall, cpu, toks = self._generate(prompts, steps + 1)
+        return wall - w1, cpu - c1, toks
+
+    def count_step(self, prompts: list[list[int]], counter) -> int:
+        return 0  # its steps run partly outside torch's dispatcher (custom CPU kernels): not comparable
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[float, float]:
+        wall, cpu, _ = self._generate(prompts, 1)
+        return wall, cpu
+
+
 def _count_ops(runner, kind: str, prompts: list[list[int]]) -> int:
     """Tensor operations dispatched by one decode step (after one untimed step) or by the prefill:
     a count that, unlike time, other load on the machine cannot disturb."""
@@ -173,6 +213,8 @@ def _count_ops(runner, kind: str, prompts: list[list[int]]) -> int:
 
     if kind == "decode":
         return runner.count_step(prompts, Counter)
+    if isinstance(runner, _VllmRunner):
+        return 0
     with Counter():
         runner.prefill(prompts)
     return Counter.n
@@ -187,10 +229,17 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     workdir = Path(tempfile.mkdtemp(prefix="bench-engine-"))
-    runner = (_HFRunner if args.worker == "transformers" else _EngineRunner)(args.model, workdir, args.quant)
-    import trtmoe
+    if args.worker == "vllm":
+        runner = _VllmRunner(args.model, workdir, args.quant, args.threads)
+        torch.set_num_threads(args.threads)
+        import vllm
 
-    ready = {"ready": True, "trtmoe": str(Path(trtmoe.__file__).parent), "torch_threads": torch.get_num_threads()}
+        ready = {"ready": True, "vllm": vllm.__version__, "torch_threads": torch.get_num_threads()}
+    else:
+        runner = (_HFRunner if args.worker == "transformers" else _EngineRunner)(args.model, workdir, args.quant)
+        import trtmoe
+
+        ready = {"ready": True, "trtmoe": str(Path(trtmoe.__file__).parent), "torch_threads": torch.get_num_threads()}
     print(json.dumps(ready), flush=True)
     for line in sys.stdin:
         case = line.strip()
@@ -227,8 +276,10 @@ class _Worker:
         env = dict(os.environ)
         if pythonpath:
             env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "transformers" if name == "transformers"
-               else "engine", "--model", args.model, "--threads", str(args.threads), "--steps", str(args.steps)]
+        kind = name if name in ("transformers", "vllm") else "engine"
+        python = str(args.vllm_python) if kind == "vllm" else sys.executable
+        cmd = [python, str(Path(__file__).resolve()), "--worker", kind, "--model", args.model, "--threads",
+               str(args.threads), "--steps", str(args.steps)]
         if args.quant:
             cmd += ["--quant", args.quant]
         self.name = name
@@ -237,10 +288,12 @@ class _Worker:
         self.info = self._read()
 
     def _read(self) -> dict:
-        line = self.p.stdout.readline()
-        if not line:
-            raise SystemExit(f"worker {self.name} exited (rc {self.p.wait()})")
-        return json.loads(line)
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise SystemExit(f"worker {self.name} exited (rc {self.p.wait()})")
+            if line.startswith("{"):  # a peer may print its own lines on stdout
+                return json.loads(line)
 
     def run(self, case: str) -> dict:
         self.p.stdin.write(case + "\n")
@@ -278,6 +331,8 @@ def main() -> None:
     ap.add_argument("--baseline-rev", action="append", default=[],
                     help="also run the engine at this git revision (repeatable)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--vllm-python", type=Path, default=None,
+                    help="also run vLLM's offline LLM.generate with this Python (its environment has vLLM)")
     ap.add_argument("--quant", help="convert with every routed expert in this format (e.g. int8, int4_g64)")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=3)
@@ -305,6 +360,10 @@ def main() -> None:
         workers.append(_Worker(f"engine@{rev}", args, str(d)))
     if not args.no_transformers:
         workers.append(_Worker("transformers", args, None))
+    if args.vllm_python:
+        if args.quant:
+            raise SystemExit("--vllm-python runs the float weights; leave out --quant")
+        workers.append(_Worker("vllm", args, None))
     for w in workers:
         print(f"# {w.name}: {w.info}", file=sys.stderr)
     results: dict[str, dict[str, list[dict]]] = {w.name: {c: [] for c in cases} for w in workers}
@@ -338,7 +397,7 @@ def main() -> None:
     print("| case | " + " | ".join(names) + " |")
     print("|---" * (1 + len(names)) + "|")
     for c in cases:
-        print(f"| {c} | " + " | ".join(f"{ops[n][c]:,}" for n in names) + " |")
+        print(f"| {c} | " + " | ".join(f"{ops[n][c]:,}" if n != "vllm" else "n/a" for n in names) + " |")
     same = []
     for c in cases:
         if CASES[c][0] != "decode":
