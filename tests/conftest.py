@@ -85,13 +85,14 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
-def start_serve_command(repo: Path, log_file: Path, timeout_s: float = 240) -> tuple[subprocess.Popen, str]:
-    """Run the real `trtmoe serve REPO` (free ports) in a child process until it prints its ready line.
-    Returns the process and that line; the caller stops the process."""
+def start_serve_command(repo: Path, log_file: Path, timeout_s: float = 240,
+                        extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """Run the real `trtmoe serve REPO` (free ports, then ``extra_args``) in a child process until it
+    prints its ready line. Returns the process and that line; the caller stops the process."""
     script = ("import sys; from trtmoe.triton.commands import serve_command; "
               "serve_command.main(sys.argv[1:], standalone_mode=True)")
     proc = subprocess.Popen([sys.executable, "-c", script, str(repo), "--http-port", "0", "--grpc-port", "0",
-                             "--metrics-port", "0", "--log-file", str(log_file)],
+                             "--metrics-port", "0", "--log-file", str(log_file), *extra_args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=Path(__file__).resolve().parents[1])
     lines = []

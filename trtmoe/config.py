@@ -153,6 +153,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                       shown_default="the one on PATH (NGC container), else nvidia-pytriton's"),
         "timeout_s": Key((int, float), 300.0, minimum=1, flag="--timeout", help="Seconds to wait for ready."),
         "log_verbose": Key(int, 0, minimum=0, help="tritonserver's --log-verbose level."),
+        "restart": Key(int, 3, minimum=0, help="When a backend process dies or tritonserver exits, start it again "
+                                               "on the same repository and ports, at most this many times; then "
+                                               "exit 1 (0: exit at the first failure)."),
     },
 }
 TOP_LEVEL = {"model": Key(str, None, nullable=True, help="HF model directory or hub id")}

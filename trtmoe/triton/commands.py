@@ -129,7 +129,10 @@ def serve_command(repo, config_path, log_file, print_command, **options):
         click.echo(f'try: trtmoe generate "def main(" --url {ep.grpc}')
         sys.stdout.flush()
 
-    run_until_signalled(srv, on_ready=ready)
+    def restarting(s, reason, n):
+        click.echo(f"restarting tritonserver ({n} of {o['restart']}): {reason}", err=True)
+
+    run_until_signalled(srv, on_ready=ready, restarts=int(o["restart"]), timeout_s=timeout_s, on_restart=restarting)
     click.echo("stopped", err=True)
 
 

@@ -572,26 +572,42 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
     return srv
 
 
-def run_until_signalled(srv: TritonServer, on_ready=None) -> int:
-    """Foreground loop for the CLI: return when the server exits or on SIGINT/SIGTERM (then stop it)."""
+def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, timeout_s: float = 300.0,
+                        on_restart=None) -> int:
+    """Foreground loop for the CLI: return on SIGINT/SIGTERM (then stop the server).
+
+    When the server exits or a backend stub dies (the watchdog has then ended the group and removed
+    its shared memory), it is started again on the same repository and ports, at most ``restarts``
+    times in all; ``on_restart(srv, reason, n)`` is called before each restart (the CLI prints one
+    line). After that, or when a restart fails to get ready, it raises TrtmoeError (exit 1).
+    """
     stop = {"sig": None}
 
     def handler(signum, frame):
         stop["sig"] = signum
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    done = 0
     try:
         if on_ready:
             on_ready(srv)
-        while stop["sig"] is None and srv.is_alive():
-            time.sleep(0.2)
-        if stop["sig"] is None:
-            if srv.failure:
-                raise TrtmoeError(f"{srv.failure}; tritonserver was stopped so that clients get an error instead "
+        while True:
+            while stop["sig"] is None and srv.is_alive() and srv.failure is None:
+                time.sleep(0.2)
+            if stop["sig"] is not None:
+                break
+            srv.join_watchdog(30)  # a dead stub: the group is being ended and its regions removed
+            reason = srv.failure or srv.check() or "tritonserver stopped"
+            if done >= restarts:
+                what = f"restarted {done} time(s) already; " if done else ""
+                raise TrtmoeError(f"{reason}; {what}tritonserver was stopped so that clients get an error instead "
                                   f"of a hang; log tail:\n{srv.log_tail()}",
-                                  hint="restart the server (`trtmoe serve` exits non-zero so a supervisor can)")
-            raise TrtmoeError(f"tritonserver exited unexpectedly (code {srv.process.returncode}); log tail:\n"
-                              f"{srv.log_tail()}")
+                                  hint="`trtmoe serve --restart N` restarts it N times; a non-zero exit lets a "
+                                       "supervisor take over")
+            done += 1
+            if on_restart:
+                on_restart(srv, reason, done)
+            srv.restart(timeout_s)  # raises BackendUnavailable (log tail included) if it does not get ready
         return 0
     finally:
         srv.stop()
