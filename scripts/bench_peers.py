@@ -27,6 +27,11 @@ after: on a shared machine the figures are only comparable within one run.
     python scripts/bench_peers.py                               # every server that is set up
     python scripts/bench_peers.py --servers trtmoe llamacpp-f32 --rounds 1
     python scripts/bench_peers.py --concurrency 1 8 --requests 12 32 --json /tmp/peers.json
+    python scripts/bench_peers.py --servers trtmoe --baseline-tree /tmp/old   # this tree vs another one
+
+``--baseline-tree DIR`` (repeatable) adds a ``trtmoe@DIR`` row: the same served stack built and served by
+the trtmoe sources in DIR (a checkout or ``git archive`` of another revision: its converter, repository
+and Python-backend models, in its own process), interleaved with the others, for before/after figures.
 
 With only trtmoe installed the peers are skipped, each with a line saying why. Peers are never
 dependencies of this project; set each up in its own virtual environment (paths below are the defaults
@@ -373,6 +378,78 @@ class Trtmoe(Server):
         self.proc = None
 
 
+_TREE_LAUNCHER = r"""
+import json, sys, time
+from pathlib import Path
+a = json.loads(sys.argv[1])
+from trtmoe.checkpoint.writer import convert
+from trtmoe.triton.repository import generate_repository
+from trtmoe.triton.serve import serve_repository
+work = Path(a["workdir"])
+convert(a["fixture"], work / "ckpt", dtype="float32")
+engine = work / "engine"
+engine.mkdir()
+(engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": a["build"]}))
+repo = generate_repository(engine, work / "repo", torch_num_threads=a["threads"], streaming=True)
+t0 = time.perf_counter()
+server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=a["timeout"], log_file=a["log"])
+print(json.dumps({"grpc": server.endpoints.grpc, "ready_s": time.perf_counter() - t0, "pid": server.process.pid}), flush=True)
+try:
+    sys.stdin.read()  # until the benchmark closes the pipe
+finally:
+    server.stop()
+"""
+
+
+class TrtmoeTree(Trtmoe):
+    """trtmoe's served stack as another source tree builds and serves it (its own process)."""
+
+    def __init__(self, args, workdir: Path, tree: Path):
+        self.tree = tree
+        self.name = f"trtmoe@{tree.name}"
+        super().__init__(args, workdir)
+
+    def unavailable(self):
+        return None if (self.tree / "trtmoe" / "__init__.py").exists() else f"{self.tree} holds no trtmoe package"
+
+    def start(self) -> None:
+        a = self.args
+        spec = {"workdir": str(self.workdir), "fixture": str(a.fixture), "threads": a.torch_threads,
+                "timeout": a.ready_timeout, "log": str(self.log),
+                "build": {"max_batch_size": max(a.concurrency), "max_input_len": 64,
+                          "max_seq_len": 64 + a.tokens + 8, "max_beam_width": 1, "tokens_per_block": 32}}
+        env = {**os.environ, "PYTHONPATH": str(self.tree)}
+        self.launcher = subprocess.Popen([sys.executable, "-c", _TREE_LAUNCHER, json.dumps(spec)], cwd=self.tree,
+                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.launcher.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} did not start (rc {self.launcher.wait()}); log {self.log}:\n"
+                               f"{log_tail(self.log)}")
+        info = json.loads(line)
+        self.grpc, self.ready_s, self.server_pid = info["grpc"], info["ready_s"], info["pid"]
+        self.note = f"sources {self.tree}, torch threads {a.torch_threads}, float32, Triton gRPC stream"
+
+    def connect(self):
+        return trtmoe_connect(self.grpc, self.args.tokens)
+
+    @property
+    def pgid(self) -> int:
+        return os.getpgid(self.server_pid)
+
+    def rss(self) -> float:
+        return group_rss_mb(self.pgid)
+
+    def stop(self) -> None:
+        launcher = getattr(self, "launcher", None)
+        if launcher is not None and launcher.poll() is None:
+            launcher.stdin.close()  # the launcher stops its server
+            try:
+                launcher.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+        self.launcher = None
+
+
 def _python_has(python: Path, module: str) -> str | None:
     if not python.exists():
         return f"{python} does not exist"
@@ -561,6 +638,8 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--no-reference", action="store_true", help="skip the transformers greedy-text check")
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
+    ap.add_argument("--baseline-tree", type=Path, action="append", default=[],
+                    help="also serve trtmoe from the sources in this directory (another revision), interleaved")
     args = ap.parse_args()
     if len(args.requests) != len(args.concurrency):
         ap.error("--requests needs one value per --concurrency level")
@@ -575,6 +654,10 @@ def main() -> None:
     work = Path(tmp.name)
     servers: list[Server] = []
     skipped: dict[str, str] = {}
+    for i, tree in enumerate(args.baseline_tree):
+        d = work / f"tree{i}"
+        d.mkdir()
+        servers.append(TrtmoeTree(args, d, tree.resolve()))
     for name in args.servers:
         d = work / name
         d.mkdir()
