@@ -33,6 +33,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -358,13 +359,35 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
         raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
     acts = activations if activations is not None else awq.ActivationStats()
     c = eng.cfg
-    L, E, k = c.num_layers, c.num_experts, c.top_k
-    moe_layers = [l for l in range(L) if c.moe_layers[l]]
+    moe_layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
     for l in moe_layers:
         if not isinstance(eng.layers[l].experts, FloatExperts):
             raise InputError("calibration needs an unquantized model")
-    batches = list(ids.split(batch_size))
-    # 1. Reference pass: log-probs, the residual stream entering every layer, the MoE layer inputs.
+    ref = _reference_pass(eng, ids, moe_layers, batch_size)
+    exact = _exact_delta_kl(eng, ref, moe_layers, formats, rounding, acts, batch_size, progress)
+    eng.reset_routing_stats()  # the measurement passes are not calibration statistics
+    filled = _fill_under_observed(exact, ref, moe_layers, formats, min_tokens, c.num_experts, c.top_k)
+    return _exact_result(eng, ref, exact, filled, moe_layers, formats, rounding, acts, min_tokens)
+
+
+@dataclass
+class _Reference:
+    """The reference pass over the calibration set: log-probs, the residual stream entering every MoE
+    layer, each MoE layer's inputs and routed experts, and the routing statistics."""
+
+    logp: torch.Tensor  # [N, T, V]
+    resid: dict[int, torch.Tensor]  # MoE layer -> [N, T, H]
+    moe_in: dict[int, list[torch.Tensor]]  # MoE layer -> per-batch inputs [tokens, H]
+    routed: dict[int, torch.Tensor]  # MoE layer -> [N, T, k]
+    stats: dict
+    tokens: int
+    share: torch.Tensor  # [L, E] fraction of top-k assignments per expert
+
+
+def _reference_pass(eng: EmbeddedEngine, ids: torch.Tensor, moe_layers: list[int], batch_size: int) -> _Reference:
+    """1. Reference pass: log-probs, the residual stream entering every layer, the MoE layer inputs."""
+    c = eng.cfg
+    L, k = c.num_layers, c.top_k
     eng.reset_routing_stats()
     ref_logp, resid, moe_in = [], {l: [] for l in range(L)}, {l: [] for l in moe_layers}
     routes: dict[int, list[torch.Tensor]] = {l: [] for l in moe_layers}
@@ -372,37 +395,56 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
     eng.layer_hook = lambda li, h: moe_in[li].append(h.clone())
     eng.route_hook = lambda li, idx: routes[li].append(idx.clone())
     try:
-        for b in batches:
+        for b in ids.split(batch_size):
             ref_logp.append(eng.logits(b).log_softmax(-1))
     finally:
         eng.residual_hook = eng.layer_hook = eng.route_hook = None
     N, T = ids.shape
-    ref_all = torch.cat(ref_logp)
-    resid_all = {l: torch.cat(resid[l]) for l in moe_layers}
-    routed = {l: torch.cat(routes[l]).reshape(N, T, k) for l in moe_layers}
     stats = eng.routing_stats()
-    counts, mass = stats["counts"], stats["weight_mass"]
     tokens = ids.numel()
-    share = counts.double() / (tokens * k)  # fraction of top-k assignments per expert
-    # 2. Sensitivity: end-to-end ΔKL per (layer, expert, matrix, format).
+    return _Reference(
+        logp=torch.cat(ref_logp), resid={l: torch.cat(resid[l]) for l in moe_layers}, moe_in=moe_in,
+        routed={l: torch.cat(routes[l]).reshape(N, T, k) for l in moe_layers}, stats=stats, tokens=tokens,
+        share=stats["counts"].double() / (tokens * k))
+
+
+@dataclass
+class _Exact:
+    """End-to-end ΔKL and all-token output error per matrix, format, layer and expert, and the cost."""
+
+    measured: dict[str, dict[str, torch.Tensor]]
+    out_err: dict[str, dict[str, torch.Tensor]]
+    passes: float
+
+
+def _zeros(formats, L: int, E: int) -> dict[str, torch.Tensor]:
+    return {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}
+
+
+def _exact_delta_kl(eng: EmbeddedEngine, ref: _Reference, moe_layers: list[int], formats, rounding: str,
+                    acts: "awq.ActivationStats", batch_size: int, progress) -> _Exact:
+    """2. Sensitivity: end-to-end ΔKL per (layer, expert, matrix, format). Fills ``acts`` with each MoE
+    layer's routed-token statistics (what the int4 formats are rounded from)."""
+    c = eng.cfg
+    L, E, k = c.num_layers, c.num_experts, c.top_k
+    N = ref.logp.shape[0]
     total = len(moe_layers) * E * len(formats) * len(MATRICES)
     done = 0
-    zeros = lambda: {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}  # noqa: E731
-    measured = {m: zeros() for m in MATRICES}
-    out_err = {m: zeros() for m in MATRICES}
+    measured = {m: _zeros(formats, L, E) for m in MATRICES}
+    out_err = {m: _zeros(formats, L, E) for m in MATRICES}
     passes = 0.0
     for l in moe_layers:
         lay = eng.layers[l]
         base = lay.experts
-        x_all = torch.cat(moe_in[l])  # [tokens, H]: every calibration token's input to this layer
-        acts.add_layer(l, awq.collect_layer(base.fc, base.proj, x_all, routed[l].reshape(-1, k),
+        x_all = torch.cat(ref.moe_in[l])  # [tokens, H]: every calibration token's input to this layer
+        acts.add_layer(l, awq.collect_layer(base.fc, base.proj, x_all, ref.routed[l].reshape(-1, k),
                                             gram=rounding in awq.ERROR_FEEDBACK))
         frac = (L - l) / L
         for e in range(E):
             y_ref = base.forward(e, x_all)
             # Only sequences with a token routed to e can change (the rest reproduce the reference
             # exactly), so only those are rerun.
-            seqs = routed[l].eq(e).any(-1).any(-1).nonzero().flatten()
+            seqs = ref.routed[l].eq(e).any(-1).any(-1).nonzero().flatten()
             for f in formats:
                 fmt = format_obj(f, eng.dtype)
                 for m in MATRICES:
@@ -415,20 +457,29 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
                     if len(seqs):
                         lay.experts = swapped
                         try:
-                            kl = sum(float(kl_per_token(ref_all[chunk], eng.logits_from(l, resid_all[l][chunk])).sum())
+                            kl = sum(float(kl_per_token(ref.logp[chunk], eng.logits_from(l, ref.resid[l][chunk])).sum())
                                      for chunk in seqs.split(batch_size))
                         finally:
                             lay.experts = base
-                        measured[m][f][l, e] = kl / tokens
+                        measured[m][f][l, e] = kl / ref.tokens
                         passes += frac * len(seqs) / N
                     done += 1
                     if progress:
                         progress("sensitivity", done, total)
-    eng.reset_routing_stats()  # the measurement passes are not calibration statistics
-    # 3. Seldom-routed experts: estimate from all-token output error, fitted per layer, format, matrix.
+    return _Exact(measured, out_err, passes)
+
+
+def _fill_under_observed(exact: _Exact, ref: _Reference, moe_layers: list[int], formats, min_tokens: int,
+                         E: int, k: int) -> dict:
+    """3. Seldom-routed experts: estimate from all-token output error, fitted per layer, format, matrix.
+    Returns the sensitivities (the larger of measured and estimated where under-observed), the
+    estimates, the flagged experts and the floor share."""
+    counts, share = ref.stats["counts"], ref.share
+    measured, out_err = exact.measured, exact.out_err
+    L = counts.shape[0]
     floor = 0.25 * k / E  # a share we assume an under-observed expert could see on other text
     sens = {m: {f: measured[m][f].clone() for f in formats} for m in MATRICES}
-    estimated = {m: zeros() for m in MATRICES}
+    estimated = {m: _zeros(formats, L, E) for m in MATRICES}
     flagged = []
     for l in moe_layers:
         covered = [e for e in range(E) if counts[l, e] >= min_tokens]
@@ -443,6 +494,17 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
                         sens[m][f][l, e] = max(float(measured[m][f][l, e]), float(estimated[m][f][l, e]))
         flagged += [{"layer": l, "expert": e, "tokens": int(counts[l, e])} for e in range(E)
                     if counts[l, e] < min_tokens]
+    return {"sens": sens, "estimated": estimated, "flagged": flagged, "floor": floor}
+
+
+def _exact_result(eng: EmbeddedEngine, ref: _Reference, exact: _Exact, filled: dict, moe_layers: list[int],
+                  formats, rounding: str, acts: "awq.ActivationStats", min_tokens: int) -> dict:
+    """The calib.json dict of an exact measurement."""
+    c = eng.cfg
+    L, E, k = c.num_layers, c.num_experts, c.top_k
+    stats, tokens = ref.stats, ref.tokens
+    counts, mass = stats["counts"], stats["weight_mass"]
+    sens, estimated = filled["sens"], filled["estimated"]
     entropy = [float(stats["entropy_sum"][l]) / tokens for l in range(L)]
     layer_load = counts.double()
     imbalance = [float(layer_load[l].max() / layer_load[l].mean()) if layer_load[l].sum() > 0 else 0.0
@@ -463,13 +525,13 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
         "routing": {
             "tokens": tokens,
             "counts": counts.tolist(),
-            "share": share.tolist(),
+            "share": ref.share.tolist(),
             "weight_mass": mass.tolist(),
             "entropy_nats": entropy,
             "max_entropy_nats": math.log(E),
             "load_imbalance": imbalance,
             "min_tokens_threshold": min_tokens,
-            "under_observed": flagged,
+            "under_observed": filled["flagged"],
             "dead": [{"layer": l, "expert": e} for l in moe_layers for e in range(E) if counts[l, e] == 0],
         },
         "sensitivity": {
@@ -477,13 +539,13 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
             # Per expert: the sum of its two matrices' ΔKL (see the module docstring).
             "delta_kl": {f: (sens["fc"][f] + sens["proj"][f]).tolist() for f in formats},
             "expert_delta_kl": "fc + proj",
-            "matrices": {m: {"delta_kl": as_lists(sens[m]), "measured": as_lists(measured[m]),
-                             "estimated": as_lists(estimated[m]), "output_mse": as_lists(out_err[m])}
+            "matrices": {m: {"delta_kl": as_lists(sens[m]), "measured": as_lists(exact.measured[m]),
+                             "estimated": as_lists(estimated[m]), "output_mse": as_lists(exact.out_err[m])}
                          for m in MATRICES},
-            "floor_share": floor,
+            "floor_share": filled["floor"],
             # Full forward passes over the calibration set that the measurement cost (the reference
             # pass not included); each per-matrix pass reruns layers l..L-1 only.
-            "cost_forward_passes": passes,
+            "cost_forward_passes": exact.passes,
         },
     }
 

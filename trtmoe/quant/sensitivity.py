@@ -198,24 +198,43 @@ def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_token
 def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress, probe, seed, rounding,
          estimate_tokens, moe_layers, notes) -> dict:
     c = eng.cfg
-    L, E, k = c.num_layers, c.num_experts, c.top_k
-    N, T = ids.shape
     batches = list(ids.split(batch_size))
-    total_steps = len(batches) + len(moe_layers) * E
-    step = 0
-    dev = eng.device
+    tick = _Ticker(progress, len(batches) + len(moe_layers) * c.num_experts)
     resumed = [sum(state.batch_file(b).is_file() for b in range(len(batches))),
                sum(state.layer_file(l).is_file() for l in moe_layers)]
     if any(resumed):
         notes.append(f"sensitivity resumed from an interrupted run: {resumed[0]} of {len(batches)} batches and "
                      f"{resumed[1]} of {len(moe_layers)} MoE layers were already done")
+    _forward_backward(eng, batches, moe_layers, state, probe, seed, tick)
+    counts, mass, entropy = _routing_totals(state, len(batches), c.num_layers, c.num_experts)
+    N, T = ids.shape
+    scores = _score_layers(eng, moe_layers, formats, rounding, state, len(batches), counts, mass, min_tokens,
+                           estimate_tokens, N, T, tick)
+    sens, flagged = _under_observed(scores, counts, moe_layers, formats, min_tokens, c.num_experts)
+    return _fisher_result(eng, formats, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens)
 
-    # ---- phase 1: forward + backward per batch; each MoE layer's h, routing and output gradient
+
+class _Ticker:
+    """The progress bar's steps: one per calibration batch, then one per expert of each MoE layer."""
+
+    def __init__(self, progress, total: int):
+        self.progress, self.total, self.step = progress, total, 0
+
+    def advance(self, n: int = 1) -> None:
+        self.step += n
+        self.show(self.step)
+
+    def show(self, step: int) -> None:
+        if self.progress:
+            self.progress("sensitivity", step, self.total)
+
+
+def _forward_backward(eng, batches, moe_layers, state: Progress, probe, seed, tick: _Ticker) -> None:
+    """Phase 1: forward + backward per batch; each MoE layer's h, routing and output gradient, and the
+    batch's routing statistics, saved to the progress directory (batches already saved are skipped)."""
     for b, batch in enumerate(batches):
-        step += 1
         if state.batch_file(b).is_file():
-            if progress:
-                progress("sensitivity", step, total_steps)
+            tick.advance()
             continue
         eng.reset_routing_stats()
         cap: dict[int, dict] = {}
@@ -242,44 +261,51 @@ def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress
         st = eng.routing_stats()
         _save({"counts": st["counts"], "entropy_sum": st["entropy_sum"], "weight_mass": st["weight_mass"],
                "tokens": st["tokens"]}, state.batch_file(b))
-        if progress:
-            progress("sensitivity", step, total_steps)
+        tick.advance()
     eng.reset_routing_stats()
+
+
+def _routing_totals(state: Progress, n_batches: int, L: int, E: int):
+    """Routed-token counts, routing weight mass [L, E] and entropy sums [L] over every saved batch."""
     counts = torch.zeros(L, E, dtype=torch.int64)
     mass = torch.zeros(L, E, dtype=torch.float64)
     entropy = torch.zeros(L, dtype=torch.float64)
-    for b in range(len(batches)):
+    for b in range(n_batches):
         st = torch.load(state.batch_file(b))
         counts += st["counts"]
         mass += st["weight_mass"]
         entropy += st["entropy_sum"]
-    tokens = N * T
-    share = counts.double() / (tokens * k)
-    floor = 0.25 * k / E
+    return counts, mass, entropy
 
-    # ---- phase 2: score one MoE layer at a time
+
+def _score_layers(eng, moe_layers, formats, rounding, state: Progress, n_batches: int, counts, mass, min_tokens,
+                  estimate_tokens, N: int, T: int, tick: _Ticker) -> dict:
+    """Phase 2: score one MoE layer at a time (layers already scored are read back, and the rounding's
+    per-layer state restored). Returns measured / per-sequence / estimated ΔKL per matrix and format
+    [L, E], and the token-assignment expert passes the scoring cost."""
+    c = eng.cfg
+    L, E, k = c.num_layers, c.num_experts, c.top_k
+    share = counts.double() / (N * T * k)
+    floor = 0.25 * k / E
     zeros = lambda: {f: torch.zeros(L, E, dtype=torch.float64) for f in formats}  # noqa: E731
     measured = {m: zeros() for m in MATRICES}
     per_seq = {m: zeros() for m in MATRICES}
     estimated = {m: zeros() for m in MATRICES}
     scored = 0.0  # token-assignment expert passes (units of one expert's fc + proj on one token)
-    I, H = c.expert_intermediate_size, c.hidden_size
     for l in moe_layers:
         lf = state.layer_file(l)
         lf_existed = lf.is_file()
         if not lf_existed:
-            _save(_score_layer(eng, l, [state.act_file(l, b) for b in range(len(batches))], formats, rounding,
+            step = tick.step
+            _save(_score_layer(eng, l, [state.act_file(l, b) for b in range(n_batches)], formats, rounding,
                                counts[l], mass[l], min_tokens, estimate_tokens, T, N, share[l], floor,
-                               progress=(lambda e: progress("sensitivity", step + e, total_steps)) if progress
-                               else None), lf)
-            for b in range(len(batches)):
+                               progress=(lambda e: tick.show(step + e)) if tick.progress else None), lf)
+            for b in range(n_batches):
                 state.act_file(l, b).unlink(missing_ok=True)
         res = torch.load(lf, weights_only=False)
         if lf_existed and hasattr(rounding, "restore_layer"):
             rounding.restore_layer(l, res.get("rounding_state"))
-        step += E
-        if progress:
-            progress("sensitivity", step, total_steps)
+        tick.advance(E)
         for m in MATRICES:
             for f in formats:
                 measured[m][f][l] = res["measured"][m][f]
@@ -287,7 +313,13 @@ def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress
                 estimated[m][f][l] = res["estimated"][m][f]
         scored += res["expert_passes"]
     shutil.rmtree(state.acts, ignore_errors=True)
+    return {"measured": measured, "per_seq": per_seq, "estimated": estimated, "scored": scored, "floor": floor}
 
+
+def _under_observed(scores: dict, counts, moe_layers, formats, min_tokens: int, E: int):
+    """Sensitivities: the measured ΔKL, or for an expert routed fewer than ``min_tokens`` tokens the
+    larger of measured and estimated; and the flagged experts."""
+    measured, estimated = scores["measured"], scores["estimated"]
     sens = {m: {f: measured[m][f].clone() for f in formats} for m in MATRICES}
     flagged = []
     for l in moe_layers:
@@ -297,13 +329,23 @@ def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress
                     for f in formats:
                         sens[m][f][l, e] = max(float(measured[m][f][l, e]), float(estimated[m][f][l, e]))
                 flagged.append({"layer": l, "expert": e, "tokens": int(counts[l, e])})
+    return sens, flagged
+
+
+def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entropy, N: int, T: int, probe,
+                   min_tokens: int) -> dict:
+    """The calib.json dict of a Fisher measurement, with its cost in forward-pass equivalents."""
+    c = eng.cfg
+    I, H = c.expert_intermediate_size, c.hidden_size
+    tokens = N * T
     macs = forward_macs(c, T)
     fwd = macs["total"] * tokens
     cost = {"forward": 1.0, "backward": (macs["total"] + macs["attention_scores"]) / macs["total"],
-            "scoring": scored * 3 * I * H / fwd}
+            "scoring": scores["scored"] * 3 * I * H / fwd}
     cost_total = sum(cost.values())
     stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
     as_lists = lambda d: {f: t.tolist() for f, t in d.items()}  # noqa: E731
+    measured, estimated, per_seq = scores["measured"], scores["estimated"], scores["per_seq"]
     sensitivity = {
         "method": "fisher",
         "probe": probe,
@@ -313,7 +355,7 @@ def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress
         "matrices": {m: {"delta_kl": as_lists(sens[m]), "measured": as_lists(measured[m]),
                          "estimated": as_lists(estimated[m]), "sequence_delta_kl": as_lists(per_seq[m])}
                      for m in MATRICES},
-        "floor_share": floor,
+        "floor_share": scores["floor"],
         # Everything counted, the reference pass included (see the module docstring).
         "cost_forward_passes": cost_total,
         "cost_breakdown": cost,
