@@ -257,6 +257,10 @@ def test_cross_model_check_catches_miswiring(setup):
     step.input_map["no_such_input"] = "_INPUT_ID"
     with pytest.raises(TrtmoeError, match="no_such_input"):
         check_repository_configs(configs)
+    configs = validate_repository(setup["root"] / "repo")  # Triton refuses an ensemble tensor nobody reads
+    configs["ensemble"].ensemble_scheduling.step[0].output_map["OUT_REQUEST_KEY"] = "_REQUEST_KEY"
+    with pytest.raises(TrtmoeError, match="_REQUEST_KEY.*used by no step"):
+        check_repository_configs(configs)
     configs = validate_repository(setup["root"] / "repo")
     configs["tensorrt_llm_bls"].model_transaction_policy.decoupled = True  # the default repository is not
     with pytest.raises(TrtmoeError, match="decoupled"):
@@ -427,3 +431,22 @@ def test_repository_is_an_artifact_verify_checks(setup, tmp_path):
         read_repository_manifest(out)  # a broken manifest is an error, not an empty one
     (out / MANIFEST).unlink()
     assert read_repository_manifest(out) == {}  # a repository from elsewhere has none
+
+
+def test_streaming_repository_wires_the_request_key_for_cancellation(setup, tmp_path):
+    """Streaming (decoupled) embedded repository: preprocessing's per-request key reaches
+    tensorrt_llm and, through tensorrt_llm's responses, postprocessing (Triton refuses a step fed
+    from two decoupled origins), which runs without a dynamic batcher (a batcher drops cancelled
+    requests unseen) and knows whom to stop; the default (unary) repository keeps its batcher."""
+    streaming = generate_repository(setup["engine"], tmp_path / "s", tokenizer_dir=setup["tok"],
+                                    streaming=True)
+    configs = validate_repository(streaming.path)
+    pre, llm, post = configs["ensemble"].ensemble_scheduling.step
+    assert pre.output_map["OUT_REQUEST_KEY"] == llm.input_map["request_key"] == "_REQUEST_KEY"
+    assert llm.output_map["request_key"] == post.input_map["REQUEST_KEY"]
+    assert not configs["postprocessing"].HasField("dynamic_batching")
+    assert configs["postprocessing"].parameters["cancel_stop_model"].string_value == "tensorrt_llm"
+    default = validate_repository(setup["root"] / "repo")
+    assert "REQUEST_KEY" not in default["ensemble"].ensemble_scheduling.step[2].input_map
+    assert default["postprocessing"].HasField("dynamic_batching")
+    assert default["postprocessing"].parameters["cancel_stop_model"].string_value == ""

@@ -267,13 +267,38 @@ _LEGACY_ALIAS_INPUTS = (
     '  { name: "random_seed" data_type: TYPE_UINT64 dims: [ 1 ] reshape: { shape: [ ] } optional: true },')
 
 
+# Cancellation through the ensemble (embedded engine). Triton 2.51's ensemble scheduler never tells a
+# running step that its ensemble request was cancelled; it only marks the steps it schedules later.
+# So preprocessing makes a key per request, the ensemble hands it to tensorrt_llm (the id of that
+# generation) and to postprocessing, and postprocessing - which runs once per streamed response and
+# sees the cancellation on the next one - sends tensorrt_llm a `stop` for the key. A dynamic batcher
+# drops a cancelled request before the model sees it, so a streaming postprocessing has none.
+# Triton refuses a step fed from two decoupled origins, so tensorrt_llm returns the key on each
+# response and postprocessing takes it from there.
+_REQUEST_KEY_INPUT = '  { name: "request_key" data_type: TYPE_STRING dims: [ 1 ] reshape: { shape: [ ] } optional: true },'
+_REQUEST_KEY_OUTPUT = '  { name: "request_key" data_type: TYPE_STRING dims: [ 1 ] },'
+_ENSEMBLE_PRE_KEY = '      output_map { key: "OUT_REQUEST_KEY" value: "_REQUEST_KEY" }'
+_ENSEMBLE_LLM_KEY = ('      input_map { key: "request_key" value: "_REQUEST_KEY" }\n'
+                     '      output_map { key: "request_key" value: "_LLM_REQUEST_KEY" }')
+_ENSEMBLE_POST_KEY = '      input_map { key: "REQUEST_KEY" value: "_LLM_REQUEST_KEY" }'
+
+
 def template_values(info: EngineInfo, s: RepoSettings, repo: Path | None = None) -> dict[str, str]:
     """Every placeholder of the templates, as text. ``repo``: where the repository will live (paths
     are recorded relative to it)."""
     emb_dtype = _DTYPE_TO_TRITON.get(info.dtype, "TYPE_FP16")
+    # Only a streaming ensemble runs postprocessing while tensorrt_llm still generates.
+    stop_by_key = info.backend == EMBEDDED and s.decoupled
     return {
         "engine_dir": _engine_ref(info, repo),
         "legacy_alias_inputs": _LEGACY_ALIAS_INPUTS if info.backend == EMBEDDED else "",
+        "request_key_input": _REQUEST_KEY_INPUT if info.backend == EMBEDDED else "",
+        "request_key_output": _REQUEST_KEY_OUTPUT if info.backend == EMBEDDED else "",
+        "ensemble_pre_request_key": _ENSEMBLE_PRE_KEY if stop_by_key else "",
+        "ensemble_llm_request_key": _ENSEMBLE_LLM_KEY if stop_by_key else "",
+        "ensemble_post_request_key": _ENSEMBLE_POST_KEY if stop_by_key else "",
+        "postprocessing_batching": "" if stop_by_key else "dynamic_batching {}",
+        "cancel_stop_model": "tensorrt_llm" if stop_by_key else "",
         "engine_kind": "embedded" if info.backend == EMBEDDED else "TensorRT-LLM",
         "triton_backend": "python" if info.backend == EMBEDDED else "tensorrtllm",
         "triton_max_batch_size": str(s.max_batch_size),
@@ -366,6 +391,13 @@ def check_repository_configs(configs: dict[str, Any]) -> None:
     for o in ens.output:
         if o.name not in available:
             raise TrtmoeError(f"ensemble output {o.name!r} is produced by no step", where="ensemble/config.pbtxt")
+    used = {o.name for o in ens.output}
+    used |= {v for step in ens.ensemble_scheduling.step for v in step.input_map.values()}
+    for step in ens.ensemble_scheduling.step:  # Triton refuses to load an ensemble with an unused tensor
+        for value in step.output_map.values():
+            if value not in used:
+                raise TrtmoeError(f"ensemble tensor {value!r} from {step.model_name} is used by no step or "
+                                  "output", where="ensemble/config.pbtxt")
     llm, bls = configs.get("tensorrt_llm"), configs.get("tensorrt_llm_bls")
     if llm is not None and bls is not None:
         if llm.model_transaction_policy.decoupled != bls.model_transaction_policy.decoupled:

@@ -9,6 +9,15 @@ drop it when a token is decoded alone) and the streamed pieces concatenate to th
 non-streamed response. A response that starts with a special token (BOS: the prompt is included)
 is decoded as is.
 
+Cancellation through the ensemble: Triton 2.51's ensemble scheduler does not tell the running
+tensorrt_llm step that its request was cancelled; it marks only the steps it schedules afterwards,
+and in a streaming repository that is this model, once per streamed response. So a request that
+carries the ensemble's `REQUEST_KEY` and is cancelled makes this model send `cancel_stop_model`
+(tensorrt_llm) a `stop` request for that key, on a thread of its own, once per key; tensorrt_llm
+then ends that generation before its next decode step. The cancelled request is still answered
+normally (the ensemble then finishes as usual; the client is gone and gets nothing). Such a
+repository has no dynamic batcher for this model: a batcher drops cancelled requests unseen.
+
 Self-contained: numpy and the `tokenizers` library (no transformers, no torch), reading the
 repository's `tokenizer.json` and the special-token facts `trtmoe repo` resolved into
 `trtmoe_tokenizer.json`. One thread: many of these processes share the machine with the engine.
@@ -23,6 +32,9 @@ for _var in ("RAYON_NUM_THREADS", "OMP_NUM_THREADS"):
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
+import queue  # noqa: E402
+import threading  # noqa: E402
+from collections import OrderedDict  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
@@ -64,6 +76,51 @@ class TritonPythonModel:
         anchor = self.tokenizer.encode("a", add_special_tokens=False).ids
         self.anchor = anchor[-1:] if anchor else []
         self.anchor_text = self._decode(self.anchor)
+        self.stop_model = _param(config, "cancel_stop_model", "")
+        self.stopped: OrderedDict[str, None] = OrderedDict()  # keys already stopped (the latest ones)
+        self.stops: queue.Queue = queue.Queue()
+        if self.stop_model:
+            threading.Thread(target=self._stop_loop, name="postprocessing-stop", daemon=True).start()
+
+    # -- cancellation ------------------------------------------------------------------------
+    def _cancelled_key(self, request) -> str | None:
+        """The request's key when it is cancelled and its generation was not stopped yet."""
+        if not self.stop_model:
+            return None
+        key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
+        if key is None:  # not from the ensemble (BLS detokenizes without one)
+            return None
+        try:
+            if not request.is_cancelled():
+                return None
+        except Exception:  # noqa: BLE001 - Triton cannot say: the client is most likely gone, stop it
+            pass
+        key = key.as_numpy().reshape(-1)[0]
+        key = key.decode() if isinstance(key, bytes) else str(key)
+        if key in self.stopped:
+            return None
+        self.stopped[key] = None
+        while len(self.stopped) > 4096:
+            self.stopped.popitem(last=False)
+        return key
+
+    def _stop_loop(self):
+        while True:
+            key = self.stops.get()
+            if key is None:
+                return
+            inputs = [pb_utils.Tensor("input_ids", np.zeros([1, 1], np.int32)),
+                      pb_utils.Tensor("input_lengths", np.zeros([1, 1], np.int32)),
+                      pb_utils.Tensor("request_output_len", np.zeros([1, 1], np.int32)),
+                      pb_utils.Tensor("stop", np.array([[True]], dtype=bool)),
+                      pb_utils.Tensor("request_key", np.array([[key.encode()]], dtype=object))]
+            try:
+                req = pb_utils.InferenceRequest(model_name=self.stop_model, requested_output_names=[], inputs=inputs)
+                for resp in req.exec(decoupled=True):
+                    if resp.has_error():
+                        pb_utils.Logger.log_warn(f"postprocessing: stop of {key} failed: {resp.error().message()}")
+            except Exception as e:  # noqa: BLE001 - best effort: the generation then runs to its end
+                pb_utils.Logger.log_warn(f"postprocessing: stop of {key} failed: {e}")
 
     def _decode(self, ids: list[int]) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -83,6 +140,9 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
+                key = self._cancelled_key(request)
+                if key is not None:
+                    self.stops.put(key)
                 tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
                 lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
                 if tokens.ndim == 2:  # [batch, seq] without the beam axis
@@ -98,3 +158,6 @@ class TritonPythonModel:
             except Exception as e:  # noqa: BLE001
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"postprocessing: {e}")))
         return responses
+
+    def finalize(self):
+        self.stops.put(None)

@@ -20,6 +20,7 @@ for _var in ("RAYON_NUM_THREADS", "OMP_NUM_THREADS"):
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
+import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
@@ -149,6 +150,9 @@ class TritonPythonModel:
             pb_utils.Tensor("REQUEST_OUTPUT_LEN", out_len.astype(np.int32)),
             pb_utils.Tensor("OUT_END_ID", end_id.reshape(batch, 1)),
             pb_utils.Tensor("OUT_PAD_ID", pad_id.reshape(batch, 1)),
+            # Names this request's generation: the ensemble hands it to tensorrt_llm and to
+            # postprocessing, which stops the generation by it when the client cancels.
+            pb_utils.Tensor("OUT_REQUEST_KEY", np.full((batch, 1), uuid.uuid4().hex.encode(), dtype=object)),
         ]
         for new, old, out_name, dtype in _ALIASES:  # only sent when given, like the inputs themselves
             a, b = get(new), get(old)

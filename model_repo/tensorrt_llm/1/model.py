@@ -43,8 +43,9 @@ def _flag(config: dict, key: str, default: bool) -> bool:
 class _TritonRequest:
     """Response bookkeeping for one Triton request (B prompts share one response sender)."""
 
-    def __init__(self, model: "TritonPythonModel", sender, gens):
+    def __init__(self, model: "TritonPythonModel", sender, gens, key: bytes | None = None):
         self.model, self.sender, self.gens = model, sender, gens
+        self.key = key  # the ensemble's request key, returned on every response
         self.remaining = len(gens)
         self.lock = threading.Lock()
 
@@ -143,11 +144,13 @@ class TritonPythonModel:
                 pb_utils.Logger.log_warn(f"tensorrt_llm: metrics update failed: {e}")
 
     # -- responses (batcher thread) ------------------------------------------------------------
-    def _tensors(self, gen, req, ids, final):
+    def _tensors(self, treq, gen, req, ids, final):
         ids = np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)
         gen.sent_tokens += ids.shape[-1] if gen.streaming else len(req.tokens)
         out = [pb_utils.Tensor("output_ids", ids),
                pb_utils.Tensor("sequence_length", np.array([[ids.shape[-1]]], dtype=np.int32))]
+        if treq.key is not None:
+            out.append(pb_utils.Tensor("request_key", np.array([[treq.key]], dtype=object)))
         if gen.batch_size > 1:  # only a batched request needs to tell its responses apart
             out += [pb_utils.Tensor("batch_index", np.array([[gen.batch_index]], dtype=np.int32)),
                     pb_utils.Tensor("sequence_index", np.array([[0]], dtype=np.int32))]
@@ -222,7 +225,8 @@ class TritonPythonModel:
                 if self.decode is not None:  # hold a character's leading bytes until it is whole
                     ids, gen.held = split_at_character(self.decode, ids)
                 if ids:
-                    treq.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(gen, req, ids, False)))
+                    out = self._tensors(treq, gen, req, ids, False)
+                    treq.sender.send(pb_utils.InferenceResponse(output_tensors=out))
             return
         last = treq.finish_one()
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0
@@ -234,7 +238,8 @@ class TritonPythonModel:
             if last:
                 treq.sender.send(flags=flags)
             return
-        treq.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(gen, req, ids, True)), flags=flags)
+        out = self._tensors(treq, gen, req, ids, True)
+        treq.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=flags)
 
     # -- Triton entry points -------------------------------------------------------------------
     @staticmethod
@@ -245,17 +250,24 @@ class TritonPythonModel:
 
     def _submit(self, request, sender):
         get = self._get(request)
+        # The generation's id: the ensemble's per-request key when it sends one (a streaming
+        # postprocessing stops the generation by it), else the Triton request id.
+        key = get("request_key")
+        if key is not None:
+            key = np.asarray(key).reshape(-1)[0]
+            key = key if isinstance(key, bytes) else str(key).encode()
+        gen_id = key.decode() if key else request.request_id()
         stop = get("stop")
         if stop is not None and bool(np.asarray(stop).reshape(-1)[0]):
-            self.batcher.cancel(request.request_id())
+            self.batcher.cancel(gen_id)
             return None
         gens = parse_requests(get, self.limits, self.SamplingParams,
                               default_exclude_input=self.exclude_input, decoupled=self.decoupled)
-        treq = _TritonRequest(self, sender, gens)
+        treq = _TritonRequest(self, sender, gens, key or None)
         is_cancelled = getattr(sender, "is_cancelled", None) if sender is not None else None
         for gen in gens:
             self.batcher.submit(gen.prompt_ids, gen.params, lambda ev, g=gen: self._on_event(treq, g, ev),
-                                stop_sequences=gen.stop_sequences, request_id=request.request_id(),
+                                stop_sequences=gen.stop_sequences, request_id=gen_id,
                                 is_cancelled=is_cancelled)
         return treq
 
