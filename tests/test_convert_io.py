@@ -40,12 +40,13 @@ def synthetic(tmp_path_factory):
     return src, _hashes(root / "ref"), root
 
 
-@pytest.mark.parametrize("methods,page", [(["sendfile", "pread"], 1), (["pread"], 4096),
-                                          (["copy_file_range", "sendfile", "pread"], 1)])
-def test_every_copy_method_gives_identical_bytes(synthetic, tmp_path, monkeypatch, methods, page):
+@pytest.mark.parametrize("methods,bounce_misaligned", [
+    (["sendfile", "pread"], False), (["pread"], False), (["copy_file_range", "sendfile", "pread"], True),
+    (["copy_file_range", "sendfile", "pread"], False)])
+def test_every_copy_method_gives_identical_bytes(synthetic, tmp_path, monkeypatch, methods, bounce_misaligned):
     src, ref, _ = synthetic
     monkeypatch.setattr(S, "_copy_methods", list(methods))
-    monkeypatch.setattr(S, "_PAGE", page)
+    monkeypatch.setattr(S, "_BOUNCE_MISALIGNED", bounce_misaligned)
     convert(src, tmp_path / "o", tp=2, moe_ep=2)
     assert _hashes(tmp_path / "o") == ref
 
