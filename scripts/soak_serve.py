@@ -388,18 +388,22 @@ def main() -> int:
 
             def on_progress(s: Soak):
                 with progress_lock:
+                    # Workers count their request outside this lock, so `done` may have moved past a
+                    # milestone before its call gets here: compare a snapshot with >=, never ==.
+                    done = s.done
                     if srv.failure and not state["killed"] and "unplanned" not in state:
                         state["unplanned"] = srv.failure
-                        print(f"  UNPLANNED server failure after {s.done} requests: {srv.failure}\n{srv.log_tail()}",
+                        print(f"  UNPLANNED server failure after {done} requests: {srv.failure}\n{srv.log_tail()}",
                               flush=True)
-                    if s.done >= warm and "warm" not in samples:
+                    if done >= warm and "warm" not in samples:
                         samples["warm"] = stack_rss(srv)
-                    if state["killed"] and s.done >= rewarm and "rewarm" not in samples:
+                    if state["killed"] and done >= rewarm and "rewarm" not in samples:
                         samples["rewarm"] = stack_rss(srv)
-                    if s.done % max(args.requests // 10, 1) == 0 and s.done != state.get("printed"):
-                        state["printed"] = s.done
-                        print(f"  {s.done}/{args.requests} requests, {dict(s.outcomes)}", flush=True)
-                    if s.done == kill_at and not state["killed"]:
+                    step = max(args.requests // 10, 1)
+                    if done // step > state.get("printed", 0) // step:
+                        state["printed"] = done
+                        print(f"  {done}/{args.requests} requests, {dict(s.outcomes)}", flush=True)
+                    if 0 <= kill_at <= done and not state["killed"]:
                         samples["before_kill"] = stack_rss(srv)
                         state["killed"] = True
                         stub = next(pid for pid, name in srv.stubs.items() if name == "tensorrt_llm_0_0")
@@ -445,7 +449,10 @@ def main() -> int:
                   wrong=soak.wrong[:20], wrong_count=len(soak.wrong), hung_requests=soak.hung[:20], kill=state, rss_kb=samples,
                   greedy_identical_before_after=same, request_seconds_p50=round(lat[len(lat) // 2], 2),
                   request_seconds_max=round(lat[-1], 2), shm_left_at_end=shm_left)
-    ok = hung == 0 and not soak.wrong and same and shm_left == 0
+    planned_kill = args.requests > 0 and args.kill_at >= 0
+    if planned_kill and not state["killed"]:
+        print("the planned backend kill did not happen", flush=True)
+    ok = hung == 0 and not soak.wrong and same and shm_left == 0 and (state["killed"] or not planned_kill)
     report["ensemble_text_equals_bls_text"] = bls_vs_ensemble
     print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=1, default=str))
     if not same:
