@@ -474,7 +474,7 @@ def test_placement_and_formats_round_trip_through_the_checkpoint(skewed, tmp_pat
     from trtmoe.quant.policies import placement
 
     plan = make_plan(cal, "graded", budget_bpw=10.0, formats=["float", "int8", "int4"], dtype=torch.float32)
-    plan.permutations, _ = placement(cal, 2)
+    plan = plan.placed(placement(cal, 2)[0])
     ck = convert(skewed, tmp_path / "ck", tp=2, moe_ep=2, quant=plan).out_dir
     assert placement_of(ck) == {l: p for l, p in plan.permutations.items()}
     assert expert_format_grid(ck) == plan.formats
@@ -485,7 +485,7 @@ def test_placement_and_formats_round_trip_through_the_checkpoint(skewed, tmp_pat
     mplan = make_plan(cal, "graded", budget_bpw=6.0, granularity="matrix", formats=["float", "int8", "int4"],
                       dtype=torch.float32)
     assert mplan.formats != mplan.proj_formats  # the case worth checking: fc and proj parted somewhere
-    mplan.permutations = plan.permutations
+    mplan = mplan.placed(plan.permutations)
     ck = convert(skewed, tmp_path / "ckm", tp=2, moe_ep=2, quant=mplan).out_dir
     assert matrix_format_grid(ck) == {"fc": mplan.formats, "proj": mplan.proj_formats}
     assert QuantPlan.from_dict(json.loads(json.dumps(mplan.to_dict()))).proj_formats == mplan.proj_formats

@@ -258,7 +258,7 @@ def convert(model, out, config_path, target, force, as_json, **options):
                          progress=lambda d, t: prog.update(task, completed=d, total=t))
     summary = {"output": str(res.out_dir), "mapping": res.mapping.describe(), "dtype": res.dtype,
                "bytes": res.bytes_written, "files": res.files,
-               "quantization": plan.manifest_entry() if plan is not None else None,
+               "quantization": res.quantization,
                "notes": list((plan.meta.get("notes") or []) if plan is not None else []) + res.cautions}
     if as_json:
         click.echo(json.dumps(summary, indent=2))

@@ -75,6 +75,7 @@ class ConvertResult:
     bytes_written: int = 0
     rank_bytes: list[int] = field(default_factory=list)
     cautions: list[str] = field(default_factory=list)  # support-table cells NVIDIA does not list
+    quantization: dict | None = None  # the manifest's quantization entry (None for a float checkpoint)
 
 
 def resolve_dtype(src: HFCheckpoint, dtype: str) -> torch.dtype:
@@ -417,8 +418,7 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
         mapping.validate(src.model)
         tdtype = resolve_dtype(src, dtype)
         if quant is not None:
-            quant.dtype = tdtype
-            quant.bind(src.model, mapping)
+            quant = quant.bind(src.model, mapping, tdtype)
         quant_cfg = quant.quantization_config() if quant is not None else None
         extra = quant.config_extra() if quant is not None else None
         cfg = trtllm_config(src.model, mapping, tdtype, version=trtllm_version, quantization=quant_cfg, extra=extra)
@@ -441,7 +441,8 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
         hasher = _SourceHasher(sorted(src.path.glob("*.json")) + list(src.files))
         follower, syncer = _RankFollower(len(all_specs)), _Syncer()
         workers = (hasher, follower, syncer)
-        result = ConvertResult(Path(out_dir), mapping, DTYPE_STR[tdtype], cautions=cautions)
+        result = ConvertResult(Path(out_dir), mapping, DTYPE_STR[tdtype], cautions=cautions,
+                               quantization=quant.manifest_entry() if quant is not None else None)
         with atomic_directory(out_dir, force=force, inputs=(src.path, *src.files, *inputs)) as tmp:
             for t in workers:
                 t.start()
@@ -478,7 +479,7 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
                     "tp": tp, "pp": pp, "moe_tp": mapping.moe_tp_size, "moe_ep": mapping.moe_ep_size,
                     "dtype": DTYPE_STR[tdtype], "trtllm_version": trtllm_version},
                 mapping=mapping.summary(),
-                quantization=(quant.manifest_entry() if quant is not None else None),
+                quantization=result.quantization,
             )
         result.bytes_written = total
         return result

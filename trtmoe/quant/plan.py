@@ -7,7 +7,7 @@ attention, shared experts and dense MLPs are never quantized (``EXCLUDED``)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -57,12 +57,17 @@ def expert_shape_problem(name: str, hidden: int, inter_local: int) -> str | None
             or matrix_shape_problem(name, "proj", hidden, inter_local))
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuantPlan:
     """``formats[l][e]`` = format of original expert ``e`` of MoE layer ``l`` (global index): of both
     its matrices at ``expert`` and ``layer`` granularity, of its ``fc`` at ``matrix`` granularity,
     where ``proj_formats[l][e]`` is the format of its ``proj`` (a copy of ``formats`` when not given).
-    ``permutations[l][slot]`` = the original expert placed in ``slot`` (identity when absent)."""
+    ``permutations[l][slot]`` = the original expert placed in ``slot`` (identity when absent).
+
+    A plan is a value: it is checked when made, and ``bind`` returns a new plan that also knows the
+    model and layout it is written for (what the config blocks, the sidecar and the manifest entry
+    need); nothing about it changes afterwards, so no method depends on what was called before it.
+    ``meta`` holds what the plan was made from and notes for the user (the manifest keeps it)."""
 
     formats: dict[int, list[str]]
     granularity: str = "expert"  # "matrix" / "expert" (embedded engine) or "layer" (TensorRT-LLM fused MoE)
@@ -70,10 +75,13 @@ class QuantPlan:
     meta: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.float16
     proj_formats: dict[int, list[str]] | None = None
+    # Set by ``bind``: the model (trtmoe.model.description.ModelSpec) and Mapping the plan is written for.
+    model: object = field(default=None, compare=False, repr=False)
+    mapping: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        self.formats = {int(l): [canonical(f) for f in fs] for l, fs in self.formats.items()}
-        self.permutations = {int(l): list(map(int, p)) for l, p in self.permutations.items()}
+        self._set("formats", {int(l): [canonical(f) for f in fs] for l, fs in self.formats.items()})
+        self._set("permutations", {int(l): list(map(int, p)) for l, p in self.permutations.items()})
         if self.granularity not in GRANULARITIES:
             raise InputError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
         proj = None if self.proj_formats is None else {
@@ -82,12 +90,12 @@ class QuantPlan:
                                  or any(len(proj[l]) != len(fs) for l, fs in self.formats.items())):
             raise InputError("proj_formats must name the same layers and experts as formats")
         if self.granularity == "matrix":
-            self.proj_formats = proj if proj is not None else {l: list(fs) for l, fs in self.formats.items()}
+            self._set("proj_formats", proj if proj is not None else {l: list(fs) for l, fs in self.formats.items()})
         else:
             if proj is not None and proj != self.formats:
                 raise InputError(f"fc and proj formats differ, which granularity {self.granularity!r} cannot "
                                  "express", hint="use granularity 'matrix' (embedded engine only)")
-            self.proj_formats = None
+            self._set("proj_formats", None)
         if self.granularity == "layer":
             for l, fs in self.formats.items():
                 if len(set(fs)) > 1:
@@ -95,6 +103,16 @@ class QuantPlan:
         for l, p in self.permutations.items():
             if sorted(p) != list(range(len(p))):
                 raise InputError(f"placement for layer {l} is not a permutation: {p}")
+
+    def _set(self, name: str, value) -> None:  # normalisation while the value is being made
+        object.__setattr__(self, name, value)
+
+    def placed(self, permutations: dict[int, list[int]], report: dict | None = None) -> "QuantPlan":
+        """The same plan with experts placed by ``permutations`` (and the placement report in meta)."""
+        meta = dict(self.meta)
+        if report is not None:
+            meta["placement"] = {str(k): v for k, v in report.items()}
+        return replace(self, permutations=permutations, meta=meta)
 
     # ---- queries used by the layout and the engine ----------------------------------------------
     @property
@@ -137,9 +155,9 @@ class QuantPlan:
         return self.used_formats() <= {FLOAT}
 
     # ---- what the writer asks ---------------------------------------------------------------------
-    def bind(self, model, mapping) -> None:
-        """Check the plan against the model and layout; called by the writer before any work."""
-        self._model, self._mapping = model, mapping
+    def bind(self, model, mapping, dtype: torch.dtype | None = None) -> "QuantPlan":
+        """This plan for ``model`` laid out by ``mapping`` with weights in ``dtype``, checked against
+        both (the writer binds before any work)."""
         for l, fs in self.formats.items():
             if not (0 <= l < model.num_layers and model.moe_layers[l]):
                 raise InputError(f"plan names layer {l}, which is not a MoE layer")
@@ -163,6 +181,12 @@ class QuantPlan:
                 len({f for f in self.used_formats()}) > 1 or not all(model.moe_layers)):
             raise UnsupportedError("layer-mixed quantization with pp > 1 cannot be expressed for TensorRT-LLM "
                                    "(its per-layer config keys use local layer indices)", hint="use pp=1")
+        return replace(self, model=model, mapping=mapping, dtype=self.dtype if dtype is None else dtype)
+
+    def _bound(self):
+        if self.model is None or self.mapping is None:
+            raise TypeError("this QuantPlan is not bound to a model and layout: use plan.bind(model, mapping)")
+        return self.model, self.mapping
 
     def _check_matrix_shapes(self, H: int, I_loc: int) -> None:
         # Each matrix only needs its own shape to fit (g128 may fit fc's H but not proj's I_loc).
@@ -180,8 +204,9 @@ class QuantPlan:
         used = self.used_formats() - {FLOAT}
         if not used:
             return None, {}
+        m, _ = self._bound()
         if self.per_expert_layout or len(self.used_formats()) > 1 or any(
-                l not in self.formats for l in range(self._model.num_layers) if self._model.moe_layers[l]):
+                l not in self.formats for l in range(m.num_layers) if m.moe_layers[l]):
             return "MIXED_PRECISION", {}
         # One format for every MoE layer: a plain config (group_size, if any, is checkpoint-wide).
         (name,) = used
@@ -189,7 +214,7 @@ class QuantPlan:
         return cfg.pop("quant_algo"), cfg
 
     def exclude_modules(self) -> list[str]:
-        m = self._model
+        m, _ = self._bound()
         dense = [f"transformer.layers.{l}.mlp*" for l in range(m.num_layers) if not m.moe_layers[l]]
         return EXCLUDED + dense
 
@@ -224,7 +249,7 @@ class QuantPlan:
         if algo != "MIXED_PRECISION":
             return
         layers = {}
-        m, mp = self._model, self._mapping
+        m, mp = self._bound()
         for l in sorted(self.formats):
             _, j = mp.layer_owner(m.num_layers, l)
             if self.granularity == "layer":

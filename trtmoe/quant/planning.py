@@ -104,9 +104,6 @@ def plan_from_config(model, cfg: dict):
     if calib is not None:
         plan.meta["calib"] = calib_identity
     if q["placement"] == "balanced":
-        perms, rep = placement(calib, moe_ep)
-        plan.permutations = perms
-        plan.meta["placement"] = {str(k): v for k, v in rep.items()}
-    plan.dtype = dtype
+        plan = plan.placed(*placement(calib, moe_ep))
     attach_rounding(plan, q.get("rounding", "awq"), q["calib"], calib)
     return plan

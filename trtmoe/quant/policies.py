@@ -8,6 +8,7 @@ layer (what TensorRT-LLM's fused MoE plugin runs)."""
 from __future__ import annotations
 
 import random as _random
+from dataclasses import replace
 
 import torch
 
@@ -262,10 +263,9 @@ def make_target_plan(calib: dict, policy: str, *, budget_bpw: float, uniform: tu
     if unspent > 0.02:
         notes.append(f"{unspent:.3f} bpw of the {budget_bpw} bpw budget is unspent: "
                      + _why_unspent(calib, plan, kind, mixed_c, uniform, cands, dtype, I_loc, unspent))
-    plan.meta = {"policy": policy, "budget_bpw": budget_bpw, "avg_bpw": avg, "predicted_delta_kl": dkl,
-                 "target_layout": kind, "unspent_bpw": max(0.0, unspent), "notes": notes,
-                 **({"seed": seed} if policy == "random-bytes" else {})}
-    return plan
+    return replace(plan, meta={"policy": policy, "budget_bpw": budget_bpw, "avg_bpw": avg, "predicted_delta_kl": dkl,
+                               "target_layout": kind, "unspent_bpw": max(0.0, unspent), "notes": notes,
+                               **({"seed": seed} if policy == "random-bytes" else {})})
 
 
 def _why_unspent(calib, plan, kind, mixed_c, uniform, cands, dtype, I_loc, unspent) -> str:
