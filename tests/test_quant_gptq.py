@@ -103,43 +103,90 @@ def model(tiny_model):
                       intermediate_size=128, head_dim=32, dtype="bfloat16")
 
 
-def test_calibration_keeps_the_gram_only_for_error_feedback(model, tmp_path):
-    """awq calibrations store no Gram matrix (their artifact is unchanged); awq_gptq stores X^T X over
-    every routed token, round-trips it, and the embedded checkpoint holds exactly what calibration's
-    ΔKL quantized."""
-    ck = convert(model, tmp_path / "ck").out_dir
+@pytest.fixture(scope="module")
+def cal(model, tmp_path_factory):
+    """awq and awq_gptq calibration artifacts of the tiny model (exact ΔKL, int4_g128)."""
+    tmp = tmp_path_factory.mktemp("gptqcal")
+    ck = convert(model, tmp / "ck").out_dir
     ids = torch.randint(0, 250, (4, 32), generator=torch.Generator().manual_seed(0))
     eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
     acts = {}
     for r in ("awq", "awq_gptq"):
         acts[r] = awq.ActivationStats()
         res = measure(eng, ids, formats=("int4_g128",), activations=acts[r], rounding=r)
-        out = tmp_path / r
+        out = tmp / r
         out.mkdir()
         acts[r].save(out / awq.ACT_FILE)
         write_calibration(out, res)
+    return {"dir": {r: tmp / r for r in acts}, "acts": acts}
+
+
+def _experts(model, l, e):
+    src = load_file(str(model / "model.safetensors"))
+    q = f"model.layers.{l}.block_sparse_moe.experts.{e}."
+    return {"fc": torch.cat([src[q + "w3.weight"], src[q + "w1.weight"]]), "proj": src[q + "w2.weight"]}
+
+
+def test_calibration_keeps_the_gram_only_for_error_feedback(model, cal, tmp_path):
+    """awq calibrations store no Gram matrix (their artifact is unchanged); awq_gptq stores X^T X over
+    every routed token, round-trips it, and the embedded checkpoint holds exactly what calibration's
+    ΔKL quantized."""
+    acts = cal["acts"]
     assert all(s.gram is None for s in acts["awq"].stats.values())
     assert "gram_matrices" not in acts["awq"].summary()
-    loaded = awq.ActivationStats.load(tmp_path / "awq_gptq" / awq.ACT_FILE)
+    loaded = awq.ActivationStats.load(cal["dir"]["awq_gptq"] / awq.ACT_FILE)
     for key, s in acts["awq_gptq"].stats.items():
         assert s.gram is not None and s.gram.shape == (s.rows.shape[1],) * 2
         assert torch.equal(loaded.stats[key].gram, s.gram)
     plan = QuantPlan({l: ["int4_g128"] * 4 for l in range(2)}, granularity="matrix", dtype=DT)
-    awq.attach(plan, "awq_gptq", tmp_path / "awq_gptq")
+    awq.attach(plan, "awq_gptq", cal["dir"]["awq_gptq"])
     assert plan.meta["rounding"] == "awq_gptq"
     out = convert(model, tmp_path / "q", quant=plan).out_dir
     got = load_file(str(out / "rank0.safetensors"))
-    src = load_file(str(model / "model.safetensors"))
     fmt = FORMATS["int4_g128"]
-    p = "model.layers.{l}.block_sparse_moe.experts.{e}."
     for l in range(2):
         for e in range(4):
-            q = p.format(l=l, e=e)
-            w = {"fc": torch.cat([src[q + "w3.weight"], src[q + "w1.weight"]]), "proj": src[q + "w2.weight"]}
+            w = _experts(model, l, e)
             for m in ("fc", "proj"):
                 want = awq.quantize(fmt, w[m], dtype=DT, stats=loaded.get(l, e, m), rounding="awq_gptq")
                 for k, v in want.items():
                     assert torch.equal(got[f"transformer.layers.{l}.mlp.experts.{e}.{m}.{k}"], v), (l, e, m, k)
+
+
+def test_tensorrt_llm_layout_keeps_the_shared_scale_and_changes_only_codes(model, cal, tmp_path):
+    """In TensorRT-LLM's stacked layout awq_gptq writes awq's layer-shared pre-quant scale and the same
+    scale shapes, and its codes lower each expert's error over the routed tokens' Gram matrix."""
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+
+    outs = {}
+    for r in ("awq", "awq_gptq"):
+        outs[r] = tmp_path / r
+        res = CliRunner().invoke(main, ["convert", str(model), "-o", str(outs[r]), "--calib", str(cal["dir"][r]),
+                                        "--policy", "uniform", "--format", "int4_g128", "--target", "tensorrt-llm",
+                                        "--rounding", r], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+    a, g = (load_file(str(outs[r] / "rank0.safetensors")) for r in ("awq", "awq_gptq"))
+    assert a.keys() == g.keys() and all(a[k].shape == g[k].shape and a[k].dtype == g[k].dtype for k in a)
+    assert (outs["awq"] / "config.json").read_bytes() == (outs["awq_gptq"] / "config.json").read_bytes()
+    fmt = FORMATS["int4_g128"]
+    stats = cal["acts"]["awq_gptq"]
+    for l in range(2):
+        for m in ("fc", "proj"):
+            p = f"transformer.layers.{l}.mlp.{m}."
+            assert torch.equal(a[p + "prequant_scaling_factor"], g[p + "prequant_scaling_factor"])
+            assert not torch.equal(a[p + "weight"], g[p + "weight"])
+            for e in range(4):
+                w = _experts(model, l, e)[m].float()
+                errs = []
+                for t in (a, g):
+                    pq = t[p + "prequant_scaling_factor"].reshape(-1)
+                    deq = (unpack_int4(t[p + "weight"][e], dim=-2).to(DT)
+                           * t[p + "weights_scaling_factor"][e].repeat_interleave(128, -1)).float()
+                    h = stats.get(l, e, m).gram * torch.outer(pq.float(), pq.float())
+                    errs.append(awq._gram_err(h, w, deq, pq))
+                assert errs[1] <= errs[0] * (1 + 1e-6), (l, m, e, errs)
 
 
 def test_too_few_rows_and_no_gram_keeps_the_base_recipe():
