@@ -406,7 +406,9 @@ class GroupInt4Format(QuantFormat):
         # Each group's codes times its scale, broadcast (no repeated copy of the scales).
         g = q.to(s.dtype).unflatten(-1, (-1, self.group_size))
         w = (g * s.unsqueeze(-1)).flatten(-2).float()
-        pq = packed["prequant_scaling_factor"].reshape(-1)
+        pq = packed["prequant_scaling_factor"]
+        # [1, in] (shared), or [E, 1, in] stacked with the weights: each expert's rows get their own
+        pq = pq.reshape(-1) if pq.dim() <= 2 else pq
         xs = (x * pq.to(x.dtype)).float()
         return torch.matmul(xs, w.transpose(-1, -2)).to(x.dtype)
 

@@ -97,6 +97,25 @@ class FloatExperts(ExpertBank):
         a = F.silu(gate).mul_(up)
         return torch.mm(a, self._proj_t[e]) if a.dim() == 2 else a @ self._proj_t[e]
 
+    def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        # Each busy expert's two matmuls write into its rows of one buffer per matrix, and the
+        # activation runs once over all rows: the same per-row arithmetic as ``forward`` expert by
+        # expert (the activation's rows are its inner loop either way), with fewer calls.
+        spans, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                spans.append((e, start, start + n))
+                start += n
+        h = x.new_empty(start, self.fc.shape[1])
+        for e, a, b in spans:
+            torch.mm(x[a:b], self._fc_t[e], out=h[a:b])
+        up, gate = h.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up)
+        y = x.new_empty(start, self.proj.shape[1])
+        for e, a, b in spans:
+            torch.mm(act[a:b], self._proj_t[e], out=y[a:b])
+        return y
+
     def format_of(self, e: int) -> str:
         return self.fmt
 
@@ -124,8 +143,11 @@ class PackedShard(NamedTuple):
 
 
 class _Stack(NamedTuple):
-    """Experts whose shard ``t`` shares formats, tensor shapes and shared (unstacked) tensors: their
-    packed tensors stacked along a new leading dim, so one ``linear`` call runs any subset of them."""
+    """Experts whose shard ``t`` shares formats and tensor shapes: their packed tensors stacked along
+    a new leading dim, so one ``linear`` call runs any subset of them. A tensor the format keeps
+    whole (the pre-quant scale) stays one tensor when every expert holds the same one, and is stacked
+    like the rest when they differ (activation-aware INT4 scales each expert's inputs its own way):
+    the format multiplies each expert's rows by its own then, exactly as expert by expert."""
 
     t: int
     experts: list[int]
@@ -148,40 +170,31 @@ def _stack_shards(shards: list[list[PackedShard]]) -> tuple[list[list[PackedShar
     """Group expert shards into ``_Stack``s; the per-expert dicts become views of the stacks (the
     packed bytes are held once)."""
     stacks: list[_Stack] = []
-    by_key: dict[tuple, list[list[int]]] = {}
+    by_key: dict[tuple, list[int]] = {}
     for e, per in enumerate(shards):
         for t, sh in enumerate(per):
             key = (t, sh.fc_fmt, sh.proj_fmt,
                    tuple((k, v.shape, v.dtype, v.device) for k, v in sorted(sh.fc.items())),
                    tuple((k, v.shape, v.dtype, v.device) for k, v in sorted(sh.proj.items())))
-            groups = by_key.setdefault(key, [])
-            for g in groups:  # shared tensors must be equal to run in one call
-                rep = shards[g[0]][t]
-                if all(torch.equal(rep.fc[k], sh.fc[k]) for k in _shared_keys(sh.fc_fmt) if k in sh.fc) and all(
-                        torch.equal(rep.proj[k], sh.proj[k]) for k in _shared_keys(sh.proj_fmt) if k in sh.proj):
-                    g.append(e)
-                    break
-            else:
-                groups.append([e])
+            by_key.setdefault(key, []).append(e)
     new = [list(per) for per in shards]
-    for key, groups in by_key.items():
+    for key, g in by_key.items():
         t, fc_fmt, proj_fmt = key[:3]
-        for g in groups:
-            if len(g) < 2:
-                continue
-            parts = {}
-            for mod, fmt in (("fc", fc_fmt), ("proj", proj_fmt)):
-                shared = _shared_keys(fmt)
-                ds = [getattr(shards[e][t], mod) for e in g]
-                parts[mod] = {k: ds[0][k] if k in shared else torch.stack([d[k] for d in ds]) for k in ds[0]}
-            for j, e in enumerate(g):
-                views = {mod: {k: v if k in _shared_keys(f) else v[j] for k, v in parts[mod].items()}
-                         for mod, f in (("fc", fc_fmt), ("proj", proj_fmt))}
-                new[e][t] = PackedShard(fc_fmt, views["fc"], proj_fmt, views["proj"])
-            macs = sum(v[0].numel() * (2 if v.dtype in (torch.int8, torch.uint8) else 1)
-                       for mod in ("fc", "proj") for k, v in parts[mod].items() if k == "weight")
-            stacks.append(_Stack(t, g, fc_fmt, parts["fc"], _shared_keys(fc_fmt) & parts["fc"].keys(),
-                                 proj_fmt, parts["proj"], _shared_keys(proj_fmt) & parts["proj"].keys(), macs))
+        if len(g) < 2:
+            continue
+        parts, whole = {}, {}
+        for mod, fmt in (("fc", fc_fmt), ("proj", proj_fmt)):
+            ds = [getattr(shards[e][t], mod) for e in g]
+            # Kept whole: what the format shares and every expert holds equal.
+            whole[mod] = frozenset(k for k in _shared_keys(fmt) & ds[0].keys()
+                                   if all(torch.equal(ds[0][k], d[k]) for d in ds[1:]))
+            parts[mod] = {k: ds[0][k] if k in whole[mod] else torch.stack([d[k] for d in ds]) for k in ds[0]}
+        for j, e in enumerate(g):
+            views = {mod: {k: v if k in whole[mod] else v[j] for k, v in parts[mod].items()} for mod in parts}
+            new[e][t] = PackedShard(fc_fmt, views["fc"], proj_fmt, views["proj"])
+        macs = sum(v[0].numel() * (2 if v.dtype in (torch.int8, torch.uint8) else 1)
+                   for mod in ("fc", "proj") for k, v in parts[mod].items() if k == "weight")
+        stacks.append(_Stack(t, g, fc_fmt, parts["fc"], whole["fc"], proj_fmt, parts["proj"], whole["proj"], macs))
     return new, stacks
 
 
