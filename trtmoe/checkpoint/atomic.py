@@ -28,6 +28,8 @@ from .manifest import MANIFEST_NAMES
 _MARK = ".trtmoe-partial-"
 _OLD = "old-"
 _RENAME_EXCHANGE = 2
+# Errors only writing can cause (reading an input never gives these), so they concern the output.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 _AT_FDCWD = -100
 
 
@@ -186,7 +188,10 @@ def atomic_directory(out: str | Path, *, force: bool = False, inputs: Iterable[s
         raise InputError("the output's parent is not a directory", where=str(out.parent))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise _name_output(e, tmp, out) from None
 
     def on_term(signum, frame):
         raise _Interrupted(signum)
@@ -204,12 +209,36 @@ def atomic_directory(out: str | Path, *, force: bool = False, inputs: Iterable[s
     except _Interrupted:
         shutil.rmtree(tmp, ignore_errors=True)
         raise KeyboardInterrupt("terminated") from None
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _name_output(e, tmp, out) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         if in_main and old is not None:
             signal.signal(signal.SIGTERM, old)
+
+
+def _name_output(e: OSError, tmp: Path, out: Path) -> OSError:
+    """``e``, naming the output the user asked for rather than the removed partial directory: a
+    path inside ``tmp`` becomes the same path inside ``out``, and a write or fsync error, which
+    names no path, names ``out``. The same error, as a new exception when a name changed."""
+    before = [n for n in (e.filename, e.filename2) if n is not None]
+    names = []
+    for name in before:
+        if isinstance(name, (str, bytes, os.PathLike)):
+            p = Path(os.fsdecode(name))
+            if p == tmp or tmp in p.parents:
+                name = str(out / p.relative_to(tmp))
+        if name not in names:
+            names.append(name)
+    if not names and e.errno in _WRITE_ERRNOS:
+        names = [str(out)]
+    if names == before or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror, *names[:1], *([None, names[1]] if len(names) > 1 else [])
+                   ).with_traceback(e.__traceback__)
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
