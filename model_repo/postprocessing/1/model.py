@@ -13,7 +13,8 @@ Cancellation through the ensemble: Triton 2.51's ensemble scheduler does not tel
 tensorrt_llm step that its request was cancelled; it marks only the steps it schedules afterwards,
 and in a streaming repository that is this model, once per streamed response. So a request that
 carries the ensemble's `REQUEST_KEY` and is cancelled makes this model send `cancel_stop_model`
-(tensorrt_llm) a `stop` request for that key, on a thread of its own, once per key; tensorrt_llm
+(tensorrt_llm) a `stop` request for that key, on a thread of its own, once per key (the flag is
+read at most every `cancellation_check_period_ms` per key, default 20: each read is IPC); tensorrt_llm
 then ends that generation before its next decode step. The cancelled request is still answered
 normally (the ensemble then finishes as usual; the client is gone and gets nothing). Such a
 repository has no dynamic batcher for this model: a batcher drops cancelled requests unseen.
@@ -34,6 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import json  # noqa: E402
 import queue  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -77,6 +79,9 @@ class TritonPythonModel:
         self.anchor = anchor[-1:] if anchor else []
         self.anchor_text = self._decode(self.anchor)
         self.stop_model = _param(config, "cancel_stop_model", "")
+        # is_cancelled() is an IPC round trip: ask it at most once per period per key, not per response
+        self.check_period_s = float(_param(config, "cancellation_check_period_ms", "20")) / 1000.0
+        self.checked: OrderedDict[str, float] = OrderedDict()  # key -> when it was last asked (latest keys)
         self.stopped: OrderedDict[str, None] = OrderedDict()  # keys already stopped (the latest ones)
         self.stops: queue.Queue = queue.Queue()
         if self.stop_model:
@@ -90,15 +95,20 @@ class TritonPythonModel:
         key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
         if key is None:  # not from the ensemble (BLS detokenizes without one)
             return None
+        key = key.as_numpy().reshape(-1)[0]
+        key = key.decode() if isinstance(key, bytes) else str(key)
+        now = time.monotonic()
+        if key in self.stopped or now - self.checked.get(key, -1e9) < self.check_period_s:
+            return None
+        self.checked[key] = now
+        self.checked.move_to_end(key)
+        while len(self.checked) > 4096:
+            self.checked.popitem(last=False)
         try:
             if not request.is_cancelled():
                 return None
         except Exception:  # noqa: BLE001 - Triton cannot say: the client is most likely gone, stop it
             pass
-        key = key.as_numpy().reshape(-1)[0]
-        key = key.decode() if isinstance(key, bytes) else str(key)
-        if key in self.stopped:
-            return None
         self.stopped[key] = None
         while len(self.stopped) > 4096:
             self.stopped.popitem(last=False)
