@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -139,66 +138,13 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
       trtmoe report --calib calib/ --ref ckpt_fp/ --quant ckpt_q/ --data heldout.txt -o report/
     """
 
-    from ..report.html import build_report, render, stats_rows
-    from ..report.quality import Reference, heldout_ids
-    from ..runtime.load import load_tokenizer
-    from .calibrate import load_calib
+    from ..report.assemble import write_report
+    from ..report.html import stats_rows
 
-    if not quants and not bench_paths:
-        raise InputError("nothing to report", hint="pass --quant CKPT (repeatable) and/or --bench bench.json")
-    if samples < 1 or seq_len < 2 or batch_size < 1:
-        raise InputError("--samples and --batch-size must be ≥ 1 and --seq-len ≥ 2")
-    from ..checkpoint.atomic import check_output_spares_inputs
-
-    ins = [p for p in (ref, *quants, calib, data, *bench_paths, tokenizer) if p is not None]
-    check_output_spares_inputs(out, ins, what="report directory", outside=[p for p in ins if Path(p).is_dir()])
-    for q in (ref, *quants) if quants else ():
-        if not (Path(q) / "config.json").is_file():
-            raise InputError("no config.json here; not a checkpoint", where=str(q),
-                             hint="pass a `trtmoe convert` checkpoint or a `trtmoe build --backend embedded` "
-                                  "engine dir")
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda: no CUDA device is visible here", hint="use --device cpu")
-    warnings = []
-    cal = load_calib(calib) if calib else None
-    if cal and data is not None and cal.get("data", {}).get("path") and \
-            Path(cal["data"]["path"]).resolve() == Path(data).resolve():
-        warnings.append(f"the held-out data {data} is the calibration data: these statistics are not held-out")
-    ids = None
-    if quants:
-        tok = load_tokenizer(tokenizer or ref)
-        ids = heldout_ids(tok, samples=samples, seq_len=seq_len, path=data, text_field=field)
-        if ids.shape[0] < samples:
-            warnings.append(f"the held-out text yields only {ids.shape[0]} windows of {seq_len} tokens "
-                            f"(asked for {samples})")
-    benches = []
-    for b in bench_paths:
-        try:
-            benches.append(json.loads(Path(b).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"cannot read benchmark JSON: {e}", where=str(b)) from None
-    bench = {"rows": [r for b in benches for r in b.get("rows", [])],
-             "targets": [t for b in benches for t in b.get("targets", [])]} if benches else None
-    evals = []
-    refp = Reference(ref, ids, batch_size=batch_size, device=device) if quants else None
-    for q in quants:
-        err_console.print(f"evaluating {q} …")
-        evals.append(refp.compare(q))
-    if cal and cal["routing"]["under_observed"]:
-        uo = cal["routing"]["under_observed"]
-        warnings.append(f"{len(uo)} expert(s) saw fewer than {cal['routing']['min_tokens_threshold']} calibration "
-                        "tokens, so their ΔKL is partly estimated (layer/expert: tokens): "
-                        + ", ".join(f"{u['layer']}/{u['expert']}: {u['tokens']}" for u in uo))
-    heldout = None if ids is None else {
-        "source": str(data) if data is not None else "corpus split 'heldout'", "samples": int(ids.shape[0]),
-        "seq_len": int(ids.shape[1]), "tokens_scored": int(ids.shape[0] * (ids.shape[1] - 1)),
-        "sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
-    reference = {"checkpoint": str(ref), "footprint": refp.footprint, "seconds": refp.seconds} if refp else None
-    rep = build_report(calib=cal, reference=reference, evaluations=evals, bench=bench, heldout=heldout,
-                       warnings=warnings)
-    paths = render(rep, out)
+    res = write_report(ref, out, quants=quants, calib=calib, data=data, bench_paths=bench_paths, samples=samples,
+                       seq_len=seq_len, batch_size=batch_size, tokenizer=tokenizer, text_field=field, device=device,
+                       on_evaluate=lambda q: err_console.print(f"evaluating {q} …"))
+    paths, evals, heldout, warnings = res.paths, res.evaluations, res.heldout, res.warnings
     if as_json:
         click.echo(json.dumps({"report": str(paths["html"]), "evaluations": evals}, indent=1))
         return
