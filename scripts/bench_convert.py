@@ -310,12 +310,12 @@ def print_table(rows: list[dict], load: tuple[tuple[float, ...], tuple[float, ..
     def gb(n):
         return f"{n / GiB:.2f}"
 
-    head = ("source GiB", "layout", "layers×experts", "copy s", "convert s", "ratio", "round ratios",
+    head = ("source GiB", "output GiB", "layout", "layers×experts", "copy s", "convert s", "ratio", "round ratios",
             "copy CPU s", "convert CPU s", "peak RSS GiB", "RSS limit GiB", "targets")
     lines = []
     for r in rows:
         ok = r["ratio"] <= RATIO_TARGET and r["peak_rss_bytes"] <= r["rss_limit_bytes"]
-        lines.append((gb(r["source_bytes"]), r["layout"], f"{r['layers']}×{r['experts']}",
+        lines.append((gb(r["source_bytes"]), gb(r["output_bytes"]), r["layout"], f"{r['layers']}×{r['experts']}",
                       f"{r['copy_s']:.2f}", f"{r['convert_s']:.2f}", f"{r['ratio']:.2f}",
                       f"{min(r['round_ratios']):.2f}–{max(r['round_ratios']):.2f}",
                       f"{r['copy_cpu_s']:.2f}", f"{r['convert_cpu_s']:.2f}",
