@@ -14,74 +14,33 @@ from ..checkpoint.support import ARCH_LABEL
 from ..checkpoint.support import options as support_options
 from ..errors import InputError, UnsupportedError
 from ..hf.reader import HFCheckpoint, parse_dtype
+from ..parallel.mapping import Mapping
 from .awq import attach as attach_rounding
 from .calibrate import load_calib
 from .plan import QuantPlan, uniform_plan
 from .policies import make_plan, make_target_plan, placement
 
 
+_BUDGETED = ("graded", "frequency-bytes", "random-bytes")
+
+
 def plan_from_config(model, cfg: dict):
     """The QuantPlan for a resolved config (CLI > YAML > defaults), or None for a float checkpoint."""
     q, cv, backend = cfg["quantize"], cfg["convert"], cfg["build"]["backend"]
     policy = q["policy"]
-    has_budget = q["budget_bpw"] is not None or q["budget_gb"] is not None
-    if policy == "none" and has_budget:
+    if policy == "none" and (q["budget_bpw"] is not None or q["budget_gb"] is not None):
         policy = "graded"
     if policy == "none" and q["placement"] == "identity":
         return None
-    granularity = q["granularity"]
-    if granularity == "auto":
-        # Uniform plans are layer-uniform anyway: write them in the form TensorRT-LLM also builds. The
-        # budgeted policies get the finest granularity the target runs: fc and proj apart on the
-        # embedded engine, one format per MoE layer on TensorRT-LLM. Frequency tiers are per expert.
-        if backend == "tensorrt-llm" or policy == "uniform":
-            granularity = "layer"
-        else:
-            granularity = "matrix" if policy in ("graded", "frequency-bytes", "random-bytes") else "expert"
-    if backend == "tensorrt-llm" and granularity == "matrix" and policy not in ("none",):
-        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer, and its "
-                               "MIXED_PRECISION config requires a MoE layer's fc and proj to share it; "
-                               "per-matrix formats (fc and proj apart) only run on the embedded engine",
-                               hint="use --granularity layer (the default for --target tensorrt-llm), "
-                                    "or --target embedded")
-    if backend == "tensorrt-llm" and granularity == "expert" and policy not in ("none",):
-        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer; per-expert "
-                               "formats only run on the embedded engine",
-                               hint="use --granularity layer (the default for --target tensorrt-llm)")
-    if backend == "tensorrt-llm" and policy == "frequency":
-        raise UnsupportedError("the frequency-tier policy assigns formats per expert, which TensorRT-LLM "
-                               "cannot run", hint="use --policy frequency-bytes or graded for --target tensorrt-llm")
-
+    granularity = _granularity(q["granularity"], policy, backend)
     with HFCheckpoint(model) as src:
         m = src.model
     dname = cv["dtype"] if cv["dtype"] != "auto" else m.source_dtype
     dtype = parse_dtype(dname if dname in ("float32", "float16", "bfloat16") else "float32")
-    tp = cv["tp"]
-    moe_ep = cv["moe_ep"] or (tp // cv["moe_tp"] if cv["moe_tp"] else 1)
-    moe_tp = cv["moe_tp"] or tp // moe_ep
-    calib = None
-    needs_calib = policy in ("graded", "frequency", "frequency-bytes", "random-bytes") or q["placement"] == "balanced"
-    if needs_calib:
-        if not q["calib"]:
-            raise InputError(f"policy {policy!r}" + (" / balanced placement" if q["placement"] == "balanced" else "")
-                             + " needs calibration data", hint="run `trtmoe calibrate MODEL --data ... -o calib/` "
-                                                               "and pass --calib calib/")
-        calib = load_calib(q["calib"])
-        if calib["num_experts"] != m.num_experts or calib["num_layers"] != m.num_layers:
-            raise InputError("calibration was measured on a different model", where=q["calib"])
-        # The manifest records which calibration this is (resolved path and content hash), not the
-        # path as typed: cfg is the resolved config the writer stores.
-        cpath = Path(q["calib"])
-        cfile = cpath / "calib.json" if cpath.is_dir() else cpath
-        q["calib"] = str(cpath.resolve())
-        calib_identity = {"path": q["calib"], "sha256": hashlib.sha256(cfile.read_bytes()).hexdigest()}
-    budget = q["budget_bpw"]
-    if q["budget_gb"] is not None:
-        if budget is not None:
-            raise InputError("give either --budget or --budget-gb, not both")
-        total_weights = m.num_moe_layers * m.num_experts * 3 * m.expert_intermediate_size * m.hidden_size
-        world = tp * cv["pp"]
-        budget = q["budget_gb"] * 1e9 * 8 * world / total_weights
+    mapping = Mapping.create(cv["tp"], cv["pp"], cv["moe_tp"], cv["moe_ep"])
+    calib, calib_identity = _calibration(q, policy, m)
+    budget = _budget_bpw(q, m, mapping)
+    I_loc = mapping.expert_ffn_per_rank(m.expert_intermediate_size)
     if policy == "uniform":
         if not q["format"]:
             raise InputError("policy 'uniform' needs --format int8, int4, int4_g128 or int4_g64")
@@ -89,21 +48,81 @@ def plan_from_config(model, cfg: dict):
     elif policy == "none":
         # Placement only: experts stay stacked float tensors (layer form), which every target loads.
         plan = QuantPlan({}, granularity="layer", meta={"policy": "none"})
-    elif backend == "tensorrt-llm" and policy in ("graded", "frequency-bytes", "random-bytes"):
+    elif backend == "tensorrt-llm" and policy in _BUDGETED:
         # Candidates are what the support table lets this architecture build on the target release.
         if budget is None:
             raise InputError(f"policy {policy!r} needs a budget (--budget BPW or --budget-gb)")
         opts = support_options(cv["trtllm_version"], m.family)
         plan = make_target_plan(calib, policy, budget_bpw=budget, uniform=opts.uniform, mixed=opts.mixed,
-                                dtype=dtype, formats=q["formats"], seed=q["seed"],
-                                I_loc=m.expert_intermediate_size // moe_tp,
+                                dtype=dtype, formats=q["formats"], seed=q["seed"], I_loc=I_loc,
                                 target=f"{ARCH_LABEL[m.family]} on TensorRT-LLM {opts.line}")
     else:
         plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=q["formats"],
-                         dtype=dtype, seed=q["seed"], I_loc=m.expert_intermediate_size // moe_tp)
+                         dtype=dtype, seed=q["seed"], I_loc=I_loc)
     if calib is not None:
         plan.meta["calib"] = calib_identity
     if q["placement"] == "balanced":
-        plan = plan.placed(*placement(calib, moe_ep))
+        plan = plan.placed(*placement(calib, mapping.moe_ep_size))
     attach_rounding(plan, q.get("rounding", "awq"), q["calib"], calib)
     return plan
+
+
+def _granularity(asked: str, policy: str, backend: str) -> str:
+    """The format unit: ``asked``, or for auto the finest one the target runs for the policy; refused
+    where the target cannot run it."""
+    granularity = asked
+    if granularity == "auto":
+        # Uniform plans are layer-uniform anyway: write them in the form TensorRT-LLM also builds. The
+        # budgeted policies get the finest granularity the target runs: fc and proj apart on the
+        # embedded engine, one format per MoE layer on TensorRT-LLM. Frequency tiers are per expert.
+        if backend == "tensorrt-llm" or policy == "uniform":
+            granularity = "layer"
+        else:
+            granularity = "matrix" if policy in _BUDGETED else "expert"
+    if backend != "tensorrt-llm" or policy == "none":
+        return granularity
+    if granularity == "matrix":
+        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer, and its "
+                               "MIXED_PRECISION config requires a MoE layer's fc and proj to share it; "
+                               "per-matrix formats (fc and proj apart) only run on the embedded engine",
+                               hint="use --granularity layer (the default for --target tensorrt-llm), "
+                                    "or --target embedded")
+    if granularity == "expert":
+        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer; per-expert "
+                               "formats only run on the embedded engine",
+                               hint="use --granularity layer (the default for --target tensorrt-llm)")
+    if policy == "frequency":
+        raise UnsupportedError("the frequency-tier policy assigns formats per expert, which TensorRT-LLM "
+                               "cannot run", hint="use --policy frequency-bytes or graded for --target tensorrt-llm")
+    return granularity
+
+
+def _calibration(q: dict, policy: str, m) -> tuple[dict | None, dict | None]:
+    """The calibration the policy or placement needs, checked against the model, and its identity
+    (resolved path and content hash) for the manifest. ``q["calib"]`` becomes the resolved path:
+    the manifest records which calibration this is, not the path as typed."""
+    needs = policy in ("graded", "frequency", *_BUDGETED) or q["placement"] == "balanced"
+    if not needs:
+        return None, None
+    if not q["calib"]:
+        raise InputError(f"policy {policy!r}" + (" / balanced placement" if q["placement"] == "balanced" else "")
+                         + " needs calibration data", hint="run `trtmoe calibrate MODEL --data ... -o calib/` "
+                                                           "and pass --calib calib/")
+    calib = load_calib(q["calib"])
+    if calib["num_experts"] != m.num_experts or calib["num_layers"] != m.num_layers:
+        raise InputError("calibration was measured on a different model", where=q["calib"])
+    cpath = Path(q["calib"])
+    cfile = cpath / "calib.json" if cpath.is_dir() else cpath
+    q["calib"] = str(cpath.resolve())
+    return calib, {"path": q["calib"], "sha256": hashlib.sha256(cfile.read_bytes()).hexdigest()}
+
+
+def _budget_bpw(q: dict, m, mapping: Mapping) -> float | None:
+    """The budget in bits per routed-expert weight: --budget as given, or --budget-gb (expert bytes per
+    GPU) spread over every routed-expert weight of the model."""
+    if q["budget_gb"] is None:
+        return q["budget_bpw"]
+    if q["budget_bpw"] is not None:
+        raise InputError("give either --budget or --budget-gb, not both")
+    total_weights = m.num_moe_layers * m.num_experts * 3 * m.expert_intermediate_size * m.hidden_size
+    return q["budget_gb"] * 1e9 * 8 * mapping.world_size / total_weights
