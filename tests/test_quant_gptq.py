@@ -187,6 +187,15 @@ def test_tensorrt_llm_layout_keeps_the_shared_scale_and_changes_only_codes(model
                     h = stats.get(l, e, m).gram * torch.outer(pq.float(), pq.float())
                     errs.append(awq._gram_err(h, w, deq, pq))
                 assert errs[1] <= errs[0] * (1 + 1e-6), (l, m, e, errs)
+    # Per-channel W4A16 layers are stored as float (trtllm-build quantizes them): codes cannot be, so
+    # awq_gptq stores awq's clipped weights there, byte for byte.
+    for r in ("awq", "awq_gptq"):
+        res = CliRunner().invoke(main, ["convert", str(model), "-o", str(tmp_path / f"pc-{r}"), "--calib",
+                                        str(cal["dir"][r]), "--policy", "uniform", "--format", "int4", "--target",
+                                        "tensorrt-llm", "--rounding", r], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+    assert (tmp_path / "pc-awq" / "rank0.safetensors").read_bytes() == \
+        (tmp_path / "pc-awq_gptq" / "rank0.safetensors").read_bytes()
 
 
 def test_too_few_rows_and_no_gram_keeps_the_base_recipe():

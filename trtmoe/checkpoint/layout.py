@@ -302,7 +302,7 @@ class RankLayout:
                 for e in orig:
                     w = self.expert_matrix(l, e, t, I_loc, mod)
                     rec = self._recipe(fmt, l, e, t, I_loc, mod, w, False)
-                    emit(w if rec is None else awq.transformed_weight(fmt, w, self.dtype, rec))
+                    emit(awq.float_weight(fmt, w, self.dtype, rec))
 
             rule = self._expert_rules[mod]
             specs.append(TensorSpec(p + rule.name, (len(orig), out_f, in_f), self.dtype, produce, rule.kind))

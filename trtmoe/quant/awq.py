@@ -250,6 +250,18 @@ class Recipe:
     pq: Tensor | None = None
     clip: Tensor | None = None
     codes: Tensor | None = None  # int8 [out, in] chosen by error feedback (None: round to nearest)
+    base_clip: Tensor | None = None  # with codes: the clip of the recipe they were chosen on
+
+
+def float_weight(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe | None) -> Tensor:
+    """The float weight stored for a layer the engine builder quantizes itself (per-channel W4A16 in
+    TensorRT-LLM's layout), where codes cannot be stored: the transform without them, with the clip of
+    the recipe they were chosen on."""
+    if recipe is None:
+        return w
+    if recipe.codes is None:
+        return transformed_weight(fmt, w, dtype, recipe)
+    return transformed_weight(fmt, w, dtype, Recipe(recipe.pq, recipe.base_clip))
 
 
 def transformed_weight(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe) -> Tensor:
@@ -355,7 +367,7 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         q = gptq.codes(wt, qs, ds, h, dtype)
         e = err((q.to(dtype) * ds).float())
         if e < best_err:
-            best, best_err = Recipe(pq, clip, q), e
+            best, best_err = Recipe(pq, clip, q, base.clip), e
     return best
 
 
