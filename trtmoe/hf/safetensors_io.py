@@ -250,11 +250,12 @@ _COPY_CALL = 32 << 20  # bytes per copy step: regular progress reports, prompt s
 _BOUNCE = 512 << 10
 _PAGE = 4096
 # Whether ranges whose source and destination offsets differ modulo the page size go through the
-# bounce buffer instead of the kernel. Kernels since 6.5 splice page-cache pages without copying
-# them (one copy per byte, into the destination, whatever the alignment), where the bounce buffer
-# copies each byte twice: on Linux 6.18 / ext4 a misaligned copy_file_range took ~0.44 s of CPU per
-# GB against ~0.58 s through the buffer (medians of 6 interleaved runs, 2-core VM).
-_BOUNCE_MISALIGNED = False
+# bounce buffer instead of the kernel. On its own a misaligned copy_file_range is the cheaper copy
+# (Linux 6.18 / ext4: ~0.44 s of CPU per GB against ~0.58 s through the buffer, medians of 6
+# interleaved runs), but the pages it leaves cost more to read back, hash and write out: a whole
+# 1.2 GB tp2/moe_ep2 convert took 3.48 s of CPU that way against 3.10 s with the buffer (medians of
+# 4 interleaved runs, 2-core VM).
+_BOUNCE_MISALIGNED = True
 
 
 class StreamingWriter:
