@@ -127,80 +127,16 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
     if input_ids.ndim == 1:
         input_ids = input_ids[None]
     batch = input_ids.shape[0]
-    lengths = get("input_lengths")
-    out_len = get("request_output_len")
-    if out_len is None:
+    if get("request_output_len") is None:
         raise RequestError("missing input 'request_output_len' (the ensemble's 'max_tokens')")
     if batch > 1 and not decoupled:
         raise RequestError("a request with batch size > 1 needs the decoupled tensorrt_llm model")
     reqs = []
     for b in range(batch):
-        n = int(_scalar(get, "input_lengths", b)) if lengths is not None else int(input_ids.shape[1])
-        if n < 1:
-            raise RequestError("empty prompt: input_lengths must be >= 1")
-        if n > input_ids.shape[1]:
-            raise RequestError(f"input_lengths {n} is longer than input_ids ({input_ids.shape[1]})")
-        prompt = [int(t) for t in input_ids[b, :n].tolist()]
-        if n > limits.max_input_len:
-            raise RequestError(f"prompt has {n} tokens; this engine accepts at most {limits.max_input_len} "
-                               "(build_config.max_input_len)")
-        bad_ids = [t for t in prompt if t < 0 or t >= limits.vocab_size]
-        if bad_ids:
-            raise RequestError(f"token id {bad_ids[0]} is outside the vocabulary [0, {limits.vocab_size})")
-        max_new = int(_scalar(get, "request_output_len", b))
-        if max_new < 1:
-            raise RequestError(f"max_tokens (request_output_len) must be >= 1, got {max_new}")
-        if n + max_new > limits.max_seq_len:
-            raise RequestError(f"prompt ({n} tokens) + max_tokens ({max_new}) = {n + max_new} exceeds this engine's "
-                               f"max_seq_len {limits.max_seq_len} (build_config.max_seq_len); ask for at most "
-                               f"{max(limits.max_seq_len - n, 0)} tokens")
-        beam = _scalar(get, "beam_width", b)
-        if beam is not None and int(beam) != 1:
-            raise RequestError(f"beam_width {int(beam)} is not supported; the engine was built with max_beam_width "
-                               f"{limits.max_beam_width} and the embedded engine decodes with beam width 1")
-        nrs = _scalar(get, "num_return_sequences", b)
-        if nrs is not None and int(nrs) != 1:
-            raise RequestError(f"num_return_sequences {int(nrs)} is not supported (only 1)")
-        for name, neutral in _NEUTRAL.items():
-            v = _scalar(get, name, b)
-            if v is not None and v != neutral and not (neutral is None and v in (0, False)):
-                raise RequestError(f"input '{name}'={v} is not supported by the embedded engine")
-        bias = get("embedding_bias")
-        if bias is not None and np.asarray(bias).size and np.any(np.asarray(bias) != 0):
-            raise RequestError("input 'embedding_bias' is not supported by the embedded engine")
-        if word_list(get("bad_words_list"), b):
-            raise RequestError("bad_words are not supported by the embedded engine")
-        dec_len = _scalar(get, "decoder_input_lengths", b)
-        dec_ids = get("decoder_input_ids")
-        if dec_ids is not None and dec_len is not None and int(dec_len) > 1:
-            raise RequestError("decoder_input_ids are for encoder-decoder engines; this engine is decoder-only")
-
-        temperature = _scalar(get, "temperature", b)
-        top_k = _scalar(get, "runtime_top_k", b)
-        top_p = _scalar(get, "runtime_top_p", b)
-        seed = _aliased(get, "seed", b)
-        min_tokens = _aliased(get, "min_tokens", b)
-        end_id = _scalar(get, "end_id", b)
-        if temperature is not None and float(temperature) < 0:
-            raise RequestError(f"temperature must be >= 0, got {temperature}")
-        if top_p is not None and not 0.0 <= float(top_p) <= 1.0:
-            raise RequestError(f"top_p must be in [0, 1], got {top_p}")
-        if top_k is not None and int(top_k) < 0:
-            raise RequestError(f"top_k must be >= 0, got {top_k}")
-        if min_tokens is not None and int(min_tokens) > max_new:
-            raise RequestError(f"min_tokens {int(min_tokens)} > max_tokens {max_new}")
-        if end_id is None:
-            end_id = limits.default_end_id
-        # TensorRT-LLM decodes greedily unless top_k > 1 or top_p > 0; mirror that so both engines
-        # answer a request the same way (a bare temperature stays greedy, as there).
-        sampling = (top_k is not None and int(top_k) > 1) or (top_p is not None and float(top_p) > 0.0)
-        params = make_params(
-            max_new_tokens=max_new,
-            temperature=float(temperature if temperature is not None else 1.0) if sampling else 0.0,
-            top_k=int(top_k or 0), top_p=float(top_p) if top_p else 1.0,  # TRT-LLM: top_p 0 = off
-            seed=int(seed) if seed is not None else None,
-            end_id=int(end_id) if end_id is not None and int(end_id) >= 0 else None,
-            min_tokens=int(min_tokens or 0))
+        prompt = _prompt(get, input_ids, b, limits)
+        max_new = _max_new_tokens(get, b, len(prompt), limits)
+        _refuse_unsupported(get, b, limits)
+        params = _sampling_params(get, b, max_new, limits, make_params)
         excl = _scalar(get, "exclude_input_in_output", b)
         streaming = bool(_scalar(get, "streaming", b) or False)
         if streaming and not decoupled:
@@ -215,3 +151,83 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
             return_num_output_tokens=bool(_scalar(get, "return_num_output_tokens", b) or False),
             batch_size=batch))
     return reqs
+
+
+def _prompt(get: Getter, input_ids: np.ndarray, b: int, limits: EngineLimits) -> list[int]:
+    """Prompt ``b``'s token ids, checked against its declared length, the engine's limit and vocabulary."""
+    n = int(_scalar(get, "input_lengths", b)) if get("input_lengths") is not None else int(input_ids.shape[1])
+    if n < 1:
+        raise RequestError("empty prompt: input_lengths must be >= 1")
+    if n > input_ids.shape[1]:
+        raise RequestError(f"input_lengths {n} is longer than input_ids ({input_ids.shape[1]})")
+    prompt = [int(t) for t in input_ids[b, :n].tolist()]
+    if n > limits.max_input_len:
+        raise RequestError(f"prompt has {n} tokens; this engine accepts at most {limits.max_input_len} "
+                           "(build_config.max_input_len)")
+    bad_ids = [t for t in prompt if t < 0 or t >= limits.vocab_size]
+    if bad_ids:
+        raise RequestError(f"token id {bad_ids[0]} is outside the vocabulary [0, {limits.vocab_size})")
+    return prompt
+
+
+def _max_new_tokens(get: Getter, b: int, n: int, limits: EngineLimits) -> int:
+    max_new = int(_scalar(get, "request_output_len", b))
+    if max_new < 1:
+        raise RequestError(f"max_tokens (request_output_len) must be >= 1, got {max_new}")
+    if n + max_new > limits.max_seq_len:
+        raise RequestError(f"prompt ({n} tokens) + max_tokens ({max_new}) = {n + max_new} exceeds this engine's "
+                           f"max_seq_len {limits.max_seq_len} (build_config.max_seq_len); ask for at most "
+                           f"{max(limits.max_seq_len - n, 0)} tokens")
+    return max_new
+
+
+def _refuse_unsupported(get: Getter, b: int, limits: EngineLimits) -> None:
+    """Inputs the embedded engine cannot honour are refused by name unless they carry their neutral value."""
+    beam = _scalar(get, "beam_width", b)
+    if beam is not None and int(beam) != 1:
+        raise RequestError(f"beam_width {int(beam)} is not supported; the engine was built with max_beam_width "
+                           f"{limits.max_beam_width} and the embedded engine decodes with beam width 1")
+    nrs = _scalar(get, "num_return_sequences", b)
+    if nrs is not None and int(nrs) != 1:
+        raise RequestError(f"num_return_sequences {int(nrs)} is not supported (only 1)")
+    for name, neutral in _NEUTRAL.items():
+        v = _scalar(get, name, b)
+        if v is not None and v != neutral and not (neutral is None and v in (0, False)):
+            raise RequestError(f"input '{name}'={v} is not supported by the embedded engine")
+    bias = get("embedding_bias")
+    if bias is not None and np.asarray(bias).size and np.any(np.asarray(bias) != 0):
+        raise RequestError("input 'embedding_bias' is not supported by the embedded engine")
+    if word_list(get("bad_words_list"), b):
+        raise RequestError("bad_words are not supported by the embedded engine")
+    dec_len = _scalar(get, "decoder_input_lengths", b)
+    if get("decoder_input_ids") is not None and dec_len is not None and int(dec_len) > 1:
+        raise RequestError("decoder_input_ids are for encoder-decoder engines; this engine is decoder-only")
+
+
+def _sampling_params(get: Getter, b: int, max_new: int, limits: EngineLimits, make_params: Callable[..., Any]):
+    temperature = _scalar(get, "temperature", b)
+    top_k = _scalar(get, "runtime_top_k", b)
+    top_p = _scalar(get, "runtime_top_p", b)
+    seed = _aliased(get, "seed", b)
+    min_tokens = _aliased(get, "min_tokens", b)
+    end_id = _scalar(get, "end_id", b)
+    if temperature is not None and float(temperature) < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0.0 <= float(top_p) <= 1.0:
+        raise RequestError(f"top_p must be in [0, 1], got {top_p}")
+    if top_k is not None and int(top_k) < 0:
+        raise RequestError(f"top_k must be >= 0, got {top_k}")
+    if min_tokens is not None and int(min_tokens) > max_new:
+        raise RequestError(f"min_tokens {int(min_tokens)} > max_tokens {max_new}")
+    if end_id is None:
+        end_id = limits.default_end_id
+    # TensorRT-LLM decodes greedily unless top_k > 1 or top_p > 0; mirror that so both engines
+    # answer a request the same way (a bare temperature stays greedy, as there).
+    sampling = (top_k is not None and int(top_k) > 1) or (top_p is not None and float(top_p) > 0.0)
+    return make_params(
+        max_new_tokens=max_new,
+        temperature=float(temperature if temperature is not None else 1.0) if sampling else 0.0,
+        top_k=int(top_k or 0), top_p=float(top_p) if top_p else 1.0,  # TRT-LLM: top_p 0 = off
+        seed=int(seed) if seed is not None else None,
+        end_id=int(end_id) if end_id is not None and int(end_id) >= 0 else None,
+        min_tokens=int(min_tokens or 0))
