@@ -5,9 +5,13 @@
 
     python scripts/checkpoint_bytes.py . mixtral,qwen2_moe,deepseek_v1,qwen3_moe,phimoe > now.json
 """
-import hashlib, json, sys, tempfile, importlib.util
+import argparse, hashlib, json, sys, tempfile, importlib.util
 from pathlib import Path
-repo = Path(sys.argv[1]); sys.path.insert(0, str(repo))
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("repo", help="source tree whose trtmoe converts")
+ap.add_argument("archs", help="comma-separated architectures, e.g. mixtral,qwen2_moe,deepseek_v1,qwen3_moe,phimoe")
+args = ap.parse_args()
+repo = Path(args.repo); sys.path.insert(0, str(repo))
 spec = importlib.util.spec_from_file_location("mtm", repo / "scripts/make_tiny_models.py"); mtm = importlib.util.module_from_spec(spec); spec.loader.exec_module(mtm)
 from trtmoe.checkpoint.writer import convert
 from trtmoe.hf.reader import HFCheckpoint
@@ -15,7 +19,7 @@ from trtmoe.quant.plan import QuantPlan
 
 out = {}
 tmp = Path(tempfile.mkdtemp())
-archs = sys.argv[2].split(",")
+archs = args.archs.split(",")
 for arch in archs:
     src = mtm.make_tiny_model(arch, tmp / f"src-{arch}")
     with HFCheckpoint(src) as s: m = s.model
