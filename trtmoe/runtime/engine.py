@@ -394,8 +394,9 @@ class EmbeddedEngine:
         if len(token_of) <= STACK_MAX_ROWS:
             # One token: each of its experts reads it as it is (a [1, H] view, no gathered copy).
             xs = h.expand(len(token_of), h.shape[1]) if h.shape[0] == 1 else h[token_of]
-            y = lay.experts.forward_grouped(xs, counts)  # a new tensor: weighted in place
-            out = torch.zeros_like(h).index_add_(0, token_of, y.mul_(w_sorted))
+            y = lay.experts.forward_grouped(xs, counts)  # a new tensor: weighted in place (no autograd)
+            y = y * w_sorted if y.requires_grad else y.mul_(w_sorted)
+            out = torch.zeros_like(h).index_add_(0, token_of, y)
         else:  # a big block (prefill): expert by expert, without a copy of every routed row
             out, start = torch.zeros_like(h), 0
             for e, n in enumerate(counts):

@@ -101,6 +101,8 @@ class FloatExperts(ExpertBank):
         # Each busy expert's two matmuls write into its rows of one buffer per matrix, and the
         # activation runs once over all rows: the same per-row arithmetic as ``forward`` expert by
         # expert (the activation's rows are its inner loop either way), with fewer calls.
+        if x.requires_grad and torch.is_grad_enabled():  # out= matmuls record no gradient
+            return super().forward_grouped(x, counts)
         spans, start = [], 0
         for e, n in enumerate(counts):
             if n:
