@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -74,6 +75,22 @@ def tiny_model(tmp_path_factory) -> Callable[..., Path]:
         return cache[key]
 
     return make
+
+
+TRAINED_MIXTRAL = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
+
+
+def tokenized_tiny_mixtral(tiny_model, root: Path, name: str) -> tuple[Path, Path]:
+    """A writable copy of the tiny Mixtral (vocabulary 2048) with the trained fixture's tokenizer, so
+    every command (calibrate, repo, serve) can run on it, and a small calibration text beside it."""
+    from trtmoe.data import write_split_text
+
+    model = Path(shutil.copytree(tiny_model("mixtral", vocab_size=2048), root / name))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
+    text = root / "calib.txt"
+    write_split_text("calib", text, max_bytes=20000)
+    return model, text
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from conftest import tokenized_tiny_mixtral
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
@@ -37,7 +38,6 @@ from safetensors.torch import load_file, save_file
 from trtmoe.cli import main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TRAINED = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
 HANG_SECONDS = 30
 
 
@@ -145,17 +145,12 @@ def base(tiny_model, tmp_path_factory) -> Base:
     from trtmoe.build.embedded import build_embedded
     from trtmoe.checkpoint.writer import convert
     from trtmoe.config import defaults
-    from trtmoe.data import write_split_text
     from trtmoe.quant.calibrate import calibrate
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("hostile-base")
-    tokm = shutil.copytree(tiny_model("mixtral", vocab_size=2048), root / "tokm")
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copyfile(TRAINED / f, tokm / f)
-    text = root / "calib.txt"
-    write_split_text("calib", text, max_bytes=20000)
+    tokm, text = tokenized_tiny_mixtral(tiny_model, root, "tokm")
     calibrate(tokm, text, root / "calib", samples=2, seq_len=16, formats=("int8", "int4"))
     convert(tokm, root / "ckpt")
     build_embedded(root / "ckpt", root / "engine", {**defaults()["build"], "max_input_len": 64})

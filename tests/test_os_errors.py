@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import tokenized_tiny_mixtral
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TRAINED = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
 ZYGOTE = REPO_ROOT / "tests" / "os_faults" / "zygote.py"
 
 
@@ -83,16 +83,11 @@ def base(tiny_model, tmp_path_factory) -> Base:
     from trtmoe.build.embedded import build_embedded
     from trtmoe.checkpoint.writer import convert
     from trtmoe.config import defaults
-    from trtmoe.data import write_split_text
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("os-errors")
-    model = shutil.copytree(tiny_model("mixtral", vocab_size=2048), root / "model")
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copyfile(TRAINED / f, model / f)
-    text = root / "calib.txt"
-    write_split_text("calib", text, max_bytes=20000)
+    model, text = tokenized_tiny_mixtral(tiny_model, root, "model")
     convert(model, root / "ckpt")
     build_embedded(root / "ckpt", root / "engine", {**defaults()["build"], "max_input_len": 64})
     tmp = root / "tmpdir"
