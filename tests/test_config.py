@@ -187,7 +187,8 @@ def test_resolve_checks_cli_values_too(tmp_path):
 
 
 @pytest.mark.parametrize("command, sections", [
-    ("convert", ("convert", "quantize")), ("build", ("build",)), ("repo", ("repo",)), ("serve", ("serve",))])
+    ("convert", ("convert", "quantize")), ("build", ("build",)), ("repo", ("repo",)), ("serve", ("serve",)),
+    ("calibrate", ("calibrate",))])
 def test_every_schema_key_is_an_option_of_its_command(command, sections):
     """Each stage's YAML keys are its command's options, with the schema's choices, and the option
     a user passes lands in the section `resolve` reads."""
@@ -274,3 +275,24 @@ def test_convert_never_replaces_a_calib_directory_named_in_yaml(tiny_model, tmp_
     assert proc.returncode == 2, proc.stderr
     assert "would replace one of this command's inputs" in proc.stderr
     assert sorted(x.name for x in cal.iterdir()) == ["keep.txt"] and (cal / "keep.txt").read_text() == "mine"
+
+
+def test_calibrate_takes_its_options_from_yaml_and_the_command_line_overrides(tiny_model, tmp_path):
+    from conftest import tokenized_tiny_mixtral
+
+    model, text = tokenized_tiny_mixtral(tiny_model, tmp_path, "model")
+    p = write(tmp_path, f"calibrate:\n  data: {text}\n  samples: 3\n  seq_len: 16\n  formats: [int8]\n")
+    out = tmp_path / "calib"
+    proc = subprocess.run([sys.executable, "-m", "trtmoe.cli", "calibrate", str(model), "-o", str(out), "-c", str(p),
+                           "--samples", "2", "--json"], capture_output=True, text=True, env=ENV, cwd=REPO_ROOT,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    cal = json.loads((out / "calib.json").read_text())
+    assert cal["formats"] == ["int8"]  # from YAML
+    assert cal["data"]["samples"] == 2 and cal["data"]["seq_len"] == 16  # CLI over YAML; YAML over defaults
+    assert Path(cal["data"]["path"]).resolve() == text.resolve()
+    bad = write(tmp_path, "calibrate:\n  samples: 0\n")
+    proc = subprocess.run([sys.executable, "-m", "trtmoe.cli", "calibrate", str(model), "-o", str(tmp_path / "c2"),
+                           "-c", str(bad), "--data", str(text)], capture_output=True, text=True, env=ENV,
+                          cwd=REPO_ROOT, timeout=240)
+    assert proc.returncode == 2 and "calibrate.samples" in proc.stderr and "below the minimum 1" in proc.stderr

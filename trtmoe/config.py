@@ -1,8 +1,8 @@
 """YAML build configs, validated strictly, merged CLI > YAML > defaults.
 
-A config has up to six sections (``model``, ``convert``, ``quantize``, ``build``, ``repo``, ``serve``):
-every stage's options, so one file drives ``convert``, ``build``, ``repo`` and ``serve`` and the
-command line overrides any of them. An unknown section or key, or a bad value, is a ConfigError
+A config has up to seven sections (``model``, ``convert``, ``quantize``, ``build``, ``repo``, ``serve``,
+``calibrate``): every stage's options, so one file drives ``calibrate``, ``convert``, ``build``, ``repo``
+and ``serve`` and the command line overrides any of them. An unknown section or key, or a bad value, is a ConfigError
 naming the key and what is allowed.
 """
 
@@ -156,6 +156,31 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "restart": Key(int, 3, minimum=0, help="When a backend process dies or tritonserver exits, start it again "
                                                "on the same repository and ports, at most this many times; then "
                                                "exit 1 (0: exit at the first failure)."),
+    },
+    "calibrate": {  # `trtmoe calibrate`: routing statistics and sensitivity on calibration text
+        "data": Key(str, None, nullable=True, metavar="PATH",
+                    help="Calibration text: a file, a directory of text files, or JSONL with a text field."),
+        "samples": Key(int, 32, help="Number of token windows.", **_POS),
+        "seq_len": Key(int, 128, minimum=2, help="Tokens per window."),
+        "formats": Key(list, None, nullable=True, choices=QUANTIZED_NAMES, metavar="LIST",
+                       help="Candidate formats to measure, comma separated (YAML: a list); formats that cannot "
+                            "store the model's matrices are skipped with a note.",
+                       shown_default=",".join(QUANTIZED_NAMES)),
+        "min_tokens": Key(int, 16, minimum=0,
+                          help="Experts routed fewer tokens than this are flagged and their ΔKL also estimated."),
+        "field": Key(str, "text", help="JSONL field holding the text."),
+        "tokenizer": Key(str, None, nullable=True, metavar="DIR", help="Tokenizer folder.", shown_default="MODEL"),
+        "add_bos": Key(bool, None, nullable=True,
+                       help="Prepend BOS to each document.",
+                       shown_default="the tokenizer's add_bos_token; lacking one, BOS when the tokenizer names one"),
+        "rounding": Key(str, "awq", choices=ROUNDING_NAMES,
+                        help="How INT4 formats are rounded when their ΔKL is measured (convert with the same)."),
+        "sensitivity": Key(str, "fisher", choices=("fisher", "exact"),
+                           help="fisher: second-order estimate from one forward and one backward pass, whatever "
+                                "the number of experts (resumable: rerun the same command after an interruption); "
+                                "exact: end-to-end ΔKL per expert matrix and format (about formats × experts × "
+                                "layers passes)."),
+        "device": Key(str, "cpu", choices=("cpu", "cuda"), help="Where calibration runs."),
     },
 }
 TOP_LEVEL = {"model": Key(str, None, nullable=True, help="HF model directory or hub id")}

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import click
 
+from .. import config as cfgmod
 from ..console import console, err_console
 from ..errors import InputError
-from . import QUANTIZED_NAMES, ROUNDING_NAMES
+from . import QUANTIZED_NAMES
 
 # Every quantized format (calibrate measures them all by default), without importing torch.
 DEFAULT_FORMATS = QUANTIZED_NAMES
@@ -17,34 +18,15 @@ DEFAULT_FORMATS = QUANTIZED_NAMES
 
 @click.command()
 @click.argument("model")
-@click.option("--data", required=True, type=click.Path(path_type=Path),
-              help="Calibration text: a file, a directory of text files, or JSONL with a text field.")
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
               help="Directory for calib.json.")
-@click.option("--samples", type=int, default=32, show_default=True, help="Number of token windows.")
-@click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per window.")
-@click.option("--formats", default=",".join(DEFAULT_FORMATS), show_default=True, help="Candidate formats to measure.")
-@click.option("--min-tokens", type=int, default=16, show_default=True,
-              help="Experts routed fewer tokens than this are flagged and their ΔKL also estimated.")
-@click.option("--field", default="text", show_default=True, help="JSONL field holding the text.")
-@click.option("--tokenizer", type=click.Path(path_type=Path), default=None, help="Tokenizer dir [default: MODEL].")
-@click.option("--add-bos/--no-add-bos", "add_bos", default=None,
-              help="Prepend BOS to each document [default: the tokenizer's add_bos_token; lacking one, BOS "
-                   "when the tokenizer names one].")
+@click.option("-c", "--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="YAML config (see build_configs/); its calibrate section sets these options and the command "
+                   "line overrides it.")
+@cfgmod.click_options("calibrate")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print calib.json's summary as JSON.")
-@click.option("--rounding", type=click.Choice(list(ROUNDING_NAMES)), default="awq", show_default=True,
-              help="How INT4 formats are rounded when their ΔKL is measured (convert with the same): rtn, "
-                   "awq (activation-aware scale and clip), gptq (error-feedback codes from the routed "
-                   "tokens' input Gram matrix) or awq_gptq (both).")
-@click.option("--sensitivity", type=click.Choice(["fisher", "exact"]), default="fisher", show_default=True,
-              help="fisher: second-order estimate from one forward and one backward pass, whatever the number "
-                   "of experts (resumable: rerun the same command after an interruption); exact: end-to-end "
-                   "ΔKL per expert matrix and format (about formats × experts × layers passes).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where calibration runs.")
-def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, tokenizer, add_bos, force, as_json,
-              rounding="awq", sensitivity="fisher", device="cpu"):
+def calibrate(model, out, config_path, force, as_json, **options):
     """Measure routing statistics and sensitivity (ΔKL per format of each expert's fc and proj) on
     calibration text.
 
@@ -57,16 +39,18 @@ def calibrate(model, data, out, samples, seq_len, formats, min_tokens, field, to
 
     from .calibrate import calibrate as run
 
-    if samples < 1 or seq_len < 2:
-        raise InputError("--samples must be ≥ 1 and --seq-len ≥ 2")
+    c = cfgmod.resolve(config_path, cfgmod.from_cli(options, "calibrate"))["calibrate"]
+    if c["data"] is None:
+        raise InputError("no calibration text: pass --data PATH (or calibrate.data in the YAML config)")
     notes: list[str] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err_console, transient=True) as prog:
         task = prog.add_task("measuring sensitivity", total=None)
-        res = run(model, data, out, samples=samples, seq_len=seq_len, formats=tuple(formats.split(",")),
-                  min_tokens=min_tokens, tokenizer=tokenizer, text_field=field, force=force, add_bos=add_bos,
-                  notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t),
-                  rounding=rounding, sensitivity=sensitivity, device=device)
+        res = run(model, Path(c["data"]), out, samples=c["samples"], seq_len=c["seq_len"],
+                  formats=tuple(c["formats"] or DEFAULT_FORMATS), min_tokens=c["min_tokens"],
+                  tokenizer=Path(c["tokenizer"]) if c["tokenizer"] else None, text_field=c["field"], force=force,
+                  add_bos=c["add_bos"], notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t),
+                  rounding=c["rounding"], sensitivity=c["sensitivity"], device=c["device"])
     if as_json:
         click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats")}, indent=1))
         return
