@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         torch.float16 if calib["dtype"] == "float16" else torch.float32)
 
     def do(policy_label, plan, budget=None, seed=None, keep=False, additive=False, rounding=None):
-        awq.attach(plan, rounding or args.rounding, cdir, calib)
+        plan = awq.attach(plan, rounding or args.rounding, cdir, calib)
         name = policy_label.replace(" ", "_").replace("(", "").replace(")", "") + (
             f"_{budget}" if budget is not None else "") + (f"_s{seed}" if seed is not None else "")
         ev, cev = run_plan(model, work, name, plan, ref, cref if additive else None, keep or args.keep)

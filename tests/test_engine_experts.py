@@ -56,7 +56,7 @@ def test_awq_experts_with_their_own_prequant_scales_run_stacked(model, tmp_path)
     acts.save(calib / awq.ACT_FILE)
     write_calibration(calib, res)
     plan = QuantPlan({l: ["int4_g128"] * E for l in range(L)}, granularity="expert", dtype=torch.bfloat16)
-    awq.attach(plan, "awq", calib)
+    plan = awq.attach(plan, "awq", calib)
     eng = EmbeddedEngine.from_checkpoint(convert(model, tmp_path / "awq", quant=plan).out_dir, device="cpu")
     bank = eng.layers[1].experts
     assert isinstance(bank, PackedExperts)

@@ -66,7 +66,7 @@ def _hf_expert(model, l, e):
 
 
 def _awq_plan(plan: QuantPlan, calib_dir) -> QuantPlan:
-    awq.attach(plan, "awq", calib_dir)
+    plan = awq.attach(plan, "awq", calib_dir)
     assert plan.meta["rounding"] == "awq"
     return plan
 
@@ -207,7 +207,8 @@ def test_embedded_checkpoint_holds_the_weights_calibration_measured(model, calib
     plan = QuantPlan({l: [INT4[(e + l) % 3] for e in range(E)] for l in range(L)}, granularity="matrix",
                      proj_formats={l: [INT4[(e + l + 1) % 3] for e in range(E)] for l in range(L)},
                      dtype=torch.bfloat16)
-    ck = convert(model, tmp_path / "ck", quant=_awq_plan(plan, calib["dir"])).out_dir
+    plan = _awq_plan(plan, calib["dir"])
+    ck = convert(model, tmp_path / "ck", quant=plan).out_dir
     acts = calib["acts"]
     for l in range(L):
         for e in range(E):
@@ -245,8 +246,8 @@ def test_rtn_is_byte_identical_to_before(model, calib, tmp_path):
                                                            for l in range(L)})}
     for label, make in plans.items():
         before, rtn, aw = make(), make(), make()
-        awq.attach(rtn, "rtn", calib["dir"])
-        _awq_plan(aw, calib["dir"])
+        rtn = awq.attach(rtn, "rtn", calib["dir"])
+        aw = _awq_plan(aw, calib["dir"])
         outs = [convert(model, tmp_path / f"{label}-{i}", quant=p).out_dir for i, p in enumerate((before, rtn, aw))]
         for f in ("rank0.safetensors", "config.json"):
             assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), (label, f)

@@ -139,7 +139,7 @@ def test_calibration_keeps_the_gram_only_for_error_feedback(model, cal, tmp_path
         assert s.gram is not None and s.gram.shape == (s.rows.shape[1],) * 2
         assert torch.equal(loaded.stats[key].gram, s.gram)
     plan = QuantPlan({l: ["int4_g128"] * 4 for l in range(2)}, granularity="matrix", dtype=DT)
-    awq.attach(plan, "awq_gptq", cal["dir"]["awq_gptq"])
+    plan = awq.attach(plan, "awq_gptq", cal["dir"]["awq_gptq"])
     assert plan.meta["rounding"] == "awq_gptq"
     out = convert(model, tmp_path / "q", quant=plan).out_dir
     got = load_file(str(out / "rank0.safetensors"))

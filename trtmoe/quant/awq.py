@@ -42,7 +42,7 @@ ignored) instead. They live in the calibration artifact as ``activations.safeten
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -659,18 +659,20 @@ def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
     return CheckpointRounding(_LOADED[key], dtype, key, rounding)
 
 
-def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None) -> None:
-    """Record ``rounding`` in ``plan.meta`` (what the layout reads and the manifest keeps). awq needs a
-    calibration with activation statistics; without one the plan is rounded to nearest and says why.
-    A plan that stores no int4 format is left as it is."""
+def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None):
+    """``plan`` with ``rounding`` recorded in its meta (what the layout reads and the manifest keeps):
+    a new plan, the given one is left as it is. awq needs a calibration with activation statistics;
+    without one the plan is rounded to nearest and says why. A plan that stores no int4 format comes
+    back unchanged."""
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=ROUNDING_HINT)
     if plan is None or not any(f in FORMATS and applies(FORMATS[f]) for f in plan.used_formats()):
-        return
+        return plan
+    meta = {**plan.meta, "notes": list(plan.meta.get("notes") or [])}
 
     def note(text: str) -> None:
-        plan.meta["rounding_note"] = text
-        plan.meta.setdefault("notes", []).append(text)
+        meta["rounding_note"] = text
+        meta["notes"].append(text)
 
     measured = (calib or {}).get("rounding")
     act = None
@@ -684,6 +686,9 @@ def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None
         rounding = "rtn"
     elif measured is not None and measured != rounding:
         note(f"sensitivities were measured with {measured} rounding, the int4 weights use {rounding}")
-    plan.meta["rounding"] = rounding
+    if not meta["notes"] and "notes" not in plan.meta:
+        del meta["notes"]
+    meta["rounding"] = rounding
     if act is not None:
-        plan.meta["activations"] = {"path": str(act.resolve()), "sha256": sha256_file(act)}
+        meta["activations"] = {"path": str(act.resolve()), "sha256": sha256_file(act)}
+    return replace(plan, meta=meta)

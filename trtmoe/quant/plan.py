@@ -67,7 +67,8 @@ class QuantPlan:
     A plan is a value: it is checked when made, and ``bind`` returns a new plan that also knows the
     model and layout it is written for (what the config blocks, the sidecar and the manifest entry
     need); nothing about it changes afterwards, so no method depends on what was called before it.
-    ``meta`` holds what the plan was made from and notes for the user (the manifest keeps it)."""
+    ``meta`` holds what the plan was made from and notes for the user (the manifest keeps it); the
+    steps that add to it (calibration identity, placement, rounding) return new plans too."""
 
     formats: dict[int, list[str]]
     granularity: str = "expert"  # "matrix" / "expert" (embedded engine) or "layer" (TensorRT-LLM fused MoE)

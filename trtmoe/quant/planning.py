@@ -8,6 +8,7 @@ placement."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 from ..checkpoint.support import ARCH_LABEL
@@ -60,11 +61,10 @@ def plan_from_config(model, cfg: dict):
         plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=q["formats"],
                          dtype=dtype, seed=q["seed"], I_loc=I_loc)
     if calib is not None:
-        plan.meta["calib"] = calib_identity
+        plan = replace(plan, meta={**plan.meta, "calib": calib_identity})
     if q["placement"] == "balanced":
         plan = plan.placed(*placement(calib, mapping.moe_ep_size))
-    attach_rounding(plan, q.get("rounding", "awq"), q["calib"], calib)
-    return plan
+    return attach_rounding(plan, q.get("rounding", "awq"), q["calib"], calib)
 
 
 def _granularity(asked: str, policy: str, backend: str) -> str:
