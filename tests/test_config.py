@@ -296,3 +296,22 @@ def test_calibrate_takes_its_options_from_yaml_and_the_command_line_overrides(ti
                            "-c", str(bad), "--data", str(text)], capture_output=True, text=True, env=ENV,
                           cwd=REPO_ROOT, timeout=240)
     assert proc.returncode == 2 and "calibrate.samples" in proc.stderr and "below the minimum 1" in proc.stderr
+
+
+def test_convert_rounds_int4_as_the_calibration_measured_unless_told(tiny_model, tmp_path):
+    from conftest import tokenized_tiny_mixtral
+
+    model, text = tokenized_tiny_mixtral(tiny_model, tmp_path, "model")
+    cal = tmp_path / "calib"
+    run = dict(capture_output=True, text=True, env=ENV, cwd=REPO_ROOT, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "trtmoe.cli", "calibrate", str(model), "--data", str(text), "-o",
+                           str(cal), "--samples", "2", "--seq-len", "16", "--formats", "int8,int4",
+                           "--rounding", "rtn"], **run)
+    assert proc.returncode == 0, proc.stderr
+    for extra, want in (([], "rtn"), (["--rounding", "awq"], "awq")):
+        out = tmp_path / f"ck-{want}"
+        proc = subprocess.run([sys.executable, "-m", "trtmoe.cli", "convert", str(model), "-o", str(out),
+                               "--calib", str(cal), "--policy", "uniform", "--format", "int4", *extra], **run)
+        assert proc.returncode == 0, proc.stderr
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["quantization"]["rounding"] == want and m["resolved_config"]["quantize"]["rounding"] == want

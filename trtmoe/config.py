@@ -70,7 +70,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                      help="Calibration directory from `trtmoe calibrate` (needed by graded/frequency/balanced)."),
         "placement": Key(str, "identity", choices=("identity", "balanced"),
                          help="balanced: permute experts per layer to even out measured load across EP ranks."),
-        "rounding": Key(str, "awq", choices=ROUNDING_NAMES,
+        "rounding": Key(str, None, nullable=True, choices=ROUNDING_NAMES,
+                        shown_default="the calibration's rounding; awq without a calibration",
                         help="INT4 rounding: awq (activation-aware scale and clip search on the calibration's "
                              "routed tokens; round to nearest without them), rtn (round to nearest), gptq "
                              "(error-feedback codes from the routed tokens' input Gram matrix) or awq_gptq "

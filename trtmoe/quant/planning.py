@@ -32,6 +32,7 @@ def plan_from_config(model, cfg: dict):
     if policy == "none" and (q["budget_bpw"] is not None or q["budget_gb"] is not None):
         policy = "graded"
     if policy == "none" and q["placement"] == "identity":
+        q["rounding"] = q["rounding"] or "awq"
         return None
     granularity = _granularity(q["granularity"], policy, backend)
     with HFCheckpoint(model) as src:
@@ -40,6 +41,10 @@ def plan_from_config(model, cfg: dict):
     dtype = parse_dtype(dname if dname in ("float32", "float16", "bfloat16") else "float32")
     mapping = Mapping.create(cv["tp"], cv["pp"], cv["moe_tp"], cv["moe_ep"])
     calib, calib_identity = _calibration(q, policy, m)
+    # Unless asked otherwise, INT4 is rounded as the sensitivities were measured (the resolved config
+    # the manifest keeps says which).
+    measured = calib if calib is not None else (load_calib(q["calib"]) if q["calib"] else None)
+    q["rounding"] = q["rounding"] or (measured or {}).get("rounding") or "awq"
     budget = _budget_bpw(q, m, mapping)
     I_loc = mapping.expert_ffn_per_rank(m.expert_intermediate_size)
     if policy == "uniform":
@@ -64,7 +69,7 @@ def plan_from_config(model, cfg: dict):
         plan = replace(plan, meta={**plan.meta, "calib": calib_identity})
     if q["placement"] == "balanced":
         plan = plan.placed(*placement(calib, mapping.moe_ep_size))
-    return attach_rounding(plan, q.get("rounding", "awq"), q["calib"], calib)
+    return attach_rounding(plan, q["rounding"], q["calib"], measured)
 
 
 def _granularity(asked: str, policy: str, backend: str) -> str:
