@@ -294,23 +294,10 @@ def cancel_rss(soak: Soak, n: int) -> dict:
     return out
 
 
-def _engine_counters(srv) -> tuple[float, float]:
-    from trtmoe.triton.metrics import scrape
-
-    m = scrape(srv.endpoints.metrics)
-    active = sum(v for labels, v in m.get("trtmoe_batcher_requests", []) if dict(labels).get("state") == "active")
-    return sum(v for _, v in m.get("trtmoe_generated_tokens_total", [])), active
-
-
 def _idle_tokens(srv, timeout: float = 60.0) -> float:
-    """Tokens generated so far, once no request holds a batch slot (metrics refresh every 0.5 s)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(0.6)
-        if _engine_counters(srv)[1] == 0:
-            time.sleep(0.6)
-            return _engine_counters(srv)[0]
-    raise RuntimeError(f"a request still holds its batch slot after {timeout} s")
+    from trtmoe.triton.metrics import tokens_when_idle
+
+    return tokens_when_idle(srv.endpoints.metrics, timeout)
 
 
 def cancel_tokens(soak: Soak, trials: int, n: int = 150) -> dict:

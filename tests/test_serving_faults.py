@@ -31,7 +31,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
 from trtmoe.triton.batcher import FINISH_CANCELLED, InflightBatcher  # noqa: E402
-from trtmoe.triton.metrics import scrape  # noqa: E402
+from trtmoe.triton.metrics import tokens_when_idle  # noqa: E402
 from trtmoe.triton.repository import generate_repository  # noqa: E402
 from trtmoe.triton.serve import backend_stubs, serve_repository, shm_regions  # noqa: E402
 
@@ -87,23 +87,9 @@ def _inputs(model: str, n: int = LONG) -> list:
             _tensor("stream", np.array([[True]]), "BOOL")]
 
 
-def _engine_counters(server) -> tuple[float, float]:
-    """(tokens generated so far, requests in the batch) from the tensorrt_llm model's metrics."""
-    m = scrape(server.endpoints.metrics)
-    active = sum(v for labels, v in m.get("trtmoe_batcher_requests", []) if dict(labels).get("state") == "active")
-    return sum(v for _, v in m.get("trtmoe_generated_tokens_total", [])), active
-
-
 def _wait_idle(server, timeout: float = 30.0) -> float:
-    """Wait until no request is in the batch (metrics refresh every 0.5 s); the token count then."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(0.6)
-        total, active = _engine_counters(server)
-        if active == 0:
-            time.sleep(0.6)  # one more refresh: the count of the last step
-            return _engine_counters(server)[0]
-    raise AssertionError(f"a request still holds its batch slot after {timeout} s")
+    """Tokens generated so far, once no request is in the batch."""
+    return tokens_when_idle(server.endpoints.metrics, timeout)
 
 
 # -- the batcher: is_cancelled is polled by a watcher, not on the decode thread ---------------------

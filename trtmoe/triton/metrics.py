@@ -296,6 +296,25 @@ def scrape(url: str, timeout: float = 5.0) -> dict[str, list[tuple[dict[str, str
         return parse_prometheus(r.read().decode("utf-8", "replace"))
 
 
+def engine_activity(url: str) -> tuple[float, float]:
+    """(tokens the embedded engine has generated, requests holding a batch slot) from its metrics."""
+    m = scrape(url)
+    active = sum(v for labels, v in m.get("trtmoe_batcher_requests", []) if dict(labels).get("state") == "active")
+    return sum(v for _, v in m.get("trtmoe_generated_tokens_total", [])), active
+
+
+def tokens_when_idle(url: str, timeout: float = 30.0) -> float:
+    """Wait until no request holds a batch slot, then the tokens generated so far (the metrics refresh
+    every 0.5 s, so the count is read one refresh later: the last step's tokens included)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        if engine_activity(url)[1] == 0:
+            time.sleep(0.6)
+            return engine_activity(url)[0]
+    raise TimeoutError(f"a request still holds its batch slot after {timeout} s")
+
+
 def format_routing_table(rows: Iterable[LayerRouting]) -> str:
     """A plain-text table: layer, per-expert counts, imbalance, dead experts."""
     lines = ["layer  imbalance  dead  counts"]
