@@ -30,7 +30,7 @@ class Key:
     nullable: bool = False
     help: str = ""
     # The command-line spelling: "--name" (the default is the key with dashes), "--on/--off" for a
-    # bool, several spellings separated by spaces; "" keeps the key YAML-only.
+    # bool, several spellings separated by spaces.
     flag: str | None = None
     shown_default: str | None = None  # the help's "[default: …]" where the bare default would mislead
     metavar: str | None = None  # the help's name for the value (DIR, LIST)
@@ -342,9 +342,9 @@ def click_option(section: str, name: str):
 
 
 def click_options(section: str, *names: str, skip: tuple[str, ...] = ()):
-    """Decorator adding the options of ``names`` (every key of ``section`` with a command-line flag
-    when none are named, less ``skip``), in schema order."""
-    chosen = names or tuple(k for k, key in SCHEMA[section].items() if key.flag != "" and k not in skip)
+    """Decorator adding the options of ``names`` (every key of ``section`` when none are named, less
+    ``skip``), in schema order."""
+    chosen = names or tuple(k for k in SCHEMA[section] if k not in skip)
 
     def deco(f):
         for name in reversed(chosen):
