@@ -33,7 +33,8 @@ from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
 from trtmoe.triton.batcher import FINISH_CANCELLED, InflightBatcher  # noqa: E402
 from trtmoe.triton.metrics import tokens_when_idle  # noqa: E402
 from trtmoe.triton.repository import generate_repository  # noqa: E402
-from trtmoe.triton.serve import backend_stubs, serve_repository, shm_regions  # noqa: E402
+from trtmoe.triton.serve import (STUB_NAME, Endpoints, TritonServer, backend_stubs, serve_repository,  # noqa: E402
+                                 shm_regions)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
@@ -326,6 +327,45 @@ def _kill_engine_stub(server_pid: int) -> None:
     os.kill(next(pid for pid, name in stubs.items() if name.startswith("tensorrt_llm_0")), signal.SIGKILL)
 
 
+def _fake_server(tmp_path, with_stub: bool) -> "TritonServer":
+    """A process group shaped like tritonserver's: a leader and (``with_stub``) one child whose
+    argv looks like a Python-backend stub's (``<stub> ... <instance name> <device kind>``)."""
+    stub = (f"(exec -a /opt/{STUB_NAME} {sys.executable} -c 'import time; time.sleep(60)' "
+            "tensorrt_llm_0_0 CPU) & " if with_stub else "")
+    srv = TritonServer(repo=tmp_path, endpoints=Endpoints("127.0.0.1", 1, 2, 3), install=None,
+                       command=["bash", "-c", stub + "sleep 60 & wait"], env=dict(os.environ),
+                       log_path=tmp_path / "log.txt", workspace=tmp_path, keep_workspace=True, watch_period_s=0.05)
+    srv.start()
+    deadline = time.monotonic() + 10
+    while with_stub and not backend_stubs(srv.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return srv
+
+
+def test_watchdog_sees_a_stub_that_died_before_a_restart_was_watched(tmp_path):
+    """The watchdog records the stubs when the server gets ready; a restarted server must show the
+    same stub names, so one killed between readiness and that record still fails the server (the
+    race a fast client can win), and the watchdog of the first start does not outlive it."""
+    srv = _fake_server(tmp_path, with_stub=True)
+    try:
+        srv.start_watchdog()
+        assert set(srv.stubs.values()) == {"tensorrt_llm_0_0"} and srv.check() is None
+        first = srv._watchdog
+        os.kill(next(iter(srv.stubs)), signal.SIGKILL)
+        srv.join_watchdog(20)
+        assert not first.is_alive() and "tensorrt_llm_0_0 (pid" in srv.failure
+        assert srv.process.poll() is not None  # the group was ended
+        srv.command = ["bash", "-c", "sleep 60 & wait"]  # restarted, but its stub is already gone
+        srv.start(append_log=True)
+        srv.start_watchdog()
+        assert srv._watchdog is not first
+        srv.join_watchdog(20)
+        assert srv.failure == "Python backend stub process died: tensorrt_llm_0_0 (gone before it was watched)"
+        assert srv.process.poll() is not None
+    finally:
+        srv.stop(grace_s=1)
+
+
 @pytest.mark.slow
 def test_serve_command_restarts_once_then_exits_nonzero(built, tmp_path):
     """`trtmoe serve --restart 1`: the first SIGKILLed engine stub brings the server back on the same
@@ -343,15 +383,9 @@ def test_serve_command_restarts_once_then_exits_nonzero(built, tmp_path):
             line = proc.stdout.readline()
         assert line.startswith("restarting tritonserver (1 of 1): Python backend stub process died: "
                                "tensorrt_llm_0_0"), line
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if grpcclient.InferenceServerClient(url).is_server_ready():
-                    break
-            except Exception:  # noqa: BLE001 - not listening yet
-                pass
-            assert time.monotonic() < deadline, "not ready again after the restart"
-            time.sleep(0.5)
+        line = proc.stdout.readline()  # printed once the new server is ready and its stubs are watched
+        assert line.startswith(f"ready again after restart 1: gRPC {url}"), line
+        assert grpcclient.InferenceServerClient(url).is_server_ready()
         second, prefix2 = _server_of(proc)
         assert second != first and backend_stubs(first) == {}
         assert _generate_text(url, "ensemble", "def main(", 12) == want

@@ -132,7 +132,11 @@ def serve_command(repo, config_path, log_file, print_command, **options):
     def restarting(s, reason, n):
         click.echo(f"restarting tritonserver ({n} of {o['restart']}): {reason}", err=True)
 
-    run_until_signalled(srv, on_ready=ready, restarts=int(o["restart"]), timeout_s=timeout_s, on_restart=restarting)
+    def restarted(s, n):
+        click.echo(f"ready again after restart {n}: gRPC {s.endpoints.grpc}", err=True)
+
+    run_until_signalled(srv, on_ready=ready, restarts=int(o["restart"]), timeout_s=timeout_s, on_restart=restarting,
+                        on_restarted=restarted)
     click.echo("stopped", err=True)
 
 

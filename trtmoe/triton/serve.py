@@ -304,9 +304,11 @@ class TritonServer:
     watch_period_s: float = 0.5
     failure: str | None = None  # why the watchdog took the server down
     stubs: dict[int, str] = field(default_factory=dict)  # backend stubs seen when the server got ready
+    expected_stubs: frozenset[str] = frozenset()  # stub names of the first ready start: a restart must match
     _log_file: object = field(default=None, repr=False)
     _watchdog: threading.Thread | None = field(default=None, repr=False)
     _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
+    _watched: threading.Event | None = field(default=None, repr=False)  # the event the watchdog thread waits on
 
     def start(self, *, append_log: bool = False) -> "TritonServer":
         self.failure, self.stubs = None, {}
@@ -331,19 +333,22 @@ class TritonServer:
         there when it got ready has died."""
         if self.process is None:
             return "not started"
-        if self.process.poll() is not None:
-            return f"tritonserver exited with code {self.process.returncode}"
+        exited = self.process.poll() is not None
         dead = [f"{name} (pid {pid})" for pid, name in self.stubs.items() if _proc_state(pid) in (None, "Z", "X")]
-        if dead:
-            return "Python backend stub process died: " + ", ".join(sorted(dead))
-        return None
+        dead += [f"{name} (gone before it was watched)" for name in self.expected_stubs - set(self.stubs.values())]
+        # Triton 2.51 sometimes aborts itself when a stub dies mid-request: say both, the stub first.
+        problems = ["Python backend stub process died: " + ", ".join(sorted(dead))] if dead else []
+        if exited:
+            problems.append(f"tritonserver exited with code {self.process.returncode}")
+        return "; ".join(problems) or None
 
-    def _watch(self) -> None:
-        while not self._stopping.wait(self.watch_period_s):
+    def _watch(self, stopping: threading.Event) -> None:
+        # ``stopping`` is this start's event: a restart replaces ``self._stopping`` with a new one.
+        while not stopping.wait(self.watch_period_s):
             problem = self.check()
             if problem is None:
                 continue
-            if self._stopping.is_set():
+            if stopping.is_set():
                 return
             self.failure = problem
             if self.process is not None and self.process.poll() is None:
@@ -363,8 +368,13 @@ class TritonServer:
         if self.process is None:
             return
         self.stubs = backend_stubs(self.process.pid)
-        if self._watchdog is None or not self._watchdog.is_alive():
-            self._watchdog = threading.Thread(target=self._watch, name="tritonserver-watchdog", daemon=True)
+        if not self.expected_stubs:
+            self.expected_stubs = frozenset(self.stubs.values())
+        old = self._watchdog
+        if old is None or not old.is_alive() or self._watched is not self._stopping:  # an old one is on its way out
+            self._watched = self._stopping
+            self._watchdog = threading.Thread(target=self._watch, args=(self._stopping,),
+                                              name="tritonserver-watchdog", daemon=True)
             self._watchdog.start()
 
     def _kill_group(self) -> None:
@@ -395,6 +405,7 @@ class TritonServer:
     def restart(self, timeout_s: float = 300.0) -> "TritonServer":
         """Start the same server again (same ports, repository and workspace) and wait until ready."""
         self._stopping.set()
+        self.join_watchdog(60)  # a watchdog still ending the old group must not outlive into the new one
         if self.process is not None and self.process.poll() is None:
             self._kill_group()
         self._remove_shm()
@@ -573,13 +584,14 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
 
 
 def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, timeout_s: float = 300.0,
-                        on_restart=None) -> int:
+                        on_restart=None, on_restarted=None) -> int:
     """Foreground loop for the CLI: return on SIGINT/SIGTERM (then stop the server).
 
     When the server exits or a backend stub dies (the watchdog has then ended the group and removed
     its shared memory), it is started again on the same repository and ports, at most ``restarts``
     times in all; ``on_restart(srv, reason, n)`` is called before each restart (the CLI prints one
-    line). After that, or when a restart fails to get ready, it raises TrtmoeError (exit 1).
+    line) and ``on_restarted(srv, n)`` once it is ready again and watched. After that, or when a
+    restart fails to get ready, it raises TrtmoeError (exit 1).
     """
     stop = {"sig": None}
 
@@ -608,6 +620,8 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
             if on_restart:
                 on_restart(srv, reason, done)
             srv.restart(timeout_s)  # raises BackendUnavailable (log tail included) if it does not get ready
+            if on_restarted:
+                on_restarted(srv, done)
         return 0
     finally:
         srv.stop()
