@@ -470,3 +470,59 @@ def test_busy_port_is_refused(tmp_path):
         port = s.getsockname()[1]
         with pytest.raises(InputError, match=f"grpc port {port}"):
             serve_repository(tmp_path / "repo", http_port=0, grpc_port=port, metrics_port=0)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_workspaces_of_dead_launchers_are_removed(tmp_path):
+    """Workspaces of launchers that are gone are removed, except a failed start's log-only workspace
+    younger than the kept-log period; live launchers' and foreign directories are left alone."""
+    from trtmoe.triton.serve import WORKSPACE_PREFIX, remove_stale_workspaces
+
+    dead = _dead_pid()
+    made = {}
+    for key, pid, files in [("dead_backends", dead, ["backends/python/libtriton_python.so", "tritonserver.log"]),
+                            ("dead_fresh_log", dead, ["tritonserver.log"]),
+                            ("dead_old_log", dead, ["tritonserver.log"]),
+                            ("live", os.getpid(), ["backends/x"])]:
+        d = tmp_path / f"{WORKSPACE_PREFIX}{pid}-{key}"
+        for f in files:
+            (d / f).parent.mkdir(parents=True, exist_ok=True)
+            (d / f).write_text("x")
+        made[key] = d
+    old = time.time() - 8 * 86400
+    os.utime(made["dead_old_log"], (old, old))
+    foreign = tmp_path / f"{WORKSPACE_PREFIX}abcdef12"  # no launcher pid in the name: not ours to judge
+    foreign.mkdir()
+    removed = remove_stale_workspaces(tmp_path)
+    assert sorted(removed) == sorted([made["dead_backends"], made["dead_old_log"]])
+    assert made["dead_fresh_log"].is_dir() and made["live"].is_dir() and foreign.is_dir()
+    assert not made["dead_backends"].exists() and not made["dead_old_log"].exists()
+
+
+@pytest.mark.slow
+def test_sigkilled_serve_leaves_a_workspace_the_next_start_removes(served, tmp_path, monkeypatch):
+    """SIGKILL the `serve` launcher: the server goes with it (parent-death signal), its copied
+    backends stay in the temp directory until the next start, which removes them."""
+    from trtmoe.triton.serve import WORKSPACE_PREFIX, remove_stale_workspaces
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    proc, _ = start_serve_command(served["repo"].path, tmp_path / "server.log")
+    server_pid = int(subprocess.run(["pgrep", "-P", str(proc.pid), "tritonserver"], capture_output=True,
+                                    text=True).stdout.split()[0])
+    group = os.getpgid(server_pid)
+    workspace = next(tmpdir.glob(f"{WORKSPACE_PREFIX}{proc.pid}-*"))
+    proc.kill()
+    proc.wait(30)
+    deadline = time.monotonic() + 60
+    while subprocess.run(["pgrep", "-g", str(group)], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the server outlived its killed launcher"
+        time.sleep(0.2)
+    assert (workspace / "backends").is_dir()  # what a killed launcher leaves
+    assert remove_stale_workspaces(tmpdir) == [workspace] and not workspace.exists()

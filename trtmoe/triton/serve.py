@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from ..checkpoint.atomic import pid_alive
 from ..errors import BackendUnavailable, InputError, TrtmoeError
 from .repository import read_repository_manifest
 
@@ -525,6 +526,32 @@ class TritonServer:
         self.stop()
 
 
+WORKSPACE_PREFIX = "trtmoe-triton-"
+KEPT_LOG_DAYS = 7
+
+
+def remove_stale_workspaces(root: str | Path | None = None, *, keep_log_days: float = KEPT_LOG_DAYS) -> list[Path]:
+    """Remove the private workspaces (``trtmoe-triton-PID-*`` in the temp directory) of servers whose
+    launcher is gone: killed runs leave the copied backends behind. A workspace holding only the
+    log of a failed start (whose path that run printed) is kept for ``keep_log_days`` days.
+    Returns the removed directories."""
+    removed = []
+    for d in sorted(Path(root or tempfile.gettempdir()).glob(WORKSPACE_PREFIX + "*")):
+        pid = d.name[len(WORKSPACE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not d.is_dir() or d.is_symlink() or pid_alive(int(pid)):
+            continue
+        try:
+            only_log = [c.name for c in d.iterdir()] == ["tritonserver.log"]
+            age_days = (time.time() - d.stat().st_mtime) / 86400
+        except OSError:
+            continue
+        if only_log and age_days < keep_log_days:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
 def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                      metrics_port: int = 8002, world_size: int | None = None, server: str | None = None,
                      timeout_s: float = 300.0, log_file: str | Path | None = None, log_verbose: int = 0,
@@ -558,7 +585,8 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
             raise InputError(f"{name} port {port} on {host} is already in use", hint=f"pass --{name}-port or 0 for a free one")
         ports.append(port)
     endpoints = Endpoints(host, *ports)
-    workspace = Path(tempfile.mkdtemp(prefix="trtmoe-triton-"))
+    remove_stale_workspaces()
+    workspace = Path(tempfile.mkdtemp(prefix=f"{WORKSPACE_PREFIX}{os.getpid()}-"))
     try:
         backend_dir = prepare_backends(install, workspace)
         env = server_environment(install)
