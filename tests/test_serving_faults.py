@@ -33,8 +33,9 @@ from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
 from trtmoe.triton.batcher import FINISH_CANCELLED, InflightBatcher  # noqa: E402
 from trtmoe.triton.metrics import tokens_when_idle  # noqa: E402
 from trtmoe.triton.repository import generate_repository  # noqa: E402
-from trtmoe.triton.serve import (STUB_NAME, Endpoints, TritonServer, backend_stubs, serve_repository,  # noqa: E402
-                                 shm_regions)
+from trtmoe.errors import TrtmoeError  # noqa: E402
+from trtmoe.triton.serve import (STUB_NAME, Endpoints, RestartBudget, TritonServer, backend_stubs,  # noqa: E402
+                                 free_port, run_until_signalled, serve_repository, shm_regions)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
@@ -366,6 +367,83 @@ def test_watchdog_sees_a_stub_that_died_before_a_restart_was_watched(tmp_path):
         srv.stop(grace_s=1)
 
 
+def test_restart_budget_counts_restarts_within_its_window():
+    now = [0.0]
+    b = RestartBudget(2, 100, clock=lambda: now[0])
+    assert b.allows() and b.record() == 1
+    now[0] = 50
+    assert b.allows() and b.record() == 2
+    now[0] = 99
+    assert not b.allows() and b.describe() == "restarted 2 time(s) in the last 100 s (limit 2)"
+    now[0] = 100.5  # the first restart has left the window
+    assert b.allows() and b.record() == 2
+    assert not b.allows() and b.describe() == "restarted 2 time(s) in the last 100 s (limit 2, 3 in all)"
+    whole = RestartBudget(1, 0, clock=lambda: now[0])
+    whole.record()
+    now[0] = 1e9
+    assert not whole.allows() and whole.describe() == "restarted 1 time(s) in this run (limit 1)"
+    assert not RestartBudget(0).allows()
+
+
+_FAKE_TRITON = f"""
+import http.server, subprocess, sys
+# A Python-backend stub's argv: <stub> ... <instance name> <device kind>
+subprocess.Popen(["/opt/{STUB_NAME}", "-c", "import time; time.sleep(600)", "tensorrt_llm_0_0", "CPU"],
+                 executable=sys.executable)
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ready).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("window_s", [60, 0])
+def test_serve_loop_restarts_within_its_window(tmp_path, window_s):
+    """run_until_signalled with --restart 1 on a process group shaped like tritonserver's (a leader
+    answering /v2/health/ready and one backend stub), on a clock the test moves: the stub is
+    killed at once after every (re)start. With a 60 s window the first restart has left it when
+    the clock is 61 s on, so a second restart is made; the third death, inside the window, ends the
+    loop with the count and the window. Over the whole run (0) the second death ends it."""
+    port = free_port()
+    srv = TritonServer(repo=tmp_path, endpoints=Endpoints("127.0.0.1", port, 2, 3), install=None,
+                       command=[sys.executable, "-c", _FAKE_TRITON, str(port)], env=dict(os.environ),
+                       log_path=tmp_path / "log.txt", workspace=tmp_path, keep_workspace=True, watch_period_s=0.05)
+    now = [1000.0]
+    events: list = []
+
+    def kill_stub(s):
+        assert list(s.stubs.values()) == ["tensorrt_llm_0_0"]
+        os.kill(next(iter(s.stubs)), signal.SIGKILL)
+
+    def ready(s):
+        events.append("ready")
+        kill_stub(s)
+
+    def restarting(s, reason, n):
+        events.append(("restart", n, reason.split(" (pid")[0]))
+
+    def restarted(s, n):
+        events.append(("restarted", n))
+        if events.count(("restarted", 1)) == 1:
+            now[0] += 61  # the first restart leaves a 60 s window
+        kill_stub(s)
+
+    srv.start().wait_ready(60)
+    with pytest.raises(TrtmoeError) as e:
+        run_until_signalled(srv, ready, restarts=1, restart_window_s=window_s, timeout_s=60, on_restart=restarting,
+                            on_restarted=restarted, clock=lambda: now[0])
+    died = "Python backend stub process died: tensorrt_llm_0_0"
+    one = [("restart", 1, died), ("restarted", 1)]
+    assert events == ["ready"] + one * (2 if window_s else 1)
+    expect = ("restarted 1 time(s) in the last 60 s (limit 1, 2 in all)" if window_s
+              else "restarted 1 time(s) in this run (limit 1)")
+    assert str(e.value).startswith(f"{died} (pid ") and f"; {expect}; tritonserver was stopped" in str(e.value)
+    assert srv.process.poll() is not None and backend_stubs(srv.process.pid) == {}
+
+
 @pytest.mark.slow
 def test_serve_command_restarts_once_then_exits_nonzero(built, tmp_path):
     """`trtmoe serve --restart 1`: the first SIGKILLed engine stub brings the server back on the same
@@ -381,7 +459,7 @@ def test_serve_command_restarts_once_then_exits_nonzero(built, tmp_path):
         line = ""
         while not line.startswith("restarting") and proc.poll() is None:  # after the ready block's lines
             line = proc.stdout.readline()
-        assert line.startswith("restarting tritonserver (1 of 1): Python backend stub process died: "
+        assert line.startswith("restarting tritonserver (1 of 1 within 3600 s): Python backend stub process died: "
                                "tensorrt_llm_0_0"), line
         line = proc.stdout.readline()  # printed once the new server is ready and its stubs are watched
         assert line.startswith(f"ready again after restart 1: gRPC {url}"), line
@@ -395,5 +473,6 @@ def test_serve_command_restarts_once_then_exits_nonzero(built, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 1 and "stub process died" in rest and "tensorrt_llm_0_0" in rest and "restarted 1 time" in rest, rest
+    assert rc == 1 and "stub process died" in rest and "tensorrt_llm_0_0" in rest
+    assert "restarted 1 time(s) in the last 3600 s (limit 1)" in rest, rest
     assert backend_stubs(second) == {} and shm_regions(prefix) == [] and shm_regions(prefix2) == []

@@ -129,14 +129,17 @@ def serve_command(repo, config_path, log_file, print_command, **options):
         click.echo(f'try: trtmoe generate "def main(" --url {ep.grpc}')
         sys.stdout.flush()
 
+    window_s = float(o["restart_window_s"])
+    within = f" within {window_s:g} s" if window_s > 0 else ""
+
     def restarting(s, reason, n):
-        click.echo(f"restarting tritonserver ({n} of {o['restart']}): {reason}", err=True)
+        click.echo(f"restarting tritonserver ({n} of {o['restart']}{within}): {reason}", err=True)
 
     def restarted(s, n):
         click.echo(f"ready again after restart {n}: gRPC {s.endpoints.grpc}", err=True)
 
-    run_until_signalled(srv, on_ready=ready, restarts=int(o["restart"]), timeout_s=timeout_s, on_restart=restarting,
-                        on_restarted=restarted)
+    run_until_signalled(srv, on_ready=ready, restarts=int(o["restart"]), restart_window_s=window_s,
+                        timeout_s=timeout_s, on_restart=restarting, on_restarted=restarted)
     click.echo("stopped", err=True)
 
 

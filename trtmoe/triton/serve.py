@@ -611,15 +611,57 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
     return srv
 
 
-def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, timeout_s: float = 300.0,
-                        on_restart=None, on_restarted=None) -> int:
+class RestartBudget:
+    """How many restarts ``run_until_signalled`` may still make: at most ``limit`` within any
+    ``window_s`` seconds (0: within the whole run). ``clock`` gives seconds (monotonic)."""
+
+    def __init__(self, limit: int, window_s: float = 0.0, clock=time.monotonic):
+        if limit < 0 or window_s < 0:
+            raise ValueError(f"limit and window_s must be >= 0, got {limit}, {window_s}")
+        self.limit, self.window_s, self.clock = int(limit), float(window_s), clock
+        self.times: list[float] = []  # when each restart that still counts was made
+        self.total = 0  # restarts over the whole run
+
+    def recent(self) -> int:
+        """Restarts made within the last window (all of them when the window is 0)."""
+        if self.window_s > 0:
+            since = self.clock() - self.window_s
+            self.times = [t for t in self.times if t > since]
+        return len(self.times)
+
+    def allows(self) -> bool:
+        return self.recent() < self.limit
+
+    def record(self) -> int:
+        """Count a restart made now; returns the restarts within the window, this one included."""
+        self.recent()
+        self.times.append(self.clock())
+        self.total += 1
+        return len(self.times)
+
+    @property
+    def window_text(self) -> str:
+        return f"in the last {self.window_s:g} s" if self.window_s > 0 else "in this run"
+
+    def describe(self) -> str:
+        """Why no restart is left, e.g. "restarted 3 time(s) in the last 3600 s (limit 3)"."""
+        n = self.recent()
+        more = f", {self.total} in all" if self.total != n else ""
+        return f"restarted {n} time(s) {self.window_text} (limit {self.limit}{more})"
+
+
+def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, restart_window_s: float = 0.0,
+                        timeout_s: float = 300.0, on_restart=None, on_restarted=None, clock=time.monotonic) -> int:
     """Foreground loop for the CLI: return on SIGINT/SIGTERM (then stop the server).
 
     When the server exits or a backend stub dies (the watchdog has then ended the group and removed
     its shared memory), it is started again on the same repository and ports, at most ``restarts``
-    times in all; ``on_restart(srv, reason, n)`` is called before each restart (the CLI prints one
-    line) and ``on_restarted(srv, n)`` once it is ready again and watched. After that, or when a
-    restart fails to get ready, it raises TrtmoeError (exit 1).
+    times within any ``restart_window_s`` seconds (0: within the whole run; ``clock`` measures it), so
+    a server that dies now and then is restarted every time and one that keeps dying is given up on.
+    ``on_restart(srv, reason, n)`` is called before each restart, ``n`` the restarts within the
+    window, this one included (the CLI prints one line), and ``on_restarted(srv, n)`` once it is
+    ready again and watched. When no restart is left, or a restart fails to get ready, it raises
+    TrtmoeError (exit 1).
     """
     stop = {"sig": None}
 
@@ -627,7 +669,7 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
         stop["sig"] = signum
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    done = 0
+    budget = RestartBudget(restarts, restart_window_s, clock)
     try:
         if on_ready:
             on_ready(srv)
@@ -638,18 +680,18 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
                 break
             srv.join_watchdog(30)  # a dead stub: the group is being ended and its regions removed
             reason = srv.failure or srv.check() or "tritonserver stopped"
-            if done >= restarts:
-                what = f"restarted {done} time(s) already; " if done else ""
+            if not budget.allows():
+                what = f"{budget.describe()}; " if budget.total else ""
                 raise TrtmoeError(f"{reason}; {what}tritonserver was stopped so that clients get an error instead "
                                   f"of a hang; log tail:\n{srv.log_tail()}",
-                                  hint="`trtmoe serve --restart N` restarts it N times; a non-zero exit lets a "
-                                       "supervisor take over")
-            done += 1
+                                  hint="`trtmoe serve --restart N --restart-window SECONDS` restarts it up to N "
+                                       "times within any SECONDS; a non-zero exit lets a supervisor take over")
+            n = budget.record()
             if on_restart:
-                on_restart(srv, reason, done)
+                on_restart(srv, reason, n)
             srv.restart(timeout_s)  # raises BackendUnavailable (log tail included) if it does not get ready
             if on_restarted:
-                on_restarted(srv, done)
+                on_restarted(srv, n)
         return 0
     finally:
         srv.stop()
