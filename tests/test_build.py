@@ -536,7 +536,7 @@ def test_embedded_round_trip(ckpt_fp32, tmp_path):
     from trtmoe.triton.engine_dir import read_engine_dir
     info = read_engine_dir(eng)
     assert (info.backend, info.max_batch_size, info.max_input_len, info.max_seq_len, info.tokens_per_block,
-            info.world_size) == ("embedded", 4, 64, 128, 16, 2)
+            info.mapping.world_size) == ("embedded", 4, 64, 128, 16, 2)
 
 
 def test_embedded_copy_mode_and_tokenizer(tiny_model, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from click.testing import CliRunner
 
 from trtmoe.checkpoint.writer import convert
 from trtmoe.errors import InputError, TrtmoeError
+from trtmoe.parallel.mapping import Mapping
+from trtmoe.runtime.checkpoint_reader import load_config
 from trtmoe.triton import commands
 from trtmoe.triton.engine_dir import EMBEDDED, TENSORRT_LLM, read_engine_dir
 from trtmoe.triton.repository import (MANIFEST, MODELS, TOKENIZER_SUBDIR, check_repository_configs, fill_template,
@@ -53,7 +56,9 @@ def write_embedded_engine(out: Path, checkpoint: Path, **build) -> Path:
 def write_trt_engine(out: Path, checkpoint: Path, *, tp: int = 1, pp: int = 1, **build) -> Path:
     """A trtllm-build engine dir layout (config.json + rank files); the rank files' bytes are never read here."""
     pretrained = json.loads((checkpoint / "config.json").read_text())
-    pretrained["mapping"] = {**pretrained["mapping"], "world_size": tp * pp, "tp_size": tp, "pp_size": pp}
+    mapping = pretrained["mapping"] = {**pretrained["mapping"], "world_size": tp * pp, "tp_size": tp, "pp_size": pp}
+    if mapping.get("moe_tp_size", 1) * mapping.get("moe_ep_size", 1) != tp:  # the experts split as the rest
+        mapping.update(moe_tp_size=tp, moe_ep_size=1)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"version": "1.2.0", "pretrained_config": pretrained,
                                                  "build_config": {**BUILD, "max_num_tokens": 8192, **build}}))
@@ -81,10 +86,23 @@ def test_read_engine_dir_both_layouts(setup):
     info = read_engine_dir(setup["engine"])
     assert info.backend == EMBEDDED and info.checkpoint_dir == setup["ckpt"].resolve()
     assert (info.max_batch_size, info.max_input_len, info.max_seq_len, info.max_beam_width) == (8, 48, 96, 1)
-    assert info.architecture == "MixtralForCausalLM" and info.vocab_size == 320 and info.launch_world_size == 1
+    assert info.architecture == "MixtralForCausalLM" and info.model.vocab_size == 320 and info.launch_world_size == 1
     trt = read_engine_dir(write_trt_engine(setup["root"] / "trt2", setup["ckpt"], tp=2, max_batch_size=16))
-    assert trt.backend == TENSORRT_LLM and trt.world_size == 2 and trt.launch_world_size == 2
+    assert trt.backend == TENSORRT_LLM and trt.mapping.world_size == 2 and trt.launch_world_size == 2
     assert trt.max_batch_size == 16 and trt.rank_files == ("rank0.engine", "rank1.engine")
+    # Both layouts hold the model as every other stage reads it from the checkpoint config.
+    ckpt_model = load_config(setup["ckpt"])
+    assert info.model == ckpt_model and info.mapping == ckpt_model.mapping
+    assert trt.model == replace(ckpt_model, mapping=Mapping.create(tp=2))
+
+
+def test_trt_engine_of_an_unknown_architecture(setup):
+    eng = write_trt_engine(setup["root"] / "trt-llama", setup["ckpt"])
+    cfg = json.loads((eng / "config.json").read_text())
+    cfg["pretrained_config"].update(architecture="LlamaForCausalLM", trtmoe={})
+    (eng / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="'LlamaForCausalLM' is not one trtmoe knows"):
+        read_engine_dir(eng)
 
 
 @pytest.mark.parametrize("mutate, field", [

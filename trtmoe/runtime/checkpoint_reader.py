@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, InputError, LayoutError
 from ..hf.adapters import ADAPTERS, EP, KV_HEADS, REPLICATED, TP, VOCAB, Rule, adapter_for_checkpoint
 from ..hf.safetensors_io import SafetensorsFile
 from ..model.description import ModelSpec
@@ -35,12 +35,18 @@ def load_config(ckpt_dir: str | Path) -> CheckpointConfig:
     f = d / "config.json"
     if not f.is_file():
         raise InputError("no config.json; not a TensorRT-LLM checkpoint directory", where=str(d))
-    raw = json.loads(f.read_text())
+    return parse_config(json.loads(f.read_text()), where=str(f))
+
+
+def parse_config(raw: dict, *, where: str) -> CheckpointConfig:
+    """The model a TensorRT-LLM checkpoint config describes (a checkpoint's config.json, or the
+    ``pretrained_config`` a trtllm-build engine keeps); ``where`` names it in errors."""
     try:
         adapter = adapter_for_checkpoint(raw) or ADAPTERS.get(raw.get("qwen_type"))
         if adapter is None:
-            raise InputError(f"checkpoint architecture {raw['architecture']!r} is not one the embedded engine runs",
-                             where=str(f))
+            known = ", ".join(sorted({a.trtllm_architecture for a in ADAPTERS.values()}))
+            raise InputError(f"checkpoint architecture {raw['architecture']!r} is not one trtmoe knows", where=where,
+                             hint=f"trtmoe reads {known}")
         ours = raw.get("trtmoe") or {}
         moe = raw["moe"]
         L = raw["num_hidden_layers"]
@@ -68,10 +74,13 @@ def load_config(ckpt_dir: str | Path) -> CheckpointConfig:
             if raw.get(name) is not None:
                 facts[key] = raw[name]
         facts.update(adapter.from_trtllm(raw))
-        return CheckpointConfig(mapping=Mapping.from_config(raw["mapping"]), dtype=_DT[raw["dtype"]], raw=raw,
-                                **facts)
+        try:
+            mapping = Mapping.from_config(raw["mapping"])
+        except LayoutError as e:
+            raise LayoutError(f"mapping: {e.what}", where=e.where or where, hint=e.hint) from None
+        return CheckpointConfig(mapping=mapping, dtype=_DT[raw["dtype"]], raw=raw, **facts)
     except KeyError as e:
-        raise CheckpointError(f"config.json lacks {e.args[0]!r}", where=str(f)) from None
+        raise CheckpointError(f"config.json lacks {e.args[0]!r}", where=where) from None
 
 
 class RankFiles:

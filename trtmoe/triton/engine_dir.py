@@ -14,11 +14,13 @@ Two layouts are accepted:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..parallel.mapping import Mapping
+from ..runtime.checkpoint_reader import CheckpointConfig, parse_config
 
 EMBEDDED = "embedded"
 TENSORRT_LLM = "tensorrtllm"
@@ -29,32 +31,43 @@ _TRITON_DTYPE = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TY
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What a Triton repository needs to know about an engine. Lengths are in tokens."""
+    """What a Triton repository needs to know about an engine. Lengths are in tokens.
+
+    ``model`` is the model the engine runs, read from its TensorRT-LLM checkpoint config (the
+    checkpoint's ``config.json`` for an embedded engine, ``pretrained_config`` for a trtllm-build
+    one) by the same reader every other stage uses; it carries the ``mapping``. The other fields
+    are the engine's own build facts.
+    """
 
     path: Path
     backend: str  # EMBEDDED or TENSORRT_LLM
-    architecture: str
-    dtype: str
-    vocab_size: int
-    num_layers: int
-    num_experts: int
+    model: CheckpointConfig
     max_batch_size: int
     max_input_len: int
     max_seq_len: int
     max_beam_width: int
     tokens_per_block: int
-    tp_size: int = 1
-    pp_size: int = 1
-    world_size: int = 1
-    logits_dtype: str = "float32"
+    logits_dtype: str = "float32"  # what the engine outputs logits as (the checkpoint config's logits_dtype)
     max_num_tokens: int | None = None
     trtllm_version: str | None = None
-    checkpoint_dir: Path | None = None
+    checkpoint_dir: Path | None = None  # embedded: the checkpoint whose rank files hold the weights
     gather_context_logits: bool = False
     gather_generation_logits: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
     rank_files: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def mapping(self) -> Mapping:
+        return self.model.mapping
+
+    @property
+    def architecture(self) -> str:
+        """The TensorRT-LLM architecture name the config records (e.g. ``MixtralForCausalLM``)."""
+        return str(self.model.raw.get("architecture") or "")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's end-of-sequence id (the Python ``tensorrt_llm`` model of existing repositories reads it here)."""
+        return self.model.eos_token_id
 
     @property
     def logits_triton_dtype(self) -> str:
@@ -63,14 +76,28 @@ class EngineInfo:
     @property
     def launch_world_size(self) -> int:
         """Processes ``tritonserver`` must run as: one per rank for TensorRT engines, one otherwise."""
-        return self.world_size if self.backend == TENSORRT_LLM else 1
+        return self.mapping.world_size if self.backend == TENSORRT_LLM else 1
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["path"] = str(self.path)
-        d["checkpoint_dir"] = str(self.checkpoint_dir) if self.checkpoint_dir else None
-        d["rank_files"] = list(self.rank_files)
-        return d
+        """The engine as the repository manifest records it: the build facts, plus a summary of the
+        model and mapping under the keys the manifest has always used."""
+        m, mp = self.model, self.mapping
+        return {
+            "path": str(self.path), "backend": self.backend,
+            "architecture": self.architecture, "dtype": m.source_dtype, "vocab_size": m.vocab_size,
+            "num_layers": m.num_layers, "num_experts": m.num_experts,
+            "max_batch_size": self.max_batch_size, "max_input_len": self.max_input_len,
+            "max_seq_len": self.max_seq_len, "max_beam_width": self.max_beam_width,
+            "tokens_per_block": self.tokens_per_block,
+            "tp_size": mp.tp_size, "pp_size": mp.pp_size, "world_size": mp.world_size,
+            "logits_dtype": self.logits_dtype, "max_num_tokens": self.max_num_tokens,
+            "trtllm_version": self.trtllm_version,
+            "checkpoint_dir": str(self.checkpoint_dir) if self.checkpoint_dir else None,
+            "gather_context_logits": self.gather_context_logits,
+            "gather_generation_logits": self.gather_generation_logits,
+            "bos_token_id": m.bos_token_id, "eos_token_id": m.eos_token_id,
+            "rank_files": list(self.rank_files),
+        }
 
 
 def _load_json(path: Path) -> dict:
@@ -97,28 +124,18 @@ def _int(block: dict, key: str, where: str, *, default: int | None = None, minim
     return value
 
 
-def _model_facts(pretrained: dict, where: str) -> dict[str, Any]:
-    """Architecture facts from a TensorRT-LLM checkpoint/pretrained config."""
-    moe = pretrained.get("moe") or {}
-    num_experts = moe.get("num_experts", pretrained.get("moe_num_experts", 0)) or 0
+def _read_model(pretrained: dict, where: str) -> CheckpointConfig:
+    """The model of a TensorRT-LLM checkpoint/pretrained config, after checking the sizes a
+    repository depends on (each failure names its field)."""
+    _int(pretrained, "vocab_size", where)
+    _int(pretrained, "num_hidden_layers", where)
     mapping = pretrained.get("mapping") or {}
     tp = _int(mapping, "tp_size", f"{where}: mapping", default=1)
     pp = _int(mapping, "pp_size", f"{where}: mapping", default=1)
     world = _int(mapping, "world_size", f"{where}: mapping", default=tp * pp)
     if world != tp * pp * int(mapping.get("cp_size", 1) or 1):
         raise InputError(f"mapping.world_size {world} != tp_size {tp} x pp_size {pp}", where=where)
-    extra = pretrained.get("trtmoe") or {}
-    return dict(
-        architecture=str(pretrained.get("architecture") or ""),
-        dtype=str(pretrained.get("dtype") or ""),
-        vocab_size=_int(pretrained, "vocab_size", where),
-        num_layers=_int(pretrained, "num_hidden_layers", where),
-        num_experts=int(num_experts),
-        tp_size=tp, pp_size=pp, world_size=world,
-        logits_dtype=str(pretrained.get("logits_dtype") or "float32"),
-        bos_token_id=extra.get("bos_token_id"),
-        eos_token_id=extra.get("eos_token_id"),
-    )
+    return parse_config(pretrained, where=where)
 
 
 def _build_limits(build: dict, where: str, *, max_position_embeddings: int | None) -> dict[str, Any]:
@@ -159,14 +176,14 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
             raise InputError("missing field checkpoint", where=where)
         ck_dir = (root / ck).resolve()
         ck_cfg = _load_json(ck_dir / "config.json")
-        facts = _model_facts(ck_cfg, str(ck_dir / "config.json"))
-        ranks = tuple(f"rank{r}.safetensors" for r in range(facts["world_size"]))
+        model = _read_model(ck_cfg, str(ck_dir / "config.json"))
+        ranks = tuple(f"rank{r}.safetensors" for r in model.mapping.ranks())
         missing = [r for r in ranks if not (ck_dir / r).is_file()]
         if missing:
             raise InputError(f"checkpoint is missing {', '.join(missing)}", where=str(ck_dir))
         limits = _build_limits(build, where, max_position_embeddings=ck_cfg.get("max_position_embeddings"))
-        return EngineInfo(path=root, backend=EMBEDDED, checkpoint_dir=ck_dir, rank_files=ranks,
-                          trtllm_version=cfg.get("version"), **facts, **limits)
+        return EngineInfo(path=root, backend=EMBEDDED, model=model, checkpoint_dir=ck_dir, rank_files=ranks,
+                          trtllm_version=cfg.get("version"), logits_dtype=_logits_dtype(ck_cfg), **limits)
 
     if "backend" in cfg and cfg["backend"] not in (TENSORRT_LLM, "tensorrt-llm", "tensorrt_llm"):
         raise InputError(f"unknown engine backend {cfg['backend']!r}", where=where,
@@ -175,15 +192,20 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
     if not isinstance(pretrained, dict):
         raise InputError("missing pretrained_config", where=where,
                          hint="not a trtllm-build engine directory")
-    facts = _model_facts(pretrained, where)
-    ranks = tuple(f"rank{r}.engine" for r in range(facts["world_size"]))
+    model = _read_model(pretrained, where)
+    ranks = tuple(f"rank{r}.engine" for r in model.mapping.ranks())
     missing = [r for r in ranks if not (root / r).is_file()]
     if missing:
         raise InputError(f"engine is missing {', '.join(missing)} for mapping.world_size "
-                         f"{facts['world_size']}", where=str(root))
+                         f"{model.mapping.world_size}", where=str(root))
     limits = _build_limits(build, where, max_position_embeddings=pretrained.get("max_position_embeddings"))
-    return EngineInfo(path=root, backend=TENSORRT_LLM, rank_files=ranks,
+    return EngineInfo(path=root, backend=TENSORRT_LLM, model=model, rank_files=ranks,
                       trtllm_version=str(cfg.get("version")) if cfg.get("version") else None,
+                      logits_dtype=_logits_dtype(pretrained),
                       gather_context_logits=bool(build.get("gather_context_logits", False)),
                       gather_generation_logits=bool(build.get("gather_generation_logits", False)),
-                      **facts, **limits)
+                      **limits)
+
+
+def _logits_dtype(pretrained: dict) -> str:
+    return str(pretrained.get("logits_dtype") or "float32")

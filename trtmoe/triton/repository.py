@@ -286,7 +286,7 @@ _ENSEMBLE_POST_KEY = '      input_map { key: "REQUEST_KEY" value: "_LLM_REQUEST_
 def template_values(info: EngineInfo, s: RepoSettings, repo: Path | None = None) -> dict[str, str]:
     """Every placeholder of the templates, as text. ``repo``: where the repository will live (paths
     are recorded relative to it)."""
-    emb_dtype = _DTYPE_TO_TRITON.get(info.dtype, "TYPE_FP16")
+    emb_dtype = _DTYPE_TO_TRITON.get(info.model.source_dtype, "TYPE_FP16")
     # Only a streaming ensemble runs postprocessing while tensorrt_llm still generates.
     stop_by_key = info.backend == EMBEDDED and s.decoupled
     return {
@@ -535,8 +535,8 @@ def prepare_tokenizer(path: Path, info: EngineInfo, *, trust_remote_code: bool) 
              "clean_up_tokenization_spaces": bool(cfg.get("clean_up_tokenization_spaces", False))}
     (path / TOKENIZER_FACTS).write_text(json.dumps(facts, indent=2) + "\n")
     size = tok.get_vocab_size(with_added_tokens=True)
-    if size > info.vocab_size:
-        raise InputError(f"the tokenizer has {size} tokens but the engine's vocab_size is {info.vocab_size}",
+    if size > info.model.vocab_size:
+        raise InputError(f"the tokenizer has {size} tokens but the engine's vocab_size is {info.model.vocab_size}",
                          where=str(path), hint="this tokenizer belongs to a different model")
     text = tok.decode(tok.encode(sample, add_special_tokens=False).ids)
     if text.strip() != sample:
