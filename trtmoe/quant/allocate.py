@@ -173,6 +173,8 @@ class _Solver:
     """The exact method described in the module docstring, on padded numpy arrays."""
 
     def __init__(self, units: Sequence[Unit], budget: int):
+        """Step 1: each unit's choices without the dominated ones, as padded [unit, choice] arrays
+        of bits ``c`` and ΔKL ``v`` (cheapest first)."""
         self.budget = budget
         self.names: list[list[str]] = []
         costs: list[list[int]] = []
@@ -209,7 +211,7 @@ class _Solver:
         return int(self.c[np.arange(self.n), choice].sum())
 
     def _lp(self):
-        """Greedy LP relaxation on the per-unit convex hulls.
+        """Step 2, the relaxation: greedy LP on the per-unit convex hulls.
 
         Returns the LP multiplier λ (ΔKL per bit of the fractional hull segment) and an integer
         incumbent: the LP solution without its fractional segment, topped up greedily.
@@ -265,36 +267,35 @@ class _Solver:
                 cap -= int(segs_dc[s])
         return lam, choice
 
-    # -- main --------------------------------------------------------------------------------
-
-    def solve(self) -> np.ndarray:
-        n, budget = self.n, self.budget
-        rows = np.arange(n)
-        last = self.nchoice - 1  # the min-ΔKL choice (costliest kept) of each unit
-        if self._cost(last) <= budget:
-            self.stats = {"binding": False, "exact": True}
-            return last
-
-        lam, incumbent = self._lp()
-        ub = self._value(incumbent)
+    def _lagrangian_bound(self, lam: float) -> _Bound:
+        """Step 2, the bound: price every choice at the LP multiplier (``v + λ c``). The cheapest
+        price per unit, summed, less ``λ · budget`` is the lower bound ``LB`` on any plan's ΔKL;
+        each choice's excess over its unit's cheapest price is its reduced cost ``r``."""
         score = self.v + lam * self.c.astype(np.float64)
         score[~self.valid] = np.inf
         m = score.min(axis=1)
-        lb = float(m.sum()) - lam * budget
+        lb = float(m.sum()) - lam * self.budget
         r = score - m[:, None]
         vscale = float(np.abs(np.where(self.valid, self.v, 0.0)).max(axis=1).sum())
         tol = 1e-9 * max(vscale, 1e-300)
-
         # Lagrangian choice per unit: r == 0, cheapest on ties; used to complete partial states.
         lag = np.where(r <= tol, np.arange(self.k)[None, :], self.k).min(axis=1)
+        return _Bound(lam=lam, lb=lb, r=r, tol=tol, lag=lag)
 
-        allowed = self.valid & (r <= (ub - lb) + tol)
+    def _fix_units(self, b: _Bound, ub: float) -> _Reduced:
+        """Step 3: keep only the choices whose reduced cost fits in the gap ``UB - LB``; a unit left
+        with one choice is fixed to it. The free units are ordered least flexible first (largest
+        second-smallest reduced cost), and per position the suffix sums the search prunes with are
+        taken: the cheapest and costliest allowed bits, and the Lagrangian choices' bits and ΔKL."""
+        n = self.n
+        rows = np.arange(n)
+        allowed = self.valid & (b.r <= (ub - b.lb) + b.tol)
         n_allowed = allowed.sum(axis=1)
         fixed = n_allowed == 1
         free = np.flatnonzero(~fixed)
-        fixed_choice = np.where(fixed, allowed.argmax(axis=1), lag)
+        fixed_choice = np.where(fixed, allowed.argmax(axis=1), b.lag)
         # Least flexible units first: their alternatives are pruned soonest.
-        second_r = np.sort(np.where(allowed, r, np.inf), axis=1)[:, 1] if self.k > 1 else np.zeros(n)
+        second_r = np.sort(np.where(allowed, b.r, np.inf), axis=1)[:, 1] if self.k > 1 else np.zeros(n)
         free = free[np.argsort(-second_r[free], kind="stable")]
 
         base_cost = int(self.c[rows[fixed], fixed_choice[fixed]].sum())
@@ -311,85 +312,168 @@ class _Solver:
             u = free[t]
             suf_min_cost[t] = suf_min_cost[t + 1] + cmin_allowed[u]
             suf_max_cost[t] = suf_max_cost[t + 1] + cmax_allowed[u]
-            suf_lag_cost[t] = suf_lag_cost[t + 1] + self.c[u, lag[u]]
-            suf_lag_val[t] = suf_lag_val[t + 1] + self.v[u, lag[u]]
+            suf_lag_cost[t] = suf_lag_cost[t + 1] + self.c[u, b.lag[u]]
+            suf_lag_val[t] = suf_lag_val[t + 1] + self.v[u, b.lag[u]]
+        return _Reduced(allowed=allowed, fixed_choice=fixed_choice, free=free, base_cost=base_cost,
+                        base_val=base_val, suf_min_cost=suf_min_cost, suf_max_cost=suf_max_cost,
+                        suf_lag_cost=suf_lag_cost, suf_lag_val=suf_lag_val)
 
-        best_val = ub
-        best_sol = ("incumbent", incumbent)
+    def _complete(self, search: _Search, red: _Reduced, front: _Front, level: int) -> None:
+        """Complete every state of ``front`` (the first ``level`` free units chosen) with the
+        remaining units' Lagrangian choices; the best feasible completion replaces the incumbent
+        when it is better."""
+        cc = front.cost + red.suf_lag_cost[level]
+        vv = front.val + red.suf_lag_val[level]
+        ok = cc <= self.budget
+        if ok.any():
+            j = int(np.argmin(np.where(ok, vv, np.inf)))
+            if vv[j] < search.best_val - 1e-15 * abs(search.best_val):
+                search.best_val = float(vv[j])
+                search.best = ("complete", level, j)
 
-        s_cost = np.array([base_cost], dtype=np.int64)
-        s_val = np.array([base_val])
-        s_r = np.array([0.0])
-        parents: list[np.ndarray] = []
-        picks: list[np.ndarray] = []
-        max_front = 1
+    def _extend(self, b: _Bound, red: _Reduced, front: _Front, t: int, gap: float) -> _Front:
+        """Every state of ``front`` times every allowed choice of the ``t``-th free unit, less the
+        states that cannot lead to a plan better than the incumbent (``gap = UB - LB``) or within
+        the budget. ``parent``/``pick`` record each new state's origin and choice."""
+        budget = self.budget
+        u = red.free[t]
+        js = np.flatnonzero(red.allowed[u])
+        nc = (front.cost[None, :] + self.c[u, js][:, None]).ravel()
+        nv = (front.val[None, :] + self.v[u, js][:, None]).ravel()
+        nr = (front.r[None, :] + b.r[u, js][:, None]).ravel()
+        par = np.tile(np.arange(len(front.cost)), len(js))
+        pick = np.repeat(js, len(front.cost))
+        # A plan better than the incumbent has ΔKL = LB + Σr + λ·(budget - bits) <= UB, so it
+        # needs Σr <= gap and leaves at most (gap - Σr) / λ bits of the budget unused.
+        reach = (nc + red.suf_max_cost[t + 1]).astype(np.float64)
+        keep = ((nr <= gap + b.tol) & (nc + red.suf_min_cost[t + 1] <= budget)
+                & (reach >= budget - (gap + b.tol - nr) / b.lam - 1.0))
+        return _Front(nc[keep], nv[keep], nr[keep], par[keep], pick[keep])
+
+    @staticmethod
+    def _pareto(front: _Front) -> _Front:
+        """The states no other state dominates: sorted by (bits, ΔKL), each kept only if strictly
+        better than every cheaper one."""
+        o = np.lexsort((front.val, front.cost))
+        nc, nv, nr, par, pick = front.cost[o], front.val[o], front.r[o], front.parent[o], front.pick[o]
+        prev_min = np.concatenate(([np.inf], np.minimum.accumulate(nv)[:-1]))
+        keep = nv < prev_min
+        return _Front(nc[keep], nv[keep], nr[keep], par[keep], pick[keep])
+
+    def _search(self, b: _Bound, red: _Reduced, ub: float, incumbent: np.ndarray) -> _Search:
+        """Step 4: the sparse dynamic programme over the free units, in order, on (bits, ΔKL)
+        states: extend, prune by the bound and the budget, keep the Pareto front, and try each
+        front's completion against the incumbent. Stops, not exact, past the state limits."""
+        search = _Search(best_val=ub, best=("incumbent", incumbent))
+        front = _Front(cost=np.array([red.base_cost], dtype=np.int64), val=np.array([red.base_val]),
+                       r=np.array([0.0]), parent=np.zeros(0, dtype=np.int64), pick=np.zeros(0, dtype=np.int64))
         work = 0
-        exact = True
-
-        def try_complete(level: int) -> None:
-            nonlocal best_val, best_sol
-            cc = s_cost + suf_lag_cost[level]
-            vv = s_val + suf_lag_val[level]
-            ok = cc <= budget
-            if ok.any():
-                j = int(np.argmin(np.where(ok, vv, np.inf)))
-                if vv[j] < best_val - 1e-15 * abs(best_val):
-                    best_val = float(vv[j])
-                    best_sol = ("complete", level, j)
-
-        try_complete(0)
-        for t in range(nf):
-            u = free[t]
-            js = np.flatnonzero(allowed[u])
-            gap = best_val - lb
-            nc = (s_cost[None, :] + self.c[u, js][:, None]).ravel()
-            nv = (s_val[None, :] + self.v[u, js][:, None]).ravel()
-            nr = (s_r[None, :] + r[u, js][:, None]).ravel()
-            par = np.tile(np.arange(len(s_cost)), len(js))
-            pick = np.repeat(js, len(s_cost))
-            # A plan better than the incumbent has ΔKL = LB + Σr + λ·(budget - bits) <= UB, so it
-            # needs Σr <= gap and leaves at most (gap - Σr) / λ bits of the budget unused.
-            reach = (nc + suf_max_cost[t + 1]).astype(np.float64)
-            keep = ((nr <= gap + tol) & (nc + suf_min_cost[t + 1] <= budget)
-                    & (reach >= budget - (gap + tol - nr) / lam - 1.0))
-            nc, nv, nr, par, pick = nc[keep], nv[keep], nr[keep], par[keep], pick[keep]
-            # Pareto filter: sorted by (cost, value), keep strictly better than everything cheaper.
-            o = np.lexsort((nv, nc))
-            nc, nv, nr, par, pick = nc[o], nv[o], nr[o], par[o], pick[o]
-            prev_min = np.concatenate(([np.inf], np.minimum.accumulate(nv)[:-1]))
-            keep = nv < prev_min
-            s_cost, s_val, s_r = nc[keep], nv[keep], nr[keep]
-            parents.append(par[keep].astype(np.int32))
-            picks.append(pick[keep].astype(np.int8))
-            max_front = max(max_front, len(s_cost))
-            work += len(s_cost)
-            try_complete(t + 1)
-            if len(s_cost) > _MAX_FRONT or work > _MAX_WORK:
-                exact = False
+        self._complete(search, red, front, 0)
+        for t in range(len(red.free)):
+            front = self._pareto(self._extend(b, red, front, t, gap=search.best_val - b.lb))
+            search.parents.append(front.parent.astype(np.int32))
+            search.picks.append(front.pick.astype(np.int8))
+            search.max_front = max(search.max_front, len(front.cost))
+            work += len(front.cost)
+            self._complete(search, red, front, t + 1)
+            if len(front.cost) > _MAX_FRONT or work > _MAX_WORK:
+                search.exact = False
                 break
+        return search
 
-        def backtrack(level: int, j: int) -> np.ndarray:
-            choice = fixed_choice.copy()
-            for t in range(nf - 1, level - 1, -1):
-                choice[free[t]] = lag[free[t]]
-            for t in range(level - 1, -1, -1):
-                choice[free[t]] = picks[t][j]
-                j = int(parents[t][j])
-            return choice
+    def _plan(self, b: _Bound, red: _Reduced, search: _Search) -> np.ndarray:
+        """Step 4, the answer: the best plan found. A completed state is rebuilt by walking its
+        parents back through the levels (fixed units keep their choice, units after its level their
+        Lagrangian one); otherwise the incumbent stands."""
+        if search.best[0] != "complete":
+            return search.best[1]
+        _, level, j = search.best
+        free = red.free
+        choice = red.fixed_choice.copy()
+        for t in range(len(free) - 1, level - 1, -1):
+            choice[free[t]] = b.lag[free[t]]
+        for t in range(level - 1, -1, -1):
+            choice[free[t]] = search.picks[t][j]
+            j = int(search.parents[t][j])
+        return choice
 
-        # At the last level every state is a complete feasible plan; completion above already
+    # -- main --------------------------------------------------------------------------------
+
+    def solve(self) -> np.ndarray:
+        """The choice index per unit of an optimal plan (or of the best found past the state
+        limits), with ``self.stats`` describing the search; the steps of the module docstring."""
+        last = self.nchoice - 1  # the min-ΔKL choice (costliest kept) of each unit
+        if self._cost(last) <= self.budget:
+            self.stats = {"binding": False, "exact": True}
+            return last
+        lam, incumbent = self._lp()
+        ub = self._value(incumbent)
+        bound = self._lagrangian_bound(lam)
+        reduced = self._fix_units(bound, ub)
+        search = self._search(bound, reduced, ub, incumbent)
+        # At the last level every state is a complete feasible plan; completion already
         # compared the cheapest-best of them against the incumbent.
-        if best_sol[0] == "complete":
-            sol = backtrack(best_sol[1], best_sol[2])
-        else:
-            sol = best_sol[1]
+        sol = self._plan(bound, reduced, search)
+        nf, gap = len(reduced.free), search.best_val - bound.lb
         # ΔKL(plan) - LB bounds how far any plan could improve on this one.
-        self.stats = {"binding": True, "exact": exact, "lambda": lam, "lower_bound": lb,
-                      "gap_bound": best_val - lb, "free_units": nf, "max_front": max_front}
-        if not exact:
+        self.stats = {"binding": True, "exact": search.exact, "lambda": lam, "lower_bound": bound.lb,
+                      "gap_bound": gap, "free_units": nf, "max_front": search.max_front}
+        if not search.exact:
             log.warning(
                 "allocation: %d near-tied units make the exact search subset-sum-like; "
-                "returning the best plan found, at most %.3g ΔKL above the optimum", nf,
-                best_val - lb)
-        assert self._cost(sol) <= budget
+                "returning the best plan found, at most %.3g ΔKL above the optimum", nf, gap)
+        assert self._cost(sol) <= self.budget
         return sol
+
+
+@dataclass
+class _Bound:
+    """The Lagrangian relaxation at the LP multiplier ``lam`` (ΔKL per bit)."""
+
+    lam: float
+    lb: float  # lower bound on any plan's ΔKL
+    r: np.ndarray  # [n, k] reduced cost of each choice (inf for padding)
+    tol: float  # ties within this count as equal
+    lag: np.ndarray  # [n] each unit's Lagrangian choice (reduced cost 0, cheapest on ties)
+
+
+@dataclass
+class _Reduced:
+    """What the bound leaves to search: the allowed choices, the free units in search order, the
+    fixed units' totals, and suffix sums over the free units (position t: units t.. of ``free``)."""
+
+    allowed: np.ndarray  # [n, k]
+    fixed_choice: np.ndarray  # [n] the only allowed choice of a fixed unit, the Lagrangian one of a free unit
+    free: np.ndarray  # free unit indices, least flexible first
+    base_cost: int  # bits of the fixed units
+    base_val: float  # ΔKL of the fixed units
+    suf_min_cost: np.ndarray
+    suf_max_cost: np.ndarray
+    suf_lag_cost: np.ndarray
+    suf_lag_val: np.ndarray
+
+
+@dataclass
+class _Front:
+    """Partial plans after some free units: bits, ΔKL and Σ reduced cost per state, with the index
+    of the state each came from (``parent``) and the choice it added (``pick``)."""
+
+    cost: np.ndarray
+    val: np.ndarray
+    r: np.ndarray
+    parent: np.ndarray
+    pick: np.ndarray
+
+
+@dataclass
+class _Search:
+    """The search's result: the best value and where it is (``("incumbent", choice)`` or
+    ``("complete", level, state)``), the per-level parent/pick arrays to rebuild it, the largest
+    front and whether the search finished (then the plan is optimal)."""
+
+    best_val: float
+    best: tuple
+    parents: list[np.ndarray] = field(default_factory=list)
+    picks: list[np.ndarray] = field(default_factory=list)
+    max_front: int = 1
+    exact: bool = True
