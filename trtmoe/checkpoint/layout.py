@@ -6,6 +6,7 @@ bytes; tests compare them with the reference tables. One source of truth.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Union
 
@@ -174,7 +175,9 @@ class RankLayout:
         m, mp, r = self.m, self.mp, self.tp_rank
         tp = mp.tp_size
         roles = rule.source_roles(m)
-        shapes = role_shapes(m, l)
+        zeros = rule.zeros(m)
+        # A tensor the source lacks has the shape it would have if the source had it.
+        shapes = role_shapes(dataclasses.replace(m, **{rule.when: True}) if zeros else m, l)
         src_shape = [shapes[role] for role in rule.roles]
         dt = torch.float32 if rule.dtype == FLOAT32 else self.dtype
         ax = rule.axis
@@ -224,6 +227,9 @@ class RankLayout:
                     emit(torch.zeros(b - max(a, V), *shape[1:], dtype=dt))
         else:
             raise AssertionError(f"unknown shard kind {rule.shard!r}")
+        if zeros:
+            def produce(emit, shape=tuple(shape)):
+                emit(torch.zeros(shape, dtype=dt))
         return TensorSpec(prefix + rule.name, tuple(shape), dt, produce, rule.kind)
 
     def _perm(self, l: int) -> list[int]:

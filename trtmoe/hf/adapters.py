@@ -44,7 +44,9 @@ class Rule:
     """One TensorRT-LLM tensor: ``name`` (layer-relative for layer rules) <- HF ``roles``, concatenated
     in that order along ``axis``, sharded by ``shard``, stored in the model dtype or float32.
     ``when`` names the ``ModelSpec`` fact that must be truthy for the tensor to exist; ``tied`` is the
-    role read instead of the first one when the model ties its word embeddings."""
+    role read instead of the first one when the model ties its word embeddings. ``always_for`` names
+    the families whose TensorRT-LLM model has the tensor whatever the source says: where the source
+    lacks it (``when`` is falsy) it is written as zeros, which is exactly the source's arithmetic."""
 
     name: str
     roles: tuple[str, ...]
@@ -55,9 +57,14 @@ class Rule:
     when: str | None = None
     tied: str | None = None
     kind: str = ""  # accounting group, e.g. "expert_fc"
+    always_for: tuple[str, ...] = ()
 
     def applies(self, m: ModelSpec) -> bool:
-        return self.when is None or bool(getattr(m, self.when))
+        return self.when is None or bool(getattr(m, self.when)) or m.family in self.always_for
+
+    def zeros(self, m: ModelSpec) -> bool:
+        """Written as zeros: the target model has the tensor, the source model does not."""
+        return self.when is not None and not getattr(m, self.when) and m.family in self.always_for
 
     def source_roles(self, m: ModelSpec) -> tuple[str, ...]:
         if self.tied and m.tie_word_embeddings:
@@ -71,11 +78,14 @@ DECODER_RULES: tuple[Rule, ...] = (
     Rule("input_layernorm.weight", ("input_norm",), REPLICATED, LAYER, kind="norm"),
     Rule("input_layernorm.bias", ("input_norm_bias",), REPLICATED, LAYER, when="norm_bias", kind="norm"),
     Rule("attention.qkv.weight", ("q", "k", "v"), KV_HEADS, LAYER, kind="attention"),
-    Rule("attention.qkv.bias", ("q_bias", "k_bias", "v_bias"), KV_HEADS, LAYER, when="qkv_bias", kind="attention"),
+    # TensorRT-LLM's PhiMoE always has attention (qkv and dense) and lm_head biases.
+    Rule("attention.qkv.bias", ("q_bias", "k_bias", "v_bias"), KV_HEADS, LAYER, when="qkv_bias", kind="attention",
+         always_for=("phimoe",)),
     Rule("attention.q_layernorm.weight", ("q_norm",), REPLICATED, LAYER, when="qk_norm", kind="norm"),
     Rule("attention.k_layernorm.weight", ("k_norm",), REPLICATED, LAYER, when="qk_norm", kind="norm"),
     Rule("attention.dense.weight", ("o",), TP, LAYER, axis=1, kind="attention"),
-    Rule("attention.dense.bias", ("o_bias",), REPLICATED, LAYER, when="attn_out_bias", kind="attention"),
+    Rule("attention.dense.bias", ("o_bias",), REPLICATED, LAYER, when="attn_out_bias", kind="attention",
+         always_for=("phimoe",)),
     Rule("post_layernorm.weight", ("post_norm",), REPLICATED, LAYER, kind="norm"),
     Rule("post_layernorm.bias", ("post_norm_bias",), REPLICATED, LAYER, when="norm_bias", kind="norm"),
     Rule("mlp.router.weight", ("router",), EP, MOE, dtype=FLOAT32, kind="router"),
@@ -95,7 +105,7 @@ DECODER_RULES: tuple[Rule, ...] = (
     Rule("transformer.ln_f.weight", ("final_norm",), REPLICATED, LAST, kind="norm"),
     Rule("transformer.ln_f.bias", ("final_norm_bias",), REPLICATED, LAST, when="norm_bias", kind="norm"),
     Rule("lm_head.weight", ("lm_head",), VOCAB, LAST, tied="embed", kind="lm_head"),
-    Rule("lm_head.bias", ("lm_head_bias",), VOCAB, LAST, when="lm_head_bias", kind="lm_head"),
+    Rule("lm_head.bias", ("lm_head_bias",), VOCAB, LAST, when="lm_head_bias", kind="lm_head", always_for=("phimoe",)),
 )
 
 
@@ -218,9 +228,9 @@ def _rope_type(cfg: dict) -> str:
     return p.get("rope_type") or p.get("type") or "default"
 
 
-def _rope_theta(cfg: dict) -> float:
+def _rope_theta(cfg: dict, default: float = 10000.0) -> float:
     params = cfg.get("rope_parameters") or {}
-    return float(_first(params, "rope_theta", default=None) or _first(cfg, "rope_theta", default=10000.0))
+    return float(_first(params, "rope_theta", default=None) or _first(cfg, "rope_theta", default=default))
 
 
 def _require(cfg: dict, key: str, *aliases):
@@ -230,7 +240,7 @@ def _require(cfg: dict, key: str, *aliases):
     return v
 
 
-def _base_facts(cfg: dict, default_norm_eps: float) -> dict:
+def _base_facts(cfg: dict, default_norm_eps: float, default_rope_theta: float = 10000.0) -> dict:
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     head_dim = _first(cfg, "head_dim")
@@ -245,7 +255,7 @@ def _base_facts(cfg: dict, default_norm_eps: float) -> dict:
         num_heads=heads,
         num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
         head_dim=int(head_dim) if head_dim else hidden // heads,
-        rope_theta=_rope_theta(cfg),
+        rope_theta=_rope_theta(cfg, default_rope_theta),
         norm_eps=float(_first(cfg, "rms_norm_eps", default=default_norm_eps)),
         max_position_embeddings=int(_first(cfg, "max_position_embeddings", default=4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -255,11 +265,26 @@ def _base_facts(cfg: dict, default_norm_eps: float) -> dict:
     )
 
 
+def _rope_key(cfg: dict) -> str:
+    """The config key that sets the RoPE type (for messages)."""
+    p = cfg.get("rope_parameters") or {}
+    return "rope_parameters" if (p.get("rope_type") or p.get("type")) else "rope_scaling"
+
+
+def _check_rotary_fraction(params: dict) -> None:
+    """Scaled RoPE in transformers rotates only ``partial_rotary_factor`` of each head (the model
+    classes' unscaled RoPE ignores the key); trtmoe rotates whole heads."""
+    frac = params.get("partial_rotary_factor")
+    if frac is not None and float(frac) != 1.0:
+        raise UnsupportedError(f"partial_rotary_factor={frac} is not supported", where="config.json",
+                               hint="RoPE is converted over the whole head dimension only")
+
+
 def _unscaled_rope(cfg: dict) -> dict:
     rope_type = _rope_type(cfg)
     if rope_type != "default":
         raise UnsupportedError(
-            f"RoPE scaling type {rope_type!r} is not supported", where="config.json",
+            f"{_rope_key(cfg)} type {rope_type!r} (RoPE scaling) is not supported", where="config.json",
             hint="only unscaled RoPE ('default') is converted for this architecture")
     return {}
 
@@ -348,8 +373,9 @@ def _longrope(cfg: dict, head_dim: int) -> dict | None:
         return None
     p = _rope_params(cfg)
     if _rope_type(cfg) != "longrope":
-        raise UnsupportedError(f"RoPE scaling type {_rope_type(cfg)!r} is not supported", where="config.json",
-                               hint="Phi-3.5-MoE converts with 'longrope' or unscaled RoPE")
+        raise UnsupportedError(f"{_rope_key(cfg)} type {_rope_type(cfg)!r} (RoPE scaling) is not supported",
+                               where="config.json", hint="Phi-3.5-MoE converts with 'longrope' or unscaled RoPE")
+    _check_rotary_fraction(p)
     short, long_ = p.get("short_factor"), p.get("long_factor")
     orig = _first(p, "original_max_position_embeddings", default=None) or cfg.get("original_max_position_embeddings")
     if not short or not long_ or orig is None or len(short) != head_dim // 2 or len(long_) != head_dim // 2:
@@ -464,6 +490,8 @@ class Adapter:
     trtllm_facts: Callable[[ModelSpec], dict]
     from_trtllm: Callable[[dict], dict] = field(default=lambda raw: {})
     default_norm_eps: float = 1e-6
+    # RoPE base when config.json gives none: the model class's default (Mixtral and Phi-3.5-MoE 1e6).
+    default_rope_theta: float = 10000.0
     dense_layers: bool = True  # may have dense-MLP layers (intermediate_size is their FFN size)
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert's output
     # Which layers TensorRT-LLM's checkpoint loader treats as MoE, from config.json alone.
@@ -478,7 +506,7 @@ ADAPTERS: dict[str, Adapter] = {
     a.family: a
     for a in (
         Adapter("mixtral", ("MixtralForCausalLM",), "MixtralForCausalLM", _BLOCK_SPARSE_MOE, _mixtral,
-                _mixtral_trtllm, default_norm_eps=1e-5, dense_layers=False),
+                _mixtral_trtllm, default_norm_eps=1e-5, default_rope_theta=1e6, dense_layers=False),
         Adapter("qwen2_moe", ("Qwen2MoeForCausalLM",), "Qwen2MoeForCausalLM", {
             **_QWEN_MOE,
             "shared_gate_proj": "model.layers.{l}.mlp.shared_expert.gate_proj.weight",
@@ -498,7 +526,8 @@ ADAPTERS: dict[str, Adapter] = {
         # Phi-3.5-MoE: transformers 5 names the class PhimoeForCausalLM, the hub's remote code
         # PhiMoEForCausalLM (also TensorRT-LLM's name, which its phi3 model family builds).
         Adapter("phimoe", ("PhimoeForCausalLM", "PhiMoEForCausalLM"), "PhiMoEForCausalLM", _PHIMOE, _phimoe,
-                _phimoe_trtllm, _phimoe_from_trtllm, default_norm_eps=1e-5, dense_layers=False),
+                _phimoe_trtllm, _phimoe_from_trtllm, default_norm_eps=1e-5, default_rope_theta=1e6,
+                dense_layers=False),
     )
 }
 
@@ -532,7 +561,8 @@ def adapter_for_checkpoint(raw: dict) -> Adapter | None:
 def describe(hf_config: dict) -> tuple[Adapter, ModelSpec]:
     """Build the architecture-neutral description from an HF ``config.json`` dict."""
     adapter = adapter_for(hf_config)
-    facts = {**_base_facts(hf_config, adapter.default_norm_eps), **adapter.facts(hf_config)}
+    facts = {**_base_facts(hf_config, adapter.default_norm_eps, adapter.default_rope_theta),
+             **adapter.facts(hf_config)}
     facts.setdefault("shared_expert_gate", adapter.shared_expert_gate)
     model = ModelSpec(family=adapter.family, hf_architecture=adapter.hf_architectures[0], **facts)
     if model.top_k < 1 or model.top_k > model.num_experts:

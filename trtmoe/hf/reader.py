@@ -234,6 +234,29 @@ class HFCheckpoint:
         if extra:
             raise CheckpointError(f"{len(extra)} tensor(s) not understood by the {self.adapter.family} "
                                   f"adapter, e.g. {extra[0]!r}", where=str(self.path))
+        if self.model.tie_word_embeddings and self.adapter.name("lm_head") in self.location:
+            self._check_tied_copy()
+
+    def _check_tied_copy(self) -> None:
+        """A tied checkpoint that still stores an lm_head: fine when it is the embedding's copy. A
+        different one leaves the model ambiguous (transformers 5 then keeps it untied and uses it,
+        older releases overwrite it with the embedding), so it is refused rather than guessed."""
+        emb, head = self.adapter.name("embed"), self.adapter.name("lm_head")
+        e, h = self.info(emb), self.info(head)
+        same = tuple(e.shape) == tuple(h.shape)
+        step = max(1, (16 << 20) // max(1, e.nbytes // max(1, e.shape[0]))) if same else 0
+        for r in range(0, e.shape[0] if same else 0, step):
+            rows = (r, min(e.shape[0], r + step))
+            a = self.read(emb, rows, check_finite=False)
+            b = self.read(head, rows, check_finite=False)
+            if not (torch.equal(a, b) if a.dtype == b.dtype else torch.equal(a.double(), b.double())):
+                same = False
+                break
+        if not same:
+            raise CheckpointError(
+                f"tie_word_embeddings is true but {head!r} differs from {emb!r}", where=str(self.path),
+                hint="set tie_word_embeddings to false in config.json if the stored lm_head is the one to use, "
+                     "or drop it from the weights if the embedding is")
 
     # ---- tensors -----------------------------------------------------------------------------
     def info(self, name: str):

@@ -27,6 +27,8 @@ _FLOAT_FIELDS = {"rope_theta", "rms_norm_eps"}
 _BOOL_FIELDS = {"tie_word_embeddings", "norm_topk_prob", "qkv_bias", "attention_bias", "use_sliding_window"}
 _STR_FIELDS = {"hidden_act", "scoring_func", "dtype", "torch_dtype", "model_type"}
 _DICT_FIELDS = {"rope_parameters", "rope_scaling"}
+# The model types whose sliding window is on only when use_sliding_window is true.
+_USE_SLIDING_WINDOW = {"qwen2_moe", "qwen3_moe"}
 # The default the adapters assume when max_position_embeddings is not given.
 _DEFAULT_CONTEXT = 4096
 # Far beyond any real model: a larger count is a corrupt file, and reading it literally would
@@ -165,9 +167,12 @@ def _check_sliding_window(cfg: dict, where: str) -> None:
     if not window:  # null or 0: no window
         return
     context = cfg.get("max_position_embeddings") or _DEFAULT_CONTEXT
-    # Qwen MoE configs carry a window that is off unless use_sliding_window says so; Mixtral's
-    # attention uses any window given.
-    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+    # Qwen MoE configs carry a window that is off unless use_sliding_window says so; Mixtral's and
+    # Phi-3.5-MoE's attention use any window given (a use_sliding_window key there changes nothing).
+    archs = cfg.get("architectures") or []
+    qwen = cfg.get("model_type") in _USE_SLIDING_WINDOW or any(_MODEL_TYPES.get(a) in _USE_SLIDING_WINDOW
+                                                               for a in archs)
+    if qwen and not cfg.get("use_sliding_window"):
         return
     if window < context:
         raise UnsupportedError(

@@ -269,7 +269,8 @@ class EmbeddedEngine:
         for l in range(c.num_layers):
             p, j = mp.layer_owner(c.num_layers, l)
             pre = f"transformer.layers.{j}."
-            t = {r.name: whole(files, r, pre, p) for r in layer_rules(c, l) if r.shard != MOE_TP}
+            # Tensors the target model has but the source did not are zeros: nothing to add.
+            t = {r.name: whole(files, r, pre, p) for r in layer_rules(c, l) if r.shard != MOE_TP and not r.zeros(c)}
             lay = _Layer(input_norm=to(t["input_layernorm.weight"]), post_norm=to(t["post_layernorm.weight"]),
                          wqkv=to(t["attention.qkv.weight"]), wo=to(t["attention.dense.weight"]),
                          input_norm_b=to(t.get("input_layernorm.bias")), post_norm_b=to(t.get("post_layernorm.bias")),
