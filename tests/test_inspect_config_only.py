@@ -85,3 +85,75 @@ def test_dense_layer_rules_are_the_support_tables(tiny_model, tmp_path):
     notes = inspect_model(str(config_only(tiny_model("qwen2_moe"), tmp_path / "q")))["notes"]
     assert len(notes) == 1 and "dense layers [2]" in notes[0] and "embedded engine" in notes[0]
     assert inspect_model(str(config_only(tiny_model("mixtral"), tmp_path / "m")))["notes"] == []
+
+
+# ---- real models' shapes, from their config.json alone ------------------------------------------------
+
+MODEL_CONFIGS = Path(__file__).parent / "fixtures" / "model_configs"
+
+# Figures the model cards and release notes publish, in billions, at the precision they give:
+# (total, activated) where activated is all but the routed experts a token does not pick.
+PUBLISHED = {
+    "Mixtral-8x7B-v0.1": ("46.7", "12.9"),
+    "Mixtral-8x22B-v0.1": ("141", "39"),
+    "Qwen1.5-MoE-A2.7B": ("14.3", "2.7"),
+    "Qwen2-57B-A14B": ("57", "14"),
+    "Qwen3-30B-A3B": ("30.5", "3.3"),
+    "Qwen3-235B-A22B": ("235", "22"),
+    "deepseek-moe-16b-base": ("16.4", "2.8"),
+    "Phi-3.5-MoE-instruct": ("41.9", "6.6"),
+}
+
+
+def _matches(n: int, published: str) -> bool:
+    """Within one unit of the published figure's last digit (cards round, Qwen3's truncate: 3.35 -> 3.3)."""
+    digits = len(published.split(".")[1]) if "." in published else 0
+    return abs(n / 1e9 - float(published)) < 10 ** -digits
+
+
+def test_every_model_config_has_a_published_figure():
+    assert sorted(p.stem for p in MODEL_CONFIGS.glob("*.json")) == sorted(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_real_model_counts_match_the_published_figures(name, tmp_path):
+    bare = tmp_path / name
+    bare.mkdir()
+    shutil.copyfile(MODEL_CONFIGS / f"{name}.json", bare / "config.json")
+    rep = inspect_model(str(bare))
+    assert not rep["weights_present"]
+    p, c = rep["parameters"], rep["config"]
+    total, activated = PUBLISHED[name]
+    assert _matches(p["total"], total), (p["total"], total)
+    assert _matches(p["activated"], activated), (p["activated"], activated)
+    # What a token's forward multiplies with reads one embedding row, not the table.
+    assert p["activated"] - p["active_per_token"] == (c["vocab_size"] - 1) * c["hidden_size"]
+    if name.startswith("deepseek"):  # first_k_dense_replace = 1
+        assert rep["dense_layers"] == [0] and len(rep["moe_layers"]) == 27
+
+
+def _hf_counts(model_dir: Path) -> tuple[int, int]:
+    """(total, activated) from transformers' own module: named_parameters(), and the routed experts'
+    share a token skips taken from the parameters under ``.experts.``."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    params = dict(model.named_parameters())
+    total = sum(t.numel() for t in params.values())
+    routed = sum(t.numel() for n, t in params.items() if ".experts." in n)
+    E = cfg.get("num_experts") or cfg["num_local_experts"]
+    return total, total - routed * (E - cfg["num_experts_per_tok"]) // E
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("phimoe", {}),  # LayerNorm biases, attention and lm_head biases
+    ("phimoe", dict(attention_bias=False, lm_head_bias=False, tied=True)),
+    ("qwen2_moe", dict(tied=True, qkv_bias=False)),
+    ("qwen3_moe", dict(head_dim=32, mlp_only_layers=[1])),
+    ("mixtral", dict(head_dim=8, num_key_value_heads=1)),
+], ids=["phimoe", "phimoe-no-biases-tied", "qwen2-tied-no-bias", "qwen3-head_dim-dense", "mixtral-head_dim-gqa"])
+def test_counts_equal_transformers_module(tiny_model, tmp_path, arch, kw):
+    bare = config_only(tiny_model(arch, **kw), tmp_path / "bare")
+    p = inspect_model(str(bare))["parameters"]
+    assert (p["total"], p["activated"]) == _hf_counts(tiny_model(arch, **kw))

@@ -186,6 +186,9 @@ def _render_inspect(rep: dict) -> None:
     console.print(f"  A token touches [bold]{fmt_count(p['active_per_token'])}[/] of "
                   f"{fmt_count(p['total'])} parameters = [bold]{100 * p['active_share']:.2f}%[/] "
                   f"(one embedding row, all attention, routers, shared experts, top-k experts, full lm_head)")
+    if "activated" in p:
+        console.print(f"  Activated as model cards count it (all but the routed experts a token skips): "
+                      f"[bold]{fmt_count(p['activated'])}[/]")
     lay = rep["layout"]
     if not lay["ok"]:  # the command ends with the problems as its one error line
         return

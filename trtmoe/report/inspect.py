@@ -58,6 +58,7 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
         "moe_layers": [l for l, x in enumerate(m.moe_layers) if x],
         "dense_layers": [l for l, x in enumerate(m.moe_layers) if not x],
         "parameters": {"total": pc.total, "active_per_token": pc.active, "active_share": pc.active_share,
+                       "activated": pc.activated,
                        "components": {k: {"total": t, "active_per_token": a} for k, (t, a) in
                                       pc.components.items()}},
         "source_bytes": source_bytes,
