@@ -90,7 +90,7 @@ PARITY = [
     ("mixtral-sliding-window-at-context", "mixtral", dict(sliding_window=256), None),
     ("mixtral-hub-rope-theta-1e6", "mixtral", {}, lambda c: {**hub_style(c), "rope_theta": 1e6}),
     ("mixtral-no-rope-theta", "mixtral", {}, without_rope_theta),  # MixtralConfig's default base is 1e6
-    ("mixtral-tied-fp16", "mixtral", dict(tied=True, dtype="float16"), None),
+    ("mixtral-tied-fp16-vocab-251", "mixtral", dict(tied=True, dtype="float16", vocab_size=251), None),  # padded under tp=2
     ("mixtral-vocab-251-top1", "mixtral", dict(vocab_size=251, num_experts_per_tok=1), None),
     ("qwen2-norm-topk", "qwen2_moe", dict(norm_topk_prob=True), None),
     ("qwen2-sparse-step-2", "qwen2_moe", dict(decoder_sparse_step=2, mlp_only_layers=[]), None),
@@ -111,6 +111,8 @@ PARITY = [
     ("deepseek-no-shared", "deepseek_v1", dict(n_shared_experts=None), None),
     ("deepseek-1-shared-norm-topk", "deepseek_v1", dict(n_shared_experts=1, norm_topk_prob=True), None),
     ("deepseek-tied-bf16", "deepseek_v1", dict(tied=True, dtype="bfloat16"), None),
+    # DeepSeek-MoE renormalises only several picks: top-1 keeps its softmax probability.
+    ("deepseek-top1-norm-topk", "deepseek_v1", dict(num_experts_per_tok=1, norm_topk_prob=True), None),
     ("phimoe-unscaled-rope", "phimoe", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), None),
     ("phimoe-jitter-0.1", "phimoe", dict(router_jitter_noise=0.1), None),  # the sparse mixer's margin
     ("phimoe-no-biases", "phimoe", dict(attention_bias=False, lm_head_bias=False), None),

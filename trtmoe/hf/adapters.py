@@ -355,11 +355,14 @@ def _deepseek_v1(cfg: dict) -> dict:
     freq = int(cfg.get("moe_layer_freq", 1) or 1)
     shared = int(cfg.get("n_shared_experts") or 0)
     moe_i = int(_require(cfg, "moe_intermediate_size"))
+    top_k = int(_require(cfg, "num_experts_per_tok"))
     return dict(
         num_experts=int(_require(cfg, "n_routed_experts")),
-        top_k=int(_require(cfg, "num_experts_per_tok")),
+        top_k=top_k,
         expert_intermediate_size=moe_i,
-        normalization_mode=NORM_RENORMALIZE if cfg.get("norm_topk_prob") else NORM_NONE,
+        # DeepSeek-MoE renormalises the top-k weights only when there are several (a single pick
+        # keeps its softmax probability).
+        normalization_mode=NORM_RENORMALIZE if cfg.get("norm_topk_prob") and top_k > 1 else NORM_NONE,
         moe_layers=tuple(l >= k_dense and l % freq == 0 for l in range(n)),
         dense_intermediate_size=int(_require(cfg, "intermediate_size")),
         shared_expert_intermediate_size=shared * moe_i,
