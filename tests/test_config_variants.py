@@ -217,3 +217,23 @@ def test_phimoe_long_context_uses_the_long_factors(tmp_path):
     check_parity(src, tmp_path / "long", ids=ids, ref=hf_logits(alt, ids))
     # Within the original context the short factors hold, as transformers computes them.
     check_parity(src, tmp_path / "short", ids=ids[:, :128])
+
+
+@pytest.mark.parametrize("arch,kw", [("qwen3_moe", dict(head_dim=32)), ("mixtral", dict(num_key_value_heads=1)),
+                                     ("qwen2_moe", dict(decoder_sparse_step=2, mlp_only_layers=[]))],
+                         ids=["qwen3-head_dim-32", "mixtral-gqa-4to1", "qwen2-sparse-step-2"])
+def test_variant_greedy_generation_with_cache(arch, kw, tmp_path):
+    """The cached decode path (KV pool sized by head_dim and KV heads) generates what transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    from trtmoe.runtime.engine import SamplingParams
+
+    src = build(tmp_path, arch, **kw)
+    eng = EmbeddedEngine.from_checkpoint(convert(src, tmp_path / "ck", tp=2, moe_ep=2).out_dir, device="cpu")
+    prompt = [5, 17, 99, 3, 42, 7]
+    got = eng.generate(prompt, SamplingParams(max_new_tokens=10))
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    assert got == out[0, len(prompt):].tolist()
