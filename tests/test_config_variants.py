@@ -237,3 +237,20 @@ def test_variant_greedy_generation_with_cache(arch, kw, tmp_path):
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                           pad_token_id=0)
     assert got == out[0, len(prompt):].tolist()
+
+
+def test_phimoe_long_and_short_sequences_batched_decode_as_alone(tmp_path):
+    """LongRoPE's short/long choice belongs to each sequence: a short sequence prefilled and decoded
+    in one batch with one past original_max_position_embeddings (128) gets the tokens it gets alone
+    (it used to take the batch's longest length, hence the long factors)."""
+    from trtmoe.runtime.engine import SamplingParams
+
+    src = make_tiny_models.make_tiny_model("phimoe", tmp_path / "src")
+    eng = EmbeddedEngine.from_checkpoint(convert(src, tmp_path / "ck").out_dir, device="cpu")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (10, 130, 60)]
+    alone = [eng.generate(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+    seqs = eng.start_many(prompts, [SamplingParams(max_new_tokens=8)] * 3)
+    while not all(s.finished for s in seqs):
+        eng.step(seqs)
+    assert [s.tokens for s in seqs] == alone

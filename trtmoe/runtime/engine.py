@@ -318,13 +318,28 @@ class EmbeddedEngine:
         self._tokens = 0
 
     # ---- the model --------------------------------------------------------------------------------
-    def _rope_tables(self, pos: torch.Tensor, dtype: torch.dtype, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_tables(self, pos: torch.Tensor, dtype: torch.dtype, n_pos: int,
+                     lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, 1, hd] for positions pos [B, T] (gpt-neox halves), all below ``n_pos``;
         shared by all layers. They are rows of per-position tables computed once (element by
-        element the same float32 arithmetic as computing them for the step's positions)."""
-        long = False
-        if self.cfg.longrope is not None:
-            long = n_pos > self.cfg.longrope["original_max_position_embeddings"]
+        element the same float32 arithmetic as computing them for the step's positions).
+
+        LongRoPE picks the short or long factors per sequence: long once the sequence (``lengths``,
+        its tokens so far including this forward's; ``n_pos`` for every row when not given) is
+        longer than original_max_position_embeddings, so a row never depends on its batch."""
+        lr = self.cfg.longrope
+        if lr is None:
+            return self._rope_rows(False, pos, dtype, n_pos)
+        orig = lr["original_max_position_embeddings"]
+        longs = [n > orig for n in (lengths if lengths is not None else [n_pos])]
+        if all(longs) or not any(longs):
+            return self._rope_rows(longs[0], pos, dtype, n_pos)
+        pick = torch.tensor(longs, device=pos.device)[:, None, None, None]
+        (cs, ss), (cl, sl) = (self._rope_rows(k, pos, dtype, n_pos) for k in (False, True))
+        return torch.where(pick, cl, cs), torch.where(pick, sl, ss)
+
+    def _rope_rows(self, long: bool, pos: torch.Tensor, dtype: torch.dtype, n_pos: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         tab = self._rope_cache.get((long, dtype))
         if tab is None or tab.shape[0] < n_pos:
             tab = self._rope_table(long, max(n_pos, min(2 * (0 if tab is None else tab.shape[0]), self.max_seq_len), 256),
@@ -528,7 +543,11 @@ class EmbeddedEngine:
         [B, T] marks the real tokens of a right-padded batch: only they are routed and counted."""
         x = self.embedding[ids] if hidden is None else hidden
         plan = self._cache_plan(seqs, pos, ids.shape[1]) if seqs is not None else None
-        rope = self._rope_tables(pos, x.dtype, plan["Lmax"] if plan is not None else int(pos.max()) + 1)
+        lengths = None  # each cached sequence's tokens after this forward (padding excluded)
+        if seqs is not None:
+            T = ids.shape[1]
+            lengths = [s.length + (last[b] + 1 if last is not None else T) for b, s in enumerate(seqs)]
+        rope = self._rope_tables(pos, x.dtype, plan["Lmax"] if plan is not None else int(pos.max()) + 1, lengths)
         # A small block (a decode step) adds every layer's routing statistics in one go afterwards.
         stats = [] if ids.numel() <= STACK_MAX_ROWS else None
         for li in range(start_layer, len(self.layers)):
