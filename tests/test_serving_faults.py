@@ -31,7 +31,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
 from trtmoe.triton.batcher import FINISH_CANCELLED, InflightBatcher  # noqa: E402
-from trtmoe.triton.metrics import tokens_when_idle  # noqa: E402
+from trtmoe.triton.metrics import scrape, tokens_when_idle  # noqa: E402
 from trtmoe.triton.repository import generate_repository  # noqa: E402
 from trtmoe.errors import TrtmoeError  # noqa: E402
 from trtmoe.triton.serve import (STUB_NAME, Endpoints, RestartBudget, TritonServer, backend_stubs,  # noqa: E402
@@ -144,6 +144,68 @@ def test_cancelled_stream_frees_its_slot(served, model):
     generated = _wait_idle(served, timeout=10) - before
     assert 2 <= generated < LONG * 3 // 4, generated
     _assert_serves(served, model)
+
+
+def _llm_metric(server, name: str, **labels) -> float:
+    want = {"model": "tensorrt_llm", **labels}
+    return sum(v for got, v in scrape(server.endpoints.metrics).get(name, [])
+               if all(dict(got).get(k) == x for k, x in want.items()))
+
+
+def _stream(url: str):
+    client = grpcclient.InferenceServerClient(url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    return client, q
+
+
+def test_cancel_frees_the_slot_with_the_queue_full(built, tmp_path):
+    """One batch slot and one place in the queue (max_batch_size 1, max_queue_size 1): a stream
+    through the ensemble or BLS holds the slot, a request to tensorrt_llm waits and a third is
+    refused. Cancelling the stream still ends it and the waiting request gets the slot; the cancel
+    reached the engine over its cancel socket, not as a request in tensorrt_llm's queue (Triton
+    counted no request there beyond the three)."""
+    repo = generate_repository(built["root"] / "engine", tmp_path / "repo", streaming=True, torch_num_threads=1,
+                               max_batch_size=1, max_queue_size=1)
+    server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
+    counted = ("nv_inference_request_success", "nv_inference_request_failure")
+    try:
+        for model in ("ensemble", "tensorrt_llm_bls"):
+            before = _wait_idle(server)
+            requests = sum(_llm_metric(server, m) for m in counted)
+            holder, held = _stream(server.endpoints.grpc)
+            holder.async_stream_infer(model, _inputs(model))
+            for _ in range(2):
+                assert held.get(timeout=60)[1] is None
+            waiter, waits = _stream(server.endpoints.grpc)
+            waiter.async_stream_infer("tensorrt_llm", _inputs("tensorrt_llm", 4), enable_empty_final_response=True)
+            deadline = time.monotonic() + 60
+            while _llm_metric(server, "trtmoe_batcher_requests", state="waiting") < 1:  # refreshed every 0.5 s
+                assert time.monotonic() < deadline, "the second request never waited"
+                time.sleep(0.1)
+            refused, refusals = _stream(server.endpoints.grpc)
+            refused.async_stream_infer("tensorrt_llm", _inputs("tensorrt_llm", 4))
+            err = refusals.get(timeout=60)[1]
+            assert err is not None and "waiting" in str(err), err
+            holder.stop_stream(cancel_requests=True)
+            tokens = 0
+            while True:
+                res, err = waits.get(timeout=60)  # the slot is freed: the waiting request runs
+                assert err is None, err
+                tokens += int(np.asarray(res.as_numpy("sequence_length") if res.as_numpy("output_ids") is not None
+                                         else [0]).sum())
+                if res.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            assert tokens == 4
+            generated = _wait_idle(server, timeout=30) - before
+            assert 4 + 2 <= generated < 4 + LONG * 3 // 4, (model, generated)
+            assert sum(_llm_metric(server, m) for m in counted) - requests == 3, model
+            for c in (holder, waiter, refused):
+                c.stop_stream()
+                c.close()
+        _assert_serves(server, "ensemble")
+    finally:
+        server.stop()
 
 
 def _client_script(url: str, model: str) -> str:

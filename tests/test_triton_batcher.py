@@ -3,8 +3,12 @@ requests join a running batch, and failures stay with their request."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -12,7 +16,9 @@ import torch
 
 from trtmoe.checkpoint.writer import convert
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
-from trtmoe.triton.batcher import (FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, BatcherClosed, InflightBatcher)
+from trtmoe.triton.batcher import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, BatcherClosed,
+                                   InflightBatcher, QueueFull)
+from trtmoe.triton.cancel_channel import CancelListener, CancelSender
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests, word_list
 
 
@@ -181,6 +187,85 @@ def test_stop_sequence_cancel_and_shutdown(engine):
     assert isinstance(waiting.final.error, BatcherClosed)
     with pytest.raises(BatcherClosed):
         b.submit([1], _params(1), Collector())
+
+
+def _wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+class Gated(Collector):
+    """Holds the batcher thread in its callback at the given event numbers until released, so a
+    test decides what arrives while a request is still generating."""
+
+    def __init__(self, *at):
+        super().__init__()
+        self.reached = {n: threading.Event() for n in at}
+        self.release = {n: threading.Event() for n in at}
+
+    def __call__(self, ev):
+        super().__call__(ev)
+        n = len(self.events)
+        if n in self.reached:
+            self.reached[n].set()
+            assert self.release[n].wait(60)
+
+
+def test_cancel_channel_frees_a_slot_while_the_queue_is_full(engine):
+    """One slot, one place in the queue, both taken (a third request is refused): a key sent over
+    the cancel channel still ends the running request before its next step, and the waiting one
+    gets the slot. A key that arrives before its request cancels that request before any prefill,
+    even with the queue full; a process that is not a sibling stub (here a child) is refused
+    unread."""
+    model = f"test-{uuid.uuid4().hex}"  # its own address: other test runs may share this parent
+    b = InflightBatcher(engine, max_batch_size=1, max_waiting=1, prefill_budget_s=0.0)
+    listener = CancelListener(model, lambda key: b.cancel(key, remember=True))
+    sender = CancelSender(model)
+    long = _params(240, min_tokens=240)
+    running, blocker = Gated(2), Gated(2, 4)
+    try:
+        waiting = Collector()
+        b.submit([1, 5, 9], long, running, request_id="run")
+        assert running.reached[2].wait(30)  # 2 tokens out; the batcher thread waits in the callback
+        b.submit([1, 5], _params(3), waiting, request_id="wait")
+        with pytest.raises(QueueFull):
+            b.submit([1, 7], _params(3), Collector())
+        sender.send("run")
+        _wait_for(lambda: listener.received == 1)
+        running.release[2].set()
+        assert running.done.wait(30) and running.final.finish_reason == FINISH_CANCELLED, running.final
+        assert len(running.tokens) == 2
+        assert waiting.done.wait(30) and waiting.final.finish_reason == FINISH_LENGTH and len(waiting.tokens) == 3
+
+        filler, early = Collector(), Collector()
+        b.submit([1, 5, 9], long, blocker, request_id="block")
+        assert blocker.reached[2].wait(30)
+        b.submit([1, 5], _params(3), filler, request_id="fill")
+        sender.send("early")
+        _wait_for(lambda: listener.received == 2)
+        b.submit([1, 5], _params(3), early, request_id="early")  # the queue is full, yet no QueueFull
+        child = (f"from trtmoe.triton.cancel_channel import CancelSender\n"
+                 f"try:\n    CancelSender({model!r}, server_pid={os.getppid()}).send('block')\n"
+                 f"except OSError:\n    pass  # the listener hung up on it\n")
+        subprocess.run([sys.executable, "-c", child], check=True, timeout=60)
+        _wait_for(lambda: listener.refused >= 1)
+        blocker.release[2].set()
+        assert early.done.wait(30) and early.final.finish_reason == FINISH_CANCELLED and early.tokens == []
+        assert blocker.reached[4].wait(30) and not blocker.done.is_set()  # the child's key was not taken
+        sender.send("block")
+        _wait_for(lambda: listener.received == 3)
+        blocker.release[4].set()
+        assert blocker.done.wait(30) and blocker.final.finish_reason == FINISH_CANCELLED and len(blocker.tokens) == 4
+        assert filler.done.wait(30) and filler.final.finish_reason == FINISH_LENGTH
+    finally:
+        for g in (running, blocker):
+            for e in g.release.values():
+                e.set()
+        sender.close()
+        listener.close()
+        b.shutdown()
 
 
 def test_stream_interval_groups_tokens(engine):

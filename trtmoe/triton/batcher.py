@@ -9,7 +9,7 @@ The engine contract (``trtmoe.runtime.engine.EmbeddedEngine``) is small::
 
 Each iteration of the loop
 
-1. drops cancelled requests,
+1. drops cancelled requests (running or waiting),
 2. admits waiting requests (prefill, several in one padded forward when the engine has
    ``start_many``) while fewer than ``max_batch_size`` are active, stopping once the prefill time
    spent this iteration exceeds the budget (about one decode step), so requests that are already
@@ -22,10 +22,14 @@ Each iteration of the loop
    otherwise every ceil(active / responses_per_step) tokens, so a step never produces more than
    about that many responses.
 
-Cancellation: ``cancel()`` (or ``BatchRequest.cancel``) only sets a flag, read before every step. A
-request's ``is_cancelled`` callable (a Triton response sender's, an IPC call) is polled by a watcher
-thread about once per decode step, never on the decode thread, so a cancelled request leaves the
-batch before the next step after the poll that sees it, and polling never stalls decoding.
+Cancellation: ``cancel()`` (or ``BatchRequest.cancel``) only sets a flag, read before every step; it
+takes no room in the waiting queue, so a full queue never refuses one. ``cancel(id, remember=True)``
+(for ids that name one generation, such as the ensemble's request keys) also keeps the id for a
+while, so a request submitted with it afterwards (a cancel that overtook its request) is answered
+as cancelled before its prefill. A request's ``is_cancelled`` callable (a Triton response
+sender's, an IPC call) is polled by a watcher thread about once per decode step, never on the
+decode thread, so a cancelled request leaves the batch before the next step after the poll that
+sees it, and polling never stalls decoding.
 
 Errors stay per request: a failing prefill, a failing sequence inside ``step`` (found by retrying the
 batch one sequence at a time) or a callback that raises ends that request only; the loop goes on.
@@ -37,7 +41,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -118,6 +122,8 @@ class InflightBatcher:
     engine with ``start_many(prompts, params)`` prefills the waiting requests that fit together.
     ``on_flush()``: called on the batcher thread after each burst of callbacks (a prefill's first
     token, a step's tokens), so a consumer that queues events can wake its sender once per burst.
+    ``remember_cancel_s`` / ``max_remembered_cancels``: how long, and how many, ids cancelled with
+    ``remember=True`` are kept for requests that arrive after their cancel.
     """
 
     def __init__(self, engine: Any, *, max_batch_size: int, max_waiting: int = 0,
@@ -126,7 +132,8 @@ class InflightBatcher:
                  stream_interval: int = 1, responses_per_step: int = 8,
                  on_flush: Callable[[], None] | None = None,
                  max_prefill_tokens: int = 1024, name: str = "trtmoe-inflight-batcher",
-                 min_cancel_check_period_s: float = 0.005):
+                 min_cancel_check_period_s: float = 0.005, remember_cancel_s: float = 600.0,
+                 max_remembered_cancels: int = 16384):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if stream_interval < 0:
@@ -147,6 +154,9 @@ class InflightBatcher:
         self._watcher: threading.Thread | None = None
         self.idle_callback_period_s = idle_callback_period_s
         self._waiting: deque[BatchRequest] = deque()
+        self.remember_cancel_s = remember_cancel_s
+        self.max_remembered_cancels = max_remembered_cancels
+        self._remembered: OrderedDict[str, float] = OrderedDict()  # id -> when it was cancelled (monotonic s)
         self._active: list[BatchRequest] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -173,7 +183,9 @@ class InflightBatcher:
         with self._cv:
             if self._closed:
                 raise BatcherClosed("the batcher is shut down")
-            if self.max_waiting and len(self._waiting) >= self.max_waiting:
+            if req.request_id in self._remembered:  # its cancel came first: answered before any prefill
+                req._cancel = True
+            elif self.max_waiting and len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (max {self.max_waiting})")
             self._waiting.append(req)
             self._cv.notify()
@@ -183,14 +195,24 @@ class InflightBatcher:
                 self._watcher.start()
         return req
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel every queued or running request with this id; True if one was found."""
+    def cancel(self, request_id: str, *, remember: bool = False) -> bool:
+        """Cancel every queued or running request with this id; True if one was found. ``remember``:
+        the id names one generation (never reused), so also cancel requests submitted with it
+        during the next ``remember_cancel_s`` seconds."""
         found = False
         with self._cv:
             for r in itertools.chain(self._waiting, self._active):
                 if r.request_id == request_id:
                     r.cancel()
                     found = True
+            if remember:
+                now = time.monotonic()
+                self._remembered[request_id] = now
+                self._remembered.move_to_end(request_id)
+                old = self._remembered
+                while old and (len(old) > self.max_remembered_cancels
+                               or next(iter(old.values())) < now - self.remember_cancel_s):
+                    old.popitem(last=False)
             self._cv.notify()
         return found
 
@@ -305,6 +327,14 @@ class InflightBatcher:
             time.sleep(period if reqs else self.cancel_check_period_s)
 
     def _drop_cancelled(self) -> None:
+        """Answer the cancelled requests, running or still waiting (so a cancelled request gives back
+        its place in the queue at once, not when a slot frees)."""
+        with self._cv:
+            gone = [r for r in self._waiting if r._cancel]
+            if gone:
+                self._waiting = deque(r for r in self._waiting if not r._cancel)
+        for r in gone:
+            self._emit(r, [], finished=True, reason=FINISH_CANCELLED)
         keep = []
         for r in self._active:
             if r.finished:

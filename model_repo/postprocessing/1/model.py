@@ -13,9 +13,10 @@ Cancellation through the ensemble: Triton 2.51's ensemble scheduler does not tel
 tensorrt_llm step that its request was cancelled; it marks only the steps it schedules afterwards,
 and in a streaming repository that is this model, once per streamed response. So a request that
 carries the ensemble's `REQUEST_KEY` and is cancelled makes this model send `cancel_stop_model`
-(tensorrt_llm) a `stop` request for that key, on a thread of its own, once per key (the flag is
-read at most every `cancellation_check_period_ms` per key, default 20: each read is IPC); tensorrt_llm
-then ends that generation before its next decode step. The cancelled request is still answered
+(tensorrt_llm) the key, on a thread of its own, once per key: over tensorrt_llm's cancel socket
+(trtmoe.triton.cancel_channel, which no full request queue can refuse) where there is one, else as
+a `stop` request (the flag is read at most every `cancellation_check_period_ms` per key, default
+20: each read is IPC); tensorrt_llm then ends that generation before its next decode step. The cancelled request is still answered
 normally (the ensemble then finishes as usual; the client is gone and gets nothing). Such a
 repository has no dynamic batcher for this model: a batcher drops cancelled requests unseen.
 
@@ -34,6 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
 import queue  # noqa: E402
+import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections import OrderedDict  # noqa: E402
@@ -61,6 +63,43 @@ def _cleanup(text: str) -> str:
     return text
 
 
+class _CancelSocket:
+    """Sends generation keys to tensorrt_llm's cancel socket (trtmoe.triton.cancel_channel, which
+    defines it: a Unix socket in the abstract namespace named after this server process, the stubs'
+    parent, and the model; a frame is a 4-byte big-endian length and the key in UTF-8). ``send``
+    raises OSError when nobody listens (TensorRT-LLM's C++ backend) or the key is too long."""
+
+    def __init__(self, model: str):
+        self.address = f"\0trtmoe-cancel/{os.getppid()}/{model}"
+        self.sock = None
+        self.lock = threading.Lock()
+
+    def send(self, key: str) -> None:
+        data = key.encode("utf-8")
+        if len(data) > 4096:
+            raise OSError(f"a {len(data)}-byte key")
+        data = len(data).to_bytes(4, "big") + data
+        with self.lock:
+            for attempt in (0, 1):  # a broken kept connection is opened again once
+                if self.sock is None:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.settimeout(10.0)
+                    try:
+                        sock.connect(self.address)
+                    except OSError:
+                        sock.close()
+                        raise
+                    self.sock = sock
+                try:
+                    self.sock.sendall(data)
+                    return
+                except OSError:
+                    self.sock.close()
+                    self.sock = None
+                    if attempt:
+                        raise
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -84,6 +123,7 @@ class TritonPythonModel:
         self.checked: OrderedDict[str, float] = OrderedDict()  # key -> when it was last asked (latest keys)
         self.stopped: OrderedDict[str, None] = OrderedDict()  # keys already stopped (the latest ones)
         self.stops: queue.Queue = queue.Queue()
+        self.sender = _CancelSocket(self.stop_model) if self.stop_model else None
         if self.stop_model:
             threading.Thread(target=self._stop_loop, name="postprocessing-stop", daemon=True).start()
 
@@ -119,6 +159,12 @@ class TritonPythonModel:
             key = self.stops.get()
             if key is None:
                 return
+            if self.sender is not None:
+                try:
+                    self.sender.send(key)
+                    continue
+                except OSError:  # nobody listens (not the embedded engine): the stop request below
+                    pass
             inputs = [pb_utils.Tensor("input_ids", np.zeros([1, 1], np.int32)),
                       pb_utils.Tensor("input_lengths", np.zeros([1, 1], np.int32)),
                       pb_utils.Tensor("request_output_len", np.zeros([1, 1], np.int32)),

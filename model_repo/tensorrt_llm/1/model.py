@@ -8,6 +8,11 @@ the request's response sender (the tokens of one request that piled up while the
 go out together) and attaches the FINAL flag to the last response. Routing and batcher metrics, and
 TensorRT-LLM's `nv_trt_llm_*` gauges, are exported on the server's metrics port.
 
+Cancellation: besides `stop` requests (TensorRT-LLM's contract), the model takes the keys of
+cancelled generations from postprocessing and tensorrt_llm_bls over a socket of its own
+(trtmoe.triton.cancel_channel), so a cancel never waits in, or is refused by, this model's request
+queue; the batcher keeps such keys for a while, for a request that arrives after its cancel.
+
 `engine_dir` and `tokenizer_dir` may be relative to the repository root, so a repository moved
 together with its engine still serves.
 """
@@ -121,6 +126,14 @@ class TritonPythonModel:
             max_waiting=int(_param(config, "max_waiting_requests", "0") or 0),
             prefill_budget_s=float(budget) / 1000.0 if budget else None,
             stream_interval=max(int(_param(config, "stream_interval", "0")), 0), on_flush=self._flush)
+        self.cancel_listener = None
+        try:
+            from trtmoe.triton.cancel_channel import CancelListener
+
+            self.cancel_listener = CancelListener(self.model_name,
+                                                  lambda key: self.batcher.cancel(key, remember=True))
+        except OSError as e:  # e.g. a second instance: `stop` requests still reach every instance
+            pb_utils.Logger.log_warn(f"tensorrt_llm: no cancel channel ({e}); cancels come as stop requests only")
         self.stopping = threading.Event()
         if self.metrics:
             # Its own thread: a metrics update is dozens of IPC calls and must not stall decoding.
@@ -259,7 +272,7 @@ class TritonPythonModel:
         gen_id = key.decode() if key else request.request_id()
         stop = get("stop")
         if stop is not None and bool(np.asarray(stop).reshape(-1)[0]):
-            self.batcher.cancel(gen_id)
+            self.batcher.cancel(gen_id, remember=key is not None)  # a key names one generation
             return None
         gens = parse_requests(get, self.limits, self.SamplingParams,
                               default_exclude_input=self.exclude_input, decoupled=self.decoupled)
@@ -292,6 +305,8 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        if self.cancel_listener is not None:
+            self.cancel_listener.close()
         self.stopping.set()
         self.batcher.shutdown()
         self.closing = True

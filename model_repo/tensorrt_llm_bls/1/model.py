@@ -7,15 +7,18 @@ incomplete UTF-8 character, so the streamed pieces always join to the non-stream
 
 Cancellation: Triton does not pass a client's cancellation on to the requests a BLS model makes, so
 each inner tensorrt_llm request gets its own unique request id and one watcher thread polls every
-in-flight outer request's cancellation flag; when one is set it sends tensorrt_llm a `stop`
-request with that id, which ends the generation (and frees its batch slot) before the engine's next
-decode step. The outer request then ends with a CANCELLED error.
+in-flight outer request's cancellation flag; when one is set it sends tensorrt_llm that id, over
+tensorrt_llm's cancel socket (trtmoe.triton.cancel_channel, which no full request queue can refuse)
+where there is one, else as a `stop` request; either ends the generation (and frees its batch slot)
+before the engine's next decode step. The outer request then ends with a CANCELLED error.
 Self-contained (numpy only).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 import uuid
 
@@ -63,6 +66,43 @@ class _Inflight:
         self.lock = threading.Lock()
 
 
+class _CancelSocket:
+    """Sends generation keys to tensorrt_llm's cancel socket (trtmoe.triton.cancel_channel, which
+    defines it: a Unix socket in the abstract namespace named after this server process, the stubs'
+    parent, and the model; a frame is a 4-byte big-endian length and the key in UTF-8). ``send``
+    raises OSError when nobody listens (TensorRT-LLM's C++ backend) or the key is too long."""
+
+    def __init__(self, model: str):
+        self.address = f"\0trtmoe-cancel/{os.getppid()}/{model}"
+        self.sock = None
+        self.lock = threading.Lock()
+
+    def send(self, key: str) -> None:
+        data = key.encode("utf-8")
+        if len(data) > 4096:
+            raise OSError(f"a {len(data)}-byte key")
+        data = len(data).to_bytes(4, "big") + data
+        with self.lock:
+            for attempt in (0, 1):  # a broken kept connection is opened again once
+                if self.sock is None:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.settimeout(10.0)
+                    try:
+                        sock.connect(self.address)
+                    except OSError:
+                        sock.close()
+                        raise
+                    self.sock = sock
+                try:
+                    self.sock.sendall(data)
+                    return
+                except OSError:
+                    self.sock.close()
+                    self.sock = None
+                    if attempt:
+                        raise
+
+
 def _param(config: dict, key: str, default: str = "") -> str:
     value = config.get("parameters", {}).get(key, {}).get("string_value", "")
     return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
@@ -80,6 +120,7 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         # inner tensorrt_llm request id -> _Inflight; read by the watcher thread
         self.inflight: dict[str, _Inflight] = {}
+        self.sender = _CancelSocket(self.llm)
         self.cancel_poll_s = float(_param(config, "cancellation_check_period_ms", "50")) / 1000.0
         self.closing = threading.Event()
         self.watcher = threading.Thread(target=self._watch_cancellation, name="bls-cancel-watch", daemon=True)
@@ -103,7 +144,14 @@ class TritonPythonModel:
                     self._stop(inner_id)
 
     def _stop(self, inner_id: str):
-        """Ask tensorrt_llm to end the generation with this id (a request with `stop` set)."""
+        """Ask tensorrt_llm to end the generation with this id: over its cancel socket, else by a
+        request with `stop` set."""
+        if self.sender is not None:
+            try:
+                self.sender.send(inner_id)
+                return
+            except OSError:  # nobody listens (TensorRT-LLM's C++ backend): the stop request below
+                pass
         inputs = [pb_utils.Tensor("input_ids", np.zeros([1, 1], np.int32)),
                   pb_utils.Tensor("input_lengths", np.zeros([1, 1], np.int32)),
                   pb_utils.Tensor("request_output_len", np.zeros([1, 1], np.int32)),
