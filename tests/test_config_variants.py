@@ -254,3 +254,21 @@ def test_phimoe_long_and_short_sequences_batched_decode_as_alone(tmp_path):
     while not all(s.finished for s in seqs):
         eng.step(seqs)
     assert [s.tokens for s in seqs] == alone
+
+
+def test_phimoe_decode_across_original_context_equals_full_forwards(tmp_path):
+    """A sequence that grows past original_max_position_embeddings (128) while decoding recomputes its
+    cached history with the long factors there (as the model's own generation drops its cache), so
+    every token equals greedy decoding by full forwards; the recomputation is not counted as routing."""
+    from trtmoe.runtime.engine import SamplingParams
+
+    src = make_tiny_models.make_tiny_model("phimoe", tmp_path / "src")
+    eng = EmbeddedEngine.from_checkpoint(convert(src, tmp_path / "ck").out_dir, device="cpu")
+    prompt = torch.randint(0, 250, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    eng.reset_routing_stats()
+    got = eng.generate(prompt, SamplingParams(max_new_tokens=20))
+    assert eng.routing_stats()["tokens"] == 120 + 19  # the prefill, then one token per step
+    seq = list(prompt)
+    for _ in range(20):
+        seq.append(int(eng.logits(torch.tensor([seq]))[0, -1].argmax()))
+    assert got == seq[len(prompt):]

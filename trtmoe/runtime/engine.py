@@ -538,13 +538,14 @@ class EmbeddedEngine:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None,
                  start_layer: int = 0, hidden: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                 last: list[int] | None = None) -> torch.Tensor:
+                 last: list[int] | None = None, rope_lengths: list[int] | None = None) -> torch.Tensor:
         """Logits [B, T, V]; with ``last`` (a position per row) only those, [B, 1, V]. ``valid``
-        [B, T] marks the real tokens of a right-padded batch: only they are routed and counted."""
+        [B, T] marks the real tokens of a right-padded batch: only they are routed and counted.
+        ``rope_lengths`` overrides the sequence lengths LongRoPE chooses its factors by."""
         x = self.embedding[ids] if hidden is None else hidden
         plan = self._cache_plan(seqs, pos, ids.shape[1]) if seqs is not None else None
-        lengths = None  # each cached sequence's tokens after this forward (padding excluded)
-        if seqs is not None:
+        lengths = rope_lengths  # each cached sequence's tokens after this forward (padding excluded)
+        if seqs is not None and lengths is None:
             T = ids.shape[1]
             lengths = [s.length + (last[b] + 1 if last is not None else T) for b, s in enumerate(seqs)]
         rope = self._rope_tables(pos, x.dtype, plan["Lmax"] if plan is not None else int(pos.max()) + 1, lengths)
@@ -723,6 +724,10 @@ class EmbeddedEngine:
             return []
         if any(s.slot < 0 for s in live):
             raise InputError("a sequence whose KV cache was released cannot be stepped")
+        lr = self.cfg.longrope
+        for s in live:
+            if lr is not None and s.length == lr["original_max_position_embeddings"]:
+                self._rerotate(s)
         ids_pos = torch.tensor([[s.last_token, s.length] for s in live], device=self.device)
         ids, pos = ids_pos[:, :1], ids_pos[:, 1:]
         logits = self._forward(ids, pos, live)[:, -1]
@@ -735,6 +740,24 @@ class EmbeddedEngine:
             self._finish_if_done(s)
             out.append(tok)
         return out
+
+    def _rerotate(self, s: Sequence) -> None:
+        """A LongRoPE sequence about to pass original_max_position_embeddings: its cached keys were
+        rotated with the short factors, so its history is computed again into its cache row with the
+        long ones (the model's own generation drops its cache there and runs the whole sequence),
+        and the step's token is then decoded against it like any other. The recomputation adds
+        nothing to the routing statistics."""
+        saved = (self._counts.clone(), self._entropy.clone(), self._mass.clone(), self._tokens)
+        hist = s.prompt + s.tokens[:-1]  # what the cache holds: every token but the one to decode
+        n = s.length
+        s.length = 0
+        ids = torch.tensor([hist], device=self.device)
+        self._forward(ids, torch.arange(n, device=self.device)[None], [s], last=[n - 1], rope_lengths=[n + 1])
+        s.length = n
+        self._counts.copy_(saved[0])
+        self._entropy.copy_(saved[1])
+        self._mass.copy_(saved[2])
+        self._tokens = saved[3]
 
     @staticmethod
     def _greedy_batch(live: list[Sequence], logits: torch.Tensor) -> list[int | None]:
