@@ -68,6 +68,25 @@ def test_matches_brute_force(kind):
             assert plan.avg_bits_per_weight == plan.total_bits / sum(u.n_weights for u in units)
 
 
+def test_collinear_hulls_keep_their_segments_in_order():
+    """ΔKL exactly proportional to the bits saved puts each unit's formats on one line: dividing
+    can then round a later hull segment's efficiency above an earlier one's. The relaxation must
+    still take each unit's segments in order (before, its incumbent went over budget and the solver
+    failed its own budget assertion on this instance); the plan matches brute force."""
+    import random
+
+    rng = random.Random(30)
+    units = []
+    for i in range(10):
+        nw = rng.choice([64, 128, 4096, 1000 + rng.randrange(100)])
+        bits = sorted(rng.sample(range(1, 17), 5))
+        units.append(Unit((i,), nw, {f"f{b}": b * nw for b in bits}, {f"f{b}": (16 - b) * nw * 1e-3 for b in bits}))
+    lo, hi = feasible_bpw_range(units)
+    plan = allocate(units, lo + 0.3 * (hi - lo))
+    assert plan.total_bits <= plan.budget_bits
+    assert plan.predicted_delta_kl == pytest.approx(brute_force(units, plan.budget_bits), rel=1e-9)
+
+
 def test_budget_respected_and_monotone():
     rng = np.random.default_rng(7)
     units = random_units(rng, 40, "realistic")

@@ -231,13 +231,18 @@ class _Solver:
                     else:
                         break
                 hull.append(j)
+            prev = np.inf
             for a, b in zip(hull, hull[1:]):
                 dc = int(c[b] - c[a])
                 segs_u.append(i)
                 segs_from.append(a)
                 segs_to.append(b)
                 segs_dc.append(dc)
-                segs_eff.append((v[a] - v[b]) / dc)
+                # A convex hull's efficiencies fall segment by segment; on (nearly) collinear points
+                # the division can round a later one above an earlier one, and the greedy below would
+                # then apply it first. Clamp to the unit's running minimum so they stay in order.
+                prev = min(prev, (v[a] - v[b]) / dc)
+                segs_eff.append(prev)
         segs_u = np.array(segs_u, dtype=np.int64)
         segs_from = np.array(segs_from, dtype=np.int64)
         segs_to = np.array(segs_to, dtype=np.int64)
@@ -421,7 +426,7 @@ class _Solver:
         if not search.exact:
             log.warning(
                 "allocation: %d near-tied units make the exact search subset-sum-like; "
-                "returning the best plan found, at most %.3g ΔKL above the optimum", nf, gap)
+                "returning the best plan found, at most %.3g ΔKL above the optimum", nf, max(gap, 0.0))
         assert self._cost(sol) <= self.budget
         return sol
 
