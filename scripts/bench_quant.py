@@ -19,9 +19,12 @@
    awq with one pre-quant scale per MoE layer and matrix kind (TensorRT-LLM's fused-MoE form,
    "uniform awq int4_g128") and awq with one per expert matrix (the embedded engine's form,
    "uniform awq int4_g128 (matrix)"). With ``--rounding gptq`` or ``awq_gptq`` (error-feedback codes)
-   the uniform plans of that rounding are added in both forms too. Ratios are quoted against uniform
-   RTN int4_g128 and against the best uniform int4 of the same rounding arm; on a model no 128-group
-   divides (calibration skips int4_g128) the headline baseline is uniform RTN int4_g64 instead.
+   the uniform plans of that rounding are added in both forms too; ``--max-gram-in N`` makes
+   calibration store the Gram matrix only of matrices with at most N inputs and rebuild the others'
+   from the stored MoE-layer inputs when they are rounded (0: every matrix, as on a real model).
+   Ratios are quoted against uniform RTN int4_g128 and against the best uniform int4 of the same
+   rounding arm; on a model no 128-group divides (calibration skips int4_g128) the headline baseline
+   is uniform RTN int4_g64 instead.
 4. Checks the targets of the quantization issue on the embedded target's graded plan (matrix
    granularity), printing the expert-granularity numbers beside them; times the allocator on 3,072
    synthetic experts (expert units) and on their 6,144 matrices (matrix units) with the main family's
@@ -171,6 +174,14 @@ def placement_check(model: Path, calib: dict, work: Path, ids: torch.Tensor) -> 
                      for l, r in rep.items()}}
 
 
+def _largest_input(model: Path) -> int:
+    """The most inputs any routed-expert matrix of ``model`` has (fc: hidden, proj: intermediate)."""
+    from trtmoe.hf.reader import HFCheckpoint
+
+    with HFCheckpoint(model) as s:
+        return max(s.model.hidden_size, s.model.expert_intermediate_size)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=REPO_ROOT / "tests/fixtures/trained_mixtral")
@@ -191,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounding", choices=awq.ROUNDINGS, default=awq.DEFAULT_ROUNDING,
                     help="INT4 rounding of calibration's ΔKL and of every plan except the RTN baselines")
+    ap.add_argument("--max-gram-in", type=int, default=awq.MAX_GRAM_IN,
+                    help="error-feedback roundings: store the input Gram matrix of matrices with at most this "
+                         "many inputs, rebuild the others' from the stored MoE inputs (0: rebuild every one)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
@@ -219,12 +233,15 @@ def main(argv=None) -> int:
             log(f"calibration in {cdir} not reused: {e.render()}")
     if calib is not None and set(calib["formats"]) | set(calib.get("skipped_formats") or {}) >= set(CALIB_FORMATS) \
             and calib.get("rounding") == args.rounding \
+            and (args.rounding not in awq.ERROR_FEEDBACK or bool(calib.get("activations", {}).get("gram_from_inputs"))
+                 == (args.max_gram_in < _largest_input(model))) \
             and (cdir / awq.ACT_FILE).is_file():
         log(f"calibration reused from {cdir}")
     else:
         t0 = time.perf_counter()
         calib = calibrate(model, calib_txt, cdir, samples=args.calib_samples, seq_len=args.calib_seq_len,
-                          formats=CALIB_FORMATS, force=True, rounding=args.rounding)
+                          formats=CALIB_FORMATS, force=True, rounding=args.rounding,
+                          max_gram_in=args.max_gram_in)
         calib["seconds"] = time.perf_counter() - t0  # wall time is reported here, never stored in calib.json
         log(f"calibration: {calib['data']['tokens']} tokens, {len(CALIB_FORMATS)} formats × fc, proj, "
             f"{calib['sensitivity']['cost_forward_passes']:.1f} forward-pass equivalents, "

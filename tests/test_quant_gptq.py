@@ -1,9 +1,13 @@
 """Error-feedback INT4 rounding (``--rounding gptq`` / ``awq_gptq``): only the codes change — the scales,
 the packed layout and the dequantization are the format's own — the codes lower the output error on the
 routed tokens' Gram matrix below round-to-nearest (and below awq alone), calibration keeps that Gram
-matrix only for these roundings, and the embedded checkpoint stores the codes calibration measured."""
+matrix only for these roundings, and the embedded checkpoint stores the codes calibration measured.
+Matrices with more than ``max_gram_in`` inputs get their Gram matrix rebuilt at convert time from the
+layers' stored MoE inputs: bit for bit the stored one on the same tokens, in bounded memory and size."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,3 +215,184 @@ def test_too_few_rows_and_no_gram_keeps_the_base_recipe():
     x = _correlated(awq.MIN_ROWS_PER_INPUT * 128, 128, 4)
     st = awq.MatrixStats(x.double().abs().mean(0).float(), x, x.shape[0], "routed", None)
     assert awq.recipe_for(fmt, w, DT, st, rounding="gptq").codes is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Gram matrices rebuilt from the stored MoE inputs (matrices with more than max_gram_in inputs)
+
+
+@pytest.fixture(scope="module")
+def cal_inputs(model, tmp_path_factory):
+    """The ``cal`` fixture's awq_gptq calibration of the same tokens with ``max_gram_in=0``: no Gram
+    matrix stored, every one rebuilt from the layers' stored MoE inputs."""
+    tmp = tmp_path_factory.mktemp("gptqin")
+    ck = convert(model, tmp / "ck").out_dir
+    ids = torch.randint(0, 250, (4, 32), generator=torch.Generator().manual_seed(0))
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    out = tmp / "awq_gptq"
+    acts = awq.ActivationStats(inputs_dir=out / awq.INPUTS_DIR)
+    res = measure(eng, ids, formats=("int4_g128",), activations=acts, rounding="awq_gptq", max_gram_in=0)
+    acts.save(out / awq.ACT_FILE)
+    write_calibration(out, res)
+    return {"dir": out, "acts": acts, "res": res}
+
+
+def test_rebuilt_gram_equals_the_stored_one_and_so_do_the_codes(model, cal, cal_inputs, tmp_path):
+    """From the same tokens, the Gram matrix rebuilt at convert time (fc: the routed rows; proj:
+    silu(gate x) * up x from the float fc weight) is bit for bit the stored one, so calibration's ΔKL and
+    every checkpoint byte (per expert matrix; per-channel int4 with proj's inputs split by moe_tp) are
+    those of the stored-Gram path."""
+    import json
+
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+
+    stored = awq.ActivationStats.load(cal["dir"]["awq_gptq"] / awq.ACT_FILE)
+    loaded = awq.ActivationStats.load(cal_inputs["dir"] / awq.ACT_FILE)
+    assert loaded.stats.keys() == stored.stats.keys() and len(stored.stats) == 16
+    summary = cal_inputs["acts"].summary()
+    assert summary["gram_from_inputs"] == 16 and "gram_matrices" not in summary
+    for (l, e, m), s in loaded.stats.items():
+        assert s.gram is None and s.inputs is not None
+        g = s.with_fc(_experts(model, l, e)["fc"]).gram_matrix()
+        assert torch.equal(g, stored.stats[(l, e, m)].gram), (l, e, m)
+        assert torch.equal(s.rows, stored.stats[(l, e, m)].rows) and s.count == stored.stats[(l, e, m)].count
+    a, b = (json.loads((d / "calib.json").read_text()) for d in (cal["dir"]["awq_gptq"], cal_inputs["dir"]))
+    assert a.pop("activations") != b.pop("activations") and a == b  # the same ΔKL, to the last digit
+    plan = QuantPlan({l: ["int4_g128"] * 4 for l in range(2)}, granularity="matrix", dtype=DT)
+    outs = [convert(model, tmp_path / f"q{i}", quant=awq.attach(plan, "awq_gptq", d)).out_dir
+            for i, d in enumerate((cal["dir"]["awq_gptq"], cal_inputs["dir"]))]
+    assert (outs[0] / "rank0.safetensors").read_bytes() == (outs[1] / "rank0.safetensors").read_bytes()
+    for i, d in enumerate((cal["dir"]["awq_gptq"], cal_inputs["dir"])):
+        res = CliRunner().invoke(main, ["convert", str(model), "-o", str(tmp_path / f"t{i}"), "--calib", str(d),
+                                        "--policy", "uniform", "--format", "int4", "--tp", "2", "--moe-tp", "2",
+                                        "--rounding", "awq_gptq"],
+                                 catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+    for r in ("rank0.safetensors", "rank1.safetensors"):
+        assert (tmp_path / "t0" / r).read_bytes() == (tmp_path / "t1" / r).read_bytes(), r
+
+
+def _layer(E: int, H: int, I: int, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    fc, proj = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    x = torch.randn(n, H, generator=g)
+    routed = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(n)])
+    return fc, proj, x, routed
+
+
+def test_stored_inputs_are_bounded_and_one_layer_is_resident(tmp_path):
+    """At most max_input_tokens evenly spaced rows of a layer are stored, in one file whose size does not
+    depend on the number of experts; the rebuilt Gram matrices are those of the sampled rows; and however
+    many layers there are, one layer's rows are in memory at a time."""
+    H, I, n, cap = 32, 48, 300, 100
+    sizes = {}
+    for E in (4, 8):
+        fc, proj, x, routed = _layer(E, H, I, n, E)
+        st = awq.collect_layer(fc, proj, x, routed, gram=True, max_gram_in=0, max_input_tokens=cap, layer=0,
+                               min_routed=1)
+        acts = awq.ActivationStats(inputs_dir=tmp_path / f"E{E}")
+        acts.add_layer(0, st)
+        f = tmp_path / f"E{E}" / "0.safetensors"
+        sizes[E] = f.stat().st_size
+        assert sizes[E] <= cap * (H * x.element_size() + 2 * 4) + 1024
+        li = st[(0, "fc")].inputs.layer_inputs
+        assert (li.rows, li.tokens) == (cap, n)
+        xs, rs = x[::3], routed[::3]  # floor(i * 300 / 100) = 3 i
+        for e in range(E):
+            rows = xs[rs.eq(e).any(-1)]
+            up, gate = (rows @ fc[e].t()).chunk(2, dim=-1)
+            assert torch.equal(st[(e, "fc")].gram_matrix(), gptq.gram(rows))
+            assert torch.equal(st[(e, "proj")].gram_matrix(), gptq.gram(torch.nn.functional.silu(gate) * up))
+            assert st[(e, "fc")].count == int(routed.eq(e).any(-1).sum())  # counted over every token
+    assert sizes[4] == sizes[8]
+    layers = []
+    acts = awq.ActivationStats(inputs_dir=tmp_path / "many")
+    for l in range(4):
+        fc, proj, x, routed = _layer(4, H, I, n, 10 + l)
+        acts.add_layer(l, awq.collect_layer(fc, proj, x, routed, gram=True, max_gram_in=0, layer=l))
+        layers.append(acts.get(l, 0, "fc").inputs.layer_inputs)
+    resident = lambda: [li.layer for li in layers if li._x is not None]  # noqa: E731
+    assert resident() == [3]
+    for l in (0, 2, 1):
+        acts.get(l, 1, "proj").gram_matrix()
+        assert resident() == [l]
+
+
+def test_calibrate_streams_the_inputs_and_gives_the_stored_gram_result(tiny_model, tmp_path):
+    """``trtmoe calibrate`` (Fisher sensitivity) with max_gram_in=0 writes one MoE-inputs file per MoE
+    layer and no Gram matrix; its ΔKL and the checkpoint converted from it are those of the stored-Gram
+    calibration of the same text."""
+    import json
+
+    from conftest import tokenized_tiny_mixtral
+
+    from trtmoe.quant.calibrate import calibrate
+
+    model, text = tokenized_tiny_mixtral(tiny_model, tmp_path, "m")
+    res, outs = {}, {}
+    for thr in (awq.MAX_GRAM_IN, 0):
+        d = tmp_path / f"c{thr}"
+        res[thr] = calibrate(model, text, d, samples=4, seq_len=32, formats=("int4",), rounding="gptq",
+                             max_gram_in=thr)
+        plan = awq.attach(QuantPlan({l: ["int4"] * res[thr]["num_experts"] for l in res[thr]["moe_layers"]},
+                                    granularity="matrix", dtype=DT), "gptq", d)
+        outs[thr] = convert(model, tmp_path / f"q{thr}", quant=plan).out_dir
+    files = sorted(p.name for p in (tmp_path / "c0" / awq.INPUTS_DIR).iterdir())
+    assert files == sorted(f"{l}.safetensors" for l in res[0]["moe_layers"])
+    assert not (tmp_path / f"c{awq.MAX_GRAM_IN}" / awq.INPUTS_DIR).exists()
+    assert res[0]["activations"]["gram_from_inputs"] == res[awq.MAX_GRAM_IN]["activations"]["gram_matrices"]
+    a, b = (json.loads((tmp_path / f"c{t}" / "calib.json").read_text()) for t in (awq.MAX_GRAM_IN, 0))
+    a.pop("activations"), b.pop("activations")
+    assert a == b
+    assert (outs[0] / "rank0.safetensors").read_bytes() == (outs[awq.MAX_GRAM_IN] / "rank0.safetensors").read_bytes()
+
+
+def test_resumed_layers_keep_their_inputs(tmp_path):
+    """A layer's statistics pickled into the resumable progress carry its MoE inputs (not the model's
+    weights); added to the next run's statistics they are written back byte for byte."""
+    import pickle
+
+    fc, proj, x, routed = _layer(4, 32, 48, 200, 3)
+    a = awq.ActivationStats(inputs_dir=tmp_path / "a")
+    a.add_layer(2, awq.collect_layer(fc, proj, x, routed, gram=True, max_gram_in=0, layer=2))
+    state = pickle.loads(pickle.dumps({k[1:]: s for k, s in a.stats.items()}))
+    assert all(s.inputs.fc is None for s in state.values())
+    b = awq.ActivationStats(inputs_dir=tmp_path / "b")
+    b.add_layer(2, state)
+    assert (tmp_path / "a" / "2.safetensors").read_bytes() == (tmp_path / "b" / "2.safetensors").read_bytes()
+    st = b.get(2, 1, "proj").with_fc(fc[1])
+    assert torch.equal(st.gram_matrix(), a.get(2, 1, "proj").gram_matrix())
+
+
+def test_missing_or_damaged_inputs_are_one_error_naming_the_file(model, cal_inputs, tmp_path):
+    """Converting with error-feedback rounding from an artifact whose stored MoE inputs are missing or
+    damaged stops with one error line naming the file; awq, which does not read them, still converts."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+
+    def run(calib, rounding, out):
+        return CliRunner().invoke(main, ["convert", str(model), "-o", str(tmp_path / out), "--calib", str(calib),
+                                         "--policy", "uniform", "--format", "int4_g128", "--rounding", rounding])
+
+    for damage in ("missing", "damaged"):
+        d = Path(shutil.copytree(cal_inputs["dir"], tmp_path / damage))
+        f = d / awq.INPUTS_DIR / "1.safetensors"
+        if damage == "missing":
+            f.unlink()
+        else:
+            data = bytearray(f.read_bytes())
+            data[-5] ^= 0xFF
+            f.write_bytes(bytes(data))
+        res = run(d, "awq_gptq", f"out-{damage}")
+        assert res.exit_code == 2, res.output
+        errors = [ln for ln in res.output.splitlines() if ln.startswith("error")]
+        assert len(errors) == 1 and str(f) in errors[0], res.output
+        assert ("missing" if damage == "missing" else "sha256") in errors[0]
+        assert "Traceback" not in res.output
+        res = run(d, "awq", f"awq-{damage}")
+        assert res.exit_code == 0, res.output

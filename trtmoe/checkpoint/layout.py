@@ -253,7 +253,8 @@ class RankLayout:
         I = self.m.expert_intermediate_size
         return self.rounding.recipe(fmt, l, e, mod, (t, I_loc), w,
                                     lambda x: self.expert_matrix(l, x, 0, I, mod),
-                                    list(range(self.m.num_experts)) if shared else None)
+                                    list(range(self.m.num_experts)) if shared else None,
+                                    matrix=lambda x, m: self.expert_matrix(l, x, 0, I, m))
 
     def _quantized(self, fmt, l: int, e: int, t: int, I_loc: int, mod: str, shared: bool = False) -> dict:
         """Packed tensors of original expert ``e``'s ``mod`` shard in ``fmt``, with the plan's rounding."""

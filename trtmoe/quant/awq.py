@@ -37,13 +37,28 @@ Statistics (per MoE layer, expert and matrix): mean |x| over every routed token,
 bounded, evenly spaced sample of routed-token input rows (what the searches evaluate output error
 on). An expert routed fewer than ``MIN_ROUTED`` calibration tokens gets the layer's tokens (routing
 ignored) instead. They live in the calibration artifact as ``activations.safetensors``.
+
+The error-feedback roundings need each matrix's Gram matrix over every routed token. For matrices
+with at most ``max_gram_in`` inputs (default ``MAX_GRAM_IN``) it is stored; it is in² per matrix, which
+for real models (Mixtral-8x7B's w2: 14,336 inputs, 822 MB per expert) is out of reach. For the larger
+ones calibration stores the MoE block's input rows of the layer instead (``LayerInputs``: the hidden
+states that reach the router and the experts each was routed to, in the activation dtype the experts
+saw, one file per MoE layer under ``moe-inputs/``, at most ``MAX_INPUT_TOKENS`` evenly spaced tokens),
+and the Gram matrix of one matrix is rebuilt when it is used: ``fc`` from the routed rows, ``proj`` from
+``silu(gate x) * up x`` with the float ``fc`` weight, exactly as calibration computed it, so the
+codes are those the stored matrix gives on the same tokens. One layer's rows and at most two Gram
+matrices (an expert's fc and proj) are held at a time.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +83,13 @@ MIN_ROUTED = 16  # fewer routed tokens than this: use the layer's tokens instead
 # noise (measured: on 256 rows of 128–256 inputs the error on other rows was above awq's alone for proj).
 MAX_GRAM_IN = 1024
 MIN_ROWS_PER_INPUT = 8
+# Larger matrices get their Gram matrix rebuilt from the layer's stored MoE inputs: at most this many
+# tokens per layer (evenly spaced over the calibration tokens), i.e. ≤ MAX_INPUT_TOKENS × hidden ×
+# (activation bytes) per MoE layer, whatever the number of experts.
+MAX_INPUT_TOKENS = 32768
+GRAM_CHUNK_ROWS = 4096  # rows per float64 accumulation step when a Gram matrix is rebuilt
 ACT_FILE = "activations.safetensors"
+INPUTS_DIR = "moe-inputs"  # per-layer MoE input rows, beside ACT_FILE
 MATRIX_KINDS = ("fc", "proj")
 
 
@@ -91,11 +112,183 @@ class MatrixStats:
     count: int
     source: str = "routed"  # "layer": too few routed tokens, the layer's tokens stand in
     gram: Tensor | None = None  # [in, in] X^T X over every routed token (float32), error-feedback roundings
+    inputs: "InputRef | None" = None  # without a stored gram: where it is rebuilt from
 
     def columns(self, a: int, b: int) -> "MatrixStats":
         """The statistics of input channels [a, b) (a moe_tp shard of ``proj``)."""
         g = None if self.gram is None else self.gram[a:b, a:b]
-        return MatrixStats(self.act_mean[a:b], self.rows[:, a:b], self.count, self.source, g)
+        ref = None if self.inputs is None else self.inputs.columns(a, b)
+        return MatrixStats(self.act_mean[a:b], self.rows[:, a:b], self.count, self.source, g, ref)
+
+    def gram_matrix(self) -> Tensor | None:
+        """X^T X of the routed tokens' inputs (float32): the stored one, or rebuilt from the layer's
+        stored MoE inputs; None when there is neither."""
+        if self.gram is not None:
+            return self.gram
+        if self.inputs is not None:
+            return self.inputs.gram(self.source == "layer")
+        return None
+
+    def with_fc(self, fc: "Tensor | Callable[[], Tensor]") -> "MatrixStats":
+        """These statistics with the float ``fc`` weight [2I, H] of their expert (a tensor or a function
+        returning it), which a ``proj`` Gram matrix is rebuilt with; unchanged when none is needed."""
+        if self.inputs is None or self.inputs.mod != "proj" or self.inputs.fc is not None:
+            return self
+        return replace(self, inputs=replace(self.inputs, fc=fc))
+
+
+@dataclass
+class InputRef:
+    """Where one expert matrix's Gram matrix is rebuilt from: its layer's stored MoE inputs, the
+    expert, the matrix kind, the input channels [a, b) (None: all) and, for ``proj``, the float ``fc``
+    weight (a tensor, a function returning it, or None until the checkpoint supplies it)."""
+
+    layer_inputs: "LayerInputs"
+    expert: int
+    mod: str
+    cols: tuple[int, int] | None = None
+    fc: "Tensor | Callable[[], Tensor] | None" = None
+
+    def columns(self, a: int, b: int) -> "InputRef":
+        off = 0 if self.cols is None else self.cols[0]
+        return replace(self, cols=(off + a, off + b))
+
+    def gram(self, all_rows: bool) -> Tensor:
+        return self.layer_inputs.gram(self, all_rows)
+
+    def __getstate__(self):  # resumable progress pickles statistics: the model's weights stay out
+        return {**self.__dict__, "fc": None}
+
+
+def expert_inputs(fc_e: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The inputs of an expert's two matrices for rows ``x``: ``fc``'s (``x``) and ``proj``'s
+    (``silu(gate x) * up x``, ``fc_e`` = [up; gate] [2I, H])."""
+    h = x @ fc_e.t()
+    up, gate = h.chunk(2, dim=-1)
+    return x, F.silu(gate) * up
+
+
+class LayerInputs:
+    """One MoE layer's input rows ``x`` [n, H] (the activation dtype the experts computed in) and the
+    experts each was routed to ``routed`` [n, k], out of ``tokens`` calibration tokens; in memory, or in
+    a file (``path``, checked against ``sha256`` when first read). File-backed rows are read when a Gram
+    matrix needs them and dropped when another layer's are read: one layer is resident at a time."""
+
+    def __init__(self, layer: int, x: Tensor | None, routed: Tensor | None, tokens: int,
+                 path: Path | None = None, sha256: str | None = None):
+        self.layer, self._x, self._routed, self.tokens = layer, x, routed, tokens
+        self.path, self.sha256 = path, sha256
+        self.n_rows = None if x is None else int(x.shape[0])
+        self._checked = False
+        self._uid = next(_UIDS)  # what the Gram memo knows these rows by
+
+    @classmethod
+    def sample(cls, layer: int, x_all: Tensor, routed: Tensor, max_tokens: int) -> "LayerInputs":
+        n = x_all.shape[0]
+        routed = routed.reshape(n, -1)
+        if n > max_tokens:
+            idx = torch.div(torch.arange(max_tokens, dtype=torch.int64) * n, max_tokens, rounding_mode="floor")
+            x_all, routed = x_all[idx], routed[idx]
+        return cls(layer, x_all.detach().cpu().clone(), routed.cpu().to(torch.int32).contiguous(), n)
+
+    def __getstate__(self):  # pickled (resumable progress): the rows themselves
+        x, routed = self._tensors()
+        return {"layer": self.layer, "_x": x, "_routed": routed, "tokens": self.tokens, "path": None,
+                "sha256": None, "n_rows": int(x.shape[0]), "_checked": False}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._uid = next(_UIDS)
+
+    def write(self, path: Path) -> str:
+        """Write the rows to ``path`` (deterministic bytes); from then on they are read from it."""
+        x, routed = self._tensors()
+        sha = write_file(path, [("x", x.contiguous()), ("routed", routed.contiguous())],
+                         metadata={"format": "trtmoe-moe-inputs", "layer": str(self.layer),
+                                   "tokens": str(self.tokens)})
+        self.path, self.sha256, self._checked = Path(path), sha, True
+        _resident(self)  # just written: the caller uses them next
+        return sha
+
+    @property
+    def rows(self) -> int:
+        return self.n_rows if self.n_rows is not None else int(self._tensors()[0].shape[0])
+
+    def _tensors(self) -> tuple[Tensor, Tensor]:
+        with _LOCK:
+            if self._x is None:
+                self._x, self._routed = self._read()
+                _resident(self)
+            return self._x, self._routed
+
+    def release(self) -> None:
+        if self.path is not None:
+            self._x = self._routed = None
+
+    def _read(self) -> tuple[Tensor, Tensor]:
+        p = self.path
+        what = f"stored MoE inputs of layer {self.layer}"
+        hint = _INPUTS_HINT
+        if p is None or not p.is_file():
+            raise InputError(f"{what} are missing", where=str(p), hint=hint)
+        if not self._checked and self.sha256 is not None and sha256_file(p) != self.sha256:
+            raise InputError(f"{what} do not match their recorded sha256 (the file is damaged or was replaced)",
+                              where=str(p), hint=hint)
+        try:
+            f = SafetensorsFile(p)
+            try:
+                x, routed = f.read("x"), f.read("routed")
+            finally:
+                f.close()
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line error
+            raise InputError(f"{what} are unreadable ({e})", where=str(p), hint=hint) from None
+        if x.dim() != 2 or routed.dim() != 2 or routed.shape[0] != x.shape[0]:
+            raise InputError(f"{what} have shapes {tuple(x.shape)} and {tuple(routed.shape)}", where=str(p),
+                              hint=hint)
+        self._checked = True
+        return x, routed
+
+    def gram(self, ref: InputRef, all_rows: bool) -> Tensor:
+        """X^T X (float32, accumulated in float64) of ``ref``'s matrix over the routed rows (every row
+        with ``all_rows``: the expert saw too few tokens, calibration used the layer's)."""
+        key = (self._uid, ref.expert, ref.mod, ref.cols, all_rows)
+        with _LOCK:
+            if key in _GRAM:
+                return _GRAM[key]
+        x_all, routed = self._tensors()
+        x = x_all if all_rows else x_all[routed.eq(ref.expert).any(-1)]
+        if ref.mod == "proj":
+            fc = ref.fc() if callable(ref.fc) else ref.fc
+            if fc is None:
+                raise InputError(f"layer {self.layer} expert {ref.expert} proj: its Gram matrix is rebuilt "
+                                 "from the fc weight, which was not given")
+            x = expert_inputs(fc.to(device=x.device, dtype=x.dtype), x)[1]
+        if ref.cols is not None:
+            x = x[:, ref.cols[0]:ref.cols[1]]
+        g = gptq.gram_chunked(x, GRAM_CHUNK_ROWS)
+        with _LOCK:
+            while len(_GRAM) >= _GRAMS_KEPT:
+                _GRAM.pop(next(iter(_GRAM)))
+            _GRAM[key] = g
+        return g
+
+
+_INPUTS_HINT = "recalibrate (trtmoe calibrate ... --rounding gptq|awq_gptq), or convert with --rounding awq or rtn"
+_LOCK = threading.RLock()
+_UIDS = itertools.count()
+_RESIDENT: list = []  # the file-backed LayerInputs whose rows are in memory (at most one)
+_GRAM: dict = {}  # the last rebuilt Gram matrices (formats and candidates of one expert reuse them)
+_GRAMS_KEPT = 2  # an expert's fc and proj: calibration rounds them in turn for each format
+
+
+def _resident(li: LayerInputs) -> None:
+    with _LOCK:
+        for other in _RESIDENT:
+            if other is not li:
+                other.release()
+        _RESIDENT[:] = [li]
+        for key in [k for k in _GRAM if k[0] != li._uid]:
+            del _GRAM[key]
 
 
 def _sample(x: Tensor, n: int) -> Tensor:
@@ -106,45 +299,75 @@ def _sample(x: Tensor, n: int) -> Tensor:
     return x[idx].clone()
 
 
-def _stats(x: Tensor, max_rows: int, source: str, count: int, gram: bool = False) -> MatrixStats:
-    g = gptq.gram(x) if gram and x.shape[-1] <= MAX_GRAM_IN else None
-    return MatrixStats(x.double().abs().mean(0).float(), _sample(x, max_rows), count, source, g)
+def _stats(x: Tensor, max_rows: int, source: str, count: int, gram: bool = False,
+           ref: InputRef | None = None) -> MatrixStats:
+    g = gptq.gram(x) if gram and ref is None else None
+    return MatrixStats(x.double().abs().mean(0).float(), _sample(x, max_rows), count, source, g, ref)
 
 
 def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, max_rows: int = MAX_ROWS,
-                  min_routed: int = MIN_ROUTED, gram: bool = False) -> dict[tuple[int, str], MatrixStats]:
+                  min_routed: int = MIN_ROUTED, gram: bool = False, max_gram_in: int = MAX_GRAM_IN,
+                  max_input_tokens: int = MAX_INPUT_TOKENS, layer: int = -1) -> dict[tuple[int, str], MatrixStats]:
     """Statistics of every expert matrix of one MoE layer. ``fc`` [E, 2I, H] ([up; gate]) and ``proj``
     [E, H, I] are the float expert weights, ``x_all`` [tokens, H] the layer's inputs, ``routed``
     [tokens, k] the experts each token was routed to. Returns ``{(expert, "fc" | "proj"): stats}``;
-    ``gram`` also keeps each matrix's input Gram matrix (error-feedback roundings)."""
+    ``gram`` also keeps each matrix's input Gram matrix (error-feedback roundings): stored for
+    matrices with at most ``max_gram_in`` inputs, for larger ones rebuilt when used from the layer's
+    MoE inputs (``LayerInputs`` of at most ``max_input_tokens`` tokens, shared by the layer's matrices)."""
     out = {}
     routed = routed.reshape(x_all.shape[0], -1)
+    big = {m: gram and n > max_gram_in for m, n in (("fc", fc.shape[-1]), ("proj", proj.shape[-1]))}
+    inputs = LayerInputs.sample(layer, x_all, routed, max_input_tokens) if any(big.values()) else None
     for e in range(fc.shape[0]):
         mask = routed.eq(e).any(-1)
         count = int(mask.sum())
         x, source = (x_all[mask], "routed") if count >= min_routed else (x_all, "layer")
-        h = x @ fc[e].t()
-        up, gate = h.chunk(2, dim=-1)
-        a = F.silu(gate) * up
-        out[(e, "fc")] = _stats(x, max_rows, source, count, gram)
-        out[(e, "proj")] = _stats(a, max_rows, source, count, gram)
+        x, a = expert_inputs(fc[e], x)
+        for m, rows in (("fc", x), ("proj", a)):
+            ref = InputRef(inputs, e, m, fc=fc[e] if m == "proj" else None) if big[m] else None
+            out[(e, m)] = _stats(rows, max_rows, source, count, gram, ref)
     return out
 
 
 class ActivationStats:
     """Per (layer, expert, matrix) statistics; saved as one safetensors file in the calibration
-    artifact (deterministic bytes: fixed tensor order, no timestamps)."""
+    artifact (deterministic bytes: fixed tensor order, no timestamps), and, where Gram matrices are
+    rebuilt, one file of MoE inputs per layer in ``INPUTS_DIR`` beside it. With ``inputs_dir`` a
+    layer's inputs are written there as soon as the layer is added (streamed: earlier layers' rows do
+    not stay in memory)."""
 
-    def __init__(self, stats: dict[tuple[int, int, str], MatrixStats] | None = None, max_rows: int = MAX_ROWS):
+    def __init__(self, stats: dict[tuple[int, int, str], MatrixStats] | None = None, max_rows: int = MAX_ROWS,
+                 inputs_dir: str | Path | None = None):
         self.stats = dict(stats or {})
         self.max_rows = max_rows
+        self.inputs_dir = None if inputs_dir is None else Path(inputs_dir)
 
     def add_layer(self, layer: int, per_expert: dict[tuple[int, str], MatrixStats]) -> None:
         for (e, m), s in per_expert.items():
             self.stats[(layer, e, m)] = s
+        for li in self._layer_inputs(layer):
+            if li.layer != layer:
+                li.layer = layer
+            if self.inputs_dir is not None and li.path is None:
+                self.inputs_dir.mkdir(parents=True, exist_ok=True)
+                li.write(self.inputs_dir / f"{layer}.safetensors")
+
+    def _layer_inputs(self, layer: int | None = None) -> list[LayerInputs]:
+        seen: dict[int, LayerInputs] = {}
+        for (l, _, _), s in sorted(self.stats.items()):
+            if s.inputs is not None and (layer is None or l == layer):
+                seen.setdefault(id(s.inputs.layer_inputs), s.inputs.layer_inputs)
+        return list(seen.values())
 
     def get(self, layer: int, expert: int, mod: str) -> MatrixStats | None:
         return self.stats.get((layer, expert, mod))
+
+    def check_inputs(self) -> None:
+        """InputError naming the first stored MoE-inputs file that is missing (before any is needed)."""
+        for li in self._layer_inputs():
+            if li.path is not None and not li.path.is_file():
+                raise InputError(f"stored MoE inputs of layer {li.layer} are missing", where=str(li.path),
+                                 hint=_INPUTS_HINT)
 
     def summary(self) -> dict:
         layer_src = sorted({(l, e) for (l, e, _), s in self.stats.items() if s.source == "layer"})
@@ -154,10 +377,24 @@ class ActivationStats:
         grams = sum(s.gram is not None for s in self.stats.values())
         if grams:
             out["gram_matrices"] = grams  # X^T X over every routed token (error-feedback roundings)
+        rebuilt = sum(s.inputs is not None for s in self.stats.values())
+        if rebuilt:  # the others' X^T X is rebuilt at convert time from the layers' stored MoE inputs
+            lis = self._layer_inputs()
+            out["gram_from_inputs"] = rebuilt
+            out["inputs"] = {"dir": INPUTS_DIR, "layers": len(lis),
+                             "rows_per_layer": max(li.rows for li in lis), "max_rows_per_layer": MAX_INPUT_TOKENS}
         return out
 
     def save(self, path: str | Path) -> str:
+        path = Path(path)
         items = []
+        layers: dict[str, dict] = {}
+        for li in self._layer_inputs():  # inputs not streamed yet (no inputs_dir, or another one)
+            f = path.parent / INPUTS_DIR / f"{li.layer}.safetensors"
+            if li.path is None or li.path.resolve() != f.resolve():
+                f.parent.mkdir(parents=True, exist_ok=True)
+                li.write(f)
+            layers[str(li.layer)] = {"file": f"{INPUTS_DIR}/{f.name}", "sha256": li.sha256, "tokens": li.tokens}
         for (l, e, m) in sorted(self.stats):
             s = self.stats[(l, e, m)]
             p = f"{l}.{e}.{m}."
@@ -166,26 +403,47 @@ class ActivationStats:
                       (p + "layer_tokens", torch.tensor([int(s.source == "layer")], dtype=torch.int64))]
             if s.gram is not None:
                 items.append((p + "gram", s.gram.contiguous()))
-        return write_file(path, items, metadata={"format": "trtmoe-activations", "rows": str(self.max_rows)})
+            elif s.inputs is not None:  # X^T X rebuilt from the layer's inputs (the channels stored)
+                items.append((p + "gram_from_inputs", torch.tensor([1], dtype=torch.int64)))
+        meta = {"format": "trtmoe-activations", "rows": str(self.max_rows)}
+        if layers:
+            meta["moe_inputs"] = json.dumps(layers, sort_keys=True)
+        return write_file(path, items, metadata=meta)
 
     @classmethod
     def load(cls, path: str | Path) -> "ActivationStats":
         f = SafetensorsFile(path)
         try:
             keys = {tuple(n.split(".")[:3]) for n in f.tensors}
+            inputs = _layer_inputs_of(Path(path), (f.metadata or {}).get("moe_inputs"))
             stats = {}
             for l, e, m in keys:
                 p = f"{l}.{e}.{m}."
+                ref = None
+                if p + "gram_from_inputs" in f.tensors:
+                    if int(l) not in inputs:
+                        raise KeyError(f"moe_inputs of layer {l}")
+                    ref = InputRef(inputs[int(l)], int(e), m)
                 stats[(int(l), int(e), m)] = MatrixStats(
                     f.read(p + "act_mean").float(), f.read(p + "rows"), int(f.read(p + "count")[0]),
                     "layer" if int(f.read(p + "layer_tokens")[0]) else "routed",
-                    f.read(p + "gram").float() if p + "gram" in f.tensors else None)
+                    f.read(p + "gram").float() if p + "gram" in f.tensors else None, ref)
             rows = int((f.metadata or {}).get("rows", MAX_ROWS))
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, TypeError) as e:
             raise InputError(f"activation statistics are malformed ({e})", where=str(path)) from None
         finally:
             f.close()
         return cls(stats, rows)
+
+
+def _layer_inputs_of(act_file: Path, meta: str | None) -> dict[int, LayerInputs]:
+    """The file-backed MoE inputs an activations file names (read when first used)."""
+    if not meta:
+        return {}
+    out = {}
+    for l, d in json.loads(meta).items():
+        out[int(l)] = LayerInputs(int(l), None, None, int(d["tokens"]), act_file.parent / d["file"], d["sha256"])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,16 +596,17 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     without it, and with ``own_scale`` (a matrix with its own pre-quant scale: the embedded layout) also
     without the scale. The candidate with the smallest error is kept, ``base`` itself included, so the
     result is never worse than it on those tokens."""
-    if stats.gram is None and stats.rows.shape[0] < MIN_ROWS_PER_INPUT * w.shape[-1]:
+    gram = stats.gram_matrix()  # stored, or rebuilt from the layer's MoE inputs
+    if gram is None and stats.rows.shape[0] < MIN_ROWS_PER_INPUT * w.shape[-1]:
         return base  # too few rows to estimate the Gram matrix: the base recipe as it is
     base = base or Recipe()
     wd = _in_dtype(w, dtype)
-    y = None if stats.gram is not None else stats.rows.float() @ wd.t()
+    y = None if gram is not None else stats.rows.float() @ wd.t()
 
     def objective(pq: Tensor | None):
         """(Gram matrix of the input the kernel sees, error of a dequantized candidate)."""
-        if stats.gram is not None:  # every routed token; the input scaled by pq as the kernel does
-            h = stats.gram.float() if pq is None else stats.gram.float() * torch.outer(pq.float(), pq.float())
+        if gram is not None:  # every routed token; the input scaled by pq as the kernel does
+            h = gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())
             return h, lambda deq: _gram_err(h, wd, deq, pq)
         x = stats.rows  # the sampled rows
         return gptq.gram(_scaled_input(x, pq)), lambda deq: _err(x, wd, deq, pq, y)
@@ -555,10 +814,12 @@ class CheckpointRounding:
         return s
 
     def recipe(self, fmt: QuantFormat, layer: int, expert: int, mod: str, shard: tuple[int, int],
-               w: Tensor, full, experts: list[int] | None = None) -> Recipe | None:
+               w: Tensor, full, experts: list[int] | None = None, matrix=None) -> Recipe | None:
         """The transform of original expert ``expert``'s ``mod`` shard ``w``; ``shard`` = (t, I_loc)
         (moe_tp rank and per-rank FFN size); ``full(e)`` returns expert ``e``'s whole matrix;
-        ``experts`` (all of the layer's) makes the pre-quant scale shared by them."""
+        ``experts`` (all of the layer's) makes the pre-quant scale shared by them; ``matrix(e, m)``
+        returns expert ``e``'s whole matrix ``m`` (a ``proj`` Gram matrix rebuilt from the stored MoE
+        inputs needs ``fc``)."""
         if not applies(fmt):
             return None
         self._evict(layer)
@@ -574,6 +835,8 @@ class CheckpointRounding:
             return _RECIPES[gkey]
         t, I_loc = shard
         st = self._stats(layer, expert, mod)
+        if matrix is not None and self.rounding in ERROR_FEEDBACK:
+            st = st.with_fc(lambda: matrix(expert, "fc"))
         if mod == "proj":
             st = st.columns(t * I_loc, (t + 1) * I_loc)
         wd = _in_dtype(w, self.dtype)
@@ -656,6 +919,8 @@ def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
     if key not in _LOADED:
         _LOADED.clear()
         _LOADED[key] = ActivationStats.load(p)
+    if rounding in ERROR_FEEDBACK:
+        _LOADED[key].check_inputs()
     return CheckpointRounding(_LOADED[key], dtype, key, rounding)
 
 

@@ -112,7 +112,8 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
               progress: Callable[[str, int, int], None] | None = None, text_field: str = "text",
               force: bool = False, add_bos: bool | None = None, notes: list[str] | None = None,
               rounding: str = awq.DEFAULT_ROUNDING, sensitivity: str = DEFAULT_SENSITIVITY,
-              device: str = "cpu", probe: str = "gaussian") -> dict:
+              device: str = "cpu", probe: str = "gaussian", max_gram_in: int = awq.MAX_GRAM_IN,
+              max_input_tokens: int = awq.MAX_INPUT_TOKENS) -> dict:
     """Measure routing statistics and per-(layer, expert, matrix, format) ΔKL on calibration text.
 
     ``model`` is an HF MoE directory (converted to a scratch single-rank checkpoint in its own dtype);
@@ -127,6 +128,10 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     ``sensitivity``: "fisher" (one forward and backward pass, see sensitivity.py; resumable: a killed or
     interrupted run to the same output continues from its per-batch and per-layer progress) or "exact"
     (end-to-end ΔKL per matrix and format, the oracle). ``device``: "cpu" or "cuda".
+    Under the error-feedback roundings (gptq, awq_gptq) each expert matrix with at most ``max_gram_in``
+    inputs has its input Gram matrix stored; for the larger ones the MoE layers' input rows (at most
+    ``max_input_tokens`` per layer) are stored in ``moe-inputs/`` and the Gram matrix is rebuilt from
+    them when the matrix is rounded.
     Returns the calib.json dict."""
 
     if sensitivity not in SENSITIVITY_METHODS:
@@ -141,6 +146,9 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
                              hint="choose from " + ", ".join(n for n in FORMATS if n not in _FLOAT_NAMES))
     if min_tokens < 0:
         raise InputError(f"--min-tokens must be ≥ 0, got {min_tokens}")
+    if max_gram_in < 0 or max_input_tokens < 1:
+        raise InputError(f"max_gram_in must be ≥ 0 and max_input_tokens ≥ 1, got {max_gram_in} and "
+                         f"{max_input_tokens}")
 
     # Windows past the model's context would measure positions the model was never defined for;
     # they are refused rather than clipped, so that --seq-len always means what it says.
@@ -170,20 +178,22 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
         if not usable:
             raise InputError("none of the candidate formats can store this model's experts: "
                              + "; ".join(skipped.values()), hint="choose --formats int8,int4")
-        acts = awq.ActivationStats()
+        acts = awq.ActivationStats(inputs_dir=work / awq.INPUTS_DIR)  # MoE inputs stream there per layer
+        gram = {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens}
         if sensitivity == "exact":
             result = measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
-                             progress=progress, rounding=rounding, activations=acts)
+                             progress=progress, rounding=rounding, activations=acts, **gram)
             result["sensitivity"]["method"] = "exact"
         else:
             if rounding not in awq.ROUNDINGS:
                 raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
             key = hashlib.sha256(json.dumps(
                 [CALIB_VERSION, source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
-                 str(device)], sort_keys=True, default=str).encode()).hexdigest()
+                 str(device)] + ([max_gram_in, max_input_tokens] if rounding in awq.ERROR_FEEDBACK else []),
+                sort_keys=True, default=str).encode()).hexdigest()
             result = fisher_measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
                                     progress=progress, work=work / _PROGRESS, key=key, probe=probe,
-                                    rounding=_AwqRounding(acts, rounding), notes=notes)
+                                    rounding=_AwqRounding(acts, rounding, **gram), notes=notes)
             shutil.rmtree(work / _PROGRESS, ignore_errors=True)
             result["rounding"] = rounding
             result["activations"] = acts.summary()
@@ -221,12 +231,14 @@ class _AwqRounding:
     """The rounding fisher_measure quantizes with: awq.quantize from the routed-token statistics it
     collects per layer into ``acts`` (saved in the artifact), or plain RTN."""
 
-    def __init__(self, acts: "awq.ActivationStats", rounding: str):
+    def __init__(self, acts: "awq.ActivationStats", rounding: str, max_gram_in: int = awq.MAX_GRAM_IN,
+                 max_input_tokens: int = awq.MAX_INPUT_TOKENS):
         self.acts, self.name = acts, rounding
+        self.gram = {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens}
 
     def add_layer(self, layer, base, x_all, routed) -> None:
-        self.acts.add_layer(layer, awq.collect_layer(base.fc, base.proj, x_all, routed,
-                                                     gram=self.name in awq.ERROR_FEEDBACK))
+        self.acts.add_layer(layer, awq.collect_layer(base.fc, base.proj, x_all, routed, layer=layer,
+                                                     gram=self.name in awq.ERROR_FEEDBACK, **self.gram))
 
     def layer_state(self, layer):
         return {(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer}
@@ -348,13 +360,15 @@ def _special_tokens(tok, tok_dir: Path, add_bos: bool | None) -> dict:
 @torch.inference_mode()
 def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, min_tokens: int = 16,
             batch_size: int = 8, progress=None, rounding: str = awq.DEFAULT_ROUNDING,
-            activations: "awq.ActivationStats | None" = None) -> dict:
+            activations: "awq.ActivationStats | None" = None, max_gram_in: int = awq.MAX_GRAM_IN,
+            max_input_tokens: int = awq.MAX_INPUT_TOKENS) -> dict:
     """Routing statistics and sensitivities with a loaded engine (tp=1 float checkpoint).
 
     Returns the calib.json dict (``version`` = CALIB_VERSION). ΔKL values are mean KL per calibration
     token, in nats: ``sensitivity.matrices[m].delta_kl[f][l][e]`` per matrix m ∈ {fc, proj}, and
     ``sensitivity.delta_kl[f][l][e]`` = fc + proj per expert. The int4 formats are quantized with
-    ``rounding`` (awq: from each matrix's routed-token statistics, gathered into ``activations``)."""
+    ``rounding`` (awq: from each matrix's routed-token statistics, gathered into ``activations``;
+    ``max_gram_in`` and ``max_input_tokens``: see ``calibrate``)."""
     if rounding not in awq.ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
     acts = activations if activations is not None else awq.ActivationStats()
@@ -364,7 +378,8 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
         if not isinstance(eng.layers[l].experts, FloatExperts):
             raise InputError("calibration needs an unquantized model")
     ref = _reference_pass(eng, ids, moe_layers, batch_size)
-    exact = _exact_delta_kl(eng, ref, moe_layers, formats, rounding, acts, batch_size, progress)
+    exact = _exact_delta_kl(eng, ref, moe_layers, formats, rounding, acts, batch_size, progress,
+                            {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens})
     eng.reset_routing_stats()  # the measurement passes are not calibration statistics
     filled = _fill_under_observed(exact, ref, moe_layers, formats, min_tokens, c.num_experts, c.top_k)
     return _exact_result(eng, ref, exact, filled, moe_layers, formats, rounding, acts, min_tokens)
@@ -422,7 +437,7 @@ def _zeros(formats, L: int, E: int) -> dict[str, torch.Tensor]:
 
 
 def _exact_delta_kl(eng: EmbeddedEngine, ref: _Reference, moe_layers: list[int], formats, rounding: str,
-                    acts: "awq.ActivationStats", batch_size: int, progress) -> _Exact:
+                    acts: "awq.ActivationStats", batch_size: int, progress, gram: dict | None = None) -> _Exact:
     """2. Sensitivity: end-to-end ΔKL per (layer, expert, matrix, format). Fills ``acts`` with each MoE
     layer's routed-token statistics (what the int4 formats are rounded from)."""
     c = eng.cfg
@@ -437,8 +452,8 @@ def _exact_delta_kl(eng: EmbeddedEngine, ref: _Reference, moe_layers: list[int],
         lay = eng.layers[l]
         base = lay.experts
         x_all = torch.cat(ref.moe_in[l])  # [tokens, H]: every calibration token's input to this layer
-        acts.add_layer(l, awq.collect_layer(base.fc, base.proj, x_all, ref.routed[l].reshape(-1, k),
-                                            gram=rounding in awq.ERROR_FEEDBACK))
+        acts.add_layer(l, awq.collect_layer(base.fc, base.proj, x_all, ref.routed[l].reshape(-1, k), layer=l,
+                                            gram=rounding in awq.ERROR_FEEDBACK, **(gram or {})))
         frac = (L - l) / L
         for e in range(E):
             y_ref = base.forward(e, x_all)

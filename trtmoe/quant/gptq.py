@@ -28,6 +28,18 @@ def gram(x: Tensor) -> Tensor:
     return (xd.t() @ xd).float()
 
 
+def gram_chunked(x: Tensor, rows: int) -> Tensor:
+    """``gram(x)`` accumulated ``rows`` rows at a time in float64 (one float64 copy of ``rows`` rows
+    instead of all of ``x``); with ``x`` no longer than ``rows`` exactly ``gram(x)``."""
+    if x.shape[0] <= rows:
+        return gram(x)
+    acc = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64)
+    for part in x.split(rows):
+        xd = part.double()
+        acc.addmm_(xd.t(), xd)
+    return acc.float()
+
+
 def codes(w: Tensor, q_scale: Tensor, deq_scale: Tensor, h: Tensor, dtype: torch.dtype, *,
           damp: float = DAMP, block: int = BLOCK) -> Tensor:
     """int8 codes [out, in] in [-8, 7] of ``w`` [out, in] (float32 holding model-dtype values) under
