@@ -320,6 +320,18 @@ def test_stored_inputs_are_bounded_and_one_layer_is_resident(tmp_path):
         assert resident() == [l]
 
 
+def test_rebuilt_gram_in_row_chunks_matches_the_whole(monkeypatch):
+    """With more routed rows than a chunk, the proj inputs are formed and accumulated a chunk at a time
+    (float64): the same Gram matrix to float32 rounding as forming them all at once."""
+    fc, proj, x, routed = _layer(4, 32, 48, 300, 5)
+    whole = awq.collect_layer(fc, proj, x, routed, gram=True, max_gram_in=0, layer=0)
+    want = {k: s.gram_matrix() for k, s in whole.items()}
+    monkeypatch.setattr(awq, "GRAM_CHUNK_ROWS", 16)
+    parts = awq.collect_layer(fc, proj, x, routed, gram=True, max_gram_in=0, layer=0)
+    for k, s in parts.items():
+        assert torch.allclose(s.gram_matrix(), want[k], rtol=1e-6, atol=1e-6), k
+
+
 def test_calibrate_streams_the_inputs_and_gives_the_stored_gram_result(tiny_model, tmp_path):
     """``trtmoe calibrate`` (Fisher sensitivity) with max_gram_in=0 writes one MoE-inputs file per MoE
     layer and no Gram matrix; its ΔKL and the checkpoint converted from it are those of the stored-Gram

@@ -257,15 +257,20 @@ class LayerInputs:
                 return _GRAM[key]
         x_all, routed = self._tensors()
         x = x_all if all_rows else x_all[routed.eq(ref.expert).any(-1)]
+        fc = None
         if ref.mod == "proj":
             fc = ref.fc() if callable(ref.fc) else ref.fc
             if fc is None:
                 raise InputError(f"layer {self.layer} expert {ref.expert} proj: its Gram matrix is rebuilt "
                                  "from the fc weight, which was not given")
-            x = expert_inputs(fc.to(device=x.device, dtype=x.dtype), x)[1]
-        if ref.cols is not None:
-            x = x[:, ref.cols[0]:ref.cols[1]]
-        g = gptq.gram_chunked(x, GRAM_CHUNK_ROWS)
+            fc = fc.to(device=x.device, dtype=x.dtype)
+
+        def rows(part: Tensor) -> Tensor:  # the matrix's inputs for some of the rows
+            y = part if fc is None else expert_inputs(fc, part)[1]
+            return y if ref.cols is None else y[:, ref.cols[0]:ref.cols[1]]
+
+        # A chunk of rows at a time: proj's inputs (I wide) are never formed for all rows at once.
+        g = gptq.gram_chunked(x, GRAM_CHUNK_ROWS, rows)
         with _LOCK:
             while len(_GRAM) >= _GRAMS_KEPT:
                 _GRAM.pop(next(iter(_GRAM)))

@@ -28,14 +28,19 @@ def gram(x: Tensor) -> Tensor:
     return (xd.t() @ xd).float()
 
 
-def gram_chunked(x: Tensor, rows: int) -> Tensor:
-    """``gram(x)`` accumulated ``rows`` rows at a time in float64 (one float64 copy of ``rows`` rows
-    instead of all of ``x``); with ``x`` no longer than ``rows`` exactly ``gram(x)``."""
+def gram_chunked(x: Tensor, rows: int, transform=None) -> Tensor:
+    """``gram(transform(x))`` accumulated ``rows`` rows of ``x`` at a time in float64 (``transform``
+    maps rows to rows, e.g. an expert's hidden states to its proj inputs; None: the rows themselves), so
+    neither the transformed rows nor a float64 copy exist for more than ``rows`` rows at once. With
+    ``x`` no longer than ``rows`` exactly ``gram(transform(x))``."""
+    f = transform or (lambda t: t)
     if x.shape[0] <= rows:
-        return gram(x)
-    acc = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64)
+        return gram(f(x))
+    acc = None
     for part in x.split(rows):
-        xd = part.double()
+        xd = f(part).double()
+        if acc is None:
+            acc = torch.zeros(xd.shape[-1], xd.shape[-1], dtype=torch.float64)
         acc.addmm_(xd.t(), xd)
     return acc.float()
 
