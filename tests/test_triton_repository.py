@@ -4,6 +4,7 @@ no placeholder left, every config.pbtxt parsed back with Triton's ModelConfig sc
 from __future__ import annotations
 
 import json
+import sys
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -331,6 +332,26 @@ def test_pre_and_post_processing_import_no_transformers_or_torch():
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not imported & {"transformers", "torch", "trtmoe"}, (model, imported)
+
+
+def test_cancel_senders_get_the_channel_module_beside_them(setup, tmp_path):
+    """postprocessing and tensorrt_llm_bls import the cancel channel by a plain module name from
+    their own version directory: the repository carries trtmoe's module there, which needs the
+    standard library only (those models also run where trtmoe is not installed)."""
+    import ast
+
+    from trtmoe.triton import cancel_channel
+
+    src = Path(cancel_channel.__file__).read_bytes()
+    tree = ast.parse(src)
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
+    r = generate_repository(setup["engine"], tmp_path / "repo", tokenizer_dir=setup["tok"])
+    for model in ("postprocessing", "tensorrt_llm_bls"):
+        assert (r.path / model / "1" / "trtmoe_cancel_channel.py").read_bytes() == src
+        assert "from trtmoe_cancel_channel import CancelSender" in (r.path / model / "1" / "model.py").read_text()
+    assert not (r.path / "preprocessing" / "1" / "trtmoe_cancel_channel.py").exists()
 
 
 def test_tokenizer_facts_for_the_tokenizers_only_models(setup, tmp_path):

@@ -12,10 +12,11 @@ The socket lives in Linux's abstract namespace (no file to create or remove: it 
 process), named after the tritonserver process that the backend stubs are children of and the
 listening model, so two servers never share one. Only a peer of the same user whose parent is that
 same tritonserver (a sibling stub) is accepted. A frame is a 4-byte big-endian length and the key
-in UTF-8. postprocessing and tensorrt_llm_bls stay self-contained (they import no trtmoe), so each
-carries a small sender of its own for this format (``_CancelSocket``); ``CancelSender`` here is the
-same for Python code. Where nobody listens (TensorRT-LLM's C++ backend) they send the `stop`
-request instead.
+in UTF-8. postprocessing and tensorrt_llm_bls import no trtmoe (they also run in TensorRT-LLM's
+container, beside its C++ backend): the repository generator copies this module, which uses the
+standard library only, next to their model.py as ``trtmoe_cancel_channel.py`` (the Python backend
+puts a model's version directory on ``sys.path``). Where nobody listens (the C++ backend) they send
+the `stop` request instead.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ def _parent_of(pid: int) -> int | None:
 
 
 def encode(key: str) -> bytes:
+    """One frame; OSError for a key over MAX_KEY_BYTES (the sender then falls back like a refused
+    connection)."""
     data = key.encode("utf-8")
     if len(data) > MAX_KEY_BYTES:
-        raise ValueError(f"cancel key of {len(data)} bytes (max {MAX_KEY_BYTES})")
+        raise OSError(f"cancel key of {len(data)} bytes (max {MAX_KEY_BYTES})")
     return len(data).to_bytes(4, "big") + data
 
 

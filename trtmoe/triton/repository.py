@@ -50,9 +50,13 @@ from ..checkpoint.atomic import atomic_directory, source_tree, stays_inside
 from ..checkpoint.manifest import REPOSITORY_MANIFEST, read_manifest, write_manifest
 from ..errors import BackendUnavailable, InputError, TrtmoeError
 from ..hf.safetensors_io import sha256_file
+from . import cancel_channel
 from .engine_dir import EMBEDDED, TENSORRT_LLM, EngineInfo, read_engine_dir
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
+# Models that send cancels to tensorrt_llm's socket, and the name they import its module by.
+CANCEL_SENDERS = ("postprocessing", "tensorrt_llm_bls")
+CANCEL_MODULE = "trtmoe_cancel_channel.py"
 TOKENIZER_SUBDIR = "preprocessing/tokenizer"  # relative to the repository root
 MANIFEST = REPOSITORY_MANIFEST
 TRTLLM_CONTRACT = "TensorRT-LLM 1.2.x triton_backend inflight_batcher_llm"
@@ -603,6 +607,8 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
             # The C++ backend serves a TensorRT engine; the Python model is for the embedded one only.
             if model_py.is_file() and not (model == "tensorrt_llm" and info.backend == TENSORRT_LLM):
                 shutil.copyfile(model_py, dst / "1" / "model.py")
+            if model in CANCEL_SENDERS:  # they import no trtmoe: the sender's module goes beside them
+                shutil.copyfile(cancel_channel.__file__, dst / "1" / CANCEL_MODULE)
         check_repository_configs(configs)
         files = {}
         for p in sorted(tmp.rglob("*")):

@@ -35,13 +35,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
 import queue  # noqa: E402
-import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from trtmoe_cancel_channel import CancelSender  # noqa: E402 - copied beside this file by `trtmoe repo`
 from tokenizers import Tokenizer  # noqa: E402
 
 
@@ -61,43 +61,6 @@ def _cleanup(text: str) -> str:
                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
         text = text.replace(a, b)
     return text
-
-
-class _CancelSocket:
-    """Sends generation keys to tensorrt_llm's cancel socket (trtmoe.triton.cancel_channel, which
-    defines it: a Unix socket in the abstract namespace named after this server process, the stubs'
-    parent, and the model; a frame is a 4-byte big-endian length and the key in UTF-8). ``send``
-    raises OSError when nobody listens (TensorRT-LLM's C++ backend) or the key is too long."""
-
-    def __init__(self, model: str):
-        self.address = f"\0trtmoe-cancel/{os.getppid()}/{model}"
-        self.sock = None
-        self.lock = threading.Lock()
-
-    def send(self, key: str) -> None:
-        data = key.encode("utf-8")
-        if len(data) > 4096:
-            raise OSError(f"a {len(data)}-byte key")
-        data = len(data).to_bytes(4, "big") + data
-        with self.lock:
-            for attempt in (0, 1):  # a broken kept connection is opened again once
-                if self.sock is None:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.settimeout(10.0)
-                    try:
-                        sock.connect(self.address)
-                    except OSError:
-                        sock.close()
-                        raise
-                    self.sock = sock
-                try:
-                    self.sock.sendall(data)
-                    return
-                except OSError:
-                    self.sock.close()
-                    self.sock = None
-                    if attempt:
-                        raise
 
 
 class TritonPythonModel:
@@ -123,7 +86,7 @@ class TritonPythonModel:
         self.checked: OrderedDict[str, float] = OrderedDict()  # key -> when it was last asked (latest keys)
         self.stopped: OrderedDict[str, None] = OrderedDict()  # keys already stopped (the latest ones)
         self.stops: queue.Queue = queue.Queue()
-        self.sender = _CancelSocket(self.stop_model) if self.stop_model else None
+        self.sender = CancelSender(self.stop_model) if self.stop_model else None
         if self.stop_model:
             threading.Thread(target=self._stop_loop, name="postprocessing-stop", daemon=True).start()
 

@@ -17,13 +17,12 @@ Self-contained (numpy only).
 from __future__ import annotations
 
 import json
-import os
-import socket
 import threading
 import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from trtmoe_cancel_channel import CancelSender  # copied beside this file by `trtmoe repo`
 
 # ensemble input -> (model, input name) the ensemble wires it to
 _TO_PRE = {"text_input": "QUERY", "decoder_text_input": "DECODER_QUERY", "max_tokens": "REQUEST_OUTPUT_LEN",
@@ -66,43 +65,6 @@ class _Inflight:
         self.lock = threading.Lock()
 
 
-class _CancelSocket:
-    """Sends generation keys to tensorrt_llm's cancel socket (trtmoe.triton.cancel_channel, which
-    defines it: a Unix socket in the abstract namespace named after this server process, the stubs'
-    parent, and the model; a frame is a 4-byte big-endian length and the key in UTF-8). ``send``
-    raises OSError when nobody listens (TensorRT-LLM's C++ backend) or the key is too long."""
-
-    def __init__(self, model: str):
-        self.address = f"\0trtmoe-cancel/{os.getppid()}/{model}"
-        self.sock = None
-        self.lock = threading.Lock()
-
-    def send(self, key: str) -> None:
-        data = key.encode("utf-8")
-        if len(data) > 4096:
-            raise OSError(f"a {len(data)}-byte key")
-        data = len(data).to_bytes(4, "big") + data
-        with self.lock:
-            for attempt in (0, 1):  # a broken kept connection is opened again once
-                if self.sock is None:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.settimeout(10.0)
-                    try:
-                        sock.connect(self.address)
-                    except OSError:
-                        sock.close()
-                        raise
-                    self.sock = sock
-                try:
-                    self.sock.sendall(data)
-                    return
-                except OSError:
-                    self.sock.close()
-                    self.sock = None
-                    if attempt:
-                        raise
-
-
 def _param(config: dict, key: str, default: str = "") -> str:
     value = config.get("parameters", {}).get(key, {}).get("string_value", "")
     return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
@@ -120,7 +82,7 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         # inner tensorrt_llm request id -> _Inflight; read by the watcher thread
         self.inflight: dict[str, _Inflight] = {}
-        self.sender = _CancelSocket(self.llm)
+        self.sender = CancelSender(self.llm)
         self.cancel_poll_s = float(_param(config, "cancellation_check_period_ms", "50")) / 1000.0
         self.closing = threading.Event()
         self.watcher = threading.Thread(target=self._watch_cancellation, name="bls-cancel-watch", daemon=True)
