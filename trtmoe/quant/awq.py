@@ -342,10 +342,11 @@ class ActivationStats:
     not stay in memory)."""
 
     def __init__(self, stats: dict[tuple[int, int, str], MatrixStats] | None = None, max_rows: int = MAX_ROWS,
-                 inputs_dir: str | Path | None = None):
+                 inputs_dir: str | Path | None = None, *, rows_from: "_LayerRows | None" = None):
         self.stats = dict(stats or {})
         self.max_rows = max_rows
         self.inputs_dir = None if inputs_dir is None else Path(inputs_dir)
+        self._rows_from = rows_from  # loaded from a file: sampled rows and Gram matrices read per layer
 
     def add_layer(self, layer: int, per_expert: dict[tuple[int, str], MatrixStats]) -> None:
         for (e, m), s in per_expert.items():
@@ -365,6 +366,8 @@ class ActivationStats:
         return list(seen.values())
 
     def get(self, layer: int, expert: int, mod: str) -> MatrixStats | None:
+        if self._rows_from is not None:
+            self._rows_from.ensure(layer, self.stats)
         return self.stats.get((layer, expert, mod))
 
     def check_inputs(self) -> None:
@@ -401,7 +404,7 @@ class ActivationStats:
                 li.write(f)
             layers[str(li.layer)] = {"file": f"{INPUTS_DIR}/{f.name}", "sha256": li.sha256, "tokens": li.tokens}
         for (l, e, m) in sorted(self.stats):
-            s = self.stats[(l, e, m)]
+            s = self.get(l, e, m)  # layer by layer: a loaded one reads each layer's rows as it goes
             p = f"{l}.{e}.{m}."
             items += [(p + "act_mean", s.act_mean.contiguous()), (p + "rows", s.rows.contiguous()),
                       (p + "count", torch.tensor([s.count], dtype=torch.int64)),
@@ -429,16 +432,57 @@ class ActivationStats:
                     if int(l) not in inputs:
                         raise KeyError(f"moe_inputs of layer {l}")
                     ref = InputRef(inputs[int(l)], int(e), m)
+                for name in ("rows", "gram") if p + "gram" in f.tensors else ("rows",):
+                    f.tensors[p + name].dtype  # noqa: B018 - a KeyError now, not when the layer is read
+                # The sampled rows (and stored Gram matrices) are the bulk: read per layer when used.
                 stats[(int(l), int(e), m)] = MatrixStats(
-                    f.read(p + "act_mean").float(), f.read(p + "rows"), int(f.read(p + "count")[0]),
+                    f.read(p + "act_mean").float(), _NOT_READ, int(f.read(p + "count")[0]),
                     "layer" if int(f.read(p + "layer_tokens")[0]) else "routed",
-                    f.read(p + "gram").float() if p + "gram" in f.tensors else None, ref)
+                    _NOT_READ if p + "gram" in f.tensors else None, ref)
             rows = int((f.metadata or {}).get("rows", MAX_ROWS))
         except (KeyError, ValueError, TypeError) as e:
             raise InputError(f"activation statistics are malformed ({e})", where=str(path)) from None
         finally:
             f.close()
-        return cls(stats, rows)
+        return cls(stats, rows, rows_from=_LayerRows(Path(path)))
+
+
+_NOT_READ = torch.empty(0)  # stands for a tensor a loaded ActivationStats reads when its layer is used
+
+
+class _LayerRows:
+    """Reads one layer's sampled rows and stored Gram matrices into an ActivationStats on first use
+    and keeps at most ``keep`` layers read, so converting a model holds a layer's worth, not the
+    whole file (about 10 GB of rows for a Mixtral-8x7B-sized model). Layers are read again when
+    asked for after they were dropped."""
+
+    def __init__(self, path: Path, keep: int = 2):
+        self.path, self.keep = path, keep
+        self.read: list[int] = []  # layers whose tensors are in memory, oldest first
+        self.lock = threading.Lock()
+
+    def ensure(self, layer: int, stats: dict[tuple[int, int, str], MatrixStats]) -> None:
+        with self.lock:
+            if layer in self.read:
+                return
+            keys = [k for k in stats if k[0] == layer]
+            if keys:
+                f = SafetensorsFile(self.path)
+                try:
+                    for k in keys:
+                        p, s = "{}.{}.{}.".format(*k), stats[k]
+                        gram = None if s.gram is None else f.read(p + "gram").float()
+                        stats[k] = replace(s, rows=f.read(p + "rows"), gram=gram)
+                except (KeyError, ValueError, TypeError) as e:
+                    raise InputError(f"activation statistics are malformed ({e})", where=str(self.path)) from None
+                finally:
+                    f.close()
+            self.read.append(layer)
+            while len(self.read) > self.keep:
+                old = self.read.pop(0)
+                for k in [k for k in stats if k[0] == old]:
+                    s = stats[k]
+                    stats[k] = replace(s, rows=_NOT_READ, gram=None if s.gram is None else _NOT_READ)
 
 
 def _layer_inputs_of(act_file: Path, meta: str | None) -> dict[int, LayerInputs]:
