@@ -93,6 +93,19 @@ def tokenized_tiny_mixtral(tiny_model, root: Path, name: str) -> tuple[Path, Pat
     return model, text
 
 
+def tiny_mixtral_engine(tiny_model, root: Path, name: str) -> tuple[Path, Path, Path, Path]:
+    """``tokenized_tiny_mixtral`` converted (float) into ``root/ckpt`` and built as an embedded engine
+    into ``root/engine`` (max_input_len 64). Returns (model, calibration text, ckpt, engine)."""
+    from trtmoe.build.embedded import build_embedded
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.config import defaults
+
+    model, text = tokenized_tiny_mixtral(tiny_model, root, name)
+    convert(model, root / "ckpt")
+    build_embedded(root / "ckpt", root / "engine", {**defaults()["build"], "max_input_len": 64})
+    return model, text, root / "ckpt", root / "engine"
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny tensors: one thread is faster, and an oversubscribed shared CPU makes OpenMP crawl."""

@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import tokenized_tiny_mixtral
-import torch
+from conftest import tiny_mixtral_engine
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
@@ -141,26 +140,18 @@ class Base:
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model, tmp_path_factory) -> Base:
-    from trtmoe.build.embedded import build_embedded
-    from trtmoe.checkpoint.writer import convert
-    from trtmoe.config import defaults
+def base(tiny_model, tmp_path_factory, one_torch_thread) -> Base:
     from trtmoe.quant.calibrate import calibrate
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("hostile-base")
-    tokm, text = tokenized_tiny_mixtral(tiny_model, root, "tokm")
+    tokm, text, ckpt, engine = tiny_mixtral_engine(tiny_model, root, "tokm")
     calibrate(tokm, text, root / "calib", samples=2, seq_len=16, formats=("int8", "int4"))
-    convert(tokm, root / "ckpt")
-    build_embedded(root / "ckpt", root / "engine", {**defaults()["build"], "max_input_len": 64})
     bench = root / "bench.json"
     bench.write_text(json.dumps({"rows": [], "targets": []}))
     tmp = root / "tmpdir"
     tmp.mkdir()
-    yield Base(tiny_model("mixtral"), tiny_model("mixtral", sharded=True), tiny_model("qwen2_moe"),
-               tiny_model("deepseek_v1"), tokm, text, root / "calib", root / "ckpt", root / "engine", bench, tmp)
-    torch.set_num_threads(n)
+    return Base(tiny_model("mixtral"), tiny_model("mixtral", sharded=True), tiny_model("qwen2_moe"),
+                tiny_model("deepseek_v1"), tokm, text, root / "calib", ckpt, engine, bench, tmp)
 
 
 # ---- cases ----------------------------------------------------------------------------------------

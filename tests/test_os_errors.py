@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import tokenized_tiny_mixtral
-import torch
+from conftest import tiny_mixtral_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ZYGOTE = REPO_ROOT / "tests" / "os_faults" / "zygote.py"
@@ -79,21 +78,12 @@ def zygote():
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model, tmp_path_factory) -> Base:
-    from trtmoe.build.embedded import build_embedded
-    from trtmoe.checkpoint.writer import convert
-    from trtmoe.config import defaults
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def base(tiny_model, tmp_path_factory, one_torch_thread) -> Base:
     root = tmp_path_factory.mktemp("os-errors")
-    model, text = tokenized_tiny_mixtral(tiny_model, root, "model")
-    convert(model, root / "ckpt")
-    build_embedded(root / "ckpt", root / "engine", {**defaults()["build"], "max_input_len": 64})
+    model, text, ckpt, engine = tiny_mixtral_engine(tiny_model, root, "model")
     tmp = root / "tmpdir"
     tmp.mkdir()
-    yield Base(model, text, root / "ckpt", root / "engine", tmp, root)
-    torch.set_num_threads(n)
+    return Base(model, text, ckpt, engine, tmp, root)
 
 
 def command(name: str, b: Base, out: Path) -> list:
