@@ -99,6 +99,27 @@ def test_statistics_are_routed_tokens_and_deterministic(calib, tmp_path):
     assert (tmp_path / "again.safetensors").read_bytes() == (calib["dir"] / awq.ACT_FILE).read_bytes()
 
 
+def test_loaded_statistics_missing_a_matrix_rows_are_refused_when_opened(calib, tmp_path):
+    """Rows are read per layer when convert uses them, but a file lacking one matrix's rows is
+    refused when it is opened (one InputError naming the tensor), not halfway through a convert."""
+    from safetensors.torch import save_file
+
+    from trtmoe.errors import InputError
+
+    src = calib["dir"] / awq.ACT_FILE
+    f = SafetensorsFile(src)
+    meta = dict(f.metadata or {})
+    f.close()
+    tensors = load_file(src)
+    victim = sorted(k for k in tensors if k.endswith(".rows"))[-1]  # the last layer's: read last
+    del tensors[victim]
+    bad = tmp_path / awq.ACT_FILE
+    save_file(tensors, bad, metadata=meta)
+    with pytest.raises(InputError) as e:
+        awq.ActivationStats.load(bad)
+    assert "malformed" in str(e.value) and victim in str(e.value) and str(bad) in str(e.value)
+
+
 def test_fc_statistics_are_the_hidden_states_routed_to_the_expert():
     torch.manual_seed(0)
     x = torch.randn(64, 16)

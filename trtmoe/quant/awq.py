@@ -432,8 +432,8 @@ class ActivationStats:
                     if int(l) not in inputs:
                         raise KeyError(f"moe_inputs of layer {l}")
                     ref = InputRef(inputs[int(l)], int(e), m)
-                for name in ("rows", "gram") if p + "gram" in f.tensors else ("rows",):
-                    f.tensors[p + name].dtype  # noqa: B018 - a KeyError now, not when the layer is read
+                if p + "rows" not in f.tensors:  # refused now, not when the layer is read
+                    raise KeyError(p + "rows")
                 # The sampled rows (and stored Gram matrices) are the bulk: read per layer when used.
                 stats[(int(l), int(e), m)] = MatrixStats(
                     f.read(p + "act_mean").float(), _NOT_READ, int(f.read(p + "count")[0]),
