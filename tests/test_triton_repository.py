@@ -95,6 +95,7 @@ def test_read_engine_dir_both_layouts(setup):
     ckpt_model = load_config(setup["ckpt"])
     assert info.model == ckpt_model and info.mapping == ckpt_model.mapping
     assert trt.model == replace(ckpt_model, mapping=Mapping.create(tp=2))
+    assert ckpt_model.architecture == trt.architecture == "MixtralForCausalLM"
 
 
 def test_trt_engine_of_an_unknown_architecture(setup):

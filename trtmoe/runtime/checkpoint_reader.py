@@ -24,6 +24,9 @@ class CheckpointConfig(ModelSpec):
 
     mapping: Mapping = field(default_factory=Mapping)
     dtype: torch.dtype = torch.float32
+    # The TensorRT-LLM model class the config names (``architecture``, e.g. MixtralForCausalLM): what
+    # trtllm-build instantiates, so what a repository or report names the engine by.
+    architecture: str = ""
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -78,7 +81,9 @@ def parse_config(raw: dict, *, where: str) -> CheckpointConfig:
             mapping = Mapping.from_config(raw["mapping"])
         except LayoutError as e:
             raise LayoutError(f"mapping: {e.what}", where=e.where or where, hint=e.hint) from None
-        return CheckpointConfig(mapping=mapping, dtype=_DT[raw["dtype"]], raw=raw, **facts)
+        return CheckpointConfig(mapping=mapping, dtype=_DT[raw["dtype"]],
+                                architecture=str(raw.get("architecture") or adapter.trtllm_architecture),
+                                raw=raw, **facts)
     except KeyError as e:
         raise CheckpointError(f"config.json lacks {e.args[0]!r}", where=where) from None
 

@@ -62,7 +62,7 @@ class EngineInfo:
     @property
     def architecture(self) -> str:
         """The TensorRT-LLM architecture name the config records (e.g. ``MixtralForCausalLM``)."""
-        return str(self.model.raw.get("architecture") or "")
+        return self.model.architecture
 
     @property
     def eos_token_id(self) -> int | None:
