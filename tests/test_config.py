@@ -315,3 +315,37 @@ def test_convert_rounds_int4_as_the_calibration_measured_unless_told(tiny_model,
         assert proc.returncode == 0, proc.stderr
         m = json.loads((out / "manifest.json").read_text())
         assert m["quantization"]["rounding"] == want and m["resolved_config"]["quantize"]["rounding"] == want
+
+
+def test_calibrate_gram_threshold_defaults_are_the_quantizers():
+    from trtmoe.quant import awq
+
+    c = cfgmod.SCHEMA["calibrate"]
+    assert (c["max_gram_in"].default, c["max_input_tokens"].default) == (awq.MAX_GRAM_IN, awq.MAX_INPUT_TOKENS)
+
+
+def test_calibrate_max_gram_in_from_the_command_line(tiny_model, tmp_path):
+    """``--max-gram-in 0`` makes an error-feedback calibration store the MoE layers' input rows (capped
+    by ``--max-input-tokens``) instead of any Gram matrix; the default stores the tiny model's Gram
+    matrices and no rows."""
+    from conftest import tokenized_tiny_mixtral
+    from safetensors import safe_open
+
+    from trtmoe.quant import awq
+
+    model, text = tokenized_tiny_mixtral(tiny_model, tmp_path, "model")
+    run = dict(capture_output=True, text=True, env=ENV, cwd=REPO_ROOT, timeout=240)
+    base = [sys.executable, "-m", "trtmoe.cli", "calibrate", str(model), "--data", str(text), "--samples", "2",
+            "--seq-len", "16", "--formats", "int4", "--rounding", "gptq"]
+    for name, extra in (("rows", ["--max-gram-in", "0", "--max-input-tokens", "20"]), ("gram", [])):
+        proc = subprocess.run([*base, "-o", str(tmp_path / name), *extra], **run)
+        assert proc.returncode == 0, proc.stderr
+    rows = sorted((tmp_path / "rows" / awq.INPUTS_DIR).glob("*.safetensors"))
+    assert rows and not (tmp_path / "gram" / awq.INPUTS_DIR).exists()
+    with safe_open(str(rows[0]), "pt") as f:
+        assert max(f.get_slice(k).get_shape()[0] for k in f.keys()) == 20
+    a, b = (json.loads((tmp_path / n / "calib.json").read_text())["activations"] for n in ("rows", "gram"))
+    assert a["gram_from_inputs"] == b["gram_matrices"] and "gram_matrices" not in a and "inputs" not in b
+    assert a["inputs"]["max_rows_per_layer"] == 20
+    proc = subprocess.run([*base, "-o", str(tmp_path / "bad"), "--max-input-tokens", "0"], **run)
+    assert proc.returncode == 2 and "--max-input-tokens = 0 is below the minimum 1" in proc.stderr

@@ -186,6 +186,16 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                 "exact: end-to-end ΔKL per expert matrix and format (about formats × experts × "
                                 "layers passes)."),
         "device": Key(str, "cpu", choices=("cpu", "cuda"), help="Where calibration runs."),
+        # Defaults equal trtmoe.quant.awq.MAX_GRAM_IN / MAX_INPUT_TOKENS (a test keeps them so; this
+        # module stays free of torch).
+        "max_gram_in": Key(int, 1024, minimum=0, metavar="N",
+                           help="Under --rounding gptq or awq_gptq: store the input Gram matrix (N² floats per "
+                                "expert matrix) of matrices with at most N inputs; larger ones store the MoE "
+                                "layers' input rows instead and convert rebuilds their Gram matrix (same codes). "
+                                "0 stores rows for every matrix."),
+        "max_input_tokens": Key(int, 32768, minimum=1, metavar="N",
+                                help="Under --rounding gptq or awq_gptq: at most this many evenly spaced tokens "
+                                     "per MoE layer are stored as input rows (hidden size × 4 bytes each)."),
     },
 }
 TOP_LEVEL = {"model": Key(str, None, nullable=True, help="HF model directory or hub id")}

@@ -377,7 +377,9 @@ class ActivationStats:
                 raise InputError(f"stored MoE inputs of layer {li.layer} are missing", where=str(li.path),
                                  hint=_INPUTS_HINT)
 
-    def summary(self) -> dict:
+    def summary(self, max_input_tokens: int = MAX_INPUT_TOKENS) -> dict:
+        """calib.json's record of these statistics (``max_input_tokens``: the per-layer row cap the
+        MoE inputs were sampled under)."""
         layer_src = sorted({(l, e) for (l, e, _), s in self.stats.items() if s.source == "layer"})
         out = {"file": ACT_FILE, "rows_per_matrix": self.max_rows, "min_routed_tokens": MIN_ROUTED,
                "matrices": len(self.stats),
@@ -390,7 +392,7 @@ class ActivationStats:
             lis = self._layer_inputs()
             out["gram_from_inputs"] = rebuilt
             out["inputs"] = {"dir": INPUTS_DIR, "layers": len(lis),
-                             "rows_per_layer": max(li.rows for li in lis), "max_rows_per_layer": MAX_INPUT_TOKENS}
+                             "rows_per_layer": max(li.rows for li in lis), "max_rows_per_layer": max_input_tokens}
         return out
 
     def save(self, path: str | Path) -> str:

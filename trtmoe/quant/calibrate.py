@@ -196,7 +196,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
                                     rounding=_AwqRounding(acts, rounding, **gram), notes=notes)
             shutil.rmtree(work / _PROGRESS, ignore_errors=True)
             result["rounding"] = rounding
-            result["activations"] = acts.summary()
+            result["activations"] = acts.summary(max_input_tokens)
         del eng
         shutil.rmtree(ck)
         result["skipped_formats"] = skipped
@@ -382,7 +382,8 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
                             {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens})
     eng.reset_routing_stats()  # the measurement passes are not calibration statistics
     filled = _fill_under_observed(exact, ref, moe_layers, formats, min_tokens, c.num_experts, c.top_k)
-    return _exact_result(eng, ref, exact, filled, moe_layers, formats, rounding, acts, min_tokens)
+    return _exact_result(eng, ref, exact, filled, moe_layers, formats, rounding, acts, min_tokens,
+                         max_input_tokens)
 
 
 @dataclass
@@ -513,7 +514,8 @@ def _fill_under_observed(exact: _Exact, ref: _Reference, moe_layers: list[int], 
 
 
 def _exact_result(eng: EmbeddedEngine, ref: _Reference, exact: _Exact, filled: dict, moe_layers: list[int],
-                  formats, rounding: str, acts: "awq.ActivationStats", min_tokens: int) -> dict:
+                  formats, rounding: str, acts: "awq.ActivationStats", min_tokens: int,
+                  max_input_tokens: int = awq.MAX_INPUT_TOKENS) -> dict:
     """The calib.json dict of an exact measurement."""
     c = eng.cfg
     L, E, k = c.num_layers, c.num_experts, c.top_k
@@ -535,7 +537,7 @@ def _exact_result(eng: EmbeddedEngine, ref: _Reference, exact: _Exact, filled: d
         "weights_per_expert": expert_weights,
         "formats": list(formats),
         "rounding": rounding,
-        "activations": acts.summary(),
+        "activations": acts.summary(max_input_tokens),
         "bits_per_weight": {f: _expert_bpw(f, I, H, eng.dtype) for f in (FLOAT, *formats)},
         "routing": {
             "tokens": tokens,
