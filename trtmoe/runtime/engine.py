@@ -78,9 +78,10 @@ class Sequence:
 
 
 class _KVPool:
-    """Keys and values of every live sequence: per layer one ``[slots, capacity, nkv, hd]`` tensor
-    (a token's heads side by side, so a decode step writes every sequence's new key with one
-    ``index_copy_`` into the flat ``[slots * capacity]`` rows; attention reads a transposed view).
+    """Keys and values of every live sequence: per layer one ``[slots, nkv, capacity, hd]`` tensor
+    (head-major: each head's history is contiguous, which is what attention reads; a decode step
+    writes every sequence's new key with one ``index_copy_`` into the flat ``[slots * nkv *
+    capacity]`` rows, one row per sequence and head).
 
     A sequence holds one slot from its prefill until it finishes (or is garbage-collected, e.g. when
     a cancelled request is dropped). Both dimensions grow on demand (existing rows are copied over),
@@ -102,7 +103,7 @@ class _KVPool:
         self.live = 0
 
     def _resize(self, slots: int, capacity: int) -> None:
-        shape = (slots, capacity, self.nkv, self.hd)
+        shape = (slots, self.nkv, capacity, self.hd)
         for kv in (self.k, self.v):
             old = list(kv)
             kv.clear()
@@ -111,7 +112,7 @@ class _KVPool:
                 # attention weights (0) times uninitialized NaN/Inf bits would still be NaN.
                 new = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if old:
-                    new[: self.slots, : self.capacity] = old[l]
+                    new[: self.slots, :, : self.capacity] = old[l]
                 kv.append(new)
         for i in range(self.slots, slots):
             heapq.heappush(self._free, i)
@@ -474,9 +475,11 @@ class EmbeddedEngine:
         else:
             plan["rows"] = slice(first, first + len(seqs))
         if T == 1:
-            # Each sequence's new key goes to row slot * capacity + length of the flat pool.
-            cap = self._kv.capacity
-            plan["write_at"] = torch.tensor([sl * cap + a for sl, a in zip(slots, starts)], device=dev)
+            # Each sequence's new key of head h goes to row (slot * nkv + h) * capacity + length of
+            # the flat pool.
+            cap, nkv = self._kv.capacity, self._kv.nkv
+            plan["write_at"] = torch.tensor([(sl * nkv + h) * cap + a for sl, a in zip(slots, starts)
+                                             for h in range(nkv)], device=dev)
             # The one query of each sequence, at its last position, sees exactly its own keys: the
             # causal part of the mask is implied, and sequences of one length need no mask at all.
             plan["mask"] = None if plan["same_start"] is not None else (
@@ -511,25 +514,33 @@ class EmbeddedEngine:
             # Append to each sequence's pooled cache, then attend over its own history.
             kp, vp = self._kv.k[li], self._kv.v[li]
             if T == 1:  # decode: one indexed write into the flat rows for the whole batch
-                kp.view(-1, nkv, hd).index_copy_(0, plan["write_at"], k[:, 0])
-                vp.view(-1, nkv, hd).index_copy_(0, plan["write_at"], v[:, 0])
+                kp.view(-1, hd).index_copy_(0, plan["write_at"], k.reshape(B * nkv, hd))
+                vp.view(-1, hd).index_copy_(0, plan["write_at"], v.reshape(B * nkv, hd))
             elif plan["rows"] is not None and plan["same_start"] is not None:  # one block write
                 a = plan["same_start"]
-                kp[plan["rows"], a:a + T] = k
-                vp[plan["rows"], a:a + T] = v
+                kp[plan["rows"], :, a:a + T] = k.transpose(1, 2)
+                vp[plan["rows"], :, a:a + T] = v.transpose(1, 2)
             else:
                 for b, s in enumerate(seqs):
-                    kp[s.slot, s.length:s.length + T] = k[b]
-                    vp[s.slot, s.length:s.length + T] = v[b]
+                    kp[s.slot, :, s.length:s.length + T] = k[b].transpose(0, 1)
+                    vp[s.slot, :, s.length:s.length + T] = v[b].transpose(0, 1)
             Lmax = plan["Lmax"]
             if plan["rows"] is not None:  # a contiguous block of rows: a view
-                kk, vv = kp[plan["rows"], :Lmax], vp[plan["rows"], :Lmax]
+                kk, vv = kp[plan["rows"], :, :Lmax], vp[plan["rows"], :, :Lmax]
             else:
-                kk = kp[:, :Lmax].index_select(0, plan["slot_t"])
-                vv = vp[:, :Lmax].index_select(0, plan["slot_t"])
+                kk = kp[:, :, :Lmax].index_select(0, plan["slot_t"])
+                vv = vp[:, :, :Lmax].index_select(0, plan["slot_t"])
             mask = plan["mask"]
             causal = False
-        kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)  # [B, heads, L, hd] views
+            if T == 1 and nh != nkv:
+                # One query per sequence: a KV head's query heads are rows of one query block
+                # against that head's keys, so no grouped-query expansion is needed.
+                o = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, hd), kk, vv, attn_mask=mask,
+                                                   scale=1.0 / math.sqrt(hd))
+                o = F.linear(o.reshape(B, T, nh * hd), lay.wo)
+                return o if lay.bo is None else o + lay.bo
+        if seqs is None:
+            kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)  # [B, heads, L, hd] views
         # Grouped-query heads read their shared KV head in place (no repeated copy of the cache).
         o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=causal and T > 1,
                                            scale=1.0 / math.sqrt(hd), enable_gqa=nh != nkv)
