@@ -231,6 +231,32 @@ def test_tensorrt_engine_repository(setup):
         generate_repository(eng, setup["root"] / "x", tokenizer_dir=setup["tok"], stream_interval=4)
 
 
+def test_tensorrt_engine_repository_served_from_another_path(setup, tmp_path):
+    """``--engine-path`` writes where the engine will be on the serving machine as gpt_model_path (the
+    C++ backend opens it as given); the rest of the repository is the same. Relative paths, and the
+    option on an embedded engine (whose repository refers to it relatively), are refused."""
+    eng = write_trt_engine(setup["root"] / "trt-deploy", setup["ckpt"])
+    here, there = tmp_path / "here", tmp_path / "there"
+    generate_repository(eng, here, tokenizer_dir=setup["tok"])
+    generate_repository(eng, there, tokenizer_dir=setup["tok"], engine_path="/models/mixtral/engine")
+    params = {k: v.string_value for k, v in validate_repository(there)["tensorrt_llm"].parameters.items()}
+    assert params["gpt_model_path"] == "/models/mixtral/engine"
+    for m in MODELS:  # the same repository but for that one path
+        a, b = ((d / m / "config.pbtxt").read_text() for d in (here, there))
+        assert b == a.replace(str(eng.resolve()), "/models/mixtral/engine"), m
+    assert str(eng.resolve()) not in (there / "tensorrt_llm" / "config.pbtxt").read_text()
+    with pytest.raises(InputError, match="must be an absolute path"):
+        generate_repository(eng, tmp_path / "x", tokenizer_dir=setup["tok"], engine_path="models/engine")
+    with pytest.raises(InputError, match="engine_path applies to TensorRT-LLM engines only"):
+        generate_repository(setup["engine"], tmp_path / "y", tokenizer_dir=setup["tok"], engine_path="/models/e")
+    res = _run_repo([str(eng), "-o", str(tmp_path / "cli"), "--tokenizer", str(setup["tok"]),
+                     "--engine-path", "/srv/engine"])
+    assert res.exit_code == 0, res.output
+    assert "served from /srv/engine" in res.output
+    assert 'key: "gpt_model_path" value: { string_value: "/srv/engine" }' in (
+        tmp_path / "cli" / "tensorrt_llm" / "config.pbtxt").read_text()
+
+
 @pytest.mark.parametrize("max_num_tokens,chunked", [(8192, "false"), (32, "true")])
 def test_chunked_context_follows_the_engines_step_size(setup, max_num_tokens, chunked):
     # BUILD's max_input_len is 48: a 32-token step can only take such a prompt in chunks.

@@ -142,6 +142,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                     "ceil(active/8), which keeps per-response overhead bounded when many streams "
                                     "share the CPU.", shown_default="auto"),
         "trust_remote_code": Key(bool, False, help="Let the tokenizer run code from its folder."),
+        "engine_path": Key(str, None, nullable=True, metavar="PATH",
+                           help="TensorRT-LLM engines: the engine directory's absolute path on the serving "
+                                "machine (gpt_model_path), for a repository deployed where ENGINE_DIR is not; "
+                                "the backend opens it as given. An embedded repository refers to its engine "
+                                "relative to itself and takes none.",
+                           shown_default="ENGINE_DIR's absolute path"),
     },
     "serve": {  # `trtmoe serve`: the tritonserver process
         "host": Key(str, "127.0.0.1", help="Address to bind (0.0.0.0 exposes the server)."),

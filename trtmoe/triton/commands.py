@@ -60,7 +60,8 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
         return
     s, e = r.settings, r.engine
     click.echo(f"wrote {r.path}")
-    click.echo(f"  engine         {e.path} ({'embedded' if e.backend == 'embedded' else 'TensorRT-LLM'}, {e.architecture})")
+    click.echo(f"  engine         {e.path} ({'embedded' if e.backend == 'embedded' else 'TensorRT-LLM'}, {e.architecture})"
+               + (f"; served from {s.engine_path}" if s.engine_path else ""))
     click.echo(f"  models         {', '.join(r.models)}")
     click.echo(f"  max_batch_size {s.max_batch_size} (engine {e.max_batch_size}); max_input_len {s.max_input_len}; "
                f"max_seq_len {s.max_seq_len}; beam {s.max_beam_width}")

@@ -26,7 +26,8 @@ pass both to preprocessing, which merges each pair into the 1.2 input, and the e
   ``tokenizers`` library alone (no transformers or torch in those processes).
 * No absolute path is stored for the embedded engine: ``engine_dir`` and the manifest's paths are
   relative to the repository, so a repository moved together with its engine still serves. (The
-  TensorRT-LLM C++ backend opens ``gpt_model_path`` as given, so that one stays absolute.)
+  TensorRT-LLM C++ backend opens ``gpt_model_path`` as given, so that one stays absolute: the engine's
+  own path, or ``engine_path`` (``--engine-path``), where the engine will be on the serving machine.)
 * The embedded engine's torch intra-op threads default to this machine's cores less one per two
   Python-backend instances (pre/post/BLS, each one thread), at least 1; the number is written to
   ``config.pbtxt`` (``torch_num_threads``) and capped at load by the serving machine's cores.
@@ -104,6 +105,7 @@ class RepoSettings:
     device: str = "auto"
     torch_num_threads: int = 0  # embedded engine; resolved from the cores when not given
     stream_interval: int = 0  # embedded engine: tokens per streamed response, 0 = auto
+    engine_path: str | None = None  # TensorRT-LLM engines: gpt_model_path where served; None = the engine's path
 
     @property
     def decoupled(self) -> bool:
@@ -184,6 +186,14 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
     if info.backend == TENSORRT_LLM and rest.get("stream_interval") not in (None, 1):
         raise InputError("stream_interval applies to the embedded engine only; the TensorRT-LLM backend "
                          "streams every token")
+    engine_path = rest.get("engine_path")
+    if engine_path is not None and info.backend == EMBEDDED:
+        raise InputError("engine_path applies to TensorRT-LLM engines only; an embedded repository refers to its "
+                         "engine relative to itself, so move them together")
+    if engine_path is not None and not os.path.isabs(engine_path):
+        raise InputError(f"engine_path {engine_path!r} must be an absolute path: the TensorRT-LLM backend opens "
+                         "gpt_model_path as given, so a relative one would resolve against tritonserver's working "
+                         "directory")
     rest = {k: v for k, v in rest.items() if v is not None}
     if info.backend == EMBEDDED and not rest.get("torch_num_threads"):
         rest["torch_num_threads"] = default_torch_threads(
@@ -228,18 +238,19 @@ def render_parameters(params: dict[str, Any]) -> str:
                      for k, v in params.items())
 
 
-def _engine_ref(info: EngineInfo, repo: Path | None) -> str:
+def _engine_ref(info: EngineInfo, s: RepoSettings, repo: Path | None) -> str:
     """The engine directory as the repository records it: relative to the repository root for the
-    embedded engine (its model resolves it so), absolute for the C++ backend (it opens it as given)."""
+    embedded engine (its model resolves it so), absolute for the C++ backend (it opens it as given):
+    ``engine_path`` when the repository is served elsewhere."""
     if info.backend == EMBEDDED and repo is not None:
         return os.path.relpath(info.path, repo)
-    return str(info.path)
+    return s.engine_path or str(info.path)
 
 
 def backend_parameters(info: EngineInfo, s: RepoSettings, repo: Path | None = None) -> dict[str, Any]:
     """The ``tensorrt_llm`` model's parameters for its backend."""
     if info.backend == EMBEDDED:
-        return {"engine_dir": _engine_ref(info, repo), "device": s.device, "torch_num_threads": s.torch_num_threads,
+        return {"engine_dir": _engine_ref(info, s, repo), "device": s.device, "torch_num_threads": s.torch_num_threads,
                 "max_input_len": s.max_input_len, "max_seq_len": s.max_seq_len,
                 "exclude_input_in_output": _bool(s.exclude_input_in_output), "enable_metrics": "true",
                 "metrics_interval_s": "0.5", "max_waiting_requests": s.max_queue_size,
@@ -248,7 +259,7 @@ def backend_parameters(info: EngineInfo, s: RepoSettings, repo: Path | None = No
                 "tokenizer_dir": TOKENIZER_SUBDIR, "trust_remote_code": _bool(s.trust_remote_code)}
     return {
         "gpt_model_type": "inflight_fused_batching",
-        "gpt_model_path": str(info.path),
+        "gpt_model_path": _engine_ref(info, s, repo),
         "max_beam_width": s.max_beam_width,
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
         "exclude_input_in_output": _bool(s.exclude_input_in_output),
@@ -294,7 +305,7 @@ def template_values(info: EngineInfo, s: RepoSettings, repo: Path | None = None)
     # Only a streaming ensemble runs postprocessing while tensorrt_llm still generates.
     stop_by_key = info.backend == EMBEDDED and s.decoupled
     return {
-        "engine_dir": _engine_ref(info, repo),
+        "engine_dir": _engine_ref(info, s, repo),
         "legacy_alias_inputs": _LEGACY_ALIAS_INPUTS if info.backend == EMBEDDED else "",
         "request_key_input": _REQUEST_KEY_INPUT if info.backend == EMBEDDED else "",
         "request_key_output": _REQUEST_KEY_OUTPUT if info.backend == EMBEDDED else "",
@@ -560,7 +571,8 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                         bls_instance_count: int = 1, kv_cache_free_gpu_mem_fraction: float | None = None,
                         trust_remote_code: bool = False, add_special_tokens: bool = True,
                         skip_special_tokens: bool = True, device: str | None = None, torch_num_threads: int = 0,
-                        stream_interval: int | None = None, force: bool = False, templates: str | Path | None = None) -> RepositoryResult:
+                        stream_interval: int | None = None, engine_path: str | None = None, force: bool = False,
+                        templates: str | Path | None = None) -> RepositoryResult:
     """Write a Triton model repository for ``engine_dir`` at ``out_dir``.
 
     ``tokenizer_dir`` defaults to a tokenizer found beside the engine or its checkpoint. Limits
@@ -570,7 +582,8 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     ``exclude_input_in_output`` sets the default for requests that do not send it (upstream: false).
     ``torch_num_threads`` 0: chosen from the cores (see ``default_torch_threads``). ``stream_interval``
     (embedded engine): a streamed response every that many tokens; None/0 = auto (every token
-    up to 8 active streams, then ceil(active / 8)). Raises InputError.
+    up to 8 active streams, then ceil(active / 8)). ``engine_path`` (TensorRT-LLM engines): the absolute
+    path the engine will have where the repository is served (default: its path here). Raises InputError.
     """
     info = read_engine_dir(engine_dir)
     settings = resolve_settings(
@@ -582,7 +595,7 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
         postprocessing_instance_count=postprocessing_instance_count, bls_instance_count=bls_instance_count,
         trust_remote_code=trust_remote_code, add_special_tokens=add_special_tokens,
         skip_special_tokens=skip_special_tokens, torch_num_threads=torch_num_threads,
-        stream_interval=stream_interval)
+        stream_interval=stream_interval, engine_path=engine_path)
     tok_src = Path(tokenizer_dir).expanduser().resolve() if tokenizer_dir else find_tokenizer(info)
     if tok_src is None:
         raise InputError("no tokenizer found beside the engine or its checkpoint", where=str(info.path),
