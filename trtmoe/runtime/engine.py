@@ -31,7 +31,7 @@ from ..hf.adapters import FIRST, LAST, MOE_TP, global_rules, layer_rules
 from ..model.description import NORM_NONE, NORM_SPARSE_MIXER
 from ..model.params import count_params
 from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
-from .experts import STACK_MAX_ROWS, ExpertBank, load_expert_bank
+from .experts import STACK_MAX_ROWS, ExpertBank, FloatExperts, load_expert_bank
 
 
 @dataclass
@@ -226,7 +226,7 @@ class EmbeddedEngine:
         self._entropy = torch.zeros(L, dtype=torch.float64, device=device)
         self._mass = torch.zeros(L, E, dtype=torch.float64, device=device)
         self._tokens = 0
-        self._layer_ids: dict[tuple[int, ...], torch.Tensor] = {}
+        self._layer_ids: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.layer_hook: Callable[[int, torch.Tensor], None] | None = None  # sees MoE-layer inputs
         self.residual_hook: Callable[[int, torch.Tensor], None] | None = None  # sees each layer's input
         self.route_hook: Callable[[int, torch.Tensor], None] | None = None  # sees top-k expert ids [N, k]
@@ -390,17 +390,29 @@ class EmbeddedEngine:
             top, idx = logits.topk(c.top_k, dim=-1)
             w = top.softmax(-1)
         flat_idx = idx.reshape(-1)
+        one = h.shape[0] == 1 and isinstance(lay.experts, FloatExperts) and not h.requires_grad
         with torch.no_grad():
-            n_e = torch.bincount(flat_idx, minlength=c.num_experts)
+            # A small block's statistics are added for every layer together after the forward
+            # (expert counts included); a one-token block needs no counts to group by.
+            n_e = None if stats is not None and one else torch.bincount(flat_idx, minlength=c.num_experts)
             rec = (li, n_e, probs, flat_idx, w)
             if stats is None:
                 self._record_routing([rec])
-            else:  # a small block: every layer's statistics are added together after the forward
+            else:
                 stats.append(rec)
             if self.route_hook is not None:
                 self.route_hook(li, idx)
         if w.dtype != h.dtype:
             w = w.to(h.dtype)
+        if one:
+            # One token: its k experts run on it directly, in expert order, each output weighted
+            # and summed (the same arithmetic as the grouped path below, without the grouping).
+            picks = sorted((e, j) for j, e in enumerate(flat_idx.tolist()))
+            out = None
+            for e, j in picks:
+                y = lay.experts.forward(e, h).mul_(w[:, j:j + 1])
+                out = y if out is None else out.add_(y)
+            return self._moe_tail(li, lay, h, idx, w, out, shape)
         # Group the (token, pick) pairs by expert with one stable sort, run every expert with
         # tokens over its contiguous block, and add the weighted outputs back in one indexed op
         # (in expert order, as a loop over the experts would).
@@ -421,6 +433,10 @@ class EmbeddedEngine:
                     tok = token_of[start:start + n]
                     out.index_add_(0, tok, lay.experts.forward(e, h[tok]) * w_sorted[start:start + n])
                     start += n
+        return self._moe_tail(li, lay, h, idx, w, out, shape)
+
+    def _moe_tail(self, li: int, lay: _Layer, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                  out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         if lay.shared_fc is not None:
             hs = F.linear(h, lay.shared_fc)
             up, gate = hs.chunk(2, dim=-1)
@@ -436,7 +452,7 @@ class EmbeddedEngine:
         """Add routing statistics (layer, expert counts, router probabilities, flat top-k ids,
         top-k weights) of one or more layers; they stay on the engine's device (no host sync)."""
         with torch.no_grad():
-            if len(recs) == 1:
+            if len(recs) == 1 and recs[0][1] is not None:
                 li, n_e, probs, flat_idx, w = recs[0]
                 self._counts[li].add_(n_e)
                 ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
@@ -445,14 +461,15 @@ class EmbeddedEngine:
                 return
             key = tuple(r[0] for r in recs)
             at = self._layer_ids.get(key)
-            if at is None:
-                at = self._layer_ids[key] = torch.tensor(key, device=self.device)
-            self._counts.index_add_(0, at, torch.stack([r[1] for r in recs]))
+            if at is None:  # the layers, and the offset of each one's experts in [L * E]
+                ids = torch.tensor(key, device=self.device)
+                at = self._layer_ids[key] = (ids, (ids * self.cfg.num_experts)[:, None])
+            ids, off = at
             p = torch.stack([r[2] for r in recs])  # [layers, N, E]
             ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
-            self._entropy.index_add_(0, at, ent.sum(-1).double())
-            E = self.cfg.num_experts
-            flat = (torch.stack([r[3] for r in recs]) + (at * E)[:, None]).view(-1)
+            self._entropy.index_add_(0, ids, ent.sum(-1).double())
+            flat = (torch.stack([r[3] for r in recs]) + off).view(-1)  # (layer, expert) of every pick
+            self._counts.view(-1).add_(torch.bincount(flat, minlength=self._counts.numel()))
             self._mass.view(-1).index_add_(0, flat, torch.stack([r[4] for r in recs]).view(-1).double())
 
     def _dense(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:

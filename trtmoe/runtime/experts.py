@@ -103,19 +103,20 @@ class FloatExperts(ExpertBank):
         # expert (the activation's rows are its inner loop either way), with fewer calls.
         if x.requires_grad and torch.is_grad_enabled():  # out= matmuls record no gradient
             return super().forward_grouped(x, counts)
-        spans, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                spans.append((e, start, start + n))
-                start += n
-        h = x.new_empty(start, self.fc.shape[1])
-        for e, a, b in spans:
-            torch.mm(x[a:b], self._fc_t[e], out=h[a:b])
+        busy = [e for e, n in enumerate(counts) if n]
+        sizes = [counts[e] for e in busy]
+        M = x.shape[0]
+        if not busy:
+            return x.new_empty(0, self.proj.shape[1])
+        h = x.new_empty(M, self.fc.shape[1])
+        # Each busy expert's rows as views, cut in one call per tensor.
+        for e, xe, he in zip(busy, x.split(sizes), h.split(sizes)):
+            torch.mm(xe, self._fc_t[e], out=he)
         up, gate = h.chunk(2, dim=-1)
         act = F.silu(gate).mul_(up)
-        y = x.new_empty(start, self.proj.shape[1])
-        for e, a, b in spans:
-            torch.mm(act[a:b], self._proj_t[e], out=y[a:b])
+        y = x.new_empty(M, self.proj.shape[1])
+        for e, ae, ye in zip(busy, act.split(sizes), y.split(sizes)):
+            torch.mm(ae, self._proj_t[e], out=ye)
         return y
 
     def format_of(self, e: int) -> str:
