@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from tests.conftest import REPO_ROOT
 from trtmoe.checkpoint import layout
+from trtmoe.checkpoint import writer as W
 from trtmoe.checkpoint.writer import convert, write_rank
 from trtmoe.errors import CheckpointError
 from trtmoe.hf import safetensors_io as S
@@ -93,3 +95,71 @@ def test_nonfinite_in_copied_ranges_is_caught_and_nothing_is_left(synthetic, tmp
     want = "1 NaN and 0 Inf" if value != value else "0 NaN and 1 Inf"
     assert repr(name) in str(e.value) and want in str(e.value)
     assert list(parent.iterdir()) == []
+
+
+class _CountingFollower(W._RankFollower):
+    """The real follower, keeping its instances so a test can read ``shared_bytes`` afterwards."""
+    made: list = []
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        _CountingFollower.made.append(self)
+
+
+@pytest.fixture
+def small_windows(monkeypatch):
+    """64 KiB hash windows (16 MiB otherwise), so the tiny model's shared embedding spans several."""
+    monkeypatch.setattr(W, "_WINDOW", 64 << 10)
+    monkeypatch.setattr(W, "_RankFollower", _CountingFollower)
+    _CountingFollower.made = []
+    return _CountingFollower.made
+
+
+def _manifest_matches_files(d: Path) -> None:
+    listed = json.loads((d / "manifest.json").read_text())["files"]
+    for rel, digest in listed.items():
+        assert digest == hashlib.sha256((d / rel).read_bytes()).hexdigest(), rel
+
+
+def test_ranks_sharing_a_prefix_take_over_its_hash(synthetic, tmp_path, small_windows):
+    src, ref, _ = synthetic
+    convert(src, tmp_path / "o", tp=2, moe_ep=2)
+    assert _hashes(tmp_path / "o") == ref
+    _manifest_matches_files(tmp_path / "o")
+    a, b = ((tmp_path / "o" / f"rank{r}.safetensors").read_bytes() for r in (0, 1))
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    (follower,) = small_windows
+    # rank1 hashed nothing of the windows it shares whole with rank0 (header + embedding, 512 KB)
+    assert common - (64 << 10) <= follower.shared_bytes <= common
+    assert follower.shared_bytes >= 6 * (64 << 10)
+
+
+def test_a_source_changed_between_ranks_still_gets_each_files_own_hash(synthetic, tmp_path, monkeypatch,
+                                                                        small_windows):
+    """The shared prefix is compared on disk, not assumed from the layout: a source embedding that
+    changes after rank0 is written gives rank1 other bytes, and its manifest hash is of those."""
+    src, ref, _ = synthetic
+    changed = tmp_path / "m"
+    shutil.copytree(src, changed)
+    with HFCheckpoint(changed) as h:
+        info, path = h.info("model.embed_tokens.weight"), h.location["model.embed_tokens.weight"]
+    real = W.write_rank
+
+    def write_then_change(p, specs, progress=None, **kw):
+        out = real(p, specs, progress, **kw)
+        if p.name == "rank0.safetensors":
+            with open(path, "r+b") as f:  # zeros (finite) a third into the embedding
+                f.seek(info.start + info.nbytes // 3)
+                f.write(bytes(4096))
+        return out
+
+    monkeypatch.setattr(W, "write_rank", write_then_change)
+    convert(changed, tmp_path / "o", tp=2, moe_ep=2)
+    _manifest_matches_files(tmp_path / "o")
+    a, b = ((tmp_path / "o" / f"rank{r}.safetensors").read_bytes() for r in (0, 1))
+    assert a[:info.nbytes // 3] == b[:info.nbytes // 3] and a != b
+    assert _hashes(tmp_path / "o")["rank0.safetensors"] == ref["rank0.safetensors"]
+    assert _hashes(tmp_path / "o")["rank1.safetensors"] != ref["rank1.safetensors"]
+    (follower,) = small_windows
+    data = 8 + int.from_bytes(b[:8], "little")  # where rank1's embedding begins
+    assert 0 < follower.shared_bytes <= data + info.nbytes // 3  # stops at the changed window
