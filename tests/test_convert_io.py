@@ -163,3 +163,23 @@ def test_a_source_changed_between_ranks_still_gets_each_files_own_hash(synthetic
     (follower,) = small_windows
     data = 8 + int.from_bytes(b[:8], "little")  # where rank1's embedding begins
     assert 0 < follower.shared_bytes <= data + info.nbytes // 3  # stops at the changed window
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(700, 1000).to(torch.bfloat16)[:, 250:750],  # rows gathered through the buffer
+    lambda: torch.randn(3, 300_000)[:, ::2],  # a row larger than the buffer: one contiguous copy
+    lambda: torch.randn(5000).to(torch.float16)[::3],  # 1-D strided
+    lambda: torch.randn(40, 6, 8).transpose(0, 1)[:, 1:],  # 3-D
+])
+def test_non_contiguous_writes_give_the_tensors_bytes(tmp_path, make):
+    t = make()
+    assert not t.is_contiguous()
+    seen = []
+    w = S.StreamingWriter(tmp_path / "x.safetensors", [("a", t.dtype, tuple(t.shape)), ("b", t.dtype, (2,))],
+                          on_write=lambda end, n, src: seen.append((end, n)))
+    w.write(t)
+    w.write(torch.zeros(2, dtype=t.dtype))
+    digest = w.close()
+    assert digest == hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
+    assert torch.equal(S.SafetensorsFile(tmp_path / "x.safetensors").read("a"), t)
+    assert [n for _, n in seen[1:]] == [t.nbytes, 2 * t.element_size()]  # one report per chunk, after the header

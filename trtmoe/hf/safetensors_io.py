@@ -321,23 +321,54 @@ class StreamingWriter:
             self._idx += 1
             self._remaining = self._expected(self._idx)
 
-    def _put(self, mv: memoryview) -> None:
+    def _emit(self, mv: memoryview) -> None:
+        """Hash (with ``inline_hash``) and write ``mv`` at the file's current position."""
         if self._sha is not None:
             self._sha.update(mv)
         done, n = 0, len(mv)
         while done < n:
             done += os.write(self._fd, mv[done:])
-        self.written += n
+
+    def _put(self, mv: memoryview) -> None:
+        self._emit(mv)
+        self.written += len(mv)
         if self._on_write is not None:
-            self._on_write(self.written, n, None)
+            self._on_write(self.written, len(mv), None)
+
+    def _bounce_buffer(self) -> bytearray:
+        if self._buf is None:
+            self._buf = bytearray(_BOUNCE)
+        return self._buf
 
     def write(self, t: torch.Tensor) -> None:
         """Append a chunk of the current tensor (dtype must match the declared one). The tensor is
         not kept: callers may reuse its memory once this returns."""
         self._take(t.nbytes, t.dtype)
-        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._put(memoryview(raw))
-        self._advance(raw.nbytes)
+        if not t.is_contiguous() and t.dim() and 0 < t[0].nbytes <= _BOUNCE:
+            self._put_gathered(t)
+        else:
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._put(memoryview(raw))
+        self._advance(t.nbytes)
+
+    def _put_gathered(self, t: torch.Tensor) -> None:
+        """Write a non-contiguous chunk (a column slice of rows, say) a few rows at a time through
+        the reused bounce buffer, which stays in cache, rather than through a fresh contiguous copy
+        of the whole chunk (whose pages are faulted in anew each time: a 4096 x 7168 bf16 column
+        half took ~0.043 s of CPU that way and ~0.020 s this way). ``on_write`` hears of the chunk
+        once, as for a contiguous one."""
+        buf = self._bounce_buffer()
+        staging = torch.frombuffer(buf, dtype=torch.uint8)
+        mv = memoryview(buf)
+        rows = len(buf) // t[0].nbytes
+        for a in range(0, t.shape[0], rows):
+            piece = t[a:a + rows]
+            n = piece.nbytes
+            staging[:n].view(t.dtype).view(piece.shape).copy_(piece)
+            self._emit(mv[:n])
+        self.written += t.nbytes
+        if self._on_write is not None:
+            self._on_write(self.written, t.nbytes, None)
 
     def write_range(self, src: SourceRange) -> None:
         """Append ``src.nbytes`` bytes of the current tensor copied verbatim from ``src.fd`` at
@@ -358,9 +389,7 @@ class StreamingWriter:
 
     def _bounce(self, fd: int, offset: int, nbytes: int, src: SourceRange) -> None:
         """Copy through a reused user-space buffer (hashing on the way when inline hashing is on)."""
-        if self._buf is None:
-            self._buf = bytearray(_BOUNCE)
-        mv = memoryview(self._buf)
+        mv = memoryview(self._bounce_buffer())
         done = 0
         while done < nbytes:
             k = min(len(mv), nbytes - done)
