@@ -506,6 +506,41 @@ def test_serve_loop_restarts_within_its_window(tmp_path, window_s):
     assert srv.process.poll() is not None and backend_stubs(srv.process.pid) == {}
 
 
+# The same group, except that once MARKER exists (the first start makes it) the leader never answers
+# ready: a restart that hangs in model loading.
+_FAKE_TRITON_HANGS_ON_RESTART = _FAKE_TRITON.replace(
+    "http.server.HTTPServer(", "import os, time\nif os.path.exists(sys.argv[2]): time.sleep(600)\n"
+    "open(sys.argv[2], 'w').close()\nhttp.server.HTTPServer(")
+
+
+def test_a_signal_during_a_restart_ends_the_serve_loop_at_once(tmp_path):
+    """SIGTERM while a restarted server is still loading (here: never gets ready) ends
+    run_until_signalled within a second or two with exit 0 and the group stopped, instead of after
+    the restart's readiness timeout."""
+    port = free_port()
+    marker = tmp_path / "started-once"
+    srv = TritonServer(repo=tmp_path, endpoints=Endpoints("127.0.0.1", port, 2, 3), install=None,
+                       command=[sys.executable, "-c", _FAKE_TRITON_HANGS_ON_RESTART, str(port), str(marker)],
+                       env=dict(os.environ), log_path=tmp_path / "log.txt", workspace=tmp_path, keep_workspace=True,
+                       watch_period_s=0.05)
+    events: list = []
+
+    def ready(s):
+        os.kill(next(iter(s.stubs)), signal.SIGKILL)
+
+    def restarting(s, reason, n):
+        events.append("restart")
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    srv.start().wait_ready(60)
+    t0 = time.monotonic()
+    rc = run_until_signalled(srv, ready, restarts=1, timeout_s=120, on_restart=restarting,
+                             on_restarted=lambda s, n: events.append("restarted"))
+    assert rc == 0 and events == ["restart"] and marker.exists()
+    assert time.monotonic() - t0 < 30  # not the 120 s readiness timeout
+    assert srv.process.poll() is not None and backend_stubs(srv.process.pid) == {}
+
+
 @pytest.mark.slow
 def test_serve_command_restarts_once_then_exits_nonzero(built, tmp_path):
     """`trtmoe serve --restart 1`: the first SIGKILLed engine stub brings the server back on the same

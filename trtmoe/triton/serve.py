@@ -46,7 +46,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..checkpoint.atomic import pid_alive
 from ..errors import BackendUnavailable, InputError, TrtmoeError
@@ -403,8 +403,9 @@ class TritonServer:
                 pass
         return removed
 
-    def restart(self, timeout_s: float = 300.0) -> "TritonServer":
-        """Start the same server again (same ports, repository and workspace) and wait until ready."""
+    def restart(self, timeout_s: float = 300.0, abort: Callable[[], bool] | None = None) -> "TritonServer":
+        """Start the same server again (same ports, repository and workspace) and wait until ready
+        (or until ``abort()`` is true: see ``wait_ready``)."""
         self._stopping.set()
         self.join_watchdog(60)  # a watchdog still ending the old group must not outlive into the new one
         if self.process is not None and self.process.poll() is None:
@@ -413,7 +414,7 @@ class TritonServer:
         if self._log_file is not None:
             self._log_file.close()
         self.start(append_log=True)
-        return self.wait_ready(timeout_s)
+        return self.wait_ready(timeout_s, abort)
 
     def log_tail(self, lines: int = 40) -> str:
         """The server log's error lines (E...) and its last lines, without Triton's wide status tables."""
@@ -453,10 +454,14 @@ class TritonServer:
             return {}
         return {r["name"]: (r.get("state", "?") + (f": {r['reason']}" if r.get("reason") else "")) for r in rows}
 
-    def wait_ready(self, timeout_s: float = 300.0) -> "TritonServer":
-        """Block until ``/v2/health/ready`` answers 200; on exit or timeout raise with the log tail."""
+    def wait_ready(self, timeout_s: float = 300.0, abort: Callable[[], bool] | None = None) -> "TritonServer":
+        """Block until ``/v2/health/ready`` answers 200; on exit or timeout raise with the log tail.
+        Returns early, not ready and unwatched, once ``abort()`` is true (the caller was asked to stop
+        and stops the server)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if abort is not None and abort():
+                return self
             if not self.is_alive():
                 code = self.process.returncode if self.process else None
                 tail = self.log_tail()
@@ -689,7 +694,11 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
             n = budget.record()
             if on_restart:
                 on_restart(srv, reason, n)
-            srv.restart(timeout_s)  # raises BackendUnavailable (log tail included) if it does not get ready
+            # Raises BackendUnavailable (log tail included) if it does not get ready; a signal during
+            # the restart ends the wait, and the loop, at once.
+            srv.restart(timeout_s, abort=lambda: stop["sig"] is not None)
+            if stop["sig"] is not None:
+                break
             if on_restarted:
                 on_restarted(srv, n)
         return 0
