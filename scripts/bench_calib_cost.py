@@ -17,6 +17,17 @@ build the graded per-matrix plan from each at the given budgets, convert both an
 held-out KL (the ``heldout`` split, disjoint from calibration) with the float model's.
 
     python scripts/bench_calib_cost.py --accuracy tests/fixtures/trained_mixtral --samples 128
+
+Routing split (``--routing-split FORMAT``, with ``--accuracy``): where exact and Fisher differ. The
+Fisher estimate is a second-order expansion at fixed routing, so it cannot see a later MoE layer
+choosing other experts because an earlier expert's output moved. For each expert matrix of every MoE
+layer but the last, the end-to-end ΔKL of quantizing it alone (round-to-nearest, FORMAT) is measured
+twice on the calibration tokens: with free routing (the exact method) and with every later MoE layer's
+top-k ids held at the reference's (their weights still follow the perturbed router logits). Per layer
+it prints the three totals and Spearman's ρ of Fisher against each.
+
+    python scripts/bench_calib_cost.py --accuracy tests/fixtures/trained_mixtral --samples 32 \
+        --seq-len 64 --routing-split int4 --budgets ""
 """
 
 from __future__ import annotations
@@ -199,9 +210,14 @@ def accuracy(args) -> dict:
                 out["heldout_oracle"][f"{f}/{method}"] = rho
                 log(f"  {f:10s} {method:6s} (calibration text) " + " ".join(f"{r:6.3f}" for r in rho)
                     + f"   mean {sum(rho) / len(rho):.3f}")
+    if args.routing_split:
+        out["routing_split"] = routing_split(eng, ids, fi, args.routing_split)
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    if not budgets:
+        return out
     held = heldout_ids(tok, samples=args.eval_samples, seq_len=args.eval_seq_len)
     ref = Reference(ref_ck, held, device=args.device)
-    for budget in [float(b) for b in args.budgets.split(",")]:
+    for budget in budgets:
         row = {"budget": budget}
         for method, cal in (("fisher", fi), ("exact", ex)):
             plan = make_plan(cal, "graded", budget_bpw=budget, granularity="matrix", dtype=eng.dtype)
@@ -218,6 +234,93 @@ def accuracy(args) -> dict:
             f"{row['fisher']['kl_stderr']:.5f} ({row['fisher']['bpw']:.3f} bpw), exact plan "
             f"{row['exact']['kl_mean']:.5f} ± {row['exact']['kl_stderr']:.5f} ({row['exact']['bpw']:.3f} bpw): "
             f"ratio {row['ratio']:.3f}")
+    return out
+
+
+def routing_split(eng, ids, fi: dict, fmt_name: str) -> dict:
+    """Exact ΔKL per expert matrix with free and with frozen later routing (see the module docstring),
+    next to the Fisher estimate ``fi`` of the same tokens."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+    from scipy.stats import spearmanr
+
+    from trtmoe.model.description import NORM_NONE, NORM_RENORMALIZE
+    from trtmoe.quant.plan import format_obj
+
+    c = eng.cfg
+    if c.normalization_mode not in (NORM_NONE, NORM_RENORMALIZE):
+        raise SystemExit("--routing-split: only softmax top-k routers (Mixtral, Qwen, DeepSeek-MoE)")
+    E = c.num_experts
+    moe_layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
+    frozen: dict[int, torch.Tensor] = {}
+    own_moe = eng._moe
+
+    def moe(self, li, lay, x, valid=None, stats=None):
+        # The engine's MoE layer with the top-k ids given; weights from this pass's router logits.
+        if li not in frozen:
+            return own_moe(li, lay, x, valid, stats)
+        h = x.reshape(-1, x.shape[-1])
+        logits = F.linear(h.float(), lay.router)
+        idx = frozen[li]
+        w = (logits.gather(-1, idx).softmax(-1) if c.normalization_mode == NORM_RENORMALIZE
+             else logits.softmax(-1).gather(-1, idx)).to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in range(E):
+            hit = idx == e
+            rows = hit.any(-1).nonzero().squeeze(-1)
+            if len(rows):
+                out.index_add_(0, rows, lay.experts.forward(e, h[rows]) * (w[rows] * hit[rows]).sum(-1, keepdim=True))
+        if lay.shared_fc is not None:
+            raise SystemExit("--routing-split: models without shared experts only")
+        return out.reshape(x.shape)
+
+    ref_idx: dict[int, torch.Tensor] = {}
+    eng.route_hook = lambda li, idx: ref_idx.__setitem__(li, idx.detach().clone())
+    with torch.no_grad():
+        ref = eng.logits(ids).float().log_softmax(-1)
+    eng.route_hook = None
+    eng._moe = types.MethodType(moe, eng)
+
+    def kl() -> float:
+        with torch.no_grad():
+            lp = eng.logits(ids).float().log_softmax(-1)
+        return float((ref.exp() * (ref - lp)).sum(-1).mean())
+
+    fmt = format_obj(fmt_name, eng.dtype)
+    out = {"format": fmt_name, "layers": {}}
+    log(f"Routing split, {fmt_name}, {ids.shape[0]} x {ids.shape[1]} tokens: ΔKL summed over the layer's "
+        "expert matrices (fc, proj)")
+    log(f"  {'layer':>5s} {'free':>10s} {'frozen':>10s} {'fisher':>10s}   rho(fisher, free / frozen) per matrix"
+        f", per expert")
+    try:
+        for l in moe_layers[:-1]:
+            bank = eng.layers[l].experts
+            free, held = [], []
+            for e in range(E):
+                for m in ("fc", "proj"):
+                    wt = bank.fc[e] if m == "fc" else bank.proj[e]
+                    keep = wt.clone()
+                    wt.copy_(fmt.dequantize(fmt.quantize(wt, dtype=eng.dtype), dtype=eng.dtype))
+                    free.append(kl())
+                    frozen.update({l2: ref_idx[l2] for l2 in moe_layers if l2 > l})
+                    held.append(kl())
+                    frozen.clear()
+                    wt.copy_(keep)
+            est = [fi["sensitivity"]["matrices"][m]["delta_kl"][fmt_name][l][e] for e in range(E) for m in ("fc", "proj")]
+            per_e = lambda v: [v[2 * e] + v[2 * e + 1] for e in range(E)]  # noqa: E731
+            row = {"free": free, "frozen": held, "fisher": est,
+                   "rho_free": float(spearmanr(est, free).statistic),
+                   "rho_frozen": float(spearmanr(est, held).statistic),
+                   "rho_free_expert": float(spearmanr(per_e(est), per_e(free)).statistic),
+                   "rho_frozen_expert": float(spearmanr(per_e(est), per_e(held)).statistic)}
+            out["layers"][l] = row
+            log(f"  {l:5d} {sum(free):10.3e} {sum(held):10.3e} {sum(est):10.3e}   "
+                f"{row['rho_free']:.3f} / {row['rho_frozen']:.3f}, {row['rho_free_expert']:.3f} / "
+                f"{row['rho_frozen_expert']:.3f}")
+    finally:
+        eng._moe = own_moe
     return out
 
 
@@ -241,6 +344,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="4.5,5.0")
     ap.add_argument("--heldout-oracle", action="store_true",
                     help="also measure exact ΔKL on held-out text and rank both calibrations against it")
+    ap.add_argument("--routing-split", metavar="FORMAT", default=None,
+                    help="with --accuracy: exact ΔKL per matrix with free and with frozen later routing")
     ap.add_argument("--eval-samples", type=int, default=64)
     ap.add_argument("--eval-seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
