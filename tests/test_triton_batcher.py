@@ -189,6 +189,40 @@ def test_stop_sequence_cancel_and_shutdown(engine):
         b.submit([1], _params(1), Collector())
 
 
+def test_cancel_poll_period_per_request(engine):
+    """A request submitted with cancel_poll_s is asked is_cancelled at most that often (its cancels
+    come by id); one without it about once per decode step (here: per minimum check period, as the
+    batcher thread is held in a callback); both are still cancelled by the poll."""
+    b = InflightBatcher(engine, max_batch_size=4, min_cancel_check_period_s=0.002)
+    polls = {"slow": 0, "step": 0}
+    flags = {"slow": False, "step": False}
+
+    def poller(name):
+        def is_cancelled():
+            polls[name] += 1
+            return flags[name]
+        return is_cancelled
+
+    slow, step = Gated(2), Collector()
+    try:
+        b.submit([1, 7], _params(40), step, is_cancelled=poller("step"))
+        b.submit([1, 5, 9], _params(40), slow, is_cancelled=poller("slow"), cancel_poll_s=0.4)
+        assert slow.reached[2].wait(30)
+        t0 = time.monotonic()
+        time.sleep(1.0)
+        seen, elapsed = dict(polls), time.monotonic() - t0
+        flags["slow"] = flags["step"] = True
+        time.sleep(0.5)  # the slow one is due again within 0.4 s
+        slow.release[2].set()
+        assert step.done.wait(10) and step.final.finish_reason == FINISH_CANCELLED
+        assert slow.done.wait(10) and slow.final.finish_reason == FINISH_CANCELLED
+    finally:
+        slow.release[2].set()
+        b.shutdown()
+    assert 1 <= seen["slow"] <= elapsed / 0.4 + 2, seen
+    assert seen["step"] > 5 * seen["slow"], seen
+
+
 def _wait_for(predicate, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -77,6 +77,8 @@ class BatchRequest:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     request_id: str = ""
     is_cancelled: Callable[[], bool] | None = None
+    # Longest wait between two is_cancelled polls of this request; None = about once per decode step.
+    cancel_poll_s: float | None = None
     tokens: list[int] = field(default_factory=list)
     arrival_ns: int = 0
     first_scheduled_ns: int = 0
@@ -87,6 +89,7 @@ class BatchRequest:
     seq: Any = None
     _unsent: list[int] = field(default_factory=list)
     _cancel: bool = False
+    _polled_at: float = 0.0  # monotonic s of the latest is_cancelled poll
     # Held by the watcher around an is_cancelled() call and by the batcher when it finishes the
     # request: no poll starts after the final event, so none can reach a Triton response sender
     # whose final response went out (Triton 2.51's server then reads freed memory and crashes).
@@ -174,12 +177,16 @@ class InflightBatcher:
     # -- public API (any thread) -------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: Any, callback: Callback, *,
                stop_sequences: Sequence[Sequence[int]] = (), request_id: str = "",
-               is_cancelled: Callable[[], bool] | None = None) -> BatchRequest:
-        """Queue a request; ``callback`` gets a TokenEvent per new token and a final one when done."""
+               is_cancelled: Callable[[], bool] | None = None,
+               cancel_poll_s: float | None = None) -> BatchRequest:
+        """Queue a request; ``callback`` gets a TokenEvent per new token and a final one when done.
+        ``cancel_poll_s``: poll this request's ``is_cancelled`` at most this often (for requests
+        whose cancels mostly arrive by ``cancel(id)``, so the poll is only a fallback); None: about
+        once per decode step."""
         req = BatchRequest(prompt_ids=[int(t) for t in prompt_ids], params=params, callback=callback,
                            stop_sequences=tuple(tuple(int(t) for t in s) for s in stop_sequences if len(s)),
                            request_id=request_id or f"req-{next(self._ids)}", is_cancelled=is_cancelled,
-                           arrival_ns=time.monotonic_ns())
+                           cancel_poll_s=cancel_poll_s, arrival_ns=time.monotonic_ns())
         with self._cv:
             if self._closed:
                 raise BatcherClosed("the batcher is shut down")
@@ -310,7 +317,19 @@ class InflightBatcher:
                 reqs = [r for r in itertools.chain(self._waiting, self._active)
                         if r.is_cancelled is not None and not r._cancel and not r.finished]
             found = False
+            now = time.monotonic()
+            step = min(self.cancel_check_period_s, max(self._last_step_s, self.min_cancel_check_period_s))
+            wait = self.cancel_check_period_s
             for r in reqs:
+                if r.cancel_poll_s is not None:
+                    due = r._polled_at + r.cancel_poll_s
+                    if now < due:
+                        wait = min(wait, due - now)
+                        continue
+                    wait = min(wait, r.cancel_poll_s)
+                else:
+                    wait = min(wait, step)
+                r._polled_at = now
                 with r._lock:
                     if r.finished:  # its final event may be out: the sender must not be asked again
                         continue
@@ -323,8 +342,7 @@ class InflightBatcher:
             if found:
                 with self._cv:
                     self._cv.notify()
-            period = min(self.cancel_check_period_s, max(self._last_step_s, self.min_cancel_check_period_s))
-            time.sleep(period if reqs else self.cancel_check_period_s)
+            time.sleep(max(wait, self.min_cancel_check_period_s))
 
     def _drop_cancelled(self) -> None:
         """Answer the cancelled requests, running or still waiting (so a cancelled request gives back

@@ -35,6 +35,9 @@ from trtmoe.triton.metrics import IterationRecorder, RoutingMetricsPublisher, Tr
 from trtmoe.triton.textstream import split_at_character
 
 
+_KEYED_CANCEL_POLL_S = 0.5  # is_cancelled polls of a generation that carries the ensemble's key
+
+
 def _param(config: dict, key: str, default: str = "") -> str:
     value = config.get("parameters", {}).get(key, {}).get("string_value", "")
     return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
@@ -278,10 +281,14 @@ class TritonPythonModel:
                               default_exclude_input=self.exclude_input, decoupled=self.decoupled)
         treq = _TritonRequest(self, sender, gens, key or None)
         is_cancelled = getattr(sender, "is_cancelled", None) if sender is not None else None
+        # A keyed generation is cancelled by its key (postprocessing / BLS over the cancel channel):
+        # Triton never flags the ensemble's running step, so polling its sender every step (an IPC
+        # round trip per request per step) would only cost; it is asked now and then, as a fallback.
+        poll = _KEYED_CANCEL_POLL_S if key else None
         for gen in gens:
             self.batcher.submit(gen.prompt_ids, gen.params, lambda ev, g=gen: self._on_event(treq, g, ev),
                                 stop_sequences=gen.stop_sequences, request_id=gen_id,
-                                is_cancelled=is_cancelled)
+                                is_cancelled=is_cancelled, cancel_poll_s=poll)
         return treq
 
     def execute(self, requests):
