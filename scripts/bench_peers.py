@@ -617,7 +617,8 @@ def loadavg() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = ["trtmoe", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
-    ap.add_argument("--servers", nargs="+", default=names, choices=names)
+    ap.add_argument("--servers", nargs="*", default=names, choices=names,
+                    help="servers to measure (none: only the --baseline-tree rows)")
     ap.add_argument("--fixture", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "trained_mixtral")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, nargs="+", default=[12, 32, 96],
@@ -696,10 +697,16 @@ def main() -> None:
             for s in live:
                 others = {o.name: group_cpu_s(o.pgid) for o in live if o is not s}
                 for i, (c, n) in enumerate(zip(args.concurrency, args.requests)):
+                    srv0, cli0 = group_cpu_s(s.pgid), time.process_time()
                     r = run_level(s.connect(), c, n, args.tokens)
+                    if r["tokens"]:  # CPU per output token: the server's process group, and this load generator
+                        r["server_cpu_us_per_token"] = 1e6 * (group_cpu_s(s.pgid) - srv0) / r["tokens"]
+                        r["client_cpu_us_per_token"] = 1e6 * (time.process_time() - cli0) / r["tokens"]
                     rows[s.name][i].append(r)
                     print(f"  round {rnd + 1} {s.name:>13} c={c:<3} {r['tok_s']:8.1f} tok/s ({r['requests']} req, "
-                          f"{r['errors']} errors, {r['short_replies']} short; load {loadavg()})", flush=True)
+                          f"{r['errors']} errors, {r['short_replies']} short; cpu us/token server "
+                          f"{r.get('server_cpu_us_per_token', 0):.0f} client {r.get('client_cpu_us_per_token', 0):.0f}; "
+                          f"load {loadavg()})", flush=True)
                 for o in live:
                     if o is not s:
                         spin[o.name] += group_cpu_s(o.pgid) - others[o.name]
@@ -754,6 +761,21 @@ def main() -> None:
                                       for lvl in rows[s.name]]})
         for name, why in skipped.items():
             print(f"| {name} | not measured: {why.splitlines()[0][:200]} |")
+        print()
+        print("CPU per output token (us, medians over rounds): the server's process group + the load generator's "
+              "own (its threads parse the responses), and inter-token latency p50/p99 (ms)")
+        print("| server | " + " | ".join(f"c={c} server + client us/token | c={c} ITL p50/p99 ms"
+                                        for c in args.concurrency) + " |")
+        print("|" + "---|" * (2 * len(args.concurrency) + 1))
+        for s in live:
+            cells = []
+            for lvl in rows[s.name]:
+                sc = [r["server_cpu_us_per_token"] for r in lvl if "server_cpu_us_per_token" in r]
+                cc = [r["client_cpu_us_per_token"] for r in lvl if "client_cpu_us_per_token" in r]
+                cells.append(f"{statistics.median(sc):,.0f} + {statistics.median(cc):,.0f}" if sc else "-")
+                cells.append(f"{statistics.median(r['itl_p50_ms'] for r in lvl):.2f}/"
+                             f"{statistics.median(r['itl_p99_ms'] for r in lvl):.2f}")
+            print(f"| {s.name} | " + " | ".join(cells) + " |")
         if ref:
             for s in live:
                 seen: dict[str, set] = {}
