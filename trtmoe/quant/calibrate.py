@@ -134,22 +134,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     them when the matrix is rounded.
     Returns the calib.json dict."""
 
-    if sensitivity not in SENSITIVITY_METHODS:
-        raise InputError(f"unknown sensitivity method {sensitivity!r}", hint="use fisher or exact")
-    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
-        raise InputError(f"unknown device {device!r}", hint="use cpu or cuda")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise InputError("--device cuda: no CUDA device is available", hint="use --device cpu")
-    for f in formats:
-        if f not in FORMATS or f in _FLOAT_NAMES:
-            raise InputError(f"unknown candidate format {f!r}",
-                             hint="choose from " + ", ".join(n for n in FORMATS if n not in _FLOAT_NAMES))
-    if min_tokens < 0:
-        raise InputError(f"--min-tokens must be ≥ 0, got {min_tokens}")
-    if max_gram_in < 0 or max_input_tokens < 1:
-        raise InputError(f"max_gram_in must be ≥ 0 and max_input_tokens ≥ 1, got {max_gram_in} and "
-                         f"{max_input_tokens}")
-
+    _check_options(sensitivity, device, formats, min_tokens, max_gram_in, max_input_tokens)
     # Windows past the model's context would measure positions the model was never defined for;
     # they are refused rather than clipped, so that --seq-len always means what it says.
     context = model_context(model)
@@ -185,18 +170,11 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
                              progress=progress, rounding=rounding, activations=acts, **gram)
             result["sensitivity"]["method"] = "exact"
         else:
-            if rounding not in awq.ROUNDINGS:
-                raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
-            key = hashlib.sha256(json.dumps(
-                [CALIB_VERSION, source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
-                 str(device)] + ([max_gram_in, max_input_tokens] if rounding in awq.ERROR_FEEDBACK else []),
-                sort_keys=True, default=str).encode()).hexdigest()
-            result = fisher_measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
-                                    progress=progress, work=work / _PROGRESS, key=key, probe=probe,
-                                    rounding=_AwqRounding(acts, rounding, **gram), notes=notes)
-            shutil.rmtree(work / _PROGRESS, ignore_errors=True)
-            result["rounding"] = rounding
-            result["activations"] = acts.summary(max_input_tokens)
+            # Resumable progress is keyed by everything the measurement depends on.
+            key = [CALIB_VERSION, source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
+                   str(device)] + ([max_gram_in, max_input_tokens] if rounding in awq.ERROR_FEEDBACK else [])
+            result = _fisher(eng, ids, usable, work, acts, key, min_tokens=min_tokens, batch_size=batch_size,
+                             progress=progress, rounding=rounding, probe=probe, notes=notes, gram=gram)
         del eng
         shutil.rmtree(ck)
         result["skipped_formats"] = skipped
@@ -207,6 +185,43 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
         if out_dir is not None:
             acts.save(work / awq.ACT_FILE)
             write_calibration(work, result, source=source)
+    return result
+
+
+def _check_options(sensitivity: str, device: str, formats, min_tokens: int, max_gram_in: int,
+                   max_input_tokens: int) -> None:
+    """InputError for an option ``calibrate`` cannot run with (before any work is done)."""
+    if sensitivity not in SENSITIVITY_METHODS:
+        raise InputError(f"unknown sensitivity method {sensitivity!r}", hint="use fisher or exact")
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise InputError(f"unknown device {device!r}", hint="use cpu or cuda")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available", hint="use --device cpu")
+    for f in formats:
+        if f not in FORMATS or f in _FLOAT_NAMES:
+            raise InputError(f"unknown candidate format {f!r}",
+                             hint="choose from " + ", ".join(n for n in FORMATS if n not in _FLOAT_NAMES))
+    if min_tokens < 0:
+        raise InputError(f"--min-tokens must be ≥ 0, got {min_tokens}")
+    if max_gram_in < 0 or max_input_tokens < 1:
+        raise InputError(f"max_gram_in must be ≥ 0 and max_input_tokens ≥ 1, got {max_gram_in} and "
+                         f"{max_input_tokens}")
+
+
+def _fisher(eng: EmbeddedEngine, ids: torch.Tensor, usable, work: Path, acts: "awq.ActivationStats", key: list, *,
+            min_tokens: int, batch_size: int, progress, rounding: str, probe: str, notes: list[str],
+            gram: dict) -> dict:
+    """The Fisher measurement of ``calibrate`` (its progress in the workspace, resumed when ``key``
+    matches), with the rounding and activation statistics recorded."""
+    if rounding not in awq.ROUNDINGS:
+        raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    result = fisher_measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
+                            progress=progress, work=work / _PROGRESS, key=digest, probe=probe,
+                            rounding=_AwqRounding(acts, rounding, **gram), notes=notes)
+    shutil.rmtree(work / _PROGRESS, ignore_errors=True)
+    result["rounding"] = rounding
+    result["activations"] = acts.summary(gram["max_input_tokens"])
     return result
 
 
