@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -183,3 +184,28 @@ def test_non_contiguous_writes_give_the_tensors_bytes(tmp_path, make):
     assert digest == hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
     assert torch.equal(S.SafetensorsFile(tmp_path / "x.safetensors").read("a"), t)
     assert [n for _, n in seen[1:]] == [t.nbytes, 2 * t.element_size()]  # one report per chunk, after the header
+
+
+def test_every_output_file_is_fsynced_before_the_swap(synthetic, tmp_path, monkeypatch):
+    """config.json, the tokenizer and manifest.json are as durable as the rank files when the
+    output takes its name (a power loss after the rename must not leave them empty)."""
+    from trtmoe.checkpoint import atomic
+
+    src, _, _ = synthetic
+    synced, at_swap = set(), {}
+    real_fsync, real_swap = os.fsync, atomic._swap_into_place
+
+    def fsync(fd):
+        synced.add(os.path.realpath(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def swap(tmp, out):
+        at_swap["files"] = {os.path.realpath(p) for p in tmp.rglob("*")}
+        at_swap["synced"] = set(synced)
+        return real_swap(tmp, out)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(atomic, "_swap_into_place", swap)
+    convert(src, tmp_path / "o", tp=2, moe_ep=2)
+    assert {Path(p).name for p in at_swap["files"]} >= {"config.json", "manifest.json", "rank0.safetensors"}
+    assert at_swap["files"] - at_swap["synced"] == set()

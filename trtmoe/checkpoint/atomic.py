@@ -204,7 +204,7 @@ def atomic_directory(out: str | Path, *, force: bool = False, inputs: Iterable[s
         in_main = False
     try:
         yield tmp
-        _fsync_dir(tmp)
+        _fsync_tree(tmp)
         _swap_into_place(tmp, out)
     except _Interrupted:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -254,6 +254,28 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     _fsync_dir(out.parent)
     if tmp.exists():
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Make everything written into ``root`` durable before it takes the output's place: each
+    regular file (links are not followed), then each directory, deepest first. Without this a power
+    loss after the rename could leave the new output with files that are empty or short (ext4 and
+    others allocate and write data later than the rename is journalled). A file its writer already
+    fsynced (the rank files) costs a system call; a small one about 0.3 ms."""
+    dirs = []
+    for top, _, names in os.walk(root):
+        dirs.append(top)
+        for name in names:
+            path = os.path.join(top, name)
+            if not os.path.isfile(path) or os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in reversed(dirs):
+        _fsync_dir(Path(d))
 
 
 def _fsync_dir(path: Path) -> None:
