@@ -31,7 +31,7 @@ from ..hf.adapters import FIRST, LAST, MOE_TP, global_rules, layer_rules
 from ..model.description import NORM_NONE, NORM_SPARSE_MIXER
 from ..model.params import count_params
 from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
-from .experts import STACK_MAX_ROWS, ExpertBank, FloatExperts, load_expert_bank
+from .experts import STACK_MAX_ROWS, ExpertBank, load_expert_bank
 
 
 @dataclass
@@ -390,7 +390,7 @@ class EmbeddedEngine:
             top, idx = logits.topk(c.top_k, dim=-1)
             w = top.softmax(-1)
         flat_idx = idx.reshape(-1)
-        one = h.shape[0] == 1 and isinstance(lay.experts, FloatExperts) and not h.requires_grad
+        one = h.shape[0] == 1 and not h.requires_grad
         with torch.no_grad():
             # A small block's statistics are added for every layer together after the forward
             # (expert counts included); a one-token block needs no counts to group by.
@@ -409,8 +409,8 @@ class EmbeddedEngine:
             # and summed (the same arithmetic as the grouped path below, without the grouping).
             picks = sorted((e, j) for j, e in enumerate(flat_idx.tolist()))
             out = None
-            for e, j in picks:
-                y = lay.experts.forward(e, h).mul_(w[:, j:j + 1])
+            for (e, j), y in zip(picks, lay.experts.forward_picks(h, [e for e, _ in picks])):
+                y = y * w[:, j:j + 1]
                 out = y if out is None else out.add_(y)
             return self._moe_tail(li, lay, h, idx, w, out, shape)
         # Group the (token, pick) pairs by expert with one stable sort, run every expert with

@@ -78,6 +78,10 @@ class ExpertBank:
             return x.clone()
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
+    def forward_picks(self, x: torch.Tensor, experts: list[int]) -> list[torch.Tensor]:
+        """One token ``x`` [1, H] through each of ``experts`` (distinct): their [1, H] outputs, in order."""
+        return [self.forward(e, x) for e in experts]
+
     def format_of(self, e: int) -> str:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -269,6 +273,35 @@ class PackedExperts(ExpertBank):
                     a, b = starts[e], starts[e] + counts[e]
                     out[a:b] += self._shard_forward(self.shards[e][t], x[a:b])
         return out
+
+    def forward_picks(self, x: torch.Tensor, experts: list[int]) -> list[torch.Tensor]:
+        # A token's experts of one stack run in one ``linear`` call per matrix on the token itself (as
+        # ``forward_grouped`` does, without its padding plan); each output is the sum of its shards.
+        ys: dict[int, torch.Tensor] = {}
+        for t in range(max(len(self.shards[e]) for e in experts)):
+            covered: set[int] = set()
+            for st in self._stacks:
+                if st.t != t:
+                    continue
+                here = [e for e in experts if e in st.experts and e not in covered]
+                per_call = max(1, _STACK_BYTES // max(1, 8 * st.row_macs))
+                for i in range(0, len(here), per_call):
+                    act = here[i:i + per_call]
+                    if len(act) < 2:
+                        continue
+                    sel = None if act == st.experts else torch.tensor([st.experts.index(e) for e in act],
+                                                                      device=x.device)
+                    h = st.fc_fmt.linear(x.expand(len(act), 1, x.shape[-1]), _select(st.fc, st.fc_shared, sel))
+                    up, gate = h.chunk(2, dim=-1)
+                    y = st.proj_fmt.linear(F.silu(gate) * up, _select(st.proj, st.proj_shared, sel))
+                    for e, ye in zip(act, y.unbind(0)):
+                        ys[e] = ye if e not in ys else ys[e] + ye
+                    covered.update(act)
+            for e in experts:
+                if e not in covered and t < len(self.shards[e]):
+                    part = self._shard_forward(self.shards[e][t], x)
+                    ys[e] = part if e not in ys else ys[e] + part
+        return [ys[e] for e in experts]
 
     @staticmethod
     def _run_stack(st: _Stack, x: torch.Tensor, plan, out: torch.Tensor) -> None:
