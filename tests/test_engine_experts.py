@@ -84,3 +84,49 @@ def _without_prequant(bank, x, counts):
             ys.append(sh.proj_fmt.linear(torch.nn.functional.silu(gate) * up, sh.proj))
             start += n
     return torch.cat(ys)
+
+
+def _uniform(model, fmt):
+    from trtmoe.hf.reader import HFCheckpoint
+    from trtmoe.quant.plan import uniform_plan
+
+    with HFCheckpoint(model) as src:
+        return uniform_plan(src.model, fmt)
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "int4_g64"])
+def test_one_token_picks_equal_expert_by_expert(model, tmp_path, fmt):
+    """A decode step's one-token block runs its top-k experts through ``forward_picks`` (a packed
+    bank: one stacked call per matrix on the token); each output equals that expert alone."""
+    quant = _uniform(model, fmt) if fmt else None
+    eng = EmbeddedEngine.from_checkpoint(convert(model, tmp_path / "ck", quant=quant).out_dir, device="cpu")
+    bank = eng.layers[0].experts
+    assert isinstance(bank, PackedExperts if fmt else FloatExperts)
+    x = torch.randn(1, eng.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    for picks in ([3], [1, 5], [0, 2, 7], list(range(E))):
+        got = bank.forward_picks(x, picks)
+        assert len(got) == len(picks)
+        for e, y in zip(picks, got):
+            want = bank.forward(e, x)
+            assert y.shape == want.shape == (1, eng.cfg.hidden_size)
+            if fmt is None:
+                assert torch.equal(y, want), (picks, e)
+            else:  # a stacked call is one batched matmul: the last bits may differ
+                assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), (picks, e)
+
+
+@pytest.mark.parametrize("fmt", [None, "int4_g64"])
+@torch.inference_mode()
+def test_one_token_moe_block_equals_the_grouped_path(model, tmp_path, fmt):
+    """The MoE layer's one-token shortcut gives what the grouped path computes for the same token
+    inside a bigger block (up to float32 rounding: a matmul over more rows may round differently)."""
+    quant = _uniform(model, fmt) if fmt else None
+    eng = EmbeddedEngine.from_checkpoint(convert(model, tmp_path / "ck", quant=quant).out_dir, device="cpu")
+    g = torch.Generator().manual_seed(4)
+    lay = eng.layers[1]
+    for _ in range(4):
+        h = torch.randn(3, eng.cfg.hidden_size, generator=g)
+        alone = eng._moe(1, lay, h[:1], stats=[])
+        grouped = eng._moe(1, lay, h, stats=[])[:1]
+        assert torch.allclose(alone, grouped, rtol=1e-5, atol=1e-5 * float(grouped.abs().max()))
+        assert not torch.allclose(alone, eng._moe(1, lay, h[1:2], stats=[]), rtol=1e-3, atol=1e-3)
