@@ -407,7 +407,7 @@ def main() -> None:
         same.append(f"{c}: engine = {', '.join(agree) if agree else 'none'}")
     print("\ngreedy tokens identical — " + "; ".join(same))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "ops": ops}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "ops": ops}, indent=1, default=str))
 
 
 if __name__ == "__main__":
