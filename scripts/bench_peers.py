@@ -150,6 +150,7 @@ def run_level(connect: Callable[[], Callable[[str], Reply]], concurrency: int, r
     return {"concurrency": concurrency, "requests": len(results), "errors": len(errors), "first_error": errors[:1],
             "short_replies": short, "tokens": out_tokens, "wall_s": wall, "tok_s": out_tokens / wall if wall else 0.0,
             "ttft_p50_ms": pct(ttft, 50), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+            "tokens_per_response": out_tokens / max(sum(len(r.times) for _, r in results), 1),
             "texts": {p: r.text for p, r in results}}
 
 
@@ -704,7 +705,7 @@ def main() -> None:
                         r["client_cpu_us_per_token"] = 1e6 * (time.process_time() - cli0) / r["tokens"]
                     rows[s.name][i].append(r)
                     print(f"  round {rnd + 1} {s.name:>13} c={c:<3} {r['tok_s']:8.1f} tok/s ({r['requests']} req, "
-                          f"{r['errors']} errors, {r['short_replies']} short; cpu us/token server "
+                          f"{r['errors']} errors, {r['short_replies']} short; {r['tokens_per_response']:.2f} tok/response; cpu us/token server "
                           f"{r.get('server_cpu_us_per_token', 0):.0f} client {r.get('client_cpu_us_per_token', 0):.0f}; "
                           f"load {loadavg()})", flush=True)
                 for o in live:

@@ -91,11 +91,10 @@ class TritonPythonModel:
             threading.Thread(target=self._stop_loop, name="postprocessing-stop", daemon=True).start()
 
     # -- cancellation ------------------------------------------------------------------------
-    def _cancelled_key(self, request) -> str | None:
+    def _cancelled_key(self, request, key) -> str | None:
         """The request's key when it is cancelled and its generation was not stopped yet."""
         if not self.stop_model:
             return None
-        key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
         if key is None:  # not from the ensemble (BLS detokenizes without one)
             return None
         key = key.as_numpy().reshape(-1)[0]
@@ -159,11 +158,13 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                key = self._cancelled_key(request)
+                # One pass over the inputs: get_input_tensor_by_name rebuilds them on every call.
+                inputs = {t.name(): t for t in request.inputs()}
+                key = self._cancelled_key(request, inputs.get("REQUEST_KEY"))
                 if key is not None:
                     self.stops.put(key)
-                tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()
-                lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
+                tokens = inputs["TOKENS_BATCH"].as_numpy()
+                lengths = inputs["SEQUENCE_LENGTH"].as_numpy()
                 if tokens.ndim == 2:  # [batch, seq] without the beam axis
                     tokens = tokens[:, None, :]
                 lengths = lengths.reshape(tokens.shape[0], -1)
