@@ -409,3 +409,25 @@ def test_word_list_format():
     arr = np.array([[[7, 8, 9, 0], [2, 3, -1, -1]]], np.int32)
     assert word_list(arr, 0) == [[7, 8], [9]]
     assert word_list(np.array([[[0], [-1]]], np.int32), 0) == []
+
+
+def test_a_batched_request_is_queued_whole_or_refused(engine):
+    """submit_all queues every prompt of a batched request, or none of them: with one slot busy and
+    one place in the queue, two prompts get QueueFull and neither runs; one prompt then fits."""
+    b = InflightBatcher(engine, max_batch_size=1, max_waiting=1, prefill_budget_s=0.0)
+    running = Gated(2)
+    try:
+        b.submit([1, 5, 9], _params(40, min_tokens=40), running, request_id="run")
+        assert running.reached[2].wait(30)  # the slot is taken; the queue is empty
+        pair = [Collector(), Collector()]
+        with pytest.raises(QueueFull, match="this one brings 2"):
+            b.submit_all([dict(prompt_ids=[1, 5], params=_params(3), callback=c, request_id="pair") for c in pair])
+        one = Collector()
+        b.submit_all([dict(prompt_ids=[1, 7], params=_params(3), callback=one, request_id="one")])
+        running.release[2].set()
+        assert running.done.wait(30) and one.done.wait(30) and one.final.finish_reason == FINISH_LENGTH
+        assert not any(c.done.is_set() or c.tokens for c in pair)  # neither half of the pair ever ran
+    finally:
+        for e in running.release.values():
+            e.set()
+        b.shutdown()

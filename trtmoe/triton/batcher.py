@@ -183,24 +183,39 @@ class InflightBatcher:
         ``cancel_poll_s``: poll this request's ``is_cancelled`` at most this often (for requests
         whose cancels mostly arrive by ``cancel(id)``, so the poll is only a fallback); None: about
         once per decode step."""
-        req = BatchRequest(prompt_ids=[int(t) for t in prompt_ids], params=params, callback=callback,
-                           stop_sequences=tuple(tuple(int(t) for t in s) for s in stop_sequences if len(s)),
-                           request_id=request_id or f"req-{next(self._ids)}", is_cancelled=is_cancelled,
-                           cancel_poll_s=cancel_poll_s, arrival_ns=time.monotonic_ns())
+        return self.submit_all([dict(prompt_ids=prompt_ids, params=params, callback=callback,
+                                     stop_sequences=stop_sequences, request_id=request_id,
+                                     is_cancelled=is_cancelled, cancel_poll_s=cancel_poll_s)])[0]
+
+    def submit_all(self, requests: Sequence[dict]) -> list[BatchRequest]:
+        """Queue several requests (each a dict of ``submit``'s arguments) all or none: QueueFull
+        (nothing queued) unless every one fits among ``max_waiting``, so a batched client request
+        is never left half running."""
+        reqs = []
+        for r in requests:
+            stops = r.get("stop_sequences", ())
+            reqs.append(BatchRequest(
+                prompt_ids=[int(t) for t in r["prompt_ids"]], params=r["params"], callback=r["callback"],
+                stop_sequences=tuple(tuple(int(t) for t in s) for s in stops if len(s)),
+                request_id=r.get("request_id") or f"req-{next(self._ids)}", is_cancelled=r.get("is_cancelled"),
+                cancel_poll_s=r.get("cancel_poll_s"), arrival_ns=time.monotonic_ns()))
         with self._cv:
             if self._closed:
                 raise BatcherClosed("the batcher is shut down")
-            if req.request_id in self._remembered:  # its cancel came first: answered before any prefill
-                req._cancel = True
-            elif self.max_waiting and len(self._waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (max {self.max_waiting})")
-            self._waiting.append(req)
+            for req in reqs:
+                if req.request_id in self._remembered:  # its cancel came first: answered before any prefill
+                    req._cancel = True
+            queued = sum(not req._cancel for req in reqs)
+            if queued and self.max_waiting and len(self._waiting) + queued > self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (max {self.max_waiting})"
+                                + (f"; this one brings {queued}" if queued > 1 else ""))
+            self._waiting.extend(reqs)
             self._cv.notify()
-            if is_cancelled is not None and self._watcher is None:
+            if any(req.is_cancelled is not None for req in reqs) and self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch_cancelled, name=self._thread.name + "-cancel",
                                                  daemon=True)
                 self._watcher.start()
-        return req
+        return reqs
 
     def cancel(self, request_id: str, *, remember: bool = False) -> bool:
         """Cancel every queued or running request with this id; True if one was found. ``remember``:

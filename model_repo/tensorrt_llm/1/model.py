@@ -285,10 +285,11 @@ class TritonPythonModel:
         # Triton never flags the ensemble's running step, so polling its sender every step (an IPC
         # round trip per request per step) would only cost; it is asked now and then, as a fallback.
         poll = _KEYED_CANCEL_POLL_S if key else None
-        for gen in gens:
-            self.batcher.submit(gen.prompt_ids, gen.params, lambda ev, g=gen: self._on_event(treq, g, ev),
-                                stop_sequences=gen.stop_sequences, request_id=gen_id,
-                                is_cancelled=is_cancelled, cancel_poll_s=poll)
+        # All of a batched request's prompts are queued, or none (QueueFull): never half of them.
+        self.batcher.submit_all([dict(prompt_ids=gen.prompt_ids, params=gen.params,
+                                      callback=lambda ev, g=gen: self._on_event(treq, g, ev),
+                                      stop_sequences=gen.stop_sequences, request_id=gen_id,
+                                      is_cancelled=is_cancelled, cancel_poll_s=poll) for gen in gens])
         return treq
 
     def execute(self, requests):
