@@ -458,7 +458,7 @@ def test_verify_passes_then_catches_edits(converted_tiny, tmp_path):
 
     # The same edit with the manifest re-hashed: only the schema check can still catch it.
     rehashed = shutil.copytree(edited, tmp_path / "rehashed")
-    from trtmoe.hf.safetensors_io import sha256_file
+    from trtmoe.hf.hashing import sha256_file
 
     edit_json(rehashed / "manifest.json",
               lambda d: d["files"].__setitem__("config.json", sha256_file(rehashed / "config.json")))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import InputError, VerifyError
-from ..hf.safetensors_io import sha256_file
+from ..hf.hashing import sha256_file
 
 MANIFEST = "manifest.json"
 # A Triton model repository keeps its manifest under a name of its own (its root holds model folders).
@@ -43,6 +43,14 @@ def write_manifest(out_dir: Path, *, kind: str, file_hashes: dict[str, str], nam
                 "files": dict(sorted(hashes.items())), **fields}
     dump_json(manifest, out_dir / name)
     return manifest
+
+
+def read_repository_manifest(repo: str | Path) -> dict:
+    """The manifest ``trtmoe repo`` wrote into a Triton repository, or {} for a repository from
+    elsewhere (none there); a manifest that is not valid is an error, never read as empty."""
+    if not (Path(repo) / REPOSITORY_MANIFEST).is_file():
+        return {}
+    return read_manifest(repo)
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -454,16 +454,6 @@ class StreamingWriter:
             self._fd = None
 
 
-def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(chunk)
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(mv[:n])
-    return h.hexdigest()
-
-
 def iter_chunks(t: torch.Tensor, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
     """Split a tensor along dim 0 into pieces of at most ``max_bytes`` (at least one row)."""
     if t.dim() == 0 or t.nbytes <= max_bytes:

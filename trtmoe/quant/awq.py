@@ -65,7 +65,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import InputError
-from ..hf.safetensors_io import SafetensorsFile, sha256_file, write_file
+from ..hf.hashing import sha256_file
+from ..hf.safetensors_io import SafetensorsFile, write_file
 from . import gptq
 from .formats import FORMATS, GroupInt4Format, PerChannelIntFormat, QuantFormat, pack_int4
 

@@ -48,9 +48,9 @@ from typing import Any
 
 from .. import __version__
 from ..checkpoint.atomic import atomic_directory, source_tree, stays_inside
-from ..checkpoint.manifest import REPOSITORY_MANIFEST, read_manifest, write_manifest
+from ..checkpoint.manifest import REPOSITORY_MANIFEST, write_manifest
 from ..errors import BackendUnavailable, InputError, TrtmoeError
-from ..hf.safetensors_io import sha256_file
+from ..hf.hashing import sha256_file
 from . import cancel_channel
 from .engine_dir import EMBEDDED, TENSORRT_LLM, EngineInfo, read_engine_dir
 
@@ -643,14 +643,6 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     return RepositoryResult(path=out, engine=info, settings=settings, models=list(MODELS),
                             tokenizer_dir=out / TOKENIZER_SUBDIR, launch_world_size=info.launch_world_size,
                             files=files, warnings=warnings)
-
-
-def read_repository_manifest(repo: str | Path) -> dict:
-    """The manifest ``generate_repository`` wrote, or {} for a repository from elsewhere (no
-    manifest.json); a manifest that is not valid is an error, never read as empty."""
-    if not (Path(repo) / MANIFEST).is_file():
-        return {}
-    return read_manifest(repo)
 
 
 def validate_repository(repo: str | Path) -> dict[str, Any]:

@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 
 from ..checkpoint.atomic import pid_alive
 from ..errors import BackendUnavailable, InputError, TrtmoeError
-from .repository import read_repository_manifest
+from ..checkpoint.manifest import read_repository_manifest
 
 PYTRITON = "pytriton"
 SYSTEM = "system"
