@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import os
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -361,6 +362,21 @@ def test_pre_and_post_processing_import_no_transformers_or_torch():
         assert not imported & {"transformers", "torch", "trtmoe"}, (model, imported)
 
 
+def test_embedded_tensorrt_llm_model_file_imports_no_torch_at_module_level():
+    """Triton imports a Python model's file twice at load (a model-level stub completes the config,
+    then each instance's stub runs it): importing the embedded tensorrt_llm model must not import
+    torch, which only its initialize needs."""
+    code = (f"import sys, types\n"
+            f"sys.modules['triton_python_backend_utils'] = types.ModuleType('triton_python_backend_utils')\n"
+            f"import importlib.util as u\n"
+            f"s = u.spec_from_file_location('m', {str(templates_dir() / 'tensorrt_llm' / '1' / 'model.py')!r})\n"
+            f"s.loader.exec_module(u.module_from_spec(s))\n"
+            f"print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_cancel_senders_get_the_channel_module_beside_them(setup, tmp_path):
     """postprocessing and tensorrt_llm_bls import the cancel channel by a plain module name from
     their own version directory: the repository carries trtmoe's module there, which needs the
@@ -478,7 +494,7 @@ def test_repository_is_an_artifact_verify_checks(setup, tmp_path):
 
     from trtmoe.cli import main
     from trtmoe.errors import VerifyError
-    from trtmoe.triton.repository import read_repository_manifest
+    from trtmoe.checkpoint.manifest import read_repository_manifest
 
     out = tmp_path / "repo"
     generate_repository(setup["engine"], out, tokenizer_dir=setup["tok"])

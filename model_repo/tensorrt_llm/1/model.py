@@ -29,7 +29,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
-from trtmoe.triton.engine_dir import read_engine_dir
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
 from trtmoe.triton.metrics import IterationRecorder, RoutingMetricsPublisher, TrtLlmMetricsPublisher, blocks
 from trtmoe.triton.textstream import split_at_character
@@ -68,6 +67,9 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", "tensorrt_llm")
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        # torch (and what imports it) only here: Triton also imports this file in a model-level stub of
+        # its own (to complete the config), which would otherwise spend seconds importing torch before
+        # the instance's stub imports it again.
         import torch
 
         # Intra-op threads: `trtmoe repo` records a count chosen from the cores and the model
@@ -77,6 +79,7 @@ class TritonPythonModel:
         if threads > 0:
             torch.set_num_threads(min(threads, cores))
         from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
+        from trtmoe.triton.engine_dir import read_engine_dir
 
         self.SamplingParams = SamplingParams
         engine_dir = _param(config, "engine_dir")
