@@ -123,3 +123,17 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
     found = list(imports("trtmoe.hf.x", bad / "x.py"))
     assert found == [("trtmoe.runtime.engine", 1, False), ("trtmoe.errors", 4, True)]
     assert layer_of("trtmoe.runtime.engine") > layer_of("trtmoe.hf.x")
+
+
+def test_serving_launcher_imports_no_torch():
+    """``trtmoe serve`` starts tritonserver without importing torch (about 1.5 s of start-up the
+    server's own processes then spend again): the launcher and the repository manifest reader stay
+    torch-free."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport trtmoe.cli, trtmoe.triton.serve, trtmoe.checkpoint.manifest\n"
+            "print('torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
