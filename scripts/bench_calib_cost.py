@@ -254,6 +254,8 @@ def routing_split(eng, ids, fi: dict, fmt_name: str) -> dict:
         raise SystemExit("--routing-split: only softmax top-k routers (Mixtral, Qwen, DeepSeek-MoE)")
     E = c.num_experts
     moe_layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
+    if any(eng.layers[l].shared_fc is not None for l in moe_layers):
+        raise SystemExit("--routing-split: models without shared experts only")
     frozen: dict[int, torch.Tensor] = {}
     own_moe = eng._moe
 
@@ -272,8 +274,6 @@ def routing_split(eng, ids, fi: dict, fmt_name: str) -> dict:
             rows = hit.any(-1).nonzero().squeeze(-1)
             if len(rows):
                 out.index_add_(0, rows, lay.experts.forward(e, h[rows]) * (w[rows] * hit[rows]).sum(-1, keepdim=True))
-        if lay.shared_fc is not None:
-            raise SystemExit("--routing-split: models without shared experts only")
         return out.reshape(x.shape)
 
     ref_idx: dict[int, torch.Tensor] = {}
