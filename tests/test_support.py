@@ -178,6 +178,52 @@ def test_per_expert_plans_are_refused_for_tensorrt_llm(tiny_model, tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+# Top-level keys each model class reads as a plain attribute with no default (restated from TensorRT-LLM
+# 1.2: Phi3DecoderLayer's ``config.rotary_pct``; QWenConfig's required qwen_type / seq_length /
+# moe_intermediate_size / moe_shared_expert_intermediate_size; DeepseekDecoderLayer's
+# moe_intermediate_size and DeepSeekV1Config's moe block). PretrainedConfig sets none of them.
+READ_WITHOUT_DEFAULT = {
+    "phimoe": {"rotary_pct"},
+    "qwen2_moe": {"qwen_type", "seq_length", "moe_intermediate_size", "moe_shared_expert_intermediate_size"},
+    "qwen3_moe": {"qwen_type", "seq_length", "moe_intermediate_size", "moe_shared_expert_intermediate_size"},
+    "deepseek_v1": {"moe", "moe_intermediate_size"},
+    "mixtral": set(),
+}
+
+
+@pytest.mark.parametrize("fam", support.FAMILIES)
+def test_config_carries_every_key_the_model_class_reads_without_default(tiny_model, tmp_path, fam):
+    res = convert(tiny_model(fam), tmp_path / "ck")
+    cfg = json.loads((res.out_dir / "config.json").read_text())
+    missing = {k for k in READ_WITHOUT_DEFAULT[fam] if cfg.get(k) is None}
+    assert not missing, missing
+    if fam == "phimoe":
+        assert cfg["rotary_pct"] == 1.0  # whole heads rotate (partial rotary is refused at convert)
+
+
+def test_verify_names_a_key_the_model_class_needs(tiny_model, tmp_path):
+    from trtmoe.checkpoint.schema import check_strict_blocks
+
+    cfg = json.loads((convert(tiny_model("phimoe"), tmp_path / "ck").out_dir / "config.json").read_text())
+    assert check_strict_blocks(cfg, "1.2") == []
+    del cfg["rotary_pct"]
+    problems = check_strict_blocks(cfg, "1.2")
+    assert len(problems) == 1 and "rotary_pct" in problems[0] and "PhiMoEForCausalLM" in problems[0]
+
+
+def test_deepseek_without_shared_experts_is_refused_for_tensorrt_llm(tiny_model, tmp_path):
+    # DeepseekDecoderLayer builds a MoE layer without shared experts from a name its module never imports.
+    src = tiny_model("deepseek_v1", n_shared_experts=None)
+    with pytest.raises(UnsupportedError, match="without shared experts") as err:
+        convert(src, tmp_path / "ck", target="tensorrt-llm")
+    assert "\n" not in str(err.value) and "--target embedded" in str(err.value)
+    assert not (tmp_path / "ck").exists()
+    convert(src, tmp_path / "ck-embedded", target="embedded")  # the embedded engine runs it
+    convert(tiny_model("deepseek_v1"), tmp_path / "ck-shared", target="tensorrt-llm")
+    assert support.check("1.2", "deepseek_v1", layer_formats=None, shared_expert_size=0).refusals
+    assert not support.check("1.2", "deepseek_v1", layer_formats=None, shared_expert_size=64).refusals
+
+
 def test_options_follow_the_cells():
     for fam in support.FAMILIES:
         o = support.options("1.2", fam)

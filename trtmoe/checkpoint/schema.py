@@ -30,9 +30,23 @@ _QUANT_ALGOS_1X = frozenset({
     "MIXED_PRECISION", "NVFP4", "NO_QUANT",
 })
 
+# Top-level keys each model class of the release line reads as a plain attribute, with no default in its
+# config class or in PretrainedConfig.__init__ (which sets only its named parameters and the extra keys
+# it is given): a checkpoint without one fails when trtllm-build constructs the model (AttributeError).
+# Phi3DecoderLayer passes ``config.rotary_pct`` to its attention (PretrainedConfig only reads the key to
+# derive rotary_embedding_dim); QWenConfig takes qwen_type, seq_length and both MoE sizes as required
+# arguments; DeepseekDecoderLayer reads moe_intermediate_size and DeepSeekV1Config asserts a moe block.
+_REQUIRED_1X = {
+    "PhiMoEForCausalLM": ("rotary_pct",),
+    "Qwen2MoeForCausalLM": ("qwen_type", "seq_length", "moe_intermediate_size", "moe_shared_expert_intermediate_size"),
+    "Qwen3MoeForCausalLM": ("qwen_type", "seq_length", "moe_intermediate_size", "moe_shared_expert_intermediate_size"),
+    "DeepseekForCausalLM": ("moe", "moe_intermediate_size"),
+}
+
 SCHEMAS: dict[str, dict] = {
     # 1.2.x: the last release line with the trtllm-build engine path.
     "1.2": {"mapping": _MAPPING_1X, "moe": _MOE_1X, "quantization": _QUANT_1X, "quant_algos": _QUANT_ALGOS_1X,
+            "required": _REQUIRED_1X,
             "qwen_shared_expert_prefix": "mlp.shared_expert", "tested_releases": ("1.2.0", "1.2.1")},
 }
 DEFAULT_VERSION = "1.2"
@@ -63,6 +77,10 @@ def check_strict_blocks(config: dict, version: str) -> list[str]:
         extra = sorted(set(d) - s[block])
         if extra:
             problems.append(f"{block!r} has keys TensorRT-LLM {version} rejects: {extra}")
+    arch = config.get("architecture")
+    missing = [k for k in s["required"].get(arch, ()) if config.get(k) is None]
+    if missing:
+        problems.append(f"lacks {missing}, which TensorRT-LLM {version}'s {arch} reads with no default")
     algo = (config.get("quantization") or {}).get("quant_algo")
     if algo not in s["quant_algos"]:
         problems.append(f"quant_algo {algo!r} is not known to TensorRT-LLM {version}")

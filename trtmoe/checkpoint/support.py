@@ -247,14 +247,15 @@ class Verdict:
 
 def check(version: str, family: str, *, layer_formats: dict[int, str] | None, per_expert: bool | str = False,
           tp: int = 1, pp: int = 1, moe_tp: int = 1, moe_ep: int = 1,
-          moe_layers: list[bool] | tuple[bool, ...] = ()) -> Verdict:
+          moe_layers: list[bool] | tuple[bool, ...] = (), shared_expert_size: int | None = None) -> Verdict:
     """Every cell a checkpoint touches on TensorRT-LLM ``version``.
 
     ``layer_formats`` maps each MoE layer to its format ("float" for unquantized; None or empty for a
     float checkpoint); ``per_expert`` is trtmoe's per-expert tensor layout (true, or the trtmoe
     granularity that produced it: "expert" / "matrix"). ``moe_layers[l]`` says
     which decoder layers have routed experts (dense layers are checked against what the model class
-    builds). Never raises for refused cells: the caller decides (see ``Verdict.raise_if_refused``)."""
+    builds); ``shared_expert_size`` is the MoE layers' shared-expert width (0: none; None: not known).
+    Never raises for refused cells: the caller decides (see ``Verdict.raise_if_refused``)."""
     rs = release_support(version)
     arch = ARCH_LABEL[family]
     head = f"{arch} on TensorRT-LLM {rs.line}"
@@ -294,6 +295,10 @@ def check(version: str, family: str, *, layer_formats: dict[int, str] | None, pe
         add("model", (family, "dense_layers"), Cell(REFUSED, (
             f"its DeepSeek-V1 model hard-codes exactly layer 0 as the dense layer, but this model has "
             f"dense layers {dense}")), "this layer pattern")
+    if family == "deepseek_v1" and shared_expert_size == 0:
+        add("model", (family, "no_shared_experts"), Cell(REFUSED, (
+            "its DeepSeek-V1 decoder layer builds a MoE layer without shared experts from a class its model file "
+            "does not import (NameError at build); only SharedMoE layers build")), "a model without shared experts")
     if pp > 1 and mixed and not per_expert:
         add("combo", (family, "mixed", "pp"), Cell(REFUSED, (
             "quant_cfg.json is one file for every rank and is matched against each rank's module names, which "
@@ -334,7 +339,8 @@ def check_checkpoint_config(cfg: dict, quant_cfg: dict | None, version: str) -> 
         per_expert = per_expert or "matrix"
     mp = Mapping.from_config(cfg.get("mapping") or {})
     return check(version, family, layer_formats=layer_formats, per_expert=per_expert, tp=mp.tp_size, pp=mp.pp_size,
-                 moe_tp=mp.moe_tp_size, moe_ep=mp.moe_ep_size, moe_layers=ours.get("moe_layers") or ())
+                 moe_tp=mp.moe_tp_size, moe_ep=mp.moe_ep_size, moe_layers=ours.get("moe_layers") or (),
+                 shared_expert_size=(cfg.get("moe") or {}).get("shared_expert_intermediate_size"))
 
 
 # ---- the README table -----------------------------------------------------------------------------

@@ -451,7 +451,8 @@ def _deepseek_trtllm(m: ModelSpec) -> dict:
 
 
 def _phimoe_trtllm(m: ModelSpec) -> dict:
-    out = {"intermediate_size": m.expert_intermediate_size}
+    # TensorRT-LLM's Phi-3 decoder layer reads rotary_pct itself (no default); RoPE rotates whole heads.
+    out = {"intermediate_size": m.expert_intermediate_size, "rotary_pct": 1.0}
     if m.longrope is not None:
         lr = m.longrope
         out.update(position_embedding_type="long_rope",

@@ -104,7 +104,8 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
     if target == "tensorrt-llm" and mapping is not None and m.family in support.FAMILIES:
         fmts = {l: fmt or "float" for l, x in enumerate(m.moe_layers) if x}
         v = support.check(trtllm_version, m.family, layer_formats=fmts, tp=mapping.tp_size, pp=mapping.pp_size,
-                          moe_tp=mapping.moe_tp_size, moe_ep=mapping.moe_ep_size, moe_layers=list(m.moe_layers))
+                          moe_tp=mapping.moe_tp_size, moe_ep=mapping.moe_ep_size, moe_layers=list(m.moe_layers),
+                          shared_expert_size=m.shared_expert_intermediate_size)
         report["support"] = {"release": trtllm_version, **v.to_dict(),
                              "what_works": support.what_works(trtllm_version, m.family)}
     report["notes"] = _notes(m)
@@ -116,5 +117,6 @@ def _notes(m) -> list[str]:
     support table's dense-layer rules); the embedded engine runs it either way."""
     if m.family not in support.FAMILIES:
         return []
-    v = support.check(DEFAULT_TRTLLM_VERSION, m.family, layer_formats=None, moe_layers=list(m.moe_layers))
+    v = support.check(DEFAULT_TRTLLM_VERSION, m.family, layer_formats=None, moe_layers=list(m.moe_layers),
+                      shared_expert_size=m.shared_expert_intermediate_size)
     return [f"{r} (the embedded engine runs it)" for r in v.refusals]
