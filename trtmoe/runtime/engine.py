@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,6 +228,12 @@ class EmbeddedEngine:
         self._mass = torch.zeros(L, E, dtype=torch.float64, device=device)
         self._tokens = 0
         self._layer_ids: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Small blocks' (decode steps') routing records wait here and are added in batches (see
+        # ``_record_routing``); the lock guards them, the totals and ``_tokens`` against a reader in
+        # another thread (``routing_stats``, e.g. a metrics thread).
+        self._pending: list[list[tuple]] = []
+        self._pending_elems = 0
+        self._stats_lock = threading.Lock()
         self.layer_hook: Callable[[int, torch.Tensor], None] | None = None  # sees MoE-layer inputs
         self.residual_hook: Callable[[int, torch.Tensor], None] | None = None  # sees each layer's input
         self.route_hook: Callable[[int, torch.Tensor], None] | None = None  # sees top-k expert ids [N, k]
@@ -308,15 +315,21 @@ class EmbeddedEngine:
 
     def routing_stats(self) -> dict:
         """Cumulative routing since load: top-k assignment counts [L, E], the sum of per-token router
-        entropy (nats) per layer [L], and the number of tokens routed per layer."""
-        return {"counts": self._counts.to("cpu", copy=True), "entropy_sum": self._entropy.to("cpu", copy=True),
-                "tokens": self._tokens, "weight_mass": self._mass.to("cpu", copy=True)}
+        entropy (nats) per layer [L], and the number of tokens routed per layer. Safe to call from
+        another thread while the engine runs (a consistent snapshot between two forwards' records)."""
+        with self._stats_lock:
+            self._flush_routing()
+            return {"counts": self._counts.to("cpu", copy=True), "entropy_sum": self._entropy.to("cpu", copy=True),
+                    "tokens": self._tokens, "weight_mass": self._mass.to("cpu", copy=True)}
 
     def reset_routing_stats(self) -> None:
-        self._counts.zero_()
-        self._entropy.zero_()
-        self._mass.zero_()
-        self._tokens = 0
+        with self._stats_lock:
+            self._pending.clear()
+            self._pending_elems = 0
+            self._counts.zero_()
+            self._entropy.zero_()
+            self._mass.zero_()
+            self._tokens = 0
 
     # ---- the model --------------------------------------------------------------------------------
     def _rope_tables(self, pos: torch.Tensor, dtype: torch.dtype, n_pos: int,
@@ -381,8 +394,9 @@ class EmbeddedEngine:
         if self.layer_hook is not None:
             self.layer_hook(li, h)
         logits = F.linear(h if h.dtype == torch.float32 else h.float(), lay.router)
-        probs = logits.softmax(-1)
+        probs = None  # the router probabilities, where routing itself needs them
         if c.normalization_mode == NORM_NONE:
+            probs = logits.softmax(-1)
             w, idx = probs.topk(c.top_k, dim=-1)
         elif c.normalization_mode == NORM_SPARSE_MIXER:
             w, idx = _sparse_mixer(logits, c.top_k, c.sparse_mixer_epsilon)
@@ -395,11 +409,10 @@ class EmbeddedEngine:
             # A small block's statistics are added for every layer together after the forward
             # (expert counts included); a one-token block needs no counts to group by.
             n_e = None if stats is not None and one else torch.bincount(flat_idx, minlength=c.num_experts)
-            rec = (li, n_e, probs, flat_idx, w)
             if stats is None:
-                self._record_routing([rec])
-            else:
-                stats.append(rec)
+                self._record_routing([(li, n_e, logits.softmax(-1) if probs is None else probs, flat_idx, w)])
+            else:  # the probabilities of a deferred record are computed when it is added
+                stats.append((li, n_e, logits if probs is None else probs, flat_idx, w, probs is None))
             if self.route_hook is not None:
                 self.route_hook(li, idx)
         if w.dtype != h.dtype:
@@ -448,29 +461,72 @@ class EmbeddedEngine:
             self.moe_hook(li, h, idx, w, out)
         return out.reshape(shape)
 
-    def _record_routing(self, recs: list[tuple]) -> None:
+    # Deferred records are added once they hold this many router values (or when the statistics are
+    # read or reset): a decode step then adds no tensor ops of its own for them.
+    _PENDING_ELEMS = 1 << 16
+
+    def _record_routing(self, recs: list[tuple], tokens: int = 0) -> None:
         """Add routing statistics (layer, expert counts, router probabilities, flat top-k ids,
-        top-k weights) of one or more layers; they stay on the engine's device (no host sync)."""
+        top-k weights) of one or more layers; they stay on the engine's device (no host sync).
+
+        A single record (a big block's layer) is added at once. A list of every layer's records of a
+        small block (layer, counts, router logits or probabilities, flat ids, weights, whether the
+        third item is logits) is queued, with the block's ``tokens``, and added later together with
+        the following blocks': each total receives the same values in the same order as adding the
+        blocks one by one would."""
         with torch.no_grad():
-            if len(recs) == 1 and recs[0][1] is not None:
+            if len(recs) == 1 and recs[0][1] is not None and len(recs[0]) == 5:
                 li, n_e, probs, flat_idx, w = recs[0]
-                self._counts[li].add_(n_e)
-                ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-                self._entropy[li].add_(ent.sum())
-                self._mass[li].index_add_(0, flat_idx, w.reshape(-1).double())
+                with self._stats_lock:
+                    self._flush_routing()
+                    self._counts[li].add_(n_e)
+                    ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+                    self._entropy[li].add_(ent.sum())
+                    self._mass[li].index_add_(0, flat_idx, w.reshape(-1).double())
                 return
-            key = tuple(r[0] for r in recs)
-            at = self._layer_ids.get(key)
-            if at is None:  # the layers, and the offset of each one's experts in [L * E]
-                ids = torch.tensor(key, device=self.device)
-                at = self._layer_ids[key] = (ids, (ids * self.cfg.num_experts)[:, None])
-            ids, off = at
-            p = torch.stack([r[2] for r in recs])  # [layers, N, E]
-            ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
-            self._entropy.index_add_(0, ids, ent.sum(-1).double())
-            flat = (torch.stack([r[3] for r in recs]) + off).view(-1)  # (layer, expert) of every pick
-            self._counts.view(-1).add_(torch.bincount(flat, minlength=self._counts.numel()))
-            self._mass.view(-1).index_add_(0, flat, torch.stack([r[4] for r in recs]).view(-1).double())
+            if any(r[2].requires_grad for r in recs):  # keep no autograd graph alive in the queue
+                recs = [r[:2] + (r[2].detach(),) + r[3:4] + (r[4].detach(),) + r[5:] for r in recs]
+            with self._stats_lock:
+                self._tokens += tokens
+                self._pending.append(recs)
+                self._pending_elems += len(recs) * recs[0][2].numel()
+                if self._pending_elems >= self._PENDING_ELEMS:
+                    self._flush_routing()
+
+    def _flush_routing(self) -> None:
+        """Add the queued small blocks' records to the totals (the caller holds ``_stats_lock``).
+        Consecutive blocks of the same layers, row count and kind go together: per (block, layer)
+        the entropy is summed over the block's tokens in float32 as before, and the float64 totals
+        receive those sums and the weights in block order."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending, self._pending_elems = [], 0
+        run: list[list[tuple]] = []
+        for recs in pending:
+            if run and (len(recs) != len(run[0]) or any(
+                    (a[0], a[2].shape, a[5]) != (b[0], b[2].shape, b[5]) for a, b in zip(recs, run[0]))):
+                self._add_run(run)
+                run = []
+            run.append(recs)
+        self._add_run(run)
+
+    def _add_run(self, run: list[list[tuple]]) -> None:
+        key = tuple(r[0] for r in run[0])
+        at = self._layer_ids.get(key)
+        if at is None:  # the layers, and the offset of each one's experts in [L * E]
+            ids = torch.tensor(key, device=self.device)
+            at = self._layer_ids[key] = (ids, (ids * self.cfg.num_experts)[:, None])
+        ids, off = at
+        S, nl = len(run), len(key)
+        p = torch.stack([r[2] for recs in run for r in recs])  # [blocks * layers, N, E]
+        if run[0][0][5]:
+            p = p.softmax(-1)
+        ent = -(p * p.clamp_min(1e-30).log()).sum(-1)
+        self._entropy.index_add_(0, ids.repeat(S), ent.sum(-1).double())
+        flat = (torch.stack([r[3] for recs in run for r in recs]).view(S, nl, -1) + off).view(-1)
+        self._counts.view(-1).add_(torch.bincount(flat, minlength=self._counts.numel()))
+        self._mass.view(-1).index_add_(0, flat, torch.stack([r[4] for recs in run for r in recs]).view(-1).double())
 
     def _dense(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.silu(F.linear(x, lay.dense_gate)) * F.linear(x, lay.dense_up), lay.dense_down)
@@ -587,9 +643,12 @@ class EmbeddedEngine:
             x = x + self._attention(lay, h, rope, li, seqs, plan)
             h = self._norm(x, lay.post_norm, lay.post_norm_b)
             x = x + (self._moe(li, lay, h, valid, stats) if lay.router is not None else self._dense(lay, h))
-        if stats:
-            self._record_routing(stats)
-        self._tokens += ids.numel() if valid is None else int(valid.sum())
+        n = ids.numel() if valid is None else int(valid.sum())
+        if stats:  # queued together with its token count: a reader never sees one without the other
+            self._record_routing(stats, n)
+        else:
+            with self._stats_lock:
+                self._tokens += n
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), torch.tensor(last, device=x.device)][:, None]
         x = self._norm(x, self.final_norm, self.final_norm_b)
@@ -775,17 +834,22 @@ class EmbeddedEngine:
         long ones (the model's own generation drops its cache there and runs the whole sequence),
         and the step's token is then decoded against it like any other. The recomputation adds
         nothing to the routing statistics."""
-        saved = (self._counts.clone(), self._entropy.clone(), self._mass.clone(), self._tokens)
+        with self._stats_lock:
+            self._flush_routing()
+            saved = (self._counts.clone(), self._entropy.clone(), self._mass.clone(), self._tokens)
         hist = s.prompt + s.tokens[:-1]  # what the cache holds: every token but the one to decode
         n = s.length
         s.length = 0
         ids = torch.tensor([hist], device=self.device)
         self._forward(ids, torch.arange(n, device=self.device)[None], [s], last=[n - 1], rope_lengths=[n + 1])
         s.length = n
-        self._counts.copy_(saved[0])
-        self._entropy.copy_(saved[1])
-        self._mass.copy_(saved[2])
-        self._tokens = saved[3]
+        with self._stats_lock:
+            self._pending.clear()
+            self._pending_elems = 0
+            self._counts.copy_(saved[0])
+            self._entropy.copy_(saved[1])
+            self._mass.copy_(saved[2])
+            self._tokens = saved[3]
 
     @staticmethod
     def _greedy_batch(live: list[Sequence], logits: torch.Tensor) -> list[int | None]:
