@@ -37,95 +37,117 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def validate_calib(calib: dict, where: str | None = None) -> dict:
-    """Raise InputError naming the key (and row) unless every part of ``calib`` that trtmoe reads
-    has its type and shape. ``calib`` is already known to be an object of the current version."""
+class _Checker:
+    """Type and shape checks over one calib.json; each failure is one InputError naming the key."""
 
-    def bad(key: str, what: str) -> InputError:
-        return InputError(f"calib.json {key} {what}", where=where,
+    def __init__(self, calib: dict, where: str | None):
+        self.calib, self.where = calib, where
+        self.L = self.E = 0
+
+    def bad(self, key: str, what: str) -> InputError:
+        return InputError(f"calib.json {key} {what}", where=self.where,
                           hint="the file is damaged or hand-edited; rerun `trtmoe calibrate`")
 
-    def get(d: dict, key: str, path: str):
+    def get(self, d: dict, key: str, path: str):
         if not isinstance(d, dict):
-            raise bad(path.rsplit(".", 1)[0], f"must be an object, got {_kind(d)}")
+            raise self.bad(path.rsplit(".", 1)[0], f"must be an object, got {_kind(d)}")
         if key not in d:
-            raise bad(path, "is missing")
+            raise self.bad(path, "is missing")
         return d[key]
 
-    def count(key: str, low: int = 1) -> int:
-        v = get(calib, key, key)
+    def count(self, key: str, low: int = 1) -> int:
+        v = self.get(self.calib, key, key)
         if not _is_int(v) or v < low:
-            raise bad(key, f"must be an integer ≥ {low}, got {_kind(v)} {v!r:.40}")
+            raise self.bad(key, f"must be an integer ≥ {low}, got {_kind(v)} {v!r:.40}")
         return v
 
-    L, E = count("num_layers"), count("num_experts")
-    k = count("top_k")
-    if k > E:
-        raise bad("top_k", f"= {k} exceeds num_experts = {E}")
-    count("hidden_size")
-    count("expert_intermediate_size")
-    moe = get(calib, "moe_layers", "moe_layers")
-    if not isinstance(moe, list) or not all(_is_int(x) for x in moe):
-        raise bad("moe_layers", f"must be a list of layer indices, got {moe!r:.60}")
-    if not all(0 <= x < L for x in moe) or len(set(moe)) != len(moe):
-        raise bad("moe_layers", f"= {moe!r:.60} must be distinct layers in 0..{L - 1}")
-    formats = get(calib, "formats", "formats")
-    if not isinstance(formats, list) or not formats or not all(isinstance(f, str) for f in formats):
-        raise bad("formats", f"must be a non-empty list of format names, got {formats!r:.60}")
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown:
-        raise bad("formats", f"names unknown format(s) {', '.join(map(repr, unknown))}")
-    bpw = get(calib, "bits_per_weight", "bits_per_weight")
-    for f in formats:
-        v = get(bpw, f, f"bits_per_weight.{f}")
-        if not _is_num(v) or v <= 0:
-            raise bad(f"bits_per_weight.{f}", f"must be a positive number, got {v!r:.40}")
-
-    def table(v: Any, key: str, *, integer: bool = False) -> None:
+    def table(self, v: Any, key: str, *, integer: bool = False) -> None:
         """``v`` must be [L][E] of finite non-negative numbers."""
+        L, E = self.L, self.E
         if not isinstance(v, list):
-            raise bad(key, f"must be a [{L}][{E}] table, got {_kind(v)}")
+            raise self.bad(key, f"must be a [{L}][{E}] table, got {_kind(v)}")
         if len(v) != L:
-            raise bad(key, f"has {len(v)} rows, expected {L} (num_layers)")
+            raise self.bad(key, f"has {len(v)} rows, expected {L} (num_layers)")
         for l, row in enumerate(v):
             if not isinstance(row, list) or len(row) != E:
                 got = f"{len(row)} values" if isinstance(row, list) else _kind(row)
-                raise bad(key, f"row {l} has {got}, expected {E} (num_experts)")
+                raise self.bad(key, f"row {l} has {got}, expected {E} (num_experts)")
             for e, x in enumerate(row):
                 if not _is_num(x) or x < 0 or (integer and not float(x).is_integer()):
-                    raise bad(key, f"[{l}][{e}] = {x!r:.40} must be a finite "
-                              f"{'count' if integer else 'number'} ≥ 0")
+                    raise self.bad(key, f"[{l}][{e}] = {x!r:.40} must be a finite "
+                                   f"{'count' if integer else 'number'} ≥ 0")
 
-    routing = get(calib, "routing", "routing")
-    tokens = get(routing, "tokens", "routing.tokens")
-    if not _is_int(tokens) or tokens < 0:
-        raise bad("routing.tokens", f"must be an integer ≥ 0, got {tokens!r:.40}")
-    table(get(routing, "counts", "routing.counts"), "routing.counts", integer=True)
-    table(get(routing, "share", "routing.share"), "routing.share")
-    for key in ("entropy_nats", "load_imbalance"):
-        v = routing.get(key, [0] * L)
-        if not isinstance(v, list) or len(v) != L or not all(_is_num(x) for x in v):
-            raise bad(f"routing.{key}", f"must be a list of {L} numbers (one per layer)")
-    for key, ok in (("max_entropy_nats", _is_num), ("min_tokens_threshold", _is_int)):
-        if key in routing and not ok(routing[key]):
-            raise bad(f"routing.{key}", f"must be a number, got {routing[key]!r:.40}")
-    for key in ("under_observed", "dead"):
-        items = routing.get(key, [])
-        if not isinstance(items, list) or not all(
-                isinstance(i, dict) and _is_int(i.get("layer")) and 0 <= i["layer"] < L
-                and _is_int(i.get("expert")) and 0 <= i["expert"] < E
-                and (key == "dead" or _is_int(i.get("tokens"))) for i in items):
-            raise bad(f"routing.{key}", "must list {layer, expert" + (", tokens" if key != "dead" else "")
-                      + "} objects inside the model")
-    sens = get(calib, "sensitivity", "sensitivity")
-    dkl = get(sens, "delta_kl", "sensitivity.delta_kl")
-    for f in formats:
-        table(get(dkl, f, f"sensitivity.delta_kl.{f}"), f"sensitivity.delta_kl.{f}")
-    mats = get(sens, "matrices", "sensitivity.matrices")
-    for m in MATRICES:
-        md = get(get(mats, m, f"sensitivity.matrices.{m}"), "delta_kl", f"sensitivity.matrices.{m}.delta_kl")
+    def header(self) -> list[str]:
+        """The model's shape, its MoE layers and the formats; returns the formats."""
+        self.L, self.E = self.count("num_layers"), self.count("num_experts")
+        k = self.count("top_k")
+        if k > self.E:
+            raise self.bad("top_k", f"= {k} exceeds num_experts = {self.E}")
+        self.count("hidden_size")
+        self.count("expert_intermediate_size")
+        moe = self.get(self.calib, "moe_layers", "moe_layers")
+        if not isinstance(moe, list) or not all(_is_int(x) for x in moe):
+            raise self.bad("moe_layers", f"must be a list of layer indices, got {moe!r:.60}")
+        if not all(0 <= x < self.L for x in moe) or len(set(moe)) != len(moe):
+            raise self.bad("moe_layers", f"= {moe!r:.60} must be distinct layers in 0..{self.L - 1}")
+        formats = self.get(self.calib, "formats", "formats")
+        if not isinstance(formats, list) or not formats or not all(isinstance(f, str) for f in formats):
+            raise self.bad("formats", f"must be a non-empty list of format names, got {formats!r:.60}")
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown:
+            raise self.bad("formats", f"names unknown format(s) {', '.join(map(repr, unknown))}")
+        bpw = self.get(self.calib, "bits_per_weight", "bits_per_weight")
         for f in formats:
-            table(get(md, f, f"sensitivity.matrices.{m}.delta_kl.{f}"), f"sensitivity.matrices.{m}.delta_kl.{f}")
+            v = self.get(bpw, f, f"bits_per_weight.{f}")
+            if not _is_num(v) or v <= 0:
+                raise self.bad(f"bits_per_weight.{f}", f"must be a positive number, got {v!r:.40}")
+        return formats
+
+    def routing(self) -> None:
+        L, E = self.L, self.E
+        routing = self.get(self.calib, "routing", "routing")
+        tokens = self.get(routing, "tokens", "routing.tokens")
+        if not _is_int(tokens) or tokens < 0:
+            raise self.bad("routing.tokens", f"must be an integer ≥ 0, got {tokens!r:.40}")
+        self.table(self.get(routing, "counts", "routing.counts"), "routing.counts", integer=True)
+        self.table(self.get(routing, "share", "routing.share"), "routing.share")
+        for key in ("entropy_nats", "load_imbalance"):
+            v = routing.get(key, [0] * L)
+            if not isinstance(v, list) or len(v) != L or not all(_is_num(x) for x in v):
+                raise self.bad(f"routing.{key}", f"must be a list of {L} numbers (one per layer)")
+        for key, ok in (("max_entropy_nats", _is_num), ("min_tokens_threshold", _is_int)):
+            if key in routing and not ok(routing[key]):
+                raise self.bad(f"routing.{key}", f"must be a number, got {routing[key]!r:.40}")
+        for key in ("under_observed", "dead"):
+            items = routing.get(key, [])
+            if not isinstance(items, list) or not all(
+                    isinstance(i, dict) and _is_int(i.get("layer")) and 0 <= i["layer"] < L
+                    and _is_int(i.get("expert")) and 0 <= i["expert"] < E
+                    and (key == "dead" or _is_int(i.get("tokens"))) for i in items):
+                raise self.bad(f"routing.{key}", "must list {layer, expert" + (", tokens" if key != "dead" else "")
+                               + "} objects inside the model")
+
+    def sensitivity(self, formats: list[str]) -> None:
+        sens = self.get(self.calib, "sensitivity", "sensitivity")
+        dkl = self.get(sens, "delta_kl", "sensitivity.delta_kl")
+        for f in formats:
+            self.table(self.get(dkl, f, f"sensitivity.delta_kl.{f}"), f"sensitivity.delta_kl.{f}")
+        mats = self.get(sens, "matrices", "sensitivity.matrices")
+        for m in MATRICES:
+            md = self.get(self.get(mats, m, f"sensitivity.matrices.{m}"), "delta_kl",
+                          f"sensitivity.matrices.{m}.delta_kl")
+            for f in formats:
+                self.table(self.get(md, f, f"sensitivity.matrices.{m}.delta_kl.{f}"),
+                           f"sensitivity.matrices.{m}.delta_kl.{f}")
+
+
+def validate_calib(calib: dict, where: str | None = None) -> dict:
+    """Raise InputError naming the key (and row) unless every part of ``calib`` that trtmoe reads
+    has its type and shape. ``calib`` is already known to be an object of the current version."""
+    check = _Checker(calib, where)
+    formats = check.header()
+    check.routing()
+    check.sensitivity(formats)
     return calib
 
 
