@@ -175,6 +175,82 @@ def _check_request_args(url: str, timeout_s: float, sampling: dict) -> None:
         raise InputError(f"top_p must be in (0, 1], got {p!r}")
 
 
+def _call_mode(client, url: str, model: str, *, stream: bool | None, unary: bool, check: bool) -> tuple[bool, bool]:
+    """(decoupled, stream) for a call, refusing a combination the model cannot serve."""
+    if check:
+        _check_server(client, url, model)
+    if check or (url, model) not in _DECOUPLED:
+        _DECOUPLED[(url, model)] = is_decoupled(client, model)
+    decoupled = _DECOUPLED[(url, model)]
+    if unary and decoupled:
+        raise InputError(f"model {model!r} is decoupled (it streams its responses), so Triton refuses unary "
+                         "ModelInfer calls to it",
+                         hint="call it through the gRPC stream API (drop --unary), or HTTP "
+                              f"/v2/models/{model}/generate for a single non-streamed response")
+    if stream is None:
+        stream = decoupled and not unary
+    if stream and not decoupled:
+        raise InputError(f"model {model!r} is not decoupled, so it cannot stream tokens",
+                         hint="call it without --stream, or regenerate the repository with "
+                              "`trtmoe repo --streaming`")
+    return decoupled, stream
+
+
+def _infer_unary(client, model: str, inputs, result: GenerateResult, *, request_id: str, timeout_s: float,
+                 on_text: Callable[[str], None] | None) -> GenerateResult:
+    from tritonclient.utils import InferenceServerException
+
+    t0 = time.perf_counter()
+    try:
+        res = client.infer(model, inputs, request_id=request_id, client_timeout=timeout_s)
+    except InferenceServerException as e:
+        raise TrtmoeError(f"{model}: {e.message()}") from None
+    result.text = _text(res)
+    result.pieces, result.response_times = [result.text], [time.perf_counter() - t0]
+    _record_outputs(result, res)
+    if on_text:
+        on_text(result.text)
+    result.total_s = result.response_times[-1]
+    return result
+
+
+def _infer_stream(client, model: str, inputs, result: GenerateResult, *, request_id: str, timeout_s: float,
+                  on_text: Callable[[str], None] | None) -> GenerateResult:
+    """One request over the gRPC stream, collecting its responses until the final one."""
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
+    complete = False
+    try:
+        t0 = time.perf_counter()  # the stream is open: from here on it is the request's own time
+        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+        deadline = t0 + timeout_s
+        while True:
+            try:
+                res, err, t = responses.get(timeout=max(deadline - time.perf_counter(), 0.001))
+            except queue.Empty:
+                raise TrtmoeError(f"{model}: no final response within {timeout_s:.0f} s") from None
+            if err is not None:
+                raise TrtmoeError(f"{model}: {err.message() if hasattr(err, 'message') else err}")
+            piece = _text(res)
+            final = _is_final(res)
+            if piece or not final:
+                result.pieces.append(piece)
+                result.response_times.append(t - t0)
+                if on_text and piece:
+                    on_text(piece)
+                _record_outputs(result, res)
+            if final:
+                complete = True
+                break
+    finally:
+        # Cancel only an unfinished request: cancelling a finished one races with the ensemble's
+        # own completion and leaves it holding the request until the server's exit timeout.
+        client.stop_stream(cancel_requests=not complete)
+    result.text = "".join(result.pieces)
+    result.total_s = time.perf_counter() - t0
+    return result
+
+
 def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int = 64, stream: bool | None = None,
              unary: bool = False, on_text: Callable[[str], None] | None = None, timeout_s: float = 300.0,
              request_id: str = "", check: bool = True, client: Any = None,
@@ -191,78 +267,18 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
     ``client``: a ``tritonclient.grpc.InferenceServerClient`` to reuse (one call at a time); it is
     left open. Raises InputError / BackendUnavailable / TrtmoeError.
     """
-    from tritonclient.utils import InferenceServerException
-
     if max_tokens < 1:
         raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
     _check_request_args(url, timeout_s, sampling)
     own = client is None
     client = _client(url) if own else client
     try:
-        if check:
-            _check_server(client, url, model)
-        if check or (url, model) not in _DECOUPLED:
-            _DECOUPLED[(url, model)] = is_decoupled(client, model)
-        decoupled = _DECOUPLED[(url, model)]
-        if unary and decoupled:
-            raise InputError(f"model {model!r} is decoupled (it streams its responses), so Triton refuses unary "
-                             "ModelInfer calls to it",
-                             hint="call it through the gRPC stream API (drop --unary), or HTTP "
-                                  f"/v2/models/{model}/generate for a single non-streamed response")
-        if stream is None:
-            stream = decoupled and not unary
-        if stream and not decoupled:
-            raise InputError(f"model {model!r} is not decoupled, so it cannot stream tokens",
-                             hint="call it without --stream, or regenerate the repository with "
-                                  "`trtmoe repo --streaming`")
+        decoupled, stream = _call_mode(client, url, model, stream=stream, unary=unary, check=check)
         inputs = build_inputs(prompt, max_tokens=max_tokens, stream=stream,
                               exclude_input_in_output=exclude_input_in_output, **sampling)
         result = GenerateResult(text="", streamed=stream, model=model)
-        if not decoupled:
-            t0 = time.perf_counter()
-            try:
-                res = client.infer(model, inputs, request_id=request_id, client_timeout=timeout_s)
-            except InferenceServerException as e:
-                raise TrtmoeError(f"{model}: {e.message()}") from None
-            result.text = _text(res)
-            result.pieces, result.response_times = [result.text], [time.perf_counter() - t0]
-            _record_outputs(result, res)
-            if on_text:
-                on_text(result.text)
-            result.total_s = result.response_times[-1]
-            return result
-        responses: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
-        complete = False
-        try:
-            t0 = time.perf_counter()  # the stream is open: from here on it is the request's own time
-            client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
-            deadline = t0 + timeout_s
-            while True:
-                try:
-                    res, err, t = responses.get(timeout=max(deadline - time.perf_counter(), 0.001))
-                except queue.Empty:
-                    raise TrtmoeError(f"{model}: no final response within {timeout_s:.0f} s") from None
-                if err is not None:
-                    raise TrtmoeError(f"{model}: {err.message() if hasattr(err, 'message') else err}")
-                piece = _text(res)
-                final = _is_final(res)
-                if piece or not final:
-                    result.pieces.append(piece)
-                    result.response_times.append(t - t0)
-                    if on_text and piece:
-                        on_text(piece)
-                    _record_outputs(result, res)
-                if final:
-                    complete = True
-                    break
-        finally:
-            # Cancel only an unfinished request: cancelling a finished one races with the ensemble's
-            # own completion and leaves it holding the request until the server's exit timeout.
-            client.stop_stream(cancel_requests=not complete)
-        result.text = "".join(result.pieces)
-        result.total_s = time.perf_counter() - t0
-        return result
+        call = _infer_stream if decoupled else _infer_unary
+        return call(client, model, inputs, result, request_id=request_id, timeout_s=timeout_s, on_text=on_text)
     finally:
         if own:
             client.close()
