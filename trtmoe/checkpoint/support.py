@@ -140,17 +140,37 @@ def _mapping_cells_1_2() -> dict[tuple[str, str], Cell]:
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """Which decoder-layer shapes an architecture's TensorRT-LLM model class builds."""
+
+    dense_layers: str = "any"  # "none": every decoder layer MoE; "first": exactly layer 0 dense; "any"
+    reason: str = ""  # why dense_layers is not "any"
+    shared_experts_required: str = ""  # why a model without shared experts cannot be built ("" = it can)
+
+
+def _model_shapes_1_2() -> dict[str, ModelShape]:
+    qwen = ModelShape("none", "its QWen model makes every decoder layer MoE (mlp_only_layers / decoder_sparse_step "
+                              "are not read)")
+    return {"mixtral": ModelShape(), "phimoe": ModelShape(), "qwen2_moe": qwen, "qwen3_moe": qwen,
+            "deepseek_v1": ModelShape("first", "its DeepSeek-V1 model hard-codes exactly layer 0 as the dense layer",
+                                      "its DeepSeek-V1 decoder layer builds a MoE layer without shared experts from a "
+                                      "class its model file does not import (NameError at build); only SharedMoE "
+                                      "layers build")}
+
+
+@dataclass(frozen=True)
 class ReleaseSupport:
     """The support table of one TensorRT-LLM release line."""
 
     line: str
     quant: dict[tuple[str, str, str], Cell]
     mapping: dict[tuple[str, str], Cell]
+    model: dict[str, ModelShape] = field(default_factory=dict)
     sources: tuple[str, ...] = field(default=())
 
 
 SUPPORT: dict[str, ReleaseSupport] = {
-    "1.2": ReleaseSupport("1.2", _quant_cells_1_2(), _mapping_cells_1_2(), sources=(
+    "1.2": ReleaseSupport("1.2", _quant_cells_1_2(), _mapping_cells_1_2(), _model_shapes_1_2(), sources=(
         "tensorrt_llm/models/modeling_utils.py", "tensorrt_llm/quantization/quantize.py",
         "tensorrt_llm/layers/moe.py", "tensorrt_llm/models/qwen/model.py",
         "tensorrt_llm/models/deepseek_v1/model.py", "tensorrt_llm/models/llama/model.py",
@@ -287,18 +307,16 @@ def check(version: str, family: str, *, layer_formats: dict[int, str] | None, pe
         if size > 1:
             add("mapping", (family, feat), rs.mapping[(family, feat)], f"{feat}={size}")
     dense = [l for l, moe in enumerate(moe_layers) if not moe]
-    if family in ("qwen2_moe", "qwen3_moe") and dense:
+    shape = rs.model[family]
+    if shape.dense_layers == "none" and dense:
         add("model", (family, "dense_layers"), Cell(REFUSED, (
-            f"its QWen model makes every decoder layer MoE and would not load the dense layers {dense} "
-            f"(mlp_only_layers / decoder_sparse_step)")), "a model with dense layers")
-    if family == "deepseek_v1" and moe_layers and dense != [0]:
+            f"{shape.reason} and would not load the dense layers {dense}")), "a model with dense layers")
+    if shape.dense_layers == "first" and moe_layers and dense != [0]:
         add("model", (family, "dense_layers"), Cell(REFUSED, (
-            f"its DeepSeek-V1 model hard-codes exactly layer 0 as the dense layer, but this model has "
-            f"dense layers {dense}")), "this layer pattern")
-    if family == "deepseek_v1" and shared_expert_size == 0:
-        add("model", (family, "no_shared_experts"), Cell(REFUSED, (
-            "its DeepSeek-V1 decoder layer builds a MoE layer without shared experts from a class its model file "
-            "does not import (NameError at build); only SharedMoE layers build")), "a model without shared experts")
+            f"{shape.reason}, but this model has dense layers {dense}")), "this layer pattern")
+    if shape.shared_experts_required and shared_expert_size == 0:
+        add("model", (family, "no_shared_experts"), Cell(REFUSED, shape.shared_experts_required),
+            "a model without shared experts")
     if pp > 1 and mixed and not per_expert:
         add("combo", (family, "mixed", "pp"), Cell(REFUSED, (
             "quant_cfg.json is one file for every rank and is matched against each rank's module names, which "
