@@ -32,6 +32,9 @@ after: on a shared machine the figures are only comparable within one run.
 ``--baseline-tree DIR`` (repeatable) adds a ``trtmoe@DIR`` row: the same served stack built and served by
 the trtmoe sources in DIR (a checkout or ``git archive`` of another revision: its converter, repository
 and Python-backend models, in its own process), interleaved with the others, for before/after figures.
+Triton's Python-backend stubs ignore PYTHONPATH, so the tree's ``trtmoe`` package is linked into its
+repository's ``tensorrt_llm/1/`` folder (on the stub's path ahead of an editable install): the served
+batcher and engine are the tree's too, not the installed checkout's.
 
 With only trtmoe installed the peers are skipped, each with a line saying why. Peers are never
 dependencies of this project; set each up in its own virtual environment (paths below are the defaults
@@ -392,6 +395,16 @@ engine = work / "engine"
 engine.mkdir()
 (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": a["build"]}))
 repo = generate_repository(engine, work / "repo", torch_num_threads=a["threads"], streaming=True)
+# Triton's Python-backend stubs ignore PYTHONPATH: they would import the installed trtmoe (this
+# checkout's, for an editable install) and so serve every tree with the same batcher and engine.
+# The model's own folder is on the stub's sys.path, searched before an editable install's finder,
+# so the tree's package is linked there (a plain install on the stub's path would still win: refused).
+import subprocess
+probe = "import importlib.machinery as m, sys; print(m.PathFinder.find_spec('trtmoe', sys.path) is None)"
+if subprocess.run([sys.executable, "-I", "-c", probe], cwd="/", capture_output=True, text=True).stdout.strip() != "True":
+    sys.exit("an installed trtmoe on Python's default path would shadow the tree's in Triton's stubs; "
+             "use an editable install (pip install -e) to compare trees")
+(repo.path / "tensorrt_llm" / "1" / "trtmoe").symlink_to(Path(a["tree"]) / "trtmoe", target_is_directory=True)
 t0 = time.perf_counter()
 server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=a["timeout"], log_file=a["log"])
 print(json.dumps({"grpc": server.endpoints.grpc, "ready_s": time.perf_counter() - t0, "pid": server.process.pid}), flush=True)
@@ -416,6 +429,7 @@ class TrtmoeTree(Trtmoe):
     def start(self) -> None:
         a = self.args
         spec = {"workdir": str(self.workdir), "fixture": str(a.fixture), "threads": a.torch_threads,
+                "tree": str(self.tree.resolve()),
                 "timeout": a.ready_timeout, "log": str(self.log),
                 "build": {"max_batch_size": max(a.concurrency), "max_input_len": 64,
                           "max_seq_len": 64 + a.tokens + 8, "max_beam_width": 1, "tokens_per_block": 32}}
