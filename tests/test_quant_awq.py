@@ -393,3 +393,55 @@ def test_search_numerics_are_the_formats_own(name, dtype):
         fake = (_fake_group(w.float(), g, dtype, clip) if name != "int4"
                 else _fake_channel(w.float(), dtype, None if clip is None else clip.reshape(32)))
         assert torch.equal(stored, fake), (name, dtype, clip is None, (stored - fake).abs().max())
+
+
+def test_tensorrt_llm_target_plans_on_the_weights_its_stacked_layout_writes(tiny_model, tmp_path):
+    """Under awq, Fisher calibration scores each group-int4 expert matrix twice: with its own pre-quant
+    scale (the embedded engine's layout) and with the layer-shared one TensorRT-LLM's stacked layout
+    writes (``sensitivity.stacked``). The weights the second scored are the ones ``convert --target
+    tensorrt-llm`` writes, byte for byte, and that target's plan predicts its ΔKL from them."""
+    import shutil
+    from pathlib import Path
+
+    from conftest import TRAINED_MIXTRAL
+
+    from trtmoe.data import write_split_text
+    from trtmoe.quant.calib_schema import stacked_view
+    from trtmoe.quant.calibrate import _AwqRounding, calibrate
+    from trtmoe.quant.policies import predicted_delta_kl
+
+    src = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=L, seed=3, hidden_size=128,
+                     intermediate_size=128, head_dim=32, dtype="bfloat16", vocab_size=2048)
+    model = Path(shutil.copytree(src, tmp_path / "m"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
+    text = tmp_path / "calib.txt"
+    write_split_text("calib", text, max_bytes=20000)
+    cal = calibrate(model, text, tmp_path / "cal", samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"))
+    sens = cal["sensitivity"]
+    assert sens["stacked"]["formats"] == ["int4_g128"]  # int8 and per-channel int4 have no pre-quant scale
+    assert sens["stacked"]["delta_kl"]["int4_g128"] != sens["delta_kl"]["int4_g128"]
+
+    ck = tmp_path / "trt"
+    cli("convert", model, "-o", ck, "--calib", tmp_path / "cal", "--policy", "uniform", "--format", "int4_g128",
+        "--target", "tensorrt-llm")
+    got = load_file(str(ck / "rank0.safetensors"))
+    eng = EmbeddedEngine.from_checkpoint(convert(model, tmp_path / "float").out_dir, device="cpu")
+    rounding = _AwqRounding(awq.ActivationStats.load(tmp_path / "cal" / awq.ACT_FILE), "awq")
+    fmt = FORMATS["int4_g128"]
+    for l in range(L):
+        for m in ("fc", "proj"):
+            for e in range(4):
+                want = rounding.quantize_stacked(fmt, eng.layers[l].experts, l, e, m, eng.dtype)
+                for k, v in want.items():
+                    t = got[f"transformer.layers.{l}.mlp.{m}.{k}"]
+                    assert torch.equal(t if k == "prequant_scaling_factor" else t[e], v), (l, m, e, k)
+
+    res = cli("convert", model, "-o", tmp_path / "graded", "--calib", tmp_path / "cal", "--budget", "4.3",
+              "--target", "tensorrt-llm", "--json")
+    q = json.loads(res.output)["quantization"]
+    assert "int4_g128" in q["formats_used"]
+    written = json.loads((tmp_path / "graded" / "config.json").read_text())["trtmoe"]["quantization"]
+    plan = QuantPlan({int(l): fs for l, fs in written["expert_formats"].items()}, granularity="layer")
+    assert q["predicted_delta_kl"] == pytest.approx(predicted_delta_kl(plan, stacked_view(cal)), rel=1e-12)
+    assert q["predicted_delta_kl"] != pytest.approx(predicted_delta_kl(plan, cal), rel=1e-3)

@@ -99,6 +99,13 @@ def applies(fmt: QuantFormat) -> bool:
     return isinstance(fmt, GroupInt4Format) or (isinstance(fmt, PerChannelIntFormat) and fmt.bits == 4)
 
 
+def shares_prequant(fmt: QuantFormat, rounding: str) -> bool:
+    """Whether TensorRT-LLM's stacked layout (one pre-quant scale per MoE layer and matrix kind, searched
+    on all of the layer's experts) rounds ``fmt`` differently from the embedded engine's per-matrix
+    scale under ``rounding``: the group-wise int4 formats under awq and awq_gptq."""
+    return isinstance(fmt, GroupInt4Format) and rounding in ("awq", "awq_gptq")
+
+
 # ---------------------------------------------------------------------------------------------
 # statistics
 

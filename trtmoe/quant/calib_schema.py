@@ -139,6 +139,22 @@ class _Checker:
             for f in formats:
                 self.table(self.get(md, f, f"sensitivity.matrices.{m}.delta_kl.{f}"),
                            f"sensitivity.matrices.{m}.delta_kl.{f}")
+        if "stacked" in sens:
+            self.stacked(sens["stacked"], formats)
+
+    def stacked(self, st: Any, formats: list[str]) -> None:
+        """The optional ΔKL of formats as TensorRT-LLM's stacked layout rounds them: the same tables."""
+        fs = self.get(st, "formats", "sensitivity.stacked.formats")
+        if not isinstance(fs, list) or not all(isinstance(f, str) and f in formats for f in fs):
+            raise self.bad("sensitivity.stacked.formats", f"must list measured formats, got {fs!r:.60}")
+        for f in fs:
+            self.table(self.get(self.get(st, "delta_kl", "sensitivity.stacked.delta_kl"), f,
+                                f"sensitivity.stacked.delta_kl.{f}"), f"sensitivity.stacked.delta_kl.{f}")
+            for m in MATRICES:
+                key = f"sensitivity.stacked.matrices.{m}.delta_kl"
+                md = self.get(self.get(self.get(st, "matrices", "sensitivity.stacked.matrices"), m,
+                                       f"sensitivity.stacked.matrices.{m}"), "delta_kl", key)
+                self.table(self.get(md, f, f"{key}.{f}"), f"{key}.{f}")
 
 
 def validate_calib(calib: dict, where: str | None = None) -> dict:
@@ -149,6 +165,22 @@ def validate_calib(calib: dict, where: str | None = None) -> dict:
     check.routing()
     check.sensitivity(formats)
     return calib
+
+
+def stacked_view(calib: dict) -> dict:
+    """``calib`` with the ΔKL of each format that ``sensitivity.stacked`` measured replaced by that
+    measurement (what TensorRT-LLM's stacked layout writes): the tensorrt-llm target plans on it. A
+    calibration without the block (round-to-nearest or error-feedback-only roundings, where both layouts
+    write the same weights, or the exact method) is returned unchanged."""
+    st = calib["sensitivity"].get("stacked")
+    if not st:
+        return calib
+    sens = dict(calib["sensitivity"])
+    sens["delta_kl"] = {**sens["delta_kl"], **st["delta_kl"]}
+    sens["matrices"] = {m: {**sens["matrices"][m], "delta_kl": {**sens["matrices"][m]["delta_kl"],
+                                                                **st["matrices"][m]["delta_kl"]}}
+                        for m in MATRICES}
+    return {**calib, "sensitivity": sens}
 
 
 def build_result(eng, formats, stats: dict, tokens: int, min_tokens: int, flagged: list,

@@ -250,6 +250,7 @@ class _AwqRounding:
                  max_input_tokens: int = awq.MAX_INPUT_TOKENS):
         self.acts, self.name = acts, rounding
         self.gram = {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens}
+        self._stacked: "awq.CheckpointRounding | None" = None
 
     def add_layer(self, layer, base, x_all, routed) -> None:
         self.acts.add_layer(layer, awq.collect_layer(base.fc, base.proj, x_all, routed, layer=layer,
@@ -264,6 +265,21 @@ class _AwqRounding:
 
     def quantize(self, fmt, w, layer, expert, mod, dtype):
         return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name)
+
+    def shares_prequant(self, fmt) -> bool:
+        return awq.shares_prequant(fmt, self.name)
+
+    def quantize_stacked(self, fmt, base, layer, expert, mod, dtype):
+        """``quantize`` as TensorRT-LLM's stacked layout writes the matrix: through the checkpoint
+        writer's own rounding (``awq.CheckpointRounding``, as at tp=1), whose pre-quant scale is
+        searched once on every expert of the layer."""
+        if self._stacked is None or self._stacked.dtype != dtype:
+            self._stacked = awq.CheckpointRounding(self.acts, dtype, rounding=self.name)
+        mat = lambda e, m: base.fc[e] if m == "fc" else base.proj[e]  # noqa: E731
+        w = mat(expert, mod)
+        rec = self._stacked.recipe(fmt, layer, expert, mod, (0, base.proj.shape[-1]), w, lambda e: mat(e, mod),
+                                   list(range(base.fc.shape[0])), matrix=mat)
+        return awq.apply(fmt, w, dtype, rec)
 
 
 def _adopt_progress(parent: Path, name: str) -> Path | None:

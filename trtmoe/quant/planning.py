@@ -17,6 +17,7 @@ from ..errors import InputError, UnsupportedError
 from ..hf.reader import HFCheckpoint, parse_dtype
 from ..parallel.mapping import Mapping
 from .awq import attach as attach_rounding
+from .calib_schema import stacked_view
 from .calibrate import load_calib
 from .plan import QuantPlan, uniform_plan
 from .policies import make_plan, make_target_plan, placement
@@ -59,6 +60,10 @@ def plan_from_config(model, cfg: dict):
         if budget is None:
             raise InputError(f"policy {policy!r} needs a budget (--budget BPW or --budget-gb)")
         opts = support_options(cv["trtllm_version"], m.family)
+        # Plan on the ΔKL of the weights this layout writes (a layer-shared pre-quant scale), when the
+        # calibration measured them with the rounding the checkpoint uses.
+        if q["rounding"] == calib.get("rounding"):
+            calib = stacked_view(calib)
         plan = make_target_plan(calib, policy, budget_bpw=budget, uniform=opts.uniform, mixed=opts.mixed,
                                 dtype=dtype, formats=q["formats"], seed=q["seed"], I_loc=I_loc,
                                 target=f"{ARCH_LABEL[m.family]} on TensorRT-LLM {opts.line}")

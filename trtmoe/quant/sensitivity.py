@@ -73,6 +73,9 @@ PROBES = ("gaussian", "sample")
 SENSITIVITY_METHODS = ("fisher", "exact")
 DEFAULT_SENSITIVITY = "fisher"
 ESTIMATE_TOKENS = 256  # layer tokens an under-observed expert's estimate is computed on
+# Scoring key of a format as TensorRT-LLM's stacked layout rounds it (one pre-quant scale per MoE layer
+# and matrix kind, ``awq.shares_prequant``); calib.json keeps those ΔKL under sensitivity.stacked.
+STACKED = "@stacked"
 
 
 class RTN:
@@ -208,10 +211,12 @@ def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress
     _forward_backward(eng, batches, moe_layers, state, probe, seed, tick)
     counts, mass, entropy = _routing_totals(state, len(batches), c.num_layers, c.num_experts)
     N, T = ids.shape
-    scores = _score_layers(eng, moe_layers, formats, rounding, state, len(batches), counts, mass, min_tokens,
+    shares = getattr(rounding, "shares_prequant", lambda fmt: False)
+    keys = tuple(formats) + tuple(f + STACKED for f in formats if shares(format_obj(f, eng.dtype)))
+    scores = _score_layers(eng, moe_layers, keys, rounding, state, len(batches), counts, mass, min_tokens,
                            estimate_tokens, N, T, tick)
-    sens, flagged = _under_observed(scores, counts, moe_layers, formats, min_tokens, c.num_experts)
-    return _fisher_result(eng, formats, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens)
+    sens, flagged = _under_observed(scores, counts, moe_layers, keys, min_tokens, c.num_experts)
+    return _fisher_result(eng, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens)
 
 
 class _Ticker:
@@ -346,6 +351,8 @@ def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entr
     stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
     as_lists = lambda d: {f: t.tolist() for f, t in d.items()}  # noqa: E731
     measured, estimated, per_seq = scores["measured"], scores["estimated"], scores["per_seq"]
+    stacked = [f[:-len(STACKED)] for f in formats if f.endswith(STACKED)]
+    formats = [f for f in formats if not f.endswith(STACKED)]
     sensitivity = {
         "method": "fisher",
         "probe": probe,
@@ -356,6 +363,7 @@ def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entr
                          "estimated": as_lists(estimated[m]), "sequence_delta_kl": as_lists(per_seq[m])}
                      for m in MATRICES},
         "floor_share": scores["floor"],
+        **({"stacked": _stacked_block(stacked, sens, measured, estimated)} if stacked else {}),
         # Everything counted, the reference pass included (see the module docstring).
         "cost_forward_passes": cost_total,
         "cost_breakdown": cost,
@@ -363,9 +371,26 @@ def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entr
     return build_result(eng, formats, stats, tokens, min_tokens, flagged, sensitivity)
 
 
+def _stacked_block(stacked: list[str], sens, measured, estimated) -> dict:
+    """calib.json's ``sensitivity.stacked``: ΔKL of the formats TensorRT-LLM's stacked layout rounds
+    with a layer-shared pre-quant scale, measured on those weights (what ``--target tensorrt-llm``
+    writes), in the layout of ``delta_kl`` / ``matrices``."""
+    tl = lambda d, f: d[f + STACKED].tolist()  # noqa: E731
+    return {
+        "meaning": "ΔKL with the pre-quant scale TensorRT-LLM's stacked MoE layout shares per MoE layer and "
+                   "matrix kind (searched on all of the layer's experts); the tensorrt-llm target plans with it",
+        "formats": stacked,
+        "delta_kl": {f: (sens["fc"][f + STACKED] + sens["proj"][f + STACKED]).tolist() for f in stacked},
+        "matrices": {m: {"delta_kl": {f: tl(sens[m], f) for f in stacked},
+                         "measured": {f: tl(measured[m], f) for f in stacked},
+                         "estimated": {f: tl(estimated[m], f) for f in stacked}} for m in MATRICES},
+    }
+
+
 def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, estimate_tokens, T, N, share,
                  floor, progress=None) -> dict:
-    """ΔKL estimates of every expert matrix of layer ``l`` from its saved activations."""
+    """ΔKL estimates of every expert matrix of layer ``l`` from its saved activations. A key of
+    ``formats`` ending in ``STACKED`` scores that format as TensorRT-LLM's stacked layout rounds it."""
     c = eng.cfg
     E, k = c.num_experts, c.top_k
     base: FloatExperts = eng.layers[l].experts
@@ -405,10 +430,11 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
             jobs.append(("estimated", est_rows, torch.full((len(est_rows),), w_mean, device=dev)))
         packed = {}
         for f in formats:
-            fmt = format_obj(f, eng.dtype)
+            fmt = format_obj(f.removesuffix(STACKED), eng.dtype)
             for m in MATRICES:
                 wt = base.fc[e] if m == "fc" else base.proj[e]
-                packed[(f, m)] = (fmt, rounding.quantize(fmt, wt, l, e, m, eng.dtype))
+                packed[(f, m)] = (fmt, rounding.quantize_stacked(fmt, base, l, e, m, eng.dtype) if f.endswith(STACKED)
+                                  else rounding.quantize(fmt, wt, l, e, m, eng.dtype))
         for kind, rows, wts in jobs:
             if len(rows) == 0:
                 continue
