@@ -164,10 +164,22 @@ class _Layer:
     dense_down: torch.Tensor | None = None
 
 
+_RMS_CONSTS: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dt = x.dtype
-    if dt == torch.float32 and w.dtype == torch.float32:  # one fused op, the same arithmetic
-        return F.rms_norm(x, w.shape, w, eps)
+    if dt == torch.float32 and w.dtype == torch.float32:
+        if x.device.type != "cpu" or x.requires_grad:  # one fused op, the same arithmetic
+            return F.rms_norm(x, w.shape, w, eps)
+        # On CPU F.rms_norm runs these steps (x², its mean as sum / n, + eps, rsqrt, the two
+        # products) plus two copies, one dispatch each: the same ops here give bit-identical
+        # results in less time (0-d tensor constants: a Python scalar operand costs a wrapper).
+        n = x.shape[-1]
+        k = _RMS_CONSTS.get((n, eps))
+        if k is None:
+            k = _RMS_CONSTS[(n, eps)] = (torch.tensor(float(n)), torch.tensor(eps))
+        return (x * (x * x).sum(-1, keepdim=True).div_(k[0]).add_(k[1]).rsqrt_()).mul_(w)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(dt)
@@ -403,16 +415,16 @@ class EmbeddedEngine:
         else:
             top, idx = logits.topk(c.top_k, dim=-1)
             w = top.softmax(-1)
-        flat_idx = idx.reshape(-1)
-        one = h.shape[0] == 1 and not h.requires_grad
+        one = h.shape[0] == 1 and not h.requires_grad and stats is not None
+        flat_idx = None if one else idx.reshape(-1)
         with torch.no_grad():
             # A small block's statistics are added for every layer together after the forward
             # (expert counts included); a one-token block needs no counts to group by.
-            n_e = None if stats is not None and one else torch.bincount(flat_idx, minlength=c.num_experts)
+            n_e = None if one else torch.bincount(flat_idx, minlength=c.num_experts)
             if stats is None:
                 self._record_routing([(li, n_e, logits.softmax(-1) if probs is None else probs, flat_idx, w)])
             else:  # the probabilities of a deferred record are computed when it is added
-                stats.append((li, n_e, logits if probs is None else probs, flat_idx, w, probs is None))
+                stats.append((li, n_e, logits if probs is None else probs, idx, w, probs is None))
             if self.route_hook is not None:
                 self.route_hook(li, idx)
         if w.dtype != h.dtype:
@@ -420,10 +432,11 @@ class EmbeddedEngine:
         if one:
             # One token: its k experts run on it directly, in expert order, each output weighted
             # and summed (the same arithmetic as the grouped path below, without the grouping).
-            picks = sorted((e, j) for j, e in enumerate(flat_idx.tolist()))
+            picks = sorted((e, j) for j, e in enumerate(idx.tolist()[0]))
+            ws = w.unbind(1)  # [1] each
             out = None
             for (e, j), y in zip(picks, lay.experts.forward_picks(h, [e for e, _ in picks])):
-                y = y * w[:, j:j + 1]
+                y = y * ws[j]
                 out = y if out is None else out.add_(y)
             return self._moe_tail(li, lay, h, idx, w, out, shape)
         # Group the (token, pick) pairs by expert with one stable sort, run every expert with
@@ -470,7 +483,7 @@ class EmbeddedEngine:
         top-k weights) of one or more layers; they stay on the engine's device (no host sync).
 
         A single record (a big block's layer) is added at once. A list of every layer's records of a
-        small block (layer, counts, router logits or probabilities, flat ids, weights, whether the
+        small block (layer, counts, router logits or probabilities, top-k ids, weights, whether the
         third item is logits) is queued, with the block's ``tokens``, and added later together with
         the following blocks': each total receives the same values in the same order as adding the
         blocks one by one would."""
