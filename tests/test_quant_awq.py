@@ -417,8 +417,13 @@ def test_tensorrt_llm_target_plans_on_the_weights_its_stacked_layout_writes(tiny
         shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
     text = tmp_path / "calib.txt"
     write_split_text("calib", text, max_bytes=20000)
-    cal = calibrate(model, text, tmp_path / "cal", samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"))
+    plain = calibrate(model, text, None, samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"))
+    assert "stacked" not in plain["sensitivity"]  # the embedded target's calibration (the default)
+    cal = calibrate(model, text, tmp_path / "cal", samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"),
+                    target="tensorrt-llm")
     sens = cal["sensitivity"]
+    assert sens["matrices"] == plain["sensitivity"]["matrices"]  # the per-matrix scores are unchanged
+    assert sens["cost_forward_passes"] > plain["sensitivity"]["cost_forward_passes"]
     assert sens["stacked"]["formats"] == ["int4_g128"]  # int8 and per-channel int4 have no pre-quant scale
     assert sens["stacked"]["delta_kl"]["int4_g128"] != sens["delta_kl"]["int4_g128"]
 

@@ -113,7 +113,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
               force: bool = False, add_bos: bool | None = None, notes: list[str] | None = None,
               rounding: str = awq.DEFAULT_ROUNDING, sensitivity: str = DEFAULT_SENSITIVITY,
               device: str = "cpu", probe: str = "gaussian", max_gram_in: int = awq.MAX_GRAM_IN,
-              max_input_tokens: int = awq.MAX_INPUT_TOKENS) -> dict:
+              max_input_tokens: int = awq.MAX_INPUT_TOKENS, target: str = "embedded") -> dict:
     """Measure routing statistics and per-(layer, expert, matrix, format) ΔKL on calibration text.
 
     ``model`` is an HF MoE directory (converted to a scratch single-rank checkpoint in its own dtype);
@@ -132,9 +132,17 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     inputs has its input Gram matrix stored; for the larger ones the MoE layers' input rows (at most
     ``max_input_tokens`` per layer) are stored in ``moe-inputs/`` and the Gram matrix is rebuilt from
     them when the matrix is rounded.
+    ``target`` "tensorrt-llm" (Fisher only) also scores the group-int4 formats as TensorRT-LLM's
+    stacked layout writes them under awq / awq_gptq (one pre-quant scale per MoE layer and matrix kind):
+    calib.json's ``sensitivity.stacked``, which ``convert --target tensorrt-llm`` plans on.
     Returns the calib.json dict."""
 
     _check_options(sensitivity, device, formats, min_tokens, max_gram_in, max_input_tokens)
+    if target not in ("embedded", "tensorrt-llm"):
+        raise InputError(f"unknown target {target!r}", hint="use embedded or tensorrt-llm")
+    if target == "tensorrt-llm" and sensitivity == "exact":
+        raise InputError("--target tensorrt-llm scores the stacked layout with the fisher sensitivity only",
+                         hint="use --sensitivity fisher, or --target embedded")
     # Windows past the model's context would measure positions the model was never defined for;
     # they are refused rather than clipped, so that --seq-len always means what it says.
     context = model_context(model)
@@ -172,9 +180,11 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
         else:
             # Resumable progress is keyed by everything the measurement depends on.
             key = [CALIB_VERSION, source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
-                   str(device)] + ([max_gram_in, max_input_tokens] if rounding in awq.ERROR_FEEDBACK else [])
+                   str(device)] + ([max_gram_in, max_input_tokens] if rounding in awq.ERROR_FEEDBACK else []) \
+                + (["stacked"] if target == "tensorrt-llm" else [])
             result = _fisher(eng, ids, usable, work, acts, key, min_tokens=min_tokens, batch_size=batch_size,
-                             progress=progress, rounding=rounding, probe=probe, notes=notes, gram=gram)
+                             progress=progress, rounding=rounding, probe=probe, notes=notes, gram=gram,
+                             stacked=target == "tensorrt-llm")
         del eng
         shutil.rmtree(ck)
         result["skipped_formats"] = skipped
@@ -210,7 +220,7 @@ def _check_options(sensitivity: str, device: str, formats, min_tokens: int, max_
 
 def _fisher(eng: EmbeddedEngine, ids: torch.Tensor, usable, work: Path, acts: "awq.ActivationStats", key: list, *,
             min_tokens: int, batch_size: int, progress, rounding: str, probe: str, notes: list[str],
-            gram: dict) -> dict:
+            gram: dict, stacked: bool = False) -> dict:
     """The Fisher measurement of ``calibrate`` (its progress in the workspace, resumed when ``key``
     matches), with the rounding and activation statistics recorded."""
     if rounding not in awq.ROUNDINGS:
@@ -218,7 +228,7 @@ def _fisher(eng: EmbeddedEngine, ids: torch.Tensor, usable, work: Path, acts: "a
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     result = fisher_measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
                             progress=progress, work=work / _PROGRESS, key=digest, probe=probe,
-                            rounding=_AwqRounding(acts, rounding, **gram), notes=notes)
+                            rounding=_AwqRounding(acts, rounding, stacked=stacked, **gram), notes=notes)
     shutil.rmtree(work / _PROGRESS, ignore_errors=True)
     result["rounding"] = rounding
     result["activations"] = acts.summary(gram["max_input_tokens"])
@@ -247,8 +257,8 @@ class _AwqRounding:
     collects per layer into ``acts`` (saved in the artifact), or plain RTN."""
 
     def __init__(self, acts: "awq.ActivationStats", rounding: str, max_gram_in: int = awq.MAX_GRAM_IN,
-                 max_input_tokens: int = awq.MAX_INPUT_TOKENS):
-        self.acts, self.name = acts, rounding
+                 max_input_tokens: int = awq.MAX_INPUT_TOKENS, stacked: bool = False):
+        self.acts, self.name, self.stacked = acts, rounding, stacked
         self.gram = {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens}
         self._stacked: "awq.CheckpointRounding | None" = None
 
@@ -267,7 +277,8 @@ class _AwqRounding:
         return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name)
 
     def shares_prequant(self, fmt) -> bool:
-        return awq.shares_prequant(fmt, self.name)
+        """Whether ``fmt`` is also scored as TensorRT-LLM's stacked layout writes it (``quantize_stacked``)."""
+        return self.stacked and awq.shares_prequant(fmt, self.name)
 
     def quantize_stacked(self, fmt, base, layer, expert, mod, dtype):
         """``quantize`` as TensorRT-LLM's stacked layout writes the matrix: through the checkpoint

@@ -51,7 +51,7 @@ def calibrate(model, out, config_path, force, as_json, **options):
                   tokenizer=Path(c["tokenizer"]) if c["tokenizer"] else None, text_field=c["field"], force=force,
                   add_bos=c["add_bos"], notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t),
                   rounding=c["rounding"], sensitivity=c["sensitivity"], device=c["device"],
-                  max_gram_in=c["max_gram_in"], max_input_tokens=c["max_input_tokens"])
+                  max_gram_in=c["max_gram_in"], max_input_tokens=c["max_input_tokens"], target=c["target"])
     if as_json:
         click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats")}, indent=1))
         return

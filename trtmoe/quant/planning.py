@@ -62,11 +62,16 @@ def plan_from_config(model, cfg: dict):
         opts = support_options(cv["trtllm_version"], m.family)
         # Plan on the ΔKL of the weights this layout writes (a layer-shared pre-quant scale), when the
         # calibration measured them with the rounding the checkpoint uses.
-        if q["rounding"] == calib.get("rounding"):
+        stacked = q["rounding"] == calib.get("rounding") and bool(calib["sensitivity"].get("stacked"))
+        if stacked:
             calib = stacked_view(calib)
         plan = make_target_plan(calib, policy, budget_bpw=budget, uniform=opts.uniform, mixed=opts.mixed,
                                 dtype=dtype, formats=q["formats"], seed=q["seed"], I_loc=I_loc,
                                 target=f"{ARCH_LABEL[m.family]} on TensorRT-LLM {opts.line}")
+        if not stacked and q["rounding"] in ("awq", "awq_gptq"):
+            note = ("group-wise int4 ΔKL were measured with each expert matrix's own pre-quant scale, while this "
+                    "layout shares one per MoE layer; `trtmoe calibrate --target tensorrt-llm` measures those weights")
+            plan = replace(plan, meta={**plan.meta, "notes": [*plan.meta.get("notes", []), note]})
     else:
         plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=q["formats"],
                          dtype=dtype, seed=q["seed"], I_loc=I_loc)

@@ -349,10 +349,10 @@ def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entr
             "scoring": scores["scored"] * 3 * I * H / fwd}
     cost_total = sum(cost.values())
     stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
-    as_lists = lambda d: {f: t.tolist() for f, t in d.items()}  # noqa: E731
     measured, estimated, per_seq = scores["measured"], scores["estimated"], scores["per_seq"]
     stacked = [f[:-len(STACKED)] for f in formats if f.endswith(STACKED)]
     formats = [f for f in formats if not f.endswith(STACKED)]
+    as_lists = lambda d: {f: d[f].tolist() for f in formats}  # noqa: E731
     sensitivity = {
         "method": "fisher",
         "probe": probe,
