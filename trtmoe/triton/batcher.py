@@ -207,8 +207,11 @@ class InflightBatcher:
                     req._cancel = True
             queued = sum(not req._cancel for req in reqs)
             if queued and self.max_waiting and len(self._waiting) + queued > self.max_waiting:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (max {self.max_waiting})"
-                                + (f"; this one brings {queued}" if queued > 1 else ""))
+                # TensorRT-LLM's executor words this refusal so ("Maximum queue size of N has been
+                # reached, ..."), and upstream's clients look for it, or for Triton's own wording.
+                raise QueueFull(f"Maximum queue size of {self.max_waiting} has been reached, please try again later "
+                                f"(Exceeds maximum queue size: {len(self._waiting)} requests are already waiting"
+                                + (f"; this one brings {queued}" if queued > 1 else "") + ")")
             self._waiting.extend(reqs)
             self._cv.notify()
             if any(req.is_cancelled is not None for req in reqs) and self._watcher is None:
