@@ -137,12 +137,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     calib.json's ``sensitivity.stacked``, which ``convert --target tensorrt-llm`` plans on.
     Returns the calib.json dict."""
 
-    _check_options(sensitivity, device, formats, min_tokens, max_gram_in, max_input_tokens)
-    if target not in ("embedded", "tensorrt-llm"):
-        raise InputError(f"unknown target {target!r}", hint="use embedded or tensorrt-llm")
-    if target == "tensorrt-llm" and sensitivity == "exact":
-        raise InputError("--target tensorrt-llm scores the stacked layout with the fisher sensitivity only",
-                         hint="use --sensitivity fisher, or --target embedded")
+    _check_options(sensitivity, device, formats, min_tokens, max_gram_in, max_input_tokens, target)
     # Windows past the model's context would measure positions the model was never defined for;
     # they are refused rather than clipped, so that --seq-len always means what it says.
     context = model_context(model)
@@ -199,8 +194,13 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
 
 
 def _check_options(sensitivity: str, device: str, formats, min_tokens: int, max_gram_in: int,
-                   max_input_tokens: int) -> None:
+                   max_input_tokens: int, target: str = "embedded") -> None:
     """InputError for an option ``calibrate`` cannot run with (before any work is done)."""
+    if target not in ("embedded", "tensorrt-llm"):
+        raise InputError(f"unknown target {target!r}", hint="use embedded or tensorrt-llm")
+    if target == "tensorrt-llm" and sensitivity == "exact":
+        raise InputError("--target tensorrt-llm scores the stacked layout with the fisher sensitivity only",
+                         hint="use --sensitivity fisher, or --target embedded")
     if sensitivity not in SENSITIVITY_METHODS:
         raise InputError(f"unknown sensitivity method {sensitivity!r}", hint="use fisher or exact")
     if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
