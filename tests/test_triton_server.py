@@ -326,6 +326,79 @@ def test_stop_words_through_ensemble(served):
     assert r.text == want and want.endswith(word)
 
 
+def test_log_probs_and_penalties_through_tensorrt_llm(served):
+    """return_log_probs with a repetition and a presence penalty, through the tensorrt_llm model: the
+    engine's own tokens and log-probabilities for the same SamplingParams; streamed, each response
+    carries its tokens' log-probs and the running cum_log_probs."""
+    ref = served["ref"]
+    ids = ref.ids(PROMPTS[1])
+    n = 16
+    with ref.lock:
+        s = ref.engine.start(ids, SamplingParams(max_new_tokens=n, end_id=ref.tok.eos_token_id, repetition_penalty=1.7,
+                                                 presence_penalty=0.5, return_log_probs=True))
+        while not s.finished:
+            ref.engine.step([s])
+    plain = ref.tokens(PROMPTS[1], n)
+    assert s.tokens != plain and len(s.log_probs) == len(s.tokens)
+    inputs = [_tensor("input_ids", np.array([ids], np.int32), "INT32"),
+              _tensor("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+              _tensor("request_output_len", np.array([[n]], np.int32), "INT32"),
+              _tensor("end_id", np.array([[ref.tok.eos_token_id]], np.int32), "INT32"),
+              _tensor("repetition_penalty", np.array([[1.7]], np.float32), "FP32"),
+              _tensor("presence_penalty", np.array([[0.5]], np.float32), "FP32"),
+              _tensor("return_log_probs", np.array([[True]]), "BOOL"),
+              _tensor("streaming", np.array([[False]]), "BOOL")]
+    responses, err = stream_call(served["url"], "tensorrt_llm", inputs)
+    assert err is None and len(responses) == 1
+    r = responses[0]
+    assert r.as_numpy("output_ids").reshape(-1).tolist() == ids + s.tokens
+    lp = r.as_numpy("output_log_probs")
+    assert lp.shape == (1, 1, len(s.tokens)) and np.allclose(lp.reshape(-1), s.log_probs, atol=1e-5)
+    assert r.as_numpy("cum_log_probs").shape == (1, 1)
+    assert float(r.as_numpy("cum_log_probs")[0, 0]) == pytest.approx(s.cum_log_prob, abs=1e-4)
+    inputs[-1] = _tensor("streaming", np.array([[True]]), "BOOL")
+    responses, err = stream_call(served["url"], "tensorrt_llm", inputs)
+    assert err is None
+    parts = [(r.as_numpy("output_ids").reshape(-1).tolist(), r.as_numpy("output_log_probs").reshape(-1).tolist(),
+              float(r.as_numpy("cum_log_probs")[0, 0])) for r in responses if r.as_numpy("output_ids") is not None]
+    assert [t for p in parts for t in p[0]] == s.tokens
+    assert all(len(p[0]) == len(p[1]) for p in parts)
+    assert np.allclose([x for p in parts for x in p[1]], s.log_probs, atol=1e-5)
+    assert parts[-1][2] == pytest.approx(s.cum_log_prob, abs=1e-4)
+    assert parts[0][2] == pytest.approx(sum(parts[0][1]), abs=1e-4)
+    # Without return_log_probs the response carries no log-probs (and the tokens are plain greedy).
+    responses, err = stream_call(served["url"], "tensorrt_llm", inputs[:4] + [_tensor("streaming", np.array([[False]]), "BOOL")])
+    assert err is None and responses[0].as_numpy("output_log_probs") is None
+    assert responses[0].as_numpy("output_ids").reshape(-1).tolist()[len(ids):] == plain
+
+
+def test_bad_words_and_embedding_bias_through_ensemble(served):
+    """The ensemble's bad_words and embedding_bias_words/weights reach the engine via preprocessing."""
+    ref = served["ref"]
+    gen = ref.tokens(PROMPTS[0], 12)
+    # A generated token whose text encodes back to exactly that token.
+    k = next(i for i in range(len(gen)) if ref.tok.encode(ref.tok.decode([gen[i]]), add_special_tokens=False) == [gen[i]])
+    word = ref.tok.decode([gen[k]])
+    responses, err = stream_call(served["url"], "ensemble", _ens_inputs(
+        PROMPTS[0], 12, bad_words=(np.array([[word.encode()]], dtype=object), "BYTES"),
+        return_log_probs=(np.array([[True]]), "BOOL")))
+    assert err is None
+    out = responses[0].as_numpy("output_log_probs")
+    assert out is not None and out.size >= 1 and np.all(out <= 0)
+    with ref.lock:
+        want = ref.engine.generate(ref.ids(PROMPTS[0]), SamplingParams(max_new_tokens=12, end_id=ref.tok.eos_token_id,
+                                                                      bad_words=[[gen[k]]]))
+    assert gen[k] not in want
+    text = responses[0].as_numpy("text_output").reshape(-1)[0].decode()  # the prompt is included
+    assert text == ref.tok.decode(ref.ids(PROMPTS[0]) + want, skip_special_tokens=True)
+    # A large bias on one word forces it.
+    responses, err = stream_call(served["url"], "ensemble", _ens_inputs(
+        PROMPTS[0], 4, embedding_bias_words=(np.array([[word.encode()]], dtype=object), "BYTES"),
+        embedding_bias_weights=(np.array([[1e4]], np.float32), "FP32")))
+    assert err is None
+    assert responses[0].as_numpy("text_output").reshape(-1)[0].decode().endswith(word * 4)
+
+
 def test_cancelled_stream_stops_generation(served):
     """A client that cancels its stream frees the batch slot: the engine stops generating for it."""
     metrics_url = served["server"].endpoints.metrics

@@ -46,8 +46,36 @@ class SamplingParams:
     seed: int | None = None
     end_id: int | None = None
     min_tokens: int = 0
+    # Logit processing, in TensorRT-LLM's order: embedding_bias is added, the temperature divides
+    # (``greedy_temperature`` for a greedy request: it changes the argmax only through the additive
+    # penalties), then every token id seen in the prompt or the generated tokens is penalised:
+    # repetition divides a positive logit and multiplies a negative one, presence subtracts once,
+    # frequency subtracts once per occurrence. The end id is then masked inside ``min_tokens``, and
+    # each bad word's last token is masked when the sequence ends with the rest of the word.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    greedy_temperature: float = 1.0
+    bad_words: list[list[int]] = field(default_factory=list)
+    embedding_bias: torch.Tensor | None = None  # [vocab] float, added to the logits
+    # Record each chosen token's log-probability under the processed distribution (full-vocabulary
+    # softmax after the steps above, before top-k/top-p): Sequence.log_probs / cum_log_prob.
+    return_log_probs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.embedding_bias is not None and not isinstance(self.embedding_bias, torch.Tensor):
+            self.embedding_bias = torch.as_tensor(self.embedding_bias, dtype=torch.float32).reshape(-1)
+        self.bad_words = [[int(t) for t in w] for w in self.bad_words]
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # A row that needs any of the per-row steps above leaves the batched greedy argmax.
+        self.processed = bool(self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                              or self.frequency_penalty != 0.0 or self.bad_words
+                              or self.embedding_bias is not None or self.return_log_probs)
 
     def validate(self, vocab_size: int) -> None:
+        self._refresh()
         if self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -58,6 +86,16 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.end_id is not None and not 0 <= self.end_id < vocab_size:
             raise InputError(f"end_id {self.end_id} outside the vocabulary (0..{vocab_size - 1})")
+        if not self.repetition_penalty > 0:
+            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.greedy_temperature < 0:
+            raise InputError(f"temperature must be ≥ 0, got {self.greedy_temperature}")
+        for w in self.bad_words:
+            if not w or any(not 0 <= int(t) < vocab_size for t in w):
+                raise InputError(f"bad word {list(w)} is empty or outside the vocabulary (0..{vocab_size - 1})")
+        if self.embedding_bias is not None and tuple(self.embedding_bias.shape) != (vocab_size,):
+            raise InputError(f"embedding_bias has shape {list(self.embedding_bias.shape)}; "
+                             f"it must have the vocabulary size [{vocab_size}]")
 
 
 @dataclass
@@ -71,6 +109,10 @@ class Sequence:
     length: int = 0  # tokens held in the KV cache
     kv_capacity: int = 0  # tokens of the pool row reserved for it when it was admitted
     generator: torch.Generator | None = field(default=None, repr=False)
+    log_probs: list[float] = field(default_factory=list)  # one per token, when return_log_probs
+    cum_log_prob: float = 0.0  # their sum, plus the end id's when generation stopped on it
+    _counts: torch.Tensor | None = field(default=None, repr=False)  # occurrences of each id in history
+    _counted: int = 0  # generated tokens already in _counts
     _release: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
@@ -723,14 +765,67 @@ class EmbeddedEngine:
             s._release = None
             s.slot = -1
 
+    def _process(self, s: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """The per-row logit steps of SamplingParams (bias, temperature, penalties, min_tokens,
+        bad words) on one row of logits, as a new float tensor."""
+        p = s.params
+        x = logits.float().clone()
+        if p.embedding_bias is not None:
+            x += p.embedding_bias.to(device=x.device, dtype=x.dtype)
+        t = p.temperature if p.temperature > 0 else p.greedy_temperature
+        if t != 1.0:
+            x /= max(t, 1e-6)
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            if s._counts is None:
+                s._counts = torch.bincount(torch.tensor(s.prompt, dtype=torch.long), minlength=x.numel())
+                s._counts = s._counts[: x.numel()].to(x.device)
+            if s._counted < len(s.tokens):
+                new = torch.tensor(s.tokens[s._counted:], dtype=torch.long, device=x.device)
+                s._counts.index_add_(0, new, torch.ones_like(new))
+                s._counted = len(s.tokens)
+            seen = s._counts > 0
+            if p.repetition_penalty != 1.0:
+                r = p.repetition_penalty
+                x = torch.where(seen, torch.where(x < 0, x * r, x / r), x)
+            if p.presence_penalty != 0.0:
+                x = x - p.presence_penalty * seen.to(x.dtype)
+            if p.frequency_penalty != 0.0:
+                x = x - p.frequency_penalty * s._counts.to(x.dtype)
+        if p.end_id is not None and len(s.tokens) < p.min_tokens:
+            x[p.end_id] = -float("inf")
+        if p.bad_words:
+            hist = s.prompt + s.tokens
+            for w in p.bad_words:
+                n = len(w) - 1
+                if n == 0 or (n <= len(hist) and hist[len(hist) - n:] == list(w[:n])):
+                    x[w[-1]] = -float("inf")
+        return x
+
     def _sample(self, s: Sequence, logits: torch.Tensor) -> int:
         p = s.params
+        if p.processed:
+            x = self._process(s, logits)
+            if p.temperature == 0:
+                tok = int(x.argmax())
+            else:
+                tok = self._draw(s, x)
+            if p.return_log_probs:
+                lp = float(torch.log_softmax(x, -1)[tok])
+                s.cum_log_prob += lp
+                if not (p.end_id is not None and tok == p.end_id and len(s.tokens) >= p.min_tokens):
+                    s.log_probs.append(lp)  # the end id is not an output token
+            return tok
         logits = logits.float()
         if p.end_id is not None and len(s.tokens) < p.min_tokens:
             logits[p.end_id] = -float("inf")
         if p.temperature == 0:
             return int(logits.argmax())
-        logits = logits / p.temperature
+        return self._draw(s, logits / p.temperature)
+
+    @staticmethod
+    def _draw(s: Sequence, logits: torch.Tensor) -> int:
+        """Top-k / top-p sampling from temperature-scaled logits."""
+        p = s.params
         if p.top_k:
             kth = logits.topk(min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, -float("inf"))
@@ -868,7 +963,7 @@ class EmbeddedEngine:
     def _greedy_batch(live: list[Sequence], logits: torch.Tensor) -> list[int | None]:
         """Argmax of every greedy row in one op (None for sampled rows); an end id still inside
         its sequence's ``min_tokens`` is masked out first, as ``_sample`` does."""
-        rows = [b for b, s in enumerate(live) if s.params.temperature == 0]
+        rows = [b for b, s in enumerate(live) if s.params.temperature == 0 and not s.params.processed]
         out: list[int | None] = [None] * len(live)
         if not rows:
             return out

@@ -53,9 +53,9 @@ Getter = Callable[[str], "np.ndarray | None"]
 # that means "not used". A request setting anything else gets a RequestError instead of a silent
 # difference from the TensorRT engine.
 _NEUTRAL = {
-    "len_penalty": 1.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "len_penalty": 1.0,
     "beam_search_diversity_rate": 0.0, "early_stopping": None, "runtime_top_p_min": None,
-    "runtime_top_p_decay": None, "runtime_top_p_reset_ids": None, "return_log_probs": False,
+    "runtime_top_p_decay": None, "runtime_top_p_reset_ids": None,
     "return_context_logits": False, "return_generation_logits": False, "draft_acceptance_threshold": None,
     "prompt_vocab_size": None, "lora_task_id": None, "mrope_position_deltas": None,
 }
@@ -194,11 +194,6 @@ def _refuse_unsupported(get: Getter, b: int, limits: EngineLimits) -> None:
         v = _scalar(get, name, b)
         if v is not None and v != neutral and not (neutral is None and v in (0, False)):
             raise RequestError(f"input '{name}'={v} is not supported by the embedded engine")
-    bias = get("embedding_bias")
-    if bias is not None and np.asarray(bias).size and np.any(np.asarray(bias) != 0):
-        raise RequestError("input 'embedding_bias' is not supported by the embedded engine")
-    if word_list(get("bad_words_list"), b):
-        raise RequestError("bad_words are not supported by the embedded engine")
     dec_len = _scalar(get, "decoder_input_lengths", b)
     if get("decoder_input_ids") is not None and dec_len is not None and int(dec_len) > 1:
         raise RequestError("decoder_input_ids are for encoder-decoder engines; this engine is decoder-only")
@@ -221,13 +216,58 @@ def _sampling_params(get: Getter, b: int, max_new: int, limits: EngineLimits, ma
         raise RequestError(f"min_tokens {int(min_tokens)} > max_tokens {max_new}")
     if end_id is None:
         end_id = limits.default_end_id
+    penalties = {}
+    for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        v = _scalar(get, name, b)
+        if v is None or float(v) == neutral:
+            continue
+        if not np.isfinite(float(v)):
+            raise RequestError(f"input '{name}' must be finite, got {v}")
+        penalties[name] = float(v)
+    if penalties.get("repetition_penalty", 1.0) <= 0:
+        raise RequestError(f"input 'repetition_penalty' must be > 0, got {penalties['repetition_penalty']}")
+    bad_words = word_list(get("bad_words_list"), b)
+    for w in bad_words:
+        if any(not 0 <= t < limits.vocab_size for t in w):
+            raise RequestError(f"input 'bad_words_list' has token id outside the vocabulary [0, {limits.vocab_size}): {w}")
+    bias = _bias_row(get, b, limits)
     # TensorRT-LLM decodes greedily unless top_k > 1 or top_p > 0; mirror that so both engines
     # answer a request the same way (a bare temperature stays greedy, as there).
     sampling = (top_k is not None and int(top_k) > 1) or (top_p is not None and float(top_p) > 0.0)
+    extra: dict[str, Any] = dict(penalties)
+    if bad_words:
+        extra["bad_words"] = bad_words
+    if bias is not None:
+        extra["embedding_bias"] = bias
+    if bool(_scalar(get, "return_log_probs", b) or False):
+        extra["return_log_probs"] = True
+    if extra and not sampling and temperature is not None:
+        # A greedy request's temperature still scales its logits before the additive penalties.
+        extra["greedy_temperature"] = float(temperature)
     return make_params(
         max_new_tokens=max_new,
         temperature=float(temperature if temperature is not None else 1.0) if sampling else 0.0,
         top_k=int(top_k or 0), top_p=float(top_p) if top_p else 1.0,  # TRT-LLM: top_p 0 = off
         seed=int(seed) if seed is not None else None,
         end_id=int(end_id) if end_id is not None and int(end_id) >= 0 else None,
-        min_tokens=int(min_tokens or 0))
+        min_tokens=int(min_tokens or 0), **extra)
+
+
+def _bias_row(get: Getter, b: int, limits: EngineLimits) -> "np.ndarray | None":
+    """Prompt ``b``'s embedding_bias ([vocab] float32), or None when absent, empty or all zero."""
+    arr = get("embedding_bias")
+    if arr is None:
+        return None
+    a = np.asarray(arr, dtype=np.float32)
+    if a.size == 0:
+        return None
+    a = a.reshape(1, -1) if a.ndim <= 1 else a.reshape(a.shape[0], -1)
+    row = a[b if a.shape[0] > 1 else 0]
+    if not np.any(row != 0):
+        return None
+    if row.size != limits.vocab_size:
+        raise RequestError(f"input 'embedding_bias' has {row.size} values; it needs one per vocabulary id "
+                           f"({limits.vocab_size})")
+    if not np.all(np.isfinite(row)):
+        raise RequestError("input 'embedding_bias' must be finite")
+    return row.copy()

@@ -165,9 +165,12 @@ class TritonPythonModel:
     # -- responses (batcher thread) ------------------------------------------------------------
     def _tensors(self, treq, gen, req, ids, final):
         ids = np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)
+        start = gen.sent_tokens if gen.streaming else 0
         gen.sent_tokens += ids.shape[-1] if gen.streaming else len(req.tokens)
+        log_probs = self._log_probs(gen, req, start, final) if getattr(gen.params, "return_log_probs", False) else []
         out = [pb_utils.Tensor("output_ids", ids),
                pb_utils.Tensor("sequence_length", np.array([[ids.shape[-1]]], dtype=np.int32))]
+        out += log_probs
         if treq.key is not None:
             out.append(pb_utils.Tensor("request_key", np.array([[treq.key]], dtype=object)))
         if gen.batch_size > 1:  # only a batched request needs to tell its responses apart
@@ -195,6 +198,21 @@ class TritonPythonModel:
             out.append(pb_utils.Tensor("acceptance_rate", np.array([[accepted / draft if draft else 0.0]],
                                                                    dtype=np.float32)))
         return out
+
+    @staticmethod
+    def _log_probs(gen, req, start, final):
+        """output_log_probs [1, 1, n]: the log-probability of each generated token this response
+        carries (all of them unstreamed, the new ones streamed), and cum_log_probs [1, 1]: their
+        running sum over the generation so far; the final one includes the end id's when the engine
+        stopped on it, as TensorRT-LLM's sampler counts it."""
+        seq = req.seq
+        lps = getattr(seq, "log_probs", None) or []
+        end = gen.sent_tokens if gen.streaming else len(req.tokens)
+        cum = float(np.sum(np.asarray(lps[:end], dtype=np.float64)))
+        if final and len(lps) == len(req.tokens) and len(seq.tokens) == len(req.tokens):
+            cum = float(getattr(seq, "cum_log_prob", cum))
+        return [pb_utils.Tensor("output_log_probs", np.asarray(lps[start:end], dtype=np.float32).reshape(1, 1, -1)),
+                pb_utils.Tensor("cum_log_probs", np.array([[cum]], dtype=np.float32))]
 
     def _on_event(self, treq: _TritonRequest, gen, event):
         """Batcher callback: queue the event for the sender thread, so slow IPC or a slow client never
