@@ -771,7 +771,9 @@ class EmbeddedEngine:
         p = s.params
         x = logits.float().clone()
         if p.embedding_bias is not None:
-            x += p.embedding_bias.to(device=x.device, dtype=x.dtype)
+            if p.embedding_bias.device != x.device or p.embedding_bias.dtype != x.dtype:
+                p.embedding_bias = p.embedding_bias.to(device=x.device, dtype=x.dtype)  # once per request
+            x += p.embedding_bias
         t = p.temperature if p.temperature > 0 else p.greedy_temperature
         if t != 1.0:
             x /= max(t, 1e-6)
