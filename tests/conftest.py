@@ -136,3 +136,14 @@ def start_serve_command(repo: Path, log_file: Path, timeout_s: float = 240,
         proc.kill()
         raise AssertionError("trtmoe serve did not get ready:\n" + "".join(lines))
     return proc, lines[-1]
+
+
+def request_getter(**tensors):
+    """A tensorrt_llm request's input getter (``parse_requests``' argument): prompt [1, 5, 9] of a
+    length-4 row, 4 output tokens, plus ``tensors``."""
+    import numpy as np
+
+    base = {"input_ids": np.array([[1, 5, 9, 0]], np.int32), "input_lengths": np.array([[3]], np.int32),
+            "request_output_len": np.array([[4]], np.int32)}
+    base.update(tensors)
+    return lambda name: base.get(name)

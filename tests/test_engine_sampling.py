@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from conftest import request_getter
 import pytest
 import torch
 
@@ -181,13 +182,7 @@ def test_invalid_values_are_refused(engine, prompt, opts, message):
 
 
 LIMITS = EngineLimits(max_input_len=8, max_seq_len=16, vocab_size=250, default_end_id=2)
-
-
-def _getter(**tensors):
-    base = {"input_ids": np.array([[1, 5, 9, 0]], np.int32), "input_lengths": np.array([[3]], np.int32),
-            "request_output_len": np.array([[4]], np.int32)}
-    base.update(tensors)
-    return lambda name: base.get(name)
+_getter = request_getter
 
 
 def test_parse_request_passes_the_options_through():

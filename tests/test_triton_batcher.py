@@ -11,6 +11,7 @@ import time
 import uuid
 
 import numpy as np
+from conftest import request_getter
 import pytest
 import torch
 
@@ -364,13 +365,7 @@ def test_auto_stream_interval_follows_the_batch(engine):
 
 # ---------------------------------------------------------------- request parsing
 LIMITS = EngineLimits(max_input_len=8, max_seq_len=16, vocab_size=250, default_end_id=2)
-
-
-def _getter(**tensors):
-    base = {"input_ids": np.array([[1, 5, 9, 0]], np.int32), "input_lengths": np.array([[3]], np.int32),
-            "request_output_len": np.array([[4]], np.int32)}
-    base.update(tensors)
-    return lambda name: base.get(name)
+_getter = request_getter
 
 
 def test_parse_request_maps_sampling_inputs():
