@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,27 @@ def _manifest_matches_files(d: Path) -> None:
     listed = json.loads((d / "manifest.json").read_text())["files"]
     for rel, digest in listed.items():
         assert digest == hashlib.sha256((d / rel).read_bytes()).hexdigest(), rel
+
+
+class _SlowFirstFollower(_CountingFollower):
+    """The first rank file's follower starts late, as on a loaded machine."""
+
+    def _follow(self, job):
+        if job is self._first:
+            time.sleep(0.5)
+        super()._follow(job)
+
+
+def test_a_late_first_follower_still_shares_its_prefix(synthetic, tmp_path, small_windows, monkeypatch):
+    """A later rank's follower that starts before the first file's has kept any hash state waits for
+    it instead of hashing the shared prefix itself."""
+    monkeypatch.setattr(W, "_RankFollower", _SlowFirstFollower)
+    src, ref, _ = synthetic
+    convert(src, tmp_path / "o", tp=2, moe_ep=2)
+    assert _hashes(tmp_path / "o") == ref
+    _manifest_matches_files(tmp_path / "o")
+    (follower,) = small_windows
+    assert follower.shared_bytes >= 6 * (64 << 10)
 
 
 def test_ranks_sharing_a_prefix_take_over_its_hash(synthetic, tmp_path, small_windows):

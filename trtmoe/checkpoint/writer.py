@@ -234,7 +234,7 @@ class _SourceHasher(_Background):
 class _Job:
     """One rank file as the writer reports it: bytes written so far and the verbatim-copied regions."""
 
-    __slots__ = ("name", "path", "end", "closed", "regions", "snap_at", "snaps")
+    __slots__ = ("name", "path", "end", "closed", "regions", "snap_at", "snaps", "followed")
 
     def __init__(self, name: str, path: Path):
         self.name, self.path = name, path
@@ -243,6 +243,7 @@ class _Job:
         # First file only: window ends, ascending, and the sha256 state of the file's bytes before each.
         self.snap_at: list[int] = []
         self.snaps: dict[int, object] = {}
+        self.followed = False  # its follower has finished (or given up)
 
 
 class _RankFollower(_Background):
@@ -321,7 +322,7 @@ class _RankFollower(_Background):
         ref = first if first is not job and _memcmp is not None else None  # while the prefix is shared
         try:
             while True:
-                want = self._next_snapshot(ref, pos) if ref is not None else None
+                want = self._await_snapshot(ref, pos) if ref is not None else None
                 if want is None:
                     ref = None
                 need = want if ref is not None else pos + 1
@@ -357,12 +358,28 @@ class _RankFollower(_Background):
                 if job is first and len(job.snap_at) < _MAX_SNAPSHOTS:
                     job.snaps[pos] = sha.copy()
                     job.snap_at.append(pos)  # after the state: readers look positions up here first
+                    with self._cv:
+                        self._cv.notify_all()
         finally:
+            with self._cv:
+                job.followed = True
+                self._cv.notify_all()
             if fd is not None:
                 os.close(fd)
             if ref_fd is not None:
                 os.close(ref_fd)
         self.hashes[job.name] = sha.hexdigest()
+
+    def _await_snapshot(self, ref: _Job, pos: int) -> int | None:
+        """The first file's next kept window end after ``pos``, waiting while its follower (always
+        started first, on another thread) may still keep one; None once it cannot."""
+        with self._cv:
+            while True:
+                want = self._next_snapshot(ref, pos)
+                if (want is not None or ref.followed or len(ref.snap_at) >= _MAX_SNAPSHOTS
+                        or self._cancelled.is_set()):
+                    return want
+                self._cv.wait()
 
     @staticmethod
     def _next_snapshot(ref: _Job, pos: int) -> int | None:
