@@ -417,7 +417,7 @@ def test_tensorrt_llm_target_plans_on_the_weights_its_stacked_layout_writes(tiny
         shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
     text = tmp_path / "calib.txt"
     write_split_text("calib", text, max_bytes=20000)
-    plain = calibrate(model, text, None, samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"))
+    plain = calibrate(model, text, tmp_path / "plain", samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"))
     assert "stacked" not in plain["sensitivity"]  # the embedded target's calibration (the default)
     cal = calibrate(model, text, tmp_path / "cal", samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"),
                     target="tensorrt-llm")
@@ -446,6 +446,10 @@ def test_tensorrt_llm_target_plans_on_the_weights_its_stacked_layout_writes(tiny
               "--target", "tensorrt-llm", "--json")
     q = json.loads(res.output)["quantization"]
     assert "int4_g128" in q["formats_used"]
+    assert not any("own pre-quant scale" in n for n in q["notes"])
+    per_matrix = cli("convert", model, "-o", tmp_path / "graded-pm", "--calib", tmp_path / "plain", "--budget", "4.3",
+                     "--target", "tensorrt-llm", "--json")
+    assert any("own pre-quant scale" in n for n in json.loads(per_matrix.output)["quantization"]["notes"])
     written = json.loads((tmp_path / "graded" / "config.json").read_text())["trtmoe"]["quantization"]
     plan = QuantPlan({int(l): fs for l, fs in written["expert_formats"].items()}, granularity="layer")
     assert q["predicted_delta_kl"] == pytest.approx(predicted_delta_kl(plan, stacked_view(cal)), rel=1e-12)

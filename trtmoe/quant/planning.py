@@ -16,9 +16,11 @@ from ..checkpoint.support import options as support_options
 from ..errors import InputError, UnsupportedError
 from ..hf.reader import HFCheckpoint, parse_dtype
 from ..parallel.mapping import Mapping
+from . import awq
 from .awq import attach as attach_rounding
 from .calib_schema import stacked_view
 from .calibrate import load_calib
+from .formats import FORMATS
 from .plan import QuantPlan, uniform_plan
 from .policies import make_plan, make_target_plan, placement
 
@@ -68,7 +70,7 @@ def plan_from_config(model, cfg: dict):
         plan = make_target_plan(calib, policy, budget_bpw=budget, uniform=opts.uniform, mixed=opts.mixed,
                                 dtype=dtype, formats=q["formats"], seed=q["seed"], I_loc=I_loc,
                                 target=f"{ARCH_LABEL[m.family]} on TensorRT-LLM {opts.line}")
-        if not stacked and q["rounding"] in ("awq", "awq_gptq"):
+        if not stacked and any(awq.shares_prequant(FORMATS[f], q["rounding"]) for f in calib["formats"]):
             note = ("group-wise int4 ΔKL were measured with each expert matrix's own pre-quant scale, while this "
                     "layout shares one per MoE layer; `trtmoe calibrate --target tensorrt-llm` measures those weights")
             plan = replace(plan, meta={**plan.meta, "notes": [*plan.meta.get("notes", []), note]})

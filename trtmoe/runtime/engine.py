@@ -66,16 +66,14 @@ class SamplingParams:
         if self.embedding_bias is not None and not isinstance(self.embedding_bias, torch.Tensor):
             self.embedding_bias = torch.as_tensor(self.embedding_bias, dtype=torch.float32).reshape(-1)
         self.bad_words = [[int(t) for t in w] for w in self.bad_words]
-        self._refresh()
 
-    def _refresh(self) -> None:
-        # A row that needs any of the per-row steps above leaves the batched greedy argmax.
-        self.processed = bool(self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                              or self.frequency_penalty != 0.0 or self.bad_words
-                              or self.embedding_bias is not None or self.return_log_probs)
+    @property
+    def processed(self) -> bool:
+        """Whether a row needs any of the per-row steps above (it then leaves the batched greedy argmax)."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                    or self.bad_words or self.embedding_bias is not None or self.return_log_probs)
 
     def validate(self, vocab_size: int) -> None:
-        self._refresh()
         if self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
         if self.temperature < 0:
