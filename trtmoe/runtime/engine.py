@@ -61,6 +61,12 @@ class SamplingParams:
     # Record each chosen token's log-probability under the processed distribution (full-vocabulary
     # softmax after the steps above, before top-k/top-p): Sequence.log_probs / cum_log_prob.
     return_log_probs: bool = False
+    # TensorRT-LLM's return_context_logits / return_generation_logits: keep the prompt's per-position
+    # logits from the prefill (Sequence.context_logits) and each sampled step's raw logits, before any
+    # of the steps above, as the sampler received them (Sequence.generation_logits). Neither changes
+    # which tokens are chosen, nor takes a row out of the batched greedy argmax.
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.embedding_bias is not None and not isinstance(self.embedding_bias, torch.Tensor):
@@ -109,6 +115,9 @@ class Sequence:
     generator: torch.Generator | None = field(default=None, repr=False)
     log_probs: list[float] = field(default_factory=list)  # one per token, when return_log_probs
     cum_log_prob: float = 0.0  # their sum, plus the end id's when generation stopped on it
+    context_logits: torch.Tensor | None = field(default=None, repr=False)  # [prompt, vocab] float32
+    # One [vocab] float32 row per decoding step (the step that chose the end id included).
+    generation_logits: list[torch.Tensor] = field(default_factory=list, repr=False)
     _counts: torch.Tensor | None = field(default=None, repr=False)  # occurrences of each id in history
     _counted: int = 0  # generated tokens already in _counts
     _release: Callable[[], None] | None = field(default=None, repr=False)
@@ -675,10 +684,13 @@ class EmbeddedEngine:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None,
                  start_layer: int = 0, hidden: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                 last: list[int] | None = None, rope_lengths: list[int] | None = None) -> torch.Tensor:
+                 last: list[int] | None = None, rope_lengths: list[int] | None = None,
+                 all_positions: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         """Logits [B, T, V]; with ``last`` (a position per row) only those, [B, 1, V]. ``valid``
         [B, T] marks the real tokens of a right-padded batch: only they are routed and counted.
-        ``rope_lengths`` overrides the sequence lengths LongRoPE chooses its factors by."""
+        ``rope_lengths`` overrides the sequence lengths LongRoPE chooses its factors by.
+        ``all_positions`` (with ``last``): rows whose logits at every position up to their ``last``
+        are also wanted; each key's value is set to those, [last + 1, V] float32."""
         x = self.embedding[ids] if hidden is None else hidden
         plan = self._cache_plan(seqs, pos, ids.shape[1]) if seqs is not None else None
         lengths = rope_lengths  # each cached sequence's tokens after this forward (padding excluded)
@@ -703,7 +715,13 @@ class EmbeddedEngine:
             with self._stats_lock:
                 self._tokens += n
         if last is not None:
+            for b in all_positions or ():
+                all_positions[b] = self._head(x[b, : last[b] + 1])
             x = x[torch.arange(x.shape[0], device=x.device), torch.tensor(last, device=x.device)][:, None]
+        return self._head(x)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head: hidden states [..., H] -> float32 logits [..., V]."""
         x = self._norm(x, self.final_norm, self.final_norm_b)
         logits = F.linear(x, self.lm_head)
         if self.lm_head_b is not None:
@@ -899,11 +917,15 @@ class EmbeddedEngine:
             if min(lens) < T:
                 valid = torch.arange(T, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
             # Every cache row starts empty: a causal mask over the padded block is each prompt's own.
-            logits = self._forward(ids, pos, seqs, valid=valid, last=[n - 1 for n in lens])
+            context = {b: None for b, s in enumerate(seqs) if s.params.return_context_logits} or None
+            logits = self._forward(ids, pos, seqs, valid=valid, last=[n - 1 for n in lens], all_positions=context)
         except BaseException:
             for s in seqs:
                 self._free_cache(s)
             raise
+        for b in context or ():
+            seqs[b].context_logits = context[b].cpu()
+        self._keep_generation_logits(seqs, logits[:, 0])
         greedy = self._greedy_batch(seqs, logits[:, 0])
         for b, s in enumerate(seqs):
             s.length = lens[b]
@@ -926,6 +948,7 @@ class EmbeddedEngine:
         ids_pos = torch.tensor([[s.last_token, s.length] for s in live], device=self.device)
         ids, pos = ids_pos[:, :1], ids_pos[:, 1:]
         logits = self._forward(ids, pos, live)[:, -1]
+        self._keep_generation_logits(live, logits)
         toks = self._greedy_batch(live, logits)
         out = []
         for b, s in enumerate(live):
@@ -958,6 +981,14 @@ class EmbeddedEngine:
             self._entropy.copy_(saved[1])
             self._mass.copy_(saved[2])
             self._tokens = saved[3]
+
+    @staticmethod
+    def _keep_generation_logits(seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Record this step's raw logits row [V] of each sequence that asked for them (before the
+        sampler, which may mask a row in place)."""
+        for b, s in enumerate(seqs):
+            if s.params.return_generation_logits:
+                s.generation_logits.append(logits[b].detach().to("cpu", torch.float32, copy=True))
 
     @staticmethod
     def _greedy_batch(live: list[Sequence], logits: torch.Tensor) -> list[int | None]:
