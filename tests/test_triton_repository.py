@@ -532,3 +532,25 @@ def test_streaming_repository_wires_the_request_key_for_cancellation(setup, tmp_
     assert "REQUEST_KEY" not in default["ensemble"].ensemble_scheduling.step[2].input_map
     assert default["postprocessing"].HasField("dynamic_batching")
     assert default["postprocessing"].parameters["cancel_stop_model"].string_value == ""
+
+
+def test_gather_flags_from_build_to_engine_info(setup, tmp_path):
+    """`trtmoe build --gather-context-logits --gather-generation-logits` records both flags in the
+    embedded engine's build_config, as trtllm-build does, and the engine reader returns them; an
+    engine built without them reads False, and trtllm-build's gather_all_token_logits means both."""
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+
+    eng = tmp_path / "engine"
+    r = CliRunner().invoke(main, ["build", str(setup["ckpt"]), "-o", str(eng), "--backend", "embedded",
+                                  "--max-input-len", "48", "--gather-context-logits", "--gather-generation-logits"])
+    assert r.exit_code == 0, r.output
+    bc = json.loads((eng / "config.json").read_text())["build_config"]
+    assert bc["gather_context_logits"] is True and bc["gather_generation_logits"] is True
+    info = read_engine_dir(eng)
+    assert info.gather_context_logits and info.gather_generation_logits
+    plain = read_engine_dir(setup["engine"])
+    assert not plain.gather_context_logits and not plain.gather_generation_logits
+    trt = read_engine_dir(write_trt_engine(tmp_path / "trt", setup["ckpt"], gather_all_token_logits=True))
+    assert trt.gather_context_logits and trt.gather_generation_logits

@@ -98,6 +98,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "remove_input_padding": Key(bool, True, help="Packed (unpadded) inputs."),
         "workers": Key(int, 1, help="Ranks trtllm-build builds in parallel.", **_POS),
         "device": Key(str, "auto", choices=("auto", "cpu", "cuda"), help="Device recorded for the embedded engine."),
+        "gather_context_logits": Key(bool, False, help="Embedded engine: requests may ask for return_context_logits "
+                                                       "(the prompt's logits at every position)."),
+        "gather_generation_logits": Key(bool, False, help="Embedded engine: requests may ask for "
+                                                          "return_generation_logits (each step's raw logits)."),
     },
     "repo": {  # `trtmoe repo`: the Triton model repository (limits are checked against the engine's)
         "tokenizer": Key(str, None, nullable=True, metavar="DIR", help="Hugging Face tokenizer folder.",

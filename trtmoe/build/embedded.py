@@ -35,6 +35,8 @@ ENGINE_KIND = "embedded-engine"
 CHECKPOINT_SUBDIR = "checkpoint"
 BUILD_KEYS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "max_beam_width",
               "tokens_per_block", "device")
+# trtllm-build's names; recorded in build_config only when set (an engine without them reads as False).
+GATHER_KEYS = ("gather_context_logits", "gather_generation_logits")
 
 
 @dataclass
@@ -57,8 +59,9 @@ class EmbeddedResult:
 
 def engine_config(facts: CheckpointFacts, build: dict) -> dict:
     """The engine directory's config.json for resolved build settings."""
-    return {"backend": "embedded", "checkpoint": CHECKPOINT_SUBDIR,
-            "build_config": {k: build[k] for k in BUILD_KEYS}, "pretrained_config": facts.config}
+    bc = {k: build[k] for k in BUILD_KEYS}
+    bc.update({k: True for k in GATHER_KEYS if build.get(k)})
+    return {"backend": "embedded", "checkpoint": CHECKPOINT_SUBDIR, "build_config": bc, "pretrained_config": facts.config}
 
 
 def plan_embedded(checkpoint: str | Path, build: dict, *, verify: bool = True) -> EmbeddedPlan:

@@ -183,7 +183,8 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
             raise InputError(f"checkpoint is missing {', '.join(missing)}", where=str(ck_dir))
         limits = _build_limits(build, where, max_position_embeddings=ck_cfg.get("max_position_embeddings"))
         return EngineInfo(path=root, backend=EMBEDDED, model=model, checkpoint_dir=ck_dir, rank_files=ranks,
-                          trtllm_version=cfg.get("version"), logits_dtype=_logits_dtype(ck_cfg), **limits)
+                          trtllm_version=cfg.get("version"), logits_dtype=_logits_dtype(ck_cfg),
+                          **_gather_flags(build), **limits)
 
     if "backend" in cfg and cfg["backend"] not in (TENSORRT_LLM, "tensorrt-llm", "tensorrt_llm"):
         raise InputError(f"unknown engine backend {cfg['backend']!r}", where=where,
@@ -202,9 +203,14 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
     return EngineInfo(path=root, backend=TENSORRT_LLM, model=model, rank_files=ranks,
                       trtllm_version=str(cfg.get("version")) if cfg.get("version") else None,
                       logits_dtype=_logits_dtype(pretrained),
-                      gather_context_logits=bool(build.get("gather_context_logits", False)),
-                      gather_generation_logits=bool(build.get("gather_generation_logits", False)),
-                      **limits)
+                      **_gather_flags(build), **limits)
+
+
+def _gather_flags(build: dict) -> dict[str, bool]:
+    """build_config's gather_context_logits / gather_generation_logits (trtllm-build records both;
+    ``gather_all_token_logits`` is its shorthand for the two), False when absent."""
+    both = bool(build.get("gather_all_token_logits", False))
+    return {k: both or bool(build.get(k, False)) for k in ("gather_context_logits", "gather_generation_logits")}
 
 
 def _logits_dtype(pretrained: dict) -> str:
