@@ -178,6 +178,23 @@ def test_min_length_and_random_seed_aliases(moved):
     assert texts[("seed", 7)] == texts[("random_seed", 7)] != texts[("seed", 8)]
 
 
+def test_logits_and_sequences_refused_on_this_engine_and_model(moved):
+    """The default repository's engine was built without the gather flags and its tensorrt_llm model is
+    not decoupled: asking for logits names the build flag, several sequences name the decoupled model
+    (through the ensemble and BLS too), each in one line."""
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        for name, flag in (("return_context_logits", "gather_context_logits"),
+                           ("return_generation_logits", "gather_generation_logits")):
+            with pytest.raises(InferenceServerException, match=f"{name}.*{flag}") as e:
+                _infer(moved["url"], model, "def main(", 4, **{name: (np.array([[True]]), "BOOL")})
+            assert "\n" not in e.value.message()
+        with pytest.raises(InferenceServerException, match="decoupled"):
+            _infer(moved["url"], model, "def main(", 4, num_return_sequences=(np.array([[2]], np.int32), "INT32"))
+    # one sequence stays an ordinary request
+    res = _infer(moved["url"], "ensemble", "def main(", 4, num_return_sequences=(np.array([[1]], np.int32), "INT32"))
+    assert res.as_numpy("sequence_index") is None or res.as_numpy("sequence_index").reshape(-1).tolist() == [0]
+
+
 @pytest.mark.parametrize("missing", ["text_input", "max_tokens"])
 def test_missing_required_input_is_an_error(moved, missing):
     client = grpcclient.InferenceServerClient(moved["url"])

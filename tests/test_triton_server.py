@@ -87,7 +87,9 @@ def served(tmp_path_factory):
     convert(FIXTURE, ckpt, dtype="float32")
     engine = root / "engine"
     engine.mkdir()
-    (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": BUILD}))
+    # Built with both gather flags (tests/test_triton_contract.py's engine has neither).
+    build = {**BUILD, "gather_context_logits": True, "gather_generation_logits": True}
+    (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": build}))
     # The streaming (decoupled) repository; tests/test_triton_contract.py serves the default one.
     repo = generate_repository(engine, root / "repo", torch_num_threads=1, streaming=True)
     server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
@@ -370,6 +372,114 @@ def test_log_probs_and_penalties_through_tensorrt_llm(served):
     responses, err = stream_call(served["url"], "tensorrt_llm", inputs[:4] + [_tensor("streaming", np.array([[False]]), "BOOL")])
     assert err is None and responses[0].as_numpy("output_log_probs") is None
     assert responses[0].as_numpy("output_ids").reshape(-1).tolist()[len(ids):] == plain
+
+
+def _engine_run(ref, ids, **params):
+    with ref.lock:
+        s = ref.engine.start(ids, SamplingParams(end_id=ref.tok.eos_token_id, **params))
+        while not s.finished:
+            ref.engine.step([s])
+    return s
+
+
+def _final_flag(res) -> bool:
+    return res.get_response().parameters["triton_final_response"].bool_param
+
+
+def test_num_return_sequences_stream_through_tensorrt_llm(served):
+    """num_return_sequences 3, sampled, streamed: each sequence streams its own tokens under its
+    sequence_index, sequence i being what the engine generates with seed + i; FINAL comes once, on
+    the last response, after every sequence's last token."""
+    ref = served["ref"]
+    ids, n, seed = ref.ids(PROMPTS[4]), 10, 11
+    want = [_engine_run(ref, ids, max_new_tokens=n, temperature=1.3, top_k=20, seed=seed + i).tokens for i in range(3)]
+    assert len({tuple(w) for w in want}) > 1
+    inputs = [_tensor("input_ids", np.array([ids], np.int32), "INT32"),
+              _tensor("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+              _tensor("request_output_len", np.array([[n]], np.int32), "INT32"),
+              _tensor("end_id", np.array([[ref.tok.eos_token_id]], np.int32), "INT32"),
+              _tensor("runtime_top_k", np.array([[20]], np.int32), "INT32"),
+              _tensor("temperature", np.array([[1.3]], np.float32), "FP32"),
+              _tensor("seed", np.array([[seed]], np.uint64), "UINT64"),
+              _tensor("num_return_sequences", np.array([[3]], np.int32), "INT32"),
+              _tensor("streaming", np.array([[True]]), "BOOL")]
+    responses, err = stream_call(served["url"], "tensorrt_llm", inputs)
+    assert err is None
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for r in responses:
+        if r.as_numpy("output_ids") is None:
+            continue
+        idx = r.as_numpy("sequence_index")
+        assert idx is not None and idx.shape == (1, 1)
+        got[int(idx[0, 0])] += r.as_numpy("output_ids").reshape(-1).tolist()
+    assert [got[i] for i in range(3)] == want
+    assert [_final_flag(r) for r in responses] == [False] * (len(responses) - 1) + [True]
+    assert len(responses) >= 3 * 2  # streamed: more than one response per sequence
+
+
+def test_num_return_sequences_through_bls_and_ensemble(served):
+    """Greedy num_return_sequences 2 through the ensemble and BLS, streamed: both sequences are the
+    greedy completion, each text assembled from its own sequence_index's responses."""
+    ref = served["ref"]
+    prompt, n = PROMPTS[0], 8
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        inputs = [_tensor("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
+                  _tensor("max_tokens", np.array([[n]], np.int32), "INT32"),
+                  _tensor("num_return_sequences", np.array([[2]], np.int32), "INT32"),
+                  _tensor("stream", np.array([[True]]), "BOOL")]
+        responses, err = stream_call(served["url"], model, inputs)
+        assert err is None, (model, err)
+        texts = {0: "", 1: ""}
+        for r in responses:
+            if r.as_numpy("text_output") is None:
+                continue
+            texts[int(r.as_numpy("sequence_index").reshape(-1)[0])] += r.as_numpy("text_output").reshape(-1)[0].decode()
+        assert texts == {0: ref.text(prompt, n), 1: ref.text(prompt, n)}, model
+
+
+def test_context_and_generation_logits_through_tensorrt_llm(served):
+    """return_context_logits / return_generation_logits on an engine built with both gather flags:
+    context_logits [1, prompt, vocab] = the prompt's whole-sequence logits; generation_logits the raw
+    logits of each step (before the repetition penalty this request also sets), unstreamed
+    [1, 1, max_tokens, vocab] with zero rows past the steps run, streamed [1, n, 1, vocab] per response."""
+    ref = served["ref"]
+    ids, n = ref.ids(PROMPTS[2]), 6
+    s = _engine_run(ref, ids, max_new_tokens=n, repetition_penalty=1.5, return_generation_logits=True,
+                    return_context_logits=True)
+    V = ref.engine.vocab_size
+    with ref.lock:
+        whole = ref.engine.logits(__import__("torch").tensor([ids + s.tokens]))[0].numpy()
+    want_gen = np.stack([g.numpy() for g in s.generation_logits])
+    assert np.allclose(want_gen, whole[len(ids) - 1:len(ids) - 1 + len(s.generation_logits)], atol=1e-4)
+    base = [_tensor("input_ids", np.array([ids], np.int32), "INT32"),
+            _tensor("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+            _tensor("request_output_len", np.array([[n + 4]], np.int32), "INT32"),
+            _tensor("end_id", np.array([[ref.tok.eos_token_id]], np.int32), "INT32"),
+            _tensor("repetition_penalty", np.array([[1.5]], np.float32), "FP32"),
+            _tensor("return_context_logits", np.array([[True]]), "BOOL"),
+            _tensor("return_generation_logits", np.array([[True]]), "BOOL")]
+    # max tokens n + 4: the engine run above stopped at n; this one goes on, its first n agree
+    responses, err = stream_call(served["url"], "tensorrt_llm", base + [_tensor("streaming", np.array([[False]]), "BOOL")])
+    assert err is None and len(responses) == 1
+    r = responses[0]
+    toks = r.as_numpy("output_ids").reshape(-1).tolist()[len(ids):]
+    assert toks[:n] == s.tokens
+    ctx = r.as_numpy("context_logits")
+    assert ctx.dtype == np.float32 and ctx.shape == (1, len(ids), V)
+    assert np.allclose(ctx[0], whole[:len(ids)], atol=1e-4)
+    gen = r.as_numpy("generation_logits")
+    assert gen.shape == (1, 1, n + 4, V)
+    assert np.allclose(gen[0, 0, :n], want_gen[:n], atol=1e-4)
+    assert not np.any(gen[0, 0, len(toks) + 1:])  # past the steps run (at most one more: an end id)
+    responses, err = stream_call(served["url"], "tensorrt_llm", base + [_tensor("streaming", np.array([[True]]), "BOOL")])
+    assert err is None
+    parts = [(r.as_numpy("output_ids").reshape(-1).tolist(), r.as_numpy("generation_logits"), r.as_numpy("context_logits"))
+             for r in responses if r.as_numpy("output_ids") is not None]
+    assert [t for p in parts for t in p[0]] == toks
+    for tk, g, c in parts:
+        assert g.shape == (1, len(tk), 1, V) and c.shape == (1, len(ids), V)
+    streamed = np.concatenate([g[0, :, 0] for _, g, _ in parts])
+    assert np.allclose(streamed, gen[0, 0, :len(toks)], atol=1e-5)
 
 
 def test_bad_words_and_embedding_bias_through_ensemble(served):

@@ -26,6 +26,8 @@ class EngineLimits:
     vocab_size: int
     max_beam_width: int = 1
     default_end_id: int | None = None
+    gather_context_logits: bool = False  # build_config flags: the engine may return these logits
+    gather_generation_logits: bool = False
 
 
 @dataclass
@@ -43,6 +45,8 @@ class GenerationRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     batch_size: int = 1  # prompts in the Triton request this one came from
+    sequence_index: int = 0  # which of its prompt's num_return_sequences this is
+    num_sequences: int = 1  # num_return_sequences of its prompt
     sent_tokens: int = 0  # generated tokens already sent back (owned by the responder)
     held: list[int] = field(default_factory=list)  # streamed ids held back until a character is whole
 
@@ -56,7 +60,7 @@ _NEUTRAL = {
     "len_penalty": 1.0,
     "beam_search_diversity_rate": 0.0, "early_stopping": None, "runtime_top_p_min": None,
     "runtime_top_p_decay": None, "runtime_top_p_reset_ids": None,
-    "return_context_logits": False, "return_generation_logits": False, "draft_acceptance_threshold": None,
+    "draft_acceptance_threshold": None,
     "prompt_vocab_size": None, "lora_task_id": None, "mrope_position_deltas": None,
 }
 # Inputs the embedded engine never accepts (any value is an error).
@@ -135,22 +139,35 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
     for b in range(batch):
         prompt = _prompt(get, input_ids, b, limits)
         max_new = _max_new_tokens(get, b, len(prompt), limits)
-        _refuse_unsupported(get, b, limits)
-        params = _sampling_params(get, b, max_new, limits, make_params)
+        n_seq = _refuse_unsupported(get, b, limits)
+        if n_seq > 1 and not decoupled:
+            raise RequestError(f"num_return_sequences {n_seq} sends one response per sequence: it needs the "
+                               "decoupled tensorrt_llm model (regenerate the repository with streaming enabled)")
+        kwargs = _sampling_kwargs(get, b, max_new, limits)
         excl = _scalar(get, "exclude_input_in_output", b)
         streaming = bool(_scalar(get, "streaming", b) or False)
         if streaming and not decoupled:
             raise RequestError("streaming is only supported when tensorrt_llm is decoupled "
                                "(regenerate the repository with streaming enabled)")
-        reqs.append(GenerationRequest(
-            batch_index=b, prompt_ids=prompt, max_new_tokens=max_new, params=params, streaming=streaming,
-            exclude_input_in_output=bool(default_exclude_input if excl is None else excl),
-            stop_sequences=word_list(get("stop_words_list"), b),
-            return_perf_metrics=bool(_scalar(get, "return_perf_metrics", b) or False),
-            return_num_input_tokens=bool(_scalar(get, "return_num_input_tokens", b) or False),
-            return_num_output_tokens=bool(_scalar(get, "return_num_output_tokens", b) or False),
-            batch_size=batch))
+        for i, seed in enumerate(_sequence_seeds(kwargs["seed"], n_seq)):
+            reqs.append(GenerationRequest(
+                batch_index=b, prompt_ids=prompt, max_new_tokens=max_new, params=make_params(**{**kwargs, "seed": seed}),
+                streaming=streaming, exclude_input_in_output=bool(default_exclude_input if excl is None else excl),
+                stop_sequences=word_list(get("stop_words_list"), b),
+                return_perf_metrics=bool(_scalar(get, "return_perf_metrics", b) or False),
+                return_num_input_tokens=bool(_scalar(get, "return_num_input_tokens", b) or False),
+                return_num_output_tokens=bool(_scalar(get, "return_num_output_tokens", b) or False),
+                batch_size=batch, sequence_index=i, num_sequences=n_seq))
     return reqs
+
+
+def _sequence_seeds(seed: int | None, n: int) -> list[int | None]:
+    """The seed of each of a prompt's ``n`` sequences, as TensorRT-LLM's child requests get them:
+    sequence i draws with seed + i (unsigned 64-bit), and without a seed the first one's is 0."""
+    if n == 1:
+        return [seed]
+    base = 0 if seed is None else seed
+    return [(base + i) % 2**64 for i in range(n)]
 
 
 def _prompt(get: Getter, input_ids: np.ndarray, b: int, limits: EngineLimits) -> list[int]:
@@ -181,15 +198,24 @@ def _max_new_tokens(get: Getter, b: int, n: int, limits: EngineLimits) -> int:
     return max_new
 
 
-def _refuse_unsupported(get: Getter, b: int, limits: EngineLimits) -> None:
-    """Inputs the embedded engine cannot honour are refused by name unless they carry their neutral value."""
+def _refuse_unsupported(get: Getter, b: int, limits: EngineLimits) -> int:
+    """Inputs the embedded engine cannot honour are refused by name unless they carry their neutral
+    value. Returns the prompt's num_return_sequences."""
     beam = _scalar(get, "beam_width", b)
     if beam is not None and int(beam) != 1:
         raise RequestError(f"beam_width {int(beam)} is not supported; the engine was built with max_beam_width "
                            f"{limits.max_beam_width} and the embedded engine decodes with beam width 1")
     nrs = _scalar(get, "num_return_sequences", b)
-    if nrs is not None and int(nrs) != 1:
-        raise RequestError(f"num_return_sequences {int(nrs)} is not supported (only 1)")
+    n_seq = 1 if nrs is None else int(nrs)
+    if n_seq < 1:
+        raise RequestError(f"num_return_sequences must be >= 1, got {n_seq}")
+    # TensorRT-LLM checks these when the request is fetched: a flag the engine was not built with
+    # is an error, not an empty output.
+    for name, flag in (("return_context_logits", "gather_context_logits"),
+                       ("return_generation_logits", "gather_generation_logits")):
+        if bool(_scalar(get, name, b) or False) and not getattr(limits, flag):
+            raise RequestError(f"input '{name}' needs an engine built with {flag} (this one was not): rebuild it "
+                               f"with `trtmoe build --{flag.replace('_', '-')}` (trtllm-build --{flag})")
     for name, neutral in _NEUTRAL.items():
         v = _scalar(get, name, b)
         if v is not None and v != neutral and not (neutral is None and v in (0, False)):
@@ -197,9 +223,11 @@ def _refuse_unsupported(get: Getter, b: int, limits: EngineLimits) -> None:
     dec_len = _scalar(get, "decoder_input_lengths", b)
     if get("decoder_input_ids") is not None and dec_len is not None and int(dec_len) > 1:
         raise RequestError("decoder_input_ids are for encoder-decoder engines; this engine is decoder-only")
+    return n_seq
 
 
-def _sampling_params(get: Getter, b: int, max_new: int, limits: EngineLimits, make_params: Callable[..., Any]):
+def _sampling_kwargs(get: Getter, b: int, max_new: int, limits: EngineLimits) -> dict[str, Any]:
+    """The keyword arguments of prompt ``b``'s sampling parameters (``make_params``' arguments)."""
     temperature = _scalar(get, "temperature", b)
     top_k = _scalar(get, "runtime_top_k", b)
     top_p = _scalar(get, "runtime_top_p", b)
@@ -244,7 +272,10 @@ def _sampling_params(get: Getter, b: int, max_new: int, limits: EngineLimits, ma
     if extra and not sampling and temperature is not None:
         # A greedy request's temperature still scales its logits before the additive penalties.
         extra["greedy_temperature"] = float(temperature)
-    return make_params(
+    for name in ("return_context_logits", "return_generation_logits"):  # raw logits: no processing
+        if bool(_scalar(get, name, b) or False):
+            extra[name] = True
+    return dict(
         max_new_tokens=max_new,
         temperature=float(temperature if temperature is not None else 1.0) if sampling else 0.0,
         top_k=int(top_k or 0), top_p=float(top_p) if top_p else 1.0,  # TRT-LLM: top_p 0 = off

@@ -97,7 +97,11 @@ class TritonPythonModel:
         max_seq = min(int(_param(config, "max_seq_len", str(info.max_seq_len))), info.max_seq_len,
                       int(getattr(eng, "max_seq_len", info.max_seq_len)))
         self.limits = EngineLimits(max_input_len=max_input, max_seq_len=max_seq, vocab_size=int(eng.vocab_size),
-                                   max_beam_width=info.max_beam_width, default_end_id=info.eos_token_id)
+                                   max_beam_width=info.max_beam_width, default_end_id=info.eos_token_id,
+                                   gather_context_logits=info.gather_context_logits,
+                                   gather_generation_logits=info.gather_generation_logits)
+        # context_logits / generation_logits go out in the data type config.pbtxt declares for them.
+        self.logits_np = np.float16 if info.logits_triton_dtype == "TYPE_FP16" else np.float32
         self.exclude_input = _flag(config, "exclude_input_in_output", False)
         self.tokens_per_block = int(info.tokens_per_block)
         self.decode = None  # token ids -> text, to keep streamed responses on character boundaries
@@ -171,11 +175,14 @@ class TritonPythonModel:
         out = [pb_utils.Tensor("output_ids", ids),
                pb_utils.Tensor("sequence_length", np.array([[ids.shape[-1]]], dtype=np.int32))]
         out += log_probs
+        out += self._logits(gen, req, start, final)
         if treq.key is not None:
             out.append(pb_utils.Tensor("request_key", np.array([[treq.key]], dtype=object)))
-        if gen.batch_size > 1:  # only a batched request needs to tell its responses apart
-            out += [pb_utils.Tensor("batch_index", np.array([[gen.batch_index]], dtype=np.int32)),
-                    pb_utils.Tensor("sequence_index", np.array([[0]], dtype=np.int32))]
+        # Only a batched request, or one with several sequences, needs to tell its responses apart.
+        if gen.batch_size > 1:
+            out.append(pb_utils.Tensor("batch_index", np.array([[gen.batch_index]], dtype=np.int32)))
+        if gen.batch_size > 1 or gen.num_sequences > 1:
+            out.append(pb_utils.Tensor("sequence_index", np.array([[gen.sequence_index]], dtype=np.int32)))
         if gen.return_num_input_tokens:
             out.append(pb_utils.Tensor("num_input_tokens", np.array([[len(gen.prompt_ids)]], dtype=np.int32)))
         if gen.return_num_output_tokens:  # generated tokens sent so far, this response included
@@ -197,6 +204,31 @@ class TritonPythonModel:
                 out.append(pb_utils.Tensor(name, np.array([[v]], dtype=np.int32)))
             out.append(pb_utils.Tensor("acceptance_rate", np.array([[accepted / draft if draft else 0.0]],
                                                                    dtype=np.float32)))
+        return out
+
+    def _logits(self, gen, req, start, final):
+        """TensorRT-LLM's logits outputs. context_logits [1, prompt, vocab] on every response (its
+        results all carry them). generation_logits, the raw logits of each decoding step: unstreamed
+        [1, 1, max_tokens, vocab] (rows past the steps run are zero: TensorRT-LLM's buffer is sized
+        by the request's max tokens), streamed [1, n, 1, vocab] for the n tokens this response carries."""
+        p, seq, out = gen.params, req.seq, []
+        if getattr(p, "return_context_logits", False) and seq is not None and seq.context_logits is not None:
+            ctx = seq.context_logits.numpy().astype(self.logits_np, copy=False)
+            out.append(pb_utils.Tensor("context_logits", ctx[None]))
+        if getattr(p, "return_generation_logits", False) and seq is not None:
+            rows = seq.generation_logits
+            V = int(self.engine.vocab_size)
+            if gen.streaming:
+                part = rows[start:gen.sent_tokens]
+                if part:
+                    arr = np.stack([r.numpy() for r in part]).astype(self.logits_np, copy=False)
+                    out.append(pb_utils.Tensor("generation_logits", arr.reshape(1, len(part), 1, V)))
+            else:
+                arr = np.zeros((1, 1, gen.max_new_tokens, V), dtype=self.logits_np)
+                if rows:
+                    n = min(len(rows), gen.max_new_tokens)
+                    arr[0, 0, :n] = np.stack([r.numpy() for r in rows[:n]])
+                out.append(pb_utils.Tensor("generation_logits", arr))
         return out
 
     @staticmethod

@@ -3,7 +3,9 @@
 Takes the ensemble's inputs and returns its outputs. Each request is served on its own thread so
 one instance streams many requests at once. While streaming with `accumulate_tokens` (the default)
 every response re-decodes all tokens generated so far and sends only the new text, holding back an
-incomplete UTF-8 character, so the streamed pieces always join to the non-streamed text.
+incomplete UTF-8 character, so the streamed pieces always join to the non-streamed text. With
+num_return_sequences each sequence (told apart by tensorrt_llm's `sequence_index`) is decoded and
+streamed on its own, its responses carrying that index.
 
 Cancellation: Triton does not pass a client's cancellation on to the requests a BLS model makes, so
 each inner tensorrt_llm request gets its own unique request id and one watcher thread polls every
@@ -169,6 +171,10 @@ class TritonPythonModel:
         streaming = bool(stream is not None and stream.as_numpy().reshape(-1)[0])
         if streaming and not self.decoupled:
             raise ValueError("streaming needs the decoupled tensorrt_llm_bls model")
+        nrs = get("num_return_sequences")
+        if nrs is not None and not self.decoupled and int(nrs.as_numpy().reshape(-1)[0]) > 1:
+            raise ValueError("num_return_sequences > 1 sends one response per sequence: it needs the decoupled "
+                             "tensorrt_llm_bls model")
         outputs = ["output_ids", "sequence_length", *_PASS_OUTPUTS]
         inner_id = f"{request.request_id() or 'bls'}#{uuid.uuid4().hex}"
         entry = _Inflight(request)
@@ -186,8 +192,8 @@ class TritonPythonModel:
         req = pb_utils.InferenceRequest(model_name=self.llm, requested_output_names=list(outputs), inputs=llm_inputs,
                                         request_id=inner_id)
         responses = req.exec(decoupled=True)
-        tokens: list[int] = []
-        sent = ""
+        streams: dict[int, list] = {}  # sequence_index -> [tokens so far, text sent so far]
+        indexed = False  # tensorrt_llm tells the sequences apart (num_return_sequences > 1)
         for resp in responses:
             if entry.stopped:  # cancelled: drain tensorrt_llm's last responses, send nothing more
                 continue
@@ -199,23 +205,30 @@ class TritonPythonModel:
             passthrough = [pb_utils.Tensor(n, t.as_numpy()) for n in _PASS_OUTPUTS
                            if (t := pb_utils.get_output_tensor_by_name(resp, n)) is not None]
             if streaming and self.accumulate:
-                tokens += ids
-                full = self._detok(np.array(tokens))
+                seq_t = pb_utils.get_output_tensor_by_name(resp, "sequence_index")
+                indexed = indexed or seq_t is not None
+                st = streams.setdefault(int(seq_t.as_numpy().reshape(-1)[0]) if seq_t is not None else 0, [[], ""])
+                st[0] += ids
+                full = self._detok(np.array(st[0]))
                 # Hold back a trailing partial character until the tokens that complete it arrive.
                 stable = full.rstrip("\ufffd")
-                text = stable[len(sent):] if stable.startswith(sent) else ""
-                sent = stable if stable.startswith(sent) else sent
+                text = stable[len(st[1]):] if stable.startswith(st[1]) else ""
+                st[1] = stable if stable.startswith(st[1]) else st[1]
             else:
                 text = self._detok(np.array(ids))
             send(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)), *passthrough]))
         if entry.stopped:
             raise _Cancelled()
-        if streaming and self.accumulate and tokens:
+        for seq_idx, (tokens, sent) in streams.items():
+            if not tokens:
+                continue
             rest = self._detok(np.array(tokens))  # a sequence that ended inside a character
             if rest.startswith(sent) and len(rest) > len(sent):
+                extra = [pb_utils.Tensor("sequence_index", np.array([[seq_idx]], dtype=np.int32))] if indexed else []
                 send(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("text_output", np.array([rest[len(sent):].encode("utf-8")], dtype=object))]))
+                    pb_utils.Tensor("text_output", np.array([rest[len(sent):].encode("utf-8")], dtype=object)),
+                    *extra]))
 
     def _serve(self, request):
         sender = request.get_response_sender()
