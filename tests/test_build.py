@@ -166,6 +166,18 @@ def test_command_for_a_yaml_is_exact(ckpt_fp16, tmp_path):
     assert not out.exists()
 
 
+def test_gather_flags_reach_trtllm_build_only_when_set(ckpt_fp16, tmp_path):
+    y = build_yaml(tmp_path, YAML)
+    out = tmp_path / "engine"
+    r = cli(["build", ckpt_fp16, "-o", out, "-c", y, "--dry-run", "--json", "--gather-context-logits",
+             "--gather-generation-logits"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["command"] == [*expected_argv(ckpt_fp16, out), "--gather_context_logits",
+                                               "--gather_generation_logits"]
+    r = cli(["build", ckpt_fp16, "-o", out, "-c", y, "--dry-run", "--json", "--gather-generation-logits"])
+    assert json.loads(r.stdout)["command"] == [*expected_argv(ckpt_fp16, out), "--gather_generation_logits"]
+
+
 def test_defaults_fill_max_seq_len_from_the_model(ckpt_fp16, tmp_path):
     b = defaults()["build"] | {"max_input_len": 64}
     argv = plan_tensorrt_llm(ckpt_fp16, tmp_path / "e", b).argv

@@ -56,7 +56,10 @@ def trtllm_build_argv(checkpoint_dir: str | Path, output_dir: str | Path, build:
             "--use_paged_context_fmha", _onoff(b["use_paged_context_fmha"]),
             "--remove_input_padding", _onoff(b["remove_input_padding"]),
             "--workers", str(b["workers"]),
-            "--log_level", "info"]
+            "--log_level", "info",
+            # trtllm-build's switches (store_true there): only when asked, like the release's own default.
+            *(["--gather_context_logits"] if b.get("gather_context_logits") else []),
+            *(["--gather_generation_logits"] if b.get("gather_generation_logits") else [])]
 
 
 @dataclass
