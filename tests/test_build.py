@@ -333,7 +333,7 @@ BOTH = ("embedded", "tensorrt-llm")
     (["--max-input-len", 100, "--max-num-tokens", 50], ["max_num_tokens 50 < max_input_len 100"], ("embedded",)),
     (["--max-input-len", 100, "--max-num-tokens", 50, "--no-use-paged-context-fmha"],
      ["max_num_tokens 50 < max_input_len 100", "chunked context needs use_paged_context_fmha"], ("tensorrt-llm",)),
-    (["--max-input-len", 100, "--max-beam-width", 2], ["--max-beam-width = 2 is not allowed"], BOTH),
+    (["--max-input-len", 100, "--max-beam-width", 9], ["--max-beam-width = 9 is above the maximum 8"], BOTH),
 ])
 def test_contradictions_are_named(ckpt_fp16, tmp_path, args, named, backends):
     for backend in backends:
@@ -345,13 +345,17 @@ def test_contradictions_are_named(ckpt_fp16, tmp_path, args, named, backends):
 
 
 def test_beam_width_from_yaml_and_from_code_is_named(ckpt_fp16, tmp_path):
-    y = build_yaml(tmp_path, "build:\n  max_beam_width: 2\n  max_input_len: 100\n")
+    y = build_yaml(tmp_path, "build:\n  max_beam_width: 9\n  max_input_len: 100\n")
     r = cli(["build", ckpt_fp16, "-o", tmp_path / "e", "-c", y, "--dry-run"])
-    assert r.exit_code == 2 and "build.max_beam_width = 2" in r.stderr
+    assert r.exit_code == 2 and "build.max_beam_width = 9 is above the maximum 8" in r.stderr
     # Settings built in code skip the YAML schema; the build's own check still names it.
     facts = read_checkpoint(ckpt_fp16)
-    with pytest.raises(ConfigError, match="max_beam_width 2 > 1"):
-        resolve_limits(defaults()["build"] | {"max_input_len": 100, "max_beam_width": 2}, facts, "embedded")
+    with pytest.raises(ConfigError, match="max_beam_width 9 is outside 1..8"):
+        resolve_limits(defaults()["build"] | {"max_input_len": 100, "max_beam_width": 9}, facts, "embedded")
+    # Beam search itself is built: a width of 4 passes both ways.
+    resolve_limits(defaults()["build"] | {"max_input_len": 100, "max_beam_width": 4}, facts, "embedded")
+    y = build_yaml(tmp_path, "build:\n  max_beam_width: 4\n  max_input_len: 100\n")
+    assert cli(["build", ckpt_fp16, "-o", tmp_path / "e", "-c", y, "--dry-run"]).exit_code == 0
 
 
 def test_tensorrt_llm_specific_contradictions(ckpt_fp16, tmp_path):

@@ -147,7 +147,7 @@ def test_unknown_key_names_key_and_lists_keys(tmp_path):
     ("convert:\n  tp: two\n", ["convert.tp", "must be int", "'two'"]),
     ("convert:\n  tp: 0\n", ["convert.tp", "below the minimum 1"]),
     ("convert:\n  tp: true\n", ["convert.tp", "must be int"]),
-    ("build:\n  max_beam_width: 4\n", ["build.max_beam_width", "allowed: 1"]),
+    ("build:\n  max_beam_width: 9\n", ["build.max_beam_width", "above the maximum 8"]),
     ("quantize:\n  budget_bpw: 64\n", ["quantize.budget_bpw", "above the maximum 32"]),
     ("build:\n  context_fmha: yes please\n", ["build.context_fmha", "must be bool"]),
     ("convert:\n  tp:\n", ["convert.tp", "must not be null"]),

@@ -126,7 +126,8 @@ def test_num_return_sequences_parse_into_seeded_sequences():
 
 @pytest.mark.parametrize("inputs, message", [
     (dict(num_return_sequences=np.array([[0]], np.int32)), "num_return_sequences must be >= 1"),
-    (dict(num_return_sequences=np.array([[2]], np.int32), beam_width=np.array([[2]], np.int32)), "beam_width 2"),
+    (dict(num_return_sequences=np.array([[2]], np.int32), beam_width=np.array([[2]], np.int32)),
+     "Requested beam width 2 is larger than configured max beam width 1"),
     (dict(return_context_logits=np.array([[True]])), "gather_context_logits"),
     (dict(return_generation_logits=np.array([[True]])), "gather_generation_logits"),
 ])

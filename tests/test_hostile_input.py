@@ -721,7 +721,7 @@ YAML_CASES = [
     ("model_number", yaml_file("model: 5\n"), ("cfg.yaml", "model")),
     ("batch_zero", yaml_file("build:\n  max_batch_size: 0\n"), ("cfg.yaml", "build.max_batch_size")),
     ("backend_choice", yaml_file("build:\n  backend: onnx\n"), ("cfg.yaml", "build.backend")),
-    ("beam_two", yaml_file("build:\n  max_beam_width: 2\n"), ("cfg.yaml", "build.max_beam_width")),
+    ("beam_nine", yaml_file("build:\n  max_beam_width: 9\n"), ("cfg.yaml", "build.max_beam_width")),
     ("block_seven", yaml_file("build:\n  tokens_per_block: 7\n"), ("cfg.yaml", "build.tokens_per_block")),
     ("alias_bomb", yaml_file("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
                              "c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c, *c, *c, *c, *c, *c]\n"),
@@ -817,7 +817,7 @@ OPTION_CASES = [
     ("build-seq-beyond-context", _cli("build", "CKPT", "-o", "OUT", "--max-input-len", "64",
                                       "--max-seq-len", "100000"), ("max_seq_len",)),
     ("build-default-input-beyond-seq", _cli("build", "CKPT", "-o", "OUT"), ("max_input_len",)),
-    ("build-beam-two", _cli("build", "CKPT", "-o", "OUT", "--max-beam-width", "2"), ("--max-beam-width",)),
+    ("build-beam-nine", _cli("build", "CKPT", "-o", "OUT", "--max-beam-width", "9"), ("--max-beam-width",)),
     ("build-block-seven", _cli("build", "CKPT", "-o", "OUT", "--tokens-per-block", "7"), ("--tokens-per-block",)),
     ("build-workers-zero", _cli("build", "CKPT", "-o", "OUT", "--workers", "0"), ("--workers",)),
     ("build-gemm-plugin-unknown", _cli("build", "CKPT", "-o", "OUT", "--gemm-plugin", "int3"), ("--gemm-plugin",)),

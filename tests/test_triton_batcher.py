@@ -391,14 +391,15 @@ def test_parse_request_maps_sampling_inputs():
     (dict(request_output_len=np.array([[14]], np.int32)), "max_seq_len 16"),
     (dict(input_ids=np.arange(1, 11, dtype=np.int32)[None], input_lengths=np.array([[10]], np.int32)), "max_input_len"),
     (dict(input_ids=np.array([[1, 999]], np.int32), input_lengths=np.array([[2]], np.int32)), "vocabulary"),
-    (dict(beam_width=np.array([[2]], np.int32)), "beam_width"),
+    (dict(beam_width=np.array([[2]], np.int32)), "Requested beam width 2 is larger than configured max beam width 1"),
     (dict(repetition_penalty=np.array([[-1.3]], np.float32)), "'repetition_penalty' must be > 0"),
     (dict(repetition_penalty=np.array([[0.0]], np.float32)), "'repetition_penalty' must be > 0"),
     (dict(presence_penalty=np.array([[np.inf]], np.float32)), "'presence_penalty' must be finite"),
     (dict(lora_weights=np.ones((1, 2, 2), np.float16)), "lora_weights"),
     (dict(bad_words_list=np.array([[[7, 800], [2, -1]]], np.int32)), "'bad_words_list' has token id outside"),
     (dict(embedding_bias=np.ones((1, 7), np.float32)), "'embedding_bias' has 7 values"),
-    (dict(len_penalty=np.array([[1.3]], np.float32)), "len_penalty"),
+    (dict(len_penalty=np.array([[-1.3]], np.float32)), "'len_penalty' must be >= 0"),
+    (dict(early_stopping=np.array([[-1]], np.int32)), "'early_stopping' must be >= 0"),
 ])
 def test_parse_request_rejects_with_reason(tensors, message):
     with pytest.raises(RequestError, match=message):

@@ -87,8 +87,9 @@ def served(tmp_path_factory):
     convert(FIXTURE, ckpt, dtype="float32")
     engine = root / "engine"
     engine.mkdir()
-    # Built with both gather flags (tests/test_triton_contract.py's engine has neither).
-    build = {**BUILD, "gather_context_logits": True, "gather_generation_logits": True}
+    # Built with both gather flags and beam search up to width 2 (tests/test_triton_contract.py's
+    # engine has neither).
+    build = {**BUILD, "gather_context_logits": True, "gather_generation_logits": True, "max_beam_width": 2}
     (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": build}))
     # The streaming (decoupled) repository; tests/test_triton_contract.py serves the default one.
     repo = generate_repository(engine, root / "repo", torch_num_threads=1, streaming=True)
@@ -435,6 +436,68 @@ def test_num_return_sequences_through_bls_and_ensemble(served):
                 continue
             texts[int(r.as_numpy("sequence_index").reshape(-1)[0])] += r.as_numpy("text_output").reshape(-1)[0].decode()
         assert texts == {0: ref.text(prompt, n), 1: ref.text(prompt, n)}, model
+
+
+def _beam_inputs(ids, n, end_id, *, streaming=False, **extra):
+    inputs = [_tensor("input_ids", np.array([ids], np.int32), "INT32"),
+              _tensor("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+              _tensor("request_output_len", np.array([[n]], np.int32), "INT32"),
+              _tensor("end_id", np.array([[end_id]], np.int32), "INT32"),
+              _tensor("beam_width", np.array([[2]], np.int32), "INT32"),
+              _tensor("return_log_probs", np.array([[True]]), "BOOL"),
+              _tensor("streaming", np.array([[streaming]]), "BOOL")]
+    return inputs + [_tensor(k, a, d) for k, (a, d) in extra.items()]
+
+
+def test_beam_search_through_tensorrt_llm(served):
+    """beam_width 2: one response per request carrying both ranked beams, as TensorRT-LLM's backend
+    returns them (output_ids [1, 2, len] with the prompt and -1 padding, sequence_length [1, 2],
+    cum_log_probs [1, 2], output_log_probs [1, 2, len]), equal to the engine's own beam search;
+    streamed, every response carries each beam's tokens so far and the last one the result."""
+    ref = served["ref"]
+    ids, n, eos = ref.ids(PROMPTS[1]), 12, ref.tok.eos_token_id
+    want = _engine_run(ref, ids, max_new_tokens=n, beam_width=2, return_log_probs=True).results()
+    responses, err = stream_call(served["url"], "tensorrt_llm", _beam_inputs(ids, n, eos))
+    assert err is None, err
+    (r,) = [r for r in responses if r.as_numpy("output_ids") is not None]
+    out, lens = r.as_numpy("output_ids"), r.as_numpy("sequence_length")
+    assert out.shape[:2] == (1, 2) and lens.shape == (1, 2)
+    for i, h in enumerate(want):
+        assert out[0, i, :lens[0, i]].tolist() == ids + h.tokens
+        assert (out[0, i, lens[0, i]:] == -1).all()
+    assert r.as_numpy("cum_log_probs") == pytest.approx(np.array([[h.cum_log_prob for h in want]]), abs=1e-4)
+    lps = r.as_numpy("output_log_probs")
+    assert lps.shape[:2] == (1, 2) and lps[0, 0, :len(want[0].tokens)] == pytest.approx(want[0].log_probs, abs=1e-4)
+    responses, err = stream_call(served["url"], "tensorrt_llm", _beam_inputs(ids, n, eos, streaming=True))
+    assert err is None, err
+    data = [r for r in responses if r.as_numpy("output_ids") is not None]
+    assert len(data) > 1 and all(r.as_numpy("output_ids").shape[:2] == (1, 2) for r in data)
+    first = data[0].as_numpy("output_ids")
+    assert first.shape[2] == 1  # generated tokens only, one each after the first step
+    last, lens = data[-1].as_numpy("output_ids"), data[-1].as_numpy("sequence_length")
+    assert [last[0, i, :lens[0, i]].tolist() for i in range(2)] == [h.tokens for h in want]
+    assert [_final_flag(r) for r in responses] == [False] * (len(responses) - 1) + [True]
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_beam_search_text_through_ensemble_and_bls(served, model):
+    """Through the ensemble and BLS, text_output holds one string per beam, best first (the prompt
+    leading it, as upstream's default exclude_input_in_output false has it)."""
+    ref = served["ref"]
+    prompt, n = PROMPTS[1], 10
+    want = _engine_run(ref, ref.ids(prompt), max_new_tokens=n, beam_width=2).results()
+    texts = [ref.tok.decode(ref.ids(prompt) + h.tokens, skip_special_tokens=True) for h in want]
+    inputs = [_tensor("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
+              _tensor("max_tokens", np.array([[n]], np.int32), "INT32"),
+              _tensor("beam_width", np.array([[2]], np.int32), "INT32")]
+    responses, err = stream_call(served["url"], model, inputs)
+    assert err is None, (model, err)
+    (r,) = [r for r in responses if r.as_numpy("text_output") is not None]
+    assert [t.decode() for t in r.as_numpy("text_output").reshape(-1)] == texts
+    # A width the engine was not built for is refused with TensorRT-LLM's wording.
+    inputs[-1] = _tensor("beam_width", np.array([[3]], np.int32), "INT32")
+    _, err = stream_call(served["url"], model, inputs)
+    assert err is not None and "Requested beam width 3 is larger than configured max beam width 2" in str(err)
 
 
 def test_context_and_generation_logits_through_tensorrt_llm(served):

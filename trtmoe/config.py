@@ -87,7 +87,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_seq_len": Key(int, None, nullable=True, help="Longest prompt + output, tokens.",
                            shown_default="the model's max_position_embeddings", **_POS),
         "max_num_tokens": Key(int, 8192, help="Tokens per engine step.", **_POS),
-        "max_beam_width": Key(int, 1, choices=(1,), help="Beams per request (beam search is not supported)."),
+        "max_beam_width": Key(int, 1, minimum=1, maximum=8,
+                              help="Widest beam search a request may ask for (beam_width); 1 = no beam search."),
         "tokens_per_block": Key(int, 32, choices=(8, 16, 32, 64, 128), help="Tokens per paged KV block."),
         "kv_cache_type": Key(str, "paged", choices=("paged", "continuous"), help="KV cache kind for TensorRT-LLM."),
         "gemm_plugin": Key(str, "auto", choices=("auto", "float16", "bfloat16", "float32", "disable")),
@@ -98,10 +99,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "remove_input_padding": Key(bool, True, help="Packed (unpadded) inputs."),
         "workers": Key(int, 1, help="Ranks trtllm-build builds in parallel.", **_POS),
         "device": Key(str, "auto", choices=("auto", "cpu", "cuda"), help="Device recorded for the embedded engine."),
-        "gather_context_logits": Key(bool, False, help="Embedded engine: requests may ask for return_context_logits "
-                                                       "(the prompt's logits at every position)."),
-        "gather_generation_logits": Key(bool, False, help="Embedded engine: requests may ask for "
-                                                          "return_generation_logits (each step's raw logits)."),
+        "gather_context_logits": Key(bool, False, help="Requests may ask for return_context_logits (the prompt's "
+                                                       "logits at every position); trtllm-build's flag of that name."),
+        "gather_generation_logits": Key(bool, False, help="Requests may ask for return_generation_logits (each "
+                                                          "step's raw logits); trtllm-build's flag of that name."),
     },
     "repo": {  # `trtmoe repo`: the Triton model repository (limits are checked against the engine's)
         "tokenizer": Key(str, None, nullable=True, metavar="DIR", help="Hugging Face tokenizer folder.",

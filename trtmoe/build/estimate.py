@@ -29,8 +29,9 @@ DEFAULT_EXCLUDES = ["*lm_head", "*router", "*vocab_embedding", "*position_embedd
                     "*shared_expert_gate"]
 _WEIGHT_ONLY_BITS = {"W8A16": 8, "W4A16": 4}
 KV_FORMULA = ("2 × layers_on_rank × kv_heads_per_rank × head_size × bytes_per_element × max_batch_size "
-              "× ceil(max_seq_len / tokens_per_block) × tokens_per_block")
-EMBEDDED_KV_FORMULA = "2 × num_layers × num_kv_heads × head_size × bytes_per_element × max_batch_size × max_seq_len"
+              "× max_beam_width × ceil(max_seq_len / tokens_per_block) × tokens_per_block")
+EMBEDDED_KV_FORMULA = ("2 × num_layers × num_kv_heads × head_size × bytes_per_element × max_batch_size "
+                       "× max_beam_width × max_seq_len")
 
 
 @dataclass
@@ -125,6 +126,7 @@ def estimate_memory(facts: CheckpointFacts, build: dict, backend: str) -> Memory
     """Estimate weight and KV-cache bytes per GPU (``tensorrt-llm``) or for the one embedded process."""
     kv_el = 1 if facts.kv_cache_quant_algo in ("FP8", "INT8") else facts.dtype_bytes
     mbs, msl = build["max_batch_size"], build["max_seq_len"]
+    beams = int(build.get("max_beam_width", 1) or 1)  # every beam of a request keeps a cache of its own
     mp = facts.mapping
     if backend == "tensorrt-llm":
         tokens = kv_tokens(msl, build["tokens_per_block"])
@@ -133,7 +135,7 @@ def estimate_memory(facts: CheckpointFacts, build: dict, backend: str) -> Memory
         for r in mp.ranks():
             fb, wb, q = rank_weight_bytes(facts, r)
             layers = len(mp.pp_layers(facts.model.num_layers, mp.pp_rank(r)))
-            kv = 2 * layers * kvh * facts.model.head_dim * kv_el * mbs * tokens
+            kv = 2 * layers * kvh * facts.model.head_dim * kv_el * mbs * beams * tokens
             ranks.append(RankEstimate(r, fb, wb, q, layers, kvh, kv))
         notes = ["activation workspace not included (bounded by max_num_tokens; chosen by TensorRT at build time)"]
         return MemoryEstimate(backend, ranks, tokens, kv_el, mbs, KV_FORMULA, notes)
@@ -143,7 +145,7 @@ def estimate_memory(facts: CheckpointFacts, build: dict, backend: str) -> Memory
     for r in mp.ranks():
         a, b, qq = rank_weight_bytes(facts, r)
         fb, wb, q = fb + a, wb + b, q + qq
-    kv = 2 * facts.model.num_layers * facts.model.num_kv_heads * facts.model.head_dim * kv_el * mbs * msl
+    kv = 2 * facts.model.num_layers * facts.model.num_kv_heads * facts.model.head_dim * kv_el * mbs * beams * msl
     notes = ["weights: sum of all rank files (tensors replicated across ranks counted once per rank, so "
              "an upper bound)", "activations not included"]
     one = RankEstimate(0, fb, wb, q, facts.model.num_layers, facts.model.num_kv_heads, kv)

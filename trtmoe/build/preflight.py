@@ -146,8 +146,9 @@ def resolve_limits(build: dict, facts: CheckpointFacts, backend: str) -> Limits:
     if mi >= ms:
         problems.append(f"max_input_len {mi} ≥ max_seq_len {ms} (a request needs room for at least one "
                         f"generated token)")
-    if b.get("max_beam_width", 1) != 1:
-        problems.append(f"max_beam_width {b['max_beam_width']} > 1 (beam search is not supported; use 1)")
+    if not 1 <= b.get("max_beam_width", 1) <= 8:
+        problems.append(f"max_beam_width {b['max_beam_width']} is outside 1..8 (the beam widths a request may "
+                        "ask for)")
     chunked = backend == "tensorrt-llm" and b["use_paged_context_fmha"] and b["remove_input_padding"]
     if mnt < mi and not chunked:
         problems.append(f"max_num_tokens {mnt} < max_input_len {mi} (a whole prompt is processed in one step"

@@ -31,6 +31,7 @@ from ..errors import InputError
 from ..hf.adapters import FIRST, LAST, MOE_TP, global_rules, layer_rules
 from ..model.description import NORM_NONE, NORM_SPARSE_MIXER
 from ..model.params import count_params
+from .beam import BeamState, Hypothesis
 from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
 from .experts import STACK_MAX_ROWS, ExpertBank, load_expert_bank
 
@@ -67,6 +68,14 @@ class SamplingParams:
     # which tokens are chosen, nor takes a row out of the batched greedy argmax.
     return_context_logits: bool = False
     return_generation_logits: bool = False
+    # Beam search (trtmoe.runtime.beam, TensorRT-LLM's rules) when beam_width > 1: top_k, top_p and
+    # the seed play no part; the temperature scales the log-probs (``greedy_temperature``).
+    # ``num_return_beams``: how many of the ranked beams a result returns (default: all).
+    beam_width: int = 1
+    len_penalty: float = 0.0
+    early_stopping: int = 1
+    diversity_rate: float = 0.0
+    num_return_beams: int | None = None
 
     def __post_init__(self) -> None:
         if self.embedding_bias is not None and not isinstance(self.embedding_bias, torch.Tensor):
@@ -77,7 +86,8 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether a row needs any of the per-row steps above (it then leaves the batched greedy argmax)."""
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                    or self.bad_words or self.embedding_bias is not None or self.return_log_probs)
+                    or self.bad_words or self.embedding_bias is not None or self.return_log_probs
+                    or self.beam_width > 1)
 
     def validate(self, vocab_size: int) -> None:
         if self.max_new_tokens < 1:
@@ -100,6 +110,18 @@ class SamplingParams:
         if self.embedding_bias is not None and tuple(self.embedding_bias.shape) != (vocab_size,):
             raise InputError(f"embedding_bias has shape {list(self.embedding_bias.shape)}; "
                              f"it must have the vocabulary size [{vocab_size}]")
+        if self.beam_width < 1:
+            raise InputError(f"beam_width must be ≥ 1, got {self.beam_width}")
+        if self.beam_width > 1:
+            if self.len_penalty < 0 or self.early_stopping < 0 or self.diversity_rate < 0:
+                raise InputError("len_penalty, early_stopping and beam_search_diversity_rate must be ≥ 0, got "
+                                 f"{self.len_penalty}, {self.early_stopping}, {self.diversity_rate}")
+            if self.num_return_beams is not None and not 1 <= self.num_return_beams <= self.beam_width:
+                raise InputError(f"num_return_sequences {self.num_return_beams} must be between 1 and the beam "
+                                 f"width {self.beam_width} in beam search")
+            if self.return_generation_logits:
+                raise InputError("return_generation_logits with beam_width > 1 is not supported by the embedded "
+                                 "engine")
 
 
 @dataclass
@@ -125,6 +147,21 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.tokens[-1] if self.tokens else self.prompt[-1]
+
+
+@dataclass
+class BeamSequence(Sequence):
+    """One beam-search request (``params.beam_width`` > 1). Its own cache row holds the prompt during
+    the prefill; then each live beam is a ``Sequence`` of its own (``beams``), the first on that row,
+    the others on rows forked from it, and every step reorders the rows after the parents the search
+    picked. ``tokens`` are the best-ranked beam's so far (at the end: the best result's);
+    ``results()`` gives the ranked beams the request returns."""
+
+    beams: list[Sequence] = field(default_factory=list, repr=False)
+    state: BeamState | None = field(default=None, repr=False)
+
+    def results(self) -> list[Hypothesis]:
+        return self.state.result(self.params.num_return_beams or self.params.beam_width)
 
 
 class _KVPool:
@@ -883,6 +920,10 @@ class EmbeddedEngine:
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.check_request(prompt_ids, params)
+        if params.beam_width > 1:
+            return BeamSequence(list(map(int, prompt_ids)), params, state=BeamState(
+                params.beam_width, params.end_id, params.len_penalty, params.early_stopping, params.diversity_rate,
+                max_length=self.max_seq_len - len(prompt_ids)))
         s = Sequence(list(map(int, prompt_ids)), params)
         if params.temperature > 0:
             s.generator = torch.Generator().manual_seed(
@@ -929,6 +970,9 @@ class EmbeddedEngine:
         greedy = self._greedy_batch(seqs, logits[:, 0])
         for b, s in enumerate(seqs):
             s.length = lens[b]
+            if isinstance(s, BeamSequence):
+                self._start_beams(s, logits[b, 0])
+                continue
             self._accept(s, greedy[b] if greedy[b] is not None else self._sample(s, logits[b, 0]))
             self._finish_if_done(s)
         return seqs
@@ -941,23 +985,96 @@ class EmbeddedEngine:
             return []
         if any(s.slot < 0 for s in live):
             raise InputError("a sequence whose KV cache was released cannot be stepped")
+        # A beam-search request decodes its live beams as rows of the batch.
+        rows = [r for s in live for r in (s.beams if isinstance(s, BeamSequence) else (s,))]
         lr = self.cfg.longrope
-        for s in live:
+        for s in rows:
             if lr is not None and s.length == lr["original_max_position_embeddings"]:
                 self._rerotate(s)
-        ids_pos = torch.tensor([[s.last_token, s.length] for s in live], device=self.device)
+        ids_pos = torch.tensor([[s.last_token, s.length] for s in rows], device=self.device)
         ids, pos = ids_pos[:, :1], ids_pos[:, 1:]
-        logits = self._forward(ids, pos, live)[:, -1]
-        self._keep_generation_logits(live, logits)
-        toks = self._greedy_batch(live, logits)
+        logits = self._forward(ids, pos, rows)[:, -1]
+        self._keep_generation_logits(rows, logits)
+        toks = self._greedy_batch(rows, logits)
         out = []
-        for b, s in enumerate(live):
+        b = 0
+        for s in live:
+            if isinstance(s, BeamSequence):
+                n = len(s.beams)
+                for r in s.beams:
+                    r.length += 1
+                self._advance_beams(s, logits[b:b + n])
+                b += n
+                out.append(s.tokens[-1] if s.tokens else -1)
+                continue
             s.length += 1
             tok = toks[b] if toks[b] is not None else self._sample(s, logits[b])
+            b += 1
             self._accept(s, tok)
             self._finish_if_done(s)
             out.append(tok)
         return out
+
+    # ---- beam search ------------------------------------------------------------------------------
+    def _beam_log_probs(self, beams: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """[K, V] float32: each beam's log-softmax, then the request's logit steps applied to the
+        log-probs over that beam's own history (TensorRT-LLM's order; see trtmoe.runtime.beam)."""
+        lp = torch.log_softmax(logits.float(), -1)
+        return torch.stack([self._process(r, lp[i]) for i, r in enumerate(beams)])
+
+    def _start_beams(self, s: BeamSequence, logits: torch.Tensor) -> None:
+        """After the prefill: fork the prompt's cache row into one row per beam and take the first
+        step of the search (only the first beam proposes)."""
+        K = s.params.beam_width
+        first = Sequence(s.prompt, s.params, slot=s.slot, length=s.length, kv_capacity=s.kv_capacity)
+        s.beams = [first]
+        try:
+            for _ in range(K - 1):  # their rows get the prompt's cache when the first step picks parents
+                r = Sequence(s.prompt, s.params, length=s.length)
+                self._alloc_cache(r, len(s.prompt) + s.params.max_new_tokens)
+                s.beams.append(r)
+        except BaseException:
+            for r in s.beams[1:]:
+                self._free_cache(r)
+            self._free_cache(s)
+            raise
+        s.kv_capacity = sum(r.kv_capacity for r in s.beams)
+        lp = self._beam_log_probs([first], logits[None])
+        self._reorder_beams(s, s.state.advance(lp.expand(K, -1)))
+
+    def _advance_beams(self, s: BeamSequence, logits: torch.Tensor) -> None:
+        self._reorder_beams(s, s.state.advance(self._beam_log_probs(s.beams, logits)))
+
+    def _reorder_beams(self, s: BeamSequence, parents: list[int]) -> None:
+        """Give beam i the cache row of its parent (a gather, so rows may swap), its tokens and
+        history counts; finish the request when the search is done or out of tokens."""
+        slots = [r.slot for r in s.beams]
+        if parents != list(range(len(parents))):
+            self._kv_copy(slots, [slots[p] for p in parents])
+        for r, toks in zip(s.beams, s.state.tokens):
+            r.tokens = list(toks)
+            r._counts, r._counted = None, 0
+        best = s.state.result(1)
+        s.tokens = list(best[0].tokens) if best else []
+        if s.state.done or s.state.generated >= s.params.max_new_tokens:
+            s.finished, s.finish_reason = True, "stop" if s.state.done else "length"
+            res = s.results()
+            s.tokens = list(res[0].tokens) if res else []
+            s.log_probs = list(res[0].log_probs) if res else []
+            s.cum_log_prob = res[0].cum_log_prob if res else 0.0
+            for r in s.beams:
+                self._free_cache(r)
+            s.beams = []
+            self._free_cache(s)
+
+    def _kv_copy(self, dst: list[int], src: list[int]) -> None:
+        """Copy whole cache rows ``src`` onto rows ``dst`` in every layer (sources read first)."""
+        pool = self._kv
+        d = torch.tensor(dst, device=self.device)
+        sidx = torch.tensor(src, device=self.device)
+        for kv in (pool.k, pool.v):
+            for t in kv:
+                t.index_copy_(0, d, t.index_select(0, sidx))
 
     def _rerotate(self, s: Sequence) -> None:
         """A LongRoPE sequence about to pass original_max_position_embeddings: its cached keys were

@@ -46,9 +46,11 @@ class GenerationRequest:
     return_num_output_tokens: bool = False
     batch_size: int = 1  # prompts in the Triton request this one came from
     sequence_index: int = 0  # which of its prompt's num_return_sequences this is
-    num_sequences: int = 1  # num_return_sequences of its prompt
+    num_sequences: int = 1  # num_return_sequences of its prompt (sampled sequences; beam search returns beams)
+    beam_width: int = 1
     sent_tokens: int = 0  # generated tokens already sent back (owned by the responder)
     held: list[int] = field(default_factory=list)  # streamed ids held back until a character is whole
+    beam_results: list = field(default_factory=list)  # a beam search's ranked beams at its latest event
 
 
 Getter = Callable[[str], "np.ndarray | None"]
@@ -57,8 +59,7 @@ Getter = Callable[[str], "np.ndarray | None"]
 # that means "not used". A request setting anything else gets a RequestError instead of a silent
 # difference from the TensorRT engine.
 _NEUTRAL = {
-    "len_penalty": 1.0,
-    "beam_search_diversity_rate": 0.0, "early_stopping": None, "runtime_top_p_min": None,
+    "runtime_top_p_min": None,
     "runtime_top_p_decay": None, "runtime_top_p_reset_ids": None,
     "draft_acceptance_threshold": None,
     "prompt_vocab_size": None, "lora_task_id": None, "mrope_position_deltas": None,
@@ -139,11 +140,16 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
     for b in range(batch):
         prompt = _prompt(get, input_ids, b, limits)
         max_new = _max_new_tokens(get, b, len(prompt), limits)
-        n_seq = _refuse_unsupported(get, b, limits)
-        if n_seq > 1 and not decoupled:
+        n_seq, beam = _refuse_unsupported(get, b, limits)
+        if beam > 1 and get("stop_words_list") is not None and word_list(get("stop_words_list"), b):
+            raise RequestError("input 'stop_words_list' with beam_width > 1 is not supported by the embedded engine")
+        if n_seq > 1 and not decoupled and beam == 1:
             raise RequestError(f"num_return_sequences {n_seq} sends one response per sequence: it needs the "
                                "decoupled tensorrt_llm model (regenerate the repository with streaming enabled)")
         kwargs = _sampling_kwargs(get, b, max_new, limits)
+        if beam > 1:
+            kwargs = _beam_kwargs(get, b, kwargs, beam, n_seq)
+            n_seq = 1  # the beams come back together, in one result
         excl = _scalar(get, "exclude_input_in_output", b)
         streaming = bool(_scalar(get, "streaming", b) or False)
         if streaming and not decoupled:
@@ -157,8 +163,21 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
                 return_perf_metrics=bool(_scalar(get, "return_perf_metrics", b) or False),
                 return_num_input_tokens=bool(_scalar(get, "return_num_input_tokens", b) or False),
                 return_num_output_tokens=bool(_scalar(get, "return_num_output_tokens", b) or False),
-                batch_size=batch, sequence_index=i, num_sequences=n_seq))
+                batch_size=batch, sequence_index=i, num_sequences=n_seq, beam_width=beam))
     return reqs
+
+
+def _beam_kwargs(get: Getter, b: int, kwargs: dict[str, Any], beam: int, n_return: int | None) -> dict[str, Any]:
+    """Sampling keyword arguments for a beam search of width ``beam`` (TensorRT-LLM: top_k, top_p
+    and the seed are not used; the temperature scales the log-probs, 0 meaning 1)."""
+    temperature = _scalar(get, "temperature", b)
+    t = float(temperature) if temperature is not None and float(temperature) > 0 else 1.0
+    lp, es, div = (_scalar(get, n, b) for n in ("len_penalty", "early_stopping", "beam_search_diversity_rate"))
+    return {**kwargs, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None, "greedy_temperature": t,
+            "beam_width": beam, "len_penalty": float(lp) if lp is not None else 0.0,
+            "early_stopping": int(es) if es is not None else 1,
+            "diversity_rate": float(div) if div is not None else 0.0,
+            "num_return_beams": n_return if _scalar(get, "num_return_sequences", b) is not None else None}
 
 
 def _sequence_seeds(seed: int | None, n: int) -> list[int | None]:
@@ -198,17 +217,30 @@ def _max_new_tokens(get: Getter, b: int, n: int, limits: EngineLimits) -> int:
     return max_new
 
 
-def _refuse_unsupported(get: Getter, b: int, limits: EngineLimits) -> int:
+def _refuse_unsupported(get: Getter, b: int, limits: EngineLimits) -> tuple[int, int]:
     """Inputs the embedded engine cannot honour are refused by name unless they carry their neutral
-    value. Returns the prompt's num_return_sequences."""
+    value. Returns the prompt's num_return_sequences and beam width."""
     beam = _scalar(get, "beam_width", b)
-    if beam is not None and int(beam) != 1:
-        raise RequestError(f"beam_width {int(beam)} is not supported; the engine was built with max_beam_width "
-                           f"{limits.max_beam_width} and the embedded engine decodes with beam width 1")
+    beam = 1 if beam is None else int(beam)
+    if beam < 1:
+        raise RequestError(f"beam_width must be >= 1, got {beam}")
+    if beam > limits.max_beam_width:  # TensorRT-LLM's wording
+        raise RequestError(f"Requested beam width {beam} is larger than configured max beam width "
+                           f"{limits.max_beam_width} (build the engine with --max-beam-width {beam})")
     nrs = _scalar(get, "num_return_sequences", b)
     n_seq = 1 if nrs is None else int(nrs)
     if n_seq < 1:
         raise RequestError(f"num_return_sequences must be >= 1, got {n_seq}")
+    if beam > 1 and n_seq > beam:
+        raise RequestError(f"num_return_sequences {n_seq} exceeds beam_width {beam}: beam search returns at most "
+                           "its beams")
+    if beam > 1 and bool(_scalar(get, "return_generation_logits", b) or False):
+        raise RequestError("input 'return_generation_logits' with beam_width > 1 is not supported by the embedded "
+                           "engine")
+    for name in ("len_penalty", "early_stopping", "beam_search_diversity_rate"):
+        v = _scalar(get, name, b)
+        if v is not None and not float(v) >= 0:
+            raise RequestError(f"input '{name}' must be >= 0, got {v}")
     # TensorRT-LLM checks these when the request is fetched: a flag the engine was not built with
     # is an error, not an empty output.
     for name, flag in (("return_context_logits", "gather_context_logits"),
@@ -223,7 +255,7 @@ def _refuse_unsupported(get: Getter, b: int, limits: EngineLimits) -> int:
     dec_len = _scalar(get, "decoder_input_lengths", b)
     if get("decoder_input_ids") is not None and dec_len is not None and int(dec_len) > 1:
         raise RequestError("decoder_input_ids are for encoder-decoder engines; this engine is decoder-only")
-    return n_seq
+    return n_seq, beam
 
 
 def _sampling_kwargs(get: Getter, b: int, max_new: int, limits: EngineLimits) -> dict[str, Any]:

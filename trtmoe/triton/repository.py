@@ -168,9 +168,6 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
                 else "the embedded engine's process count (it always runs as one process)")
         raise InputError(f"world_size {world_size} contradicts {what} = {info.launch_world_size}", where=str(cfg))
     beam = info.max_beam_width
-    if streaming and beam > 1:
-        raise _contradiction("max_beam_width", beam, beam, cfg,
-                             "streaming needs beam width 1; build the engine with --max-beam-width 1 or pass --no-streaming")
     if info.backend == EMBEDDED and kv_cache_free_gpu_mem_fraction is not None:
         raise InputError("kv_cache_free_gpu_mem_fraction applies to TensorRT engines only; the embedded engine "
                          "allocates each sequence's cache itself")

@@ -176,6 +176,38 @@ class TritonPythonModel:
                pb_utils.Tensor("sequence_length", np.array([[ids.shape[-1]]], dtype=np.int32))]
         out += log_probs
         out += self._logits(gen, req, start, final)
+        return out + self._extras(treq, gen, req)
+
+    def _beam_tensors(self, treq, gen, req):
+        """A beam search's response: its ranked beams (``gen.beam_results``, taken on the batcher
+        thread) as TensorRT-LLM's backend returns them: output_ids [1, beams, len] padded with -1
+        (the prompt first unless excluded; streamed responses carry every beam's generated tokens so
+        far), sequence_length [1, beams], and with return_log_probs cum_log_probs [1, beams] (raw,
+        the end id's included) and output_log_probs [1, beams, len] padded with -1."""
+        hyps = gen.beam_results or []
+        head = [] if gen.streaming or gen.exclude_input_in_output else list(gen.prompt_ids)
+        rows = [head + list(h.tokens) for h in hyps]
+        n = max((len(r) for r in rows), default=0)
+        ids = np.full((1, len(rows), n), -1, dtype=np.int32)
+        for i, r in enumerate(rows):
+            ids[0, i, :len(r)] = r
+        gen.sent_tokens = len(hyps[0].tokens) if hyps else 0
+        out = [pb_utils.Tensor("output_ids", ids),
+               pb_utils.Tensor("sequence_length", np.array([[len(r) for r in rows]], dtype=np.int32))]
+        if getattr(gen.params, "return_log_probs", False):
+            m = max((len(h.log_probs) for h in hyps), default=0)
+            lps = np.full((1, len(hyps), m), -1, dtype=np.float32)
+            for i, h in enumerate(hyps):
+                lps[0, i, :len(h.log_probs)] = h.log_probs
+            out += [pb_utils.Tensor("output_log_probs", lps),
+                    pb_utils.Tensor("cum_log_probs", np.array([[h.cum_log_prob for h in hyps]], dtype=np.float32))]
+        out += self._logits(gen, req, 0, True)
+        return out + self._extras(treq, gen, req)
+
+    def _extras(self, treq, gen, req):
+        """The outputs every response carries beside the tokens (request key, indices, counts,
+        perf metrics)."""
+        out = []
         if treq.key is not None:
             out.append(pb_utils.Tensor("request_key", np.array([[treq.key]], dtype=object)))
         # Only a batched request, or one with several sequences, needs to tell its responses apart.
@@ -250,6 +282,9 @@ class TritonPythonModel:
         """Batcher callback: queue the event for the sender thread, so slow IPC or a slow client never
         holds up the decode loop. Non-streamed requests only need their final event."""
         if gen.streaming or event.finished:
+            if gen.beam_width > 1 and event.request.seq is not None:
+                # The ranked beams now, read here on the batcher thread (the next step reorders them).
+                gen.beam_results = event.request.seq.results()
             self.outbox.append((treq, gen, event))  # the batcher's on_flush wakes the sender
 
     def _flush(self):
@@ -285,6 +320,14 @@ class TritonPythonModel:
             msg = f"generation failed: {final.error}"
             last = treq.finish_one()
             treq.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),
+                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
+            return
+        if gen.beam_width > 1:
+            if final is None and not gen.streaming:
+                return
+            last = final is not None and treq.finish_one()
+            out = self._beam_tensors(treq, gen, req)
+            treq.sender.send(pb_utils.InferenceResponse(output_tensors=out),
                              flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
             return
         held = gen.held

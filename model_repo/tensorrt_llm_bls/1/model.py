@@ -145,6 +145,14 @@ class TritonPythonModel:
             pb_utils.Tensor("SEQUENCE_LENGTH", np.array([[tokens.shape[-1]]], dtype=np.int32))]), self.post)
         return pb_utils.get_output_tensor_by_name(resp, "OUTPUT").as_numpy().reshape(-1)[0].decode("utf-8")
 
+    def _detok_beams(self, ids: np.ndarray, lengths: np.ndarray) -> list[bytes]:
+        """One text per beam of a beam search's output_ids [1, beams, len] (padded with -1 past each
+        beam's sequence_length), in one postprocessing call."""
+        resp = self._check(self._bls(self.post, ["OUTPUT"], [
+            pb_utils.Tensor("TOKENS_BATCH", np.maximum(np.asarray(ids, dtype=np.int32), 0)),
+            pb_utils.Tensor("SEQUENCE_LENGTH", np.asarray(lengths, dtype=np.int32).reshape(1, -1))]), self.post)
+        return list(pb_utils.get_output_tensor_by_name(resp, "OUTPUT").as_numpy().reshape(-1))
+
     def _generate(self, request, send):
         get = lambda n: pb_utils.get_input_tensor_by_name(request, n)
         text = get("text_input")
@@ -201,9 +209,18 @@ class TritonPythonModel:
             ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
             if ids_t is None:  # a flag-only final response
                 continue
-            ids = ids_t.as_numpy().reshape(-1).tolist()
             passthrough = [pb_utils.Tensor(n, t.as_numpy()) for n in _PASS_OUTPUTS
                            if (t := pb_utils.get_output_tensor_by_name(resp, n)) is not None]
+            arr = ids_t.as_numpy()
+            if arr.ndim == 3 and arr.shape[1] > 1:
+                # Beam search: every response carries each beam's tokens so far (streamed or not), so
+                # each one is decoded whole: text_output holds one string per beam.
+                lengths = pb_utils.get_output_tensor_by_name(resp, "sequence_length").as_numpy()
+                texts = self._detok_beams(arr, lengths)
+                send(pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor("text_output", np.array(texts, dtype=object)), *passthrough]))
+                continue
+            ids = arr.reshape(-1).tolist()
             if streaming and self.accumulate:
                 seq_t = pb_utils.get_output_tensor_by_name(resp, "sequence_index")
                 indexed = indexed or seq_t is not None
