@@ -1,5 +1,6 @@
 """Beam search in the embedded engine (TensorRT-LLM's rules, trtmoe/runtime/beam.py): against
-transformers' own beam search on the trained Mixtral fixture where the two define the same thing,
+transformers' own beam search on both trained fixtures (Mixtral, and the fine-grained Qwen3-MoE)
+where the two define the same thing,
 the stop rule where they differ, batching, cache release, and the tensorrt_llm model's parsing."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from trtmoe.runtime.beam import BeamState, Hypothesis
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "trained_mixtral"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+FIXTURE = FIXTURES / "trained_mixtral"
 if not (FIXTURE / "config.json").is_file():
     pytest.skip("tests/fixtures/trained_mixtral is missing (make it with scripts/make_trained_fixture.py)",
                 allow_module_level=True)
@@ -34,10 +36,31 @@ def engine(tmp_path_factory, one_torch_thread):
 
 @pytest.fixture(scope="module")
 def hf():
+    return _hf(FIXTURE)
+
+
+def _hf(fixture: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(FIXTURE), dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(str(FIXTURE))
+    model = AutoModelForCausalLM.from_pretrained(str(fixture), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(fixture))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, engine, hf):
+    """Per trained fixture: (embedded engine, (transformers model, tokenizer)); the fine-grained
+    Qwen3-MoE one (64 experts, top 8) is built when first asked for."""
+    made = {"trained_mixtral": (engine, hf)}
+
+    def get(name: str):
+        if name not in made:
+            if not (FIXTURES / name / "config.json").is_file():
+                pytest.skip(f"tests/fixtures/{name} is missing (make it with scripts/make_trained_fixture.py)")
+            ckpt = tmp_path_factory.mktemp("beam-" + name) / "ckpt"
+            convert(FIXTURES / name, ckpt, dtype="float32")
+            made[name] = (EmbeddedEngine.from_checkpoint(ckpt, device="cpu"), _hf(FIXTURES / name))
+        return made[name]
+    return get
 
 
 def _run(engine, seqs):
@@ -49,12 +72,13 @@ def _run(engine, seqs):
 # The end ids: the fixture's own (seldom chosen) and a newline, which ends many beams early.
 @pytest.mark.parametrize("end", ["eos", "\n"])
 @pytest.mark.parametrize("len_penalty, early_stopping, hf_early", [(0.0, 1, True), (1.0, 1, True), (0.5, 2, "never")])
-def test_beams_equal_transformers_beam_search(engine, hf, end, len_penalty, early_stopping, hf_early):
+@pytest.mark.parametrize("fixture", ["trained_mixtral", "trained_qwen3_moe"])
+def test_beams_equal_transformers_beam_search(pair, fixture, end, len_penalty, early_stopping, hf_early):
     """Where TensorRT-LLM's rules and transformers' agree (early_stopping 1 = True, and > 1 =
     "never"), the returned beams, in order, are transformers' num_return_sequences = num_beams
     outputs (end id stripped); with no length penalty the raw cumulative log-probs are its
     sequence scores."""
-    model, tok = hf
+    engine, (model, tok) = pair(fixture)
     end_id = tok.eos_token_id if end == "eos" else tok.encode(end)[-1]
     ended = 0
     for K in (2, 3):
