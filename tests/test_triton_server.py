@@ -609,6 +609,18 @@ def test_generate_command(served):
     assert data["text"] == served["ref"].text("def main(", 12) and data["streamed"]
     bad = CliRunner().invoke(group, ["generate", "def main(", "--url", served["url"], "--unary"])
     assert bad.exit_code == 2 and "decoupled" in bad.output
+    # Beam search: every beam's completion, best first (streamed responses each re-send every beam).
+    ref = served["ref"]
+    want = [ref.tok.decode(h.tokens, skip_special_tokens=True)
+            for h in _engine_run(ref, ref.ids(PROMPTS[1]), max_new_tokens=10, beam_width=2).results()]
+    for extra in ([], ["--model", "tensorrt_llm_bls"]):
+        out = CliRunner().invoke(group, ["generate", PROMPTS[1], "-n", "10", "--url", served["url"], "--beam-width", "2",
+                                         "--json", *extra])
+        assert out.exit_code == 0, out.output
+        data = json.loads(out.output)
+        assert data["beams"] == want and data["text"] == want[0], extra
+    out = CliRunner().invoke(group, ["generate", PROMPTS[1], "-n", "10", "--url", served["url"], "--beam-width", "2"])
+    assert out.exit_code == 0 and f"--- beam 0\n{want[0]}\n--- beam 1\n{want[1]}\n" in out.output, out.output
 
 
 def test_example_client_script(served):

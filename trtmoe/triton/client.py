@@ -35,6 +35,9 @@ class GenerateResult:
     model: str = "ensemble"
     outputs: dict[str, Any] = field(default_factory=dict)  # other outputs of the last response
     output_token_counts: list[int] = field(default_factory=list)  # num_output_tokens per response, if asked for
+    # Beam search (beam_width > 1): every beam's text, best first, from the last response (each one
+    # carries every beam so far); ``text`` is the first.
+    beams: list[str] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float | None:
@@ -94,7 +97,8 @@ def is_decoupled(client, model: str, _seen: set[str] | None = None) -> bool:
 def build_inputs(prompt: str, *, max_tokens: int, stream: bool, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop_words: list[str] | None = None, exclude_input_in_output: bool | None = None,
-                 end_id: int | None = None, extra: dict[str, np.ndarray] | None = None) -> list:
+                 end_id: int | None = None, beam_width: int | None = None,
+                 extra: dict[str, np.ndarray] | None = None) -> list:
     """The ensemble's input tensors for one prompt (batch of 1)."""
     import tritonclient.grpc as grpcclient
 
@@ -117,6 +121,8 @@ def build_inputs(prompt: str, *, max_tokens: int, stream: bool, temperature: flo
         arrays["exclude_input_in_output"] = np.array([[exclude_input_in_output]], dtype=bool)
     if end_id is not None:
         arrays["end_id"] = np.array([[end_id]], dtype=np.int32)
+    if beam_width is not None and beam_width != 1:
+        arrays["beam_width"] = np.array([[beam_width]], dtype=np.int32)
     arrays.update(extra or {})
     dtypes = {np.dtype(object): "BYTES", np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32",
               np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64", np.dtype(np.int64): "INT64"}
@@ -129,11 +135,16 @@ def build_inputs(prompt: str, *, max_tokens: int, stream: bool, temperature: flo
 
 
 def _text(result) -> str:
+    texts = _texts(result)
+    return texts[0] if texts else ""
+
+
+def _texts(result) -> list[str]:
+    """Every string of text_output (one per beam)."""
     arr = result.as_numpy("text_output")
     if arr is None:
-        return ""
-    v = arr.reshape(-1)[0]
-    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+        return []
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in arr.reshape(-1)]
 
 
 def _is_final(result) -> bool:
@@ -173,6 +184,9 @@ def _check_request_args(url: str, timeout_s: float, sampling: dict) -> None:
         raise InputError(f"top_k must be >= 0, got {k!r}")
     if p is not None and not (math.isfinite(p) and 0 < p <= 1):
         raise InputError(f"top_p must be in (0, 1], got {p!r}")
+    b = sampling.get("beam_width")
+    if b is not None and b < 1:
+        raise InputError(f"beam_width must be >= 1, got {b!r}")
 
 
 def _call_mode(client, url: str, model: str, *, stream: bool | None, unary: bool, check: bool) -> tuple[bool, bool]:
@@ -197,7 +211,7 @@ def _call_mode(client, url: str, model: str, *, stream: bool | None, unary: bool
 
 
 def _infer_unary(client, model: str, inputs, result: GenerateResult, *, request_id: str, timeout_s: float,
-                 on_text: Callable[[str], None] | None) -> GenerateResult:
+                 on_text: Callable[[str], None] | None, beams: bool = False) -> GenerateResult:
     from tritonclient.utils import InferenceServerException
 
     t0 = time.perf_counter()
@@ -205,6 +219,7 @@ def _infer_unary(client, model: str, inputs, result: GenerateResult, *, request_
         res = client.infer(model, inputs, request_id=request_id, client_timeout=timeout_s)
     except InferenceServerException as e:
         raise TrtmoeError(f"{model}: {e.message()}") from None
+    result.beams = _texts(res) if beams else []
     result.text = _text(res)
     result.pieces, result.response_times = [result.text], [time.perf_counter() - t0]
     _record_outputs(result, res)
@@ -215,7 +230,7 @@ def _infer_unary(client, model: str, inputs, result: GenerateResult, *, request_
 
 
 def _infer_stream(client, model: str, inputs, result: GenerateResult, *, request_id: str, timeout_s: float,
-                  on_text: Callable[[str], None] | None) -> GenerateResult:
+                  on_text: Callable[[str], None] | None, beams: bool = False) -> GenerateResult:
     """One request over the gRPC stream, collecting its responses until the final one."""
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
@@ -233,6 +248,8 @@ def _infer_stream(client, model: str, inputs, result: GenerateResult, *, request
                 raise TrtmoeError(f"{model}: {err.message() if hasattr(err, 'message') else err}")
             piece = _text(res)
             final = _is_final(res)
+            if beams and _texts(res):  # every response carries every beam so far: keep the latest
+                result.beams = _texts(res)
             if piece or not final:
                 result.pieces.append(piece)
                 result.response_times.append(t - t0)
@@ -246,7 +263,7 @@ def _infer_stream(client, model: str, inputs, result: GenerateResult, *, request
         # Cancel only an unfinished request: cancelling a finished one races with the ensemble's
         # own completion and leaves it holding the request until the server's exit timeout.
         client.stop_stream(cancel_requests=not complete)
-    result.text = "".join(result.pieces)
+    result.text = result.beams[0] if result.beams else "".join(result.pieces)
     result.total_s = time.perf_counter() - t0
     return result
 
@@ -261,8 +278,9 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
     call (refused for decoupled models). ``on_text(piece)`` sees each piece as it arrives.
     ``exclude_input_in_output``: True (default) asks for the completion alone; None leaves it to the
     repository's default (upstream's: the prompt is included in non-streamed outputs).
-    ``sampling``: temperature, top_k, top_p, seed, stop_words, end_id, extra (a dict of additional
-    input arrays). ``timeout_s`` bounds the whole call. ``check`` verifies the
+    ``sampling``: temperature, top_k, top_p, seed, stop_words, end_id, beam_width (the result's
+    ``beams`` then holds every beam's text, best first; ``on_text`` is not called, since each
+    response re-sends every beam), extra (a dict of additional input arrays). ``timeout_s`` bounds the whole call. ``check`` verifies the
     server and model first; without it the model's decoupled policy is looked up once per url.
     ``client``: a ``tritonclient.grpc.InferenceServerClient`` to reuse (one call at a time); it is
     left open. Raises InputError / BackendUnavailable / TrtmoeError.
@@ -278,7 +296,9 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
                               exclude_input_in_output=exclude_input_in_output, **sampling)
         result = GenerateResult(text="", streamed=stream, model=model)
         call = _infer_stream if decoupled else _infer_unary
-        return call(client, model, inputs, result, request_id=request_id, timeout_s=timeout_s, on_text=on_text)
+        beams = (sampling.get("beam_width") or 1) > 1
+        return call(client, model, inputs, result, request_id=request_id, timeout_s=timeout_s,
+                    on_text=None if beams else on_text, beams=beams)
     finally:
         if own:
             client.close()

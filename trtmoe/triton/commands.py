@@ -157,10 +157,12 @@ def serve_command(repo, config_path, log_file, print_command, **options):
 @click.option("--top-p", type=float, default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", "stop_words", multiple=True, help="Stop string (repeatable).")
+@click.option("--beam-width", type=int, default=None,
+              help="Beam search of this width (up to the engine's --max-beam-width); prints every beam, best first.")
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print text and timings as JSON at the end.")
 def generate_command(prompt, url, model, max_tokens, stream, include_input, unary, temperature, top_k, top_p, seed,
-                     stop_words, timeout_s, as_json):
+                     stop_words, beam_width, timeout_s, as_json):
     """Generate text from a served model over gRPC, printing tokens as they arrive.
 
     Decoupled models (a `trtmoe repo --streaming` repository) are called through the gRPC stream;
@@ -172,6 +174,7 @@ def generate_command(prompt, url, model, max_tokens, stream, include_input, unar
     Example:
       trtmoe generate "def main(" -n 40 --url 127.0.0.1:8001
       trtmoe generate "import os" --model tensorrt_llm_bls --top-k 20 --seed 1
+      trtmoe generate "class A:" --beam-width 2   # an engine built with --max-beam-width 2
     """
     from .client import generate
 
@@ -180,12 +183,15 @@ def generate_command(prompt, url, model, max_tokens, stream, include_input, unar
     on_text = None if as_json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     r = generate(url, prompt, model=model, max_tokens=max_tokens, stream=stream, unary=unary, on_text=on_text,
                  timeout_s=timeout_s, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                 stop_words=list(stop_words) or None, exclude_input_in_output=not include_input)
+                 stop_words=list(stop_words) or None, exclude_input_in_output=not include_input,
+                 beam_width=beam_width)
     if as_json:
         _echo_json({"model": r.model, "text": r.text, "streamed": r.streamed, "responses": len(r.pieces),
-                    "ttft_s": r.ttft_s, "total_s": r.total_s})
+                    "ttft_s": r.ttft_s, "total_s": r.total_s, **({"beams": r.beams} if r.beams else {})})
     else:
-        sys.stdout.write("\n")
+        for i, text in enumerate(r.beams):
+            sys.stdout.write(f"--- beam {i}\n{text}\n")
+        sys.stdout.write("" if r.beams else "\n")
         click.echo(f"[{len(r.pieces)} responses, first text after {(r.ttft_s or 0) * 1000:.0f} ms, "
                    f"total {r.total_s * 1000:.0f} ms]", err=True)
 
