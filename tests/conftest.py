@@ -80,6 +80,26 @@ def tiny_model(tmp_path_factory) -> Callable[..., Path]:
 TRAINED_MIXTRAL = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
 
 
+def require_fixture(path: Path) -> Path:
+    """``path`` (a committed trained fixture); the calling test module is skipped, saying how to make
+    it, when it is missing."""
+    if not (path / "config.json").is_file():
+        pytest.skip(f"tests/fixtures/{path.name} is missing (make it with scripts/make_trained_fixture.py)",
+                    allow_module_level=True)
+    return path
+
+
+def float_engine(fixture: Path, tmp_path_factory, name: str):
+    """``fixture`` converted to a float32 checkpoint (lossless from its bf16 weights) and loaded in the
+    embedded engine on CPU."""
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.runtime.engine import EmbeddedEngine
+
+    ckpt = tmp_path_factory.mktemp(name) / "ckpt"
+    convert(fixture, ckpt, dtype="float32")
+    return EmbeddedEngine.from_checkpoint(ckpt, device="cpu")
+
+
 def tokenized_tiny_mixtral(tiny_model, root: Path, name: str) -> tuple[Path, Path]:
     """A writable copy of the tiny Mixtral (vocabulary 2048) with the trained fixture's tokenizer, so
     every command (calibrate, repo, serve) can run on it, and a small calibration text beside it."""

@@ -10,28 +10,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import request_getter
+from conftest import TRAINED_MIXTRAL, float_engine, request_getter, require_fixture
 
-from trtmoe.checkpoint.writer import convert
 from trtmoe.errors import InputError
 from trtmoe.runtime.beam import BeamState, Hypothesis
-from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
+from trtmoe.runtime.engine import SamplingParams
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
 
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
-FIXTURE = FIXTURES / "trained_mixtral"
-if not (FIXTURE / "config.json").is_file():
-    pytest.skip("tests/fixtures/trained_mixtral is missing (make it with scripts/make_trained_fixture.py)",
-                allow_module_level=True)
+FIXTURE = require_fixture(TRAINED_MIXTRAL)
+FIXTURES = FIXTURE.parent
 
 PROMPTS = ["def main():\n", "class A:\n    ", "return", "for i in range(10):"]
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, one_torch_thread):
-    ckpt = tmp_path_factory.mktemp("beam") / "ckpt"
-    convert(FIXTURE, ckpt, dtype="float32")
-    return EmbeddedEngine.from_checkpoint(ckpt, device="cpu")
+    return float_engine(FIXTURE, tmp_path_factory, "beam")
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +50,7 @@ def pair(tmp_path_factory, engine, hf):
         if name not in made:
             if not (FIXTURES / name / "config.json").is_file():
                 pytest.skip(f"tests/fixtures/{name} is missing (make it with scripts/make_trained_fixture.py)")
-            ckpt = tmp_path_factory.mktemp("beam-" + name) / "ckpt"
-            convert(FIXTURES / name, ckpt, dtype="float32")
-            made[name] = (EmbeddedEngine.from_checkpoint(ckpt, device="cpu"), _hf(FIXTURES / name))
+            made[name] = (float_engine(FIXTURES / name, tmp_path_factory, "beam-" + name), _hf(FIXTURES / name))
         return made[name]
     return get
 

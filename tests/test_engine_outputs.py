@@ -4,21 +4,16 @@ model's inputs (seeds of the extra sequences, refusals)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import request_getter
+from conftest import TRAINED_MIXTRAL, float_engine, request_getter, require_fixture
 
-from trtmoe.checkpoint.writer import convert
-from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
+from trtmoe.runtime.engine import SamplingParams
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "trained_mixtral"
-if not (FIXTURE / "config.json").is_file():
-    pytest.skip("tests/fixtures/trained_mixtral is missing (make it with scripts/make_trained_fixture.py)",
-                allow_module_level=True)
+FIXTURE = require_fixture(TRAINED_MIXTRAL)
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef", "import os\n", "class Parser:\n    def __init__(self"]
 N = 12
@@ -26,9 +21,7 @@ N = 12
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, one_torch_thread):
-    ckpt = tmp_path_factory.mktemp("outputs") / "ckpt"
-    convert(FIXTURE, ckpt, dtype="float32")
-    return EmbeddedEngine.from_checkpoint(ckpt, device="cpu")
+    return float_engine(FIXTURE, tmp_path_factory, "outputs")
 
 
 @pytest.fixture(scope="module")

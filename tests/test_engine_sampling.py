@@ -4,22 +4,17 @@ trained Mixtral fixture; and their parsing from the tensorrt_llm model's inputs.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
-from conftest import request_getter
+from conftest import TRAINED_MIXTRAL, float_engine, request_getter, require_fixture
 import pytest
 import torch
 
-from trtmoe.checkpoint.writer import convert
 from trtmoe.errors import InputError
-from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
+from trtmoe.runtime.engine import SamplingParams
 from trtmoe.triton.llm_request import EngineLimits, parse_requests
 
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "trained_mixtral"
-if not (FIXTURE / "config.json").is_file():
-    pytest.skip("tests/fixtures/trained_mixtral is missing (make it with scripts/make_trained_fixture.py)",
-                allow_module_level=True)
+FIXTURE = require_fixture(TRAINED_MIXTRAL)
 
 # The trained fixture repeats itself under greedy decoding ("of the string of the string ..."),
 # so penalties against repeats visibly change its output.
@@ -29,9 +24,7 @@ N = 32
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, one_torch_thread):
-    ckpt = tmp_path_factory.mktemp("sampling") / "ckpt"
-    convert(FIXTURE, ckpt, dtype="float32")
-    return EmbeddedEngine.from_checkpoint(ckpt, device="cpu")
+    return float_engine(FIXTURE, tmp_path_factory, "sampling")
 
 
 @pytest.fixture(scope="module")
