@@ -5,6 +5,7 @@ the stop rule where they differ, batching, cache release, and the tensorrt_llm m
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -219,3 +220,41 @@ def test_beam_refusals(inputs, message):
     with pytest.raises(RequestError, match=message) as e:
         parse_requests(request_getter(**inputs), _limits(), SamplingParams)
     assert "\n" not in str(e.value)
+
+
+def test_beam_requests_in_the_batcher_finish_or_cancel_and_free_their_rows(engine):
+    """Through the in-flight batcher: a beam search decoded beside a greedy request finishes with
+    the engine's own result; one cancelled after a few steps ends as cancelled; no cache row stays."""
+    import threading
+
+    from trtmoe.triton.batcher import FINISH_CANCELLED, InflightBatcher
+
+    want = _run(engine, [engine.start([1, 482, 1732, 11], SamplingParams(max_new_tokens=30, beam_width=3))])[0].results()
+    done = {k: threading.Event() for k in ("beam", "plain", "cancelled")}
+    events: dict[str, list] = {k: [] for k in done}
+
+    def collect(name):
+        def cb(ev):
+            events[name].append(ev)
+            if ev.finished:
+                done[name].set()
+        return cb
+
+    b = InflightBatcher(engine, max_batch_size=4)
+    try:
+        beam = b.submit([1, 482, 1732, 11], SamplingParams(max_new_tokens=30, beam_width=3), collect("beam"))
+        b.submit([1, 29, 11], SamplingParams(max_new_tokens=30), collect("plain"))
+        gone = b.submit([1, 763], SamplingParams(max_new_tokens=150, beam_width=2), collect("cancelled"))
+        while len(events["cancelled"]) < 3:
+            time.sleep(0.001)
+        gone.cancel()
+        assert all(e.wait(60) for e in done.values())
+        assert [h.tokens for h in beam.seq.results()] == [h.tokens for h in want]
+        assert events["cancelled"][-1].finish_reason == FINISH_CANCELLED
+    finally:
+        b.shutdown()
+    # A cancelled sequence's rows go back when the last reference to it is dropped (here: the
+    # events and handles this test keeps), as for any cancelled request.
+    gone = beam = None
+    events.clear()
+    assert engine.kv_cache_stats()["live"] == 0
