@@ -240,6 +240,14 @@ def test_pipeline_parallel_estimate_counts_each_ranks_layers(mixtral_hf, tmp_pat
     # 3 layers over 2 stages: the first stage takes the extra layer; 33 tokens need 2 blocks of 32.
     assert [r.layers for r in est.ranks] == [2, 1]
     assert [r.kv_bytes for r in est.ranks] == [2 * n * NKV * HD * 2 * 1 * 64 for n in (2, 1)]
+    # Every beam of a request keeps a cache of its own: max_beam_width 3 triples it, on both backends.
+    b3 = resolve_limits(b | {"max_beam_width": 3}, facts, "tensorrt-llm").build
+    assert [r.kv_bytes for r in estimate_memory(facts, b3, "tensorrt-llm").ranks] == [3 * 2 * n * NKV * HD * 2 * 64
+                                                                                      for n in (2, 1)]
+    one, three = (estimate_memory(facts, resolve_limits(b | {"max_beam_width": w}, facts, "embedded").build, "embedded")
+                  for w in (1, 3))
+    assert three.ranks[0].kv_bytes == 3 * one.ranks[0].kv_bytes > 0
+    assert "max_beam_width" in three.formula
 
 
 # ---- preflight refusals ----------------------------------------------------------------------------
