@@ -15,7 +15,8 @@ from conftest import TRAINED_MIXTRAL, float_engine, request_getter, require_fixt
 
 from trtmoe.errors import InputError
 from trtmoe.runtime.beam import BeamState, Hypothesis
-from trtmoe.runtime.engine import SamplingParams
+from trtmoe.checkpoint.writer import convert
+from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
 
 FIXTURE = require_fixture(TRAINED_MIXTRAL)
@@ -257,4 +258,26 @@ def test_beam_requests_in_the_batcher_finish_or_cancel_and_free_their_rows(engin
     # events and handles this test keeps), as for any cancelled request.
     gone = beam = None
     events.clear()
+    assert engine.kv_cache_stats()["live"] == 0
+
+
+@pytest.mark.parametrize("arch, kw", [("mixtral", dict(num_key_value_heads=1)), ("qwen2_moe", {}), ("qwen3_moe", {}),
+                                      ("deepseek_v1", {}), ("phimoe", {})])
+def test_every_architectures_beams_carry_their_own_history(tiny_model, tmp_path, one_torch_thread, arch, kw):
+    """On a seeded tiny model of each architecture (GQA, shared experts, dense layers, sparse-mixer
+    routing): every returned beam's cumulative log-prob is what a cache-free forward over its own
+    tokens gives them, so each beam decoded against its own (forked and reordered) cache rows."""
+    ckpt = tmp_path / "ckpt"
+    convert(tiny_model(arch, **kw), ckpt)
+    engine = EmbeddedEngine.from_checkpoint(ckpt, device="cpu")
+    prompt = [3, 17, 5, 41, 8]
+    for K in (2, 4):
+        (s,) = _run(engine, [engine.start(prompt, SamplingParams(max_new_tokens=10, beam_width=K, end_id=7))])
+        res = s.results()
+        assert len(res) == K and len({tuple(h.tokens) for h in res}) == K
+        for h in res:
+            ids = prompt + h.tokens + ([7] if len(h.tokens) < 10 else [])  # an early end is the end id
+            lp = torch.log_softmax(engine.logits(torch.tensor([ids]))[0, len(prompt) - 1:-1], -1)
+            want = float(lp.gather(1, torch.tensor(ids[len(prompt):])[:, None]).sum())
+            assert h.cum_log_prob == pytest.approx(want, abs=1e-3), (arch, K, h.tokens)
     assert engine.kv_cache_stats()["live"] == 0
