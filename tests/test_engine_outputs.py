@@ -165,3 +165,23 @@ def test_sampled_sequences_equal_separate_requests_with_their_seeds(engine, prom
     greedy = _run(engine, engine.start_many([g.prompt_ids for g in gens], [g.params for g in gens]))
     assert len({tuple(s.tokens) for s in greedy}) == 1
     assert greedy[0].tokens == engine.generate(prompts[1], SamplingParams(max_new_tokens=N))
+
+
+def test_a_repeated_prompt_is_prefilled_once(engine, prompts):
+    """start_many with one prompt four times (num_return_sequences' siblings) and another once:
+    the repeated prompt is run through the model once (the routed-token count says so) and its
+    other sequences start from a copy of that cache row: each sequence generates what it generates
+    alone, context logits included."""
+    params = [SamplingParams(max_new_tokens=N, temperature=1.1, top_k=8, seed=7 + i, return_context_logits=i == 2)
+              for i in range(4)] + [SamplingParams(max_new_tokens=N)]
+    batch = [prompts[1]] * 4 + [prompts[0]]
+    engine.reset_routing_stats()
+    together = engine.start_many(batch, params)
+    assert engine.routing_stats()["tokens"] == len(prompts[1]) + len(prompts[0])
+    _run(engine, together)
+    alone = [_run(engine, [engine.start(p, sp)])[0] for p, sp in zip(batch, params)]
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    assert len({tuple(s.tokens) for s in together[:4]}) > 1  # the copies decoded apart
+    assert together[2].context_logits is not None and together[0].context_logits is None
+    assert torch.allclose(together[2].context_logits, alone[2].context_logits, atol=1e-5)
+    assert engine.kv_cache_stats()["live"] == 0

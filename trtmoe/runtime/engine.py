@@ -945,27 +945,40 @@ class EmbeddedEngine:
                              f"{len(params)} params)")
         seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, params)]
         lens = [len(s.prompt) for s in seqs]
-        B, T = len(seqs), max(lens)
+        # A prompt that occurs more than once (a request's num_return_sequences, clients sending the
+        # same prompt) is prefilled once; its other sequences copy that cache row.
+        first: dict[tuple[int, ...], int] = {}
+        rep = [first.setdefault(tuple(s.prompt), b) for b, s in enumerate(seqs)]
+        uniq = [b for b in range(len(seqs)) if rep[b] == b]
+        row_of = {b: i for i, b in enumerate(uniq)}
+        U, T = len(uniq), max(lens)
         try:
             for s in seqs:
                 self._alloc_cache(s, len(s.prompt) + s.params.max_new_tokens)
-            ids = torch.zeros(B, T, dtype=torch.long)
-            for b, s in enumerate(seqs):
-                ids[b, :lens[b]] = torch.tensor(s.prompt)
+            ids = torch.zeros(U, T, dtype=torch.long)
+            for i, b in enumerate(uniq):
+                ids[i, :lens[b]] = torch.tensor(seqs[b].prompt)
             ids = ids.to(self.device)
-            pos = torch.arange(T, device=self.device).expand(B, T)
+            pos = torch.arange(T, device=self.device).expand(U, T)
+            ulens = [lens[b] for b in uniq]
             valid = None
-            if min(lens) < T:
-                valid = torch.arange(T, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
+            if min(ulens) < T:
+                valid = torch.arange(T, device=self.device)[None] < torch.tensor(ulens, device=self.device)[:, None]
             # Every cache row starts empty: a causal mask over the padded block is each prompt's own.
-            context = {b: None for b, s in enumerate(seqs) if s.params.return_context_logits} or None
-            logits = self._forward(ids, pos, seqs, valid=valid, last=[n - 1 for n in lens], all_positions=context)
+            context = {row_of[rep[b]]: None for b, s in enumerate(seqs) if s.params.return_context_logits} or None
+            logits = self._forward(ids, pos, [seqs[b] for b in uniq], valid=valid, last=[n - 1 for n in ulens],
+                                   all_positions=context)
+            if U < len(seqs):
+                dups = [b for b in range(len(seqs)) if rep[b] != b]
+                self._kv_copy([seqs[b].slot for b in dups], [seqs[rep[b]].slot for b in dups])
+                logits = logits[torch.tensor([row_of[rep[b]] for b in range(len(seqs))], device=logits.device)]
         except BaseException:
             for s in seqs:
                 self._free_cache(s)
             raise
-        for b in context or ():
-            seqs[b].context_logits = context[b].cpu()
+        for b, s in enumerate(seqs):
+            if s.params.return_context_logits:
+                s.context_logits = context[row_of[rep[b]]].cpu()
         self._keep_generation_logits(seqs, logits[:, 0])
         greedy = self._greedy_batch(seqs, logits[:, 0])
         for b, s in enumerate(seqs):
