@@ -197,6 +197,7 @@ def test_beam_inputs_parse():
     (g,) = parse_requests(get, _limits(), SamplingParams)
     p = g.params
     assert (g.beam_width, p.beam_width, p.num_return_beams, p.early_stopping) == (3, 3, 2, 0)
+    assert g.num_sequences == 2 and g.sequence_index == 0  # one result; responses carry sequence_index 0
     assert p.len_penalty == pytest.approx(0.7) and p.greedy_temperature == 2.0
     assert (p.temperature, p.top_k, p.seed) == (0.0, 0, None)
     (g,) = parse_requests(request_getter(beam_width=np.array([[2]], np.int32)), _limits(), SamplingParams)

@@ -471,6 +471,18 @@ def test_beam_search_through_tensorrt_llm(served):
     last, lens = data[-1].as_numpy("output_ids"), data[-1].as_numpy("sequence_length")
     assert [last[0, i, :lens[0, i]].tolist() for i in range(2)] == [h.tokens for h in want]
     assert [_final_flag(r) for r in responses] == [False] * (len(responses) - 1) + [True]
+    # num_return_sequences n <= K: the best n beams in the one response; sequence_index 0 when n > 1.
+    for n_ret in (1, 2):
+        inputs = _beam_inputs(ids, n, eos) + [_tensor("num_return_sequences", np.array([[n_ret]], np.int32), "INT32"),
+                                              _tensor("exclude_input_in_output", np.array([[True]]), "BOOL")]
+        responses, err = stream_call(served["url"], "tensorrt_llm", inputs)
+        assert err is None, err
+        (r,) = [r for r in responses if r.as_numpy("output_ids") is not None]
+        lens = r.as_numpy("sequence_length")
+        assert [r.as_numpy("output_ids")[0, i, :lens[0, i]].tolist() for i in range(n_ret)] == \
+            [h.tokens for h in want[:n_ret]]
+        idx = r.as_numpy("sequence_index")
+        assert (idx is None) if n_ret == 1 else (idx.tolist() == [[0]])
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])

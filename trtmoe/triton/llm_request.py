@@ -46,7 +46,7 @@ class GenerationRequest:
     return_num_output_tokens: bool = False
     batch_size: int = 1  # prompts in the Triton request this one came from
     sequence_index: int = 0  # which of its prompt's num_return_sequences this is
-    num_sequences: int = 1  # num_return_sequences of its prompt (sampled sequences; beam search returns beams)
+    num_sequences: int = 1  # num_return_sequences of its prompt (sampled sequences; with beams: beams returned)
     beam_width: int = 1
     sent_tokens: int = 0  # generated tokens already sent back (owned by the responder)
     held: list[int] = field(default_factory=list)  # streamed ids held back until a character is whole
@@ -147,15 +147,16 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
             raise RequestError(f"num_return_sequences {n_seq} sends one response per sequence: it needs the "
                                "decoupled tensorrt_llm model (regenerate the repository with streaming enabled)")
         kwargs = _sampling_kwargs(get, b, max_new, limits)
+        generations = n_seq
         if beam > 1:
             kwargs = _beam_kwargs(get, b, kwargs, beam, n_seq)
-            n_seq = 1  # the beams come back together, in one result
+            generations = 1  # the beams come back together, in one result (sequence_index 0)
         excl = _scalar(get, "exclude_input_in_output", b)
         streaming = bool(_scalar(get, "streaming", b) or False)
         if streaming and not decoupled:
             raise RequestError("streaming is only supported when tensorrt_llm is decoupled "
                                "(regenerate the repository with streaming enabled)")
-        for i, seed in enumerate(_sequence_seeds(kwargs["seed"], n_seq)):
+        for i, seed in enumerate(_sequence_seeds(kwargs["seed"], generations)):
             reqs.append(GenerationRequest(
                 batch_index=b, prompt_ids=prompt, max_new_tokens=max_new, params=make_params(**{**kwargs, "seed": seed}),
                 streaming=streaming, exclude_input_in_output=bool(default_exclude_input if excl is None else excl),

@@ -179,8 +179,9 @@ class TritonPythonModel:
         streaming = bool(stream is not None and stream.as_numpy().reshape(-1)[0])
         if streaming and not self.decoupled:
             raise ValueError("streaming needs the decoupled tensorrt_llm_bls model")
-        nrs = get("num_return_sequences")
-        if nrs is not None and not self.decoupled and int(nrs.as_numpy().reshape(-1)[0]) > 1:
+        nrs, beams = get("num_return_sequences"), get("beam_width")
+        beam_search = beams is not None and int(beams.as_numpy().reshape(-1)[0]) > 1  # its beams come in one response
+        if nrs is not None and not self.decoupled and not beam_search and int(nrs.as_numpy().reshape(-1)[0]) > 1:
             raise ValueError("num_return_sequences > 1 sends one response per sequence: it needs the decoupled "
                              "tensorrt_llm_bls model")
         outputs = ["output_ids", "sequence_length", *_PASS_OUTPUTS]
