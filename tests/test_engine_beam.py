@@ -176,8 +176,7 @@ def test_beam_requests_batch_with_others_and_release_their_rows(engine, hf):
 
 def test_beam_params_are_validated(engine):
     for kw, words in ((dict(beam_width=2, num_return_beams=3), "num_return_sequences 3"),
-                      (dict(beam_width=2, len_penalty=-1.0), "len_penalty"),
-                      (dict(beam_width=2, return_generation_logits=True), "return_generation_logits")):
+                      (dict(beam_width=2, len_penalty=-1.0), "len_penalty")):
         with pytest.raises(InputError, match=words):
             engine.start([1, 5, 9], SamplingParams(max_new_tokens=4, **kw))
 
@@ -214,8 +213,8 @@ def test_beam_inputs_parse():
      "num_return_sequences 3 exceeds beam_width 2"),
     (dict(beam_width=np.array([[2]], np.int32), stop_words_list=np.array([[[7], [1]]], np.int32)),
      "'stop_words_list' with beam_width > 1"),
-    (dict(beam_width=np.array([[2]], np.int32), return_generation_logits=np.array([[True]])),
-     "'return_generation_logits' with beam_width > 1"),
+    (dict(beam_width=np.array([[2]], np.int32), return_generation_logits=np.array([[True]]),
+          streaming=np.array([[True]])), "not available for streamed beam search"),
     (dict(len_penalty=np.array([[-0.5]], np.float32)), "'len_penalty' must be >= 0"),
 ])
 def test_beam_refusals(inputs, message):
@@ -282,3 +281,25 @@ def test_every_architectures_beams_carry_their_own_history(tiny_model, tmp_path,
             want = float(lp.gather(1, torch.tensor(ids[len(prompt):])[:, None]).sum())
             assert h.cum_log_prob == pytest.approx(want, abs=1e-3), (arch, K, h.tokens)
     assert engine.kv_cache_stats()["live"] == 0
+
+
+def test_beam_generation_logits_are_each_slots_raw_rows(engine, hf):
+    """return_generation_logits with beams (unstreamed): [K, steps, vocab], slot b's row at step t
+    being the raw logits its beam was decoded with then (the prompt's last position at step 0), in
+    slot order as TensorRT-LLM keeps them."""
+    _, tok = hf
+    prompt = tok.encode(PROMPTS[0])
+    s = engine.start(prompt, SamplingParams(max_new_tokens=8, beam_width=3, return_generation_logits=True))
+    inputs = [[list(r.tokens) for r in s.beams]]  # each slot's tokens before each step
+    while not s.finished:
+        engine.step([s])
+        if not s.finished:
+            inputs.append([list(r.tokens) for r in s.beams])
+    g = s.beam_generation_logits
+    assert g.shape == (3, len(inputs) + 1, engine.vocab_size)
+    first = engine.logits(torch.tensor([prompt]))[0, -1]
+    assert all(torch.allclose(g[b, 0], first, atol=1e-4) for b in range(3))
+    for t, slots in enumerate(inputs, start=1):
+        for b, toks in enumerate(slots):
+            want = engine.logits(torch.tensor([prompt + toks]))[0, -1]
+            assert torch.allclose(g[b, t], want, atol=1e-4), (t, b)

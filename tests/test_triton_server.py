@@ -483,6 +483,17 @@ def test_beam_search_through_tensorrt_llm(served):
             [h.tokens for h in want[:n_ret]]
         idx = r.as_numpy("sequence_index")
         assert (idx is None) if n_ret == 1 else (idx.tolist() == [[0]])
+    # Generation logits (unstreamed): [1, K, max_tokens, vocab], each cache slot's raw rows, the
+    # prompt's last position first for every slot; what the engine itself records.
+    seq = _engine_run(ref, ids, max_new_tokens=n, beam_width=2, return_generation_logits=True)
+    inputs = _beam_inputs(ids, n, eos) + [_tensor("return_generation_logits", np.array([[True]]), "BOOL")]
+    responses, err = stream_call(served["url"], "tensorrt_llm", inputs)
+    assert err is None, err
+    (r,) = [r for r in responses if r.as_numpy("output_ids") is not None]
+    g = r.as_numpy("generation_logits")
+    steps = seq.beam_generation_logits.shape[1]
+    assert g.shape == (1, 2, n, ref.engine.vocab_size)
+    assert np.allclose(g[0, :, :steps], seq.beam_generation_logits.numpy(), atol=1e-4) and not g[0, :, steps:].any()
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])

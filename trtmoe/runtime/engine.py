@@ -119,9 +119,6 @@ class SamplingParams:
             if self.num_return_beams is not None and not 1 <= self.num_return_beams <= self.beam_width:
                 raise InputError(f"num_return_sequences {self.num_return_beams} must be between 1 and the beam "
                                  f"width {self.beam_width} in beam search")
-            if self.return_generation_logits:
-                raise InputError("return_generation_logits with beam_width > 1 is not supported by the embedded "
-                                 "engine")
 
 
 @dataclass
@@ -159,6 +156,10 @@ class BeamSequence(Sequence):
 
     beams: list[Sequence] = field(default_factory=list, repr=False)
     state: BeamState | None = field(default=None, repr=False)
+    # With return_generation_logits, once finished: [K, steps, vocab] float32, the raw logits of each
+    # cache slot's beam at each step (the prompt's last position for the first), in slot order as
+    # TensorRT-LLM keeps them (not re-ranked like the results).
+    beam_generation_logits: torch.Tensor | None = field(default=None, repr=False)
 
     def results(self) -> list[Hypothesis]:
         return self.state.result(self.params.num_return_beams or self.params.beam_width)
@@ -1052,6 +1053,10 @@ class EmbeddedEngine:
             self._free_cache(s)
             raise
         s.kv_capacity = sum(r.kv_capacity for r in s.beams)
+        s.generation_logits = []  # the prefill's row went here; each slot's rows are kept by its beam
+        if s.params.return_generation_logits:
+            for r in s.beams:
+                r.generation_logits = [logits.detach().to("cpu", torch.float32, copy=True)]
         lp = self._beam_log_probs([first], logits[None])
         self._reorder_beams(s, s.state.advance(lp.expand(K, -1)))
 
@@ -1075,6 +1080,8 @@ class EmbeddedEngine:
             s.tokens = list(res[0].tokens) if res else []
             s.log_probs = list(res[0].log_probs) if res else []
             s.cum_log_prob = res[0].cum_log_prob if res else 0.0
+            if s.params.return_generation_logits:
+                s.beam_generation_logits = torch.stack([torch.stack(r.generation_logits) for r in s.beams])
             for r in s.beams:
                 self._free_cache(r)
             s.beams = []

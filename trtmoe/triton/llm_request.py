@@ -235,9 +235,10 @@ def _refuse_unsupported(get: Getter, b: int, limits: EngineLimits) -> tuple[int,
     if beam > 1 and n_seq > beam:
         raise RequestError(f"num_return_sequences {n_seq} exceeds beam_width {beam}: beam search returns at most "
                            "its beams")
-    if beam > 1 and bool(_scalar(get, "return_generation_logits", b) or False):
-        raise RequestError("input 'return_generation_logits' with beam_width > 1 is not supported by the embedded "
-                           "engine")
+    if beam > 1 and bool(_scalar(get, "return_generation_logits", b) or False) and bool(_scalar(get, "streaming", b)):
+        # TensorRT-LLM drops them there too: streamed beams re-rank, so earlier steps' rows would not hold.
+        raise RequestError("input 'return_generation_logits' is not available for streamed beam search "
+                           "(beam_width > 1 with streaming)")
     for name in ("len_penalty", "early_stopping", "beam_search_diversity_rate"):
         v = _scalar(get, name, b)
         if v is not None and not float(v) >= 0:

@@ -250,7 +250,15 @@ class TritonPythonModel:
         if getattr(p, "return_generation_logits", False) and seq is not None:
             rows = seq.generation_logits
             V = int(self.engine.vocab_size)
-            if gen.streaming:
+            if gen.beam_width > 1:  # [1, beams, max_tokens, vocab], each cache slot's rows (unstreamed only)
+                beams = getattr(seq, "beam_generation_logits", None)
+                nb = len(gen.beam_results) or gen.beam_width
+                arr = np.zeros((1, nb, gen.max_new_tokens, V), dtype=self.logits_np)
+                if beams is not None:
+                    n = min(beams.shape[1], gen.max_new_tokens)
+                    arr[0, :, :n] = beams[:nb, :n].numpy()
+                out.append(pb_utils.Tensor("generation_logits", arr))
+            elif gen.streaming:
                 part = rows[start:gen.sent_tokens]
                 if part:
                     arr = np.stack([r.numpy() for r in part]).astype(self.logits_np, copy=False)
