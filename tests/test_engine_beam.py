@@ -211,8 +211,6 @@ def test_beam_inputs_parse():
     (dict(beam_width=np.array([[0]], np.int32)), "beam_width must be >= 1"),
     (dict(beam_width=np.array([[2]], np.int32), num_return_sequences=np.array([[3]], np.int32)),
      "num_return_sequences 3 exceeds beam_width 2"),
-    (dict(beam_width=np.array([[2]], np.int32), stop_words_list=np.array([[[7], [1]]], np.int32)),
-     "'stop_words_list' with beam_width > 1"),
     (dict(beam_width=np.array([[2]], np.int32), return_generation_logits=np.array([[True]]),
           streaming=np.array([[True]])), "not available for streamed beam search"),
     (dict(len_penalty=np.array([[-0.5]], np.float32)), "'len_penalty' must be >= 0"),
@@ -303,3 +301,39 @@ def test_beam_generation_logits_are_each_slots_raw_rows(engine, hf):
         for b, toks in enumerate(slots):
             want = engine.logits(torch.tensor([prompt + toks]))[0, -1]
             assert torch.allclose(g[b, t], want, atol=1e-4), (t, b)
+
+
+def test_a_beam_that_meets_a_stop_word_ends_there():
+    """A live beam whose tokens end with a stop word proposes only the end id next, at its own
+    cumulative value: kept as a hypothesis (tokens up to the stop word) when that ranks within the
+    first K; when every live beam met one, nothing is left to decode."""
+    ls = lambda *v: torch.log_softmax(torch.tensor([v], dtype=torch.float64), -1)  # noqa: E731
+    st = BeamState(width=2, end_id=0, len_penalty=1.0, stop_words=[[3]])
+    st.advance(ls(0.0, 0.0, 0.0, 3.0, 2.5, 0.0).expand(2, -1))
+    assert st.tokens == [[3], [4]] and st.stopped == [True, False] and not st.all_stopped
+    cum0, cum1 = st.cum
+    lp2 = torch.cat([ls(0.0, 9.0, 9.0, 0.0, 0.0, 0.0), ls(0.0, 2.0, 1.5, 0.0, 0.0, 0.0)])
+    assert st.advance(lp2) == [1, 1]  # beam 0's 9.0s are not offered: it may only end
+    (h,) = st.finished
+    assert h.tokens == [3] and h.cum_log_prob == pytest.approx(cum0) and h.score == pytest.approx(cum0 / 2)
+    assert st.tokens == [[4, 1], [4, 2]] and st.stopped == [False, False]
+    both = BeamState(width=2, end_id=0, stop_words=[[3], [4]])
+    both.advance(ls(0.0, 0.0, 0.0, 3.0, 2.5, 0.0).expand(2, -1))
+    assert both.all_stopped and [h.tokens for h in both.result()] == [[3], [4]]
+
+
+def test_stop_words_in_beam_search_on_the_trained_fixture(engine, hf):
+    """With a newline as stop word, no returned beam goes past one, some end on it, and the
+    tensorrt_llm model hands the stop words to the search instead of the batcher."""
+    _, tok = hf
+    nl = tok.encode("\n")[-1]
+    for text in PROMPTS:
+        (s,) = _run(engine, [engine.start(tok.encode(text), SamplingParams(max_new_tokens=24, beam_width=3,
+                                                                          end_id=tok.eos_token_id,
+                                                                          stop_words=[[nl]]))])
+        res = s.results()
+        assert all(nl not in h.tokens[:-1] for h in res)
+        assert any(h.tokens and h.tokens[-1] == nl for h in res)
+    (g,) = parse_requests(request_getter(beam_width=np.array([[2]], np.int32),
+                                         stop_words_list=np.array([[[7, 8], [1, 2]]], np.int32)), _limits(), SamplingParams)
+    assert g.params.stop_words == [[7], [8]] and g.stop_sequences == []

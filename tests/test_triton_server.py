@@ -466,8 +466,9 @@ def test_beam_search_through_tensorrt_llm(served):
     assert err is None, err
     data = [r for r in responses if r.as_numpy("output_ids") is not None]
     assert len(data) > 1 and all(r.as_numpy("output_ids").shape[:2] == (1, 2) for r in data)
-    first = data[0].as_numpy("output_ids")
-    assert first.shape[2] == 1  # generated tokens only, one each after the first step
+    # generated tokens only; the first response came before the end (one sent while the sender was
+    # behind may carry several steps)
+    assert data[0].as_numpy("output_ids").shape[2] < n
     last, lens = data[-1].as_numpy("output_ids"), data[-1].as_numpy("sequence_length")
     assert [last[0, i, :lens[0, i]].tolist() for i in range(2)] == [h.tokens for h in want]
     assert [_final_flag(r) for r in responses] == [False] * (len(responses) - 1) + [True]
@@ -508,6 +509,16 @@ def test_beam_search_text_through_ensemble_and_bls(served, model):
               _tensor("max_tokens", np.array([[n]], np.int32), "INT32"),
               _tensor("beam_width", np.array([[2]], np.int32), "INT32")]
     responses, err = stream_call(served["url"], model, inputs)
+    assert err is None, (model, err)
+    (r,) = [r for r in responses if r.as_numpy("text_output") is not None]
+    assert [t.decode() for t in r.as_numpy("text_output").reshape(-1)] == texts
+    # Stop words reach the search: each beam ends at its own first newline.
+    nl = ref.tok.encode("\n", add_special_tokens=False)
+    want = _engine_run(ref, ref.ids(prompt), max_new_tokens=n, beam_width=2, stop_words=[nl]).results()
+    assert all(h.tokens[-len(nl):] == nl for h in want)
+    texts = [ref.tok.decode(ref.ids(prompt) + h.tokens, skip_special_tokens=True) for h in want]
+    responses, err = stream_call(served["url"], model, inputs + [
+        _tensor("stop_words", np.array([[b"\n"]], dtype=object), "BYTES")])
     assert err is None, (model, err)
     (r,) = [r for r in responses if r.as_numpy("text_output") is not None]
     assert [t.decode() for t in r.as_numpy("text_output").reshape(-1)] == texts

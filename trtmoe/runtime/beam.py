@@ -16,11 +16,15 @@ One step, for a request of width K with live beams b = 0..K-1 of equal length:
    ``value / L^len_penalty`` with L its generated tokens counting the end id (no division when the
    penalty is 0 or L is 1); at most K are kept, a better one replacing the worst. One ranked K or
    later is ignored. Every other candidate continues as the next live beam until K are chosen.
+   A live beam whose tokens end with one of the request's stop words is finished: at the next step
+   it proposes only the end id, at its cumulative value (log-prob 0), so it is kept as a hypothesis
+   when that ranks within the first K and dropped otherwise.
 4. The request is done once K hypotheses are kept and ``early_stopping`` is 1, or, for other
    values, when the worst kept score is at least the best candidate's value penalised at its length
    (for ``early_stopping`` > 1 with a positive penalty, at the longest length the engine allows).
-   It also ends at ``max_new_tokens``: the live beams then join the hypotheses (scored at their
-   generated length, no end id), and the best K by score, in descending order, are the result.
+   It also ends at ``max_new_tokens``, or when every live beam has met a stop word: the live beams
+   then join the hypotheses (scored at their generated length, no end id), and the best K by score,
+   in descending order, are the result.
 
 Outputs per returned beam (the top ``min(num_return_sequences, K)``): the generated tokens without
 the end id, the raw cumulative log-prob (the end id's included, never length-normalised) and one
@@ -67,17 +71,26 @@ class BeamState:
     early_stopping: int = 1
     diversity_rate: float = 0.0
     max_length: int = 0  # generated tokens the engine could still allow (early_stopping > 1)
+    stop_words: list[list[int]] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
     cum: list[float] = field(default_factory=list)
     log_probs: list[list[float]] = field(default_factory=list)
     finished: list[Hypothesis] = field(default_factory=list)
     done: bool = False  # ended by the early-stopping rule (the live beams are then not returned)
+    stopped: list[bool] = field(default_factory=list)  # live beams that met a stop word
 
     def __post_init__(self) -> None:
         if not self.cum:
             self.tokens = [[] for _ in range(self.width)]
             self.log_probs = [[] for _ in range(self.width)]
             self.cum = [0.0] + [NEG_INF_CUM] * (self.width - 1)
+        if not self.stopped:
+            self.stopped = [False] * self.width
+
+    @property
+    def all_stopped(self) -> bool:
+        """Every live beam met a stop word: nothing is left to decode."""
+        return all(self.stopped)
 
     @property
     def generated(self) -> int:
@@ -91,6 +104,12 @@ class BeamState:
         K = self.width
         lp = lp.double()
         V = lp.shape[1]
+        if any(self.stopped):  # a beam that met a stop word proposes only the end id, at log-prob 0
+            lp = lp.clone()
+            for b in (b for b, s in enumerate(self.stopped) if s):
+                lp[b] = -float("inf")
+                if self.end_id is not None:
+                    lp[b, self.end_id] = 0.0
         values = lp + torch.tensor(self.cum, dtype=torch.float64)[:, None]
         rank = values + self.diversity_rate * torch.arange(K, dtype=torch.float64)[:, None] if self.diversity_rate \
             else values
@@ -124,6 +143,7 @@ class BeamState:
             new_lps.append(list(new_lps[-1]) if new_lps else list(self.log_probs[0]) + [NEG_INF_CUM])
         best = float(flat[order[0]]) if order else NEG_INF_CUM
         self.tokens, self.cum, self.log_probs = new_tokens, new_cum, new_lps
+        self.stopped = [any(len(t) >= len(w) and t[len(t) - len(w):] == w for w in self.stop_words) for t in new_tokens]
         self.done = self._stop_rule(best)
         return parents
 

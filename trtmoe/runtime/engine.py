@@ -76,6 +76,7 @@ class SamplingParams:
     early_stopping: int = 1
     diversity_rate: float = 0.0
     num_return_beams: int | None = None
+    stop_words: list[list[int]] = field(default_factory=list)  # beam search's own (each beam's tokens)
 
     def __post_init__(self) -> None:
         if self.embedding_bias is not None and not isinstance(self.embedding_bias, torch.Tensor):
@@ -924,7 +925,7 @@ class EmbeddedEngine:
         if params.beam_width > 1:
             return BeamSequence(list(map(int, prompt_ids)), params, state=BeamState(
                 params.beam_width, params.end_id, params.len_penalty, params.early_stopping, params.diversity_rate,
-                max_length=self.max_seq_len - len(prompt_ids)))
+                max_length=self.max_seq_len - len(prompt_ids), stop_words=[list(w) for w in params.stop_words]))
         s = Sequence(list(map(int, prompt_ids)), params)
         if params.temperature > 0:
             s.generator = torch.Generator().manual_seed(
@@ -1074,8 +1075,8 @@ class EmbeddedEngine:
             r._counts, r._counted = None, 0
         best = s.state.result(1)
         s.tokens = list(best[0].tokens) if best else []
-        if s.state.done or s.state.generated >= s.params.max_new_tokens:
-            s.finished, s.finish_reason = True, "stop" if s.state.done else "length"
+        if s.state.done or s.state.all_stopped or s.state.generated >= s.params.max_new_tokens:
+            s.finished, s.finish_reason = True, "stop" if s.state.done or s.state.all_stopped else "length"
             res = s.results()
             s.tokens = list(res[0].tokens) if res else []
             s.log_probs = list(res[0].log_probs) if res else []

@@ -141,15 +141,17 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
         prompt = _prompt(get, input_ids, b, limits)
         max_new = _max_new_tokens(get, b, len(prompt), limits)
         n_seq, beam = _refuse_unsupported(get, b, limits)
-        if beam > 1 and get("stop_words_list") is not None and word_list(get("stop_words_list"), b):
-            raise RequestError("input 'stop_words_list' with beam_width > 1 is not supported by the embedded engine")
         if n_seq > 1 and not decoupled and beam == 1:
             raise RequestError(f"num_return_sequences {n_seq} sends one response per sequence: it needs the "
                                "decoupled tensorrt_llm model (regenerate the repository with streaming enabled)")
         kwargs = _sampling_kwargs(get, b, max_new, limits)
         generations = n_seq
+        stops = word_list(get("stop_words_list"), b)
         if beam > 1:
-            kwargs = _beam_kwargs(get, b, kwargs, beam, n_seq)
+            # Each beam meets its stop words itself (the search then keeps or drops it); the batcher
+            # does not stop the request on the best beam's tokens.
+            kwargs = {**_beam_kwargs(get, b, kwargs, beam, n_seq), "stop_words": stops}
+            stops = []
             generations = 1  # the beams come back together, in one result (sequence_index 0)
         excl = _scalar(get, "exclude_input_in_output", b)
         streaming = bool(_scalar(get, "streaming", b) or False)
@@ -160,7 +162,7 @@ def parse_requests(get: Getter, limits: EngineLimits, make_params: Callable[...,
             reqs.append(GenerationRequest(
                 batch_index=b, prompt_ids=prompt, max_new_tokens=max_new, params=make_params(**{**kwargs, "seed": seed}),
                 streaming=streaming, exclude_input_in_output=bool(default_exclude_input if excl is None else excl),
-                stop_sequences=word_list(get("stop_words_list"), b),
+                stop_sequences=stops,
                 return_perf_metrics=bool(_scalar(get, "return_perf_metrics", b) or False),
                 return_num_input_tokens=bool(_scalar(get, "return_num_input_tokens", b) or False),
                 return_num_output_tokens=bool(_scalar(get, "return_num_output_tokens", b) or False),
