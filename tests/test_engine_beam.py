@@ -14,7 +14,7 @@ import torch
 from conftest import TRAINED_MIXTRAL, float_engine, request_getter, require_fixture
 
 from trtmoe.errors import InputError
-from trtmoe.runtime.beam import BeamState, Hypothesis
+from trtmoe.runtime.beam import BeamState, Hypothesis, top_candidates
 from trtmoe.checkpoint.writer import convert
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
@@ -337,3 +337,14 @@ def test_stop_words_in_beam_search_on_the_trained_fixture(engine, hf):
     (g,) = parse_requests(request_getter(beam_width=np.array([[2]], np.int32),
                                          stop_words_list=np.array([[[7, 8], [1, 2]]], np.int32)), _limits(), SamplingParams)
     assert g.params.stop_words == [[7], [8]] and g.stop_sequences == []
+
+
+def test_top_candidates_is_a_stable_full_sort():
+    """The partial ranking gives what a stable descending sort of every candidate gives, ties
+    (many here: values rounded to a few levels, -inf rows) to the lower index."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        v = torch.randint(0, 4, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).double()
+        v[torch.rand(v.shape, generator=g) < 0.3] = -float("inf")
+        n = int(torch.randint(1, v.numel() + 2, (1,), generator=g))
+        assert top_candidates(v, n) == torch.sort(v, descending=True, stable=True).indices[:n].tolist()

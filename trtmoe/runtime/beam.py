@@ -60,6 +60,16 @@ def length_penalised(value: float, length: int, len_penalty: float) -> float:
     return value / float(length) ** len_penalty
 
 
+def top_candidates(values: torch.Tensor, n: int) -> list[int]:
+    """Indices of the ``n`` largest ``values``, best first, ties to the lower index: what a stable
+    descending sort of all of them gives, but sorting only those at or above the n-th value (a
+    full sort of beams x vocabulary costs 10-110 ms a step at 32k-152k tokens)."""
+    n = min(n, values.numel())
+    kth = values.topk(n).values[-1]
+    cand = (values >= kth).nonzero().squeeze(1)  # ascending: the stable sort keeps lower indices first
+    return cand[torch.sort(values[cand], descending=True, stable=True).indices][:n].tolist()
+
+
 @dataclass
 class BeamState:
     """The search state of one request: live beams (tokens, cumulative and per-token log-probs) and
@@ -113,8 +123,7 @@ class BeamState:
         values = lp + torch.tensor(self.cum, dtype=torch.float64)[:, None]
         rank = values + self.diversity_rate * torch.arange(K, dtype=torch.float64)[:, None] if self.diversity_rate \
             else values
-        # Ranked by value, ties to the lower beam and then the lower token id (a stable sort).
-        order = torch.sort(rank.reshape(-1), descending=True, stable=True).indices[: 2 * K].tolist()
+        order = top_candidates(rank.reshape(-1), 2 * K)
         parents: list[int] = []
         new_tokens: list[list[int]] = []
         new_cum: list[float] = []
