@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..checkpoint.manifest import MANIFEST, read_manifest
 from ..checkpoint.support import check_checkpoint_config
+from ..config import SCHEMA
 from ..errors import BackendUnavailable, ConfigError, InputError, UnsupportedError
 from ..parallel.mapping import Mapping
 from ..runtime.checkpoint_reader import CheckpointConfig, load_config
@@ -146,9 +147,10 @@ def resolve_limits(build: dict, facts: CheckpointFacts, backend: str) -> Limits:
     if mi >= ms:
         problems.append(f"max_input_len {mi} ≥ max_seq_len {ms} (a request needs room for at least one "
                         f"generated token)")
-    if not 1 <= b.get("max_beam_width", 1) <= 8:
-        problems.append(f"max_beam_width {b['max_beam_width']} is outside 1..8 (the beam widths a request may "
-                        "ask for)")
+    widest = SCHEMA["build"]["max_beam_width"].maximum  # settings built in code skip the schema's check
+    if not 1 <= b.get("max_beam_width", 1) <= widest:
+        problems.append(f"max_beam_width {b['max_beam_width']} is outside 1..{widest:g} (the beam widths a "
+                        "request may ask for)")
     chunked = backend == "tensorrt-llm" and b["use_paged_context_fmha"] and b["remove_input_padding"]
     if mnt < mi and not chunked:
         problems.append(f"max_num_tokens {mnt} < max_input_len {mi} (a whole prompt is processed in one step"
