@@ -348,3 +348,15 @@ def test_top_candidates_is_a_stable_full_sort():
         v[torch.rand(v.shape, generator=g) < 0.3] = -float("inf")
         n = int(torch.randint(1, v.numel() + 2, (1,), generator=g))
         assert top_candidates(v, n) == torch.sort(v, descending=True, stable=True).indices[:n].tolist()
+
+
+def test_fewer_candidates_than_beams_leave_placeholders_that_are_never_returned():
+    """A vocabulary of two with the end id among them: after the first step one real beam is left;
+    the second slot is a placeholder at -1e20 that proposes nothing and is never returned."""
+    st = BeamState(width=2, end_id=0)
+    lp = torch.log_softmax(torch.tensor([[2.0, 1.0]]), -1).expand(2, -1)
+    assert st.advance(lp) == [0, 0]
+    assert st.tokens == [[1], [1]] and st.cum[1] == -1e20 and [h.tokens for h in st.finished] == [[]]
+    st.advance(lp)
+    assert [h.tokens for h in st.result()] == [[], [1]]  # the end id after [1] ranks within K: kept
+    assert all(h.cum_log_prob > -1e19 for h in st.result())
