@@ -672,7 +672,7 @@ def test_streamed_multibyte_characters_arrive_whole(served):
 
 def test_stream_interval_server(served, tmp_path):
     """A repository generated with stream_interval 4 serves the same text in fewer responses: the first
-    token alone, then four tokens per response (the last one carries the rest)."""
+    token alone, then four tokens per response."""
     repo = generate_repository(served["repo"].engine.path, tmp_path / "repo", stream_interval=4,
                                torch_num_threads=1, streaming=True)
     server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
@@ -681,8 +681,12 @@ def test_stream_interval_server(served, tmp_path):
         extra = {"return_num_output_tokens": np.array([[True]], dtype=bool)}
         r = generate(server.endpoints.grpc, "def main(", max_tokens=17, extra=extra)
         assert r.text == served["ref"].text("def main(", 17)
-        assert r.output_token_counts == [1, 5, 9, 13, 17]
-        assert r.text == "".join(r.pieces) and len(r.pieces) == 5
+        # The first token alone, then bursts of four; bursts the sender was behind on go out merged
+        # (CI once saw [1, 9, 13, 17]), so only whole bursts may join.
+        counts = r.output_token_counts
+        assert counts[0] == 1 and counts[-1] == 17 and 2 <= len(counts) <= 5, counts
+        assert all((b - a) % 4 == 0 for a, b in zip(counts, counts[1:])), counts
+        assert r.text == "".join(r.pieces) and len(r.pieces) == len(counts)
     finally:
         assert server.stop() == 0
 
