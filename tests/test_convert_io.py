@@ -99,6 +99,28 @@ def test_nonfinite_in_copied_ranges_is_caught_and_nothing_is_left(synthetic, tmp
     assert list(parent.iterdir()) == []
 
 
+def test_read_pieces_that_would_split_elements_give_the_same_hashes_and_checks(synthetic, tmp_path,
+                                                                               monkeypatch):
+    """The hashers read in pieces of ``_READ`` bytes; an odd size that would cut bf16 elements in two
+    is pulled back to element boundaries, so the hashes and the NaN/Inf check are unchanged."""
+    src, ref, _ = synthetic
+    monkeypatch.setattr(W, "_READ", 1001)
+    convert(src, tmp_path / "o", tp=2, moe_ep=2)
+    assert _hashes(tmp_path / "o") == ref
+    _manifest_matches_files(tmp_path / "o")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    name = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+    with HFCheckpoint(bad) as h:
+        info, path = h.info(name), h.location[name]
+    with open(path, "r+b") as f:  # an element two pieces in, whatever the offsets
+        f.seek(info.start + 2 * 1001)
+        f.write(torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    with pytest.raises(CheckpointError, match="1 NaN and 0 Inf"):
+        convert(bad, tmp_path / "b", tp=2, moe_ep=2)
+    assert not (tmp_path / "b").exists()
+
+
 class _CountingFollower(W._RankFollower):
     """The real follower, keeping its instances so a test can read ``shared_bytes`` afterwards."""
     made: list = []
