@@ -252,10 +252,12 @@ _PAGE = 4096
 # Whether ranges whose source and destination offsets differ modulo the page size go through the
 # bounce buffer instead of the kernel. On its own a misaligned copy_file_range is the cheaper copy
 # (Linux 6.18 / ext4: ~0.44 s of CPU per GB against ~0.58 s through the buffer, medians of 6
-# interleaved runs), but the pages it leaves cost more to read back, hash and write out: a whole
-# 1.2 GB tp2/moe_ep2 convert took 3.48 s of CPU that way against 3.10 s with the buffer (medians of
-# 4 interleaved runs, 2-core VM).
-_BOUNCE_MISALIGNED = True
+# interleaved runs). While convert's hashers mapped the written pages to read them back, the pages
+# it left cost more to read that way (a 1.2 GB tp2/moe_ep2 convert took 3.48 s of CPU against 3.10 s
+# with the buffer); since they pread them, the kernel copy is the cheaper whole convert too: 1.60 /
+# 1.48 s against 1.91 / 1.59 s (tp2 / moe_ep2, medians of 4 interleaved rounds, 2-core VM), with
+# the main thread's CPU steadier (0.67-0.69 s against 0.69-1.38 s over 4 in-process runs).
+_BOUNCE_MISALIGNED = False
 
 
 class StreamingWriter:
