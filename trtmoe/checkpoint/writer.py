@@ -49,10 +49,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _WINDOW = 16 << 20  # a rank follower's step: the bytes it waits for, hashes and starts writing back
 # Bytes the background hashers read at a time, into a buffer they reuse: small enough to stay in a
 # core's L2 cache, so that a rank follower's NaN/Inf check reads the bytes its hash has just read.
-# Reading into it with pread beat mapping 16 MiB windows of the page cache (whose faults and unmaps,
-# with TLB shootdowns to the other threads' cores, cost more than the copy, and whose check read
-# the bytes from memory a second time): rank followers' CPU 1.51-1.57 -> 1.09-1.13 s on a 1.2 GB
-# Mixtral-shaped tp2/moe_ep2 convert, source hashes 0.88 -> 0.81 s.
+# Reading into it with pread beat mapping 16 MiB windows of the page cache, where the check read the
+# window from memory again after the hash: rank followers' CPU 1.51-1.57 -> 1.09-1.13 s on a 1.2 GB
+# Mixtral-shaped tp2/moe_ep2 convert, source hashes 0.88 -> 0.81 s (pread's copy costs about what
+# the mapping's page faults did; hashing alone is as fast either way).
 _READ = 1 << 20
 
 
