@@ -377,37 +377,36 @@ class _RankFollower(_Background):
         i = bisect.bisect_right(at, pos)
         return at[i] if i < len(at) else None
 
-    def _matches(self, job: _Job, fd: int, ref_fd: int, pos: int, stop: int, buf: memoryview,
-                 theirs: memoryview) -> bool:
-        """Whether file bytes ``[pos, stop)`` equal the first file's (``ref_fd``), both read a piece
-        at a time into ``buf`` and ``theirs``; the pieces compared equal are checked on the way (a
-        piece checked twice, when a later one differs and the window is hashed, is harmless)."""
-        while pos < stop:
-            if self._cancelled.is_set():
-                return False
-            end = self._boundary(job, pos, min(stop, pos + len(buf)))
-            mine, other = buf[:end - pos], theirs[:end - pos]
-            pread_into(fd, mine, pos, job.name)
-            pread_into(ref_fd, other, pos, self._first.name)
-            if not _same_bytes(mine, other):
-                return False
-            self._check(job, pos, end, mine)
-            pos = end
-        return True
-
-    def _digest(self, job: _Job, fd: int, pos: int, stop: int, sha, buf: memoryview) -> None:
-        """Hash file bytes ``[pos, stop)`` and check their verbatim source regions, reading them
-        into ``buf`` a piece at a time (each piece ends on an element boundary of the region it
-        cuts), so that the check reads the bytes the hash has just brought into the cache."""
-        while pos < stop:
-            if self._cancelled.is_set():
-                return
+    def _pieces(self, job: _Job, fd: int, pos: int, stop: int, buf: memoryview, what: str):
+        """File bytes ``[pos, stop)`` read into ``buf`` a piece at a time, as (start, end, view);
+        each piece ends on an element boundary of the checked region it cuts, so a piece can be
+        checked on its own while the bytes just read are in cache. Stops early when cancelled."""
+        while pos < stop and not self._cancelled.is_set():
             end = self._boundary(job, pos, min(stop, pos + len(buf)))
             view = buf[:end - pos]
-            pread_into(fd, view, pos, job.name)
-            sha.update(view)
-            self._check(job, pos, end, view)
+            pread_into(fd, view, pos, what)
+            yield pos, end, view
             pos = end
+
+    def _matches(self, job: _Job, fd: int, ref_fd: int, pos: int, stop: int, buf: memoryview,
+                 theirs: memoryview) -> bool:
+        """Whether file bytes ``[pos, stop)`` equal the first file's (``ref_fd``, read into
+        ``theirs``); the pieces compared equal are checked on the way (a piece checked twice, when
+        a later one differs and the window is hashed, is harmless)."""
+        for a, b, mine in self._pieces(job, fd, pos, stop, buf, job.name):
+            other = theirs[:b - a]
+            pread_into(ref_fd, other, a, self._first.name)
+            if not _same_bytes(mine, other):
+                return False
+            self._check(job, a, b, mine)
+        return not self._cancelled.is_set()
+
+    def _digest(self, job: _Job, fd: int, pos: int, stop: int, sha, buf: memoryview) -> None:
+        """Hash file bytes ``[pos, stop)`` and check their verbatim source regions, piece by piece,
+        so that the check reads the bytes the hash has just brought into the cache."""
+        for a, b, view in self._pieces(job, fd, pos, stop, buf, job.name):
+            sha.update(view)
+            self._check(job, a, b, view)
 
     @staticmethod
     def _boundary(job: _Job, pos: int, stop: int) -> int:
