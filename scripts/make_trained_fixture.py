@@ -8,8 +8,8 @@ so routing is free to skew: later stages measure per-expert quantization error a
 statistics on this model, and need experts that are rarely chosen.
 
 Reproduce the committed fixtures (about 12 minutes on one CPU thread for the Mixtral one; the
-fine-grained Qwen3-MoE one, 64 experts top-8 with a 64-wide expert FFN, about 4 minutes of training
-plus 5 of evaluation):
+fine-grained Qwen3-MoE one, 64 experts top-8 with hidden size and expert FFN 128 wide, about 10 minutes
+of training plus 2 of evaluation):
 
     python scripts/make_trained_fixture.py --out tests/fixtures/trained_mixtral
     python scripts/make_trained_fixture.py --arch qwen3_moe --out tests/fixtures/trained_qwen3_moe --steps 600
@@ -73,16 +73,17 @@ MODEL_HPARAMS = {
 }
 
 # Qwen3-MoE shaped, fine-grained: many small experts, top-8 of 64, renormalized top-k weights, per-head
-# q/k RMSNorm; a small vocabulary of its own, so that the committed fixture stays a few MB.
+# q/k RMSNorm; widths a 128-group divides (as Qwen3-30B-A3B's 2048 / 768), so that every int4 kind applies;
+# a small vocabulary of its own, so that the committed fixture stays small (about 20 MB).
 QWEN3_HPARAMS = {
     "vocab_size": 1024,
-    "hidden_size": 64,
+    "hidden_size": 128,
     "intermediate_size": 256,  # dense FFN width (unused: every layer is MoE)
-    "moe_intermediate_size": 64,
+    "moe_intermediate_size": 128,
     "num_hidden_layers": 3,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": 32,
     "num_experts": 64,
     "num_experts_per_tok": 8,
     "norm_topk_prob": True,
