@@ -322,6 +322,7 @@ def test_calibrate_gram_threshold_defaults_are_the_quantizers():
 
     c = cfgmod.SCHEMA["calibrate"]
     assert (c["max_gram_in"].default, c["max_input_tokens"].default) == (awq.MAX_GRAM_IN, awq.MAX_INPUT_TOKENS)
+    assert c["rounding"].default == awq.DEFAULT_ROUNDING == "awq_gptq"
 
 
 def test_calibrate_max_gram_in_from_the_command_line(tiny_model, tmp_path):

@@ -51,7 +51,7 @@ def calib(model, tmp_path_factory):
     ids = torch.randint(0, 250, (8, 32), generator=torch.Generator().manual_seed(0))
     acts = awq.ActivationStats()
     res = measure(EmbeddedEngine.from_checkpoint(ck, device="cpu"), ids, formats=("int8",) + INT4,
-                  activations=acts)
+                  activations=acts, rounding="awq")
     out = tmp / "calib"
     out.mkdir()
     acts.save(out / awq.ACT_FILE)
@@ -417,10 +417,11 @@ def test_tensorrt_llm_target_plans_on_the_weights_its_stacked_layout_writes(tiny
         shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
     text = tmp_path / "calib.txt"
     write_split_text("calib", text, max_bytes=20000)
-    plain = calibrate(model, text, tmp_path / "plain", samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"))
+    plain = calibrate(model, text, tmp_path / "plain", samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"),
+                      rounding="awq")
     assert "stacked" not in plain["sensitivity"]  # the embedded target's calibration (the default)
     cal = calibrate(model, text, tmp_path / "cal", samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"),
-                    target="tensorrt-llm")
+                    target="tensorrt-llm", rounding="awq")
     sens = cal["sensitivity"]
     assert sens["matrices"] == plain["sensitivity"]["matrices"]  # the per-matrix scores are unchanged
     assert sens["cost_forward_passes"] > plain["sensitivity"]["cost_forward_passes"]

@@ -189,8 +189,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "add_bos": Key(bool, None, nullable=True,
                        help="Prepend BOS to each document.",
                        shown_default="the tokenizer's add_bos_token; lacking one, BOS when the tokenizer names one"),
-        "rounding": Key(str, "awq", choices=ROUNDING_NAMES,
-                        help="How INT4 formats are rounded when their ΔKL is measured (convert with the same)."),
+        "rounding": Key(str, "awq_gptq", choices=ROUNDING_NAMES,
+                        help="How INT4 formats are rounded when their ΔKL is measured (convert with the same): "
+                             "awq_gptq searches awq's activation-aware scale and clip, then chooses the codes "
+                             "by error feedback over each matrix's routed-token input Gram matrix; awq stops "
+                             "after the search; rtn rounds to nearest; gptq is error feedback alone."),
         "sensitivity": Key(str, "fisher", choices=("fisher", "exact"),
                            help="fisher: second-order estimate from one forward and one backward pass, whatever "
                                 "the number of experts (resumable: rerun the same command after an interruption); "
