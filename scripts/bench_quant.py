@@ -13,8 +13,9 @@
    Candidate formats: fp16/bf16, int8, int4_g64, int4_g128; a second family of series (graded per
    matrix and per expert, frequency, random) also offers per-channel int4 (``--no-with-int4`` drops
    it).
-   INT4 rounding: every plan is converted with ``--rounding`` (awq by default: activation-aware scale
-   and clip search on the calibration's routed tokens, which calibration also measures ΔKL with);
+   INT4 rounding: every plan is converted with ``--rounding`` (calibrate's default, awq_gptq:
+   activation-aware scale and clip search on the calibration's routed tokens, then error-feedback
+   codes; calibration measures ΔKL with the same);
    the uniform baselines come in three forms per int4 kind: round to nearest ("uniform int4_g128"),
    awq with one pre-quant scale per MoE layer and matrix kind (TensorRT-LLM's fused-MoE form,
    "uniform awq int4_g128") and awq with one per expert matrix (the embedded engine's form,
