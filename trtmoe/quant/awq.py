@@ -73,9 +73,10 @@ from .formats import FORMATS, GroupInt4Format, PerChannelIntFormat, QuantFormat,
 ROUNDINGS = ("rtn", "awq", "gptq", "awq_gptq")
 ERROR_FEEDBACK = ("gptq", "awq_gptq")  # roundings whose codes come from gptq.codes
 ROUNDING_HINT = "use rtn, awq, gptq or awq_gptq"
-# Calibration's default: awq's scale and clip with error-feedback codes. On both trained fixtures it
-# takes the graded 4.5-bpw plan from about 0.38 to 0.26-0.30 of uniform RTN int4_g128's held-out KL
-# (scripts/bench_quant.py) for about twice awq's calibration time and no more forward passes.
+# Calibration's default: awq's scale and clip with error-feedback codes. With convert's default
+# candidate formats it takes the graded 4.5-bpw plan from 0.38 / 0.41 to 0.25 / 0.26 of uniform RTN
+# int4_g128's held-out KL on the trained Mixtral / Qwen3-MoE fixtures (scripts/bench_quant.py), for
+# about twice awq's calibration time and no more forward passes.
 DEFAULT_ROUNDING = "awq_gptq"
 ALPHA_GRID = tuple(i / 19 for i in range(20))  # 20 points, 0 and 1 included
 CLIP_GRID = tuple(1.0 - i / 40 for i in range(21))  # amax × 1.0, 0.975, …, 0.5
