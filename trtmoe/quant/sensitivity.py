@@ -33,15 +33,16 @@ g_t·Δy_t = (projᵀ g_t)·(a_q − a) with a = silu(gate)·up, for proj g_t·(
 
 Experts routed fewer than ``min_tokens`` calibration tokens are also estimated on evenly spaced tokens
 of the layer (routing ignored, the layer's mean routing weight; at most ``ESTIMATE_TOKENS`` per expert
-and a quarter of the layer's routed assignments in all), scaled by a floor routing share, as the exact
-method does; the larger value is kept.
+and 1/``ESTIMATE_SHARE`` of the layer's routed assignments in all), scaled by a floor routing share, as
+the exact method does; the larger value is kept. The estimate is a floor for experts whose own tokens
+are too few to rank, so a few dozen tokens suffice for it.
 
 Cost, counted in forward-pass equivalents (multiply-accumulates of the reference forward over the
 calibration set): 1 forward, 1 backward (activation gradients only: the same matmuls once more, plus
-attention's second pair), and per routed token-assignment 4/3 of an expert pass once (fc, proj and
-projᵀg) plus one expert pass per candidate format (fc_q: 2IH, proj_q: IH): about 2 + φ·(4/3 + F) with
-φ the routed experts' share of the forward's multiply-accumulates — independent of the number of
-experts (5.3 on the trained Mixtral fixture with 4 formats). No full-vocabulary tensor outlives its
+attention's second pair), and per routed token-assignment one expert pass once (fc, and projᵀg, which
+also gives the reference term g·proj(a) = (projᵀg)·a) plus one expert pass per candidate format (fc_q:
+2IH, proj_q: IH): about 2 + φ·(1 + F) with φ the routed experts' share of the forward's
+multiply-accumulates — independent of the number of experts. No full-vocabulary tensor outlives its
 batch.
 
 Streaming and resumption: phase 1 runs the batches (forward + backward) and writes each MoE layer's
@@ -72,7 +73,8 @@ from .plan import MATRICES, format_obj
 PROBES = ("gaussian", "sample")
 SENSITIVITY_METHODS = ("fisher", "exact")
 DEFAULT_SENSITIVITY = "fisher"
-ESTIMATE_TOKENS = 256  # layer tokens an under-observed expert's estimate is computed on
+ESTIMATE_TOKENS = 64  # layer tokens an under-observed expert's estimate is computed on
+ESTIMATE_SHARE = 16  # under-observed experts' estimates together score at most 1/16 of the routed tokens
 # Scoring key of a format as TensorRT-LLM's stacked layout rounds it (one pre-quant scale per MoE layer
 # and matrix kind, ``awq.shares_prequant``); calib.json keeps those ΔKL under sensitivity.stacked.
 STACKED = "@stacked"
@@ -190,7 +192,9 @@ def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_token
         work = Path(tempfile.mkdtemp(prefix="trtmoe-fisher-"))
     try:
         return _run(eng, ids, formats=tuple(formats), min_tokens=min_tokens, batch_size=batch_size,
-                    progress=progress, state=Progress(Path(work), key), probe=probe, seed=seed,
+                    progress=progress, probe=probe,
+                    # Layer files scored under other estimate settings are not resumed from.
+                    state=Progress(Path(work), f"{key}|estimate {estimate_tokens}/{ESTIMATE_SHARE}"), seed=seed,
                     rounding=rounding, estimate_tokens=estimate_tokens, moe_layers=moe_layers,
                     notes=notes if notes is not None else [])
     finally:
@@ -297,6 +301,7 @@ def _score_layers(eng, moe_layers, formats, rounding, state: Progress, n_batches
     per_seq = {m: zeros() for m in MATRICES}
     estimated = {m: zeros() for m in MATRICES}
     scored = 0.0  # token-assignment expert passes (units of one expert's fc + proj on one token)
+    estimate = 0.0  # of which under-observed experts' estimates
     for l in moe_layers:
         lf = state.layer_file(l)
         lf_existed = lf.is_file()
@@ -317,8 +322,10 @@ def _score_layers(eng, moe_layers, formats, rounding, state: Progress, n_batches
                 per_seq[m][f][l] = res["per_seq"][m][f]
                 estimated[m][f][l] = res["estimated"][m][f]
         scored += res["expert_passes"]
+        estimate += res.get("estimate_passes", 0.0)
     shutil.rmtree(state.acts, ignore_errors=True)
-    return {"measured": measured, "per_seq": per_seq, "estimated": estimated, "scored": scored, "floor": floor}
+    return {"measured": measured, "per_seq": per_seq, "estimated": estimated, "scored": scored,
+            "estimate": estimate, "floor": floor}
 
 
 def _under_observed(scores: dict, counts, moe_layers, formats, min_tokens: int, E: int):
@@ -346,7 +353,8 @@ def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entr
     macs = forward_macs(c, T)
     fwd = macs["total"] * tokens
     cost = {"forward": 1.0, "backward": (macs["total"] + macs["attention_scores"]) / macs["total"],
-            "scoring": scores["scored"] * 3 * I * H / fwd}
+            "scoring": (scores["scored"] - scores["estimate"]) * 3 * I * H / fwd,
+            "under_observed_estimate": scores["estimate"] * 3 * I * H / fwd}
     cost_total = sum(cost.values())
     stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
     measured, estimated, per_seq = scores["measured"], scores["estimated"], scores["per_seq"]
@@ -410,12 +418,12 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
     tokens = N * T
     out = {key: {m: {f: torch.zeros(E, dtype=torch.float64) for f in formats} for m in MATRICES}
            for key in ("measured", "per_seq", "estimated")}
-    passes = 0.0
+    passes = est_passes = 0.0
     w_mean = float(mass.sum() / counts.sum()) if int(counts.sum()) else 1.0 / k
-    # Under-observed experts share a budget of a quarter of the layer's routed scoring, so that the
-    # estimate's cost stays bounded however many experts the router starves.
+    # Under-observed experts share a budget of 1/ESTIMATE_SHARE of the layer's routed scoring, so that
+    # the estimate's cost stays bounded however many experts the router starves.
     n_under = int((counts < min_tokens).sum())
-    n_est = max(1, min(estimate_tokens, n_tok, n_tok * k // (4 * max(n_under, 1))))
+    n_est = max(1, min(estimate_tokens, n_tok, n_tok * k // (ESTIMATE_SHARE * max(n_under, 1))))
     est_rows = torch.div(torch.arange(n_est, device=dev) * n_tok, n_est, rounding_mode="floor")
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
@@ -443,17 +451,21 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
             hh = x @ fc_w.t()
             up, gate = hh.chunk(2, dim=-1)
             a = F.silu(gate) * up
-            y = a @ proj_w.t()
-            r = gt @ proj_w  # projᵀ g: g·(proj Δa) = r·Δa
-            # Once per row: fc, proj and projᵀg (4/3 of an expert pass); per format 2IH + IH (one pass).
-            passes += len(rows) * (4 / 3 + len(formats))
+            r = gt @ proj_w  # projᵀ g: g·(proj Δa) = r·Δa, and g·proj(a) = r·a
+            gy = (r.double() * a.double()).sum(-1)
+            # Once per row: fc and projᵀg (one expert pass); per format 2IH + IH (one pass).
+            passes += len(rows) * (1 + len(formats))
+            if kind == "estimated":
+                est_passes += len(rows) * (1 + len(formats))
             for (f, m), (fmt, pk) in packed.items():
                 if m == "fc":
                     uq, gq = fmt.linear(x, pk).chunk(2, dim=-1)
-                    d = (r * (F.silu(gq) * uq - a)).sum(-1)
+                    d = (r * (F.silu(gq) * uq - a)).sum(-1).double()
                 else:
-                    d = (gt * (fmt.linear(a, pk) - y)).sum(-1)
-                d = d.double() * wts.double()
+                    # g·(proj_q(a) − proj(a)) with the reference term from r; the two dot products are
+                    # taken in float64 so that an int8 matrix's small difference survives.
+                    d = (gt.double() * fmt.linear(a, pk).double()).sum(-1) - gy
+                d = d * wts.double()
                 if kind == "measured":
                     out["measured"][m][f][e] = 0.5 * float(d.pow(2).sum()) / tokens
                     s = torch.zeros(N, dtype=torch.float64, device=dev).index_add_(0, seq_of[rows], d)
@@ -464,5 +476,6 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
         if progress:
             progress(e + 1)
     out["expert_passes"] = passes
+    out["estimate_passes"] = est_passes
     out["rounding_state"] = layer_state(l) if layer_state is not None else None
     return out
