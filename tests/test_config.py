@@ -326,9 +326,9 @@ def test_calibrate_gram_threshold_defaults_are_the_quantizers():
 
 
 def test_calibrate_max_gram_in_from_the_command_line(tiny_model, tmp_path):
-    """``--max-gram-in 0`` makes an error-feedback calibration store the MoE layers' input rows (capped
-    by ``--max-input-tokens``) instead of any Gram matrix; the default stores the tiny model's Gram
-    matrices and no rows."""
+    """Every calibration stores the MoE layers' input rows (capped by ``--max-input-tokens``), which
+    the activation statistics are rebuilt from; the default stores no Gram matrix and
+    ``--max-gram-in 1024`` stores the tiny model's Gram matrices as well."""
     from conftest import tokenized_tiny_mixtral
     from safetensors import safe_open
 
@@ -338,15 +338,16 @@ def test_calibrate_max_gram_in_from_the_command_line(tiny_model, tmp_path):
     run = dict(capture_output=True, text=True, env=ENV, cwd=REPO_ROOT, timeout=240)
     base = [sys.executable, "-m", "trtmoe.cli", "calibrate", str(model), "--data", str(text), "--samples", "2",
             "--seq-len", "16", "--formats", "int4", "--rounding", "gptq"]
-    for name, extra in (("rows", ["--max-gram-in", "0", "--max-input-tokens", "20"]), ("gram", [])):
+    for name, extra in (("rows", ["--max-input-tokens", "20"]), ("gram", ["--max-gram-in", "1024"])):
         proc = subprocess.run([*base, "-o", str(tmp_path / name), *extra], **run)
         assert proc.returncode == 0, proc.stderr
     rows = sorted((tmp_path / "rows" / awq.INPUTS_DIR).glob("*.safetensors"))
-    assert rows and not (tmp_path / "gram" / awq.INPUTS_DIR).exists()
+    assert rows and sorted((tmp_path / "gram" / awq.INPUTS_DIR).glob("*.safetensors"))
     with safe_open(str(rows[0]), "pt") as f:
         assert max(f.get_slice(k).get_shape()[0] for k in f.keys()) == 20
     a, b = (json.loads((tmp_path / n / "calib.json").read_text())["activations"] for n in ("rows", "gram"))
-    assert a["gram_from_inputs"] == b["gram_matrices"] and "gram_matrices" not in a and "inputs" not in b
-    assert a["inputs"]["max_rows_per_layer"] == 20
+    assert a["gram_from_inputs"] == b["gram_matrices"] and "gram_matrices" not in a and "gram_from_inputs" not in b
+    assert a["rows_from_inputs"] == b["rows_from_inputs"] == a["matrices"]
+    assert a["inputs"]["max_rows_per_layer"] == 20 and b["inputs"]["max_rows_per_layer"] == 32768
     proc = subprocess.run([*base, "-o", str(tmp_path / "bad"), "--max-input-tokens", "0"], **run)
     assert proc.returncode == 2 and "--max-input-tokens = 0 is below the minimum 1" in proc.stderr

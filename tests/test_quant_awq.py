@@ -92,8 +92,10 @@ def test_statistics_are_routed_tokens_and_deterministic(calib, tmp_path):
                 assert s.act_mean.shape == (width,) and bool((s.act_mean >= 0).all())
     back = awq.ActivationStats.load(calib["dir"] / awq.ACT_FILE)
     assert back.stats.keys() == acts.stats.keys()
-    assert all(torch.equal(back.get(*k).rows, acts.stats[k].rows) and
-               torch.equal(back.get(*k).act_mean, acts.stats[k].act_mean) for k in sorted(acts.stats))
+    # A loaded proj rebuilds its rows from the stored MoE inputs through its expert's fc, given then.
+    loaded = lambda k: back.get(*k).with_fc(acts.stats[k].inputs.fc)  # noqa: E731
+    assert all(torch.equal(loaded(k).rows, acts.stats[k].rows) and
+               torch.equal(loaded(k).act_mean, acts.stats[k].act_mean) for k in sorted(acts.stats))
     assert len(back._rows_from.read) == 2  # the sampled rows of at most two layers are held at a time
     back.save(tmp_path / "again.safetensors")
     assert (tmp_path / "again.safetensors").read_bytes() == (calib["dir"] / awq.ACT_FILE).read_bytes()
@@ -111,7 +113,7 @@ def test_loaded_statistics_missing_a_matrix_rows_are_refused_when_opened(calib, 
     meta = dict(f.metadata or {})
     f.close()
     tensors = load_file(src)
-    victim = sorted(k for k in tensors if k.endswith(".rows"))[-1]  # the last layer's: read last
+    victim = sorted(k for k in tensors if k.endswith(".rows_from_inputs"))[-1]  # the last layer's: read last
     del tensors[victim]
     bad = tmp_path / awq.ACT_FILE
     save_file(tensors, bad, metadata=meta)
@@ -155,7 +157,7 @@ def test_awq_beats_rtn_where_activations_have_outlier_channels():
     torch.manual_seed(1)
     x = torch.randn(2048, 256) * torch.where(torch.rand(256) < 0.05, 20.0, 1.0)
     w = torch.randn(192, 256) * 0.02
-    st = awq._stats(x, 512, "routed", 2048)
+    st = awq.MatrixStats(x.double().abs().mean(0).float(), awq._sample(x, 512), 2048)
     held = torch.randn(1024, 256) * (x.abs().mean(0) / torch.randn(10000).abs().mean())
     for name in INT4:
         fmt = FORMATS[name]
@@ -166,7 +168,8 @@ def test_awq_beats_rtn_where_activations_have_outlier_channels():
 
 def test_rtn_rounding_is_exactly_the_format():
     w = torch.randn(64, 128)
-    st = awq._stats(torch.randn(100, 128), 64, "routed", 100)
+    x = torch.randn(100, 128)
+    st = awq.MatrixStats(x.double().abs().mean(0).float(), awq._sample(x, 64), 100)
     for name in INT4:
         fmt = FORMATS[name]
         got, want = awq.quantize(fmt, w, dtype=torch.float16, stats=st, rounding="rtn"), fmt.quantize(

@@ -71,7 +71,8 @@ def test_killed_calibration_leaves_its_scratch_beside_the_output_and_the_next_ru
     assert not out.exists()
     cli(*_args(model, text, tokdir, out))
     assert not list(tmp_path.glob(".calib*")), "the killed run's scratch checkpoint is still there"
-    assert sorted(p.name for p in out.iterdir()) == ["activations.safetensors", "calib.json", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["activations.safetensors", "calib.json", "manifest.json",
+                                                     "moe-inputs"]
 
 
 def test_killed_outputless_calibration_is_cleaned_by_the_next_one(model, text, tokdir, tmp_path):
@@ -103,7 +104,9 @@ def test_calibration_is_an_artifact_with_deterministic_bytes(model, text, tokdir
     assert cal["model"] == str(Path(model).resolve()) and cal["data"]["path"] == str(Path(text).resolve())
     assert verify_artifact(a)["kind"] == "calibration"
     man = read_manifest(a)
-    assert man["kind"] == "calibration" and set(man["files"]) == {"calib.json", "activations.safetensors"}
+    # The MoE layers' stored inputs, which the activation statistics are rebuilt from, are hashed too.
+    assert man["kind"] == "calibration" and set(man["files"]) == {
+        "calib.json", "activations.safetensors", *(f"moe-inputs/{l}.safetensors" for l in cal["moe_layers"])}
     assert "model.safetensors" in man["source"]["files"]
     (a / "calib.json").write_text((a / "calib.json").read_text().replace('"version": 2', '"version": 2 '))
     with pytest.raises(Exception, match="sha256"):

@@ -109,7 +109,8 @@ def model(tiny_model):
 
 @pytest.fixture(scope="module")
 def cal(model, tmp_path_factory):
-    """awq and awq_gptq calibration artifacts of the tiny model (exact ΔKL, int4_g128)."""
+    """awq and awq_gptq calibration artifacts of the tiny model (exact ΔKL, int4_g128); awq_gptq with
+    every Gram matrix stored (max_gram_in=1024)."""
     tmp = tmp_path_factory.mktemp("gptqcal")
     ck = convert(model, tmp / "ck").out_dir
     ids = torch.randint(0, 250, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -117,7 +118,7 @@ def cal(model, tmp_path_factory):
     acts = {}
     for r in ("awq", "awq_gptq"):
         acts[r] = awq.ActivationStats()
-        res = measure(eng, ids, formats=("int4_g128",), activations=acts[r], rounding=r)
+        res = measure(eng, ids, formats=("int4_g128",), activations=acts[r], rounding=r, max_gram_in=1024)
         out = tmp / r
         out.mkdir()
         acts[r].save(out / awq.ACT_FILE)
@@ -132,12 +133,12 @@ def _experts(model, l, e):
 
 
 def test_calibration_keeps_the_gram_only_for_error_feedback(model, cal, tmp_path):
-    """awq calibrations store no Gram matrix (their artifact is unchanged); awq_gptq stores X^T X over
-    every routed token, round-trips it, and the embedded checkpoint holds exactly what calibration's
-    ΔKL quantized."""
+    """awq calibrations have no Gram matrix; awq_gptq with max_gram_in=1024 stores X^T X over every
+    routed token, round-trips it, and the embedded checkpoint holds exactly what calibration's ΔKL
+    quantized."""
     acts = cal["acts"]
-    assert all(s.gram is None for s in acts["awq"].stats.values())
-    assert "gram_matrices" not in acts["awq"].summary()
+    assert all(s.gram is None and s.gram_matrix() is None for s in acts["awq"].stats.values())
+    assert "gram_matrices" not in acts["awq"].summary() and "gram_from_inputs" not in acts["awq"].summary()
     loaded = awq.ActivationStats.load(cal["dir"]["awq_gptq"] / awq.ACT_FILE)
     for key, s in acts["awq_gptq"].stats.items():
         assert s.gram is not None and s.gram.shape == (s.rows.shape[1],) * 2
@@ -152,7 +153,8 @@ def test_calibration_keeps_the_gram_only_for_error_feedback(model, cal, tmp_path
         for e in range(4):
             w = _experts(model, l, e)
             for m in ("fc", "proj"):
-                want = awq.quantize(fmt, w[m], dtype=DT, stats=loaded.get(l, e, m), rounding="awq_gptq")
+                want = awq.quantize(fmt, w[m], dtype=DT, stats=loaded.get(l, e, m).with_fc(w["fc"]),
+                                    rounding="awq_gptq")
                 for k, v in want.items():
                     assert torch.equal(got[f"transformer.layers.{l}.mlp.experts.{e}.{m}.{k}"], v), (l, e, m, k)
 
@@ -188,7 +190,7 @@ def test_tensorrt_llm_layout_keeps_the_shared_scale_and_changes_only_codes(model
                     pq = t[p + "prequant_scaling_factor"].reshape(-1)
                     deq = (unpack_int4(t[p + "weight"][e], dim=-2).to(DT)
                            * t[p + "weights_scaling_factor"][e].repeat_interleave(128, -1)).float()
-                    h = stats.get(l, e, m).gram * torch.outer(pq.float(), pq.float())
+                    h = stats.get(l, e, m).gram_matrix() * torch.outer(pq.float(), pq.float())
                     errs.append(awq._gram_err(h, w, deq, pq))
                 assert errs[1] <= errs[0] * (1 + 1e-6), (l, m, e, errs)
     # Per-channel W4A16 layers are stored as float (trtllm-build quantizes them): codes cannot be, so
@@ -258,7 +260,8 @@ def test_rebuilt_gram_equals_the_stored_one_and_so_do_the_codes(model, cal, cal_
         assert s.gram is None and s.inputs is not None
         g = s.with_fc(_experts(model, l, e)["fc"]).gram_matrix()
         assert torch.equal(g, ref.gram), (l, e, m)
-        assert torch.equal(s.rows, ref.rows) and s.count == ref.count
+        fc = _experts(model, l, e)["fc"]
+        assert torch.equal(s.with_fc(fc).rows, ref.with_fc(fc).rows) and s.count == ref.count
     a, b = (json.loads((d / "calib.json").read_text()) for d in (cal["dir"]["awq_gptq"], cal_inputs["dir"]))
     assert a.pop("activations") != b.pop("activations") and a == b  # the same ΔKL, to the last digit
     plan = QuantPlan({l: ["int4_g128"] * 4 for l in range(2)}, granularity="matrix", dtype=DT)
@@ -345,7 +348,7 @@ def test_calibrate_streams_the_inputs_and_gives_the_stored_gram_result(tiny_mode
 
     model, text = tokenized_tiny_mixtral(tiny_model, tmp_path, "m")
     res, outs = {}, {}
-    for thr in (awq.MAX_GRAM_IN, 0):
+    for thr in (1024, 0):
         d = tmp_path / f"c{thr}"
         res[thr] = calibrate(model, text, d, samples=4, seq_len=32, formats=("int4",), rounding="gptq",
                              max_gram_in=thr)
@@ -354,12 +357,12 @@ def test_calibrate_streams_the_inputs_and_gives_the_stored_gram_result(tiny_mode
         outs[thr] = convert(model, tmp_path / f"q{thr}", quant=plan).out_dir
     files = sorted(p.name for p in (tmp_path / "c0" / awq.INPUTS_DIR).iterdir())
     assert files == sorted(f"{l}.safetensors" for l in res[0]["moe_layers"])
-    assert not (tmp_path / f"c{awq.MAX_GRAM_IN}" / awq.INPUTS_DIR).exists()
-    assert res[0]["activations"]["gram_from_inputs"] == res[awq.MAX_GRAM_IN]["activations"]["gram_matrices"]
-    a, b = (json.loads((tmp_path / f"c{t}" / "calib.json").read_text()) for t in (awq.MAX_GRAM_IN, 0))
+    assert (tmp_path / "c1024" / awq.INPUTS_DIR).is_dir()  # every matrix's rows come from them
+    assert res[0]["activations"]["gram_from_inputs"] == res[1024]["activations"]["gram_matrices"]
+    a, b = (json.loads((tmp_path / f"c{t}" / "calib.json").read_text()) for t in (1024, 0))
     a.pop("activations"), b.pop("activations")
     assert a == b
-    assert (outs[0] / "rank0.safetensors").read_bytes() == (outs[awq.MAX_GRAM_IN] / "rank0.safetensors").read_bytes()
+    assert (outs[0] / "rank0.safetensors").read_bytes() == (outs[1024] / "rank0.safetensors").read_bytes()
 
 
 def test_resumed_layers_keep_their_inputs(tmp_path):
@@ -380,8 +383,8 @@ def test_resumed_layers_keep_their_inputs(tmp_path):
 
 
 def test_missing_or_damaged_inputs_are_one_error_naming_the_file(model, cal_inputs, tmp_path):
-    """Converting with error-feedback rounding from an artifact whose stored MoE inputs are missing or
-    damaged stops with one error line naming the file; awq, which does not read them, still converts."""
+    """Converting with activation-aware rounding from an artifact whose stored MoE inputs are missing or
+    damaged stops with one error line naming the file; rtn, which does not read them, still converts."""
     import shutil
 
     from click.testing import CliRunner
@@ -401,11 +404,12 @@ def test_missing_or_damaged_inputs_are_one_error_naming_the_file(model, cal_inpu
             data = bytearray(f.read_bytes())
             data[-5] ^= 0xFF
             f.write_bytes(bytes(data))
-        res = run(d, "awq_gptq", f"out-{damage}")
-        assert res.exit_code == 2, res.output
-        errors = [ln for ln in res.output.splitlines() if ln.startswith("error")]
-        assert len(errors) == 1 and str(f) in errors[0], res.output
-        assert ("missing" if damage == "missing" else "sha256") in errors[0]
-        assert "Traceback" not in res.output
-        res = run(d, "awq", f"awq-{damage}")
+        for rounding in ("awq_gptq", "awq"):
+            res = run(d, rounding, f"out-{damage}-{rounding}")
+            assert res.exit_code == 2, res.output
+            errors = [ln for ln in res.output.splitlines() if ln.startswith("error")]
+            assert len(errors) == 1 and str(f) in errors[0], res.output
+            assert ("missing" if damage == "missing" else "sha256") in errors[0]
+            assert "Traceback" not in res.output
+        res = run(d, "rtn", f"rtn-{damage}")
         assert res.exit_code == 0, res.output

@@ -208,14 +208,15 @@ SCHEMA: dict[str, dict[str, Key]] = {
                            "fixture)."),
         # Defaults equal trtmoe.quant.awq.MAX_GRAM_IN / MAX_INPUT_TOKENS (a test keeps them so; this
         # module stays free of torch).
-        "max_gram_in": Key(int, 1024, minimum=0, metavar="N",
-                           help="Under --rounding gptq or awq_gptq: store the input Gram matrix (N² floats per "
-                                "expert matrix) of matrices with at most N inputs; larger ones store the MoE "
-                                "layers' input rows instead and convert rebuilds their Gram matrix (same codes). "
-                                "0 stores rows for every matrix."),
+        "max_gram_in": Key(int, 0, minimum=0, metavar="N",
+                           help="Under --rounding gptq or awq_gptq: also store the input Gram matrix over every "
+                                "routed token (N² floats per expert matrix) of matrices with at most N inputs; "
+                                "the others' is rebuilt when used from the stored MoE inputs (the same codes "
+                                "unless calibration has more tokens than --max-input-tokens). 0 stores none."),
         "max_input_tokens": Key(int, 32768, minimum=1, metavar="N",
-                                help="Under --rounding gptq or awq_gptq: at most this many evenly spaced tokens "
-                                     "per MoE layer are stored as input rows (hidden size × 4 bytes each)."),
+                                help="Under awq, gptq or awq_gptq: at most this many evenly spaced tokens per MoE "
+                                     "layer are stored as its MoE inputs (hidden size × activation bytes each), "
+                                     "which every expert matrix's activation statistics are rebuilt from."),
     },
 }
 TOP_LEVEL = {"model": Key(str, None, nullable=True, help="HF model directory or hub id")}

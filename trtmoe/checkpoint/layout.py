@@ -340,9 +340,9 @@ class RankLayout:
                 def produce(emit, mod=mod, key=key, shared=shared):
                     if shared and self.rounding is not None:  # the layer's searched pre-quant scale
                         I = self.m.expert_intermediate_size
-                        emit(self.rounding.shared_prequant(fmt, l, mod, (t, I_loc),
-                                                           lambda x: self.expert_matrix(l, x, 0, I, mod),
-                                                           list(range(self.m.num_experts))))
+                        emit(self.rounding.shared_prequant(
+                            fmt, l, mod, (t, I_loc), lambda x: self.expert_matrix(l, x, 0, I, mod),
+                            list(range(self.m.num_experts)), matrix=lambda x, m: self.expert_matrix(l, x, 0, I, m)))
                         return
                     for e in orig[:1] if shared else orig:
                         emit(self._quantized(fmt, l, e, t, I_loc, mod, shared=True)[key])

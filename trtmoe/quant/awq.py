@@ -80,18 +80,22 @@ ROUNDING_HINT = "use rtn, awq, gptq or awq_gptq"
 DEFAULT_ROUNDING = "awq_gptq"
 ALPHA_GRID = tuple(i / 19 for i in range(20))  # 20 points, 0 and 1 included
 CLIP_GRID = tuple(1.0 - i / 40 for i in range(21))  # amax × 1.0, 0.975, …, 0.5
-MAX_ROWS = 512  # routed-token rows kept per expert matrix
+MAX_ROWS = 512  # routed-token rows sampled per expert matrix (rebuilt from the layer's stored MoE inputs)
 MIN_ROUTED = 16  # fewer routed tokens than this: use the layer's tokens instead
-# Error-feedback roundings keep X^T X over every routed token for matrices with at most this many inputs
-# (in² float32 per expert matrix: 4 MiB at 1024). Without it they fall back to the sampled rows, and only
-# where those are at least MIN_ROWS_PER_INPUT per input channel: with fewer, the codes fit the sample's
-# noise (measured: on 256 rows of 128–256 inputs the error on other rows was above awq's alone for proj).
-MAX_GRAM_IN = 1024
-MIN_ROWS_PER_INPUT = 8
-# Larger matrices get their Gram matrix rebuilt from the layer's stored MoE inputs: at most this many
+# Every matrix's statistics are rebuilt when used from its layer's stored MoE inputs: at most this many
 # tokens per layer (evenly spaced over the calibration tokens), i.e. ≤ MAX_INPUT_TOKENS × hidden ×
-# (activation bytes) per MoE layer, whatever the number of experts.
+# (activation bytes) per MoE layer, whatever the number of experts: about 0.8 GB for a 48-layer,
+# 2048-wide model at the default 4,096 calibration tokens, where storing 512 rows of fc and proj inputs
+# and a proj Gram matrix per expert matrix would take about 8.9 + 14.5 GB.
 MAX_INPUT_TOKENS = 32768
+# Error-feedback roundings may instead store X^T X over every routed token for matrices with at most
+# this many inputs (in² float32 per expert matrix: 4 MiB at 1024), which matters only when calibration
+# has more tokens per layer than MAX_INPUT_TOKENS; 0 (the default) stores none. Without a Gram matrix
+# at all they fall back to the sampled rows, and only where those are at least MIN_ROWS_PER_INPUT per
+# input channel: with fewer, the codes fit the sample's noise (measured: on 256 rows of 128–256 inputs
+# the error on other rows was above awq's alone for proj).
+MAX_GRAM_IN = 0
+MIN_ROWS_PER_INPUT = 8
 GRAM_CHUNK_ROWS = 4096  # rows per float64 accumulation step when a Gram matrix is rebuilt
 ACT_FILE = "activations.safetensors"
 INPUTS_DIR = "moe-inputs"  # per-layer MoE input rows, beside ACT_FILE
@@ -117,33 +121,47 @@ def shares_prequant(fmt: QuantFormat, rounding: str) -> bool:
 @dataclass
 class MatrixStats:
     """Routed-token inputs of one expert matrix: mean |x| per input channel (float32, every routed
-    token), a bounded sample of input rows (the activation dtype), and how many tokens were routed."""
+    token), a bounded sample of input rows (the activation dtype), and how many tokens were routed.
+    The sample is either stored (``stored_rows``) or rebuilt when used from the layer's stored MoE
+    inputs (``inputs``): one layer's tokens × hidden instead of experts × rows × (hidden + FFN)."""
 
     act_mean: Tensor  # [in]
-    rows: Tensor  # [n, in]
+    stored_rows: Tensor | None  # [n, in]; None: rebuilt from ``inputs``
     count: int
     source: str = "routed"  # "layer": too few routed tokens, the layer's tokens stand in
     gram: Tensor | None = None  # [in, in] X^T X over every routed token (float32), error-feedback roundings
-    inputs: "InputRef | None" = None  # without a stored gram: where it is rebuilt from
+    inputs: "InputRef | None" = None  # where the rows (and, with ``inputs.gram``, X^T X) are rebuilt from
+
+    @property
+    def rows(self) -> Tensor:
+        """The sampled input rows [n, in] (at most ``MAX_ROWS``, evenly spaced over the routed tokens)."""
+        if self.stored_rows is not None:
+            return self.stored_rows
+        if self.inputs is None:
+            raise InputError("activation statistics hold neither input rows nor MoE inputs to rebuild them from",
+                             hint="recalibrate this model")
+        return self.inputs.rows(self.source == "layer")
 
     def columns(self, a: int, b: int) -> "MatrixStats":
         """The statistics of input channels [a, b) (a moe_tp shard of ``proj``)."""
         g = None if self.gram is None else self.gram[a:b, a:b]
         ref = None if self.inputs is None else self.inputs.columns(a, b)
-        return MatrixStats(self.act_mean[a:b], self.rows[:, a:b], self.count, self.source, g, ref)
+        rows = None if self.stored_rows is None else self.stored_rows[:, a:b]
+        return MatrixStats(self.act_mean[a:b], rows, self.count, self.source, g, ref)
 
     def gram_matrix(self) -> Tensor | None:
         """X^T X of the routed tokens' inputs (float32): the stored one, or rebuilt from the layer's
         stored MoE inputs; None when there is neither."""
         if self.gram is not None:
             return self.gram
-        if self.inputs is not None:
+        if self.inputs is not None and self.inputs.gram_rebuilt:
             return self.inputs.gram(self.source == "layer")
         return None
 
     def with_fc(self, fc: "Tensor | Callable[[], Tensor]") -> "MatrixStats":
         """These statistics with the float ``fc`` weight [2I, H] of their expert (a tensor or a function
-        returning it), which a ``proj`` Gram matrix is rebuilt with; unchanged when none is needed."""
+        returning it), which a ``proj`` matrix's rows and Gram matrix are rebuilt with; unchanged when
+        none is needed."""
         if self.inputs is None or self.inputs.mod != "proj" or self.inputs.fc is not None:
             return self
         return replace(self, inputs=replace(self.inputs, fc=fc))
@@ -151,15 +169,18 @@ class MatrixStats:
 
 @dataclass
 class InputRef:
-    """Where one expert matrix's Gram matrix is rebuilt from: its layer's stored MoE inputs, the
-    expert, the matrix kind, the input channels [a, b) (None: all) and, for ``proj``, the float ``fc``
-    weight (a tensor, a function returning it, or None until the checkpoint supplies it)."""
+    """Where one expert matrix's sampled rows (at most ``max_rows``) and, with ``gram_rebuilt``, its
+    Gram matrix are rebuilt from: its layer's stored MoE inputs, the expert, the matrix kind, the input
+    channels [a, b) (None: all) and, for ``proj``, the float ``fc`` weight (a tensor, a function
+    returning it, or None until the checkpoint supplies it)."""
 
     layer_inputs: "LayerInputs"
     expert: int
     mod: str
     cols: tuple[int, int] | None = None
     fc: "Tensor | Callable[[], Tensor] | None" = None
+    max_rows: int = MAX_ROWS
+    gram_rebuilt: bool = True
 
     def columns(self, a: int, b: int) -> "InputRef":
         off = 0 if self.cols is None else self.cols[0]
@@ -167,6 +188,9 @@ class InputRef:
 
     def gram(self, all_rows: bool) -> Tensor:
         return self.layer_inputs.gram(self, all_rows)
+
+    def rows(self, all_rows: bool) -> Tensor:
+        return self.layer_inputs.sampled_rows(self, all_rows)
 
     def __getstate__(self):  # resumable progress pickles statistics: the model's weights stay out
         return {**self.__dict__, "fc": None}
@@ -260,22 +284,44 @@ class LayerInputs:
         self._checked = True
         return x, routed
 
-    def gram(self, ref: InputRef, all_rows: bool) -> Tensor:
-        """X^T X (float32, accumulated in float64) of ``ref``'s matrix over the routed rows (every row
-        with ``all_rows``: the expert saw too few tokens, calibration used the layer's)."""
-        key = (self._uid, ref.expert, ref.mod, ref.cols, all_rows)
-        with _LOCK:
-            if key in _GRAM:
-                return _GRAM[key]
+    def _matrix_inputs(self, ref: InputRef, all_rows: bool) -> tuple[Tensor, Tensor | None]:
+        """The rows routed to ``ref``'s expert (every row with ``all_rows``) and, for ``proj``, the
+        expert's ``fc`` in the rows' dtype (what turns them into proj's inputs)."""
         x_all, routed = self._tensors()
         x = x_all if all_rows else x_all[routed.eq(ref.expert).any(-1)]
         fc = None
         if ref.mod == "proj":
             fc = ref.fc() if callable(ref.fc) else ref.fc
             if fc is None:
-                raise InputError(f"layer {self.layer} expert {ref.expert} proj: its Gram matrix is rebuilt "
+                raise InputError(f"layer {self.layer} expert {ref.expert} proj: its inputs are rebuilt "
                                  "from the fc weight, which was not given")
             fc = fc.to(device=x.device, dtype=x.dtype)
+        return x, fc
+
+    def sampled_rows(self, ref: InputRef, all_rows: bool) -> Tensor:
+        """At most ``ref.max_rows`` input rows of ``ref``'s matrix, evenly spaced over its routed rows
+        (over every row with ``all_rows``); the same rows at calibration and at conversion."""
+        key = ("rows", self._uid, ref.expert, ref.mod, ref.cols, all_rows, ref.max_rows)
+        with _LOCK:
+            if key in _GRAM:
+                return _GRAM[key]
+        x, fc = self._matrix_inputs(ref, all_rows)
+        x = _sample(x, ref.max_rows)
+        if fc is not None:
+            x = expert_inputs(fc, x)[1]
+        if ref.cols is not None:
+            x = x[:, ref.cols[0]:ref.cols[1]].contiguous()
+        _remember(key, x)
+        return x
+
+    def gram(self, ref: InputRef, all_rows: bool) -> Tensor:
+        """X^T X (float32, accumulated in float64) of ``ref``'s matrix over the routed rows (every row
+        with ``all_rows``: the expert saw too few tokens, calibration used the layer's)."""
+        key = ("gram", self._uid, ref.expert, ref.mod, ref.cols, all_rows)
+        with _LOCK:
+            if key in _GRAM:
+                return _GRAM[key]
+        x, fc = self._matrix_inputs(ref, all_rows)
 
         def rows(part: Tensor) -> Tensor:  # the matrix's inputs for some of the rows
             y = part if fc is None else expert_inputs(fc, part)[1]
@@ -283,19 +329,23 @@ class LayerInputs:
 
         # A chunk of rows at a time: proj's inputs (I wide) are never formed for all rows at once.
         g = gptq.gram_chunked(x, GRAM_CHUNK_ROWS, rows)
-        with _LOCK:
-            while len(_GRAM) >= _GRAMS_KEPT:
-                _GRAM.pop(next(iter(_GRAM)))
-            _GRAM[key] = g
+        _remember(key, g)
         return g
 
 
-_INPUTS_HINT = "recalibrate (trtmoe calibrate ... --rounding gptq|awq_gptq), or convert with --rounding awq or rtn"
+def _remember(key: tuple, t: Tensor) -> None:
+    with _LOCK:
+        while len(_GRAM) >= _GRAMS_KEPT:
+            _GRAM.pop(next(iter(_GRAM)))
+        _GRAM[key] = t
+
+
+_INPUTS_HINT = "recalibrate (trtmoe calibrate ...), or convert with --rounding rtn"
 _LOCK = threading.RLock()
 _UIDS = itertools.count()
 _RESIDENT: list = []  # the file-backed LayerInputs whose rows are in memory (at most one)
-_GRAM: dict = {}  # the last rebuilt Gram matrices (formats and candidates of one expert reuse them)
-_GRAMS_KEPT = 2  # an expert's fc and proj: calibration rounds them in turn for each format
+_GRAM: dict = {}  # the last rebuilt Gram matrices and row samples (an expert's formats reuse them)
+_GRAMS_KEPT = 4  # an expert's fc and proj, rows and Gram: calibration rounds them in turn per format
 
 
 def _resident(li: LayerInputs) -> None:
@@ -304,7 +354,7 @@ def _resident(li: LayerInputs) -> None:
             if other is not li:
                 other.release()
         _RESIDENT[:] = [li]
-        for key in [k for k in _GRAM if k[0] != li._uid]:
+        for key in [k for k in _GRAM if k[1] != li._uid]:
             del _GRAM[key]
 
 
@@ -316,33 +366,33 @@ def _sample(x: Tensor, n: int) -> Tensor:
     return x[idx].clone()
 
 
-def _stats(x: Tensor, max_rows: int, source: str, count: int, gram: bool = False,
-           ref: InputRef | None = None) -> MatrixStats:
-    g = gptq.gram(x) if gram and ref is None else None
-    return MatrixStats(x.double().abs().mean(0).float(), _sample(x, max_rows), count, source, g, ref)
-
-
 def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, max_rows: int = MAX_ROWS,
                   min_routed: int = MIN_ROUTED, gram: bool = False, max_gram_in: int = MAX_GRAM_IN,
                   max_input_tokens: int = MAX_INPUT_TOKENS, layer: int = -1) -> dict[tuple[int, str], MatrixStats]:
     """Statistics of every expert matrix of one MoE layer. ``fc`` [E, 2I, H] ([up; gate]) and ``proj``
     [E, H, I] are the float expert weights, ``x_all`` [tokens, H] the layer's inputs, ``routed``
-    [tokens, k] the experts each token was routed to. Returns ``{(expert, "fc" | "proj"): stats}``;
-    ``gram`` also keeps each matrix's input Gram matrix (error-feedback roundings): stored for
-    matrices with at most ``max_gram_in`` inputs, for larger ones rebuilt when used from the layer's
-    MoE inputs (``LayerInputs`` of at most ``max_input_tokens`` tokens, shared by the layer's matrices)."""
+    [tokens, k] the experts each token was routed to. Returns ``{(expert, "fc" | "proj"): stats}``.
+
+    Each matrix keeps its mean |input| over every routed token and its routed-token count; its sampled
+    rows are rebuilt when used from the layer's MoE inputs (``LayerInputs`` of at most
+    ``max_input_tokens`` tokens, shared by the layer's matrices). ``gram`` also gives each matrix its
+    input Gram matrix (error-feedback roundings): stored (over every routed token) for matrices with
+    at most ``max_gram_in`` inputs, rebuilt from those inputs when used for larger ones."""
     out = {}
-    routed = routed.reshape(x_all.shape[0], -1)
-    big = {m: gram and n > max_gram_in for m, n in (("fc", fc.shape[-1]), ("proj", proj.shape[-1]))}
-    inputs = LayerInputs.sample(layer, x_all, routed, max_input_tokens) if any(big.values()) else None
+    n = x_all.shape[0]
+    routed = routed.reshape(n, -1)
+    inputs = LayerInputs.sample(layer, x_all, routed, max_input_tokens)
+    store = {m: gram and k <= max_gram_in for m, k in (("fc", fc.shape[-1]), ("proj", proj.shape[-1]))}
     for e in range(fc.shape[0]):
         mask = routed.eq(e).any(-1)
         count = int(mask.sum())
         x, source = (x_all[mask], "routed") if count >= min_routed else (x_all, "layer")
         x, a = expert_inputs(fc[e], x)
         for m, rows in (("fc", x), ("proj", a)):
-            ref = InputRef(inputs, e, m, fc=fc[e] if m == "proj" else None) if big[m] else None
-            out[(e, m)] = _stats(rows, max_rows, source, count, gram, ref)
+            ref = InputRef(inputs, e, m, fc=fc[e] if m == "proj" else None, max_rows=max_rows,
+                           gram_rebuilt=gram and not store[m])
+            g = gptq.gram(rows) if store[m] else None
+            out[(e, m)] = MatrixStats(rows.double().abs().mean(0).float(), None, count, source, g, ref)
     return out
 
 
@@ -399,10 +449,14 @@ class ActivationStats:
         grams = sum(s.gram is not None for s in self.stats.values())
         if grams:
             out["gram_matrices"] = grams  # X^T X over every routed token (error-feedback roundings)
-        rebuilt = sum(s.inputs is not None for s in self.stats.values())
-        if rebuilt:  # the others' X^T X is rebuilt at convert time from the layers' stored MoE inputs
-            lis = self._layer_inputs()
+        rebuilt = sum(s.inputs is not None and s.inputs.gram_rebuilt and s.gram is None for s in self.stats.values())
+        if rebuilt:  # the others' X^T X is rebuilt when used from the layers' stored MoE inputs
             out["gram_from_inputs"] = rebuilt
+        from_inputs = sum(s.stored_rows is None and s.inputs is not None for s in self.stats.values())
+        if from_inputs:  # their sampled rows too
+            out["rows_from_inputs"] = from_inputs
+        lis = self._layer_inputs()
+        if lis:
             out["inputs"] = {"dir": INPUTS_DIR, "layers": len(lis),
                              "rows_per_layer": max(li.rows for li in lis), "max_rows_per_layer": max_input_tokens}
         return out
@@ -420,12 +474,16 @@ class ActivationStats:
         for (l, e, m) in sorted(self.stats):
             s = self.get(l, e, m)  # layer by layer: a loaded one reads each layer's rows as it goes
             p = f"{l}.{e}.{m}."
-            items += [(p + "act_mean", s.act_mean.contiguous()), (p + "rows", s.rows.contiguous()),
+            items += [(p + "act_mean", s.act_mean.contiguous()),
                       (p + "count", torch.tensor([s.count], dtype=torch.int64)),
                       (p + "layer_tokens", torch.tensor([int(s.source == "layer")], dtype=torch.int64))]
+            if s.stored_rows is not None:
+                items.append((p + "rows", s.stored_rows.contiguous()))
+            elif s.inputs is not None:  # the sample rebuilt from the layer's inputs
+                items.append((p + "rows_from_inputs", torch.tensor([s.inputs.max_rows], dtype=torch.int64)))
             if s.gram is not None:
                 items.append((p + "gram", s.gram.contiguous()))
-            elif s.inputs is not None:  # X^T X rebuilt from the layer's inputs (the channels stored)
+            elif s.inputs is not None and s.inputs.gram_rebuilt:  # X^T X rebuilt from the layer's inputs
                 items.append((p + "gram_from_inputs", torch.tensor([1], dtype=torch.int64)))
         meta = {"format": "trtmoe-activations", "rows": str(self.max_rows)}
         if layers:
@@ -439,21 +497,24 @@ class ActivationStats:
             keys = {tuple(n.split(".")[:3]) for n in f.tensors}
             inputs = _layer_inputs_of(Path(path), (f.metadata or {}).get("moe_inputs"))
             stats = {}
+            rows = int((f.metadata or {}).get("rows", MAX_ROWS))
             for l, e, m in keys:
                 p = f"{l}.{e}.{m}."
                 ref = None
-                if p + "gram_from_inputs" in f.tensors:
+                rebuilt = p + "gram_from_inputs" in f.tensors
+                if rebuilt or p + "rows_from_inputs" in f.tensors:
                     if int(l) not in inputs:
                         raise KeyError(f"moe_inputs of layer {l}")
-                    ref = InputRef(inputs[int(l)], int(e), m)
-                if p + "rows" not in f.tensors:  # refused now, not when the layer is read
-                    raise KeyError(p + "rows")
-                # The sampled rows (and stored Gram matrices) are the bulk: read per layer when used.
+                    n_rows = int(f.read(p + "rows_from_inputs")[0]) if p + "rows_from_inputs" in f.tensors else rows
+                    ref = InputRef(inputs[int(l)], int(e), m, max_rows=n_rows, gram_rebuilt=rebuilt)
+                stored = p + "rows" in f.tensors
+                if not stored and (ref is None or p + "rows_from_inputs" not in f.tensors):
+                    raise KeyError(f"{p}rows or {p}rows_from_inputs")  # refused now, not when the layer is read
+                # Stored rows and Gram matrices are the bulk: read per layer when used.
                 stats[(int(l), int(e), m)] = MatrixStats(
-                    f.read(p + "act_mean").float(), _NOT_READ, int(f.read(p + "count")[0]),
+                    f.read(p + "act_mean").float(), _NOT_READ if stored else None, int(f.read(p + "count")[0]),
                     "layer" if int(f.read(p + "layer_tokens")[0]) else "routed",
                     _NOT_READ if p + "gram" in f.tensors else None, ref)
-            rows = int((f.metadata or {}).get("rows", MAX_ROWS))
         except (KeyError, ValueError, TypeError) as e:
             raise InputError(f"activation statistics are malformed ({e})", where=str(path)) from None
         finally:
@@ -486,7 +547,8 @@ class _LayerRows:
                     for k in keys:
                         p, s = "{}.{}.{}.".format(*k), stats[k]
                         gram = None if s.gram is None else f.read(p + "gram").float()
-                        stats[k] = replace(s, rows=f.read(p + "rows"), gram=gram)
+                        rows = None if s.stored_rows is None else f.read(p + "rows")
+                        stats[k] = replace(s, stored_rows=rows, gram=gram)
                 except (KeyError, ValueError, TypeError) as e:
                     raise InputError(f"activation statistics are malformed ({e})", where=str(self.path)) from None
                 finally:
@@ -496,7 +558,8 @@ class _LayerRows:
                 old = self.read.pop(0)
                 for k in [k for k in stats if k[0] == old]:
                     s = stats[k]
-                    stats[k] = replace(s, rows=_NOT_READ, gram=None if s.gram is None else _NOT_READ)
+                    stats[k] = replace(s, stored_rows=None if s.stored_rows is None else _NOT_READ,
+                                       gram=None if s.gram is None else _NOT_READ)
 
 
 def _layer_inputs_of(act_file: Path, meta: str | None) -> dict[int, LayerInputs]:
@@ -862,19 +925,24 @@ class CheckpointRounding:
         self._pq: dict = {}
         self._recipes: dict = {}
         self._layer = None
+        self._matrix = None  # the last matrix(e, m) given, for the layer being written
 
     def _evict(self, layer: int) -> None:
         if layer != self._layer:
             self._pq.clear()
             self._recipes.clear()
             self._layer = layer
+            self._matrix = None
 
-    def _stats(self, layer: int, expert: int, mod: str) -> MatrixStats:
+    def _stats(self, layer: int, expert: int, mod: str, matrix=None) -> MatrixStats:
+        """Expert ``expert``'s statistics, given ``matrix(e, m)`` (the whole float matrix ``m`` of expert
+        ``e``) for a ``proj`` whose inputs are rebuilt from the stored MoE inputs through ``fc``."""
         s = self.stats.get(layer, expert, mod)
         if s is None:
             raise InputError(f"the calibration's activation statistics lack layer {layer} expert {expert} {mod}",
                              hint="recalibrate this model, or convert with --rounding rtn")
-        return s
+        matrix = matrix or self._matrix
+        return s if matrix is None else s.with_fc(lambda: matrix(expert, "fc"))
 
     def recipe(self, fmt: QuantFormat, layer: int, expert: int, mod: str, shard: tuple[int, int],
                w: Tensor, full, experts: list[int] | None = None, matrix=None) -> Recipe | None:
@@ -886,6 +954,8 @@ class CheckpointRounding:
         if not applies(fmt):
             return None
         self._evict(layer)
+        if matrix is not None:
+            self._matrix = matrix
         shared = experts is not None
         key = (fmt.name, expert, mod, shard, shared)
         if key in self._recipes:
@@ -897,9 +967,7 @@ class CheckpointRounding:
             self._recipes[key] = _RECIPES[gkey]
             return _RECIPES[gkey]
         t, I_loc = shard
-        st = self._stats(layer, expert, mod)
-        if matrix is not None and self.rounding in ERROR_FEEDBACK:
-            st = st.with_fc(lambda: matrix(expert, "fc"))
+        st = self._stats(layer, expert, mod, matrix)
         if mod == "proj":
             st = st.columns(t * I_loc, (t + 1) * I_loc)
         wd = _in_dtype(w, self.dtype)
@@ -935,9 +1003,12 @@ class CheckpointRounding:
         return self._pq[pkey]
 
     def shared_prequant(self, fmt: QuantFormat, layer: int, mod: str, shard: tuple[int, int], full,
-                        experts: list[int]) -> Tensor:
-        """The layer's shared [1, in] pre-quant scale tensor for the stacked layout (ones when none)."""
+                        experts: list[int], matrix=None) -> Tensor:
+        """The layer's shared [1, in] pre-quant scale tensor for the stacked layout (ones when none);
+        ``matrix`` as for ``recipe``."""
         self._evict(layer)
+        if matrix is not None:
+            self._matrix = matrix
         pq = self._prequant(fmt, layer, mod, full, experts, True)
         t, I_loc = shard
         in_f = full(experts[0]).shape[-1] if mod == "fc" else I_loc
@@ -982,8 +1053,7 @@ def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
     if key not in _LOADED:
         _LOADED.clear()
         _LOADED[key] = ActivationStats.load(p)
-    if rounding in ERROR_FEEDBACK:
-        _LOADED[key].check_inputs()
+    _LOADED[key].check_inputs()
     return CheckpointRounding(_LOADED[key], dtype, key, rounding)
 
 

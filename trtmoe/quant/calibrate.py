@@ -175,7 +175,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
         else:
             # Resumable progress is keyed by everything the measurement depends on.
             key = [CALIB_VERSION, source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
-                   str(device)] + ([max_gram_in, max_input_tokens] if rounding in awq.ERROR_FEEDBACK else []) \
+                   str(device), max_input_tokens] + ([max_gram_in] if rounding in awq.ERROR_FEEDBACK else []) \
                 + (["stacked"] if target == "tensorrt-llm" else [])
             result = _fisher(eng, ids, usable, work, acts, key, min_tokens=min_tokens, batch_size=batch_size,
                              progress=progress, rounding=rounding, probe=probe, notes=notes, gram=gram,
