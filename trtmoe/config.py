@@ -204,7 +204,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                       help="tensorrt-llm also scores the group-wise int4 formats as TensorRT-LLM's stacked MoE "
                            "layout writes them (under awq / awq_gptq: one pre-quant scale per MoE layer and "
                            "matrix kind), which `convert --target tensorrt-llm` then plans on (fisher only; "
-                           "more scoring: 6.5 instead of 5.3 forward-pass equivalents on the trained Mixtral "
+                           "more scoring: 6.3 instead of 5.1 forward-pass equivalents on the trained Mixtral "
                            "fixture)."),
         # Defaults equal trtmoe.quant.awq.MAX_GRAM_IN / MAX_INPUT_TOKENS (a test keeps them so; this
         # module stays free of torch).
