@@ -65,13 +65,19 @@ def _child(model: str, method: str, samples: int, seq_len: int, formats: str, de
     from trtmoe.quant.sensitivity import fisher_measure, forward_macs
     from trtmoe.runtime.engine import EmbeddedEngine
 
+    from trtmoe.quant.calibrate import applicable_formats
+
     torch.set_num_threads(1)
     samples, seq_len = int(samples), int(seq_len)
-    fmts = tuple(formats.split(","))
     work = Path(model).parent / f"ck-{method}"
     shutil.rmtree(work, ignore_errors=True)
     ck = convert(model, work).out_dir
     eng = EmbeddedEngine.from_checkpoint(ck, device=device)
+    # As calibrate does: formats that cannot store the model's matrices are left out.
+    fmts, skipped = applicable_formats(tuple(formats.split(",")), eng.cfg.hidden_size,
+                                       eng.cfg.expert_intermediate_size)
+    if not fmts:
+        raise SystemExit(f"no format of {formats} applies: {skipped}")
     vocab = eng.cfg.vocab_size
     ids = torch.randint(0, vocab, (samples, seq_len), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
@@ -89,7 +95,7 @@ def _child(model: str, method: str, samples: int, seq_len: int, formats: str, de
     shutil.rmtree(work, ignore_errors=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(json.dumps({"passes": res["sensitivity"]["cost_forward_passes"], "all": total, "seconds": secs,
-                      "peak_rss_mib": rss}))
+                      "peak_rss_mib": rss, "formats": list(fmts), "skipped": skipped}))
 
 
 def cost(args) -> list[dict]:
@@ -99,7 +105,7 @@ def cost(args) -> list[dict]:
     rows = []
     work = Path(args.workdir)
     for E in [int(e) for e in args.experts.split(",")]:
-        model = work / f"mixtral-E{E}"
+        model = work / f"mixtral-E{E}-L{args.layers}-H{args.hidden}-I{args.inter}-V{args.vocab}"
         if not (model / "config.json").is_file():
             shutil.rmtree(model, ignore_errors=True)
             make_tiny_model("mixtral", model, seed=E, num_local_experts=E, num_hidden_layers=args.layers,
@@ -115,9 +121,11 @@ def cost(args) -> list[dict]:
                 log(r.stderr[-3000:])
                 raise SystemExit(f"{method} E={E} failed")
             out = json.loads(r.stdout.strip().splitlines()[-1])
+            for f, why in out["skipped"].items():
+                log(f"E={E:4d} {method:6s} {f} skipped: {why}")
             rows.append({"E": E, "method": method, "passes": out["passes"], "all": out["all"],
                          "measure_seconds": out["seconds"], "process_seconds": wall,
-                         "peak_rss_mib": out["peak_rss_mib"]})
+                         "peak_rss_mib": out["peak_rss_mib"], "formats": out["formats"]})
             log(f"E={E:4d} {method:6s} passes {out['passes']:8.2f}  all {out['all']:8.2f}  "
                 f"measure {out['seconds']:7.1f} s  process {wall:7.1f} s  peak RSS {out['peak_rss_mib']:.0f} MiB")
     log("")
