@@ -13,12 +13,11 @@ from pathlib import Path
 
 import click
 from rich.markup import escape as rich_escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from . import __version__
 from . import config as cfgmod
-from .console import console, err_console, note
+from .console import console, err_console, note, progress
 from .errors import TrtmoeError
 from .quant import QUANTIZED_NAMES
 from .report.units import fmt_bytes, fmt_count
@@ -122,11 +121,6 @@ def main(ctx, debug):
 def layout_options(f):
     """--tp, --pp, --moe-tp, --moe-ep and --dtype, as the YAML schema's ``convert`` keys."""
     return cfgmod.click_options("convert", "tp", "pp", "moe_tp", "moe_ep", "dtype")(f)
-
-
-def byte_progress(description: str) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                    TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True)
 
 
 # ---- inspect ---------------------------------------------------------------------------------------
@@ -252,7 +246,7 @@ def convert(model, out, config_path, target, force, as_json, **options):
     calib = cfg["quantize"]["calib"]
     from .quant.planning import plan_from_config
     plan = plan_from_config(model, cfg)
-    with byte_progress("convert") as prog:
+    with progress("convert", units="bytes") as prog:
         task = prog.add_task("converting", total=None)
         res = do_convert(model, out, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"],
                          dtype=cv["dtype"], trtllm_version=cv["trtllm_version"], force=force,

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .. import config as cfgmod
-from ..console import console, err_console
+from ..console import console, err_console, progress
 from ..errors import InputError
 from . import QUANTIZED_NAMES
 
@@ -35,16 +35,13 @@ def calibrate(model, out, config_path, force, as_json, **options):
       trtmoe calibrate tests/fixtures/trained_mixtral --data calib.txt -o calib/
       trtmoe convert tests/fixtures/trained_mixtral -o ckpt/ --calib calib/ --budget 4.5
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from .calibrate import calibrate as run
 
     c = cfgmod.resolve(config_path, cfgmod.from_cli(options, "calibrate"))["calibrate"]
     if c["data"] is None:
         raise InputError("no calibration text: pass --data PATH (or calibrate.data in the YAML config)")
     notes: list[str] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err_console, transient=True) as prog:
+    with progress("calibrate") as prog:
         task = prog.add_task("measuring sensitivity", total=None)
         res = run(model, Path(c["data"]), out, samples=c["samples"], seq_len=c["seq_len"],
                   formats=tuple(c["formats"] or DEFAULT_FORMATS), min_tokens=c["min_tokens"],
