@@ -74,3 +74,59 @@ def test_bytes_and_no_final_line_after_an_error():
 def test_off_a_terminal_the_factory_gives_lines():
     assert not console.err_console.is_terminal  # pytest captures stderr
     assert isinstance(console.progress("convert", units="bytes"), console.LineProgress)
+
+
+# ---- calibrate's routing summary at real-model size ------------------------------------------------
+
+def _calib_res(L: int, E: int, k: int, starved: dict[int, list[int]]) -> dict:
+    counts, share = [], []
+    for l in range(L):
+        c = [64 + (7 * e + l) % 50 for e in range(E)]
+        for e in starved.get(l, []):
+            c[e] = e % 3
+        counts.append(c)
+        share.append([x / sum(c) for x in c])
+    return {"num_experts": E, "top_k": k, "moe_layers": list(range(L)), "formats": ["int8", "int4"],
+            "data": {"tokens": 4096},
+            "routing": {"share": share, "counts": counts, "min_tokens_threshold": 16,
+                        "entropy_nats": [4.5] * L, "max_entropy_nats": 4.85, "load_imbalance": [2.0] * L,
+                        "under_observed": [{"layer": l, "expert": e, "tokens": counts[l][e]}
+                                           for l in sorted(starved) for e in starved[l]]},
+            "sensitivity": {"method": "fisher", "cost_forward_passes": 5.2}}
+
+
+def render(res: dict, width: int) -> list[str]:
+    from rich.console import Console
+
+    from trtmoe.quant.commands import _render_coverage
+
+    c = Console(width=width, force_terminal=False, record=True)
+    _render_coverage(res, c, c)
+    return c.export_text().splitlines()
+
+
+def test_many_experts_get_one_row_and_one_warning_per_layer():
+    """Qwen3-30B-A3B's shape: 48 layers × 128 experts in an 80-column log; experts 0..11 of layer 3
+    starved. One table row per layer that fits the width, and one warning for the layer."""
+    res = _calib_res(48, 128, 8, {3: list(range(12))})
+    lines = render(res, 80)
+    assert max(len(l) for l in lines) <= 80
+    rows = [l for l in lines if l.startswith("│")]
+    assert len(rows) == 48
+    assert "…" not in "".join(rows)  # nothing cut off
+    row3 = rows[3].split("│")
+    assert row3[4].strip() == "12"  # twelve experts under the token threshold
+    busiest = max(range(128), key=lambda e: res["routing"]["share"][3][e])
+    assert row3[2].strip().startswith(f"{busiest}:")
+    warn = " ".join(l for l in lines if not l.startswith(("│", "┃", "┏", "┡", "└")))
+    assert warn.count("warning:") == 1
+    assert "layer 3: 12 of 128 experts saw fewer than 16" in warn and "and 4 more" in warn
+
+
+def test_few_experts_keep_a_column_each_where_they_fit():
+    res = _calib_res(2, 8, 2, {})
+    header = next(l for l in render(res, 120) if l.startswith("┃"))
+    assert [h.strip() for h in header.split("┃")[1:-1]] == ["layer", *map(str, range(8)), "entropy", "max/mean"]
+    # Eight experts need 86 columns: an 80-column log gets the summary instead of cut-off cells.
+    narrow = render(res, 80)
+    assert any("busiest" in l and "rarest" in l for l in narrow) and "…" not in "".join(narrow)

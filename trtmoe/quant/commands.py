@@ -58,35 +58,64 @@ def calibrate(model, out, config_path, force, as_json, **options):
 
 
 def _render_coverage(res: dict, console, err_console) -> None:
-    from rich.table import Table
-
+    """The routing table (a column per expert where they fit the console, else a summary per layer)
+    and one warning line per layer with under-observed experts."""
     r = res["routing"]
-    E = res["num_experts"]
-    t = Table(title=f"Routing on {res['data']['tokens']} calibration tokens (share of top-{res['top_k']} "
-                    f"assignments per expert, %)", title_justify="left")
-    t.add_column("layer")
-    for e in range(E):
-        t.add_column(str(e), justify="right")
-    t.add_column("entropy", justify="right")
-    t.add_column("max/mean", justify="right")
-    for l in res["moe_layers"]:
-        cells = []
-        for e in range(E):
-            s = 100 * r["share"][l][e]
-            cnt = r["counts"][l][e]
-            style = "red" if cnt < r["min_tokens_threshold"] else ("yellow" if s < 25 / E else "")
-            cells.append(f"[{style}]{s:.1f}[/]" if style else f"{s:.1f}")
-        t.add_row(str(l), *cells, f"{r['entropy_nats'][l]:.2f}/{r['max_entropy_nats']:.2f}",
-                  f"{r['load_imbalance'][l]:.2f}")
-    console.print(t)
+    E, L = res["num_experts"], res["moe_layers"]
+    # Each expert column takes its widest cell ("12.3") plus rich's padding and border.
+    wide = 7 + sum(max(len(str(e)), 4) + 3 for e in range(E)) + 12 + 11 <= console.width
+    tokens, k = res["data"]["tokens"], res["top_k"]
+    title = (f"Routing on {tokens} calibration tokens (share of top-{k} assignments per expert, %)" if wide else
+             f"Routing by layer, {tokens} calibration tokens (expert: % of top-{k} assignments)")
+    console.print(_routing_table(r, E, L, title, wide))
+    thr = r["min_tokens_threshold"]
+    by_layer: dict = {}
     for f in r["under_observed"]:
-        err_console.print(f"[yellow]warning:[/] layer {f['layer']} expert {f['expert']} saw {f['tokens']} "
-                          f"calibration tokens (< {r['min_tokens_threshold']}); its ΔKL is also estimated from "
-                          f"all of the layer's tokens sent through it, and the larger value is used")
+        by_layer.setdefault(f["layer"], []).append(f)
+    for l, fs in by_layer.items():
+        shown = ", ".join(f"{f['expert']} ({f['tokens']})" for f in fs[:8])
+        more = f" and {len(fs) - 8} more" if len(fs) > 8 else ""
+        err_console.print(f"[yellow]warning:[/] layer {l}: {len(fs)} of {E} experts saw fewer than {thr} "
+                          f"calibration tokens (expert (tokens): {shown}{more}); their ΔKL is also estimated "
+                          f"from the layer's tokens sent through them, and the larger value is used")
     s = res["sensitivity"]
     console.print(f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices "
                   f"(fc, proj) in "
                   f"{s['cost_forward_passes']:.1f} forward-pass equivalents")
+
+
+def _routing_table(r: dict, E: int, layers, title: str, per_expert: bool):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    t.add_column("layer")
+    thr = r["min_tokens_threshold"]
+    if per_expert:
+        for e in range(E):
+            t.add_column(str(e), justify="right")
+    else:
+        for name in ("busiest", "rarest", "experts < ¼ uniform", f"experts < {thr} tokens"):
+            t.add_column(name, justify="right")
+    t.add_column("entropy", justify="right")
+    t.add_column("max/mean", justify="right")
+    for l in layers:
+        share = [100 * x for x in r["share"][l]]
+        counts = r["counts"][l]
+        if per_expert:
+            cells = []
+            for e in range(E):
+                style = "red" if counts[e] < thr else ("yellow" if share[e] < 25 / E else "")
+                cells.append(f"[{style}]{share[e]:.1f}[/]" if style else f"{share[e]:.1f}")
+        else:
+            hi = max(range(E), key=lambda e: share[e])
+            lo = min(range(E), key=lambda e: share[e])
+            cold = sum(x < 25 / E for x in share)
+            starved = sum(c < thr for c in counts)
+            cells = [f"{hi}: {share[hi]:.1f}", f"{lo}: {share[lo]:.2f}", f"[yellow]{cold}[/]" if cold else "0",
+                     f"[red]{starved}[/]" if starved else "0"]
+        t.add_row(str(l), *cells, f"{r['entropy_nats'][l]:.2f}/{r['max_entropy_nats']:.2f}",
+                  f"{r['load_imbalance'][l]:.2f}")
+    return t
 
 
 @click.command()
