@@ -17,10 +17,9 @@ from rich.table import Table
 
 from . import __version__
 from . import config as cfgmod
-from .console import console, err_console, note, progress
+from .console import console, err_console, fmt_bytes, fmt_count, note, progress
 from .errors import TrtmoeError
 from .quant import QUANTIZED_NAMES
-from .report.units import fmt_bytes, fmt_count
 
 
 # What an OSError's errno means for the user, where the bare strerror is not enough.

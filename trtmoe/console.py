@@ -1,5 +1,6 @@
 """The one console every command renders through: results on stdout; notes, warnings, errors and
-progress bars on stderr (so ``--json`` output stays parseable)."""
+progress bars on stderr (so ``--json`` output stays parseable); and the human-readable sizes and
+counts its tables and progress lines show."""
 
 from __future__ import annotations
 
@@ -41,13 +42,26 @@ def progress(command: str, *, units: str = "steps"):
                     console=err_console, transient=True)
 
 
+def fmt_bytes(n: float) -> str:
+    """Binary units: 1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_count(n: int) -> str:
+    """Decimal suffixes: 3_871_872 -> '3.87M'."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
 def _clock(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 class LineProgress:
@@ -97,7 +111,7 @@ class LineProgress:
     def _line(self, t: dict, now: float | None = None) -> None:
         now = self.clock() if now is None else now
         done, total = t["done"], t["total"] or 0
-        fmt = _gib if self.units == "bytes" else (lambda n: f"{int(n):,}")
+        fmt = fmt_bytes if self.units == "bytes" else (lambda n: f"{int(n):,}")
         text = f"{self.command}: {t['description']} {fmt(done)}/{fmt(total)}"
         if total:
             text += f" ({100 * done / total:.0f}%)"

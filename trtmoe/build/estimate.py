@@ -20,9 +20,9 @@ import fnmatch
 import math
 from dataclasses import asdict, dataclass, field
 
+from ..console import fmt_bytes
 from ..hf.safetensors_io import SafetensorsFile
 from .preflight import CheckpointFacts
-from ..report.units import fmt_bytes
 
 # TensorRT-LLM's own default exclusions when a checkpoint's exclude_modules is null.
 DEFAULT_EXCLUDES = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
