@@ -744,12 +744,15 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     cands = [(base.pq, base.clip)] + ([(base.pq, None)] if base.clip is not None else [])
     if own_scale and base.pq is not None:
         cands.append((None, None))
+    factors: dict = {}  # candidates with the same pre-quant scale share h, so its factorization
     for pq, clip in cands:
         if pq is not base.pq:
             h, err = objective(pq)
         wt = transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float()
         qs, ds = _format_scales(fmt, wt, dtype)
-        q = gptq.codes(wt, qs, ds, h, dtype)
+        if id(pq) not in factors:
+            factors[id(pq)] = gptq.factor(h)
+        q = gptq.codes(wt, qs, ds, factors[id(pq)], dtype)
         e = err((q.to(dtype) * ds).float())
         if e < best_err:
             best, best_err = Recipe(pq, clip, q, base.clip), e

@@ -15,6 +15,8 @@ model dtype) are those of round-to-nearest. Codes may use the whole signed range
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -45,29 +47,46 @@ def gram_chunked(x: Tensor, rows: int, transform=None) -> Tensor:
     return acc.float()
 
 
-def codes(w: Tensor, q_scale: Tensor, deq_scale: Tensor, h: Tensor, dtype: torch.dtype, *,
-          damp: float = DAMP, block: int = BLOCK) -> Tensor:
-    """int8 codes [out, in] in [-8, 7] of ``w`` [out, in] (float32 holding model-dtype values) under
-    per-element scales: ``q_scale`` [out, in] (float32; what codes are rounded against) and
-    ``deq_scale`` [out, in] (the stored model-dtype scale: what a code dequantizes with, ``code ×
-    scale`` computed in ``dtype``), minimizing ``‖X (W − Ŵ)ᵀ‖²`` greedily with error feedback
-    through ``h`` = Xᵀ X [in, in]."""
-    w = w.float().clone()
-    out_f, in_f = w.shape
+@dataclass(frozen=True)
+class Factor:
+    """What error feedback needs of one Gram matrix, whatever weight it rounds: the column order
+    (largest diagonal first), its inverse, and the upper Cholesky factor of the dampened, permuted
+    ``h⁻¹``. Candidates of one matrix that share ``h`` share it (``factor``)."""
+
+    perm: Tensor
+    inv: Tensor
+    hinv: Tensor
+
+
+def factor(h: Tensor, damp: float = DAMP) -> Factor:
+    """The ``Factor`` of ``h`` = Xᵀ X [in, in]."""
     h = h.float().clone()
     dead = torch.diagonal(h) <= 0
     h[dead, dead] = 1.0
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
     inv = torch.argsort(perm)
+    h = h[perm][:, perm]
+    lam = damp * float(torch.diagonal(h).mean())
+    idx = torch.arange(h.shape[0])
+    h[idx, idx] += lam
+    return Factor(perm, inv, _upper_inverse_factor(h))
+
+
+def codes(w: Tensor, q_scale: Tensor, deq_scale: Tensor, h: Tensor | Factor, dtype: torch.dtype, *,
+          damp: float = DAMP, block: int = BLOCK) -> Tensor:
+    """int8 codes [out, in] in [-8, 7] of ``w`` [out, in] (float32 holding model-dtype values) under
+    per-element scales: ``q_scale`` [out, in] (float32; what codes are rounded against) and
+    ``deq_scale`` [out, in] (the stored model-dtype scale: what a code dequantizes with, ``code ×
+    scale`` computed in ``dtype``), minimizing ``‖X (W − Ŵ)ᵀ‖²`` greedily with error feedback
+    through ``h`` = Xᵀ X [in, in] (or its ``factor``, computed with ``damp``)."""
+    f = h if isinstance(h, Factor) else factor(h, damp)
+    perm, inv, hinv = f.perm, f.inv, f.hinv
+    w = w.float()
+    out_f, in_f = w.shape
     # Worked on transposed ([in, out]): each input column of W is a contiguous row, so the per-column
     # steps below read and write contiguous memory (2.0× faster at 1536 × 2048, the same codes).
     wt = w[:, perm].t().contiguous()
     q_scale, deq_scale = q_scale.float()[:, perm].t().contiguous(), deq_scale.to(dtype)[:, perm].t().contiguous()
-    h = h[perm][:, perm]
-    lam = damp * float(torch.diagonal(h).mean())
-    idx = torch.arange(in_f)
-    h[idx, idx] += lam
-    hinv = _upper_inverse_factor(h)
     q = torch.zeros(in_f, out_f, dtype=torch.int8)
     for a in range(0, in_f, block):
         b = min(a + block, in_f)
