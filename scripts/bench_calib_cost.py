@@ -61,11 +61,9 @@ def _child(model: str, method: str, samples: int, seq_len: int, formats: str, de
     import torch
 
     from trtmoe.checkpoint.writer import convert
-    from trtmoe.quant.calibrate import measure
+    from trtmoe.quant.calibrate import applicable_formats, measure
     from trtmoe.quant.sensitivity import fisher_measure, forward_macs
     from trtmoe.runtime.engine import EmbeddedEngine
-
-    from trtmoe.quant.calibrate import applicable_formats
 
     torch.set_num_threads(1)
     samples, seq_len = int(samples), int(seq_len)

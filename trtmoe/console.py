@@ -9,8 +9,8 @@ from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.progress import TransferSpeedColumn
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -109,16 +109,15 @@ class LineProgress:
             self._line(t, now)
 
     def _line(self, t: dict, now: float | None = None) -> None:
+        """One line for task ``t``, which has a total and a start (``update`` saw both)."""
         now = self.clock() if now is None else now
-        done, total = t["done"], t["total"] or 0
+        done, total = t["done"], t["total"]
         fmt = fmt_bytes if self.units == "bytes" else (lambda n: f"{int(n):,}")
-        text = f"{self.command}: {t['description']} {fmt(done)}/{fmt(total)}"
-        if total:
-            text += f" ({100 * done / total:.0f}%)"
-        elapsed = now - t["start"] if t["start"] is not None else 0.0
-        text += f", {_clock(elapsed)} elapsed"
+        elapsed = now - t["start"]
+        text = (f"{self.command}: {t['description']} {fmt(done)}/{fmt(total)} ({100 * done / total:.0f}%), "
+                f"{_clock(elapsed)} elapsed")
         gained = done - t["start_done"]
-        if total and 0 < done < total and gained > 0 and elapsed > 0:
+        if 0 < done < total and gained > 0 and elapsed > 0:
             text += f", about {_clock(elapsed * (total - done) / gained)} left"
         self.write(text)
         t["last"], t["shown"] = now, done

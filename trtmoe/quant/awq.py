@@ -744,7 +744,7 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     cands = [(base.pq, base.clip)] + ([(base.pq, None)] if base.clip is not None else [])
     if own_scale and base.pq is not None:
         cands.append((None, None))
-    factors: dict = {}  # candidates with the same pre-quant scale share h, so its factorization
+    factors: dict = {}  # candidates with the same pre-quant scale share h, and so its factorization
     for pq, clip in cands:
         if pq is not base.pq:
             h, err = objective(pq)
