@@ -91,6 +91,24 @@ def test_codes_never_worse_than_the_base_on_the_gram():
         assert got == pytest.approx(direct, rel=1e-3)  # tr(D H Dᵀ) is the summed output error
 
 
+def test_candidates_that_share_a_scale_share_one_factorization(monkeypatch):
+    """A base recipe with its own pre-quant scale and a clip gives three candidates: (scale, clip),
+    (scale, no clip) and (no scale, no clip). The first two round against the same scaled Gram matrix,
+    so two factorizations serve the three: the scaled one and the plain Gram matrix's."""
+    fmt = FORMATS["int4_g128"]
+    w, x = _matrix(64, 128, 5), _correlated(2048, 128, 6, 2)
+    st = _stats(x)
+    base = awq._awq_recipe(fmt, w, DT, st, "search")
+    assert base is not None and base.pq is not None and base.clip is not None
+    calls = []
+    real = gptq.factor
+    monkeypatch.setattr(gptq, "factor", lambda h, *a, **k: calls.append(h) or real(h, *a, **k))
+    awq.with_codes(fmt, w, DT, st, base, own_scale=True)
+    assert len(calls) == 2
+    pq = base.pq.float()
+    assert torch.allclose(calls[0], st.gram.float() * torch.outer(pq, pq)) and calls[1] is st.gram
+
+
 def test_error_feedback_reduces_to_rounding_when_inputs_are_uncorrelated():
     """With H diagonal no error is fed forward: the codes are round-to-nearest's."""
     fmt = FORMATS["int4_g64"]
