@@ -83,7 +83,6 @@ import argparse
 import http.client
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -258,6 +257,47 @@ def group_cpu_s(pgid: int) -> float:
     return total / tick
 
 
+# The served stack's parts, in the order the breakdown table lists them. tensorrt_llm's threads name
+# themselves (trtmoe.triton.threads): the decode loop and the response sender are told apart.
+ROLES = ("decode loop", "response sender", "tensorrt_llm other", "preprocessing", "postprocessing",
+         "tensorrt_llm_bls", "tritonserver")
+
+
+def _role(cmd: str, comm: str) -> str | None:
+    if "/1/model.py" not in cmd:
+        return "tritonserver" if "tritonserver" in cmd else None
+    model = cmd.split("/1/model.py")[0].rsplit("/", 1)[-1]
+    if model != "tensorrt_llm":
+        return model if model in ROLES else None
+    if comm.startswith("trtmoe-decode"):
+        return "decode loop"
+    return "response sender" if comm.startswith("trtmoe-send") else "tensorrt_llm other"
+
+
+def group_cpu_by_role(pgid: int) -> dict[str, float]:
+    """CPU seconds of a trtmoe server's process group by part of the stack (``ROLES``), thread by
+    thread from /proc (a thread that ended since is no longer counted)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(ROLES, 0.0)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            for t in (d / "task").iterdir():
+                st = (t / "stat").read_text()
+                comm = st[st.index("(") + 1:st.rindex(")")]
+                f = st.rsplit(")", 1)[1].split()
+                role = _role(cmd, comm)
+                if role is not None:
+                    out[role] += (int(f[11]) + int(f[12])) / tick
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 def wait_http(port: int, path: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -292,6 +332,7 @@ def log_tail(path: Path, n: int = 15) -> str:
 class Server:
     name = ""
     greedy_exact = True  # expected to reproduce transformers' float32 greedy text
+    breakdown = False  # its CPU is split by part of the stack (a trtmoe server)
 
     def __init__(self, args, workdir: Path):
         self.args, self.workdir = args, workdir
@@ -345,6 +386,7 @@ class Server:
 
 class Trtmoe(Server):
     name = "trtmoe"
+    breakdown = True
 
     def start(self) -> None:
         from trtmoe.checkpoint.writer import convert
@@ -712,11 +754,16 @@ def main() -> None:
             for s in live:
                 others = {o.name: group_cpu_s(o.pgid) for o in live if o is not s}
                 for i, (c, n) in enumerate(zip(args.concurrency, args.requests)):
+                    parts0 = group_cpu_by_role(s.pgid) if s.breakdown else None
                     srv0, cli0 = group_cpu_s(s.pgid), time.process_time()
                     r = run_level(s.connect(), c, n, args.tokens)
                     if r["tokens"]:  # CPU per output token: the server's process group, and this load generator
                         r["server_cpu_us_per_token"] = 1e6 * (group_cpu_s(s.pgid) - srv0) / r["tokens"]
                         r["client_cpu_us_per_token"] = 1e6 * (time.process_time() - cli0) / r["tokens"]
+                        if parts0 is not None:
+                            parts = group_cpu_by_role(s.pgid)
+                            r["server_cpu_us_per_token_by_part"] = {k: 1e6 * (parts[k] - parts0[k]) / r["tokens"]
+                                                                    for k in ROLES}
                     rows[s.name][i].append(r)
                     print(f"  round {rnd + 1} {s.name:>13} c={c:<3} {r['tok_s']:8.1f} tok/s ({r['requests']} req, "
                           f"{r['errors']} errors, {r['short_replies']} short; {r['tokens_per_response']:.2f} tok/response; cpu us/token server "
@@ -791,6 +838,23 @@ def main() -> None:
                 cells.append(f"{statistics.median(r['itl_p50_ms'] for r in lvl):.2f}/"
                              f"{statistics.median(r['itl_p99_ms'] for r in lvl):.2f}")
             print(f"| {s.name} | " + " | ".join(cells) + " |")
+        split = [s for s in live if s.breakdown]
+        if split:
+            print()
+            print("Where the served stack's CPU per output token goes (us, medians over rounds; the decode loop is "
+                  "the engine, the response sender hands tensorrt_llm's responses to Triton, tritonserver runs the "
+                  "ensemble and gRPC)")
+            print("| server | part | " + " | ".join(f"c={c}" for c in args.concurrency) + " |")
+            print("|" + "---|" * (len(args.concurrency) + 2))
+            for s in split:
+                for part in ROLES:
+                    cells = []
+                    for lvl in rows[s.name]:
+                        v = [r["server_cpu_us_per_token_by_part"][part] for r in lvl
+                             if "server_cpu_us_per_token_by_part" in r]
+                        cells.append(f"{statistics.median(v):,.0f}" if v else "-")
+                    if any(c not in ("0", "-") for c in cells):
+                        print(f"| {s.name} | {part} | " + " | ".join(cells) + " |")
         if ref:
             for s in live:
                 seen: dict[str, set] = {}

@@ -224,6 +224,29 @@ def test_cancel_poll_period_per_request(engine):
     assert seen["step"] > 5 * seen["slow"], seen
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+def test_serving_threads_carry_os_names(engine):
+    """The decode loop and the cancel watcher name their OS threads (what top -H and the peers
+    benchmark's CPU split read); a callback on the decode thread sees its own name."""
+    def comm(tid):
+        return open(f"/proc/self/task/{tid}/comm").read().strip()
+
+    b = InflightBatcher(engine, max_batch_size=2)
+    seen = Gated(1)
+    try:
+        b.submit([1, 7], _params(4), seen, is_cancelled=lambda: False)
+        assert seen.reached[1].wait(30)
+        names = sorted(comm(t) for t in os.listdir("/proc/self/task"))
+        decode = comm(b._thread.native_id)
+        seen.release[1].set()
+        assert seen.done.wait(30)
+    finally:
+        seen.release[1].set()
+        b.shutdown()
+    assert decode == "trtmoe-decode"
+    assert "trtmoe-cancel" in names, names
+
+
 def _wait_for(predicate, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not predicate():

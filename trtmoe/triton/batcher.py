@@ -45,6 +45,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .threads import name_native_thread
+
 log = logging.getLogger(__name__)
 
 FINISH_LENGTH = "length"
@@ -328,6 +330,7 @@ class InflightBatcher:
     def _watch_cancelled(self) -> None:
         """Watcher thread: polls ``is_cancelled`` of every queued and running request, about once per
         decode step (bounded by the check periods), and flags the cancelled ones for the loop."""
+        name_native_thread("trtmoe-cancel")
         while True:
             with self._cv:
                 if self._closed:
@@ -481,6 +484,7 @@ class InflightBatcher:
         self.iterations += 1
 
     def _run(self) -> None:
+        name_native_thread("trtmoe-decode")
         next_idle_cb = 0.0
         while True:
             with self._cv:

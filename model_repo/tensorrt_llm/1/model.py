@@ -32,6 +32,7 @@ from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
 from trtmoe.triton.metrics import IterationRecorder, RoutingMetricsPublisher, TrtLlmMetricsPublisher, blocks
 from trtmoe.triton.textstream import split_at_character
+from trtmoe.triton.threads import name_native_thread
 
 
 _KEYED_CANCEL_POLL_S = 0.5  # is_cancelled polls of a generation that carries the ensemble's key
@@ -156,6 +157,7 @@ class TritonPythonModel:
 
     # -- metrics (own thread) ------------------------------------------------------------------
     def _metrics_loop(self):
+        name_native_thread("trtmoe-metrics")
         while not self.stopping.wait(self.metrics.min_interval_s):
             try:
                 stats = self.batcher.stats()
@@ -301,6 +303,7 @@ class TritonPythonModel:
 
     def _send_loop(self):
         """Sender thread: drains the outbox; tokens of a request that piled up go out in one response."""
+        name_native_thread("trtmoe-send")
         while True:
             self.wake.wait()
             self.wake.clear()
