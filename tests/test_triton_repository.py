@@ -273,6 +273,7 @@ def test_launch_command_one_rank_per_engine_rank(tmp_path):
     ep = Endpoints("127.0.0.1", 8000, 8001, 8002)
     one = build_launch_command(tmp_path, inst, endpoints=ep, world_size=1)
     assert one[0].endswith("tritonserver") and "--grpc-port=8001" in one and "--http-address=127.0.0.1" in one
+    assert "--disable-auto-complete-config" in one  # as upstream's launcher: the written configs are used as they are
     cmd = build_launch_command(tmp_path, inst, endpoints=ep, world_size=4)
     assert Path(cmd[0]).name == "mpirun" and cmd.count(":") == 3 and cmd.count("-n") == 4
     ranks = " ".join(cmd).split(" : ")

@@ -190,9 +190,11 @@ def build_launch_command(repo: str | Path, install: TritonInstall, *, endpoints:
                 f"--exit-timeout-secs={exit_timeout_s}"]
         if backend_dir is not None:
             args.append(f"--backend-directory={backend_dir}")
-        if world_size > 1:
-            # The official launcher: auto-complete off so the written policies are what Triton uses.
-            args.append("--disable-auto-complete-config")
+        # As the official launcher does for every rank: auto-complete off, so the written configs are
+        # what Triton uses, and no Python model starts a stub of its own only to be asked for a config
+        # completion (on 2 busy cores the trained fixture's streaming repository got ready in 3.3 s
+        # instead of 5.8 s).
+        args.append("--disable-auto-complete-config")
         if rank == 0:
             args += [f"--http-address={endpoints.host}", f"--http-port={endpoints.http_port}",
                      f"--grpc-address={endpoints.host}", f"--grpc-port={endpoints.grpc_port}",
