@@ -22,7 +22,11 @@ spawning the server until it answers its readiness endpoint: Triton's ``/v2/heal
 ``/v1/models``) are printed in one table with ratios against trtmoe. The greedy text of every prompt is
 compared with transformers' greedy continuation (float32, ``min_new_tokens`` = ``max_new_tokens``);
 float32 servers are expected to match, Q8_0 is not. The 1-minute load average is printed before and
-after: on a shared machine the figures are only comparable within one run.
+after: on a shared machine the figures are only comparable within one run. A last table splits each
+trtmoe server's CPU per output token by part of the stack, thread by thread from /proc: the engine's
+decode loop and the response sender (threads the embedded ``tensorrt_llm`` model names, see
+trtmoe/triton/threads.py), its other threads, pre/postprocessing, BLS and tritonserver itself (a
+``--baseline-tree`` older than the thread names shows all of tensorrt_llm as "other").
 
     python scripts/bench_peers.py                               # every server that is set up
     python scripts/bench_peers.py --servers trtmoe llamacpp-f32 --rounds 1
