@@ -26,7 +26,10 @@ after: on a shared machine the figures are only comparable within one run. A las
 trtmoe server's CPU per output token by part of the stack, thread by thread from /proc: the engine's
 decode loop and the response sender (threads the embedded ``tensorrt_llm`` model names, see
 trtmoe/triton/threads.py), its other threads, pre/postprocessing, BLS and tritonserver itself (a
-``--baseline-tree`` older than the thread names shows all of tensorrt_llm as "other").
+``--baseline-tree`` older than the thread names shows all of tensorrt_llm as "other"), with the share
+of the wall time the decode thread spent on a CPU and runnable but waiting for one (its schedstat):
+a stack that leaves cores idle while that thread waits is losing throughput to scheduling, not to
+CPU per token.
 
     python scripts/bench_peers.py                               # every server that is set up
     python scripts/bench_peers.py --servers trtmoe llamacpp-f32 --rounds 1
@@ -300,6 +303,25 @@ def group_cpu_by_role(pgid: int) -> dict[str, float]:
         except (OSError, ValueError, IndexError):
             continue
     return out
+
+
+def decode_schedstat(pgid: int) -> tuple[float, float] | None:
+    """Seconds the trtmoe server's decode thread (``trtmoe-decode``) has spent on a CPU and runnable
+    but waiting for one (/proc/PID/task/TID/schedstat); None without such a thread or schedstat."""
+    found = None
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for t in (d / "task").iterdir():
+                if (t / "comm").read_text().strip() == "trtmoe-decode":
+                    run, wait = (t / "schedstat").read_text().split()[:2]
+                    found = (int(run) / 1e9, int(wait) / 1e9)
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def wait_http(port: int, path: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
@@ -759,6 +781,7 @@ def main() -> None:
                 others = {o.name: group_cpu_s(o.pgid) for o in live if o is not s}
                 for i, (c, n) in enumerate(zip(args.concurrency, args.requests)):
                     parts0 = group_cpu_by_role(s.pgid) if s.breakdown else None
+                    sched0 = decode_schedstat(s.pgid) if s.breakdown else None
                     srv0, cli0 = group_cpu_s(s.pgid), time.process_time()
                     r = run_level(s.connect(), c, n, args.tokens)
                     if r["tokens"]:  # CPU per output token: the server's process group, and this load generator
@@ -768,6 +791,10 @@ def main() -> None:
                             parts = group_cpu_by_role(s.pgid)
                             r["server_cpu_us_per_token_by_part"] = {k: 1e6 * (parts[k] - parts0[k]) / r["tokens"]
                                                                     for k in ROLES}
+                            sched = decode_schedstat(s.pgid)
+                            if sched0 is not None and sched is not None and r["wall_s"] > 0:
+                                r["decode_on_cpu_share"] = (sched[0] - sched0[0]) / r["wall_s"]
+                                r["decode_waiting_share"] = (sched[1] - sched0[1]) / r["wall_s"]
                     rows[s.name][i].append(r)
                     print(f"  round {rnd + 1} {s.name:>13} c={c:<3} {r['tok_s']:8.1f} tok/s ({r['requests']} req, "
                           f"{r['errors']} errors, {r['short_replies']} short; {r['tokens_per_response']:.2f} tok/response; cpu us/token server "
@@ -859,6 +886,14 @@ def main() -> None:
                         cells.append(f"{statistics.median(v):,.0f}" if v else "-")
                     if any(c not in ("0", "-") for c in cells):
                         print(f"| {s.name} | {part} | " + " | ".join(cells) + " |")
+                for key, label in (("decode_on_cpu_share", "decode thread on a CPU, share of wall time"),
+                                   ("decode_waiting_share", "decode thread runnable but waiting for a CPU, share")):
+                    cells = []
+                    for lvl in rows[s.name]:
+                        v = [r[key] for r in lvl if key in r]
+                        cells.append(f"{statistics.median(v):.2f}" if v else "-")
+                    if any(c != "-" for c in cells):
+                        print(f"| {s.name} | {label} | " + " | ".join(cells) + " |")
         if ref:
             for s in live:
                 seen: dict[str, set] = {}
