@@ -4,7 +4,7 @@ Python names its threads for itself only: ``top -H``, ``ps -L`` and ``/proc/PID/
 every thread of a Triton Python-backend stub as ``triton_python_b``. The embedded ``tensorrt_llm``
 model's threads call ``name_native_thread`` when they start, so an operator (and
 ``scripts/bench_peers.py``, which splits the served stack's CPU time by thread) sees which one
-burns the CPU: the decode loop, a response sender, the metrics publisher or a cancel listener.
+burns the CPU: the decode loop, the response sender, the cancellation poll or the metrics publisher.
 """
 
 from __future__ import annotations
