@@ -281,11 +281,13 @@ def _role(cmd: str, comm: str) -> str | None:
     return "response sender" if comm.startswith("trtmoe-send") else "tensorrt_llm other"
 
 
-def group_cpu_by_role(pgid: int) -> dict[str, float]:
-    """CPU seconds of a trtmoe server's process group by part of the stack (``ROLES``), thread by
-    thread from /proc (a thread that ended since is no longer counted)."""
+def stack_snapshot(pgid: int) -> tuple[dict[str, float], tuple[float, float] | None]:
+    """One pass over a trtmoe server's process group in /proc, thread by thread: CPU seconds by part of
+    the stack (``ROLES``; a thread that ended since is no longer counted), and the seconds its decode
+    thread (``trtmoe-decode``) has spent on a CPU and runnable but waiting for one (its schedstat;
+    None without such a thread)."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = dict.fromkeys(ROLES, 0.0)
+    cpu, decode = dict.fromkeys(ROLES, 0.0), None
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -299,29 +301,13 @@ def group_cpu_by_role(pgid: int) -> dict[str, float]:
                 f = st.rsplit(")", 1)[1].split()
                 role = _role(cmd, comm)
                 if role is not None:
-                    out[role] += (int(f[11]) + int(f[12])) / tick
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def decode_schedstat(pgid: int) -> tuple[float, float] | None:
-    """Seconds the trtmoe server's decode thread (``trtmoe-decode``) has spent on a CPU and runnable
-    but waiting for one (/proc/PID/task/TID/schedstat); None without such a thread or schedstat."""
-    found = None
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
-            for t in (d / "task").iterdir():
-                if (t / "comm").read_text().strip() == "trtmoe-decode":
+                    cpu[role] += (int(f[11]) + int(f[12])) / tick
+                if role == "decode loop":
                     run, wait = (t / "schedstat").read_text().split()[:2]
-                    found = (int(run) / 1e9, int(wait) / 1e9)
+                    decode = (int(run) / 1e9, int(wait) / 1e9)
         except (OSError, ValueError, IndexError):
             continue
-    return found
+    return cpu, decode
 
 
 def wait_http(port: int, path: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
@@ -780,18 +766,16 @@ def main() -> None:
             for s in live:
                 others = {o.name: group_cpu_s(o.pgid) for o in live if o is not s}
                 for i, (c, n) in enumerate(zip(args.concurrency, args.requests)):
-                    parts0 = group_cpu_by_role(s.pgid) if s.breakdown else None
-                    sched0 = decode_schedstat(s.pgid) if s.breakdown else None
+                    snap0 = stack_snapshot(s.pgid) if s.breakdown else None
                     srv0, cli0 = group_cpu_s(s.pgid), time.process_time()
                     r = run_level(s.connect(), c, n, args.tokens)
                     if r["tokens"]:  # CPU per output token: the server's process group, and this load generator
                         r["server_cpu_us_per_token"] = 1e6 * (group_cpu_s(s.pgid) - srv0) / r["tokens"]
                         r["client_cpu_us_per_token"] = 1e6 * (time.process_time() - cli0) / r["tokens"]
-                        if parts0 is not None:
-                            parts = group_cpu_by_role(s.pgid)
+                        if snap0 is not None:
+                            (parts0, sched0), (parts, sched) = snap0, stack_snapshot(s.pgid)
                             r["server_cpu_us_per_token_by_part"] = {k: 1e6 * (parts[k] - parts0[k]) / r["tokens"]
                                                                     for k in ROLES}
-                            sched = decode_schedstat(s.pgid)
                             if sched0 is not None and sched is not None and r["wall_s"] > 0:
                                 r["decode_on_cpu_share"] = (sched[0] - sched0[0]) / r["wall_s"]
                                 r["decode_waiting_share"] = (sched[1] - sched0[1]) / r["wall_s"]
