@@ -10,7 +10,6 @@ burns the CPU: the decode loop, the response sender, the cancellation poll or th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import threading
 
 _PR_SET_NAME = 15  # prctl(2): name the calling thread (at most 15 bytes are kept)
@@ -24,7 +23,7 @@ def name_native_thread(name: str | None = None) -> bool:
     text = (name or threading.current_thread().name).encode("ascii", "replace")[:15]
     try:
         if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            _libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
         return _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(text), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
