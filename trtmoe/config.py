@@ -143,8 +143,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                       "capped at the serving machine's cores."),
         "stream_interval": Key(int, None, nullable=True, minimum=0,
                                help="Embedded engine: a streamed response every N tokens (the first and last at "
-                                    "once). 1 = every token; 0 = auto: every token up to 8 active streams, then "
-                                    "ceil(active/8), which keeps per-response overhead bounded when many streams "
+                                    "once). 1 = every token; 0 = auto: every token up to 4 active streams, then "
+                                    "ceil(active/4), which keeps per-response overhead bounded when many streams "
                                     "share the CPU.", shown_default="auto"),
         "trust_remote_code": Key(bool, False, help="Let the tokenizer run code from its folder."),
         "engine_path": Key(str, None, nullable=True, metavar="PATH",

@@ -49,6 +49,12 @@ from .threads import name_native_thread
 
 log = logging.getLogger(__name__)
 
+# The auto stream interval's target number of responses per decode step: 4 streams get every token,
+# 8 streams every 2nd, 32 every 8th. Measured with scripts/bench_peers.py on 2 cores: 8 instead of 4
+# gave 30-44% fewer tokens/s at 8 streams and 16-27% fewer at 32, 2 gave chunkier streams for
+# little more.
+AUTO_RESPONSES_PER_STEP = 4
+
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
 FINISH_CANCELLED = "cancelled"
@@ -134,7 +140,7 @@ class InflightBatcher:
     def __init__(self, engine: Any, *, max_batch_size: int, max_waiting: int = 0,
                  prefill_budget_s: float | None = None, on_iteration: Callable[["InflightBatcher"], None] | None = None,
                  cancel_check_period_s: float = 0.1, idle_callback_period_s: float = 1.0,
-                 stream_interval: int = 1, responses_per_step: int = 8,
+                 stream_interval: int = 1, responses_per_step: int = AUTO_RESPONSES_PER_STEP,
                  on_flush: Callable[[], None] | None = None,
                  max_prefill_tokens: int = 1024, name: str = "trtmoe-inflight-batcher",
                  min_cancel_check_period_s: float = 0.005, remember_cancel_s: float = 600.0,

@@ -579,7 +579,7 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     ``exclude_input_in_output`` sets the default for requests that do not send it (upstream: false).
     ``torch_num_threads`` 0: chosen from the cores (see ``default_torch_threads``). ``stream_interval``
     (embedded engine): a streamed response every that many tokens; None/0 = auto (every token
-    up to 8 active streams, then ceil(active / 8)). ``engine_path`` (TensorRT-LLM engines): the absolute
+    up to 4 active streams, then ceil(active / 4)). ``engine_path`` (TensorRT-LLM engines): the absolute
     path the engine will have where the repository is served (default: its path here). Raises InputError.
     """
     info = read_engine_dir(engine_dir)
