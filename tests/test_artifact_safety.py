@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from trtmoe.checkpoint import atomic
 from trtmoe.checkpoint.writer import convert
@@ -335,7 +336,7 @@ def _drive(driver: Path, args: list, runs: list[tuple[int, Path]], exchange_ok: 
 
 @pytest.mark.parametrize("exchange_ok", [True, False], ids=["exchange", "two-renames"])
 @pytest.mark.parametrize("command", ["convert", pytest.param("calibrate", marks=pytest.mark.slow), "build", "repo"])
-def test_kill_at_every_step(engine_and_checkpoint, tmp_path, command, exchange_ok):
+def test_kill_at_every_step(engine_and_checkpoint, tmp_path, command, exchange_ok, request):
     """With a previous output in place, a SIGKILL before any one file-system step of `--force` (the
     scratch checkpoint and progress files of calibrate included) leaves
     at the output path the previous output or the new one, complete; the next run cleans up and
@@ -361,6 +362,11 @@ def test_kill_at_every_step(engine_and_checkpoint, tmp_path, command, exchange_o
         res = CliRunner().invoke(main, [str(root / "out") if a == "OUT" else str(a) for a in args])
         assert res.exit_code == 0, (args, res.output, res.stderr)
 
+    # In-process runs on one thread, as the driver's (OMP_NUM_THREADS=1): float sums of calibration's
+    # scores depend on the thread count, so otherwise the bytes would depend on the tests run before.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
     # References at the same depth as the runs (a repository records its engine by relative path).
     for name, args in (("prev", prev_args), ("new", new_args)):
         (tmp_path / name).mkdir()
