@@ -458,3 +458,94 @@ def test_tensorrt_llm_target_plans_on_the_weights_its_stacked_layout_writes(tiny
     plan = QuantPlan({int(l): fs for l, fs in written["expert_formats"].items()}, granularity="layer")
     assert q["predicted_delta_kl"] == pytest.approx(predicted_delta_kl(plan, stacked_view(cal)), rel=1e-12)
     assert q["predicted_delta_kl"] != pytest.approx(predicted_delta_kl(plan, cal), rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def searched(tiny_model, tmp_path_factory):
+    """A Fisher calibration (awq_gptq, the default rounding, scored for both targets) of a small bf16
+    Mixtral with a tokenizer; its artifact keeps the recipes its searches chose."""
+    import shutil
+    from pathlib import Path
+
+    from conftest import TRAINED_MIXTRAL
+
+    from trtmoe.data import write_split_text
+    from trtmoe.quant.calibrate import calibrate
+
+    tmp = tmp_path_factory.mktemp("recipes")
+    src = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=L, seed=5, hidden_size=128,
+                     intermediate_size=128, head_dim=32, dtype="bfloat16", vocab_size=2048)
+    model = Path(shutil.copytree(src, tmp / "m"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
+    text = tmp / "calib.txt"
+    write_split_text("calib", text, max_bytes=20000)
+    calibrate(model, text, tmp / "cal", samples=4, seq_len=32, formats=("int8",) + INT4, target="tensorrt-llm")
+    return model, tmp / "cal"
+
+
+def _no_search(monkeypatch):
+    """Every activation-aware search, and every error evaluation of error feedback's candidates, fails
+    the test if it runs."""
+    def refuse(*a, **k):
+        raise AssertionError("searched although calibration stored the recipe and its choice")
+    for name in ("search_prequant", "_clip_group", "_clip_channel", "_err", "_gram_err"):
+        monkeypatch.setattr(awq, name, refuse)
+
+
+@pytest.mark.parametrize("args", [
+    ("--policy", "uniform", "--format", "int4_g128", "--target", "tensorrt-llm"),  # layer-shared pre-quant scale
+    ("--budget", "4.4", "--granularity", "matrix"),  # every int4 kind, a scale per expert matrix
+], ids=["tensorrt-llm-shared-scale", "embedded-per-matrix"])
+def test_convert_takes_calibrations_recipes_instead_of_searching_and_writes_the_same_bytes(
+        searched, tmp_path, monkeypatch, args):
+    """Calibration keeps the pre-quant scales and clips it searched and which error-feedback candidate
+    won (``recipes/``, named with their sha256 in the activation statistics, keyed by the weight's
+    fingerprint); convert at moe_tp=1 then runs none of the searches and computes only the winner's
+    codes, and its checkpoint is byte-identical to one that searched again."""
+    model, cal = searched
+    meta = json.loads(SafetensorsFile(cal / awq.ACT_FILE).metadata["recipes"])
+    assert sorted(meta["layers"]) == [str(l) for l in range(L)] and meta["search"] == awq.RECIPE_SEARCH
+    assert sorted(p.name for p in (cal / awq.RECIPES_DIR).iterdir()) == [f"{l}.safetensors" for l in range(L)]
+    with monkeypatch.context() as m:
+        m.setattr(awq.RecipeStore, "get", lambda *a, **k: None)  # as if calibration had stored none
+        cli("convert", model, "-o", tmp_path / "searched", "--calib", cal, *args)
+    awq._RECIPES.clear()  # nor the transforms this process remembers
+    with monkeypatch.context() as m:
+        _no_search(m)
+        cli("convert", model, "-o", tmp_path / "stored", "--calib", cal, *args)
+    a, b = (tmp_path / d / "rank0.safetensors" for d in ("searched", "stored"))
+    assert a.read_bytes() == b.read_bytes()
+    used = json.loads((tmp_path / "stored" / "manifest.json").read_text())["quantization"]["formats_used"]
+    assert set(used) & set(INT4), used
+
+
+def test_stale_or_damaged_recipes_are_searched_again(searched, tmp_path, monkeypatch):
+    """A recipe kept for other weights (another model in the same directory layout), or a damaged
+    recipes file, is never applied: convert searches, and a search-only tree writes the same bytes."""
+    import shutil
+
+    model, cal = searched
+    args = ("--policy", "uniform", "--format", "int4_g64")
+    cli("convert", model, "-o", tmp_path / "ref", "--calib", cal, *args)
+    ref = (tmp_path / "ref" / "rank0.safetensors").read_bytes()
+    # The same calibration with one recipes file damaged (its recorded sha256 no longer matches).
+    bad = tmp_path / "bad-cal"
+    shutil.copytree(cal, bad)
+    f = bad / awq.RECIPES_DIR / "1.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    awq._RECIPES.clear()
+    calls = []
+    real = awq.search_prequant
+    monkeypatch.setattr(awq, "search_prequant", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cli("convert", model, "-o", tmp_path / "bad", "--calib", bad, *args)
+    assert calls  # layer 1 searched again
+    assert (tmp_path / "bad" / "rank0.safetensors").read_bytes() == ref
+    # Weights that differ from the calibrated ones: the fingerprints do not match, nothing is reused.
+    store = awq.ActivationStats.load(cal / awq.ACT_FILE).recipes
+    rid = awq.recipe_id("int4_g64", 0, "fc", (0, 128), False, torch.bfloat16)
+    w = _hf_expert(model, 0, 0)["fc"]
+    assert store.get(0, rid, awq.weight_fingerprint(w, torch.bfloat16)) is not None
+    assert store.get(0, rid, awq.weight_fingerprint(w + 1, torch.bfloat16)) is None

@@ -72,7 +72,7 @@ def test_killed_calibration_leaves_its_scratch_beside_the_output_and_the_next_ru
     cli(*_args(model, text, tokdir, out))
     assert not list(tmp_path.glob(".calib*")), "the killed run's scratch checkpoint is still there"
     assert sorted(p.name for p in out.iterdir()) == ["activations.safetensors", "calib.json", "manifest.json",
-                                                     "moe-inputs"]
+                                                     "moe-inputs", "recipes"]
 
 
 def test_killed_outputless_calibration_is_cleaned_by_the_next_one(model, text, tokdir, tmp_path):
@@ -104,9 +104,11 @@ def test_calibration_is_an_artifact_with_deterministic_bytes(model, text, tokdir
     assert cal["model"] == str(Path(model).resolve()) and cal["data"]["path"] == str(Path(text).resolve())
     assert verify_artifact(a)["kind"] == "calibration"
     man = read_manifest(a)
-    # The MoE layers' stored inputs, which the activation statistics are rebuilt from, are hashed too.
+    # The MoE layers' stored inputs, which the activation statistics are rebuilt from, and the int4
+    # recipes the searches chose (convert applies them) are hashed too.
     assert man["kind"] == "calibration" and set(man["files"]) == {
-        "calib.json", "activations.safetensors", *(f"moe-inputs/{l}.safetensors" for l in cal["moe_layers"])}
+        "calib.json", "activations.safetensors", *(f"moe-inputs/{l}.safetensors" for l in cal["moe_layers"]),
+        *(f"recipes/{l}.safetensors" for l in cal["moe_layers"])}
     assert "model.safetensors" in man["source"]["files"]
     (a / "calib.json").write_text((a / "calib.json").read_text().replace('"version": 2', '"version": 2 '))
     with pytest.raises(Exception, match="sha256"):

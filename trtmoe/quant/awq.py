@@ -48,6 +48,14 @@ and the Gram matrix of one matrix is rebuilt when it is used: ``fc`` from the ro
 ``silu(gate x) * up x`` with the float ``fc`` weight, exactly as calibration computed it, so the
 codes are those the stored matrix gives on the same tokens. One layer's rows and at most two Gram
 matrices (an expert's fc and proj) are held at a time.
+
+Calibration already searches every int4 candidate of every expert matrix, so it keeps what the
+searches chose (``RecipeStore``: pre-quant scale and clip per format, expert, matrix and scale sharing,
+one file per MoE layer under ``recipes/``, keyed by a fingerprint of the weight's values) and
+``convert`` applies them instead of searching again; the error-feedback codes are still chosen at
+convert time (storing them would take half the model's size per candidate format). Entries exist for
+the whole matrix, so a ``moe_tp`` shard other than the whole is searched as before (a layer's shared
+pre-quant scale, searched on whole matrices, is reused at any ``moe_tp``).
 """
 
 from __future__ import annotations
@@ -99,6 +107,10 @@ MIN_ROWS_PER_INPUT = 8
 GRAM_CHUNK_ROWS = 4096  # rows per float64 accumulation step when a Gram matrix is rebuilt
 ACT_FILE = "activations.safetensors"
 INPUTS_DIR = "moe-inputs"  # per-layer MoE input rows, beside ACT_FILE
+RECIPES_DIR = "recipes"  # per-layer searched pre-quant scales and clips, beside ACT_FILE
+# Changes whenever the searches would choose differently on the same inputs (grids, objectives):
+# stored recipes of another version are ignored and searched again.
+RECIPE_SEARCH = "alpha20-clip21-v1"
 MATRIX_KINDS = ("fc", "proj")
 
 
@@ -409,6 +421,8 @@ class ActivationStats:
         self.max_rows = max_rows
         self.inputs_dir = None if inputs_dir is None else Path(inputs_dir)
         self._rows_from = rows_from  # loaded from a file: sampled rows and Gram matrices read per layer
+        # Searched transforms (see RecipeStore): kept by calibration, read back by convert.
+        self.recipes = RecipeStore(None if inputs_dir is None else Path(inputs_dir).parent / RECIPES_DIR)
 
     def add_layer(self, layer: int, per_expert: dict[tuple[int, str], MatrixStats]) -> None:
         for (e, m), s in per_expert.items():
@@ -488,6 +502,9 @@ class ActivationStats:
         meta = {"format": "trtmoe-activations", "rows": str(self.max_rows)}
         if layers:
             meta["moe_inputs"] = json.dumps(layers, sort_keys=True)
+        recipes = self.recipes.save(path.parent / RECIPES_DIR)
+        if recipes:
+            meta["recipes"] = json.dumps({"search": RECIPE_SEARCH, "layers": recipes}, sort_keys=True)
         return write_file(path, items, metadata=meta)
 
     @classmethod
@@ -515,11 +532,137 @@ class ActivationStats:
                     f.read(p + "act_mean").float(), _NOT_READ if stored else None, int(f.read(p + "count")[0]),
                     "layer" if int(f.read(p + "layer_tokens")[0]) else "routed",
                     _NOT_READ if p + "gram" in f.tensors else None, ref)
+            recipes = RecipeStore.of_file(Path(path), (f.metadata or {}).get("recipes"))
         except (KeyError, ValueError, TypeError) as e:
             raise InputError(f"activation statistics are malformed ({e})", where=str(path)) from None
         finally:
             f.close()
-        return cls(stats, rows, rows_from=_LayerRows(Path(path)))
+        out = cls(stats, rows, rows_from=_LayerRows(Path(path)))
+        out.recipes = recipes
+        return out
+
+
+class RecipeStore:
+    """The transforms the searches chose (pre-quant scale and clip, before error-feedback codes), per
+    MoE layer, so that convert applies calibration's choices instead of searching again: the searches
+    are deterministic functions of the weight, the statistics and the model dtype, so a stored entry
+    whose weight fingerprint matches is exactly what the search would return.
+
+    An entry is named by ``recipe_id`` (format, expert, matrix, moe_tp shard, shared scale, dtype) or
+    ``prequant_id`` (a layer's shared pre-quant scale) and holds the fingerprint of the weight(s) it
+    was searched on. Calibration keeps entries while a layer is scored and writes each layer to
+    ``recipes/<layer>.safetensors`` when its scoring ends (``flush``); a loaded store reads a layer's
+    file, sha256-checked, when first asked. Anything missing, stale or unreadable reads as absent:
+    the caller searches as before (a stored recipe only saves time, it never changes the result)."""
+
+    def __init__(self, out_dir: Path | None = None):
+        self.out_dir = out_dir  # where flush() writes (calibration); None: kept until save()
+        # rid -> [fingerprint, pq, clip, choice of with_codes or None], per layer
+        self._mem: dict[int, dict[str, list]] = {}
+        self._files: dict[int, tuple[Path, str]] = {}  # layer -> (file, sha256)
+        self._read: dict[int, dict[str, list]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_file(cls, act_file: Path, meta: str | None) -> "RecipeStore":
+        out = cls()
+        try:
+            d = json.loads(meta) if meta else {}
+            if d.get("search") == RECIPE_SEARCH:
+                for l, v in d["layers"].items():
+                    out._files[int(l)] = (act_file.parent / v["file"], str(v["sha256"]))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            out._files.clear()  # unreadable record: searched again
+        return out
+
+    def keep(self, layer: int, rid: str, fingerprint: str, pq: Tensor | None, clip: Tensor | None) -> None:
+        with self._lock:
+            self._mem.setdefault(layer, {})[rid] = [
+                fingerprint, None if pq is None else pq.detach().cpu().contiguous(),
+                None if clip is None else clip.detach().cpu().contiguous(), None]
+
+    def keep_choice(self, layer: int, rid: str, choice: int) -> None:
+        """Which of ``with_codes``' candidates won for the kept entry ``rid``."""
+        with self._lock:
+            ent = (self._mem.get(layer) or {}).get(rid)
+            if ent is not None:
+                ent[3] = int(choice)
+
+    def get(self, layer: int, rid: str, fingerprint: str) -> tuple[Tensor | None, Tensor | None, int | None] | None:
+        """(pq, clip, choice) stored for ``rid`` on a weight with this fingerprint, or None (search)."""
+        with self._lock:
+            ent = (self._mem.get(layer) or self._layer(layer)).get(rid)
+        if ent is None or ent[0] != fingerprint:
+            return None
+        return ent[1], ent[2], ent[3]
+
+    def _layer(self, layer: int) -> dict:
+        if layer in self._read:
+            return self._read[layer]
+        got: dict = {}
+        if layer in self._files:
+            path, sha = self._files[layer]
+            try:
+                if path.is_file() and sha256_file(path) == sha:
+                    f = SafetensorsFile(path)
+                    try:
+                        for i, (rid, fp, has_pq, has_clip, choice) in enumerate(json.loads(f.metadata["entries"])):
+                            got[rid] = [fp, f.read(f"{i}.pq") if has_pq else None,
+                                        f.read(f"{i}.clip") if has_clip else None,
+                                        None if choice is None else int(choice)]
+                    finally:
+                        f.close()
+            except Exception:  # noqa: BLE001 - a damaged store is only a lost shortcut
+                got = {}
+        self._read = {layer: got}  # one layer at a time: convert writes layer by layer
+        return got
+
+    def layer_state(self, layer: int) -> dict:
+        """The layer's kept entries (resumable calibration progress pickles them)."""
+        with self._lock:
+            return {rid: list(ent) for rid, ent in (self._mem.get(layer) or {}).items()}
+
+    def restore(self, layer: int, entries: dict | None) -> None:
+        if entries:
+            with self._lock:
+                self._mem[layer] = {rid: list(ent) for rid, ent in entries.items()}
+            self.flush(layer)
+
+    def flush(self, layer: int) -> None:
+        """Write the layer's kept entries to ``out_dir`` and drop them from memory."""
+        if self.out_dir is None or not self._mem.get(layer):
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._write(layer, self.out_dir / f"{layer}.safetensors")
+
+    def _write(self, layer: int, path: Path) -> None:
+        with self._lock:
+            ents = sorted(self._mem.pop(layer, {}).items())
+        items, index = [], []
+        for i, (rid, (fp, pq, clip, choice)) in enumerate(ents):
+            index.append([rid, fp, pq is not None, clip is not None, choice])
+            items += [(f"{i}.pq", pq)] if pq is not None else []
+            items += [(f"{i}.clip", clip)] if clip is not None else []
+        sha = write_file(path, items, metadata={"format": "trtmoe-recipes", "layer": str(layer),
+                                                 "search": RECIPE_SEARCH, "entries": json.dumps(index)})
+        self._files[layer] = (path, sha)
+
+    def save(self, out_dir: Path) -> dict[str, dict]:
+        """Write what is still in memory into ``out_dir``; the record of every layer's file, relative to
+        ``out_dir``'s parent (the activations file's directory)."""
+        for layer in sorted(self._mem):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._write(layer, out_dir / f"{layer}.safetensors")
+        return {str(l): {"file": f"{RECIPES_DIR}/{p.name}", "sha256": sha}
+                for l, (p, sha) in sorted(self._files.items()) if p.parent.resolve() == out_dir.resolve()}
+
+
+def recipe_id(fmt_name: str, expert: int, mod: str, shard: tuple[int, int], shared: bool, dtype: torch.dtype) -> str:
+    return f"{fmt_name}|{expert}|{mod}|{shard[0]}x{shard[1]}|{'layer' if shared else 'own'}|{dtype}"
+
+
+def prequant_id(fmt_name: str, mod: str, dtype: torch.dtype) -> str:
+    return f"{fmt_name}|layer-prequant|{mod}|{dtype}"
 
 
 _NOT_READ = torch.empty(0)  # stands for a tensor a loaded ActivationStats reads when its layer is used
@@ -715,18 +858,34 @@ def _fake(fmt: QuantFormat, wt: Tensor, dtype: torch.dtype, clip: Tensor | None)
 
 
 def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats, base: Recipe | None,
-               own_scale: bool = False) -> Recipe | None:
+               own_scale: bool = False, choice: int | None = None,
+               on_choice: Callable[[int], None] | None = None) -> Recipe | None:
     """``base`` (pre-quant scale and clip; None: neither) with error-feedback codes (``gptq.codes``),
     when that lowers the output error over every routed token (the statistics' Gram matrix; the sampled
     rows when there is none, and then only with enough of them). With a clip the codes are also tried
     without it, and with ``own_scale`` (a matrix with its own pre-quant scale: the embedded layout) also
     without the scale. The candidate with the smallest error is kept, ``base`` itself included, so the
-    result is never worse than it on those tokens."""
+    result is never worse than it on those tokens. ``on_choice(i)`` is told which won (-1: ``base``
+    without codes, else the candidate's index); a known ``choice`` (what an earlier, identical call
+    chose) computes only that candidate's codes and no errors."""
     gram = stats.gram_matrix()  # stored, or rebuilt from the layer's MoE inputs
     if gram is None and stats.rows.shape[0] < MIN_ROWS_PER_INPUT * w.shape[-1]:
         return base  # too few rows to estimate the Gram matrix: the base recipe as it is
     base = base or Recipe()
     wd = _in_dtype(w, dtype)
+    cands = [(base.pq, base.clip)] + ([(base.pq, None)] if base.clip is not None else [])
+    if own_scale and base.pq is not None:
+        cands.append((None, None))
+    kept = None if base.pq is None and base.clip is None else base
+    if choice is not None and -1 <= choice < len(cands):
+        if choice < 0:
+            return kept
+        pq, clip = cands[choice]
+        h = (gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())) \
+            if gram is not None else gptq.gram(_scaled_input(stats.rows, pq))
+        wt = transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float()
+        qs, ds = _format_scales(fmt, wt, dtype)
+        return Recipe(pq, clip, gptq.codes(wt, qs, ds, gptq.factor(h), dtype), base.clip)
     y = None if gram is not None else stats.rows.float() @ wd.t()
 
     def objective(pq: Tensor | None):
@@ -739,13 +898,10 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
 
     h, err = objective(base.pq)
     wt0 = wd if base.pq is None else _in_dtype(wd / base.pq.float(), dtype)
-    best = None if base.pq is None and base.clip is None else base
+    best, won = kept, -1
     best_err = err(_fake(fmt, wt0, dtype, base.clip))
-    cands = [(base.pq, base.clip)] + ([(base.pq, None)] if base.clip is not None else [])
-    if own_scale and base.pq is not None:
-        cands.append((None, None))
     factors: dict = {}  # candidates with the same pre-quant scale share h, and so its factorization
-    for pq, clip in cands:
+    for i, (pq, clip) in enumerate(cands):
         if pq is not base.pq:
             h, err = objective(pq)
         wt = transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float()
@@ -755,7 +911,9 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         q = gptq.codes(wt, qs, ds, factors[id(pq)], dtype)
         e = err((q.to(dtype) * ds).float())
         if e < best_err:
-            best, best_err = Recipe(pq, clip, q, base.clip), e
+            best, best_err, won = Recipe(pq, clip, q, base.clip), e, i
+    if on_choice is not None:
+        on_choice(won)
     return best
 
 
@@ -862,9 +1020,12 @@ def _clip_channel(wd: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 
 def recipe_for(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats | None,
-               pq: Tensor | None | str = "search", rounding: str = "awq") -> Recipe | None:
+               pq: Tensor | None | str = "search", rounding: str = "awq",
+               keep: "tuple[RecipeStore, int, int, str] | None" = None) -> Recipe | None:
     """The transform of one matrix ``w`` [out, in] under ``rounding`` (None: round to nearest). ``pq``
-    "search" searches this matrix's own pre-quant scale; a tensor (or None) imposes a shared one."""
+    "search" searches this matrix's own pre-quant scale; a tensor (or None) imposes a shared one.
+    ``keep`` = (store, layer, expert, mod): the searched scale and clip of a whole matrix with its own
+    scale are kept there (calibration), or taken from there when stored for this weight."""
     if stats is None or not applies(fmt) or stats.rows.shape[0] == 0:
         return None
     if stats.rows.shape[-1] != w.shape[-1]:
@@ -872,10 +1033,48 @@ def recipe_for(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
                          f"{w.shape[-1]}", hint="recalibrate this model")
     if rounding == "gptq":
         return with_codes(fmt, w, dtype, stats, None)
+    if keep is not None and isinstance(pq, str):
+        store, layer, expert, mod = keep
+        inter = w.shape[0] // 2 if mod == "fc" else w.shape[-1]  # the whole matrix: shard 0 of 1
+        rid = recipe_id(fmt.name, expert, mod, (0, inter), False, dtype)
+        base, choice = _stored_or_searched(store, layer, rid, weight_fingerprint(w, dtype),
+                                           lambda: _awq_recipe(fmt, w, dtype, stats, pq))
+        if rounding != "awq_gptq":
+            return base
+        return _codes_for(fmt, w, dtype, stats, base, True, store, layer, rid, choice)
     base = _awq_recipe(fmt, w, dtype, stats, pq)
     if rounding != "awq_gptq":
         return base
     return with_codes(fmt, w, dtype, stats, base, own_scale=isinstance(pq, str))
+
+
+def weight_fingerprint(w: Tensor, dtype: torch.dtype) -> str:
+    """Identifies the values a search sees (``w`` in the model dtype): what a stored recipe is keyed by."""
+    return _fingerprint(w.detach().to(dtype))
+
+
+def _stored_or_searched(store: "RecipeStore | None", layer: int, rid: str, fp: str,
+                        search: Callable[[], "Recipe | None"]) -> "tuple[Recipe | None, int | None]":
+    """The base recipe (scale and clip) stored for ``rid`` on this weight, with the error-feedback
+    choice stored with it (None: not known), or ``search()``'s, kept in ``store`` when it records
+    (calibration)."""
+    got = store.get(layer, rid, fp) if store is not None else None
+    if got is not None:
+        pq, clip, choice = got
+        return (None if pq is None and clip is None else Recipe(pq, clip)), choice
+    rec = search()
+    if store is not None and store.out_dir is not None:
+        store.keep(layer, rid, fp, rec.pq if rec is not None else None, rec.clip if rec is not None else None)
+    return rec, None
+
+
+def _codes_for(fmt, w, dtype, stats, base, own_scale, store, layer, rid, choice):
+    """``with_codes`` given what the store knows: a stored choice computes only the winner; otherwise
+    the winner is kept in a recording store."""
+    record = None
+    if choice is None and store is not None and store.out_dir is not None:
+        record = lambda i: store.keep_choice(layer, rid, i)  # noqa: E731
+    return with_codes(fmt, w, dtype, stats, base, own_scale=own_scale, choice=choice, on_choice=record)
 
 
 def _awq_recipe(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats,
@@ -894,14 +1093,15 @@ def _awq_recipe(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSt
 
 
 def quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: MatrixStats | None,
-             rounding: str = "awq") -> dict[str, Tensor]:
+             rounding: str = "awq", keep: "tuple[RecipeStore, int, int, str] | None" = None) -> dict[str, Tensor]:
     """``fmt.quantize`` with ``rounding`` ("rtn": exactly ``fmt.quantize``; "awq": this matrix's own
-    activation-aware transform, when it is an int4 format and statistics are given)."""
+    activation-aware transform, when it is an int4 format and statistics are given); ``keep`` as for
+    ``recipe_for``."""
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=ROUNDING_HINT)
     if rounding == "rtn":
         return fmt.quantize(w, dtype=dtype)
-    return apply(fmt, w, dtype, recipe_for(fmt, w, dtype, stats, rounding=rounding))
+    return apply(fmt, w, dtype, recipe_for(fmt, w, dtype, stats, rounding=rounding, keep=keep))
 
 
 def output_error(fmt: QuantFormat, packed: dict[str, Tensor], w: Tensor, x: Tensor, dtype: torch.dtype) -> float:
@@ -965,7 +1165,8 @@ class CheckpointRounding:
             return self._recipes[key]
         # The same matrix under the same statistics gets the same transform: remembered across
         # checkpoints written by one process (a benchmark writes many), keyed by the weight's bytes.
-        gkey = (self.key, self.rounding, self.dtype, layer, *key, _fingerprint(w))
+        fp = weight_fingerprint(w, self.dtype)
+        gkey = (self.key, self.rounding, self.dtype, layer, *key, fp)
         if gkey in _RECIPES:
             self._recipes[key] = _RECIPES[gkey]
             return _RECIPES[gkey]
@@ -974,20 +1175,26 @@ class CheckpointRounding:
         if mod == "proj":
             st = st.columns(t * I_loc, (t + 1) * I_loc)
         wd = _in_dtype(w, self.dtype)
-        if self.rounding == "gptq":
-            rec = None
-        elif isinstance(fmt, PerChannelIntFormat):
-            clip = _clip_channel(wd, st.rows, self.dtype)
-            rec = None if clip is None else Recipe(None, clip)
-        else:
+
+        def search() -> Recipe | None:
+            if isinstance(fmt, PerChannelIntFormat):
+                clip = _clip_channel(wd, st.rows, self.dtype)
+                return None if clip is None else Recipe(None, clip)
             pq = self._prequant(fmt, layer, mod, full, experts if shared else [expert], shared)
             if pq is not None and mod == "proj":
                 pq = pq[t * I_loc:(t + 1) * I_loc]
             wt = wd if pq is None else _in_dtype(wd / pq.float(), self.dtype)
             clip = _clip_group(wt, wd, st.rows, pq, fmt.group_size, self.dtype)
-            rec = None if pq is None and clip is None else Recipe(pq, clip)
-        if self.rounding in ERROR_FEEDBACK:
-            rec = with_codes(fmt, w, self.dtype, st, rec, own_scale=not shared)
+            return None if pq is None and clip is None else Recipe(pq, clip)
+
+        rid = recipe_id(fmt.name, expert, mod, shard, shared, self.dtype)
+        store = self.stats.recipes
+        if self.rounding == "gptq":  # error feedback on round-to-nearest's scales: nothing searched
+            rec = with_codes(fmt, w, self.dtype, st, None, own_scale=not shared)
+        else:
+            rec, choice = _stored_or_searched(store, layer, rid, fp, search)
+            if self.rounding in ERROR_FEEDBACK:
+                rec = _codes_for(fmt, w, self.dtype, st, rec, not shared, store, layer, rid, choice)
         self._recipes[key] = rec
         if len(_RECIPES) >= _MAX_REMEMBERED:
             _RECIPES.pop(next(iter(_RECIPES)))
@@ -1001,8 +1208,15 @@ class CheckpointRounding:
             return None
         pkey = (fmt.name, mod, "layer" if shared else who[0])
         if pkey not in self._pq:
-            self._pq[pkey] = search_prequant(fmt, [full(e) for e in who],
-                                             [self._stats(layer, e, mod) for e in who], self.dtype)
+            ws = [full(e) for e in who]
+            search = lambda: search_prequant(fmt, ws, [self._stats(layer, e, mod) for e in who], self.dtype)  # noqa: E731
+            if shared:  # stored under the fingerprints of every expert's matrix, in order
+                fp = _fingerprint_of([weight_fingerprint(w, self.dtype) for w in ws])
+                rec, _ = _stored_or_searched(self.stats.recipes, layer, prequant_id(fmt.name, mod, self.dtype), fp,
+                                             lambda: (lambda pq: None if pq is None else Recipe(pq))(search()))
+                self._pq[pkey] = None if rec is None else rec.pq
+            else:
+                self._pq[pkey] = search()
         return self._pq[pkey]
 
     def shared_prequant(self, fmt: QuantFormat, layer: int, mod: str, shard: tuple[int, int], full,
@@ -1032,6 +1246,12 @@ def _fingerprint(w: Tensor) -> str:
 
     t = w.detach().contiguous().cpu()
     return hashlib.sha1(t.view(torch.uint8).reshape(-1).numpy().tobytes()).hexdigest() + str(tuple(t.shape))
+
+
+def _fingerprint_of(parts: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
 
 def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:

@@ -131,7 +131,9 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     Under the error-feedback roundings (gptq, awq_gptq) each expert matrix with at most ``max_gram_in``
     inputs has its input Gram matrix stored; for the larger ones the MoE layers' input rows (at most
     ``max_input_tokens`` per layer) are stored in ``moe-inputs/`` and the Gram matrix is rebuilt from
-    them when the matrix is rounded.
+    them when the matrix is rounded. Under awq and awq_gptq the pre-quant scales and clips the searches
+    chose are kept in ``recipes/`` (one file per MoE layer), which ``convert`` applies instead of
+    searching again.
     ``target`` "tensorrt-llm" (Fisher only) also scores the group-int4 formats as TensorRT-LLM's
     stacked layout writes them under awq / awq_gptq (one pre-quant scale per MoE layer and matrix kind):
     calib.json's ``sensitivity.stacked``, which ``convert --target tensorrt-llm`` plans on.
@@ -267,14 +269,22 @@ class _AwqRounding:
                                                      gram=self.name in awq.ERROR_FEEDBACK, **self.gram))
 
     def layer_state(self, layer):
-        return {(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer}
+        """The layer's statistics and searched recipes (resumable progress); the recipes are written
+        to the artifact's ``recipes/`` now, so memory holds one layer's."""
+        state = {(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer}
+        recipes = self.acts.recipes.layer_state(layer)
+        self.acts.recipes.flush(layer)
+        return {**state, "recipes": recipes} if recipes else state
 
     def restore_layer(self, layer, state) -> None:
         if state:
+            state = dict(state)
+            self.acts.recipes.restore(layer, state.pop("recipes", None))
             self.acts.add_layer(layer, state)
 
     def quantize(self, fmt, w, layer, expert, mod, dtype):
-        return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name)
+        return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name,
+                            keep=(self.acts.recipes, layer, expert, mod))
 
     def shares_prequant(self, fmt) -> bool:
         """Whether ``fmt`` is also scored as TensorRT-LLM's stacked layout writes it (``quantize_stacked``)."""
@@ -507,7 +517,8 @@ def _exact_delta_kl(eng: EmbeddedEngine, ref: _Reference, moe_layers: list[int],
                 fmt = format_obj(f, eng.dtype)
                 for m in MATRICES:
                     w = base.fc[e] if m == "fc" else base.proj[e]
-                    packed = awq.quantize(fmt, w, dtype=eng.dtype, stats=acts.get(l, e, m), rounding=rounding)
+                    packed = awq.quantize(fmt, w, dtype=eng.dtype, stats=acts.get(l, e, m), rounding=rounding,
+                                          keep=(acts.recipes, l, e, m))
                     swapped = _MatrixSwapped(base, e, **{m: (fmt, packed)})
                     # Output error over all tokens, routing ignored (for seldom-routed experts).
                     y_q = swapped.forward(e, x_all)
