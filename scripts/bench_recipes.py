@@ -10,7 +10,10 @@ expert FFN 768), calibrates it once, then converts it with the same plan, interl
 
 * ``stored``: the default, applying the calibration's recipes;
 * ``searched``: the same convert with the stored recipes ignored (every search runs again), which is
-  what convert did before recipes were stored.
+  what convert did before recipes were stored;
+* ``scale+clip`` (with ``--parts``): the stored scales and clips applied but not which error-feedback
+  candidate won, so every candidate's codes and errors are computed again (what each stored part
+  saves).
 
 It prints wall and CPU seconds per convert (medians), their ratio, and whether both wrote the same
 bytes (they must: a stored recipe is exactly what the search returns for that weight).
@@ -61,6 +64,9 @@ def _child(mode: str, model: str, cal: str, out: str, plan: str, threads: str, t
     torch.set_num_threads(int(threads))
     if mode == "searched":
         awq.RecipeStore.get = lambda *a, **k: None  # as if calibration had stored no recipe
+    elif mode == "scale+clip":
+        get = awq.RecipeStore.get
+        awq.RecipeStore.get = lambda *a, **k: None if (r := get(*a, **k)) is None else (r[0], r[1], None)
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         main(["convert", model, "-o", out, "--calib", cal, "--force", "--target", target, *plan_args(plan)],
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="embedded", choices=("embedded", "tensorrt-llm"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of calibrate and convert [1]")
+    ap.add_argument("--parts", action="store_true", help="also convert with the scales and clips alone")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch directory [a new temp dir, removed]")
     args = ap.parse_args(argv)
 
@@ -121,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         cal_wall, cal_cpu = time.perf_counter() - t0, time.process_time() - c0
         print(f"calibrate: {cal_wall:.1f} s wall, {cal_cpu:.1f} CPU s ({args.layers} layer(s) x {args.experts} experts, "
               f"hidden {args.hidden}, expert FFN {args.inter}, {args.samples} x {args.seq_len} tokens)", flush=True)
-        runs: dict[str, list[dict]] = {"stored": [], "searched": []}
+        modes = ("stored", "searched") + (("scale+clip",) if args.parts else ())
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
         for r in range(args.rounds):
-            for mode in (("stored", "searched") if r % 2 == 0 else ("searched", "stored")):
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
                 out = work / f"ck-{mode}"
                 p = subprocess.run([sys.executable, __file__, "--child", mode, str(model), str(work / "cal"),
                                     str(out), args.plan, str(args.threads), args.target],
@@ -133,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"convert ({mode}) failed")
                 res = json.loads(p.stdout.strip().splitlines()[-1])
                 runs[mode].append(res)
-                print(f"  round {r + 1} {mode:>8s}: {res['wall']:7.1f} s wall {res['cpu']:7.1f} CPU s", flush=True)
-        same = all((work / "ck-stored" / n.name).read_bytes() == n.read_bytes()
+                print(f"  round {r + 1} {mode:>10s}: {res['wall']:7.1f} s wall {res['cpu']:7.1f} CPU s", flush=True)
+        same = all((work / f"ck-{m}" / n.name).read_bytes() == n.read_bytes() for m in modes[:1] + modes[2:]
                    for n in sorted((work / "ck-searched").glob("rank*.safetensors")))
         med = {m: {k: statistics.median(x[k] for x in rs) for k in ("wall", "cpu", "peak_rss_mib")}
                for m, rs in runs.items()}
@@ -143,10 +151,12 @@ def main(argv: list[str] | None = None) -> int:
               f"torch threads {args.threads}")
         print("| convert | wall s | CPU s | peak RSS MiB |")
         print("|---|---|---|---|")
-        for m in ("searched", "stored"):
+        for m in ("searched",) + modes[:1] + modes[2:]:
             print(f"| {m} | {med[m]['wall']:.1f} | {med[m]['cpu']:.1f} | {med[m]['peak_rss_mib']:.0f} |")
-        print(f"stored / searched: wall {med['stored']['wall'] / med['searched']['wall']:.2f}x, "
-              f"CPU {med['stored']['cpu'] / med['searched']['cpu']:.2f}x; rank files identical: {same}")
+        for m in modes[:1] + modes[2:]:
+            print(f"{m} / searched: wall {med[m]['wall'] / med['searched']['wall']:.2f}x, "
+                  f"CPU {med[m]['cpu'] / med['searched']['cpu']:.2f}x")
+        print(f"rank files identical: {same}")
         recipes = sum(f.stat().st_size for f in (work / "cal" / "recipes").glob("*.safetensors"))
         print(f"recipes stored by calibration: {recipes / 1e6:.2f} MB "
               f"({recipes / (args.layers * args.experts) / 1e3:.0f} KB per expert)")
