@@ -646,6 +646,7 @@ class RecipeStore:
         sha = write_file(path, items, metadata={"format": "trtmoe-recipes", "layer": str(layer),
                                                  "search": RECIPE_SEARCH, "entries": json.dumps(index)})
         self._files[layer] = (path, sha)
+        self._read.pop(layer, None)  # read before this file existed: read it again when asked
 
     def save(self, out_dir: Path) -> dict[str, dict]:
         """Write what is still in memory into ``out_dir``; the record of every layer's file, relative to
