@@ -71,6 +71,25 @@ def _awq_plan(plan: QuantPlan, calib_dir) -> QuantPlan:
     return plan
 
 
+def _tokenized_model(tiny_model, tmp, seed: int):
+    """A 4-expert bf16 Mixtral (both group sizes fit) with the trained fixture's tokenizer, and
+    calibration text beside it: what ``calibrate`` needs."""
+    import shutil
+
+    from conftest import TRAINED_MIXTRAL
+
+    from trtmoe.data import write_split_text
+
+    src = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=L, seed=seed, hidden_size=128,
+                     intermediate_size=128, head_dim=32, dtype="bfloat16", vocab_size=2048)
+    model = shutil.copytree(src, tmp / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
+    text = tmp / "calib.txt"
+    write_split_text("calib", text, max_bytes=20000)
+    return model, text
+
+
 def _read(ck, prefix):
     f = SafetensorsFile(ck / "rank0.safetensors")
     try:
@@ -403,23 +422,11 @@ def test_tensorrt_llm_target_plans_on_the_weights_its_stacked_layout_writes(tiny
     scale (the embedded engine's layout) and with the layer-shared one TensorRT-LLM's stacked layout
     writes (``sensitivity.stacked``). The weights the second scored are the ones ``convert --target
     tensorrt-llm`` writes, byte for byte, and that target's plan predicts its ΔKL from them."""
-    import shutil
-    from pathlib import Path
-
-    from conftest import TRAINED_MIXTRAL
-
-    from trtmoe.data import write_split_text
     from trtmoe.quant.calib_schema import stacked_view
     from trtmoe.quant.calibrate import _AwqRounding, calibrate
     from trtmoe.quant.policies import predicted_delta_kl
 
-    src = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=L, seed=3, hidden_size=128,
-                     intermediate_size=128, head_dim=32, dtype="bfloat16", vocab_size=2048)
-    model = Path(shutil.copytree(src, tmp_path / "m"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
-    text = tmp_path / "calib.txt"
-    write_split_text("calib", text, max_bytes=20000)
+    model, text = _tokenized_model(tiny_model, tmp_path, seed=3)
     plain = calibrate(model, text, tmp_path / "plain", samples=4, seq_len=32, formats=("int8", "int4", "int4_g128"),
                       rounding="awq")
     assert "stacked" not in plain["sensitivity"]  # the embedded target's calibration (the default)
@@ -464,22 +471,10 @@ def test_tensorrt_llm_target_plans_on_the_weights_its_stacked_layout_writes(tiny
 def searched(tiny_model, tmp_path_factory):
     """A Fisher calibration (awq_gptq, the default rounding, scored for both targets) of a small bf16
     Mixtral with a tokenizer; its artifact keeps the recipes its searches chose."""
-    import shutil
-    from pathlib import Path
-
-    from conftest import TRAINED_MIXTRAL
-
-    from trtmoe.data import write_split_text
     from trtmoe.quant.calibrate import calibrate
 
     tmp = tmp_path_factory.mktemp("recipes")
-    src = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=L, seed=5, hidden_size=128,
-                     intermediate_size=128, head_dim=32, dtype="bfloat16", vocab_size=2048)
-    model = Path(shutil.copytree(src, tmp / "m"))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
-    text = tmp / "calib.txt"
-    write_split_text("calib", text, max_bytes=20000)
+    model, text = _tokenized_model(tiny_model, tmp, seed=5)
     calibrate(model, text, tmp / "cal", samples=4, seq_len=32, formats=("int8",) + INT4, target="tensorrt-llm")
     return model, tmp / "cal"
 
@@ -549,3 +544,15 @@ def test_stale_or_damaged_recipes_are_searched_again(searched, tmp_path, monkeyp
     w = _hf_expert(model, 0, 0)["fc"]
     assert store.get(0, rid, awq.weight_fingerprint(w, torch.bfloat16)) is not None
     assert store.get(0, rid, awq.weight_fingerprint(w + 1, torch.bfloat16)) is None
+
+
+def test_a_recipe_written_after_its_layer_was_looked_up_is_found(tmp_path):
+    """A lookup that missed before the layer's file existed is not remembered as the file's content."""
+    store = awq.RecipeStore(tmp_path / awq.RECIPES_DIR)
+    rid = awq.recipe_id("int4_g128", 0, "fc", (0, 8), False, torch.bfloat16)
+    assert store.get(3, rid, "fp") is None
+    store.keep(3, rid, "fp", torch.ones(16, dtype=torch.bfloat16), None)
+    store.keep_choice(3, rid, 1)
+    store.flush(3)
+    pq, clip, choice = store.get(3, rid, "fp")
+    assert torch.equal(pq, torch.ones(16, dtype=torch.bfloat16)) and clip is None and choice == 1
