@@ -502,17 +502,28 @@ def test_convert_takes_calibrations_recipes_instead_of_searching_and_writes_the_
     meta = json.loads(SafetensorsFile(cal / awq.ACT_FILE).metadata["recipes"])
     assert sorted(meta["layers"]) == [str(l) for l in range(L)] and meta["search"] == awq.RECIPE_SEARCH
     assert sorted(p.name for p in (cal / awq.RECIPES_DIR).iterdir()) == [f"{l}.safetensors" for l in range(L)]
+    awq._RECIPES.clear()  # no transforms this process remembers from earlier tests
     with monkeypatch.context() as m:
         m.setattr(awq.RecipeStore, "get", lambda *a, **k: None)  # as if calibration had stored none
-        cli("convert", model, "-o", tmp_path / "searched", "--calib", cal, *args)
-    awq._RECIPES.clear()  # nor the transforms this process remembers
+        again = json.loads(cli("convert", model, "-o", tmp_path / "searched", "--calib", cal, *args,
+                               "--json").output)["recipes"]
+    awq._RECIPES.clear()  # nor the ones the first convert found
     with monkeypatch.context() as m:
         _no_search(m)
-        cli("convert", model, "-o", tmp_path / "stored", "--calib", cal, *args)
+        stored = json.loads(cli("convert", model, "-o", tmp_path / "stored", "--calib", cal, *args,
+                                "--json").output)["recipes"]
     a, b = (tmp_path / d / "rank0.safetensors" for d in ("searched", "stored"))
     assert a.read_bytes() == b.read_bytes()
     used = json.loads((tmp_path / "stored" / "manifest.json").read_text())["quantization"]["formats_used"]
     assert set(used) & set(INT4), used
+    # The summary counts the int4 expert matrices each way: all searched, then all from calibration.
+    n = again["searched"]
+    assert n > 0 and again == {"stored": 0, "searched": n, "reused": 0}
+    assert stored == {"stored": n, "searched": 0, "reused": 0}
+    if "--policy" in args:  # uniform int4: every expert matrix of every layer
+        assert n == L * 4 * 2  # the 4-expert model
+    human = cli("convert", model, "-o", tmp_path / "stored", "--calib", cal, *args, "--force").output
+    assert f"int4 transforms: 0 from the calibration, 0 searched now, {n} reused" in human
 
 
 def test_stale_or_damaged_recipes_are_searched_again(searched, tmp_path, monkeypatch):
@@ -535,8 +546,9 @@ def test_stale_or_damaged_recipes_are_searched_again(searched, tmp_path, monkeyp
     calls = []
     real = awq.search_prequant
     monkeypatch.setattr(awq, "search_prequant", lambda *a, **k: calls.append(1) or real(*a, **k))
-    cli("convert", model, "-o", tmp_path / "bad", "--calib", bad, *args)
-    assert calls  # layer 1 searched again
+    counts = json.loads(cli("convert", model, "-o", tmp_path / "bad", "--calib", bad, *args, "--json").output)
+    assert calls  # layer 1 searched again, layer 0 taken from its intact file
+    assert counts["recipes"] == {"stored": 4 * 2, "searched": 4 * 2, "reused": 0}
     assert (tmp_path / "bad" / "rank0.safetensors").read_bytes() == ref
     # Weights that differ from the calibrated ones: the fingerprints do not match, nothing is reused.
     store = awq.ActivationStats.load(cal / awq.ACT_FILE).recipes

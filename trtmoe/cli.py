@@ -254,7 +254,7 @@ def convert(model, out, config_path, target, force, as_json, **options):
                          progress=lambda d, t: prog.update(task, completed=d, total=t))
     summary = {"output": str(res.out_dir), "mapping": res.mapping.describe(), "dtype": res.dtype,
                "bytes": res.bytes_written, "files": res.files,
-               "quantization": res.quantization,
+               "quantization": res.quantization, "recipes": res.recipes,
                "notes": list((plan.meta.get("notes") or []) if plan is not None else []) + res.cautions}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
@@ -267,8 +267,21 @@ def convert(model, out, config_path, target, force, as_json, **options):
             extra = f", {m['avg_bpw']:.3f} bpw" if "avg_bpw" in m else ""
             pred = f", predicted ΔKL {m['predicted_delta_kl']:.4g}" if "predicted_delta_kl" in m else ""
             console.print(f"  experts: {m.get('policy')} ({plan.granularity} granularity; {used}{extra}{pred})")
+        if res.recipes:
+            console.print(f"  {_recipes_line(res.recipes)}")
         for n in summary["notes"]:
             note(n)
+
+
+def _recipes_line(counts: dict[str, int]) -> str:
+    """Where convert's activation-aware int4 transforms came from, in one line."""
+    parts = [f"{counts.get('stored', 0)} from the calibration", f"{counts.get('searched', 0)} searched now"]
+    if counts.get("reused"):
+        parts.append(f"{counts['reused']} reused (the same shard on another rank)")
+    line = "int4 transforms: " + ", ".join(parts)
+    if counts.get("searched"):
+        line += " (the calibration stored none for those: another moe_tp, dtype or rounding, or older recipes)"
+    return line
 
 
 # ---- verify ----------------------------------------------------------------------------------------

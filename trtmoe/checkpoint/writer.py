@@ -38,7 +38,7 @@ from ..hf.reader import HFCheckpoint, all_finite_bytes, parse_dtype, range_nonfi
 from ..hf.safetensors_io import SourceRange, StreamingWriter, iter_chunks, pread_into
 from ..parallel.mapping import Mapping
 from .atomic import atomic_directory, source_tree, stays_inside
-from .layout import DTYPE_STR, TensorSpec, rank_specs, trtllm_config
+from .layout import DTYPE_STR, RankLayout, TensorSpec, trtllm_config
 from .manifest import dump_json, write_manifest
 from .schema import check_strict_blocks
 from .support import check_checkpoint_config
@@ -66,6 +66,9 @@ class ConvertResult:
     rank_bytes: list[int] = field(default_factory=list)
     cautions: list[str] = field(default_factory=list)  # support-table cells NVIDIA does not list
     quantization: dict | None = None  # the manifest's quantization entry (None for a float checkpoint)
+    # int4 matrices whose transform came from the calibration's stored recipes, was searched during
+    # this conversion, or was reused from earlier in this process (None: no activation-aware search)
+    recipes: dict[str, int] | None = None
 
 
 def resolve_dtype(src: HFCheckpoint, dtype: str) -> torch.dtype:
@@ -563,7 +566,8 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
             verdict = check_checkpoint_config(cfg, None, trtllm_version)
             verdict.raise_if_refused(stage="convert")
             cautions = verdict.cautions
-        all_specs = [rank_specs(src.model, mapping, r, tdtype, src, quant) for r in mapping.ranks()]
+        layouts = [RankLayout(src.model, mapping, r, tdtype, src, quant) for r in mapping.ranks()]
+        all_specs = [lay.specs() for lay in layouts]
         total = sum(s.nbytes for specs in all_specs for s in specs)
         done = [0]
 
@@ -616,4 +620,15 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
                 quantization=result.quantization,
             )
         result.bytes_written = total
+        result.recipes = _recipe_counts(layouts)
         return result
+
+
+def _recipe_counts(layouts: list[RankLayout]) -> dict[str, int] | None:
+    """How the int4 matrices got their activation-aware transforms, over every rank (see
+    ``CheckpointRounding.counts``); None when no rounding searched or stored any."""
+    total: dict[str, int] = {}
+    for lay in layouts:
+        for k, n in (lay.rounding.counts if lay.rounding is not None else {}).items():
+            total[k] = total.get(k, 0) + n
+    return total if any(total.values()) else None

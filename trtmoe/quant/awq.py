@@ -1130,6 +1130,10 @@ class CheckpointRounding:
         self._recipes: dict = {}
         self._layer = None
         self._matrix = None  # the last matrix(e, m) given, for the layer being written
+        # How each int4 matrix (shard) got its transform: "stored" (calibration's recipe, winning
+        # error-feedback candidate included), "searched" (here), "reused" (this process had already
+        # found it: another rank holding the same shard, or an earlier checkpoint of a benchmark).
+        self.counts: dict[str, int] = {"stored": 0, "searched": 0, "reused": 0}
 
     def _evict(self, layer: int) -> None:
         if layer != self._layer:
@@ -1169,6 +1173,7 @@ class CheckpointRounding:
         fp = weight_fingerprint(w, self.dtype)
         gkey = (self.key, self.rounding, self.dtype, layer, *key, fp)
         if gkey in _RECIPES:
+            self.counts["reused"] += 1
             self._recipes[key] = _RECIPES[gkey]
             return _RECIPES[gkey]
         t, I_loc = shard
@@ -1193,9 +1198,12 @@ class CheckpointRounding:
         if self.rounding == "gptq":  # error feedback on round-to-nearest's scales: nothing searched
             rec = with_codes(fmt, w, self.dtype, st, None, own_scale=not shared)
         else:
-            rec, choice = _stored_or_searched(store, layer, rid, fp, search)
+            searched = []
+            rec, choice = _stored_or_searched(store, layer, rid, fp, lambda: searched.append(1) or search())
             if self.rounding in ERROR_FEEDBACK:
+                searched += [1] if choice is None else []
                 rec = _codes_for(fmt, w, self.dtype, st, rec, not shared, store, layer, rid, choice)
+            self.counts["searched" if searched else "stored"] += 1
         self._recipes[key] = rec
         if len(_RECIPES) >= _MAX_REMEMBERED:
             _RECIPES.pop(next(iter(_RECIPES)))
