@@ -6,7 +6,9 @@ Mixtral checkpoint with its own tokenizer) and driven by ONE closed-loop streami
 (the same threads, timing and token accounting for all of them):
 
 - trtmoe: checkpoint (float32) -> embedded engine dir -> ``trtmoe repo --streaming`` repository ->
-  tritonserver (CPU), called through the gRPC stream of the ``ensemble`` as scripts/bench_serve.py does;
+  tritonserver (CPU), called through the gRPC stream of the ``ensemble``, read with grpcio in the
+  stream's own thread (``trtmoe-tritonclient``: the same stack driven through tritonclient's stream
+  API, as ``trtmoe.triton.client`` does, which costs the load generator more CPU per token);
 - peers: their OpenAI-compatible ``POST /v1/completions`` with ``"stream": true`` (server-sent events),
   one HTTP/1.1 keep-alive connection per stream.
 
@@ -220,7 +222,74 @@ def openai_connect(port: int, model: str, tokens: int, extra: dict) -> Callable[
     return connect
 
 
+def _raw_tensor(name: str, arr) -> tuple[object, bytes]:
+    """One ModelInferRequest input (its description and raw bytes) for a [1, 1] array."""
+    from tritonclient.grpc import service_pb2
+
+    if arr.dtype == object:  # BYTES: each element as a 4-byte little-endian length and its bytes
+        data = b"".join(len(v).to_bytes(4, "little") + v for v in arr.reshape(-1))
+        dtype = "BYTES"
+    else:
+        data = arr.tobytes()
+        dtype = {"bool": "BOOL", "int32": "INT32"}[arr.dtype.name]
+    return service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=dtype, shape=list(arr.shape)), data
+
+
+def trtmoe_grpc_connect(url: str, tokens: int) -> Callable[[], Callable[[str], Reply]]:
+    """The ensemble's gRPC stream read with grpcio itself in the calling thread (the default load
+    generator): one channel per stream, one ModelStreamInfer call per request. Each response reaches
+    the caller in one thread hand-off, as the peers' server-sent events do over http.client, where
+    tritonclient's stream API adds a callback thread and a queue per response and a thread per
+    request (``trtmoe-tritonclient``), which on a 2-core machine take CPU from the server measured."""
+    import grpc
+    import numpy as np
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    fixed = {"max_tokens": np.array([[tokens]], dtype=np.int32), "stream": np.array([[True]], dtype=bool),
+             "exclude_input_in_output": np.array([[True]], dtype=bool),
+             "min_tokens": np.array([[tokens]], dtype=np.int32),
+             "return_num_output_tokens": np.array([[True]], dtype=bool)}
+
+    def connect() -> Callable[[str], Reply]:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(url))
+
+        def call(prompt: str) -> Reply:
+            req = service_pb2.ModelInferRequest(model_name="ensemble")
+            req.parameters["triton_enable_empty_final_response"].bool_param = True
+            for name, arr in {"text_input": np.array([[prompt.encode()]], dtype=object), **fixed}.items():
+                t, data = _raw_tensor(name, arr)
+                req.inputs.append(t)
+                req.raw_input_contents.append(data)
+            reply, pieces, final = Reply(""), [], False
+            t0 = time.perf_counter()
+            for msg in stub.ModelStreamInfer(iter([req]), timeout=600):
+                t = time.perf_counter() - t0
+                if msg.error_message:
+                    raise RuntimeError(msg.error_message)
+                res = msg.infer_response
+                outs = {o.name: raw for o, raw in zip(res.outputs, res.raw_output_contents)}
+                text = outs.get("text_output", b"")
+                piece = text[4:4 + int.from_bytes(text[:4], "little")].decode() if text else ""
+                final = res.parameters["triton_final_response"].bool_param
+                if piece or not final:
+                    pieces.append(piece)
+                    reply.times.append(t)
+                    n = outs.get("num_output_tokens")
+                    reply.counts.append(int(np.frombuffer(n, dtype=np.int32)[0]) if n else len(reply.times))
+                # no break: the call ends when the server closes the stream (this side closed its
+                # half after the one request), so nothing is left to cancel
+            if not final:
+                raise RuntimeError("the stream ended without a final response")
+            reply.text = "".join(pieces)
+            return reply
+
+        return call
+
+    return connect
+
+
 def trtmoe_connect(url: str, tokens: int) -> Callable[[], Callable[[str], Reply]]:
+    """Through trtmoe's own client (``trtmoe.triton.client.generate``, tritonclient's stream API)."""
     import numpy as np
     import tritonclient.grpc as grpcclient
 
@@ -424,10 +493,20 @@ class Trtmoe(Server):
         self.note = f"torch threads {threads}, float32, Triton gRPC stream"
 
     def connect(self):
-        return trtmoe_connect(self.server.endpoints.grpc, self.args.tokens)
+        return trtmoe_grpc_connect(self.server.endpoints.grpc, self.args.tokens)
 
     def rss(self) -> float:
         return stack_rss_mb(self.server)["total"]
+
+
+class TrtmoeTritonclient(Trtmoe):
+    """The same served stack, driven through ``trtmoe.triton.client.generate`` (tritonclient's stream
+    API): what that client costs next to the lean default."""
+
+    name = "trtmoe-tritonclient"
+
+    def connect(self):
+        return trtmoe_connect(self.server.endpoints.grpc, self.args.tokens)
 
     def stop(self) -> None:
         if getattr(self, "server", None) is not None:
@@ -499,7 +578,7 @@ class TrtmoeTree(Trtmoe):
         self.note = f"sources {self.tree}, torch threads {a.torch_threads}, float32, Triton gRPC stream"
 
     def connect(self):
-        return trtmoe_connect(self.grpc, self.args.tokens)
+        return trtmoe_grpc_connect(self.grpc, self.args.tokens)
 
     @property
     def pgid(self) -> int:
@@ -685,8 +764,8 @@ def loadavg() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["trtmoe", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
-    ap.add_argument("--servers", nargs="*", default=names, choices=names,
+    names = ["trtmoe", "trtmoe-tritonclient", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
+    ap.add_argument("--servers", nargs="*", default=[n for n in names if n != "trtmoe-tritonclient"], choices=names,
                     help="servers to measure (none: only the --baseline-tree rows)")
     ap.add_argument("--fixture", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "trained_mixtral")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -731,7 +810,8 @@ def main() -> None:
     for name in args.servers:
         d = work / name
         d.mkdir()
-        s = {"trtmoe": lambda: Trtmoe(args, d), "vllm": lambda: Vllm(args, d),
+        s = {"trtmoe": lambda: Trtmoe(args, d), "trtmoe-tritonclient": lambda: TrtmoeTritonclient(args, d),
+             "vllm": lambda: Vllm(args, d),
              "llamacpp-f32": lambda: LlamaCpp(args, d, "f32", True), "llamacpp-q8": lambda: LlamaCpp(args, d, "q8_0", True),
              "llama-cpp-py-f32": lambda: LlamaCpp(args, d, "f32", False),
              "llama-cpp-py-q8": lambda: LlamaCpp(args, d, "q8_0", False)}[name]()
