@@ -568,3 +568,23 @@ def test_a_recipe_written_after_its_layer_was_looked_up_is_found(tmp_path):
     store.flush(3)
     pq, clip, choice = store.get(3, rid, "fp")
     assert torch.equal(pq, torch.ones(16, dtype=torch.bfloat16)) and clip is None and choice == 1
+
+
+@pytest.mark.parametrize("pq, clip, fits", [
+    (torch.full((16,), 0.5), torch.ones(8, 2), True),
+    (None, torch.ones(8), True),
+    (torch.full((12,), 0.5), None, False),  # another input width
+    (torch.zeros(16), None, False),  # a scale the weight would be divided by
+    (None, torch.ones(4, 2), False),  # another number of rows
+    (None, torch.full((8, 2), float("nan")), False),
+], ids=["group", "per-channel", "width", "zero-scale", "rows", "nan-clip"])
+def test_a_stored_recipe_that_does_not_fit_its_matrix_is_searched_again(tmp_path, pq, clip, fits):
+    """Entries whose file passed its sha256 check but whose values cannot apply to the matrix (a
+    store written by hand or by a broken tool) are never applied: convert searches instead."""
+    store = awq.RecipeStore(tmp_path)
+    rid = awq.recipe_id("int4_g128", 0, "fc", (0, 4), False, torch.float32)
+    store.keep(0, rid, "fp", pq, clip)
+    searched = []
+    fresh = awq.Recipe(torch.ones(16), None)
+    rec, _ = awq._stored_or_searched(store, 0, rid, "fp", lambda: searched.append(1) or fresh, (8, 16))
+    assert (rec is not fresh and not searched) if fits else (rec is fresh and searched)

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import threading
 from dataclasses import dataclass, replace
@@ -77,6 +78,8 @@ from ..hf.hashing import sha256_file
 from ..hf.safetensors_io import SafetensorsFile, write_file
 from . import gptq
 from .formats import FORMATS, GroupInt4Format, PerChannelIntFormat, QuantFormat, pack_int4
+
+log = logging.getLogger(__name__)
 
 ROUNDINGS = ("rtn", "awq", "gptq", "awq_gptq")
 ERROR_FEEDBACK = ("gptq", "awq_gptq")  # roundings whose codes come from gptq.codes
@@ -1039,7 +1042,7 @@ def recipe_for(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         inter = w.shape[0] // 2 if mod == "fc" else w.shape[-1]  # the whole matrix: shard 0 of 1
         rid = recipe_id(fmt.name, expert, mod, (0, inter), False, dtype)
         base, choice = _stored_or_searched(store, layer, rid, weight_fingerprint(w, dtype),
-                                           lambda: _awq_recipe(fmt, w, dtype, stats, pq))
+                                           lambda: _awq_recipe(fmt, w, dtype, stats, pq), tuple(w.shape))
         if rounding != "awq_gptq":
             return base
         return _codes_for(fmt, w, dtype, stats, base, True, store, layer, rid, choice)
@@ -1054,12 +1057,28 @@ def weight_fingerprint(w: Tensor, dtype: torch.dtype) -> str:
     return _fingerprint(w.detach().to(dtype))
 
 
+def _fits(got: tuple, shape: tuple[int, ...]) -> bool:
+    """Whether a stored (pq, clip, choice) can be applied to a matrix of ``shape`` [out, in]: a pre-quant
+    scale of ``in`` positive finite values, a clip of ``out`` rows (per row or per group) of them."""
+    pq, clip, _ = got
+    if pq is not None and (pq.dim() != 1 or pq.numel() != shape[-1]):
+        return False
+    if clip is not None and (clip.dim() not in (1, 2) or clip.shape[0] != shape[0]):
+        return False
+    return all(t is None or bool(torch.isfinite(t.float()).all() and (t > 0).all()) for t in (pq, clip))
+
+
 def _stored_or_searched(store: "RecipeStore | None", layer: int, rid: str, fp: str,
-                        search: Callable[[], "Recipe | None"]) -> "tuple[Recipe | None, int | None]":
-    """The base recipe (scale and clip) stored for ``rid`` on this weight, with the error-feedback
-    choice stored with it (None: not known), or ``search()``'s, kept in ``store`` when it records
-    (calibration)."""
+                        search: Callable[[], "Recipe | None"],
+                        shape: tuple[int, ...]) -> "tuple[Recipe | None, int | None]":
+    """The base recipe (scale and clip) stored for ``rid`` on this weight (of ``shape``), with the
+    error-feedback choice stored with it (None: not known), or ``search()``'s, kept in ``store`` when
+    it records (calibration). A stored entry that does not fit the matrix is searched again."""
     got = store.get(layer, rid, fp) if store is not None else None
+    if got is not None and not _fits(got, shape):
+        log.warning("stored int4 recipe %s of layer %d does not fit its %s matrix: searched again",
+                    rid, layer, "x".join(map(str, shape)))
+        got = None
     if got is not None:
         pq, clip, choice = got
         return (None if pq is None and clip is None else Recipe(pq, clip)), choice
@@ -1199,7 +1218,8 @@ class CheckpointRounding:
             rec = with_codes(fmt, w, self.dtype, st, None, own_scale=not shared)
         else:
             searched = []
-            rec, choice = _stored_or_searched(store, layer, rid, fp, lambda: searched.append(1) or search())
+            rec, choice = _stored_or_searched(store, layer, rid, fp, lambda: searched.append(1) or search(),
+                                              tuple(w.shape))
             if self.rounding in ERROR_FEEDBACK:
                 searched += [1] if choice is None else []
                 rec = _codes_for(fmt, w, self.dtype, st, rec, not shared, store, layer, rid, choice)
@@ -1222,7 +1242,8 @@ class CheckpointRounding:
             if shared:  # stored under the fingerprints of every expert's matrix, in order
                 fp = _fingerprint_of([weight_fingerprint(w, self.dtype) for w in ws])
                 rec, _ = _stored_or_searched(self.stats.recipes, layer, prequant_id(fmt.name, mod, self.dtype), fp,
-                                             lambda: (lambda pq: None if pq is None else Recipe(pq))(search()))
+                                             lambda: (lambda pq: None if pq is None else Recipe(pq))(search()),
+                                             tuple(ws[0].shape))
                 self._pq[pkey] = None if rec is None else rec.pq
             else:
                 self._pq[pkey] = search()
