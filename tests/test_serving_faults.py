@@ -400,19 +400,38 @@ def _kill_engine_stub(server_pid: int) -> None:
     os.kill(next(pid for pid, name in stubs.items() if name.startswith("tensorrt_llm_0")), signal.SIGKILL)
 
 
-def _fake_server(tmp_path, with_stub: bool) -> "TritonServer":
-    """A process group shaped like tritonserver's: a leader and (``with_stub``) one child whose
+def _fake_server(tmp_path, with_stub: bool, stubs: tuple[str, ...] = ("tensorrt_llm_0_0",)) -> "TritonServer":
+    """A process group shaped like tritonserver's: a leader and (``with_stub``) children whose
     argv looks like a Python-backend stub's (``<stub> ... <instance name> <device kind>``)."""
-    stub = (f"(exec -a /opt/{STUB_NAME} {sys.executable} -c 'import time; time.sleep(60)' "
-            "tensorrt_llm_0_0 CPU) & " if with_stub else "")
+    stub = "".join(f"(exec -a /opt/{STUB_NAME} {sys.executable} -c 'import time; time.sleep(60)' "
+                   f"{name} CPU) & " for name in stubs) if with_stub else ""
     srv = TritonServer(repo=tmp_path, endpoints=Endpoints("127.0.0.1", 1, 2, 3), install=None,
                        command=["bash", "-c", stub + "sleep 60 & wait"], env=dict(os.environ),
                        log_path=tmp_path / "log.txt", workspace=tmp_path, keep_workspace=True, watch_period_s=0.05)
     srv.start()
     deadline = time.monotonic() + 10
-    while with_stub and not backend_stubs(srv.process.pid) and time.monotonic() < deadline:
+    while with_stub and len(backend_stubs(srv.process.pid)) < len(stubs) and time.monotonic() < deadline:
         time.sleep(0.02)
     return srv
+
+
+def test_watchdog_ends_the_other_stubs_when_the_server_aborted_itself(tmp_path):
+    """Triton 2.51 can abort itself when a stub dies mid-request; the stubs of the other models
+    outlive it in its group. The watchdog must end those too, not only a server that still runs."""
+    srv = _fake_server(tmp_path, with_stub=True, stubs=("tensorrt_llm_0_0", "preprocessing_0_0"))
+    srv.watch_period_s = 1.0  # both deaths land before the first look
+    try:
+        srv.start_watchdog()
+        assert sorted(srv.stubs.values()) == ["preprocessing_0_0", "tensorrt_llm_0_0"]
+        engine = next(pid for pid, name in srv.stubs.items() if name == "tensorrt_llm_0_0")
+        os.kill(srv.process.pid, signal.SIGKILL)
+        srv.process.wait(10)
+        os.kill(engine, signal.SIGKILL)
+        srv.join_watchdog(20)
+        assert "tensorrt_llm_0_0 (pid" in srv.failure and "exited" in srv.failure
+        assert backend_stubs(srv.process.pid) == {}
+    finally:
+        srv.stop(grace_s=1)
 
 
 def test_watchdog_sees_a_stub_that_died_before_a_restart_was_watched(tmp_path):

@@ -757,6 +757,26 @@ def test_busy_port_is_refused(tmp_path):
             serve_repository(tmp_path / "repo", http_port=0, grpc_port=port, metrics_port=0)
 
 
+def test_one_port_for_two_endpoints_is_refused(tmp_path):
+    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text('name: "m"\n')
+    with pytest.raises(InputError, match="port 18123 is given for more than one endpoint"):
+        serve_repository(tmp_path / "repo", http_port=18123, grpc_port=0, metrics_port=18123)
+
+
+def test_free_ports_are_distinct_and_avoid_the_given_ones():
+    """Ports chosen for one server never repeat, nor take a port given for another endpoint (the
+    kernel hands the same ephemeral port out twice when each probe closes before the next)."""
+    from trtmoe.triton.serve import free_ports
+
+    for _ in range(200):
+        ports = free_ports(3)
+        assert len(set(ports)) == 3
+    avoid = free_ports(2)
+    for _ in range(50):
+        assert not set(free_ports(2, avoid=avoid)) & set(avoid)
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()

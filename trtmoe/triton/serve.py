@@ -219,9 +219,26 @@ def build_launch_command(repo: str | Path, install: TritonInstall, *, endpoints:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", *, avoid: Sequence[int] = ()) -> list[int]:
+    """``n`` distinct TCP ports that are free right now, none of them in ``avoid``. All sockets stay
+    bound until every port is chosen: ports asked for one after another can otherwise repeat."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in avoid and port not in ports:
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -354,9 +371,10 @@ class TritonServer:
             if stopping.is_set():
                 return
             self.failure = problem
-            if self.process is not None and self.process.poll() is None:
+            if self.process is not None:
                 # Every model of the repository depends on the dead one and Triton 2.51 neither restarts
-                # nor reports it: end the group now, so in-flight requests fail instead of hanging.
+                # nor reports it: end the group now, so in-flight requests fail instead of hanging. When
+                # the server aborted itself first, its other stubs are still in the group: end them too.
                 self._kill_group()
             self._remove_shm()
             return
@@ -584,13 +602,15 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
         raise BackendUnavailable("this repository serves a TensorRT engine, which needs the tensorrtllm backend of "
                                  "the NGC tritonserver:<yy.mm>-trtllm-python-py3 container",
                                  hint="inside it, run `trtmoe serve` again (it uses the container's tritonserver)")
-    ports = []
-    for name, port in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port)):
-        if port == 0:
-            port = free_port(host)
-        elif _port_in_use(host, port):
+    asked = (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port))
+    fixed = [port for _, port in asked if port]
+    for name, port in asked:
+        if port and fixed.count(port) > 1:
+            raise InputError(f"port {port} is given for more than one endpoint", hint="give each endpoint its own port or 0")
+        if port and _port_in_use(host, port):
             raise InputError(f"{name} port {port} on {host} is already in use", hint=f"pass --{name}-port or 0 for a free one")
-        ports.append(port)
+    chosen = iter(free_ports(sum(1 for _, port in asked if not port), host, avoid=fixed))
+    ports = [port or next(chosen) for _, port in asked]
     endpoints = Endpoints(host, *ports)
     remove_stale_workspaces()
     workspace = Path(tempfile.mkdtemp(prefix=f"{WORKSPACE_PREFIX}{os.getpid()}-"))
