@@ -165,6 +165,7 @@ def run_level(connect: Callable[[], Callable[[str], Reply]], concurrency: int, r
     return {"concurrency": concurrency, "requests": len(results), "errors": len(errors), "first_error": errors[:1],
             "short_replies": short, "tokens": out_tokens, "wall_s": wall, "tok_s": out_tokens / wall if wall else 0.0,
             "ttft_p50_ms": pct(ttft, 50), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+            "itl_max_ms": max(itl, default=0.0),
             "tokens_per_response": out_tokens / max(sum(len(r.times) for _, r in results), 1),
             "texts": {p: r.text for p, r in results}}
 
@@ -924,8 +925,9 @@ def main() -> None:
             print(f"| {name} | not measured: {why.splitlines()[0][:200]} |")
         print()
         print("CPU per output token (us, medians over rounds): the server's process group + the load generator's "
-              "own (its threads parse the responses), and inter-token latency p50/p99 (ms)")
-        print("| server | " + " | ".join(f"c={c} server + client us/token | c={c} ITL p50/p99 ms"
+              "own (its threads parse the responses), and inter-token latency p50/p99 (medians over rounds) and "
+              "max (over rounds), in ms")
+        print("| server | " + " | ".join(f"c={c} server + client us/token | c={c} ITL p50/p99/max ms"
                                         for c in args.concurrency) + " |")
         print("|" + "---|" * (2 * len(args.concurrency) + 1))
         for s in live:
@@ -935,7 +937,8 @@ def main() -> None:
                 cc = [r["client_cpu_us_per_token"] for r in lvl if "client_cpu_us_per_token" in r]
                 cells.append(f"{statistics.median(sc):,.0f} + {statistics.median(cc):,.0f}" if sc else "-")
                 cells.append(f"{statistics.median(r['itl_p50_ms'] for r in lvl):.2f}/"
-                             f"{statistics.median(r['itl_p99_ms'] for r in lvl):.2f}")
+                             f"{statistics.median(r['itl_p99_ms'] for r in lvl):.2f}/"
+                             f"{max(r['itl_max_ms'] for r in lvl):.1f}")
             print(f"| {s.name} | " + " | ".join(cells) + " |")
         split = [s for s in live if s.breakdown]
         if split:

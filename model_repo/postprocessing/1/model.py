@@ -33,6 +33,7 @@ for _var in ("RAYON_NUM_THREADS", "OMP_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gc
 import json  # noqa: E402
 import queue  # noqa: E402
 import threading  # noqa: E402
@@ -89,6 +90,11 @@ class TritonPythonModel:
         self.sender = CancelSender(self.stop_model) if self.stop_model else None
         if self.stop_model:
             threading.Thread(target=self._stop_loop, name="postprocessing-stop", daemon=True).start()
+
+        # What initialize loaded lives as long as the model: keep it out of the collector, whose full
+        # passes over it (several ms) would otherwise stall the responses passing through.
+        gc.collect()
+        gc.freeze()
 
     # -- cancellation ------------------------------------------------------------------------
     def _cancelled_key(self, request, key) -> str | None:

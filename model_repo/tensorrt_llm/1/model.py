@@ -19,6 +19,7 @@ together with its engine still serves.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -154,6 +155,11 @@ class TritonPythonModel:
             f"tensorrt_llm: embedded engine {info.architecture} from {info.checkpoint_dir}, "
             f"max_batch_size={self.batcher.max_batch_size} max_input_len={max_input} max_seq_len={max_seq} "
             f"decoupled={self.decoupled} torch_threads={torch.get_num_threads()} (cores {cores})")
+
+        # What initialize loaded lives as long as the model: keep it out of the collector, whose full
+        # passes over it (about 0.1 s over torch and the engine) would otherwise stall every stream.
+        gc.collect()
+        gc.freeze()
 
     # -- metrics (own thread) ------------------------------------------------------------------
     def _metrics_loop(self):

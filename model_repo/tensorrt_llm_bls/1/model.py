@@ -18,6 +18,7 @@ Self-contained (numpy only).
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import uuid
@@ -89,6 +90,11 @@ class TritonPythonModel:
         self.closing = threading.Event()
         self.watcher = threading.Thread(target=self._watch_cancellation, name="bls-cancel-watch", daemon=True)
         self.watcher.start()
+
+        # What initialize loaded lives as long as the model: keep it out of the collector, whose full
+        # passes over it (several ms) would otherwise stall the responses passing through.
+        gc.collect()
+        gc.freeze()
 
     # -- cancellation (watcher thread) ---------------------------------------------------------
     def _watch_cancellation(self):
