@@ -428,7 +428,7 @@ def test_watchdog_ends_the_other_stubs_when_the_server_aborted_itself(tmp_path):
         srv.process.wait(10)
         os.kill(engine, signal.SIGKILL)
         srv.join_watchdog(20)
-        assert "tensorrt_llm_0_0 (pid" in srv.failure and "exited" in srv.failure
+        assert "tritonserver exited" in srv.failure  # the stub's death too, unless the watchdog looked in between
         assert backend_stubs(srv.process.pid) == {}
     finally:
         srv.stop(grace_s=1)
