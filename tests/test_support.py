@@ -323,3 +323,23 @@ def test_target_plan_below_the_cheapest_buildable_plan_is_one_line():
     with pytest.raises(InputError, match="below the cheapest plan"):
         make_target_plan(_calib(np.random.default_rng(1)), "graded", budget_bpw=3.0, uniform=o.uniform,
                          mixed=o.mixed, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("budget", [4.5, 5.0])
+def test_target_plan_spends_the_budget_at_real_depth(budget):
+    """With one format per MoE layer a 4-layer model cannot land near 4.5 bpw (one int8 layer adds
+    about 1 bpw); at Mixtral-8x7B's 32 layers each int8 layer adds an eighth as much, and the exact
+    plan spends the budget to within 0.05 bpw, mixing int8 and int4 layers."""
+    import numpy as np
+    import torch
+
+    from trtmoe.quant.policies import make_target_plan
+
+    o = support.options("1.2", "mixtral")
+    for layers, spends in ((4, False), (32, True)):
+        plan = make_target_plan(_calib(np.random.default_rng(7), layers=layers, experts=8), "graded",
+                                budget_bpw=budget, uniform=o.uniform, mixed=o.mixed, dtype=torch.bfloat16,
+                                target="mixtral on TensorRT-LLM 1.2")
+        left = budget - plan.meta["avg_bpw"]
+        assert 0 <= left and (left <= 0.05) == spends, (layers, plan.meta["avg_bpw"])
+        assert ("int8" in plan.used_formats()) == spends
