@@ -33,7 +33,7 @@ for _var in ("RAYON_NUM_THREADS", "OMP_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import gc
+import gc  # noqa: E402
 import json  # noqa: E402
 import queue  # noqa: E402
 import threading  # noqa: E402
