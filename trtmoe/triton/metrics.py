@@ -29,6 +29,14 @@ do); they are measured by :class:`IterationRecorder` around the engine's own cal
 
 The embedded engine's cache is one row per sequence (see ``trtmoe.runtime.engine``); block counts
 are rows in units of ``tokens_per_block`` (ceil(row tokens / tokens_per_block) per row).
+
+Cost: every ``set`` or ``increment`` of a Python-backend metric is a round trip to tritonserver,
+made with the GIL held. A fine-grained MoE has thousands of per-expert counters (Qwen3-30B-A3B:
+48 layers x 128 experts), and publishing them all at once would stall the decode thread for the
+whole round of calls. So the publishers skip gauges whose value has not changed, write in short
+bursts with a pause between them (:class:`MetricWriter`), and the model spaces its updates by
+:func:`next_update_wait` so that publishing takes a bounded share of the wall time however many
+series there are.
 """
 
 from __future__ import annotations
@@ -73,6 +81,50 @@ def summarize_routing(counts: Any) -> list[LayerRouting]:
         out.append(LayerRouting(layer, tuple(row), (max(row) / mean) if mean > 0 else 0.0,
                                 sum(1 for c in row if c == 0)))
     return out
+
+
+# A metrics update may take at most 1 / UPDATE_DUTY of the wall time: the next one waits at least
+# this many times as long as the last one took.
+UPDATE_DUTY = 20
+# Calls per burst and the pause after each: the decode thread waits at most one burst for the GIL.
+BURST_CALLS = 32
+BURST_PAUSE_S = 0.001
+
+
+def next_update_wait(min_interval_s: float, took_s: float, duty: float = UPDATE_DUTY) -> float:
+    """Seconds until the next metrics update, after one that took ``took_s``: ``min_interval_s``, or
+    longer when updates are slow (many series), so that they take at most 1 / ``duty`` of the time."""
+    return max(min_interval_s, duty * max(took_s, 0.0))
+
+
+class MetricWriter:
+    """Writes Python-backend metric values in bursts of ``burst`` calls with a ``pause_s`` sleep (which
+    releases the GIL) after each, and skips a ``set`` that would not change the value last set through
+    it. ``calls`` counts the calls made."""
+
+    def __init__(self, burst: int = BURST_CALLS, pause_s: float = BURST_PAUSE_S, sleep=time.sleep):
+        self.burst, self.pause_s, self._sleep = max(int(burst), 1), pause_s, sleep
+        self.calls = 0
+        self._last: dict[int, float] = {}  # id(metric) -> value last set (the metrics live as long as we do)
+
+    def set(self, metric: Any, value: float) -> None:
+        value = float(value)
+        key = id(metric)
+        last = self._last.get(key)
+        if last is not None and (last == value or (math.isnan(last) and math.isnan(value))):
+            return
+        metric.set(value)
+        self._last[key] = value
+        self._tick()
+
+    def increment(self, metric: Any, value: float) -> None:
+        metric.increment(float(value))
+        self._tick()
+
+    def _tick(self) -> None:
+        self.calls += 1
+        if self.calls % self.burst == 0 and self.pause_s > 0:
+            self._sleep(self.pause_s)
 
 
 def blocks(tokens: int, tokens_per_block: int) -> int:
@@ -137,8 +189,10 @@ class TrtLlmMetricsPublisher:
         GENERAL: ("general_type", ("timestamp", "iteration_counter"), "General TRT LLM metrics"),
     }
 
-    def __init__(self, pb_utils: Any, *, model: str = "tensorrt_llm", version: str = "1"):
+    def __init__(self, pb_utils: Any, *, model: str = "tensorrt_llm", version: str = "1",
+                 writer: MetricWriter | None = None):
         mf = pb_utils.MetricFamily
+        self.writer = writer or MetricWriter()
         self.families = {}  # kept: a Metric whose family is garbage-collected stops working
         self.metrics: dict[tuple[str, str], Any] = {}
         for name, (key, values, description) in self._GROUPS.items():
@@ -168,7 +222,7 @@ class TrtLlmMetricsPublisher:
 
     def update(self, values: dict[tuple[str, str], float]) -> None:
         for k, v in values.items():
-            self.metrics[k].set(float(v))
+            self.writer.set(self.metrics[k], v)
 
 
 class RoutingMetricsPublisher:
@@ -179,8 +233,9 @@ class RoutingMetricsPublisher:
     """
 
     def __init__(self, pb_utils: Any, *, num_layers: int, num_experts: int, model: str = "tensorrt_llm",
-                 min_interval_s: float = 0.5):
+                 min_interval_s: float = 0.5, writer: MetricWriter | None = None):
         mf = pb_utils.MetricFamily
+        self.writer = writer or MetricWriter()
         self.min_interval_s = min_interval_s
         self._next = 0.0
         labels = {"model": model}
@@ -211,10 +266,10 @@ class RoutingMetricsPublisher:
         self._last_iters = 0
         self._last_generated = 0
         for l in range(num_layers):
-            self.dead[l].set(num_experts)
+            self.writer.set(self.dead[l], num_experts)
 
     def set_active_params(self, n: int) -> None:
-        self.params.set(float(n))
+        self.writer.set(self.params, n)
 
     def update(self, routing: dict | None, batcher_stats: dict | None = None, *, force: bool = False) -> bool:
         """Publish the deltas since the last call; rate-limited to ``min_interval_s`` unless forced."""
@@ -222,15 +277,16 @@ class RoutingMetricsPublisher:
         if not force and now < self._next:
             return False
         self._next = now + self.min_interval_s
+        w = self.writer
         if batcher_stats:
-            self.active.set(float(batcher_stats.get("active", 0)))
-            self.waiting.set(float(batcher_stats.get("waiting", 0)))
+            w.set(self.active, batcher_stats.get("active", 0))
+            w.set(self.waiting, batcher_stats.get("waiting", 0))
             it, gen = int(batcher_stats.get("iterations", 0)), int(batcher_stats.get("generated_tokens", 0))
             if it > self._last_iters:
-                self.iters.increment(float(it - self._last_iters))
+                w.increment(self.iters, it - self._last_iters)
                 self._last_iters = it
             if gen > self._last_generated:
-                self.generated.increment(float(gen - self._last_generated))
+                w.increment(self.generated, gen - self._last_generated)
                 self._last_generated = gen
         if routing:
             counts = _rows(routing["counts"])
@@ -241,17 +297,17 @@ class RoutingMetricsPublisher:
                 for e, c in enumerate(row[: len(self.routed[l])]):
                     d = int(c) - self._last_counts[l][e]
                     if d > 0:
-                        self.routed[l][e].increment(float(d))
+                        w.increment(self.routed[l][e], d)
                         self._last_counts[l][e] = int(c)
             new_tokens = tokens - self._last_tokens
             for l, s in enumerate(entropy_sum[: len(self.entropy)]):
                 if new_tokens > 0:
-                    self.entropy[l].set((s - self._last_entropy[l]) / new_tokens)
+                    w.set(self.entropy[l], (s - self._last_entropy[l]) / new_tokens)
                 self._last_entropy[l] = s
             self._last_tokens = tokens
             for lr in summarize_routing(counts)[: len(self.imbalance)]:
-                self.imbalance[lr.layer].set(lr.imbalance)
-                self.dead[lr.layer].set(float(lr.dead_experts))
+                w.set(self.imbalance[lr.layer], lr.imbalance)
+                w.set(self.dead[lr.layer], lr.dead_experts)
         return True
 
 

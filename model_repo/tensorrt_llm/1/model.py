@@ -31,7 +31,8 @@ import triton_python_backend_utils as pb_utils
 
 from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
-from trtmoe.triton.metrics import IterationRecorder, RoutingMetricsPublisher, TrtLlmMetricsPublisher, blocks
+from trtmoe.triton.metrics import (IterationRecorder, MetricWriter, RoutingMetricsPublisher, TrtLlmMetricsPublisher,
+                                   blocks, next_update_wait)
 from trtmoe.triton.textstream import split_at_character
 from trtmoe.triton.threads import name_native_thread
 
@@ -118,12 +119,14 @@ class TritonPythonModel:
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.metrics = None
         if _flag(config, "enable_metrics", True):
+            writer = MetricWriter()  # one pacing for both publishers: they write from one thread
             self.metrics = RoutingMetricsPublisher(pb_utils, num_layers=int(eng.num_layers),
                                                    num_experts=int(eng.num_experts), model=self.model_name,
-                                                   min_interval_s=float(_param(config, "metrics_interval_s", "0.5")))
+                                                   min_interval_s=float(_param(config, "metrics_interval_s", "0.5")),
+                                                   writer=writer)
             self.metrics.set_active_params(int(eng.active_params_per_token))
             self.trt_metrics = TrtLlmMetricsPublisher(pb_utils, model=self.model_name,
-                                                      version=str(args.get("model_version", "1")))
+                                                      version=str(args.get("model_version", "1")), writer=writer)
         self.recorder = IterationRecorder(eng)  # what each batcher iteration ran, for nv_trt_llm_*
         # Batcher -> sender hand-off: appends are atomic; the sender is woken once per burst of
         # events (batcher on_flush), not once per token.
@@ -164,7 +167,9 @@ class TritonPythonModel:
     # -- metrics (own thread) ------------------------------------------------------------------
     def _metrics_loop(self):
         name_native_thread("trtmoe-metrics")
-        while not self.stopping.wait(self.metrics.min_interval_s):
+        wait = self.metrics.min_interval_s
+        while not self.stopping.wait(wait):
+            t0 = time.monotonic()
             try:
                 stats = self.batcher.stats()
                 self.metrics.update(self.engine.routing_stats(), stats, force=True)
@@ -173,6 +178,8 @@ class TritonPythonModel:
                     tokens_per_block=self.tokens_per_block, iteration=self.recorder.latest))
             except Exception as e:  # noqa: BLE001 - metrics must never take the model down
                 pb_utils.Logger.log_warn(f"tensorrt_llm: metrics update failed: {e}")
+            # Thousands of expert series make an update slow: space them out (see trtmoe.triton.metrics).
+            wait = next_update_wait(self.metrics.min_interval_s, time.monotonic() - t0)
 
     # -- responses (batcher thread) ------------------------------------------------------------
     def _tensors(self, treq, gen, req, ids, final):
