@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any
@@ -359,7 +360,14 @@ def make_tiny_model(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Write a seeded tiny random Hugging Face MoE checkpoint.",
-        epilog="example: python scripts/make_tiny_models.py mixtral /tmp/tiny-mixtral --sharded",
+        epilog="examples:\n"
+               "  python scripts/make_tiny_models.py mixtral /tmp/tiny-mixtral --sharded\n"
+               "  # Qwen3-30B-A3B's routing (48 layers x 128 experts, top-8) at a tiny width, with the trained\n"
+               "  # fixture's tokenizer (what scripts/bench_peers.py --fixture needs):\n"
+               "  python scripts/make_tiny_models.py qwen3_moe /tmp/wide48 --dtype bfloat16 --set num_hidden_layers=48 \\\n"
+               "      --set num_experts=128 --set num_experts_per_tok=8 --set moe_intermediate_size=32 \\\n"
+               "      --set vocab_size=2048 --tokenizer-from tests/fixtures/trained_mixtral",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("arch", choices=ARCHITECTURES)
     parser.add_argument("out_dir", type=Path)
@@ -367,12 +375,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sharded", action="store_true", help="several shards + index.json")
     parser.add_argument("--tied", action="store_true", help="tie_word_embeddings=true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override (repeatable; VALUE read as JSON, else as a string)")
+    parser.add_argument("--tokenizer-from", type=Path, metavar="DIR",
+                        help="copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from DIR")
     args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            parser.exit(2, f"error: --set wants KEY=VALUE, got {item!r}\n")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
     torch.set_num_threads(1)  # tiny tensors: extra threads only cost start-up time
     try:
         path = make_tiny_model(args.arch, args.out_dir, dtype=args.dtype, sharded=args.sharded,
-                               tied=args.tied, seed=args.seed)
-    except (FileExistsError, ValueError) as exc:
+                               tied=args.tied, seed=args.seed, **overrides)
+        if args.tokenizer_from is not None:
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copyfile(args.tokenizer_from / name, path / name)
+    except (FileExistsError, ValueError, OSError, TypeError) as exc:
         parser.exit(2, f"error: {exc}\n")
     print(path)
     return 0

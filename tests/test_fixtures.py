@@ -289,6 +289,20 @@ def test_cli_writes_a_checkpoint(tmp_path):
     assert exit_info.value.code == 2
 
 
+def test_cli_overrides_the_config_and_copies_a_tokenizer(tmp_path):
+    out = tmp_path / "wide"
+    fixture = Path(__file__).parent / "fixtures" / "trained_mixtral"
+    assert make_tiny_models.main(["mixtral", str(out), "--set", "num_hidden_layers=3", "--set", "num_local_experts=6",
+                                  "--tokenizer-from", str(fixture)]) == 0
+    cfg = config_of(out)
+    assert cfg["num_hidden_layers"] == 3 and cfg["num_local_experts"] == 6
+    assert (out / "tokenizer.json").read_bytes() == (fixture / "tokenizer.json").read_bytes()
+    for bad in (["--set", "num_hidden_layers"], ["--tokenizer-from", str(tmp_path / "none")]):
+        with pytest.raises(SystemExit) as exit_info:  # one line, exit 2
+            make_tiny_models.main(["mixtral", str(tmp_path / ("x" + str(len(bad[1])))), *bad])
+        assert exit_info.value.code == 2
+
+
 # ------------------------------------------------------------------------------------------------
 # DeepSeek-MoE v1 reference vs transformers
 
