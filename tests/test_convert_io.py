@@ -253,3 +253,46 @@ def test_every_output_file_is_fsynced_before_the_swap(synthetic, tmp_path, monke
     convert(src, tmp_path / "o", tp=2, moe_ep=2)
     assert {Path(p).name for p in at_swap["files"]} >= {"config.json", "manifest.json", "rank0.safetensors"}
     assert at_swap["files"] - at_swap["synced"] == set()
+
+
+def _big_header_file(path: Path, n: int = 3000) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({f"t{i}": torch.full((2,), float(i)) for i in range(n)}, str(path))
+    return path
+
+
+def test_a_large_header_is_validated_once_per_version_of_its_bytes(tmp_path, monkeypatch):
+    """A file opened again with the same header bytes and size reuses its validated header (convert
+    reopens calibration's activations file per MoE layer); any change to either validates again."""
+    p = _big_header_file(tmp_path / "a.safetensors")
+    calls = []
+    real = S.SafetensorsFile._validate_header
+    monkeypatch.setattr(S.SafetensorsFile, "_validate_header",
+                        lambda self, *a: calls.append(self.path) or real(self, *a))
+    first = S.SafetensorsFile(p)
+    assert S.SafetensorsFile(p).tensors is first.tensors
+    assert len(calls) <= 1  # the header may be cached from an earlier test's file with the same bytes
+    assert torch.equal(S.SafetensorsFile(p).read("t7"), torch.full((2,), 7.0))
+    with pytest.raises(TypeError):
+        first.tensors["x"] = None  # shared, so read-only
+    n = len(calls)
+    copy = tmp_path / "b.safetensors"  # the same bytes elsewhere: nothing to parse again
+    shutil.copyfile(p, copy)
+    S.SafetensorsFile(copy).close()
+    assert len(calls) == n
+    # The same header in a shorter file: validated again, and refused.
+    data = p.read_bytes()
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(data[:-4])
+    with pytest.raises(CheckpointError, match="ends at byte"):
+        S.SafetensorsFile(short)
+    assert len(calls) == n + 1
+    # One header byte changed in place, same size: validated again (a shape that no longer fits).
+    raw = bytearray(data)
+    at = raw.index(b'"shape":[2]')
+    raw[at + 9] = ord("3")
+    p.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="needs"):
+        S.SafetensorsFile(p)
+    assert len(calls) == n + 2

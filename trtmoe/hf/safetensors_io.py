@@ -15,8 +15,11 @@ import math
 import os
 import stat
 import struct
+import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -51,7 +54,16 @@ def _file_kind(mode: int) -> str:
 
 
 def dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
+
+
+# Headers validated before, with the file size they were validated against: a header is checked only
+# against its own bytes and the file's size, so the same bytes in a file of the same size need no
+# second parse. Calibration's activations file holds an entry per expert matrix and statistic (61,440
+# on a 48-layer x 128-expert model, about 1.2 s to parse), and convert reopens it for every MoE layer.
+_HEADER_CACHE: "deque[tuple[int, bytes, tuple]]" = deque(maxlen=8)
+_HEADER_CACHE_MIN = 1 << 16  # header bytes below which parsing is cheaper than keeping a copy
+_HEADER_CACHE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -130,8 +142,21 @@ class SafetensorsFile:
         (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
         if n > _MAX_HEADER or 8 + n > size:
             raise self._bad(f"header length {n} does not fit in a {size}-byte file")
+        raw = os.pread(self._fd, n, 8)
+        if n >= _HEADER_CACHE_MIN:
+            with _HEADER_CACHE_LOCK:
+                for size0, raw0, parsed in _HEADER_CACHE:
+                    if size0 == size and raw0 == raw:
+                        return parsed
+        parsed = self._validate_header(raw, n, size)
+        if n >= _HEADER_CACHE_MIN:
+            with _HEADER_CACHE_LOCK:
+                _HEADER_CACHE.append((size, raw, parsed))
+        return parsed
+
+    def _validate_header(self, raw: bytes, n: int, size: int):
         try:
-            header = json.loads(os.pread(self._fd, n, 8))
+            header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise self._bad(f"header is not valid JSON ({e})") from None
         except RecursionError:
@@ -169,7 +194,8 @@ class SafetensorsFile:
         for (a0, b0, n0), (a1, b1, n1) in zip(spans, spans[1:]):
             if a1 < b0:
                 raise self._bad(f"tensors {n0!r} and {n1!r} overlap in the data section")
-        return infos, meta
+        # Read-only: the openers of files with this header share them.
+        return MappingProxyType(infos), MappingProxyType(meta)
 
     def close(self):
         if self._fd is not None:
