@@ -568,6 +568,47 @@ def test_context_and_generation_logits_through_tensorrt_llm(served):
     assert np.allclose(streamed, gen[0, 0, :len(toks)], atol=1e-5)
 
 
+def test_batched_request_mixing_logits_and_plain_rows_ends_with_one_final(served):
+    """A batched, streamed request whose first prompt returns generation logits and whose second
+    does not: each prompt streams its own greedy tokens, and FINAL comes once, on the very last
+    response (nothing arrives after it), whichever prompt finishes last."""
+    ref = served["ref"]
+    ids = ref.ids(PROMPTS[0])
+    for n0, n1 in ((3, 4), (4, 3), (4, 4)):
+        want = [_engine_run(ref, ids, max_new_tokens=n).tokens for n in (n0, n1)]
+        inputs = [_tensor("input_ids", np.array([ids, ids], np.int32), "INT32"),
+                  _tensor("input_lengths", np.array([[len(ids)]] * 2, np.int32), "INT32"),
+                  _tensor("request_output_len", np.array([[n0], [n1]], np.int32), "INT32"),
+                  _tensor("end_id", np.array([[ref.tok.eos_token_id]] * 2, np.int32), "INT32"),
+                  _tensor("return_generation_logits", np.array([[True], [False]]), "BOOL"),
+                  _tensor("streaming", np.array([[True], [True]]), "BOOL")]
+        client = grpcclient.InferenceServerClient(served["url"])
+        q: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: q.put((result, error)))
+        try:
+            client.async_stream_infer("tensorrt_llm", inputs, enable_empty_final_response=True)
+            responses = []
+            while not responses or not _final_flag(responses[-1]):
+                res, err = q.get(timeout=60)
+                assert err is None, err.message()
+                responses.append(res)
+            with pytest.raises(queue.Empty):  # nothing after the final response
+                q.get(timeout=1.0)
+        finally:
+            client.stop_stream()
+            client.close()
+        got: dict[int, list[int]] = {0: [], 1: []}
+        for r in responses:
+            if r.as_numpy("output_ids") is None:
+                continue
+            row = int(r.as_numpy("batch_index")[0, 0])
+            toks = r.as_numpy("output_ids").reshape(-1).tolist()
+            assert (r.as_numpy("generation_logits") is not None) == (row == 0)
+            got[row] += toks
+        assert [got[0], got[1]] == want
+        assert [_final_flag(r) for r in responses] == [False] * (len(responses) - 1) + [True]
+
+
 def test_bad_words_and_embedding_bias_through_ensemble(served):
     """The ensemble's bad_words and embedding_bias_words/weights reach the engine via preprocessing."""
     ref = served["ref"]

@@ -59,6 +59,10 @@ class _TritonRequest:
         self.key = key  # the ensemble's request key, returned on every response
         self.remaining = len(gens)
         self.lock = threading.Lock()
+        # One path for all of a request's responses: built on the sender thread when any of its
+        # prompts returns logits, else on the decode thread. Mixing the two within one request could
+        # send a prompt's response after another prompt's final one.
+        self.on_sender = any(_carries_logits(g.params) for g in gens)
 
     def finish_one(self) -> bool:
         with self.lock:
@@ -315,14 +319,15 @@ class TritonPythonModel:
         loop. Building it here rather than on the sender keeps the two threads from trading the GIL
         at every response: measured with scripts/bench_peers.py, the decode thread then spends less
         CPU per token as well. Responses carrying logits (large arrays) are still built on the sender
-        thread, from the event, so that they never stall the batch."""
+        thread, from the event, so that they never stall the batch, and so are all responses of a
+        request with any such prompt (see ``_TritonRequest.on_sender``)."""
         if not (gen.streaming or event.finished):
             return
         req = event.request
         if gen.beam_width > 1 and req.seq is not None:
             # The ranked beams now, read here on the batcher thread (the next step reorders them).
             gen.beam_results = req.seq.results()
-        if _carries_logits(gen.params):
+        if treq.on_sender:
             self.outbox.append((treq, gen, event))  # the batcher's on_flush wakes the sender
             return
         try:
