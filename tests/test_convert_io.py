@@ -8,6 +8,8 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
+from collections import deque
 import time
 from pathlib import Path
 
@@ -266,13 +268,14 @@ def test_a_large_header_is_validated_once_per_version_of_its_bytes(tmp_path, mon
     """A file opened again with the same header bytes and size reuses its validated header (convert
     reopens calibration's activations file per MoE layer); any change to either validates again."""
     p = _big_header_file(tmp_path / "a.safetensors")
+    monkeypatch.setattr(S, "_HEADER_CACHE", deque())  # nothing kept from other tests
     calls = []
     real = S.SafetensorsFile._validate_header
     monkeypatch.setattr(S.SafetensorsFile, "_validate_header",
                         lambda self, *a: calls.append(self.path) or real(self, *a))
     first = S.SafetensorsFile(p)
     assert S.SafetensorsFile(p).tensors is first.tensors
-    assert len(calls) <= 1  # the header may be cached from an earlier test's file with the same bytes
+    assert len(calls) == 1
     assert torch.equal(S.SafetensorsFile(p).read("t7"), torch.full((2,), 7.0))
     with pytest.raises(TypeError):
         first.tensors["x"] = None  # shared, so read-only
@@ -296,3 +299,19 @@ def test_a_large_header_is_validated_once_per_version_of_its_bytes(tmp_path, mon
     with pytest.raises(CheckpointError, match="needs"):
         S.SafetensorsFile(p)
     assert len(calls) == n + 2
+
+
+def test_the_header_cache_keeps_a_bounded_number_of_bytes(tmp_path, monkeypatch):
+    """Headers are kept until their bytes pass the bound, the oldest dropped first; a header larger
+    than the whole bound is never kept."""
+    monkeypatch.setattr(S, "_HEADER_CACHE", deque())
+    files = [_big_header_file(tmp_path / f"{i}.safetensors", n=3000 + i) for i in range(3)]
+    sizes = [struct.unpack("<Q", f.read_bytes()[:8])[0] for f in files]
+    monkeypatch.setattr(S, "_HEADER_CACHE_BYTES", sizes[1] + sizes[2])
+    for f in files:
+        S.SafetensorsFile(f).close()
+    assert [len(r) for _, r, _ in S._HEADER_CACHE] == sizes[1:]  # the first was dropped for the third
+    monkeypatch.setattr(S, "_HEADER_CACHE", deque())
+    monkeypatch.setattr(S, "_HEADER_CACHE_BYTES", sizes[0] - 1)
+    S.SafetensorsFile(files[0]).close()
+    assert not S._HEADER_CACHE

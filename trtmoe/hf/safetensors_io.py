@@ -61,8 +61,10 @@ def dtype_size(dtype: torch.dtype) -> int:
 # against its own bytes and the file's size, so the same bytes in a file of the same size need no
 # second parse. Calibration's activations file holds an entry per expert matrix and statistic (61,440
 # on a 48-layer x 128-expert model, about 1.2 s to parse), and convert reopens it for every MoE layer.
-_HEADER_CACHE: "deque[tuple[int, bytes, tuple]]" = deque(maxlen=8)
+# Bounded by the header bytes kept (the parsed entries take a few times more): the oldest go first.
+_HEADER_CACHE: "deque[tuple[int, bytes, tuple]]" = deque()
 _HEADER_CACHE_MIN = 1 << 16  # header bytes below which parsing is cheaper than keeping a copy
+_HEADER_CACHE_BYTES = 16 << 20  # header bytes kept in all (a 48 x 128-expert activations file: ~6 MB)
 _HEADER_CACHE_LOCK = threading.Lock()
 
 
@@ -149,9 +151,12 @@ class SafetensorsFile:
                     if size0 == size and raw0 == raw:
                         return parsed
         parsed = self._validate_header(raw, n, size)
-        if n >= _HEADER_CACHE_MIN:
+        if _HEADER_CACHE_MIN <= n <= _HEADER_CACHE_BYTES:
             with _HEADER_CACHE_LOCK:
                 _HEADER_CACHE.append((size, raw, parsed))
+                kept = sum(len(r) for _, r, _ in _HEADER_CACHE)
+                while kept > _HEADER_CACHE_BYTES:
+                    kept -= len(_HEADER_CACHE.popleft()[1])
         return parsed
 
     def _validate_header(self, raw: bytes, n: int, size: int):
