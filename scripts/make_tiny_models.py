@@ -389,12 +389,17 @@ def main(argv: list[str] | None = None) -> int:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    if args.tokenizer_from is not None:  # checked before anything is written
+        missing = [n for n in tokenizer_files if not (args.tokenizer_from / n).is_file()]
+        if missing:
+            parser.exit(2, f"error: --tokenizer-from {args.tokenizer_from}: no {', '.join(missing)}\n")
     torch.set_num_threads(1)  # tiny tensors: extra threads only cost start-up time
     try:
         path = make_tiny_model(args.arch, args.out_dir, dtype=args.dtype, sharded=args.sharded,
                                tied=args.tied, seed=args.seed, **overrides)
         if args.tokenizer_from is not None:
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            for name in tokenizer_files:
                 shutil.copyfile(args.tokenizer_from / name, path / name)
     except (FileExistsError, ValueError, OSError, TypeError) as exc:
         parser.exit(2, f"error: {exc}\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -297,10 +298,16 @@ def test_cli_overrides_the_config_and_copies_a_tokenizer(tmp_path):
     cfg = config_of(out)
     assert cfg["num_hidden_layers"] == 3 and cfg["num_local_experts"] == 6
     assert (out / "tokenizer.json").read_bytes() == (fixture / "tokenizer.json").read_bytes()
-    for bad in (["--set", "num_hidden_layers"], ["--tokenizer-from", str(tmp_path / "none")]):
-        with pytest.raises(SystemExit) as exit_info:  # one line, exit 2
-            make_tiny_models.main(["mixtral", str(tmp_path / ("x" + str(len(bad[1])))), *bad])
+    half = tmp_path / "half"  # a directory with only some of the tokenizer files
+    half.mkdir()
+    shutil.copyfile(fixture / "tokenizer.json", half / "tokenizer.json")
+    for i, bad in enumerate((["--set", "num_hidden_layers"], ["--tokenizer-from", str(tmp_path / "none")],
+                             ["--tokenizer-from", str(half)])):
+        target = tmp_path / f"bad{i}"
+        with pytest.raises(SystemExit) as exit_info:  # one line, exit 2, and nothing written
+            make_tiny_models.main(["mixtral", str(target), *bad])
         assert exit_info.value.code == 2
+        assert not target.exists()
 
 
 # ------------------------------------------------------------------------------------------------
