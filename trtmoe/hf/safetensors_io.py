@@ -64,7 +64,7 @@ def dtype_size(dtype: torch.dtype) -> int:
 # Bounded by the header bytes kept (the parsed entries take a few times more): the oldest go first.
 _HEADER_CACHE: "deque[tuple[int, bytes, tuple]]" = deque()
 _HEADER_CACHE_MIN = 1 << 16  # header bytes below which parsing is cheaper than keeping a copy
-_HEADER_CACHE_BYTES = 16 << 20  # header bytes kept in all (a 48 x 128-expert activations file: ~6 MB)
+_HEADER_CACHE_BYTES = 16 << 20  # header bytes kept in all (61,440 entries of ~100 bytes: ~6 MB, estimated)
 _HEADER_CACHE_LOCK = threading.Lock()
 
 
@@ -145,13 +145,14 @@ class SafetensorsFile:
         if n > _MAX_HEADER or 8 + n > size:
             raise self._bad(f"header length {n} does not fit in a {size}-byte file")
         raw = os.pread(self._fd, n, 8)
-        if n >= _HEADER_CACHE_MIN:
+        cacheable = _HEADER_CACHE_MIN <= n <= _HEADER_CACHE_BYTES
+        if cacheable:
             with _HEADER_CACHE_LOCK:
                 for size0, raw0, parsed in _HEADER_CACHE:
                     if size0 == size and raw0 == raw:
                         return parsed
         parsed = self._validate_header(raw, n, size)
-        if _HEADER_CACHE_MIN <= n <= _HEADER_CACHE_BYTES:
+        if cacheable:
             with _HEADER_CACHE_LOCK:
                 _HEADER_CACHE.append((size, raw, parsed))
                 kept = sum(len(r) for _, r, _ in _HEADER_CACHE)
