@@ -181,6 +181,32 @@ def test_pooled_cache_under_joins_drops_and_growth(references, tmp_path):
         eng.step([Sequence(prompt=[1], params=SamplingParams())])  # never prefilled: no slot
 
 
+def test_a_decode_step_gives_each_row_the_same_logits_whatever_its_slots(references, tmp_path):
+    """A serving batch lists its sequences in arrival order while slots are reused lowest first, and
+    finished sequences leave gaps: a step over a block of slots in another order (run in slot
+    order) and over slots with gaps (gathered; with and without a mask) gives every row the logits
+    it gets alone, and the reordered block exactly the logits of the ordered one."""
+    src, ids, _ = references["mixtral"]
+    ck = tmp_path / "ckpt"
+    convert(src, ck)
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    stream = ids.reshape(-1).tolist()
+    seqs = [eng.start(stream[i:i + 3 + i % 2], SamplingParams(max_new_tokens=8)) for i in range(10)]
+    assert [s.slot for s in seqs] == list(range(10))
+    # Without advancing, a step only rewrites each row's newest key and value with the same numbers.
+    with torch.inference_mode():
+        alone = torch.cat([eng._decode_logits([s]) for s in seqs])
+        ordered = eng._decode_logits(seqs)
+        assert torch.allclose(ordered, alone, rtol=1e-5, atol=1e-5)
+        assert torch.equal(eng._decode_logits(seqs[::-1]), ordered.flip(0))
+        for pick in ((5, 0, 3, 1), (0, 4, 2), (9, 0), (7, 2, 8)):  # a mask; equal lengths; far apart
+            got = eng._decode_logits([seqs[i] for i in pick])
+            assert torch.allclose(got, alone[list(pick)], rtol=1e-5, atol=1e-5), pick
+            assert torch.equal(got.argmax(-1), alone[list(pick)].argmax(-1))
+    # The comparison can fail: another row's logits are far off.
+    assert not torch.allclose(alone[0], alone[1], rtol=1e-3, atol=1e-3)
+
+
 def test_batched_prefill_equals_one_at_a_time(references, tmp_path):
     """start_many prefills prompts of different lengths in one padded forward: the same first tokens,
     the same continuations and the same routing counts (padding is never routed) as one at a time."""

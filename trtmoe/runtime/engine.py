@@ -1006,9 +1006,7 @@ class EmbeddedEngine:
         for s in rows:
             if lr is not None and s.length == lr["original_max_position_embeddings"]:
                 self._rerotate(s)
-        ids_pos = torch.tensor([[s.last_token, s.length] for s in rows], device=self.device)
-        ids, pos = ids_pos[:, :1], ids_pos[:, 1:]
-        logits = self._forward(ids, pos, rows)[:, -1]
+        logits = self._decode_logits(rows)
         self._keep_generation_logits(rows, logits)
         toks = self._greedy_batch(rows, logits)
         out = []
@@ -1029,6 +1027,29 @@ class EmbeddedEngine:
             self._finish_if_done(s)
             out.append(tok)
         return out
+
+    def _decode_logits(self, rows: list[Sequence]) -> torch.Tensor:
+        """[len(rows), V] float32 logits of one decode step over ``rows``, in their order.
+
+        A serving batch lists its sequences in arrival order while their slots are reused lowest
+        first, so a steady batch usually holds a contiguous block of slots in some other order.
+        Such a batch runs in slot order, where every layer reads its keys and values as a view of
+        the pool rather than gathering them, and the logits are put back in the caller's order."""
+        slots = [s.slot for s in rows]
+        order = None
+        lo = min(slots)
+        if slots != list(range(lo, lo + len(slots))) and sorted(slots) == list(range(lo, lo + len(slots))):
+            order = sorted(range(len(rows)), key=slots.__getitem__)
+            rows = [rows[i] for i in order]
+        ids_pos = torch.tensor([[s.last_token, s.length] for s in rows], device=self.device)
+        ids, pos = ids_pos[:, :1], ids_pos[:, 1:]
+        logits = self._forward(ids, pos, rows)[:, -1]
+        if order is None:
+            return logits
+        back = [0] * len(order)
+        for i, j in enumerate(order):
+            back[j] = i
+        return logits.index_select(0, torch.tensor(back, device=logits.device))
 
     # ---- beam search ------------------------------------------------------------------------------
     def _beam_log_probs(self, beams: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
