@@ -8,7 +8,11 @@ Mixtral checkpoint with its own tokenizer) and driven by ONE closed-loop streami
 - trtmoe: checkpoint (float32) -> embedded engine dir -> ``trtmoe repo --streaming`` repository ->
   tritonserver (CPU), called through the gRPC stream of the ``ensemble``, read with grpcio in the
   stream's own thread (``trtmoe-tritonclient``: the same stack driven through tritonclient's stream
-  API, as ``trtmoe.triton.client`` does, which costs the load generator more CPU per token);
+  API, as ``trtmoe.triton.client`` does, which costs the load generator more CPU per token;
+  ``trtmoe-http``: the same stack through Triton's HTTP ``generate_stream`` endpoint, server-sent
+  events read exactly as the peers' are, so every row's load generator spends the same CPU per
+  response: a grpcio stream costs the caller about three times that, taken from the servers on a
+  2-core machine);
 - peers: their OpenAI-compatible ``POST /v1/completions`` with ``"stream": true`` (server-sent events),
   one HTTP/1.1 keep-alive connection per stream.
 
@@ -293,6 +297,48 @@ def trtmoe_grpc_connect(url: str, tokens: int) -> Callable[[], Callable[[str], R
     return connect
 
 
+def triton_sse_connect(port: int, tokens: int) -> Callable[[], Callable[[str], Reply]]:
+    """The ensemble through Triton's HTTP ``generate_stream`` endpoint (server-sent events), read over one
+    keep-alive http.client connection per stream: the same transport and parsing as the peers' rows,
+    so the load generator's CPU per response is the peers' too (a grpcio stream costs the caller about
+    three times as much per response, CPU taken from the server on a small machine)."""
+    body = {"max_tokens": tokens, "min_tokens": tokens, "stream": True, "exclude_input_in_output": True,
+            "return_num_output_tokens": True}
+
+    def connect() -> Callable[[str], Reply]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+
+        def call(prompt: str) -> Reply:
+            t0 = time.perf_counter()
+            conn.request("POST", "/v2/models/ensemble/generate_stream", json.dumps({"text_input": prompt, **body}),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+            reply, pieces = Reply(""), []
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
+                if not line.startswith(b"data:"):
+                    continue
+                t = time.perf_counter() - t0
+                obj = json.loads(line[5:])
+                if "error" in obj:
+                    raise RuntimeError(str(obj["error"])[:300])
+                piece = obj.get("text_output") or ""
+                if piece or "num_output_tokens" in obj:
+                    pieces.append(piece)
+                    reply.times.append(t)
+                    reply.counts.append(int(obj.get("num_output_tokens", len(reply.times))))
+            reply.text = "".join(pieces)
+            return reply
+
+        return call
+
+    return connect
+
+
 def trtmoe_connect(url: str, tokens: int) -> Callable[[], Callable[[str], Reply]]:
     """Through trtmoe's own client (``trtmoe.triton.client.generate``, tritonclient's stream API)."""
     import numpy as np
@@ -518,6 +564,20 @@ class TrtmoeTritonclient(Trtmoe):
             self.server.stop()
             self.server = None
         self.proc = None
+
+
+class TrtmoeHttp(Trtmoe):
+    """The same served stack, driven through Triton's HTTP ``generate_stream`` (server-sent events), the
+    transport the peers are driven through."""
+
+    name = "trtmoe-http"
+
+    def start(self) -> None:
+        super().start()
+        self.note = self.note.replace("Triton gRPC stream", "Triton HTTP generate_stream")
+
+    def connect(self):
+        return triton_sse_connect(self.server.endpoints.http_port, self.args.tokens)
 
 
 _TREE_LAUNCHER = r"""
@@ -769,7 +829,7 @@ def loadavg() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["trtmoe", "trtmoe-tritonclient", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
+    names = ["trtmoe", "trtmoe-http", "trtmoe-tritonclient", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
     ap.add_argument("--servers", nargs="*", default=[n for n in names if n != "trtmoe-tritonclient"], choices=names,
                     help="servers to measure (none: only the --baseline-tree rows)")
     ap.add_argument("--fixture", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "trained_mixtral")
@@ -815,7 +875,8 @@ def main() -> None:
     for name in args.servers:
         d = work / name
         d.mkdir()
-        s = {"trtmoe": lambda: Trtmoe(args, d), "trtmoe-tritonclient": lambda: TrtmoeTritonclient(args, d),
+        s = {"trtmoe": lambda: Trtmoe(args, d), "trtmoe-http": lambda: TrtmoeHttp(args, d),
+             "trtmoe-tritonclient": lambda: TrtmoeTritonclient(args, d),
              "vllm": lambda: Vllm(args, d),
              "llamacpp-f32": lambda: LlamaCpp(args, d, "f32", True), "llamacpp-q8": lambda: LlamaCpp(args, d, "q8_0", True),
              "llama-cpp-py-f32": lambda: LlamaCpp(args, d, "f32", False),
