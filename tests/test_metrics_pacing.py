@@ -96,7 +96,7 @@ def test_routing_publisher_writes_only_what_changed_in_paced_bursts():
     before = pub.writer.calls  # the initial dead-expert gauges
     counts = [[(l * 7 + e) % 5 for e in range(experts)] for l in range(layers)]
     stats = {"active": 2, "waiting": 0, "iterations": 10, "generated_tokens": 20}
-    assert pub.update(_routing(counts, [1.0] * layers, 40), stats, force=True)
+    pub.update(_routing(counts, [1.0] * layers, 40), stats)
     routed = [c for c in pb.log.calls if c[0] == ROUTED]
     busy = sum(1 for row in counts for c in row if c)
     assert len(routed) == busy and all(c[1] == "increment" for c in routed)
@@ -105,13 +105,13 @@ def test_routing_publisher_writes_only_what_changed_in_paced_bursts():
 
     # The same state again: counters have no delta and no gauge changed, so nothing is written.
     pb.log.calls.clear()
-    assert pub.update(_routing(counts, [1.0] * layers, 40), stats, force=True)
+    pub.update(_routing(counts, [1.0] * layers, 40), stats)
     assert pb.log.calls == []
 
     # One expert of one layer gets 3 more tokens: its counter, and only the gauges that moved.
     counts2 = [row[:] for row in counts]
     counts2[2][5] += 3
-    pub.update(_routing(counts2, [1.0] * layers, 40), dict(stats, iterations=11), force=True)
+    pub.update(_routing(counts2, [1.0] * layers, 40), dict(stats, iterations=11))
     ops = {(c[0], c[1], tuple(sorted(c[2].items()))) for c in pb.log.calls}
     assert (ROUTED, "increment", (("expert", "5"), ("layer", "2"), ("model", "tensorrt_llm"))) in ops
     assert sum(1 for c in pb.log.calls if c[0] == ROUTED) == 1

@@ -229,7 +229,8 @@ class RoutingMetricsPublisher:
     """Publishes engine routing stats and batcher stats through ``pb_utils.MetricFamily``.
 
     Families are kept as attributes: the Python backend invalidates every Metric whose family object
-    has been garbage-collected. Call :meth:`update` from one thread (the batcher's).
+    has been garbage-collected. Call :meth:`update` from one thread; the caller paces the calls
+    (the served model waits at least ``min_interval_s`` between them, see ``next_update_wait``).
     """
 
     def __init__(self, pb_utils: Any, *, num_layers: int, num_experts: int, model: str = "tensorrt_llm",
@@ -237,7 +238,6 @@ class RoutingMetricsPublisher:
         mf = pb_utils.MetricFamily
         self.writer = writer or MetricWriter()
         self.min_interval_s = min_interval_s
-        self._next = 0.0
         labels = {"model": model}
         self.f_routed = mf(name=ROUTED, description="Tokens routed to each expert (top-k assignments)", kind=mf.COUNTER)
         self.f_entropy = mf(name=ENTROPY, description="Mean router entropy per token since the last update, nats",
@@ -271,12 +271,8 @@ class RoutingMetricsPublisher:
     def set_active_params(self, n: int) -> None:
         self.writer.set(self.params, n)
 
-    def update(self, routing: dict | None, batcher_stats: dict | None = None, *, force: bool = False) -> bool:
-        """Publish the deltas since the last call; rate-limited to ``min_interval_s`` unless forced."""
-        now = time.monotonic()
-        if not force and now < self._next:
-            return False
-        self._next = now + self.min_interval_s
+    def update(self, routing: dict | None, batcher_stats: dict | None = None) -> None:
+        """Publish the deltas since the last call."""
         w = self.writer
         if batcher_stats:
             w.set(self.active, batcher_stats.get("active", 0))
@@ -308,7 +304,6 @@ class RoutingMetricsPublisher:
             for lr in summarize_routing(counts)[: len(self.imbalance)]:
                 w.set(self.imbalance[lr.layer], lr.imbalance)
                 w.set(self.dead[lr.layer], lr.dead_experts)
-        return True
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')

@@ -182,7 +182,7 @@ class TritonPythonModel:
             t0 = time.monotonic()
             try:
                 stats = self.batcher.stats()
-                self.metrics.update(self.engine.routing_stats(), stats, force=True)
+                self.metrics.update(self.engine.routing_stats(), stats)
                 self.trt_metrics.update(TrtLlmMetricsPublisher.values(
                     batcher_stats=stats, max_batch_size=self.batcher.max_batch_size, kv=self.engine.kv_cache_stats(),
                     tokens_per_block=self.tokens_per_block, iteration=self.recorder.latest))
