@@ -357,6 +357,17 @@ def make_tiny_model(
     return out
 
 
+def _tokenizer_ids(path: Path) -> int:
+    """How many token ids a ``tokenizer.json`` uses: its highest id (vocabulary or added token) + 1."""
+    tok = json.loads(path.read_text(encoding="utf-8"))
+    vocab = (tok.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # BPE/WordPiece or Unigram
+    ids += [t["id"] for t in tok.get("added_tokens") or []]
+    if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ValueError(f"{path.name} lists no token ids")
+    return max(ids) + 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Write a seeded tiny random Hugging Face MoE checkpoint.",
@@ -394,6 +405,14 @@ def main(argv: list[str] | None = None) -> int:
         missing = [n for n in tokenizer_files if not (args.tokenizer_from / n).is_file()]
         if missing:
             parser.exit(2, f"error: --tokenizer-from {args.tokenizer_from}: no {', '.join(missing)}\n")
+        try:
+            need = _tokenizer_ids(args.tokenizer_from / "tokenizer.json")
+            vocab = tiny_config(args.arch, tied=args.tied, **overrides)["vocab_size"]
+        except (ValueError, TypeError, KeyError, OSError) as exc:
+            parser.exit(2, f"error: --tokenizer-from {args.tokenizer_from}: {exc}\n")
+        if need > vocab:  # ids past the embedding would fail only once the model is served
+            parser.exit(2, f"error: --tokenizer-from {args.tokenizer_from}: its tokenizer uses ids up to {need - 1}, "
+                           f"beyond the model's vocab_size {vocab} (add --set vocab_size={need})\n")
     torch.set_num_threads(1)  # tiny tensors: extra threads only cost start-up time
     try:
         path = make_tiny_model(args.arch, args.out_dir, dtype=args.dtype, sharded=args.sharded,

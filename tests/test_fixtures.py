@@ -290,24 +290,30 @@ def test_cli_writes_a_checkpoint(tmp_path):
     assert exit_info.value.code == 2
 
 
-def test_cli_overrides_the_config_and_copies_a_tokenizer(tmp_path):
+def test_cli_overrides_the_config_and_copies_a_tokenizer(tmp_path, capsys):
     out = tmp_path / "wide"
     fixture = Path(__file__).parent / "fixtures" / "trained_mixtral"
     assert make_tiny_models.main(["mixtral", str(out), "--set", "num_hidden_layers=3", "--set", "num_local_experts=6",
-                                  "--tokenizer-from", str(fixture)]) == 0
+                                  "--set", "vocab_size=2048", "--tokenizer-from", str(fixture)]) == 0
     cfg = config_of(out)
-    assert cfg["num_hidden_layers"] == 3 and cfg["num_local_experts"] == 6
+    assert cfg["num_hidden_layers"] == 3 and cfg["num_local_experts"] == 6 and cfg["vocab_size"] == 2048
     assert (out / "tokenizer.json").read_bytes() == (fixture / "tokenizer.json").read_bytes()
+    capsys.readouterr()  # the successful run's own output
     half = tmp_path / "half"  # a directory with only some of the tokenizer files
     half.mkdir()
     shutil.copyfile(fixture / "tokenizer.json", half / "tokenizer.json")
-    for i, bad in enumerate((["--set", "num_hidden_layers"], ["--tokenizer-from", str(tmp_path / "none")],
-                             ["--tokenizer-from", str(half)])):
+    for i, (bad, says) in enumerate(((["--set", "num_hidden_layers"], "KEY=VALUE"),
+                                     (["--tokenizer-from", str(tmp_path / "none")], "no tokenizer.json"),
+                                     (["--tokenizer-from", str(half)], "no tokenizer_config.json"),
+                                     # the tokenizer's 2,048 ids do not fit the default 250-token vocabulary
+                                     (["--tokenizer-from", str(fixture)], "--set vocab_size=2048"))):
         target = tmp_path / f"bad{i}"
         with pytest.raises(SystemExit) as exit_info:  # one line, exit 2, and nothing written
             make_tiny_models.main(["mixtral", str(target), *bad])
         assert exit_info.value.code == 2
         assert not target.exists()
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
 
 
 # ------------------------------------------------------------------------------------------------
