@@ -123,6 +123,24 @@ def test_many_experts_get_one_row_and_one_warning_per_layer():
     assert "layer 3: 12 of 128 experts saw fewer than 16" in warn and "and 4 more" in warn
 
 
+def test_under_observed_experts_in_many_layers_get_one_summary_warning():
+    """48 layers each with starved experts (a fine-grained MoE on a little calibration data): one
+    warning with the total and the worst layers, not 48 paragraphs; the table keeps the per-layer
+    counts. Three layers still get a line each."""
+    starved = {l: list(range(1 + l % 5)) for l in range(48)}
+    res = _calib_res(48, 128, 8, starved)
+    lines = render(res, 80)
+    warn = " ".join(" ".join(l for l in lines if not l.startswith(("│", "┃", "┏", "┡", "└"))).split())
+    assert warn.count("warning:") == 1
+    total = sum(map(len, starved.values()))
+    assert f"{total} experts in 48 of 48 layers saw fewer than 16 calibration tokens" in warn
+    assert "most in layers 4 (5), 9 (5), 14 (5)" in warn and "experts < 16 tokens' column" in warn
+    rows = [l for l in lines if l.startswith("│")]
+    assert [int(r.split("│")[4]) for r in rows] == [len(starved[l]) for l in range(48)]
+    few = " ".join(" ".join(render(_calib_res(48, 128, 8, {l: [0] for l in (2, 5, 7)}), 80)).split())
+    assert few.count("warning:") == 3 and "layer 5: 1 of 128 experts" in few
+
+
 def test_few_experts_keep_a_column_each_where_they_fit():
     res = _calib_res(2, 8, 2, {})
     header = next(l for l in render(res, 120) if l.startswith("┃"))

@@ -57,9 +57,14 @@ def calibrate(model, out, config_path, force, as_json, **options):
     _render_coverage(res, console, err_console)
 
 
+# Layers with under-observed experts that get a warning line each; more get one summary line.
+_WARN_LAYERS = 3
+
+
 def _render_coverage(res: dict, console, err_console) -> None:
     """The routing table (a column per expert where they fit the console, else a summary per layer)
-    and one warning line per layer with under-observed experts."""
+    and a warning line per layer with under-observed experts, or one for all of them when more than
+    ``_WARN_LAYERS`` layers have some."""
     r = res["routing"]
     E, L = res["num_experts"], res["moe_layers"]
     # Each expert column takes its widest cell ("12.3") plus rich's padding and border.
@@ -72,12 +77,21 @@ def _render_coverage(res: dict, console, err_console) -> None:
     by_layer: dict = {}
     for f in r["under_observed"]:
         by_layer.setdefault(f["layer"], []).append(f)
-    for l, fs in by_layer.items():
-        shown = ", ".join(f"{f['expert']} ({f['tokens']})" for f in fs[:8])
-        more = f" and {len(fs) - 8} more" if len(fs) > 8 else ""
-        err_console.print(f"[yellow]warning:[/] layer {l}: {len(fs)} of {E} experts saw fewer than {thr} "
-                          f"calibration tokens (expert (tokens): {shown}{more}); their ΔKL is also estimated "
-                          f"from the layer's tokens sent through them, and the larger value is used")
+    also = "their ΔKL is also estimated from the layer's tokens sent through them, and the larger value is used"
+    if len(by_layer) > _WARN_LAYERS:  # a fine-grained MoE on little data: one summary, the table has the rest
+        n = sum(map(len, by_layer.values()))
+        worst = sorted(by_layer.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:3]
+        where = "cells in red above" if wide else f"the table's 'experts < {thr} tokens' column"
+        err_console.print(f"[yellow]warning:[/] {n} experts in {len(by_layer)} of {len(L)} layers saw fewer than "
+                          f"{thr} calibration tokens (most in layers "
+                          f"{', '.join(f'{l} ({len(fs)})' for l, fs in worst)}; per layer: {where}; each one: "
+                          f"calib.json's routing.under_observed); {also}")
+    else:
+        for l, fs in by_layer.items():
+            shown = ", ".join(f"{f['expert']} ({f['tokens']})" for f in fs[:8])
+            more = f" and {len(fs) - 8} more" if len(fs) > 8 else ""
+            err_console.print(f"[yellow]warning:[/] layer {l}: {len(fs)} of {E} experts saw fewer than {thr} "
+                              f"calibration tokens (expert (tokens): {shown}{more}); {also}")
     s = res["sensitivity"]
     console.print(f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices "
                   f"(fc, proj) in "
