@@ -19,7 +19,9 @@ Implementations (each in its own worker process, loaded once):
   case times ``generate`` of one token.
 
 Cases: decode at batch 1 / 8 / 32 (16-token prompts, then ``--steps`` greedy steps timed; prefill
-not counted) and prefill of 8x128 and 64x128 tokens (one batched forward filling the KV cache,
+not counted), the batch-8 and batch-32 decodes with the engine's batch listed in the reverse of its
+slot order (``decode8r``, ``decode32r``: a serving batch's order; the other implementations run
+``decode8``/``decode32`` there) and prefill of 8x128 and 64x128 tokens (one batched forward filling the KV cache,
 last-position logits only). Rounds are interleaved (every round runs every case on every
 implementation, in a rotating order) and the table shows medians over rounds, wall and CPU time
 (the worker's user+system time: less sensitive than wall time to other load on a shared machine,
@@ -54,6 +56,10 @@ CASES = {  # name: (kind, batch, tokens)
     "decode1": ("decode", 1, 16),
     "decode8": ("decode", 8, 16),
     "decode32": ("decode", 32, 16),
+    # The same decode with the batch listed in the reverse of its slot order, as a serving batch lists
+    # its sequences in arrival order while the engine reuses the lowest free slot.
+    "decode8r": ("decode_reordered", 8, 16),
+    "decode32r": ("decode_reordered", 32, 16),
     "prefill8x128": ("prefill", 8, 128),
     "prefill64x128": ("prefill", 64, 128),
 }
@@ -90,21 +96,25 @@ class _EngineRunner:
         self.vocab = self.eng.vocab_size
         self.torch = torch
 
-    def decode(self, prompts: list[list[int]], steps: int) -> tuple[float, float, list[list[int]]]:
+    def decode(self, prompts: list[list[int]], steps: int, reorder: bool = False
+               ) -> tuple[float, float, list[list[int]]]:
         from trtmoe.runtime.engine import SamplingParams
 
         eng = self.eng
         seqs = eng.start_many(prompts, [SamplingParams(max_new_tokens=steps + 1) for _ in prompts])
+        batch = seqs[::-1] if reorder else seqs
         t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):
-            eng.step(seqs)
+            eng.step(batch)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         return wall, cpu, [s.tokens for s in seqs]
 
-    def count_step(self, prompts: list[list[int]], counter) -> int:
+    def count_step(self, prompts: list[list[int]], counter, reorder: bool = False) -> int:
         from trtmoe.runtime.engine import SamplingParams
 
         seqs = self.eng.start_many(prompts, [SamplingParams(max_new_tokens=4) for _ in prompts])
+        if reorder:
+            seqs = seqs[::-1]
         self.eng.step(seqs)
         with counter():
             self.eng.step(seqs)
@@ -211,7 +221,9 @@ def _count_ops(runner, kind: str, prompts: list[list[int]]) -> int:
             Counter.n += 1
             return func(*args, **(kwargs or {}))
 
-    if kind == "decode":
+    if kind == "decode_reordered" and isinstance(runner, _EngineRunner):
+        return runner.count_step(prompts, Counter, reorder=True)
+    if kind.startswith("decode"):  # the peers' batches have no slot order
         return runner.count_step(prompts, Counter)
     if isinstance(runner, _VllmRunner):
         return 0
@@ -252,8 +264,9 @@ def worker(args) -> None:
         if count:
             print(json.dumps({"ops": _count_ops(runner, kind, prompts)}), flush=True)
             continue
-        if kind == "decode":
-            wall, cpu, toks = runner.decode(prompts, args.steps)
+        if kind.startswith("decode"):
+            extra = {"reorder": True} if kind == "decode_reordered" and isinstance(runner, _EngineRunner) else {}
+            wall, cpu, toks = runner.decode(prompts, args.steps, **extra)
             res = {"wall": wall, "cpu": cpu, "tokens": batch * args.steps, "out": toks}
         else:
             wall, cpu = runner.prefill(prompts)
@@ -315,7 +328,9 @@ def profile(args) -> None:
     runner = _EngineRunner(args.model, Path(tempfile.mkdtemp(prefix="bench-engine-")), args.quant)
     kind, batch, tokens = CASES[args.profile]
     prompts = _prompts(runner.vocab, batch, tokens, seed=0)
-    fn = (lambda: runner.decode(prompts, args.steps)) if kind == "decode" else (lambda: runner.prefill(prompts))
+    extra = {"reorder": True} if kind == "decode_reordered" else {}
+    fn = (lambda: runner.decode(prompts, args.steps, **extra)) if kind.startswith("decode") else (
+        lambda: runner.prefill(prompts))
     fn()
     pr = cProfile.Profile()
     pr.enable()
@@ -400,7 +415,7 @@ def main() -> None:
         print(f"| {c} | " + " | ".join(f"{ops[n][c]:,}" if n != "vllm" else "n/a" for n in names) + " |")
     same = []
     for c in cases:
-        if CASES[c][0] != "decode":
+        if not CASES[c][0].startswith("decode"):
             continue
         outs = {n: results[n][c][0]["out"] for n in names}
         agree = [n for n in names[1:] if outs[n] == outs["engine"]]
