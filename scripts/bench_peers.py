@@ -17,7 +17,9 @@ Mixtral checkpoint with its own tokenizer) and driven by ONE closed-loop streami
   one HTTP/1.1 keep-alive connection per stream.
 
 Each request asks for exactly --tokens greedy tokens (trtmoe ``min_tokens``; vLLM ``min_tokens`` +
-``ignore_eos``; llama-cpp-python ``min_tokens``; llama-server ``ignore_eos``). Default load: 12, 32 and 96
+``ignore_eos``; llama-cpp-python ``min_tokens``; llama-server ``ignore_eos``); with ``--vary-tokens``
+for 0.25-1.75x that (the same sequence of lengths on every server), so that streams end at different
+steps as in real traffic, where a batch's sequences are no longer started and finished together. Default load: 12, 32 and 96
 requests at concurrency 1, 8 and 32, repeated for --rounds rounds; the rounds are interleaved
 (round 1 of every server, then round 2 of every server, ...) and the table shows medians over rounds.
 All servers stay up for the whole run; the CPU time each one burns while another is measured is printed,
@@ -132,11 +134,27 @@ class Reply:
     counts: list[int] = field(default_factory=list)
 
 
-def run_level(connect: Callable[[], Callable[[str], Reply]], concurrency: int, requests: int,
-              tokens: int) -> dict:
-    """``concurrency`` closed-loop streams sending ``requests`` requests in all (back to back)."""
+def max_tokens(args) -> int:
+    """The most tokens one request asks for."""
+    return round(args.tokens * max(VARY_FACTORS)) if args.vary_tokens else args.tokens
+
+
+# --vary-tokens: request r of stream w asks for tokens x VARY_FACTORS[(3 w + r) % 8] (mean 1), the same
+# sequence on every server, so streams end at different steps as real traffic does.
+VARY_FACTORS = (0.25, 1.75, 0.5, 1.5, 1.0, 0.75, 1.25, 1.0)
+
+
+def request_tokens(tokens: int, vary: bool, w: int, r: int) -> int:
+    return max(1, round(tokens * VARY_FACTORS[(3 * w + r) % len(VARY_FACTORS)])) if vary else tokens
+
+
+def run_level(connect: Callable[[], Callable[[str, int], Reply]], concurrency: int, requests: int,
+              tokens: int, vary: bool = False) -> dict:
+    """``concurrency`` closed-loop streams sending ``requests`` requests in all (back to back), each for
+    ``tokens`` greedy tokens (``vary``: see ``request_tokens``)."""
     per = -(-requests // concurrency)
     results: list[tuple[str, Reply]] = []
+    asked: list[int] = []
     errors: list[str] = []
     barrier = threading.Barrier(concurrency + 1)
 
@@ -145,8 +163,10 @@ def run_level(connect: Callable[[], Callable[[str], Reply]], concurrency: int, r
         barrier.wait()
         for r in range(per):
             prompt = PROMPTS[(w + r) % len(PROMPTS)]
+            n = request_tokens(tokens, vary, w, r)
             try:
-                results.append((prompt, call(prompt)))
+                results.append((prompt, call(prompt, n)))
+                asked.append(n)
             except Exception as e:  # noqa: BLE001 - reported in the table
                 errors.append(f"{type(e).__name__}: {e}"[:300])
 
@@ -165,24 +185,26 @@ def run_level(connect: Callable[[], Callable[[str], Reply]], concurrency: int, r
         for (a, b), (na, nb) in zip(zip(r.times, r.times[1:]), zip(r.counts, r.counts[1:])):
             k = max(nb - na, 1)
             itl += [(b - a) * 1e3 / k] * k
-    short = sum(1 for _, r in results if (r.counts[-1] if r.counts else 0) != tokens)
+    short = sum(1 for (_, r), n in zip(results, asked) if (r.counts[-1] if r.counts else 0) != n)
     return {"concurrency": concurrency, "requests": len(results), "errors": len(errors), "first_error": errors[:1],
             "short_replies": short, "tokens": out_tokens, "wall_s": wall, "tok_s": out_tokens / wall if wall else 0.0,
             "ttft_p50_ms": pct(ttft, 50), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
             "itl_max_ms": max(itl, default=0.0),
             "tokens_per_response": out_tokens / max(sum(len(r.times) for _, r in results), 1),
-            "texts": {p: r.text for p, r in results}}
+            "texts": {p: r.text for p, r in results} if not vary else {},
+            "vary_texts": [(p, r.text) for p, r in results] if vary else []}
 
 
-def openai_connect(port: int, model: str, tokens: int, extra: dict) -> Callable[[], Callable[[str], Reply]]:
+def openai_connect(port: int, model: str, extra: dict, min_tokens: bool = False
+                   ) -> Callable[[], Callable[[str, int], Reply]]:
     """Streaming ``/v1/completions`` over one keep-alive HTTP connection per stream."""
 
     def connect() -> Callable[[str], Reply]:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
 
-        def call(prompt: str) -> Reply:
+        def call(prompt: str, tokens: int) -> Reply:
             body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
-                    **extra}
+                    **extra, **({"min_tokens": tokens} if min_tokens else {})}
             for attempt in (0, 1):
                 t0 = time.perf_counter()
                 try:
@@ -244,7 +266,7 @@ def _raw_tensor(name: str, arr) -> tuple[object, bytes]:
     return service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype=dtype, shape=list(arr.shape)), data
 
 
-def trtmoe_grpc_connect(url: str, tokens: int) -> Callable[[], Callable[[str], Reply]]:
+def trtmoe_grpc_connect(url: str) -> Callable[[], Callable[[str, int], Reply]]:
     """The ensemble's gRPC stream read with grpcio itself in the calling thread (the default load
     generator): one channel per stream, one ModelStreamInfer call per request. Each response reaches
     the caller in one thread hand-off, as the peers' server-sent events do over http.client, where
@@ -254,18 +276,18 @@ def trtmoe_grpc_connect(url: str, tokens: int) -> Callable[[], Callable[[str], R
     import numpy as np
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-    fixed = {"max_tokens": np.array([[tokens]], dtype=np.int32), "stream": np.array([[True]], dtype=bool),
-             "exclude_input_in_output": np.array([[True]], dtype=bool),
-             "min_tokens": np.array([[tokens]], dtype=np.int32),
+    fixed = {"stream": np.array([[True]], dtype=bool), "exclude_input_in_output": np.array([[True]], dtype=bool),
              "return_num_output_tokens": np.array([[True]], dtype=bool)}
 
     def connect() -> Callable[[str], Reply]:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(url))
 
-        def call(prompt: str) -> Reply:
+        def call(prompt: str, tokens: int) -> Reply:
             req = service_pb2.ModelInferRequest(model_name="ensemble")
             req.parameters["triton_enable_empty_final_response"].bool_param = True
-            for name, arr in {"text_input": np.array([[prompt.encode()]], dtype=object), **fixed}.items():
+            n = np.array([[tokens]], dtype=np.int32)
+            for name, arr in {"text_input": np.array([[prompt.encode()]], dtype=object), "max_tokens": n,
+                              "min_tokens": n, **fixed}.items():
                 t, data = _raw_tensor(name, arr)
                 req.inputs.append(t)
                 req.raw_input_contents.append(data)
@@ -297,20 +319,20 @@ def trtmoe_grpc_connect(url: str, tokens: int) -> Callable[[], Callable[[str], R
     return connect
 
 
-def triton_sse_connect(port: int, tokens: int) -> Callable[[], Callable[[str], Reply]]:
+def triton_sse_connect(port: int) -> Callable[[], Callable[[str, int], Reply]]:
     """The ensemble through Triton's HTTP ``generate_stream`` endpoint (server-sent events), read over one
     keep-alive http.client connection per stream: the same transport and parsing as the peers' rows,
     so the load generator's CPU per response is the peers' too (a grpcio stream costs the caller about
     three times as much per response, CPU taken from the server on a small machine)."""
-    body = {"max_tokens": tokens, "min_tokens": tokens, "stream": True, "exclude_input_in_output": True,
-            "return_num_output_tokens": True}
+    body = {"stream": True, "exclude_input_in_output": True, "return_num_output_tokens": True}
 
     def connect() -> Callable[[str], Reply]:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
 
-        def call(prompt: str) -> Reply:
+        def call(prompt: str, tokens: int) -> Reply:
             t0 = time.perf_counter()
-            conn.request("POST", "/v2/models/ensemble/generate_stream", json.dumps({"text_input": prompt, **body}),
+            conn.request("POST", "/v2/models/ensemble/generate_stream",
+                         json.dumps({"text_input": prompt, "max_tokens": tokens, "min_tokens": tokens, **body}),
                          {"Content-Type": "application/json"})
             resp = conn.getresponse()
             if resp.status != 200:
@@ -339,20 +361,20 @@ def triton_sse_connect(port: int, tokens: int) -> Callable[[], Callable[[str], R
     return connect
 
 
-def trtmoe_connect(url: str, tokens: int) -> Callable[[], Callable[[str], Reply]]:
+def trtmoe_connect(url: str) -> Callable[[], Callable[[str, int], Reply]]:
     """Through trtmoe's own client (``trtmoe.triton.client.generate``, tritonclient's stream API)."""
     import numpy as np
     import tritonclient.grpc as grpcclient
 
     from trtmoe.triton.client import generate
 
-    extra = {"min_tokens": np.array([[tokens]], dtype=np.int32),
-             "return_num_output_tokens": np.array([[True]], dtype=bool)}
+    flag = {"return_num_output_tokens": np.array([[True]], dtype=bool)}
 
     def connect() -> Callable[[str], Reply]:
         client = grpcclient.InferenceServerClient(url)
 
-        def call(prompt: str) -> Reply:
+        def call(prompt: str, tokens: int) -> Reply:
+            extra = {"min_tokens": np.array([[tokens]], dtype=np.int32), **flag}
             r = generate(url, prompt, max_tokens=tokens, check=False, client=client, extra=extra)
             counts = r.output_token_counts or list(range(1, len(r.response_times) + 1))
             return Reply("".join(r.pieces), list(r.response_times), list(counts))
@@ -531,7 +553,7 @@ class Trtmoe(Server):
         convert(a.fixture, ckpt, dtype="float32")
         engine = self.workdir / "engine"
         engine.mkdir()
-        build = {"max_batch_size": max(a.concurrency), "max_input_len": 64, "max_seq_len": 64 + a.tokens + 8,
+        build = {"max_batch_size": max(a.concurrency), "max_input_len": 64, "max_seq_len": 64 + max_tokens(a) + 8,
                  "max_beam_width": 1, "tokens_per_block": 32}
         (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt",
                                                         "build_config": build}))
@@ -544,7 +566,7 @@ class Trtmoe(Server):
         self.note = f"torch threads {threads}, float32, Triton gRPC stream"
 
     def connect(self):
-        return trtmoe_grpc_connect(self.server.endpoints.grpc, self.args.tokens)
+        return trtmoe_grpc_connect(self.server.endpoints.grpc)
 
     def rss(self) -> float:
         return stack_rss_mb(self.server)["total"]
@@ -557,7 +579,7 @@ class TrtmoeTritonclient(Trtmoe):
     name = "trtmoe-tritonclient"
 
     def connect(self):
-        return trtmoe_connect(self.server.endpoints.grpc, self.args.tokens)
+        return trtmoe_connect(self.server.endpoints.grpc)
 
     def stop(self) -> None:
         if getattr(self, "server", None) is not None:
@@ -577,7 +599,7 @@ class TrtmoeHttp(Trtmoe):
         self.note = self.note.replace("Triton gRPC stream", "Triton HTTP generate_stream")
 
     def connect(self):
-        return triton_sse_connect(self.server.endpoints.http_port, self.args.tokens)
+        return triton_sse_connect(self.server.endpoints.http_port)
 
 
 _TREE_LAUNCHER = r"""
@@ -630,7 +652,7 @@ class TrtmoeTree(Trtmoe):
                 "tree": str(self.tree.resolve()),
                 "timeout": a.ready_timeout, "log": str(self.log),
                 "build": {"max_batch_size": max(a.concurrency), "max_input_len": 64,
-                          "max_seq_len": 64 + a.tokens + 8, "max_beam_width": 1, "tokens_per_block": 32}}
+                          "max_seq_len": 64 + max_tokens(a) + 8, "max_beam_width": 1, "tokens_per_block": 32}}
         env = {**os.environ, "PYTHONPATH": str(self.tree)}
         self.launcher = subprocess.Popen([sys.executable, "-c", _TREE_LAUNCHER, json.dumps(spec)], cwd=self.tree,
                                          env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -643,7 +665,7 @@ class TrtmoeTree(Trtmoe):
         self.note = f"sources {self.tree}, torch threads {a.torch_threads}, float32, Triton gRPC stream"
 
     def connect(self):
-        return trtmoe_grpc_connect(self.grpc, self.args.tokens)
+        return trtmoe_grpc_connect(self.grpc)
 
     @property
     def pgid(self) -> int:
@@ -692,9 +714,8 @@ class Vllm(Server):
         self.note = f"OMP threads {a.peer_threads}, float32, max-num-seqs {max(a.concurrency)}"
 
     def connect(self):
-        return openai_connect(self.port, "fixture", self.args.tokens,
-                              {"min_tokens": self.args.tokens, "ignore_eos": True,
-                               "stream_options": {"include_usage": True}})
+        return openai_connect(self.port, "fixture", {"ignore_eos": True, "stream_options": {"include_usage": True}},
+                              min_tokens=True)
 
 
 def convert_gguf(args, outtype: str) -> Path:
@@ -797,13 +818,13 @@ class LlamaCpp(Server):
                    str(a.peer_threads), "--n_ctx", "512", "--model_alias", "fixture",
                    "--interrupt_requests", "False"]  # its default ends a stream when another request arrives
             self.kind = "llama-cpp-python"
-            self.extra = {"min_tokens": a.tokens, "repeat_penalty": 1.0}  # its default, 1.1, is not greedy
+            self.extra = {"repeat_penalty": 1.0}  # its default, 1.1, is not greedy
             env = llamacpp_lib_env(a)
         self._spawn(cmd, env, self.port, "/v1/models" if not self.binary else "/health")
         self.note = f"{self.kind}, {self.outtype} GGUF, threads {a.peer_threads}"
 
     def connect(self):
-        return openai_connect(self.port, "fixture", self.args.tokens, self.extra)
+        return openai_connect(self.port, "fixture", self.extra, min_tokens=not self.binary)
 
 
 # ------------------------------------------------------------------ reference and report
@@ -837,6 +858,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, nargs="+", default=[12, 32, 96],
                     help="requests per concurrency level (one per level, in order)")
     ap.add_argument("--tokens", type=int, default=64, help="greedy output tokens per request")
+    ap.add_argument("--vary-tokens", action="store_true",
+                    help="requests ask for 0.25-1.75x --tokens (mean --tokens; the same sequence on every server), "
+                         "so streams end at different steps as in real traffic")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch threads of trtmoe's engine [default: the repository's default]")
@@ -914,7 +938,7 @@ def main() -> None:
                 for i, (c, n) in enumerate(zip(args.concurrency, args.requests)):
                     snap0 = stack_snapshot(s.pgid) if s.breakdown else None
                     srv0, cli0 = group_cpu_s(s.pgid), time.process_time()
-                    r = run_level(s.connect(), c, n, args.tokens)
+                    r = run_level(s.connect(), c, n, args.tokens, args.vary_tokens)
                     if r["tokens"]:  # CPU per output token: the server's process group, and this load generator
                         r["server_cpu_us_per_token"] = 1e6 * (group_cpu_s(s.pgid) - srv0) / r["tokens"]
                         r["client_cpu_us_per_token"] = 1e6 * (time.process_time() - cli0) / r["tokens"]
@@ -938,12 +962,14 @@ def main() -> None:
         ref = {}
         if not args.no_reference:
             print("transformers greedy reference (float32) ...", flush=True)
-            ref = transformers_greedy(args.fixture, PROMPTS, args.tokens)
+            ref = transformers_greedy(args.fixture, PROMPTS, max_tokens(args))
 
         med = {name: [statistics.median(r["tok_s"] for r in lvl) for lvl in lvls] for name, lvls in rows.items()}
         base = med.get("trtmoe")
         print()
-        print(f"{args.tokens} greedy tokens/request; requests {'/'.join(map(str, args.requests))} at concurrency "
+        per = (f"{round(args.tokens * min(VARY_FACTORS))}-{max_tokens(args)} (mean {args.tokens}) greedy tokens/request"
+               if args.vary_tokens else f"{args.tokens} greedy tokens/request")
+        print(f"{per}; requests {'/'.join(map(str, args.requests))} at concurrency "
               f"{'/'.join(map(str, args.concurrency))}; median of {args.rounds} interleaved rounds; cpu cores "
               f"{os.cpu_count()}; load average {load_end} at the end")
         head = " | ".join(f"c={c} tok/s (x trtmoe)" for c in args.concurrency)
@@ -968,7 +994,11 @@ def main() -> None:
                 for r in lvl:
                     for p, t in r["texts"].items():
                         texts.setdefault(p, set()).add(t)
-            if ref:
+            varied = [pt for lvl in rows[s.name] for r in lvl for pt in r["vary_texts"]]
+            if ref and varied:  # each reply (of its own length) is where the longest greedy reply starts
+                same = sum(1 for p, t in varied if t and ref[p].startswith(t))
+                greedy = f"{same}/{len(varied)} replies" + ("" if s.greedy_exact else " (not expected)")
+            elif ref:
                 same = sum(1 for p in texts if texts[p] == {ref[p]})
                 greedy = f"{same}/{len(texts)} prompts" + ("" if s.greedy_exact else " (not expected)")
             else:
@@ -980,7 +1010,7 @@ def main() -> None:
             report.append({"server": s.name, "note": s.note, "tok_s_median": dict(zip(args.concurrency, m)),
                            "idle_rss_mb": s.idle_rss_mb, "ready_s": s.ready_s, "greedy_match": greedy,
                            "cpu_s_while_others_ran": spin[s.name],
-                           "rounds": [[{k: v for k, v in r.items() if k != "texts"} for r in lvl]
+                           "rounds": [[{k: v for k, v in r.items() if k not in ("texts", "vary_texts")} for r in lvl]
                                       for lvl in rows[s.name]]})
         for name, why in skipped.items():
             print(f"| {name} | not measured: {why.splitlines()[0][:200]} |")
