@@ -76,6 +76,33 @@ def test_decode_statistics_are_every_token_routed(engine):
         eng.layer_hook = None
 
 
+def test_queued_records_stay_bounded_and_complete(engine):
+    """Long decodes queue at most a bounded amount for a reader to add (so a metrics read never holds
+    the decode thread up for long): by block count for one-token steps, by values for wide batches;
+    the totals still count every routed token."""
+    eng = engine
+    eng.reset_routing_stats()
+    exp = _observed(eng)
+    try:
+        g = torch.Generator().manual_seed(2)
+        peak = {}
+        for B in (1, 32):  # 16 router values per token: the block bound first, then the values bound
+            eng.routing_stats()  # a read adds what is queued (and changes no total)
+            prompts = torch.randint(4, eng.vocab_size, (B, 3), generator=g).tolist()
+            seqs = eng.start_many(prompts, [SamplingParams(max_new_tokens=150) for _ in prompts])
+            most = (0, 0)
+            for _ in range(149):
+                eng.step(seqs)
+                most = (max(most[0], len(eng._pending)), max(most[1], eng._pending_elems))
+            peak[B] = most
+        assert peak[1][0] == eng._PENDING_BLOCKS - 1  # 149 one-token steps: flushed at 64 blocks
+        per_block = L * 32 * E  # router logits of a 32-token step
+        assert peak[32] == (eng._PENDING_ELEMS // per_block - 1, eng._PENDING_ELEMS - per_block)
+        _check(eng.routing_stats(), exp)
+    finally:
+        eng.layer_hook = None
+
+
 def test_reads_from_another_thread_are_consistent_snapshots(engine):
     """A metrics thread reads while the engine decodes: every snapshot's counts are exactly top_k
     per routed token and layer (never a step half added), and the final totals are complete."""
