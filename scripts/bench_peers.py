@@ -19,8 +19,8 @@ Mixtral checkpoint with its own tokenizer) and driven by ONE closed-loop streami
 Each request asks for exactly --tokens greedy tokens (trtmoe ``min_tokens``; vLLM ``min_tokens`` +
 ``ignore_eos``; llama-cpp-python ``min_tokens``; llama-server ``ignore_eos``); with ``--vary-tokens``
 for 0.25-1.75x that (the same sequence of lengths on every server), so that streams end at different
-steps as in real traffic, where a batch's sequences are no longer started and finished together. Default load: 12, 32 and 96
-requests at concurrency 1, 8 and 32, repeated for --rounds rounds; the rounds are interleaved
+steps as in real traffic, where a batch's sequences are no longer started and finished together.
+Default load: 12, 32 and 96 requests at concurrency 1, 8 and 32, repeated for --rounds rounds; the rounds are interleaved
 (round 1 of every server, then round 2 of every server, ...) and the table shows medians over rounds.
 All servers stay up for the whole run; the CPU time each one burns while another is measured is printed,
 so an idle server that spins is visible. Output tokens/s per concurrency (with the scaling against the
@@ -134,14 +134,14 @@ class Reply:
     counts: list[int] = field(default_factory=list)
 
 
-def max_tokens(args) -> int:
-    """The most tokens one request asks for."""
-    return round(args.tokens * max(VARY_FACTORS)) if args.vary_tokens else args.tokens
-
-
 # --vary-tokens: request r of stream w asks for tokens x VARY_FACTORS[(3 w + r) % 8] (mean 1), the same
 # sequence on every server, so streams end at different steps as real traffic does.
 VARY_FACTORS = (0.25, 1.75, 0.5, 1.5, 1.0, 0.75, 1.25, 1.0)
+
+
+def max_tokens(args) -> int:
+    """The most tokens one request asks for."""
+    return round(args.tokens * max(VARY_FACTORS)) if args.vary_tokens else args.tokens
 
 
 def request_tokens(tokens: int, vary: bool, w: int, r: int) -> int:
@@ -153,8 +153,7 @@ def run_level(connect: Callable[[], Callable[[str, int], Reply]], concurrency: i
     """``concurrency`` closed-loop streams sending ``requests`` requests in all (back to back), each for
     ``tokens`` greedy tokens (``vary``: see ``request_tokens``)."""
     per = -(-requests // concurrency)
-    results: list[tuple[str, Reply]] = []
-    asked: list[int] = []
+    results: list[tuple[str, Reply, int]] = []  # prompt, reply, tokens asked (one append per request)
     errors: list[str] = []
     barrier = threading.Barrier(concurrency + 1)
 
@@ -165,8 +164,7 @@ def run_level(connect: Callable[[], Callable[[str, int], Reply]], concurrency: i
             prompt = PROMPTS[(w + r) % len(PROMPTS)]
             n = request_tokens(tokens, vary, w, r)
             try:
-                results.append((prompt, call(prompt, n)))
-                asked.append(n)
+                results.append((prompt, call(prompt, n), n))
             except Exception as e:  # noqa: BLE001 - reported in the table
                 errors.append(f"{type(e).__name__}: {e}"[:300])
 
@@ -178,21 +176,21 @@ def run_level(connect: Callable[[], Callable[[str, int], Reply]], concurrency: i
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    out_tokens = sum(r.counts[-1] if r.counts else 0 for _, r in results)
-    ttft = [r.times[0] * 1e3 for _, r in results if r.times]
+    out_tokens = sum(r.counts[-1] if r.counts else 0 for _, r, _ in results)
+    ttft = [r.times[0] * 1e3 for _, r, _ in results if r.times]
     itl = []  # one sample per token: a response carrying k tokens after a gap g counts k times g/k
-    for _, r in results:
+    for _, r, _ in results:
         for (a, b), (na, nb) in zip(zip(r.times, r.times[1:]), zip(r.counts, r.counts[1:])):
             k = max(nb - na, 1)
             itl += [(b - a) * 1e3 / k] * k
-    short = sum(1 for (_, r), n in zip(results, asked) if (r.counts[-1] if r.counts else 0) != n)
+    short = sum(1 for _, r, n in results if (r.counts[-1] if r.counts else 0) != n)
     return {"concurrency": concurrency, "requests": len(results), "errors": len(errors), "first_error": errors[:1],
             "short_replies": short, "tokens": out_tokens, "wall_s": wall, "tok_s": out_tokens / wall if wall else 0.0,
             "ttft_p50_ms": pct(ttft, 50), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
             "itl_max_ms": max(itl, default=0.0),
-            "tokens_per_response": out_tokens / max(sum(len(r.times) for _, r in results), 1),
-            "texts": {p: r.text for p, r in results} if not vary else {},
-            "vary_texts": [(p, r.text) for p, r in results] if vary else []}
+            "tokens_per_response": out_tokens / max(sum(len(r.times) for _, r, _ in results), 1),
+            "texts": {p: r.text for p, r, _ in results} if not vary else {},
+            "vary_texts": [(p, r.text) for p, r, _ in results] if vary else []}
 
 
 def openai_connect(port: int, model: str, extra: dict, min_tokens: bool = False
