@@ -1042,20 +1042,17 @@ class EmbeddedEngine:
         Such a batch runs in slot order, where every layer reads its keys and values as a view of
         the pool rather than gathering them, and the logits are put back in the caller's order."""
         slots = [s.slot for s in rows]
+        block = list(range(min(slots), min(slots) + len(slots)))
         order = None
-        lo = min(slots)
-        if slots != list(range(lo, lo + len(slots))) and sorted(slots) == list(range(lo, lo + len(slots))):
+        if slots != block and sorted(slots) == block:
             order = sorted(range(len(rows)), key=slots.__getitem__)
             rows = [rows[i] for i in order]
         ids_pos = torch.tensor([[s.last_token, s.length] for s in rows], device=self.device)
-        ids, pos = ids_pos[:, :1], ids_pos[:, 1:]
-        logits = self._forward(ids, pos, rows)[:, -1]
+        logits = self._forward(ids_pos[:, :1], ids_pos[:, 1:], rows)[:, -1]
         if order is None:
             return logits
-        back = [0] * len(order)
-        for i, j in enumerate(order):
-            back[j] = i
-        return logits.index_select(0, torch.tensor(back, device=logits.device))
+        # Row i of the caller is row slots[i] - min(slots) of the slot-ordered batch.
+        return logits.index_select(0, torch.tensor([sl - block[0] for sl in slots], device=logits.device))
 
     # ---- beam search ------------------------------------------------------------------------------
     def _beam_log_probs(self, beams: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
