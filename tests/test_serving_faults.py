@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,10 +41,15 @@ from trtmoe.triton.serve import (STUB_NAME, Endpoints, RestartBudget, TritonServ
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
 BUILD = {"max_batch_size": 16, "max_input_len": 64, "max_seq_len": 512, "max_beam_width": 1, "tokens_per_block": 32}
-# Tokens asked for (min_tokens too, so no end token cuts it short): as many as the fixture's context
-# allows, so that a cancel landing late on a loaded machine still leaves most of them ungenerated
-# (the fixture decodes a token in a few ms). A cancelled request must stop before 3/4 of them.
+# Tokens asked for (min_tokens too, so no end token cuts it short): as many as the context allows, so
+# that a cancel landing late on a loaded machine still leaves most of them ungenerated. A cancelled
+# request must stop before 3/4 of them.
 LONG = 500
+# The served model: a tiny random Mixtral DEEP layers deep with the trained fixture's tokenizer. The
+# fixture itself (4 layers) generated all LONG tokens in 0.3 s on a fast machine, before these tests'
+# cancels landed; at 64 layers a token costs 16x the per-layer work (6.7 ms in-process on that
+# machine), so a generation lasts seconds on any machine and its cancel lands inside it.
+DEEP = 64
 
 if not (FIXTURE / "config.json").is_file():
     pytest.skip("tests/fixtures/trained_mixtral is missing (make it with scripts/make_trained_fixture.py)",
@@ -51,9 +57,12 @@ if not (FIXTURE / "config.json").is_file():
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    convert(FIXTURE, root / "ckpt", dtype="float32")
+    model = Path(shutil.copytree(tiny_model("mixtral", vocab_size=2048, num_hidden_layers=DEEP), root / "model"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(FIXTURE / f, model / f)
+    convert(model, root / "ckpt", dtype="float32")
     engine = root / "engine"
     engine.mkdir()
     (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": BUILD}))
