@@ -270,7 +270,7 @@ def routing_split(eng, ids, fi: dict, fmt_name: str) -> dict:
         if li not in frozen:
             return own_moe(li, lay, x, valid, stats)
         h = x.reshape(-1, x.shape[-1])
-        logits = F.linear(h.float(), lay.router)
+        logits = lay.router(h.float())
         idx = frozen[li]
         w = (logits.gather(-1, idx).softmax(-1) if c.normalization_mode == NORM_RENORMALIZE
              else logits.softmax(-1).gather(-1, idx)).to(h.dtype)

@@ -31,7 +31,7 @@ def _observed(eng: EmbeddedEngine):
            "weight_mass": torch.zeros(L, E, dtype=torch.float64), "tokens": 0}
 
     def layer_hook(li, h):
-        p = torch.nn.functional.linear(h.float(), eng.layers[li].router).softmax(-1).double()
+        p = eng.layers[li].router(h.float()).softmax(-1).double()
         exp["entropy_sum"][li] += float(-(p * p.clamp_min(1e-30).log()).sum())
         top, idx = p.topk(c.top_k, dim=-1)  # RENORMALIZE: the softmax of the top-k logits
         w = top / top.sum(-1, keepdim=True)

@@ -94,10 +94,11 @@ class _MatrixSwapped(ExpertBank):
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if e != self.e:
             return self.base.forward(e, x)
-        h = x @ self.base.fc[e].t() if self.fc is None else self.fc[0].linear(x, self.fc[1])
+        mm = self.base.matmul
+        h = self.base.fc_out(e, x) if self.fc is None else self.fc[0].linear(x, self.fc[1], mm)
         up, gate = h.chunk(2, dim=-1)
         a = F.silu(gate) * up
-        return a @ self.base.proj[e].t() if self.proj is None else self.proj[0].linear(a, self.proj[1])
+        return self.base.proj_out(e, a) if self.proj is None else self.proj[0].linear(a, self.proj[1], mm)
 
     def format_of(self, e: int) -> str:
         if e != self.e:

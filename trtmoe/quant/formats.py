@@ -24,6 +24,7 @@ Numerics shared by the integer formats:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -43,6 +44,9 @@ __all__ = [
     "pack_int4",
     "unpack_int4",
 ]
+
+# ``matmul(x, w_t)``: float32 activations [..., N, in] times a dequantized weight [..., in, out].
+Matmul = Callable[[Tensor, Tensor], Tensor]
 
 GROUP_SIZE = 128  # ModelOpt's default AWQ block size
 TRTLLM_GROUP_SIZES = (64, 128)  # the only group sizes the CUTLASS fpA_intB fine-grained kernels accept
@@ -171,12 +175,14 @@ class QuantFormat:
         """The effective weight ``[..., out, in]`` in ``dtype``, from the packed tensors."""
         raise NotImplementedError
 
-    def linear(self, x: Tensor, packed: dict[str, Tensor]) -> Tensor:
+    def linear(self, x: Tensor, packed: dict[str, Tensor], matmul: Matmul = torch.matmul) -> Tensor:
         """``y = x @ W.T`` with ``W`` rebuilt from the packed bytes on each call.
 
         ``x [..., N, in]`` → ``[..., N, out]`` in ``x.dtype``; the weight is dequantized into
         the model dtype (as the fpA_intB mixed-GEMM kernels do) and the product is accumulated
         in float32. Stacked packed tensors broadcast against ``x`` like ``torch.matmul``.
+        ``matmul`` multiplies the float32 activations by the dequantized ``W.T`` (the engine passes
+        its CPU library choice, ``trtmoe.runtime.matmul``).
         """
         raise NotImplementedError
 
@@ -222,11 +228,11 @@ class FloatFormat(QuantFormat):
         _need(packed, ("weight",), self.name)
         return packed["weight"].to(dtype)
 
-    def linear(self, x: Tensor, packed: dict[str, Tensor]) -> Tensor:
+    def linear(self, x: Tensor, packed: dict[str, Tensor], matmul: Matmul = torch.matmul) -> Tensor:
         _need(packed, ("weight",), self.name)
         w = packed["weight"]
         _check_x(x, w.shape[-1], self.name)
-        return torch.matmul(x.float(), w.float().transpose(-1, -2)).to(x.dtype)
+        return matmul(x.float(), w.float().transpose(-1, -2)).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -297,13 +303,13 @@ class PerChannelIntFormat(QuantFormat):
         # int8 × a 16-bit-float scale is exact in float32; the single rounding is into dtype.
         return (q.float() * s.unsqueeze(-2)).transpose(-1, -2).to(dtype)
 
-    def linear(self, x: Tensor, packed: dict[str, Tensor]) -> Tensor:
+    def linear(self, x: Tensor, packed: dict[str, Tensor], matmul: Matmul = torch.matmul) -> Tensor:
         q = self._codes_in_out(packed)  # [..., in, out]
         _check_x(x, q.shape[-2], self.name)
         s = packed["per_channel_scale"]
         # Codes are exact in the model dtype; the product rounds once into it, like the kernel.
         w_t = (q.to(s.dtype) * s.unsqueeze(-2)).float()
-        return torch.matmul(x.float(), w_t).to(x.dtype)
+        return matmul(x.float(), w_t).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -399,7 +405,7 @@ class GroupInt4Format(QuantFormat):
         # y = (x * pq) @ W.T, so the effective weight carries pq on its input columns.
         return (q.float() * self._grouped_scale(packed) * pq).to(dtype)
 
-    def linear(self, x: Tensor, packed: dict[str, Tensor]) -> Tensor:
+    def linear(self, x: Tensor, packed: dict[str, Tensor], matmul: Matmul = torch.matmul) -> Tensor:
         q = self._codes(packed)
         _check_x(x, q.shape[-1], self.name)
         s = packed["weights_scaling_factor"]
@@ -410,7 +416,7 @@ class GroupInt4Format(QuantFormat):
         # [1, in] (shared), or [E, 1, in] stacked with the weights: each expert's rows get their own
         pq = pq.reshape(-1) if pq.dim() <= 2 else pq
         xs = (x * pq.to(x.dtype)).float()
-        return torch.matmul(xs, w.transpose(-1, -2)).to(x.dtype)
+        return matmul(xs, w.transpose(-1, -2)).to(x.dtype)
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:

@@ -34,6 +34,7 @@ from ..model.params import count_params
 from .beam import BeamState, Hypothesis
 from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
 from .experts import STACK_MAX_ROWS, ExpertBank, load_expert_bank
+from .matmul import Dense, check_mode, dense
 
 
 @dataclass
@@ -234,22 +235,22 @@ class _KVPool:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    wqkv: torch.Tensor  # [q; k; v] rows: one matmul per layer
-    wo: torch.Tensor
+    wqkv: Dense  # [q; k; v] rows: one matmul per layer
+    wo: Dense
     input_norm_b: torch.Tensor | None = None  # LayerNorm biases
     post_norm_b: torch.Tensor | None = None
     bqkv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    router: torch.Tensor | None = None  # [E, H] float32
+    router: Dense | None = None  # [E, H] float32
     experts: ExpertBank | None = None
-    shared_fc: torch.Tensor | None = None  # [2S, H] = [up; gate]
-    shared_proj: torch.Tensor | None = None
-    shared_gate: torch.Tensor | None = None  # [1, H]
-    dense_gate: torch.Tensor | None = None  # TRT mlp.fc (activated)
-    dense_up: torch.Tensor | None = None  # TRT mlp.gate
-    dense_down: torch.Tensor | None = None
+    shared_fc: Dense | None = None  # [2S, H] = [up; gate]
+    shared_proj: Dense | None = None
+    shared_gate: Dense | None = None  # [1, H]
+    dense_gate: Dense | None = None  # TRT mlp.fc (activated)
+    dense_up: Dense | None = None  # TRT mlp.gate
+    dense_down: Dense | None = None
 
 
 _RMS_CONSTS: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -294,10 +295,13 @@ class EmbeddedEngine:
     """Runs a TensorRT-LLM checkpoint directory with PyTorch."""
 
     def __init__(self, cfg: CheckpointConfig, device: torch.device, path: Path | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, cpu_matmul: str = "auto"):
         self.cfg = cfg
         self.device = device
         self.path = path
+        # Which library runs the CPU matrix products: "auto" (MKL, or oneDNN for large products),
+        # "blas" (MKL only); see trtmoe.runtime.matmul.
+        self.cpu_matmul = check_mode(cpu_matmul)
         self.dtype = cfg.dtype  # the checkpoint's weight dtype
         # Activations: float32 on CPU (16-bit float matmuls are emulated and ~10x slower there; the
         # weights keep their exact checkpoint values), the checkpoint dtype on CUDA.
@@ -308,7 +312,7 @@ class EmbeddedEngine:
         self.embedding: torch.Tensor | None = None
         self.final_norm: torch.Tensor | None = None
         self.final_norm_b: torch.Tensor | None = None
-        self.lm_head: torch.Tensor | None = None
+        self.lm_head: Dense | None = None
         self.lm_head_b: torch.Tensor | None = None
         hd = cfg.head_dim
         expo = cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd)
@@ -345,17 +349,18 @@ class EmbeddedEngine:
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, device: str | torch.device | None = None,
-                        max_seq_len: int | None = None, compute_dtype: torch.dtype | None = None
-                        ) -> "EmbeddedEngine":
+                        max_seq_len: int | None = None, compute_dtype: torch.dtype | None = None,
+                        cpu_matmul: str = "auto") -> "EmbeddedEngine":
         """Load a TensorRT-LLM checkpoint directory (config.json + rank*.safetensors).
 
         ``device``: None = CUDA when present, else CPU. ``compute_dtype``: activation dtype, by
-        default float32 on CPU and the checkpoint dtype on CUDA."""
+        default float32 on CPU and the checkpoint dtype on CUDA. ``cpu_matmul``: "auto" or "blas"
+        (see trtmoe.runtime.matmul)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         cfg = load_config(ckpt_dir)
-        eng = cls(cfg, device, Path(ckpt_dir), compute_dtype)
+        eng = cls(cfg, device, Path(ckpt_dir), compute_dtype, cpu_matmul)
         if max_seq_len:
             eng.max_seq_len = max_seq_len
         files = RankFiles(ckpt_dir, cfg)
@@ -369,31 +374,32 @@ class EmbeddedEngine:
         c, mp = self.cfg, self.cfg.mapping
         dev, cdt = self.device, self.compute_dtype
         to = lambda t: None if t is None else t.to(dev, cdt)  # noqa: E731
+        lin = lambda t: dense(to(t), self.cpu_matmul)  # noqa: E731
         g = {r.name: whole(files, r, "", 0) for r in global_rules(c, FIRST)}
         g.update({r.name: whole(files, r, "", mp.pp_size - 1) for r in global_rules(c, LAST)})
         self.embedding = to(g["transformer.vocab_embedding.weight"])
         self.final_norm, self.final_norm_b = to(g["transformer.ln_f.weight"]), to(g.get("transformer.ln_f.bias"))
-        self.lm_head, self.lm_head_b = to(g["lm_head.weight"]), to(g.get("lm_head.bias"))
+        self.lm_head, self.lm_head_b = lin(g["lm_head.weight"]), to(g.get("lm_head.bias"))
         for l in range(c.num_layers):
             p, j = mp.layer_owner(c.num_layers, l)
             pre = f"transformer.layers.{j}."
             # Tensors the target model has but the source did not are zeros: nothing to add.
             t = {r.name: whole(files, r, pre, p) for r in layer_rules(c, l) if r.shard != MOE_TP and not r.zeros(c)}
             lay = _Layer(input_norm=to(t["input_layernorm.weight"]), post_norm=to(t["post_layernorm.weight"]),
-                         wqkv=to(t["attention.qkv.weight"]), wo=to(t["attention.dense.weight"]),
+                         wqkv=lin(t["attention.qkv.weight"]), wo=lin(t["attention.dense.weight"]),
                          input_norm_b=to(t.get("input_layernorm.bias")), post_norm_b=to(t.get("post_layernorm.bias")),
                          bqkv=to(t.get("attention.qkv.bias")), bo=to(t.get("attention.dense.bias")),
                          q_norm=to(t.get("attention.q_layernorm.weight")),
                          k_norm=to(t.get("attention.k_layernorm.weight")))
             if c.moe_layers[l]:
-                lay.router = t["mlp.router.weight"].float().to(dev)
-                lay.experts = load_expert_bank(files, c, l, pre, p, dev, cdt)
-                lay.shared_fc = to(t.get("mlp.shared_expert.fc.weight"))  # [up; gate]
-                lay.shared_proj = to(t.get("mlp.shared_expert.proj.weight"))
-                lay.shared_gate = to(t.get("mlp.shared_expert_gate.weight"))
+                lay.router = dense(t["mlp.router.weight"].float().to(dev), self.cpu_matmul)
+                lay.experts = load_expert_bank(files, c, l, pre, p, dev, cdt, self.cpu_matmul)
+                lay.shared_fc = lin(t.get("mlp.shared_expert.fc.weight"))  # [up; gate]
+                lay.shared_proj = lin(t.get("mlp.shared_expert.proj.weight"))
+                lay.shared_gate = lin(t.get("mlp.shared_expert_gate.weight"))
             else:
-                lay.dense_gate, lay.dense_up = to(t["mlp.fc.weight"]), to(t["mlp.gate.weight"])
-                lay.dense_down = to(t["mlp.proj.weight"])
+                lay.dense_gate, lay.dense_up = lin(t["mlp.fc.weight"]), lin(t["mlp.gate.weight"])
+                lay.dense_down = lin(t["mlp.proj.weight"])
             self.layers.append(lay)
 
     # ---- facts ----------------------------------------------------------------------------------
@@ -493,7 +499,7 @@ class EmbeddedEngine:
         h = x.reshape(-1, shape[-1])
         if self.layer_hook is not None:
             self.layer_hook(li, h)
-        logits = F.linear(h if h.dtype == torch.float32 else h.float(), lay.router)
+        logits = lay.router(h if h.dtype == torch.float32 else h.float())
         probs = None  # the router probabilities, where routing itself needs them
         if c.normalization_mode == NORM_NONE:
             probs = logits.softmax(-1)
@@ -552,11 +558,11 @@ class EmbeddedEngine:
     def _moe_tail(self, li: int, lay: _Layer, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                   out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         if lay.shared_fc is not None:
-            hs = F.linear(h, lay.shared_fc)
+            hs = lay.shared_fc(h)
             up, gate = hs.chunk(2, dim=-1)
-            s = F.linear(F.silu(gate) * up, lay.shared_proj)
+            s = lay.shared_proj(F.silu(gate) * up)
             if lay.shared_gate is not None:
-                s = torch.sigmoid(F.linear(h, lay.shared_gate)) * s
+                s = torch.sigmoid(lay.shared_gate(h)) * s
             out = out + s
         if self.moe_hook is not None:
             self.moe_hook(li, h, idx, w, out)
@@ -636,7 +642,7 @@ class EmbeddedEngine:
         self._mass.view(-1).index_add_(0, flat, torch.stack([r[4] for recs in run for r in recs]).view(-1).double())
 
     def _dense(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, lay.dense_gate)) * F.linear(x, lay.dense_up), lay.dense_down)
+        return lay.dense_down(F.silu(lay.dense_gate(x)) * lay.dense_up(x))
 
     def _cache_plan(self, seqs: list[Sequence], pos: torch.Tensor, T: int) -> dict:
         """What every layer's attention needs to write and read the pooled cache for this batch,
@@ -676,7 +682,7 @@ class EmbeddedEngine:
         c = self.cfg
         B, T, _ = x.shape
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        qkv = F.linear(x, lay.wqkv)
+        qkv = lay.wqkv(x)
         if lay.bqkv is not None:
             qkv = qkv + lay.bqkv
         v = qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd)
@@ -717,14 +723,14 @@ class EmbeddedEngine:
                 # against that head's keys, so no grouped-query expansion is needed.
                 o = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, hd), kk, vv, attn_mask=mask,
                                                    scale=1.0 / math.sqrt(hd))
-                o = F.linear(o.reshape(B, T, nh * hd), lay.wo)
+                o = lay.wo(o.reshape(B, T, nh * hd))
                 return o if lay.bo is None else o + lay.bo
         if seqs is None:
             kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)  # [B, heads, L, hd] views
         # Grouped-query heads read their shared KV head in place (no repeated copy of the cache).
         o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=causal and T > 1,
                                            scale=1.0 / math.sqrt(hd), enable_gqa=nh != nkv)
-        o = F.linear(o.transpose(1, 2).reshape(B, T, nh * hd), lay.wo)
+        o = lay.wo(o.transpose(1, 2).reshape(B, T, nh * hd))
         return o if lay.bo is None else o + lay.bo
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None,
@@ -768,7 +774,7 @@ class EmbeddedEngine:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head: hidden states [..., H] -> float32 logits [..., V]."""
         x = self._norm(x, self.final_norm, self.final_norm_b)
-        logits = F.linear(x, self.lm_head)
+        logits = self.lm_head(x)
         if self.lm_head_b is not None:
             logits = logits + self.lm_head_b
         return logits if logits.dtype == torch.float32 else logits.float()

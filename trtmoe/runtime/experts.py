@@ -19,6 +19,7 @@ from ..errors import CheckpointError
 from ..hf.adapters import expert_rules
 from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
+from .matmul import matmul_for, mm_t, onednn_available, uses_onednn
 
 
 # Row blocks up to this size (a decode step, a short prompt) may run stacked: a packed bank's busy
@@ -92,19 +93,28 @@ class FloatExperts(ExpertBank):
     The weights are held transposed ([E, H, 2I] and [E, I, H], contiguous: what ``x @ w.t()``
     multiplies, read row by row), and ``fc`` / ``proj`` are [E, 2I, H] / [E, H, I] views of them. Out of
     cache (a decode step streams every busy expert's weights) a matmul reads this layout measurably
-    faster on CPU than the transposed view of a row-major [2I, H] weight."""
+    faster on CPU than the transposed view of a row-major [2I, H] weight. With ``cpu_matmul`` "auto",
+    an expert's large blocks of rows run through oneDNN (``trtmoe.runtime.matmul.mm_t``)."""
 
-    def __init__(self, fc: torch.Tensor, proj: torch.Tensor, fmt: str):
+    def __init__(self, fc: torch.Tensor, proj: torch.Tensor, fmt: str, cpu_matmul: str = "blas"):
         fc_t, proj_t = fc.transpose(1, 2).contiguous(), proj.transpose(1, 2).contiguous()
         self.fc, self.proj, self.fmt = fc_t.transpose(1, 2), proj_t.transpose(1, 2), fmt
         self._fc_t = list(fc_t.unbind(0))
         self._proj_t = list(proj_t.unbind(0))
+        self._onednn = uses_onednn(cpu_matmul, fc_t[0])
+        self.matmul = matmul_for(self._onednn)  # what a quantized stand-in for one of its matrices runs
+
+    def fc_out(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """``x @ fc[e].T``: expert ``e``'s [up; gate] pre-activations."""
+        return mm_t(x, self._fc_t[e], self._onednn) if x.dim() == 2 else x @ self._fc_t[e]
+
+    def proj_out(self, e: int, a: torch.Tensor) -> torch.Tensor:
+        """``a @ proj[e].T``: expert ``e``'s output from its activations."""
+        return mm_t(a, self._proj_t[e], self._onednn) if a.dim() == 2 else a @ self._proj_t[e]
 
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        h = torch.mm(x, self._fc_t[e]) if x.dim() == 2 else x @ self._fc_t[e]
-        up, gate = h.chunk(2, dim=-1)
-        a = F.silu(gate).mul_(up)
-        return torch.mm(a, self._proj_t[e]) if a.dim() == 2 else a @ self._proj_t[e]
+        up, gate = self.fc_out(e, x).chunk(2, dim=-1)
+        return self.proj_out(e, F.silu(gate).mul_(up))
 
     def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         # Each busy expert's two matmuls write into its rows of one buffer per matrix, and the
@@ -120,12 +130,12 @@ class FloatExperts(ExpertBank):
         h = x.new_empty(M, self.fc.shape[1])
         # Each busy expert's rows as views, cut in one call per tensor.
         for e, xe, he in zip(busy, x.split(sizes), h.split(sizes)):
-            torch.mm(xe, self._fc_t[e], out=he)
+            mm_t(xe, self._fc_t[e], self._onednn, out=he)
         up, gate = h.chunk(2, dim=-1)
         act = F.silu(gate).mul_(up)
         y = x.new_empty(M, self.proj.shape[1])
         for e, ae, ye in zip(busy, act.split(sizes), y.split(sizes)):
-            torch.mm(ae, self._proj_t[e], out=ye)
+            mm_t(ae, self._proj_t[e], self._onednn, out=ye)
         return y
 
     def format_of(self, e: int) -> str:
@@ -225,10 +235,14 @@ class PackedExperts(ExpertBank):
     busiest one's), so a decode step unpacks each layer's packed bytes in one go instead of once per
     expert. Busy blocks (prefill) keep one call per expert, where padding would cost more."""
 
-    def __init__(self, shards: list[list[PackedShard]], fc_names: list[str], proj_names: list[str] | None = None):
+    def __init__(self, shards: list[list[PackedShard]], fc_names: list[str], proj_names: list[str] | None = None,
+                 cpu_matmul: str = "blas"):
         self.shards, self._stacks = _stack_shards(shards)
         self.fc_names = fc_names
         self.proj_names = list(fc_names) if proj_names is None else proj_names
+        # Dequantized float32 weights on CPU: a large block of rows may go to oneDNN.
+        dev = next(iter(shards[0][0].fc.values())).device if shards and shards[0] else torch.device("cpu")
+        self.matmul = matmul_for(cpu_matmul == "auto" and dev.type == "cpu" and onednn_available())
 
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         y = None
@@ -238,9 +252,9 @@ class PackedExperts(ExpertBank):
         return y
 
     def _shard_forward(self, sh: PackedShard, x: torch.Tensor) -> torch.Tensor:
-        h = sh.fc_fmt.linear(x, sh.fc)
+        h = sh.fc_fmt.linear(x, sh.fc, self.matmul)
         up, gate = h.chunk(2, dim=-1)
-        return sh.proj_fmt.linear(F.silu(gate) * up, sh.proj)
+        return sh.proj_fmt.linear(F.silu(gate) * up, sh.proj, self.matmul)
 
     def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         M = x.shape[0]
@@ -349,13 +363,13 @@ def slot_formats(cfg, layer: int) -> tuple[str, list[str], list[str]]:
 
 
 def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
-                     compute_dtype: torch.dtype | None = None) -> ExpertBank:
+                     compute_dtype: torch.dtype | None = None, cpu_matmul: str = "blas") -> ExpertBank:
     gran, fc_names, proj_names = slot_formats(cfg, layer)
     dt = cfg.dtype
     if gran == "layer" and fc_names[0] == FLOAT:
         fc, proj = _float_fc_proj(files, cfg, pre, pp_rank)
         cdt = compute_dtype or dt
-        return FloatExperts(fc.to(device, cdt), proj.to(device, cdt), str(dt).replace("torch.", ""))
+        return FloatExperts(fc.to(device, cdt), proj.to(device, cdt), str(dt).replace("torch.", ""), cpu_matmul)
     mp = cfg.mapping
     E_loc = cfg.num_experts // mp.moe_ep_size
     shards: list[list[PackedShard]] = [[] for _ in range(cfg.num_experts)]
@@ -385,4 +399,4 @@ def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
                     proj = f.read(f"{pre}mlp.proj.weight")[i]
                     parts = {"fc": fmts["fc"].quantize(fc, dtype=dt), "proj": fmts["proj"].quantize(proj, dtype=dt)}
                 shards[slot].append(PackedShard(fmts["fc"], mv(parts["fc"]), fmts["proj"], mv(parts["proj"])))
-    return PackedExperts(shards, list(fc_names), list(proj_names))
+    return PackedExperts(shards, list(fc_names), list(proj_names), cpu_matmul)

@@ -1,0 +1,117 @@
+"""The engine's CPU matrix products (trtmoe.runtime.matmul): large products go to oneDNN and small
+ones stay with MKL, the two agree to float32 rounding, gradients still flow, and ``cpu_matmul="blas"``
+keeps every product on MKL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from trtmoe.checkpoint.writer import convert
+from trtmoe.errors import InputError
+from trtmoe.hf.reader import HFCheckpoint
+from trtmoe.quant.plan import uniform_plan
+from trtmoe.runtime import matmul
+from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
+
+pytestmark = pytest.mark.skipif(not matmul.onednn_available(),
+                                reason="this PyTorch build has no oneDNN float32 linear: every product runs on MKL")
+
+ONEDNN_OP = "mkldnn::_linear_pointwise"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_model, tmp_path_factory):
+    # Hidden 256, vocabulary 4096: the lm_head product holds 1M multiply-adds from one row on, the
+    # experts' (256 -> 2 x 512) from eight rows on.
+    model = tiny_model("mixtral", num_hidden_layers=2, hidden_size=256, intermediate_size=512, head_dim=64,
+                       vocab_size=4096, seed=5)
+    out = tmp_path_factory.mktemp("matmul") / "ckpt"
+    convert(model, out, dtype="float32")
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt):
+    torch.manual_seed(0)
+    return {m: EmbeddedEngine.from_checkpoint(ckpt, device="cpu", cpu_matmul=m) for m in ("auto", "blas")}
+
+
+def _ops(fn) -> dict[str, list[list]]:
+    """The input shapes of each oneDNN linear and MKL mm/addmm call that ``fn`` makes."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+        fn()
+    out: dict[str, list[list]] = {}
+    for ev in p.events():
+        if ev.name in (ONEDNN_OP, "aten::mm", "aten::addmm"):
+            out.setdefault(ev.name, []).append(ev.input_shapes)
+    return out
+
+
+def test_products_go_to_onednn_by_size(engines):
+    eng = engines["auto"]
+    prompts = torch.randint(4, 4000, (8, 64), generator=torch.Generator().manual_seed(1)).tolist()
+    seqs = []
+    prefill = _ops(lambda: seqs.extend(eng.start_many(prompts, [SamplingParams(max_new_tokens=3)] * 8)))
+    # A 512-token prefill: every dense product and the busy experts' blocks are large.
+    assert len(prefill.get(ONEDNN_OP, [])) >= 2 * (2 + 2 * 2), prefill.keys()
+    one = eng.start([5, 6, 7], SamplingParams(max_new_tokens=3))
+    step = _ops(lambda: eng.step([one]))
+    # One token: only the lm_head product (1 x 256 x 4096 = 1M multiply-adds) reaches oneDNN.
+    assert [s[1] for s in step.get(ONEDNN_OP, [])] == [[4096, 256]], step.get(ONEDNN_OP)
+    assert len(step.get("aten::mm", [])) + len(step.get("aten::addmm", [])) >= 2 * 3
+    blas = _ops(lambda: engines["blas"].start_many(prompts, [SamplingParams(max_new_tokens=3)] * 8))
+    assert ONEDNN_OP not in blas
+
+
+def test_auto_and_blas_agree(engines):
+    ids = torch.randint(4, 4000, (4, 96), generator=torch.Generator().manual_seed(2))
+    a, b = engines["auto"].logits(ids), engines["blas"].logits(ids)
+    assert not torch.equal(a, b)  # the products really ran in two libraries
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    tokens = []
+    for m in ("auto", "blas"):
+        seqs = engines[m].start_many(ids[:, :12].tolist(), [SamplingParams(max_new_tokens=12)] * 4)
+        while not all(s.finished for s in seqs):
+            engines[m].step(seqs)
+        tokens.append([s.tokens for s in seqs])
+    assert tokens[0] == tokens[1]
+
+
+def test_gradients_flow_under_auto(engines):
+    """Calibration's gradient passes record autograd through the engine: those products stay on MKL
+    (oneDNN's linear has no backward here), so logits and gradients are the blas engine's exactly."""
+    ids = torch.randint(4, 4000, (2, 80), generator=torch.Generator().manual_seed(3))
+    seen = {}
+    for m in ("auto", "blas"):
+        eng, grads = engines[m], []
+        eng.moe_hook = lambda li, h, idx, w, out: out.register_hook(grads.append) if li == 0 else None
+        try:
+            logits = eng.logits_with_grad(ids)
+            logits.logsumexp(-1).sum().backward()
+        finally:
+            eng.moe_hook = None
+        assert len(grads) == 1 and grads[0].abs().sum() > 0
+        seen[m] = (logits.detach(), grads[0])
+    assert torch.equal(seen["auto"][0], seen["blas"][0])
+    assert torch.equal(seen["auto"][1], seen["blas"][1])
+
+
+def test_quantized_experts_large_blocks_go_to_onednn(tiny_model, tmp_path):
+    model = tiny_model("mixtral", num_hidden_layers=1, hidden_size=256, intermediate_size=512, head_dim=64,
+                       vocab_size=512, seed=6)
+    with HFCheckpoint(model) as src:
+        plan = uniform_plan(src.model, "int8")
+    convert(model, tmp_path / "q", quant=plan, dtype="float32")
+    engs = {m: EmbeddedEngine.from_checkpoint(tmp_path / "q", device="cpu", cpu_matmul=m) for m in ("auto", "blas")}
+    ids = torch.randint(4, 500, (4, 128), generator=torch.Generator().manual_seed(4))
+    ops = _ops(lambda: engs["auto"].logits(ids))
+    # Some int8 expert's dequantized [in, out] weight, read as its [out, in] view.
+    assert any(s[1] in ([1024, 256], [256, 512]) for s in ops.get(ONEDNN_OP, [])), ops.get(ONEDNN_OP)
+    torch.testing.assert_close(engs["auto"].logits(ids), engs["blas"].logits(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_mode_is_refused(ckpt):
+    with pytest.raises(InputError, match="cpu_matmul must be one of auto, blas"):
+        EmbeddedEngine.from_checkpoint(ckpt, device="cpu", cpu_matmul="mkl")

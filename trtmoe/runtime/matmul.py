@@ -1,0 +1,124 @@
+"""Which library multiplies activations by a weight on CPU, chosen per call.
+
+PyTorch's CPU ``linear`` / ``mm`` run MKL's sgemm. PyTorch also bundles oneDNN, whose JIT kernels
+are chosen from the instruction sets the CPU reports. On an AMD EPYC core with AVX-512 (one thread,
+float32) MKL ran 40-50 GMAC/s and oneDNN 100-120 GMAC/s once a product held about a million
+multiply-adds, while oneDNN's fixed cost per call (about 11 µs against MKL's 1-3 µs) made it the
+slower one below that. A weight of Qwen3-30B-A3B's width (2048 x 1536) took 1.6-3x less time
+through oneDNN at every row count from 1 to 1,024; a fixture-sized one (128 x 512) only from about
+16 rows on.
+
+So the engine sends a product to oneDNN when it holds at least ``ONEDNN_MIN_MACS`` multiply-adds
+(a decode step's small matrices and a one-token step of a small model stay with MKL; prefill,
+wide models and large batches go to oneDNN), the weight is float32 on CPU, and no gradient is
+being recorded (oneDNN's linear has no backward here; calibration's gradient passes use MKL).
+Both libraries accumulate in float32; their results differ in the last bits, as any two GEMM
+blockings do, so a row's logits may differ in the last bits between a batch above and below the
+threshold.
+
+Dense (non-expert) weights are also held in oneDNN's own blocked layout, packed once at load: this
+costs the memory of those weights once more (attention, router, shared expert and lm_head: about 5%
+of a fine-grained MoE's parameters), and a packed weight runs faster than a plain one at small row
+counts. Routed experts are not duplicated: oneDNN reads their plain weights, which pays only from
+``EXPERT_MIN_ROWS`` rows on (a prefill block, a busy expert of a large batch).
+
+``cpu_matmul="blas"`` (``EmbeddedEngine``) keeps every product on MKL.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+
+CPU_MATMUL_MODES = ("auto", "blas")
+
+# Multiply-adds from which a product runs faster through oneDNN than through MKL (measured on the
+# machine described above: a 4 x 128 x 2048 product took 23 against 43 µs, 8 x 128 x 512 15.5
+# against 17.6 µs, and 32 x 128 x 128 15.6 against 12.7 µs).
+ONEDNN_MIN_MACS = 1 << 20
+# Rows from which a routed expert's plain (unpacked) weight runs faster through oneDNN.
+EXPERT_MIN_ROWS = 8
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether this PyTorch build runs oneDNN's float32 linear (checked once, on a small product)."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(24, 16, generator=g), torch.randn(4, 16, generator=g)
+        with torch.inference_mode():
+            y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 32), None,
+                                                   "none", [], "")
+            z = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-5) and torch.allclose(z, y, rtol=1e-4, atol=1e-5)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def check_mode(mode: str) -> str:
+    if mode not in CPU_MATMUL_MODES:
+        raise InputError(f"cpu_matmul must be one of {', '.join(CPU_MATMUL_MODES)}, got {mode!r}")
+    return mode
+
+
+def uses_onednn(mode: str, w: torch.Tensor) -> bool:
+    """Whether products with weight ``w`` may go to oneDNN under ``mode``."""
+    return (mode == "auto" and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+            and onednn_available())
+
+
+def _recording(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+class Dense:
+    """A dense weight ``w`` [out, in] and, where oneDNN may run it, its packed copy: ``self(x)`` is
+    ``x @ w.T`` through the library this module chooses for the call."""
+
+    __slots__ = ("w", "packed", "_min_numel")
+
+    def __init__(self, w: torch.Tensor, mode: str):
+        self.w = w
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 32) if uses_onednn(mode, w) else None
+        # x.numel() from which a call holds ONEDNN_MIN_MACS multiply-adds (x.numel() * out of them).
+        self._min_numel = -(-ONEDNN_MIN_MACS // w.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.numel() >= self._min_numel and not _recording(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.w)
+
+
+def dense(w: torch.Tensor | None, mode: str) -> Dense | None:
+    return None if w is None else Dense(w, mode)
+
+
+def mm_t(x: torch.Tensor, w_t: torch.Tensor, onednn: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [M, K] @ ``w_t`` [K, N] (a routed expert's transposed weight), into ``out`` when given:
+    through oneDNN (``onednn``: the weight may go there) for at least ``EXPERT_MIN_ROWS`` rows and
+    ``ONEDNN_MIN_MACS`` multiply-adds, else MKL."""
+    M = x.shape[0]
+    if onednn and M >= EXPERT_MIN_ROWS and M * w_t.shape[0] * w_t.shape[1] >= ONEDNN_MIN_MACS and not _recording(x):
+        y = torch.ops.mkldnn._linear_pointwise(x, w_t.t(), None, "none", [], "")
+        return y if out is None else out.copy_(y)
+    return torch.mm(x, w_t) if out is None else torch.mm(x, w_t, out=out)
+
+
+def product(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(x, w_t)`` for a weight oneDNN may run (a quantized format's dequantized
+    weight): a 2-D product goes through ``mm_t``'s choice, a stacked one through ``torch.matmul``."""
+    if x.dim() == 2 and w_t.dim() == 2 and w_t.device.type == "cpu" and w_t.dtype == torch.float32:
+        return mm_t(x, w_t, True)
+    return torch.matmul(x, w_t)
+
+
+def matmul_for(onednn: bool):
+    """The ``matmul`` a quantized format's ``linear`` gets: ``product`` where oneDNN may run, else
+    ``torch.matmul``."""
+    return product if onednn else torch.matmul
