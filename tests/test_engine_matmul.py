@@ -23,8 +23,8 @@ ONEDNN_OP = "mkldnn::_linear_pointwise"
 
 @pytest.fixture(scope="module")
 def ckpt(tiny_model, tmp_path_factory):
-    # Hidden 256, vocabulary 4096: the lm_head product holds 1M multiply-adds from one row on, the
-    # experts' (256 -> 2 x 512) from eight rows on.
+    # Hidden 256, vocabulary 4096: the lm_head product holds 8M multiply-adds from 8 rows on, the
+    # experts' fc (256 -> 2 x 512) from 32 rows on.
     model = tiny_model("mixtral", num_hidden_layers=2, hidden_size=256, intermediate_size=512, head_dim=64,
                        vocab_size=4096, seed=5)
     out = tmp_path_factory.mktemp("matmul") / "ckpt"
@@ -58,9 +58,11 @@ def test_products_go_to_onednn_by_size(engines):
     assert len(prefill.get(ONEDNN_OP, [])) >= 2 * (2 + 2 * 2), prefill.keys()
     one = eng.start([5, 6, 7], SamplingParams(max_new_tokens=3))
     step = _ops(lambda: eng.step([one]))
-    # One token: only the lm_head product (1 x 256 x 4096 = 1M multiply-adds) reaches oneDNN.
+    # One token: every product is small and stays on MKL.
+    assert ONEDNN_OP not in step and len(step.get("aten::mm", [])) + len(step.get("aten::addmm", [])) >= 2 * 3
+    # Eight tokens: only the lm_head product (8 x 256 x 4096 = 8M multiply-adds) reaches oneDNN.
+    step = _ops(lambda: eng.step(seqs))
     assert [s[1] for s in step.get(ONEDNN_OP, [])] == [[4096, 256]], step.get(ONEDNN_OP)
-    assert len(step.get("aten::mm", [])) + len(step.get("aten::addmm", [])) >= 2 * 3
     blas = _ops(lambda: engines["blas"].start_many(prompts, [SamplingParams(max_new_tokens=3)] * 8))
     assert ONEDNN_OP not in blas
 

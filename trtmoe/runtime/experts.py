@@ -19,7 +19,7 @@ from ..errors import CheckpointError
 from ..hf.adapters import expert_rules
 from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
-from .matmul import matmul_for, mm_t, onednn_available, uses_onednn
+from .matmul import EXPERT_MIN_ROWS, matmul_for, mm_t, onednn_available, uses_onednn
 
 
 # Row blocks up to this size (a decode step, a short prompt) may run stacked: a packed bank's busy
@@ -113,6 +113,9 @@ class FloatExperts(ExpertBank):
         return mm_t(a, self._proj_t[e], self._onednn) if a.dim() == 2 else a @ self._proj_t[e]
 
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] < EXPERT_MIN_ROWS:  # a decode step's few rows: MKL, no dispatch
+            up, gate = torch.mm(x, self._fc_t[e]).chunk(2, dim=-1)
+            return torch.mm(F.silu(gate).mul_(up), self._proj_t[e])
         up, gate = self.fc_out(e, x).chunk(2, dim=-1)
         return self.proj_out(e, F.silu(gate).mul_(up))
 
@@ -128,14 +131,22 @@ class FloatExperts(ExpertBank):
         if not busy:
             return x.new_empty(0, self.proj.shape[1])
         h = x.new_empty(M, self.fc.shape[1])
+        # An expert's block goes to oneDNN by its size (mm_t); a decode step's blocks seldom do.
+        big = self._onednn and max(sizes) >= EXPERT_MIN_ROWS
         # Each busy expert's rows as views, cut in one call per tensor.
         for e, xe, he in zip(busy, x.split(sizes), h.split(sizes)):
-            mm_t(xe, self._fc_t[e], self._onednn, out=he)
+            if big:
+                mm_t(xe, self._fc_t[e], True, out=he)
+            else:
+                torch.mm(xe, self._fc_t[e], out=he)
         up, gate = h.chunk(2, dim=-1)
         act = F.silu(gate).mul_(up)
         y = x.new_empty(M, self.proj.shape[1])
         for e, ae, ye in zip(busy, act.split(sizes), y.split(sizes)):
-            mm_t(ae, self._proj_t[e], self._onednn, out=ye)
+            if big:
+                mm_t(ae, self._proj_t[e], True, out=ye)
+            else:
+                torch.mm(ae, self._proj_t[e], out=ye)
         return y
 
     def format_of(self, e: int) -> str:

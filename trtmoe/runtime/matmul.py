@@ -2,19 +2,19 @@
 
 PyTorch's CPU ``linear`` / ``mm`` run MKL's sgemm. PyTorch also bundles oneDNN, whose JIT kernels
 are chosen from the instruction sets the CPU reports. On an AMD EPYC core with AVX-512 (one thread,
-float32) MKL ran 40-50 GMAC/s and oneDNN 100-120 GMAC/s once a product held about a million
-multiply-adds, while oneDNN's fixed cost per call (about 11 µs against MKL's 1-3 µs) made it the
-slower one below that. A weight of Qwen3-30B-A3B's width (2048 x 1536) took 1.6-3x less time
-through oneDNN at every row count from 1 to 1,024; a fixture-sized one (128 x 512) only from about
-16 rows on.
+float32) MKL ran 40-50 GMAC/s and oneDNN 100-120 GMAC/s on products of a million multiply-adds and
+more, measured one product at a time; oneDNN's fixed cost per call is about 11 µs against MKL's
+1-3 µs. A weight of Qwen3-30B-A3B's width (2048 x 1536) took 1.6-3x less time through oneDNN at
+every row count from 1 to 1,024.
 
-So the engine sends a product to oneDNN when it holds at least ``ONEDNN_MIN_MACS`` multiply-adds
-(a decode step's small matrices and a one-token step of a small model stay with MKL; prefill,
-wide models and large batches go to oneDNN), the weight is float32 on CPU, and no gradient is
-being recorded (oneDNN's linear has no backward here; calibration's gradient passes use MKL).
-Both libraries accumulate in float32; their results differ in the last bits, as any two GEMM
-blockings do, so a row's logits may differ in the last bits between a batch above and below the
-threshold.
+Inside a decode step of the trained fixture (hidden 128), though, products of 1-8M multiply-adds
+that oneDNN ran faster one at a time did not make the step faster: sent to oneDNN, the qkv products
+of a batch of 32 (1M each) made the step 5-10% slower, the lm_head's (8M) left it unchanged. So a
+product goes to oneDNN from ``ONEDNN_MIN_MACS`` = 8M multiply-adds (a real-width model's attention,
+lm_head and busy experts, a prefill's products), when its weight is float32 on CPU and no gradient is being recorded
+(oneDNN's linear has no backward here; calibration's gradient passes use MKL). Both libraries
+accumulate in float32; their results differ in the last bits, as any two GEMM blockings do, so a
+row's logits may differ in the last bits between batches above and below the threshold.
 
 Dense (non-expert) weights are also held in oneDNN's own blocked layout, packed once at load: this
 costs the memory of those weights once more (attention, router, shared expert and lm_head: about 5%
@@ -36,10 +36,8 @@ from ..errors import InputError
 
 CPU_MATMUL_MODES = ("auto", "blas")
 
-# Multiply-adds from which a product runs faster through oneDNN than through MKL (measured on the
-# machine described above: a 4 x 128 x 2048 product took 23 against 43 µs, 8 x 128 x 512 15.5
-# against 17.6 µs, and 32 x 128 x 128 15.6 against 12.7 µs).
-ONEDNN_MIN_MACS = 1 << 20
+# Multiply-adds from which a product goes to oneDNN (see above).
+ONEDNN_MIN_MACS = 1 << 23
 # Rows from which a routed expert's plain (unpacked) weight runs faster through oneDNN.
 EXPERT_MIN_ROWS = 8
 
@@ -90,7 +88,7 @@ class Dense:
         self._min_numel = -(-ONEDNN_MIN_MACS // w.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.numel() >= self._min_numel and not _recording(x):
+        if x.numel() >= self._min_numel and self.packed is not None and not _recording(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.w)
 
