@@ -514,10 +514,12 @@ def _exact_delta_kl(eng: EmbeddedEngine, ref: _Reference, moe_layers: list[int],
             # Only sequences with a token routed to e can change (the rest reproduce the reference
             # exactly), so only those are rerun.
             seqs = ref.routed[l].eq(e).any(-1).any(-1).nonzero().flatten()
+            # Row-major copies for the int4 searches, as in sensitivity.fisher_measure.
+            ws = {"fc": base.fc[e].contiguous(), "proj": base.proj[e].contiguous()}
             for f in formats:
                 fmt = format_obj(f, eng.dtype)
                 for m in MATRICES:
-                    w = base.fc[e] if m == "fc" else base.proj[e]
+                    w = ws[m]
                     packed = awq.quantize(fmt, w, dtype=eng.dtype, stats=acts.get(l, e, m), rounding=rounding,
                                           keep=(acts.recipes, l, e, m))
                     swapped = _MatrixSwapped(base, e, **{m: (fmt, packed)})
