@@ -1,4 +1,4 @@
-"""The engine's CPU matrix products (trtmoe.runtime.matmul): large products go to oneDNN and small
+"""The engine's CPU matrix products (trtmoe.matmul): large products go to oneDNN and small
 ones stay with MKL, the two agree to float32 rounding, gradients still flow, and ``cpu_matmul="blas"``
 keeps every product on MKL."""
 
@@ -12,7 +12,7 @@ from trtmoe.checkpoint.writer import convert
 from trtmoe.errors import InputError
 from trtmoe.hf.reader import HFCheckpoint
 from trtmoe.quant.plan import uniform_plan
-from trtmoe.runtime import matmul
+from trtmoe import matmul
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
 
 pytestmark = pytest.mark.skipif(not matmul.onednn_available(),
@@ -117,3 +117,15 @@ def test_quantized_experts_large_blocks_go_to_onednn(tiny_model, tmp_path):
 def test_unknown_mode_is_refused(ckpt):
     with pytest.raises(InputError, match="cpu_matmul must be one of auto, blas"):
         EmbeddedEngine.from_checkpoint(ckpt, device="cpu", cpu_matmul="mkl")
+
+
+def test_search_products_go_to_onednn_by_size():
+    """The quantization searches' products with candidate weights (``matmul.linear``)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(1024, 512, generator=g)
+    big, small = torch.randn(64, 512, generator=g), torch.randn(4, 512, generator=g)
+    ops = _ops(lambda: matmul.linear(big, w))
+    assert [s[1] for s in ops.get(ONEDNN_OP, [])] == [[1024, 512]]  # 64 x 512 x 1024 = 32M multiply-adds
+    torch.testing.assert_close(matmul.linear(big, w), big @ w.t(), rtol=1e-4, atol=1e-4)
+    assert ONEDNN_OP not in _ops(lambda: matmul.linear(small, w))
+    assert torch.equal(matmul.linear(small, w), small @ w.t())

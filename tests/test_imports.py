@@ -4,7 +4,8 @@ are no import cycles between layers, and library modules import what they use at
 Layers, lowest first (a module's layer is its longest matching pattern):
 
 0. ``trtmoe``, ``errors``, ``console``, ``quant`` (the package itself: format names, no torch)
-1. ``model``, ``data``, ``config``
+1. ``model``, ``data``, ``config``, ``matmul`` (which CPU library multiplies: engine and quantization
+   searches)
 2. ``hf``, ``parallel``
 3. quantization numerics: ``quant.formats``, ``quant.plan``, ``quant.allocate``, ``quant.awq``,
    ``quant.gptq``, ``quant.calib_schema``
@@ -31,7 +32,7 @@ PKG = Path(__file__).resolve().parents[1] / "trtmoe"
 
 LAYERS = [
     ["trtmoe", "trtmoe.errors", "trtmoe.console", "trtmoe.quant"],
-    ["trtmoe.model.*", "trtmoe.data", "trtmoe.config"],
+    ["trtmoe.model.*", "trtmoe.data", "trtmoe.config", "trtmoe.matmul"],
     ["trtmoe.hf.*", "trtmoe.parallel.*"],
     ["trtmoe.quant.formats", "trtmoe.quant.plan", "trtmoe.quant.allocate", "trtmoe.quant.awq",
      "trtmoe.quant.gptq", "trtmoe.quant.calib_schema"],

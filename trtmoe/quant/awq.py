@@ -76,6 +76,7 @@ from torch import Tensor
 from ..errors import InputError
 from ..hf.hashing import sha256_file
 from ..hf.safetensors_io import SafetensorsFile, write_file
+from ..matmul import linear
 from . import gptq
 from .formats import FORMATS, GroupInt4Format, PerChannelIntFormat, QuantFormat, pack_int4
 
@@ -763,8 +764,8 @@ def _scaled_input(x: Tensor, pq: Tensor | None) -> Tensor:
 
 def _err(x: Tensor, w_ref: Tensor, deq: Tensor, pq: Tensor | None, y_ref: Tensor | None = None) -> float:
     """Sum over rows of ||x W^T − (x·pq) Wq^T||² (float64 sum); ``y_ref`` = x W^T when known."""
-    y = x.float() @ w_ref.t() if y_ref is None else y_ref
-    yq = _scaled_input(x, pq) @ deq.t()
+    y = linear(x.float(), w_ref) if y_ref is None else y_ref
+    yq = linear(_scaled_input(x, pq), deq)
     return float((y - yq).double().pow(2).sum())
 
 
@@ -890,7 +891,7 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         wt = transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float()
         qs, ds = _format_scales(fmt, wt, dtype)
         return Recipe(pq, clip, gptq.codes(wt, qs, ds, gptq.factor(h), dtype), base.clip)
-    y = None if gram is not None else stats.rows.float() @ wd.t()
+    y = None if gram is not None else linear(stats.rows.float(), wd)
 
     def objective(pq: Tensor | None):
         """(Gram matrix of the input the kernel sees, error of a dequantized candidate)."""
@@ -963,7 +964,7 @@ def search_prequant(fmt: GroupInt4Format, ws: list[Tensor], stats: list[MatrixSt
     n = sum(s.count for s in stats)
     act = sum(s.act_mean.double() * max(s.count, 1) for s in stats) / max(n, len(stats))
     wstat = sum(_weight_stat(wd, g) for wd in wds) / len(wds)
-    y_refs = [s.rows.float() @ wd.t() for wd, s in zip(wds, stats)]
+    y_refs = [linear(s.rows.float(), wd) for wd, s in zip(wds, stats)]
     weights = [max(s.count, 1) / max(s.rows.shape[0], 1) if len(stats) > 1 else 1.0 for s in stats]
     best, best_err = None, None
     for pq in _scale_candidates(act, wstat, dtype):
@@ -998,7 +999,7 @@ def _clip_group(wt: Tensor, wd: Tensor, x: Tensor, pq: Tensor | None, g: int, dt
             best_clip = torch.where(better, clip, best_clip)
     if bool((best_clip >= amax).all()):
         return None
-    y = x.float() @ wd.t()
+    y = linear(x.float(), wd)
     base = _err(x, wd, _fake_group(wt, g, dtype), pq, y)
     clipped = _err(x, wd, _fake_group(wt, g, dtype, best_clip), pq, y)
     return best_clip if clipped < base else None
@@ -1013,7 +1014,7 @@ def _clip_channel(wd: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor | None:
     for r in CLIP_GRID:
         clip = _in_dtype(amax * r, dtype)
         d = wd - _fake_channel(wd, dtype, clip)
-        e = (xs @ d.t()).double().pow(2).sum(0)  # [out]
+        e = linear(xs, d).double().pow(2).sum(0)  # [out]
         if best_err is None:
             best_err, best_clip = e, clip
         else:

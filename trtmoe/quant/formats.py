@@ -182,7 +182,7 @@ class QuantFormat:
         the model dtype (as the fpA_intB mixed-GEMM kernels do) and the product is accumulated
         in float32. Stacked packed tensors broadcast against ``x`` like ``torch.matmul``.
         ``matmul`` multiplies the float32 activations by the dequantized ``W.T`` (the engine passes
-        its CPU library choice, ``trtmoe.runtime.matmul``).
+        its CPU library choice, ``trtmoe.matmul``).
         """
         raise NotImplementedError
 

@@ -34,7 +34,7 @@ from ..model.params import count_params
 from .beam import BeamState, Hypothesis
 from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
 from .experts import STACK_MAX_ROWS, ExpertBank, load_expert_bank
-from .matmul import Dense, check_mode, dense
+from ..matmul import Dense, check_mode, dense
 
 
 @dataclass
@@ -300,7 +300,7 @@ class EmbeddedEngine:
         self.device = device
         self.path = path
         # Which library runs the CPU matrix products: "auto" (MKL, or oneDNN for large products),
-        # "blas" (MKL only); see trtmoe.runtime.matmul.
+        # "blas" (MKL only); see trtmoe.matmul.
         self.cpu_matmul = check_mode(cpu_matmul)
         self.dtype = cfg.dtype  # the checkpoint's weight dtype
         # Activations: float32 on CPU (16-bit float matmuls are emulated and ~10x slower there; the
@@ -355,7 +355,7 @@ class EmbeddedEngine:
 
         ``device``: None = CUDA when present, else CPU. ``compute_dtype``: activation dtype, by
         default float32 on CPU and the checkpoint dtype on CUDA. ``cpu_matmul``: "auto" or "blas"
-        (see trtmoe.runtime.matmul)."""
+        (see trtmoe.matmul)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)

@@ -19,7 +19,7 @@ from ..errors import CheckpointError
 from ..hf.adapters import expert_rules
 from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
-from .matmul import EXPERT_MIN_ROWS, matmul_for, mm_t, onednn_available, uses_onednn
+from ..matmul import EXPERT_MIN_ROWS, matmul_for, mm_t, onednn_available, uses_onednn
 
 
 # Row blocks up to this size (a decode step, a short prompt) may run stacked: a packed bank's busy
@@ -94,7 +94,7 @@ class FloatExperts(ExpertBank):
     multiplies, read row by row), and ``fc`` / ``proj`` are [E, 2I, H] / [E, H, I] views of them. Out of
     cache (a decode step streams every busy expert's weights) a matmul reads this layout measurably
     faster on CPU than the transposed view of a row-major [2I, H] weight. With ``cpu_matmul`` "auto",
-    an expert's large blocks of rows run through oneDNN (``trtmoe.runtime.matmul.mm_t``)."""
+    an expert's large blocks of rows run through oneDNN (``trtmoe.matmul.mm_t``)."""
 
     def __init__(self, fc: torch.Tensor, proj: torch.Tensor, fmt: str, cpu_matmul: str = "blas"):
         fc_t, proj_t = fc.transpose(1, 2).contiguous(), proj.transpose(1, 2).contiguous()

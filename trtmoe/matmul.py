@@ -32,7 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..errors import InputError
+from .errors import InputError
 
 CPU_MATMUL_MODES = ("auto", "blas")
 
@@ -120,3 +120,14 @@ def matmul_for(onednn: bool):
     """The ``matmul`` a quantized format's ``linear`` gets: ``product`` where oneDNN may run, else
     ``torch.matmul``."""
     return product if onednn else torch.matmul
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] @ ``w``.T for a plain [N, K] weight made on the fly (a quantization search's
+    candidate): through oneDNN from ``EXPERT_MIN_ROWS`` rows and ``ONEDNN_MIN_MACS`` multiply-adds
+    when both are float32 on CPU, else ``x @ w.T``."""
+    if (x.dim() == 2 and x.shape[0] >= EXPERT_MIN_ROWS and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
+            and x.dtype == w.dtype == torch.float32 and w.device.type == "cpu" and not _recording(x)
+            and onednn_available()):
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return x @ w.t()
