@@ -78,6 +78,27 @@ def _child(mode: str, model: str, cal: str, out: str, plan: str, threads: str, t
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
+def make_wide_model(work: Path, arch: str, hidden: int, inter: int, experts: int, top_k: int, layers: int
+                    ) -> tuple[Path, Path]:
+    """A seeded random MoE at the given expert width with the trained fixture's tokenizer, and a
+    calibration text beside it: (model directory, text file)."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from make_tiny_models import make_tiny_model
+
+    from trtmoe.data import write_split_text
+
+    width = ({"num_local_experts": experts, "intermediate_size": inter} if arch in ("mixtral", "phimoe")
+             else {"num_experts": experts, "moe_intermediate_size": inter, "mlp_only_layers": []})
+    model = make_tiny_model(arch, work / "model", seed=0, num_experts_per_tok=top_k, num_hidden_layers=layers,
+                            hidden_size=hidden, vocab_size=2048, head_dim=64, num_attention_heads=hidden // 64,
+                            dtype="bfloat16", **width)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(FIXTURE / f, Path(model) / f)
+    text = work / "calib.txt"
+    write_split_text("calib", text, max_bytes=200_000)
+    return Path(model), text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
@@ -103,24 +124,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    from make_tiny_models import make_tiny_model
-
-    from trtmoe.data import write_split_text
     from trtmoe.quant.calibrate import calibrate
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-recipes-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        width = ({"num_local_experts": args.experts, "intermediate_size": args.inter} if args.arch in ("mixtral", "phimoe")
-                 else {"num_experts": args.experts, "moe_intermediate_size": args.inter, "mlp_only_layers": []})
-        model = make_tiny_model(args.arch, work / "model", seed=0, num_experts_per_tok=args.top_k,
-                                num_hidden_layers=args.layers, hidden_size=args.hidden, vocab_size=2048,
-                                head_dim=64, num_attention_heads=args.hidden // 64, dtype="bfloat16", **width)
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copyfile(FIXTURE / f, Path(model) / f)
-        text = work / "calib.txt"
-        write_split_text("calib", text, max_bytes=200_000)
+        model, text = make_wide_model(work, args.arch, args.hidden, args.inter, args.experts, args.top_k, args.layers)
         torch.set_num_threads(args.threads)
         t0, c0 = time.perf_counter(), time.process_time()
         calibrate(model, text, work / "cal", samples=args.samples, seq_len=args.seq_len, force=True,
