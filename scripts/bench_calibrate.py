@@ -57,17 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--child":
         _child(*argv[1:])
         return 0
+    from bench_recipes import add_model_args, make_wide_model
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--baseline-rev", action="append", default=[], help="a git revision to compare (repeatable)")
-    ap.add_argument("--arch", default="qwen3_moe", help="make_tiny_models architecture [qwen3_moe]")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--inter", type=int, default=768, help="expert FFN size")
-    ap.add_argument("--experts", type=int, default=2)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--samples", type=int, default=8, help="calibration sequences")
-    ap.add_argument("--seq-len", type=int, default=64)
+    add_model_args(ap, experts=2)
     ap.add_argument("--sensitivity", default="fisher", choices=("fisher", "exact"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every calibration [1]")
@@ -75,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from bench_engine import _extract_rev
-    from bench_recipes import make_wide_model
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-calibrate-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -78,6 +78,18 @@ def _child(mode: str, model: str, cal: str, out: str, plan: str, threads: str, t
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
+def add_model_args(ap: argparse.ArgumentParser, experts: int) -> None:
+    """The options ``make_wide_model`` and a calibration of it take."""
+    ap.add_argument("--arch", default="qwen3_moe", help="make_tiny_models architecture [qwen3_moe]")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768, help="expert FFN size")
+    ap.add_argument("--experts", type=int, default=experts)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--samples", type=int, default=8, help="calibration sequences")
+    ap.add_argument("--seq-len", type=int, default=64)
+
+
 def make_wide_model(work: Path, arch: str, hidden: int, inter: int, experts: int, top_k: int, layers: int
                     ) -> tuple[Path, Path]:
     """A seeded random MoE at the given expert width with the trained fixture's tokenizer, and a
@@ -106,14 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--arch", default="qwen3_moe", help="make_tiny_models architecture [qwen3_moe]")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--inter", type=int, default=768, help="expert FFN size")
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--samples", type=int, default=8, help="calibration sequences")
-    ap.add_argument("--seq-len", type=int, default=64)
+    add_model_args(ap, experts=8)
     ap.add_argument("--plan", default="budget:4.5", help="uniform:FORMAT or budget:BPW [budget:4.5]")
     ap.add_argument("--target", default="embedded", choices=("embedded", "tensorrt-llm"))
     ap.add_argument("--rounds", type=int, default=2)
