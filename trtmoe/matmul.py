@@ -11,10 +11,11 @@ Inside a decode step of the trained fixture (hidden 128), though, products of 1-
 that oneDNN ran faster one at a time did not make the step faster: sent to oneDNN, the qkv products
 of a batch of 32 (1M each) made the step 5-10% slower, the lm_head's (8M) left it unchanged. So a
 product goes to oneDNN from ``ONEDNN_MIN_MACS`` = 8M multiply-adds (a real-width model's attention,
-lm_head and busy experts, a prefill's products), when its weight is float32 on CPU and no gradient is being recorded
-(oneDNN's linear has no backward here; calibration's gradient passes use MKL). Both libraries
-accumulate in float32; their results differ in the last bits, as any two GEMM blockings do, so a
-row's logits may differ in the last bits between batches above and below the threshold.
+lm_head and busy experts, a prefill's products), when its weight is float32 on CPU and no gradient
+is being recorded (oneDNN's linear has no backward here; calibration's gradient passes use MKL).
+Both libraries accumulate in float32; their results differ in the last bits, as any two GEMM
+blockings do, so a row's logits may differ in the last bits between batches above and below the
+threshold.
 
 Dense (non-expert) weights are also held in oneDNN's own blocked layout, packed once at load: this
 costs the memory of those weights once more (attention, router, shared expert and lm_head: about 5%
