@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, n in enumerate(names):
             up = f"{med[n]['wall'] / med['trtmoe']['wall']:.2f}x" if i else ""
             same = "" if not i else ("yes" if _same_files(work / "cal-0", work / f"cal-{i}") else "no")
-            print(f"| {n} | {med[n]['wall']:.1f} | {med[n]['cpu']:.1f} | {med[n]['peak_rss_mib']:.0f} | {up} | {same} |")
+            m = med[n]
+            print(f"| {n} | {m['wall']:.1f} | {m['cpu']:.1f} | {m['peak_rss_mib']:.0f} | {up} | {same} |")
         return 0
     finally:
         if args.workdir is None:
