@@ -525,6 +525,23 @@ def test_build_run_writes_engine_dir_atomically_with_manifest(ckpt_fp16, tmp_pat
 PROMPTS = [[1, 5, 9, 33], [7, 7, 7], list(range(10, 40))]
 
 
+def test_embedded_engine_records_its_cpu_matmul(ckpt_fp32, tmp_path):
+    """--cpu-matmul is recorded in the engine dir and the loaded engine runs with it; an engine dir
+    written before the key existed loads with the default."""
+    eng = tmp_path / "engine"
+    r = cli(["build", ckpt_fp32, "-o", eng, "--backend", "embedded", "--max-input-len", 64, "--cpu-matmul", "blas"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((eng / "config.json").read_text())
+    assert cfg["build_config"]["cpu_matmul"] == "blas"
+    assert load_engine(eng, "cpu").cpu_matmul == "blas"
+    del cfg["build_config"]["cpu_matmul"]
+    (eng / "config.json").write_text(json.dumps(cfg))
+    assert load_engine(eng, "cpu").cpu_matmul == "auto"
+    r = cli(["build", ckpt_fp32, "-o", tmp_path / "e2", "--backend", "embedded", "--max-input-len", 64,
+             "--cpu-matmul", "mkl"])
+    assert r.exit_code == 2 and "mkl" in r.output and not (tmp_path / "e2").exists()
+
+
 def test_embedded_round_trip(ckpt_fp32, tmp_path):
     eng = tmp_path / "engine"
     r = cli(["build", ckpt_fp32, "-o", eng, "--backend", "embedded", "--max-batch-size", 4, "--max-input-len", 64,
@@ -534,7 +551,7 @@ def test_embedded_round_trip(ckpt_fp32, tmp_path):
     assert cfg["backend"] == "embedded" and cfg["checkpoint"] == "checkpoint"
     assert cfg["build_config"] == {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
                                    "max_num_tokens": 8192, "max_beam_width": 1, "tokens_per_block": 16,
-                                   "device": "auto"}
+                                   "device": "auto", "cpu_matmul": "auto"}
     assert cfg["pretrained_config"] == json.loads((ckpt_fp32 / "config.json").read_text())
     # Same filesystem: the rank files are hard links, not copies.
     for name in ("rank0.safetensors", "rank1.safetensors", "config.json"):

@@ -99,6 +99,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "remove_input_padding": Key(bool, True, help="Packed (unpadded) inputs."),
         "workers": Key(int, 1, help="Ranks trtllm-build builds in parallel.", **_POS),
         "device": Key(str, "auto", choices=("auto", "cpu", "cuda"), help="Device recorded for the embedded engine."),
+        "cpu_matmul": Key(str, "auto", choices=("auto", "blas"),
+                          help="The embedded engine's CPU matrix products: auto (MKL, oneDNN for products of 8M "
+                               "multiply-adds and more) or blas (MKL only)."),
         "gather_context_logits": Key(bool, False, help="Requests may ask for return_context_logits (the prompt's "
                                                        "logits at every position); trtllm-build's flag of that name."),
         "gather_generation_logits": Key(bool, False, help="Requests may ask for return_generation_logits (each "

@@ -33,7 +33,9 @@ def load_engine(path: str | Path, device: str | None = None) -> EmbeddedEngine:
     ck, build = checkpoint_dir_of(path)
     if device is None and build.get("device") not in (None, "auto"):
         device = build["device"]
-    return EmbeddedEngine.from_checkpoint(ck, device=device, max_seq_len=build.get("max_seq_len"))
+    # An engine built before cpu_matmul was recorded runs with the default.
+    return EmbeddedEngine.from_checkpoint(ck, device=device, max_seq_len=build.get("max_seq_len"),
+                                          cpu_matmul=build.get("cpu_matmul", "auto"))
 
 
 @dataclass
