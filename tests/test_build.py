@@ -32,7 +32,7 @@ from trtmoe.build.tensorrt_llm import plan_tensorrt_llm, trtllm_build_argv
 from trtmoe.checkpoint.writer import convert
 from trtmoe.cli import main
 from trtmoe.config import defaults, resolve
-from trtmoe.errors import BackendUnavailable, ConfigError
+from trtmoe.errors import BackendUnavailable, ConfigError, InputError
 from trtmoe.hf.reader import HFCheckpoint
 from trtmoe.hf.safetensors_io import SafetensorsFile
 from trtmoe.quant.plan import QuantPlan, uniform_plan
@@ -534,9 +534,16 @@ def test_embedded_engine_records_its_cpu_matmul(ckpt_fp32, tmp_path):
     cfg = json.loads((eng / "config.json").read_text())
     assert cfg["build_config"]["cpu_matmul"] == "blas"
     assert load_engine(eng, "cpu").cpu_matmul == "blas"
+    from trtmoe.triton.engine_dir import read_engine_dir  # what the served model loads by
+
+    assert read_engine_dir(eng).cpu_matmul == "blas"
     del cfg["build_config"]["cpu_matmul"]
     (eng / "config.json").write_text(json.dumps(cfg))
-    assert load_engine(eng, "cpu").cpu_matmul == "auto"
+    assert load_engine(eng, "cpu").cpu_matmul == "auto" and read_engine_dir(eng).cpu_matmul == "auto"
+    cfg["build_config"]["cpu_matmul"] = "mkl"
+    (eng / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="build_config.cpu_matmul is 'mkl'"):
+        read_engine_dir(eng)
     r = cli(["build", ckpt_fp32, "-o", tmp_path / "e2", "--backend", "embedded", "--max-input-len", 64,
              "--cpu-matmul", "mkl"])
     assert r.exit_code == 2 and "mkl" in r.output and not (tmp_path / "e2").exists()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..matmul import CPU_MATMUL_MODES
 from ..parallel.mapping import Mapping
 from ..runtime.checkpoint_reader import CheckpointConfig, parse_config
 
@@ -54,6 +55,7 @@ class EngineInfo:
     gather_context_logits: bool = False
     gather_generation_logits: bool = False
     rank_files: tuple[str, ...] = field(default_factory=tuple)
+    cpu_matmul: str = "auto"  # embedded: the CPU library choice it was built with (trtmoe.matmul)
 
     @property
     def mapping(self) -> Mapping:
@@ -182,9 +184,13 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
         if missing:
             raise InputError(f"checkpoint is missing {', '.join(missing)}", where=str(ck_dir))
         limits = _build_limits(build, where, max_position_embeddings=ck_cfg.get("max_position_embeddings"))
+        cpu_matmul = build.get("cpu_matmul", "auto")  # absent in engine dirs built before it was recorded
+        if cpu_matmul not in CPU_MATMUL_MODES:
+            raise InputError(f"build_config.cpu_matmul is {cpu_matmul!r}, not one of {', '.join(CPU_MATMUL_MODES)}",
+                             where=where)
         return EngineInfo(path=root, backend=EMBEDDED, model=model, checkpoint_dir=ck_dir, rank_files=ranks,
                           trtllm_version=cfg.get("version"), logits_dtype=_logits_dtype(ck_cfg),
-                          **_gather_flags(build), **limits)
+                          cpu_matmul=cpu_matmul, **_gather_flags(build), **limits)
 
     if "backend" in cfg and cfg["backend"] not in (TENSORRT_LLM, "tensorrt-llm", "tensorrt_llm"):
         raise InputError(f"unknown engine backend {cfg['backend']!r}", where=where,

@@ -103,8 +103,9 @@ class TritonPythonModel:
             engine_dir = os.path.join(repo_root, engine_dir)
         info = read_engine_dir(engine_dir)
         device = _param(config, "device", "auto")
-        self.engine = EmbeddedEngine.from_checkpoint(str(info.checkpoint_dir), device=None if device == "auto" else device,
-                                                     max_seq_len=info.max_seq_len)
+        self.engine = EmbeddedEngine.from_checkpoint(str(info.checkpoint_dir),
+                                                     device=None if device == "auto" else device,
+                                                     max_seq_len=info.max_seq_len, cpu_matmul=info.cpu_matmul)
         eng = self.engine
         max_input = min(int(_param(config, "max_input_len", str(info.max_input_len))), info.max_input_len)
         max_seq = min(int(_param(config, "max_seq_len", str(info.max_seq_len))), info.max_seq_len,
