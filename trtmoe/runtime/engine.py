@@ -29,12 +29,12 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..hf.adapters import FIRST, LAST, MOE_TP, global_rules, layer_rules
+from ..matmul import Dense, check_mode, dense
 from ..model.description import NORM_NONE, NORM_SPARSE_MIXER
 from ..model.params import count_params
 from .beam import BeamState, Hypothesis
 from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
 from .experts import STACK_MAX_ROWS, ExpertBank, load_expert_bank
-from ..matmul import Dense, check_mode, dense
 
 
 @dataclass
