@@ -110,25 +110,20 @@ def mm_t(x: torch.Tensor, w_t: torch.Tensor, onednn: bool, out: torch.Tensor | N
 
 
 def product(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """``torch.matmul(x, w_t)`` for a weight oneDNN may run (a quantized format's dequantized
-    weight): a 2-D product goes through ``mm_t``'s choice, a stacked one through ``torch.matmul``."""
-    if x.dim() == 2 and w_t.dim() == 2 and w_t.device.type == "cpu" and w_t.dtype == torch.float32:
+    """``torch.matmul(x, w_t)`` for a weight made on the fly (a quantized format's dequantized weight,
+    a quantization search's candidate): a 2-D float32 product on CPU goes through ``mm_t``'s choice,
+    anything else through ``torch.matmul``."""
+    if x.dim() == 2 and x.dtype == torch.float32 and uses_onednn("auto", w_t):
         return mm_t(x, w_t, True)
     return torch.matmul(x, w_t)
 
 
-def matmul_for(onednn: bool):
-    """The ``matmul`` a quantized format's ``linear`` gets: ``product`` where oneDNN may run, else
-    ``torch.matmul``."""
-    return product if onednn else torch.matmul
-
-
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x`` [M, K] @ ``w``.T for a plain [N, K] weight made on the fly (a quantization search's
-    candidate): through oneDNN from ``EXPERT_MIN_ROWS`` rows and ``ONEDNN_MIN_MACS`` multiply-adds
-    when both are float32 on CPU, else ``x @ w.T``."""
-    if (x.dim() == 2 and x.shape[0] >= EXPERT_MIN_ROWS and x.numel() * w.shape[0] >= ONEDNN_MIN_MACS
-            and x.dtype == w.dtype == torch.float32 and w.device.type == "cpu" and not _recording(x)
-            and onednn_available()):
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    return x @ w.t()
+    """``x @ w.T`` for a plain [N, K] weight made on the fly, as ``product`` chooses."""
+    return product(x, w.t())
+
+
+def matmul_for(mode: str):
+    """The ``matmul`` a quantized format's ``linear`` gets under ``mode``: ``product`` ("auto"), or
+    ``torch.matmul`` ("blas")."""
+    return product if check_mode(mode) == "auto" else torch.matmul

@@ -514,8 +514,7 @@ def _exact_delta_kl(eng: EmbeddedEngine, ref: _Reference, moe_layers: list[int],
             # Only sequences with a token routed to e can change (the rest reproduce the reference
             # exactly), so only those are rerun.
             seqs = ref.routed[l].eq(e).any(-1).any(-1).nonzero().flatten()
-            # Row-major copies for the int4 searches, as in sensitivity.fisher_measure.
-            ws = {"fc": base.fc[e].contiguous(), "proj": base.proj[e].contiguous()}
+            ws = base.row_major(e)
             for f in formats:
                 fmt = format_obj(f, eng.dtype)
                 for m in MATRICES:
