@@ -70,7 +70,7 @@ def _child(model: str, method: str, samples: int, seq_len: int, formats: str, de
     work = Path(model).parent / f"ck-{method}"
     shutil.rmtree(work, ignore_errors=True)
     ck = convert(model, work).out_dir
-    eng = EmbeddedEngine.from_checkpoint(ck, device=device)
+    eng = EmbeddedEngine.from_checkpoint(ck, device=device, pack_experts=False)
     # As calibrate does: formats that cannot store the model's matrices are left out.
     fmts, skipped = applicable_formats(tuple(formats.split(",")), eng.cfg.hidden_size,
                                        eng.cfg.expert_intermediate_size)
@@ -162,7 +162,7 @@ def accuracy(args) -> dict:
     if not (ref_ck / "config.json").is_file():
         shutil.rmtree(ref_ck, ignore_errors=True)
         convert(model, ref_ck)
-    eng = EmbeddedEngine.from_checkpoint(ref_ck, device=args.device)
+    eng = EmbeddedEngine.from_checkpoint(ref_ck, device=args.device, pack_experts=False)
     from trtmoe.quant.calibrate import applicable_formats
 
     fmts, _ = applicable_formats(tuple(args.formats.split(",")), eng.cfg.hidden_size,

@@ -1,6 +1,6 @@
 """The engine's CPU matrix products (trtmoe.matmul): large products go to oneDNN and small
-ones stay with MKL, the two agree to float32 rounding, gradients still flow, and ``cpu_matmul="blas"``
-keeps every product on MKL."""
+ones stay with MKL, large expert matrices are held packed, the two libraries agree to float32
+rounding, gradients still flow, and ``cpu_matmul="blas"`` keeps every product on MKL."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ ONEDNN_OP = "mkldnn::_linear_pointwise"
 
 @pytest.fixture(scope="module")
 def ckpt(tiny_model, tmp_path_factory):
-    # Hidden 256, vocabulary 4096: the lm_head product holds 8M multiply-adds from 8 rows on, the
-    # experts' fc (256 -> 2 x 512) from 32 rows on.
+    # Hidden 256, vocabulary 4096: the lm_head product holds 8M multiply-adds from 8 rows on. The
+    # experts' fc (256 -> 2 x 512, 2^18 elements) is held packed, their proj (512 -> 256) plain.
     model = tiny_model("mixtral", num_hidden_layers=2, hidden_size=256, intermediate_size=512, head_dim=64,
                        vocab_size=4096, seed=5)
     out = tmp_path_factory.mktemp("matmul") / "ckpt"
@@ -58,11 +58,14 @@ def test_products_go_to_onednn_by_size(engines):
     assert len(prefill.get(ONEDNN_OP, [])) >= 2 * (2 + 2 * 2), prefill.keys()
     one = eng.start([5, 6, 7], SamplingParams(max_new_tokens=3))
     step = _ops(lambda: eng.step([one]))
-    # One token: every product is small and stays on MKL.
-    assert ONEDNN_OP not in step and len(step.get("aten::mm", [])) + len(step.get("aten::addmm", [])) >= 2 * 3
-    # Eight tokens: only the lm_head product (8 x 256 x 4096 = 8M multiply-adds) reaches oneDNN.
+    # One token: only its two experts' packed fc products run in oneDNN (one per layer and expert);
+    # every other product is small and stays on MKL, the plain proj among them.
+    assert [s[1] for s in step.get(ONEDNN_OP, [])] == [[1024, 256]] * 2 * 2, step.get(ONEDNN_OP)
+    assert [s[1] for s in step["aten::mm"]].count([512, 256]) == 2 * 2
+    # Eight tokens: the lm_head product (8 x 256 x 4096 = 8M multiply-adds) also reaches oneDNN.
     step = _ops(lambda: eng.step(seqs))
-    assert [s[1] for s in step.get(ONEDNN_OP, [])] == [[4096, 256]], step.get(ONEDNN_OP)
+    shapes = [tuple(s[1]) for s in step.get(ONEDNN_OP, [])]
+    assert shapes.count((4096, 256)) == 1 and set(shapes) == {(4096, 256), (1024, 256)}, shapes
     blas = _ops(lambda: engines["blas"].start_many(prompts, [SamplingParams(max_new_tokens=3)] * 8))
     assert ONEDNN_OP not in blas
 
@@ -98,6 +101,38 @@ def test_gradients_flow_under_auto(engines):
         seen[m] = (logits.detach(), grads[0])
     assert torch.equal(seen["auto"][0], seen["blas"][0])
     assert torch.equal(seen["auto"][1], seen["blas"][1])
+
+
+def test_large_expert_matrices_are_held_packed(ckpt, engines):
+    """With "auto", an expert matrix of 2^18 elements and more is held only in oneDNN's layout (the
+    fc here), a smaller one plain (the proj); ``pack_experts=False`` and "blas" keep both plain. The
+    packed engine computes what the plain ones do, to float32 rounding, with the same greedy tokens."""
+    bank = engines["auto"].layers[0].experts
+    assert bank.packed and bank.proj.shape[1:] == (256, 512)
+    with pytest.raises(InputError, match="experts packed for oneDNN") as e:
+        bank.fc
+    assert "pack_experts=False" in e.value.hint
+    plain = EmbeddedEngine.from_checkpoint(ckpt, device="cpu", pack_experts=False)
+    assert not plain.layers[0].experts.packed and not engines["blas"].layers[0].experts.packed
+    # The packed weights are the plain ones, exactly.
+    assert torch.equal(bank._mats[0][3].plain(), plain.layers[0].experts.fc[3])
+    ids = torch.randint(4, 4000, (3, 40), generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(engines["auto"].logits(ids), plain.logits(ids), rtol=1e-4, atol=1e-4)
+    tokens = []
+    for eng in (engines["auto"], plain):
+        seqs = eng.start_many(ids[:, :6].tolist(), [SamplingParams(max_new_tokens=10)] * 3)
+        while not all(s.finished for s in seqs):
+            eng.step(seqs)
+        tokens.append([s.tokens for s in seqs] + [eng.generate([7, 8, 9], SamplingParams(max_new_tokens=10))])
+    assert tokens[0] == tokens[1]
+
+
+def test_calibration_refuses_packed_experts(engines):
+    from trtmoe.quant.calibrate import measure
+
+    ids = torch.randint(4, 4000, (2, 16), generator=torch.Generator().manual_seed(9))
+    with pytest.raises(InputError, match="plain weights"):
+        measure(engines["auto"], ids, formats=("int8",))
 
 
 def test_quantized_experts_large_blocks_go_to_onednn(tiny_model, tmp_path):

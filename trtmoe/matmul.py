@@ -20,8 +20,19 @@ threshold.
 Dense (non-expert) weights are also held in oneDNN's own blocked layout, packed once at load: this
 costs the memory of those weights once more (attention, router, shared expert and lm_head: about 5%
 of a fine-grained MoE's parameters), and a packed weight runs faster than a plain one at small row
-counts. Routed experts are not duplicated: oneDNN reads their plain weights, which pays only from
-``EXPERT_MIN_ROWS`` rows on (a prefill block, a busy expert of a large batch).
+counts.
+
+Routed experts are most of a MoE's memory, so they are never held twice. A float expert matrix of at
+least ``PACK_MIN_ELEMS`` elements is held *only* packed (``Packed``), and every product with it runs
+in oneDNN, one row or many. Out of cache (a decode step streams every busy expert's weights) a
+packed 2048 x 1536 matrix (Qwen3-30B-A3B's fc) ran 1.2-1.6x faster than MKL at one row and 2.3-2.6x
+at 2 to 8 rows; a plain weight read by oneDNN gained much less at those row counts, and nothing on
+the down projection's layout. Below 2^18 elements (the trained fixture's 128 x 512) oneDNN's fixed
+cost per call outweighs its speed at a few rows, and such a matrix stays plain: MKL runs it, and
+oneDNN reads the plain weight from ``EXPERT_MIN_ROWS`` rows and ``ONEDNN_MIN_MACS`` on (a prefill
+block). Where a gradient is recorded, a packed matrix is unpacked for the call (an exact copy, the
+same MKL product as a plain one), so gradients do not depend on the layout. Calibration reads
+expert weights directly and loads its engine with ``pack_experts=False``.
 
 ``cpu_matmul="blas"`` (``EmbeddedEngine``) keeps every product on MKL.
 """
@@ -41,21 +52,29 @@ CPU_MATMUL_MODES = ("auto", "blas")
 ONEDNN_MIN_MACS = 1 << 23
 # Rows from which a routed expert's plain (unpacked) weight runs faster through oneDNN.
 EXPERT_MIN_ROWS = 8
+# Elements from which a routed expert's float matrix is held packed (see above).
+PACK_MIN_ELEMS = 1 << 18
+# The row count oneDNN lays a packed weight out for: the fastest of 1 and 32 at every row count from
+# 1 to 64 measured.
+_PACK_ROWS = 32
 
 
 @functools.cache
 def onednn_available() -> bool:
-    """Whether this PyTorch build runs oneDNN's float32 linear (checked once, on a small product)."""
+    """Whether this PyTorch build runs oneDNN's float32 linear on packed and plain weights and
+    unpacks a packed weight exactly (checked once, on a small product)."""
     try:
         if not torch.backends.mkldnn.is_available():
             return False
         g = torch.Generator().manual_seed(0)
         w, x = torch.randn(24, 16, generator=g), torch.randn(4, 16, generator=g)
         with torch.inference_mode():
-            y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 32), None,
-                                                   "none", [], "")
+            p = _pack(w)
+            y = torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
             z = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-5) and torch.allclose(z, y, rtol=1e-4, atol=1e-5)
+            exact = torch.equal(p.to_dense(), w)
+        return (exact and torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-5)
+                and torch.allclose(z, y, rtol=1e-4, atol=1e-5))
     except (AttributeError, RuntimeError):
         return False
 
@@ -84,7 +103,7 @@ class Dense:
 
     def __init__(self, w: torch.Tensor, mode: str):
         self.w = w
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 32) if uses_onednn(mode, w) else None
+        self.packed = _pack(w) if uses_onednn(mode, w) else None
         # x.numel() from which a call holds ONEDNN_MIN_MACS multiply-adds (x.numel() * out of them).
         self._min_numel = -(-ONEDNN_MIN_MACS // w.shape[0])
 
@@ -92,6 +111,37 @@ class Dense:
         if x.numel() >= self._min_numel and self.packed is not None and not _recording(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.w)
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+
+
+class Packed:
+    """A weight [out, in] held only in oneDNN's blocked layout: ``self(x)`` is ``x @ w.T`` through
+    oneDNN at any row count, or, where autograd records, through MKL on the weight unpacked for the
+    call (exactly ``w``, laid out [in, out] as a plain expert bank holds it, so the product and its
+    gradient are the plain bank's bit for bit)."""
+
+    __slots__ = ("p", "shape")
+
+    def __init__(self, w: torch.Tensor):
+        self.p, self.shape = _pack(w), w.shape
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if _recording(x):
+            return torch.matmul(x, self.plain().t().contiguous())
+        y = torch.ops.mkldnn._linear_pointwise(x, self.p, None, "none", [], "")
+        return y if out is None else out.copy_(y)
+
+    def plain(self) -> torch.Tensor:
+        """The weight [out, in] in its plain layout (a new tensor)."""
+        return self.p.to_dense()
+
+
+def packs(mode: str, w: torch.Tensor) -> bool:
+    """Whether a routed expert's matrix ``w`` [out, in] is held packed under ``mode``."""
+    return w.numel() >= PACK_MIN_ELEMS and uses_onednn(mode, w)
 
 
 def dense(w: torch.Tensor | None, mode: str) -> Dense | None:

@@ -53,7 +53,7 @@ from . import QUANTIZED_NAMES, awq
 from .calib_schema import CALIB_VERSION, _expert_bpw, build_result, check_calib  # noqa: F401 - calib.json's home
 from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
-from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, fisher_measure
+from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, check_float_banks, fisher_measure
 
 DEFAULT_FORMATS = QUANTIZED_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
@@ -162,7 +162,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
             shutil.rmtree(ck)
         convert(model, ck)
         source = json.loads((ck / "manifest.json").read_text()).get("source")
-        eng = EmbeddedEngine.from_checkpoint(ck, device=device)
+        eng = EmbeddedEngine.from_checkpoint(ck, device=device, pack_experts=False)
         usable, skipped = applicable_formats(formats, eng.cfg.hidden_size, eng.cfg.expert_intermediate_size)
         for f, why in skipped.items():
             notes.append(f"{f} skipped: {why}")
@@ -427,9 +427,7 @@ def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, 
     acts = activations if activations is not None else awq.ActivationStats()
     c = eng.cfg
     moe_layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
-    for l in moe_layers:
-        if not isinstance(eng.layers[l].experts, FloatExperts):
-            raise InputError("calibration needs an unquantized model")
+    check_float_banks(eng, moe_layers)
     ref = _reference_pass(eng, ids, moe_layers, batch_size)
     exact = _exact_delta_kl(eng, ref, moe_layers, formats, rounding, acts, batch_size, progress,
                             {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens})

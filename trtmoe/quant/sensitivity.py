@@ -170,6 +170,17 @@ class Progress:
 
 
 @torch.no_grad()
+def check_float_banks(eng: EmbeddedEngine, moe_layers: list[int]) -> None:
+    """Calibration reads every MoE layer's plain float expert weights: refuse an engine without them."""
+    for l in moe_layers:
+        bank = eng.layers[l].experts
+        if not isinstance(bank, FloatExperts):
+            raise InputError("calibration needs an unquantized model")
+        if bank.packed:
+            raise InputError("calibration reads the experts' plain weights, which this engine holds packed "
+                             "for oneDNN", hint="load the engine with pack_experts=False")
+
+
 def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_tokens: int = 16, batch_size: int = 8,
                    progress: Callable[[str, int, int], None] | None = None, work: Path | None = None,
                    key: str = "", probe: str = "gaussian", seed: int = 0, rounding=None,
@@ -184,9 +195,7 @@ def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_token
     rounding = rounding or RTN()
     c = eng.cfg
     moe_layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
-    for l in moe_layers:
-        if not isinstance(eng.layers[l].experts, FloatExperts):
-            raise InputError("calibration needs an unquantized model")
+    check_float_banks(eng, moe_layers)
     own_work = work is None
     if own_work:
         work = Path(tempfile.mkdtemp(prefix="trtmoe-fisher-"))

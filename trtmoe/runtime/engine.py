@@ -295,13 +295,16 @@ class EmbeddedEngine:
     """Runs a TensorRT-LLM checkpoint directory with PyTorch."""
 
     def __init__(self, cfg: CheckpointConfig, device: torch.device, path: Path | None = None,
-                 compute_dtype: torch.dtype | None = None, cpu_matmul: str = "auto"):
+                 compute_dtype: torch.dtype | None = None, cpu_matmul: str = "auto", pack_experts: bool = True):
         self.cfg = cfg
         self.device = device
         self.path = path
         # Which library runs the CPU matrix products: "auto" (MKL, or oneDNN for large products),
         # "blas" (MKL only); see trtmoe.matmul.
         self.cpu_matmul = check_mode(cpu_matmul)
+        # Whether large float expert matrices are held only in oneDNN's packed layout ("auto" on CPU);
+        # False keeps their plain weights readable (calibration reads them).
+        self.pack_experts = pack_experts
         self.dtype = cfg.dtype  # the checkpoint's weight dtype
         # Activations: float32 on CPU (16-bit float matmuls are emulated and ~10x slower there; the
         # weights keep their exact checkpoint values), the checkpoint dtype on CUDA.
@@ -350,17 +353,18 @@ class EmbeddedEngine:
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, device: str | torch.device | None = None,
                         max_seq_len: int | None = None, compute_dtype: torch.dtype | None = None,
-                        cpu_matmul: str = "auto") -> "EmbeddedEngine":
+                        cpu_matmul: str = "auto", pack_experts: bool = True) -> "EmbeddedEngine":
         """Load a TensorRT-LLM checkpoint directory (config.json + rank*.safetensors).
 
         ``device``: None = CUDA when present, else CPU. ``compute_dtype``: activation dtype, by
         default float32 on CPU and the checkpoint dtype on CUDA. ``cpu_matmul``: "auto" or "blas"
-        (see trtmoe.matmul)."""
+        (see trtmoe.matmul). ``pack_experts=False`` keeps every routed expert's plain weights (with
+        "auto", large float expert matrices are otherwise held only packed for oneDNN)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         cfg = load_config(ckpt_dir)
-        eng = cls(cfg, device, Path(ckpt_dir), compute_dtype, cpu_matmul)
+        eng = cls(cfg, device, Path(ckpt_dir), compute_dtype, cpu_matmul, pack_experts)
         if max_seq_len:
             eng.max_seq_len = max_seq_len
         files = RankFiles(ckpt_dir, cfg)
@@ -393,7 +397,7 @@ class EmbeddedEngine:
                          k_norm=to(t.get("attention.k_layernorm.weight")))
             if c.moe_layers[l]:
                 lay.router = dense(t["mlp.router.weight"].float().to(dev), self.cpu_matmul)
-                lay.experts = load_expert_bank(files, c, l, pre, p, dev, cdt, self.cpu_matmul)
+                lay.experts = load_expert_bank(files, c, l, pre, p, dev, cdt, self.cpu_matmul, self.pack_experts)
                 lay.shared_fc = lin(t.get("mlp.shared_expert.fc.weight"))  # [up; gate]
                 lay.shared_proj = lin(t.get("mlp.shared_expert.proj.weight"))
                 lay.shared_gate = lin(t.get("mlp.shared_expert_gate.weight"))

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.layout import packed_at_conversion
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InputError
 from ..hf.adapters import expert_rules
-from ..matmul import matmul_for, mm_t, uses_onednn
+from ..matmul import Packed, matmul_for, mm_t, packs, uses_onednn
 from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
 
@@ -90,27 +90,70 @@ class ExpertBank:
 class FloatExperts(ExpertBank):
     """fc [E, 2I, H] = per expert [up; gate]; proj [E, H, I].
 
-    The weights are held transposed ([E, H, 2I] and [E, I, H], contiguous: what ``x @ w.t()``
+    A plain matrix is held transposed ([E, H, 2I] and [E, I, H], contiguous: what ``x @ w.t()``
     multiplies, read row by row), and ``fc`` / ``proj`` are [E, 2I, H] / [E, H, I] views of them. Out of
     cache (a decode step streams every busy expert's weights) a matmul reads this layout measurably
     faster on CPU than the transposed view of a row-major [2I, H] weight. With ``cpu_matmul`` "auto",
-    an expert's large blocks of rows run through oneDNN (``trtmoe.matmul.mm_t``)."""
+    an expert's large blocks of rows run through oneDNN (``trtmoe.matmul.mm_t``).
 
-    def __init__(self, fc: torch.Tensor, proj: torch.Tensor, fmt: str, cpu_matmul: str = "blas"):
-        fc_t, proj_t = fc.transpose(1, 2).contiguous(), proj.transpose(1, 2).contiguous()
-        self.fc, self.proj, self.fmt = fc_t.transpose(1, 2), proj_t.transpose(1, 2), fmt
-        self._fc_t = list(fc_t.unbind(0))
-        self._proj_t = list(proj_t.unbind(0))
-        self._onednn = uses_onednn(cpu_matmul, fc_t[0])
+    With ``pack`` (and "auto"), a matrix of at least ``PACK_MIN_ELEMS`` elements (fc and proj each
+    decide) is held only in oneDNN's packed layout and every product with it runs there (see
+    ``trtmoe.matmul``); ``packed`` says so, and the plain ``fc`` / ``proj`` (which calibration reads)
+    are then not available."""
+
+    def __init__(self, fc: torch.Tensor, proj: torch.Tensor, fmt: str, cpu_matmul: str = "blas",
+                 pack: bool = False):
+        self.fmt = fmt
+        self._dims = (fc.shape[1], proj.shape[1])  # the fc and proj output widths, 2I and H
+        self._onednn = uses_onednn(cpu_matmul, fc[0])
         self.matmul = matmul_for(cpu_matmul)  # what a quantized stand-in for one of its matrices runs
+        # Per matrix kind: the plain [E, out, in] view (None when packed) and each expert's operand
+        # (its transposed plain weight, or its Packed weight).
+        self._plain: list[torch.Tensor | None] = []
+        self._mats: list[list] = []
+        for w in (fc, proj):
+            if pack and packs(cpu_matmul, w[0]):
+                self._plain.append(None)
+                self._mats.append([Packed(w[e]) for e in range(w.shape[0])])
+            else:
+                w_t = w.transpose(1, 2).contiguous()
+                self._plain.append(w_t.transpose(1, 2))
+                self._mats.append(list(w_t.unbind(0)))
+
+    @property
+    def packed(self) -> bool:
+        """Whether fc or proj is held only packed."""
+        return any(p is None for p in self._plain)
+
+    def _plain_view(self, i: int) -> torch.Tensor:
+        if self._plain[i] is None:
+            raise InputError("this engine holds its routed experts packed for oneDNN, so their plain weights "
+                             "are not available", hint="load it with pack_experts=False")
+        return self._plain[i]
+
+    @property
+    def fc(self) -> torch.Tensor:
+        return self._plain_view(0)
+
+    @property
+    def proj(self) -> torch.Tensor:
+        return self._plain_view(1)
+
+    def _mm(self, i: int, e: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        m = self._mats[i][e]
+        if isinstance(m, Packed):
+            return m(x, out)
+        if x.dim() != 2:
+            return x @ m
+        return mm_t(x, m, self._onednn, out=out)
 
     def fc_out(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """``x @ fc[e].T``: expert ``e``'s [up; gate] pre-activations."""
-        return mm_t(x, self._fc_t[e], self._onednn) if x.dim() == 2 else x @ self._fc_t[e]
+        return self._mm(0, e, x)
 
     def proj_out(self, e: int, a: torch.Tensor) -> torch.Tensor:
         """``a @ proj[e].T``: expert ``e``'s output from its activations."""
-        return mm_t(a, self._proj_t[e], self._onednn) if a.dim() == 2 else a @ self._proj_t[e]
+        return self._mm(1, e, a)
 
     def row_major(self, e: int) -> dict[str, torch.Tensor]:
         """Row-major copies of expert ``e``'s fc and proj, for work that reduces along their rows (the
@@ -131,17 +174,16 @@ class FloatExperts(ExpertBank):
         sizes = [counts[e] for e in busy]
         M = x.shape[0]
         if not busy:
-            return x.new_empty(0, self.proj.shape[1])
-        h = x.new_empty(M, self.fc.shape[1])
-        # An expert's block goes to oneDNN by its size (mm_t); a decode step's blocks seldom do.
+            return x.new_empty(0, self._dims[1])
+        h = x.new_empty(M, self._dims[0])
         # Each busy expert's rows as views, cut in one call per tensor.
         for e, xe, he in zip(busy, x.split(sizes), h.split(sizes)):
-            mm_t(xe, self._fc_t[e], self._onednn, out=he)
+            self._mm(0, e, xe, out=he)
         up, gate = h.chunk(2, dim=-1)
         act = F.silu(gate).mul_(up)
-        y = x.new_empty(M, self.proj.shape[1])
+        y = x.new_empty(M, self._dims[1])
         for e, ae, ye in zip(busy, act.split(sizes), y.split(sizes)):
-            mm_t(ae, self._proj_t[e], self._onednn, out=ye)
+            self._mm(1, e, ae, out=ye)
         return y
 
     def format_of(self, e: int) -> str:
@@ -368,13 +410,15 @@ def slot_formats(cfg, layer: int) -> tuple[str, list[str], list[str]]:
 
 
 def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
-                     compute_dtype: torch.dtype | None = None, cpu_matmul: str = "blas") -> ExpertBank:
+                     compute_dtype: torch.dtype | None = None, cpu_matmul: str = "blas",
+                     pack: bool = False) -> ExpertBank:
     gran, fc_names, proj_names = slot_formats(cfg, layer)
     dt = cfg.dtype
     if gran == "layer" and fc_names[0] == FLOAT:
         fc, proj = _float_fc_proj(files, cfg, pre, pp_rank)
         cdt = compute_dtype or dt
-        return FloatExperts(fc.to(device, cdt), proj.to(device, cdt), str(dt).replace("torch.", ""), cpu_matmul)
+        return FloatExperts(fc.to(device, cdt), proj.to(device, cdt), str(dt).replace("torch.", ""), cpu_matmul,
+                            pack)
     mp = cfg.mapping
     E_loc = cfg.num_experts // mp.moe_ep_size
     shards: list[list[PackedShard]] = [[] for _ in range(cfg.num_experts)]
