@@ -24,11 +24,12 @@ counts.
 
 Routed experts are most of a MoE's memory, so they are never held twice. A float expert matrix of at
 least ``PACK_MIN_ELEMS`` elements is held *only* packed (``Packed``), and every product with it runs
-in oneDNN, one row or many. Out of cache (a decode step streams every busy expert's weights) a
-packed 2048 x 1536 matrix (Qwen3-30B-A3B's fc) ran 1.2-1.6x faster than MKL at one row and 2.3-2.6x
-at 2 to 8 rows; a plain weight read by oneDNN gained much less at those row counts, and nothing on
-the down projection's layout. Below 2^18 elements (the trained fixture's 128 x 512) oneDNN's fixed
-cost per call outweighs its speed at a few rows, and such a matrix stays plain: MKL runs it, and
+in oneDNN, one row or many. Out of cache (a decode step streams every busy expert's weights),
+packed matrices of 2^19 to 2^22 elements (Qwen3-30B-A3B's fc is 2048 x 1536) ran 1.25-1.6x faster
+than MKL at one row and 1.9-2.8x at 2 to 8 rows; a plain weight read by oneDNN gained much less at
+those row counts, and nothing on the down projection's layout. At 2^16 elements (the trained
+fixture's 128 x 512) MKL was faster at one and two rows: oneDNN's fixed cost per call outweighs its
+speed there, and the break-even sat near 2^18. A smaller matrix stays plain: MKL runs it, and
 oneDNN reads the plain weight from ``EXPERT_MIN_ROWS`` rows and ``ONEDNN_MIN_MACS`` on (a prefill
 block). Where a gradient is recorded, a packed matrix is unpacked for the call (an exact copy, the
 same MKL product as a plain one), so gradients do not depend on the layout. Calibration reads
