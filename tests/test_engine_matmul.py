@@ -164,3 +164,27 @@ def test_search_products_go_to_onednn_by_size():
     torch.testing.assert_close(matmul.linear(big, w), big @ w.t(), rtol=1e-4, atol=1e-4)
     assert ONEDNN_OP not in _ops(lambda: matmul.linear(small, w))
     assert torch.equal(matmul.linear(small, w), small @ w.t())
+
+
+def test_onednn_row_counts_are_rounded_and_padding_is_dropped():
+    """oneDNN runs a product at ``rows_bucket`` rows (a bounded set of shapes, so its kernel cache
+    stops missing); the padding rows never reach the result."""
+    seen = set()
+    for m in range(1, 5000):
+        b = matmul.rows_bucket(m)
+        assert m <= b <= max(m, m * 9 // 8 + 1)
+        seen.add(b)
+    assert len([b for b in seen if 1024 < b <= 2048]) == 8 and set(range(1, 17)) <= seen
+    g = torch.Generator().manual_seed(10)
+    w = torch.randn(1024, 512, generator=g)
+    dense = matmul.Dense(w, "auto")
+    packed = matmul.Packed(w)
+    for shape in ((17, 512), (100, 512), (3, 37, 512)):
+        x = torch.randn(*shape, generator=g)
+        with torch.inference_mode():
+            for y in (dense(x), packed(x)):
+                assert y.shape == (*shape[:-1], 1024)
+                torch.testing.assert_close(y, x @ w.t(), rtol=1e-4, atol=1e-4)
+    x = torch.randn(100, 512, generator=g)
+    ops = _ops(lambda: packed(x))
+    assert [s[0] for s in ops[ONEDNN_OP]] == [[104, 512]]  # 100 rows run as 104

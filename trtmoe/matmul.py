@@ -110,8 +110,35 @@ class Dense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() >= self._min_numel and self.packed is not None and not _recording(x):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return _onednn(x, self.packed)
         return F.linear(x, self.w)
+
+
+def rows_bucket(m: int) -> int:
+    """The row count oneDNN runs a product of ``m`` rows at: ``m`` up to 16, else ``m`` rounded up to
+    a multiple of 2^(bits(m) - 4), eight steps per doubling (at most 1/8 of the rows padding)."""
+    return m if m <= 16 else -(-m >> (m.bit_length() - 4)) << (m.bit_length() - 4)
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` through oneDNN (``w`` packed, or a plain [out, in] weight or view), its rows padded
+    to ``rows_bucket``. oneDNN builds a kernel for every new shape it meets and keeps a bounded cache
+    of them: a product of a row count not seen before took 280 us more than a seen one (fixture
+    width, 256 rows, against 150 us for the product itself), and a prefill's experts and batches
+    meet new row counts all the time. Rounded, a model meets at most about 8 per doubling."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m = x2.shape[0]
+    mb = rows_bucket(m)
+    if mb != m:  # the padding rows' outputs are dropped; each output row reads only its own input row
+        xp = x2.new_empty(mb, x2.shape[1])
+        xp[:m] = x2
+        xp[m:].zero_()
+        x2 = xp
+    y = torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "")
+    if mb != m:
+        y = y[:m]
+    return y.reshape(*shape[:-1], y.shape[-1])
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
@@ -132,7 +159,7 @@ class Packed:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if _recording(x):
             return torch.matmul(x, self.plain().t().contiguous())
-        y = torch.ops.mkldnn._linear_pointwise(x, self.p, None, "none", [], "")
+        y = _onednn(x, self.p)
         return y if out is None else out.copy_(y)
 
     def plain(self) -> torch.Tensor:
@@ -155,7 +182,7 @@ def mm_t(x: torch.Tensor, w_t: torch.Tensor, onednn: bool, out: torch.Tensor | N
     ``ONEDNN_MIN_MACS`` multiply-adds, else MKL."""
     M = x.shape[0]
     if onednn and M >= EXPERT_MIN_ROWS and M * w_t.shape[0] * w_t.shape[1] >= ONEDNN_MIN_MACS and not _recording(x):
-        y = torch.ops.mkldnn._linear_pointwise(x, w_t.t(), None, "none", [], "")
+        y = _onednn(x, w_t.t())
         return y if out is None else out.copy_(y)
     return torch.mm(x, w_t) if out is None else torch.mm(x, w_t, out=out)
 
