@@ -21,8 +21,10 @@ Implementations (each in its own worker process, loaded once):
 Cases: decode at batch 1 / 8 / 32 (16-token prompts, then ``--steps`` greedy steps timed; prefill
 not counted), the batch-8 and batch-32 decodes with the engine's batch listed in the reverse of its
 slot order (``decode8r``, ``decode32r``: a serving batch's order; the other implementations run
-``decode8``/``decode32`` there) and prefill of 8x128 and 64x128 tokens (one batched forward filling the KV cache,
-last-position logits only). Rounds are interleaved (every round runs every case on every
+``decode8``/``decode32`` there), prefill of 8x128 and 64x128 tokens (one batched forward filling the KV cache,
+last-position logits only) and ``prefill_mixed``: 16 prefills of 1-8 prompts of 20-200 tokens, sizes
+drawn anew every round (a server meets new batch and expert-block shapes all the time, and a
+library that builds a kernel per shape pays for it there). Rounds are interleaved (every round runs every case on every
 implementation, in a rotating order) and the table shows medians over rounds, wall and CPU time
 (the worker's user+system time: less sensitive than wall time to other load on a shared machine,
 but not immune to it). Greedy decode tokens are compared across implementations and reported.
@@ -62,6 +64,9 @@ CASES = {  # name: (kind, batch, tokens)
     "decode32r": ("decode_reordered", 32, 16),
     "prefill8x128": ("prefill", 8, 128),
     "prefill64x128": ("prefill", 64, 128),
+    # A serving-like stream of prefills: 16 batches of 1-8 prompts of 20-200 tokens (one length per
+    # batch, so every implementation runs it unpadded), new sizes in every round.
+    "prefill_mixed": ("prefill_mixed", 8, 200),
 }
 
 
@@ -74,6 +79,15 @@ def _prompts(vocab: int, batch: int, tokens: int, seed: int) -> list[list[int]]:
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(4, vocab, (batch, tokens), generator=g).tolist()
+
+
+def _mixed_batches(vocab: int, batch: int, tokens: int, seed: int, n: int = 16) -> list[list[list[int]]]:
+    """``n`` batches of 1-``batch`` prompts of 20-``tokens`` tokens (one length per batch), seeded."""
+    import random
+
+    rnd = random.Random(seed)
+    sizes = [(rnd.randint(1, batch), rnd.randint(20, tokens)) for _ in range(n)]
+    return [_prompts(vocab, b, t, seed=seed * 1000 + i) for i, (b, t) in enumerate(sizes)]
 
 
 class _EngineRunner:
@@ -253,6 +267,7 @@ def worker(args) -> None:
 
         ready = {"ready": True, "trtmoe": str(Path(trtmoe.__file__).parent), "torch_threads": torch.get_num_threads()}
     print(json.dumps(ready), flush=True)
+    calls: dict[str, int] = {}
     for line in sys.stdin:
         case = line.strip()
         if not case:
@@ -260,6 +275,18 @@ def worker(args) -> None:
         count = case.startswith("ops:")
         case = case.removeprefix("ops:")
         kind, batch, tokens = CASES[case]
+        calls[case] = calls.get(case, 0) + 1
+        if kind == "prefill_mixed":
+            if count:
+                print(json.dumps({"ops": 0}), flush=True)
+                continue
+            wall = cpu = 0.0
+            n = 0
+            for prompts in _mixed_batches(runner.vocab, batch, tokens, seed=calls[case]):
+                w, c = runner.prefill(prompts)
+                wall, cpu, n = wall + w, cpu + c, n + sum(map(len, prompts))
+            print(json.dumps({"wall": wall, "cpu": cpu, "tokens": n}), flush=True)
+            continue
         prompts = _prompts(runner.vocab, batch, tokens, seed=batch * 1000 + tokens)
         if count:
             print(json.dumps({"ops": _count_ops(runner, kind, prompts)}), flush=True)
@@ -331,6 +358,8 @@ def profile(args) -> None:
     extra = {"reorder": True} if kind == "decode_reordered" else {}
     fn = (lambda: runner.decode(prompts, args.steps, **extra)) if kind.startswith("decode") else (
         lambda: runner.prefill(prompts))
+    if kind == "prefill_mixed":
+        fn = lambda: [runner.prefill(p) for p in _mixed_batches(runner.vocab, batch, tokens, seed=0)]  # noqa: E731
     fn()
     pr = cProfile.Profile()
     pr.enable()
