@@ -455,3 +455,28 @@ def test_a_batched_request_is_queued_whole_or_refused(engine):
         for e in running.release.values():
             e.set()
         b.shutdown()
+
+
+def test_idle_engine_gives_its_freed_memory_back(engine, monkeypatch):
+    """Once the loop has been idle ``trim_after_idle_s``, it calls the engine's ``trim_memory`` once
+    per idle period, never while requests run."""
+    calls = []
+    real = engine.trim_memory
+    monkeypatch.setattr(engine, "trim_memory", lambda: calls.append(time.monotonic()) or real())
+    b = InflightBatcher(engine, max_batch_size=4, trim_after_idle_s=0.3, on_iteration=lambda _: None,
+                        idle_callback_period_s=0.05)  # idle calls must not postpone the trim
+    try:
+        time.sleep(0.5)
+        assert calls == []  # nothing ran yet: nothing to give back
+        for _ in range(2):
+            c = Collector()
+            b.submit(PROMPTS[2], _params(40), c)
+            assert c.done.wait(30)
+            done_at = time.monotonic()
+            n = len(calls)
+            _wait_for(lambda: len(calls) == n + 1, timeout=5)
+            assert calls[-1] - done_at >= 0.25
+            time.sleep(0.5)
+            assert len(calls) == n + 1 and b.trims == n + 1
+    finally:
+        b.shutdown()

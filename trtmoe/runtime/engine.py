@@ -32,6 +32,7 @@ from ..hf.adapters import FIRST, LAST, MOE_TP, global_rules, layer_rules
 from ..matmul import Dense, check_mode, dense
 from ..model.description import NORM_NONE, NORM_SPARSE_MIXER
 from ..model.params import count_params
+from .alloc import give_back_freed_memory, hold_freed_memory
 from .beam import BeamState, Hypothesis
 from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
 from .experts import STACK_MAX_ROWS, ExpertBank, load_expert_bank
@@ -311,6 +312,8 @@ class EmbeddedEngine:
         if compute_dtype is None:
             compute_dtype = cfg.dtype if device.type == "cuda" else torch.float32
         self.compute_dtype = compute_dtype
+        if device.type == "cpu":
+            hold_freed_memory()  # the activations' memory is reused, not faulted in again (runtime/alloc.py)
         self.layers: list[_Layer] = []
         self.embedding: torch.Tensor | None = None
         self.final_norm: torch.Tensor | None = None
@@ -372,6 +375,8 @@ class EmbeddedEngine:
             eng._load(files)
         finally:
             files.close()
+        if device.type == "cpu":
+            give_back_freed_memory()  # the loading temporaries: nothing will reuse them soon
         return eng
 
     def _load(self, files: RankFiles):
@@ -804,6 +809,13 @@ class EmbeddedEngine:
         pos = torch.arange(T, device=self.device).expand(B, T)
         return self._forward(torch.zeros(B, T, dtype=torch.long, device=self.device), pos, None,
                              start_layer=layer, hidden=hidden.to(self.device))
+
+    @staticmethod
+    def trim_memory() -> bool:
+        """Give the memory freed since the engine last ran back to the system (CPU engines hold it
+        for reuse while they are busy; see ``trtmoe.runtime.alloc``). The serving loop calls this
+        once the engine has been idle a while; True when something was returned."""
+        return give_back_freed_memory()
 
     def kv_cache_stats(self) -> dict[str, int]:
         """The pooled KV cache now: rows allocated, rows held by live sequences, tokens per row."""

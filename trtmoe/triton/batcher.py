@@ -31,6 +31,10 @@ sender's, an IPC call) is polled by a watcher thread about once per decode step,
 decode thread, so a cancelled request leaves the batch before the next step after the poll that
 sees it, and polling never stalls decoding.
 
+Memory: once the loop has had no request for ``trim_after_idle_s``, it calls the engine's
+``trim_memory()`` (when it has one) once, so what a burst allocated is returned to the system while
+idle rather than held until the next burst (a CPU engine keeps freed memory for reuse while busy).
+
 Errors stay per request: a failing prefill, a failing sequence inside ``step`` (found by retrying the
 batch one sequence at a time) or a callback that raises ends that request only; the loop goes on.
 """
@@ -135,6 +139,8 @@ class InflightBatcher:
     token, a step's tokens), so a consumer that queues events can wake its sender once per burst.
     ``remember_cancel_s`` / ``max_remembered_cancels``: how long, and how many, ids cancelled with
     ``remember=True`` are kept for requests that arrive after their cancel.
+    ``trim_after_idle_s``: idle time after which the engine's ``trim_memory()`` is called (once per
+    idle period; None never).
     """
 
     def __init__(self, engine: Any, *, max_batch_size: int, max_waiting: int = 0,
@@ -144,7 +150,7 @@ class InflightBatcher:
                  on_flush: Callable[[], None] | None = None,
                  max_prefill_tokens: int = 1024, name: str = "trtmoe-inflight-batcher",
                  min_cancel_check_period_s: float = 0.005, remember_cancel_s: float = 600.0,
-                 max_remembered_cancels: int = 16384):
+                 max_remembered_cancels: int = 16384, trim_after_idle_s: float | None = 2.0):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if stream_interval < 0:
@@ -173,6 +179,9 @@ class InflightBatcher:
         self._closed = False
         self._ids = itertools.count()
         self._last_step_s = 0.0
+        self.trim_after_idle_s = trim_after_idle_s
+        self._trim_at: float | None = None  # when to call the engine's trim_memory, once idle
+        self.trims = 0
         # Counters read by metrics; written only by the batcher thread.
         self.iterations = 0
         self.generated_tokens = 0
@@ -489,6 +498,16 @@ class InflightBatcher:
         self._active = [r for r in active if not r.finished]
         self.iterations += 1
 
+    def _trim(self) -> None:
+        trim = getattr(self.engine, "trim_memory", None)
+        if trim is None:
+            return
+        try:
+            trim()
+            self.trims += 1
+        except Exception:  # noqa: BLE001 - never let the loop die
+            log.exception("engine trim_memory failed")
+
     def _run(self) -> None:
         name_native_thread("trtmoe-decode")
         next_idle_cb = 0.0
@@ -496,10 +515,20 @@ class InflightBatcher:
             with self._cv:
                 while not self._closed and not self._waiting and not self._active:
                     timeout = self.idle_callback_period_s if self.on_iteration else None
+                    if self._trim_at is not None:
+                        left = self._trim_at - time.monotonic()
+                        if left <= 0:
+                            break  # idle long enough: trim below, outside the lock
+                        timeout = left if timeout is None else min(timeout, left)
                     if not self._cv.wait(timeout) and self.on_iteration and time.monotonic() >= next_idle_cb:
                         break  # periodic idle call so gauges settle
                 if self._closed:
                     break
+                idle = not self._waiting and not self._active  # else this iteration has work
+            if idle and self._trim_at is not None and time.monotonic() >= self._trim_at:
+                self._trim_at = None
+                self._trim()
+                continue
             try:
                 self._drop_cancelled()
                 self._admit()
@@ -511,6 +540,8 @@ class InflightBatcher:
                         self._fail(r, e)
                 self._active = []
             self._flush()
+            if not idle and not self._active and self.trim_after_idle_s is not None:
+                self._trim_at = time.monotonic() + self.trim_after_idle_s  # idle from now on
             if self.on_iteration is not None:
                 try:
                     self.on_iteration(self)
