@@ -35,6 +35,10 @@ block). Where a gradient is recorded, a packed matrix is unpacked for the call (
 same MKL product as a plain one), so gradients do not depend on the layout. Calibration reads
 expert weights directly and loads its engine with ``pack_experts=False``.
 
+oneDNN builds a kernel for every product shape it has not met before (hundreds of microseconds), so
+each oneDNN product runs at a rounded row count (``rows_bucket``): prompts of every length then
+reuse a few dozen kernels per weight.
+
 ``cpu_matmul="blas"`` (``EmbeddedEngine``) keeps every product on MKL.
 """
 
