@@ -52,3 +52,9 @@ def test_system_malloc_opt_out():
     r = _probe({"TRTMOE_MALLOC": "system"})
     assert not r["held"] and r["alloc"] > 200
     assert r["free"] < 50  # glibc unmaps a block this large at once
+
+
+def test_unknown_setting_is_refused():
+    out = subprocess.run([sys.executable, "-c", "from trtmoe.runtime import alloc; alloc.hold_freed_memory()"],
+                         capture_output=True, text=True, env={**os.environ, "TRTMOE_MALLOC": "jemalloc"})
+    assert out.returncode != 0 and "TRTMOE_MALLOC must be hold or system, got 'jemalloc'" in out.stderr

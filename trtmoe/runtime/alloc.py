@@ -15,7 +15,7 @@ after it, so ``give_back_freed_memory`` (``malloc_trim``) returns what is free; 
 calls it once the engine has been idle a while (``EmbeddedEngine.trim_memory``).
 
 It is process-wide, set once by the first CPU engine. ``TRTMOE_MALLOC=system`` leaves glibc's own
-behaviour in place.
+behaviour in place (``hold``, the default, is the setting above; any other value is refused).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import ctypes
 import ctypes.util
 import functools
 import os
+
+from ..errors import InputError
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -51,7 +53,10 @@ def _libc():
 def hold_freed_memory() -> bool:
     """Keep freed blocks below ``HOLD_BYTES`` in the process (see the module docstring); True when
     the setting took effect. Once per process; a no-op with ``TRTMOE_MALLOC=system`` or off glibc."""
-    if os.environ.get("TRTMOE_MALLOC", "").strip().lower() == "system":
+    mode = os.environ.get("TRTMOE_MALLOC", "").strip().lower() or "hold"
+    if mode not in ("hold", "system"):
+        raise InputError(f"TRTMOE_MALLOC must be hold or system, got {os.environ['TRTMOE_MALLOC']!r}")
+    if mode == "system":
         return False
     libc = _libc()
     if libc is None:
