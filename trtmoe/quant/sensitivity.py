@@ -169,7 +169,6 @@ class Progress:
         return self.layers / f"layer-{l:03d}.pt"
 
 
-@torch.no_grad()
 def check_float_banks(eng: EmbeddedEngine, moe_layers: list[int]) -> None:
     """Calibration reads every MoE layer's plain float expert weights: refuse an engine without them."""
     for l in moe_layers:
@@ -181,6 +180,7 @@ def check_float_banks(eng: EmbeddedEngine, moe_layers: list[int]) -> None:
                              "for oneDNN", hint="load the engine with pack_experts=False")
 
 
+@torch.no_grad()
 def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_tokens: int = 16, batch_size: int = 8,
                    progress: Callable[[str, int, int], None] | None = None, work: Path | None = None,
                    key: str = "", probe: str = "gaussian", seed: int = 0, rounding=None,
