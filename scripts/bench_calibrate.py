@@ -21,7 +21,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--child":
         _child(*argv[1:])
         return 0
-    from bench_recipes import add_model_args, make_wide_model
+    from bench_recipes import add_model_args, make_wide_model, run_child
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -89,13 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                 env["PYTHONPATH"] = os.pathsep.join(p for p in (impls[name] or str(REPO_ROOT),
                                                                 env.get("PYTHONPATH")) if p)
                 out = work / f"cal-{names.index(name)}"
-                p = subprocess.run([sys.executable, __file__, "--child", str(model), str(text), str(out),
-                                    str(args.samples), str(args.seq_len), args.sensitivity, str(args.threads)],
-                                   capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
-                if p.returncode:
-                    print(p.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"calibrate ({name}) failed")
-                res = json.loads(p.stdout.strip().splitlines()[-1])
+                res = run_child(__file__, [model, text, out, args.samples, args.seq_len, args.sensitivity,
+                                           args.threads], f"calibrate ({name})", env=env, cwd=tempfile.gettempdir())
                 runs[name].append(res)
                 print(f"  round {r + 1} {name:>20s}: {res['wall']:7.1f} s wall {res['cpu']:7.1f} CPU s "
                       f"({res['trtmoe']})", flush=True)

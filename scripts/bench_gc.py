@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -97,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the table shows medians")
     args = ap.parse_args(argv)
 
+    from bench_recipes import run_child
     from trtmoe.checkpoint.writer import convert
 
     modes = ("default", "frozen")
@@ -105,12 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         for r in range(args.rounds):
             for mode in modes[r % 2:] + modes[:r % 2]:
-                p = subprocess.run([sys.executable, __file__, "--child", mode, str(ckpt), str(args.requests),
-                                    str(args.concurrency), str(args.tokens)], capture_output=True, text=True)
-                if p.returncode:
-                    print(p.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"{mode} run failed")
-                res = json.loads(p.stdout.strip().splitlines()[-1])
+                res = run_child(__file__, [mode, ckpt, args.requests, args.concurrency, args.tokens], f"{mode} run")
                 runs[mode].append(res)
                 print(f"  round {r + 1} {mode:>7}: {res['full_passes']} full passes, longest pause "
                       f"{res['longest_ms']:.1f} ms, {res['wall_s']:.1f} s", flush=True)

@@ -45,6 +45,17 @@ if str(REPO_ROOT) not in sys.path:
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"  # its tokenizer (vocabulary 2048)
 
 
+def run_child(script: str, args: list, what: str, **kw) -> dict:
+    """Run ``script --child ARGS`` in a fresh interpreter and return the JSON object its last output
+    line holds; on failure print the tail of its stderr and exit naming ``what``. ``kw`` goes to
+    ``subprocess.run`` (env, cwd)."""
+    p = subprocess.run([sys.executable, script, "--child", *map(str, args)], capture_output=True, text=True, **kw)
+    if p.returncode:
+        print(p.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{what} failed")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def plan_args(plan: str) -> list[str]:
     kind, _, value = plan.partition(":")
     if kind == "uniform":
@@ -147,13 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
                 out = work / f"ck-{mode}"
-                p = subprocess.run([sys.executable, __file__, "--child", mode, str(model), str(work / "cal"),
-                                    str(out), args.plan, str(args.threads), args.target],
-                               capture_output=True, text=True)
-                if p.returncode:
-                    print(p.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"convert ({mode}) failed")
-                res = json.loads(p.stdout.strip().splitlines()[-1])
+                res = run_child(__file__, [mode, model, work / "cal", out, args.plan, args.threads, args.target],
+                                f"convert ({mode})")
                 runs[mode].append(res)
                 print(f"  round {r + 1} {mode:>10s}: {res['wall']:7.1f} s wall {res['cpu']:7.1f} CPU s", flush=True)
         same = all((work / f"ck-{m}" / n.name).read_bytes() == n.read_bytes() for m in modes[:1] + modes[2:]
