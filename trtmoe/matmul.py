@@ -155,10 +155,10 @@ class Packed:
     call (exactly ``w``, laid out [in, out] as a plain expert bank holds it, so the product and its
     gradient are the plain bank's bit for bit)."""
 
-    __slots__ = ("p", "shape")
+    __slots__ = ("p",)
 
     def __init__(self, w: torch.Tensor):
-        self.p, self.shape = _pack(w), w.shape
+        self.p = _pack(w)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if _recording(x):
