@@ -37,6 +37,7 @@ from trtmoe.triton.serve import serve_repository  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
 BUILD = {"max_batch_size": 16, "max_input_len": 64, "max_seq_len": 160, "max_beam_width": 1, "tokens_per_block": 32}
+SERVED_MAX_SEQ_LEN = 512
 PROMPTS = ["def main(", "import os\n", "class Parser:\n    def __init__(self", "    return self.", "for i in range(",
            "x = [", "if __name__ ==", "try:\n    import"]
 
@@ -88,8 +89,10 @@ def served(tmp_path_factory):
     engine = root / "engine"
     engine.mkdir()
     # Built with both gather flags and beam search up to width 2 (tests/test_triton_contract.py's
-    # engine has neither).
-    build = {**BUILD, "gather_context_logits": True, "gather_generation_logits": True, "max_beam_width": 2}
+    # engine has neither), and with the fixture's whole context (512), so that a request can run long
+    # enough for a cancel to overtake it.
+    build = {**BUILD, "gather_context_logits": True, "gather_generation_logits": True, "max_beam_width": 2,
+             "max_seq_len": SERVED_MAX_SEQ_LEN}
     (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": build}))
     # The streaming (decoupled) repository; tests/test_triton_contract.py serves the default one.
     repo = generate_repository(engine, root / "repo", torch_num_threads=1, streaming=True)
@@ -637,18 +640,22 @@ def test_bad_words_and_embedding_bias_through_ensemble(served):
 
 
 def test_cancelled_stream_stops_generation(served):
-    """A client that cancels its stream frees the batch slot: the engine stops generating for it."""
+    """A client that cancels its stream frees the batch slot: the engine stops generating for it.
+
+    The request asks for the whole context (~0.5-1 s of decode on a CPU) so that it is still running
+    when the cancel, polled about every 0.1 s, reaches the batcher."""
     metrics_url = served["server"].endpoints.metrics
     total = lambda: sum(v for _, v in scrape(metrics_url)["trtmoe_generated_tokens_total"])  # noqa: E731
     time.sleep(1.0)
     before = total()
+    want = SERVED_MAX_SEQ_LEN - 4
     client = grpcclient.InferenceServerClient(served["url"])
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
     inputs = [_tensor("input_ids", np.array([[1, 5, 9, 12]], np.int32), "INT32"),
               _tensor("input_lengths", np.array([[4]], np.int32), "INT32"),
-              _tensor("request_output_len", np.array([[150]], np.int32), "INT32"),
-              _tensor("min_tokens", np.array([[150]], np.int32), "INT32"),
+              _tensor("request_output_len", np.array([[want]], np.int32), "INT32"),
+              _tensor("min_tokens", np.array([[want]], np.int32), "INT32"),
               _tensor("streaming", np.array([[True]]), "BOOL")]
     client.async_stream_infer("tensorrt_llm", inputs)
     for _ in range(2):
@@ -657,7 +664,7 @@ def test_cancelled_stream_stops_generation(served):
     client.close()
     time.sleep(2.0)
     generated = total() - before
-    assert 2 <= generated < 150, generated
+    assert 2 <= generated < want, generated
     _assert_still_serving(served)
 
 
