@@ -57,7 +57,9 @@ def test_awq_experts_with_their_own_prequant_scales_run_stacked(model, tmp_path)
     write_calibration(calib, res)
     plan = QuantPlan({l: ["int4_g128"] * E for l in range(L)}, granularity="expert", dtype=torch.bfloat16)
     plan = awq.attach(plan, "awq", calib)
-    eng = EmbeddedEngine.from_checkpoint(convert(model, tmp_path / "awq", quant=plan).out_dir, device="cpu")
+    # The reference path (a serving engine runs these experts in the CPU kernels, one by one).
+    eng = EmbeddedEngine.from_checkpoint(convert(model, tmp_path / "awq", quant=plan).out_dir, device="cpu",
+                                         pack_experts=False)
     bank = eng.layers[1].experts
     assert isinstance(bank, PackedExperts)
     (st,) = bank._stacks  # one stack of all experts, although their pre-quant scales differ

@@ -1,7 +1,10 @@
 """Quality of a quantized checkpoint against its reference, llama.cpp style, on held-out text.
 
 Both checkpoints are run by the embedded engine, so the quantized one executes its experts from
-the packed bytes it actually stores: what is measured is the artifact, not a simulation.
+the packed bytes it actually stores: what is measured is the artifact, not a simulation. They run on
+the formats' reference numerics (``pack_experts=False``: float32 activations, the weight dequantized
+into the model dtype), the numerics calibration's predictions use, not a CPU kernel's 16-bit
+roundings (``trtmoe.runtime.qkernels``), so the figures do not depend on the machine.
 
 Per scored position (every position of every window that has a next token):
 
@@ -205,7 +208,7 @@ class Reference:
             raise InputError(f"evaluation ids must be [windows, tokens ≥ 2], got {tuple(ids.shape)}")
         self.ckpt, self.ids, self.batch_size, self.device = Path(ref_ckpt), ids, batch_size, device
         t0 = time.perf_counter()
-        eng = load_engine(ref_ckpt, device)
+        eng = load_engine(ref_ckpt, device, pack_experts=False)
         self.top_k = eng.cfg.top_k
         self.num_experts = eng.cfg.num_experts
         self.moe_layers = [l for l in range(eng.cfg.num_layers) if eng.cfg.moe_layers[l]]
@@ -229,7 +232,7 @@ class Reference:
         """Statistics of ``quant_ckpt`` against this reference (see the module docstring)."""
 
         t0 = time.perf_counter()
-        eng = load_engine(quant_ckpt, self.device)
+        eng = load_engine(quant_ckpt, self.device, pack_experts=False)
         if eng.cfg.vocab_size != self.vocab_size or eng.cfg.num_experts != self.num_experts or \
                 eng.cfg.top_k != self.top_k:
             raise InputError("the quantized checkpoint is not the same model as the reference",

@@ -303,8 +303,9 @@ class EmbeddedEngine:
         # Which library runs the CPU matrix products: "auto" (MKL, or oneDNN for large products),
         # "blas" (MKL only); see trtmoe.matmul.
         self.cpu_matmul = check_mode(cpu_matmul)
-        # Whether large float expert matrices are held only in oneDNN's packed layout ("auto" on CPU);
-        # False keeps their plain weights readable (calibration reads them).
+        # Whether large float expert matrices are held only in oneDNN's packed layout and quantized ones
+        # in the CPU integer kernels' ("auto" on CPU); False keeps the plain weights readable
+        # (calibration reads them) and quantized experts on the reference path.
         self.pack_experts = pack_experts
         self.dtype = cfg.dtype  # the checkpoint's weight dtype
         # Activations: float32 on CPU (16-bit float matmuls are emulated and ~10x slower there; the
@@ -362,7 +363,9 @@ class EmbeddedEngine:
         ``device``: None = CUDA when present, else CPU. ``compute_dtype``: activation dtype, by
         default float32 on CPU and the checkpoint dtype on CUDA. ``cpu_matmul``: "auto" or "blas"
         (see trtmoe.matmul). ``pack_experts=False`` keeps every routed expert's plain weights (with
-        "auto", large float expert matrices are otherwise held only packed for oneDNN)."""
+        "auto" on CPU, large float expert matrices are otherwise held only packed for oneDNN, and
+        INT8 / INT4 ones of a 16-bit model only in PyTorch's CPU weight-only kernels' layouts, see
+        trtmoe.runtime.qkernels) and runs quantized experts on their formats' reference path."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)

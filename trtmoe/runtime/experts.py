@@ -4,7 +4,8 @@ A bank computes ``expert_e(x) = proj_e(silu(gate_e x) * up_e x)`` for a block of
 banks hold the reassembled [up; gate] / down matrices. Quantized banks hold each rank shard's packed
 bytes, fc and proj each in its own format, and run from them through that format's own ``linear``
 (see ``trtmoe.quant``): with moe_tp > 1 the expert output is the sum over its shards, exactly as the
-ranks would compute it.
+ranks would compute it. A serving engine on CPU holds the quantized matrices that PyTorch's CPU
+weight-only kernels run in those kernels' layouts instead (``trtmoe.runtime.qkernels``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..hf.adapters import expert_rules
 from ..matmul import Packed, matmul_for, mm_t, packs, uses_onednn
 from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
+from .qkernels import kernel_for
 
 
 # Row blocks up to this size (a decode step, a short prompt) may run stacked: a packed bank's busy
@@ -212,6 +214,23 @@ class PackedShard(NamedTuple):
     proj: dict[str, torch.Tensor]
 
 
+class KernelShard(NamedTuple):
+    """One moe_tp shard of an expert held for the CPU kernels (``trtmoe.runtime.qkernels``): fc and
+    proj each a callable ``x -> x @ W.T``, with their formats (for what reports read)."""
+
+    fc_fmt: object
+    fc: object
+    proj_fmt: object
+    proj: object
+
+
+def _kernel_shard(sh: PackedShard, dtype: torch.dtype) -> PackedShard | KernelShard:
+    """``sh`` held for the CPU kernels when both its matrices have one, else ``sh`` itself."""
+    fc = kernel_for(sh.fc_fmt, sh.fc, dtype)
+    proj = kernel_for(sh.proj_fmt, sh.proj, dtype) if fc is not None else None
+    return sh if proj is None else KernelShard(sh.fc_fmt, fc, sh.proj_fmt, proj)
+
+
 class _Stack(NamedTuple):
     """Experts whose shard ``t`` shares formats and tensor shapes: their packed tensors stacked along
     a new leading dim, so one ``linear`` call runs any subset of them. A tensor the format keeps
@@ -243,6 +262,8 @@ def _stack_shards(shards: list[list[PackedShard]]) -> tuple[list[list[PackedShar
     by_key: dict[tuple, list[int]] = {}
     for e, per in enumerate(shards):
         for t, sh in enumerate(per):
+            if not isinstance(sh, PackedShard):  # held for the CPU kernels: runs on its own
+                continue
             key = (t, sh.fc_fmt, sh.proj_fmt,
                    tuple((k, v.shape, v.dtype, v.device) for k, v in sorted(sh.fc.items())),
                    tuple((k, v.shape, v.dtype, v.device) for k, v in sorted(sh.proj.items())))
@@ -281,10 +302,18 @@ class PackedExperts(ExpertBank):
     Experts that share formats are also held as stacks: ``forward_grouped`` then runs all of a
     stack's experts that have tokens in one ``linear`` call per matrix (their rows padded to the
     busiest one's), so a decode step unpacks each layer's packed bytes in one go instead of once per
-    expert. Busy blocks (prefill) keep one call per expert, where padding would cost more."""
+    expert. Busy blocks (prefill) keep one call per expert, where padding would cost more.
+
+    With ``kernel_dtype`` (a bfloat16 or float16 model on CPU), every shard whose matrices a CPU
+    kernel runs is held only in the kernel's layout (a ``KernelShard``, see
+    ``trtmoe.runtime.qkernels``) and runs expert by expert; the rest keep the packed bytes and the
+    reference path. ``kernels`` says whether any shard is held so."""
 
     def __init__(self, shards: list[list[PackedShard]], fc_names: list[str], proj_names: list[str] | None = None,
-                 cpu_matmul: str = "blas"):
+                 cpu_matmul: str = "blas", kernel_dtype: torch.dtype | None = None):
+        if kernel_dtype is not None:
+            shards = [[_kernel_shard(sh, kernel_dtype) for sh in per] for per in shards]
+        self.kernels = any(isinstance(sh, KernelShard) for per in shards for sh in per)
         self.shards, self._stacks = _stack_shards(shards)
         self.fc_names = fc_names
         self.proj_names = list(fc_names) if proj_names is None else proj_names
@@ -298,7 +327,13 @@ class PackedExperts(ExpertBank):
             y = part if y is None else y + part
         return y
 
-    def _shard_forward(self, sh: PackedShard, x: torch.Tensor) -> torch.Tensor:
+    def _shard_forward(self, sh: PackedShard | KernelShard, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(sh, KernelShard):
+            if x.requires_grad and torch.is_grad_enabled():
+                raise InputError("this engine holds its quantized experts in CPU kernel layouts, which record no "
+                                 "gradient", hint="load it with pack_experts=False")
+            up, gate = sh.fc(x).chunk(2, dim=-1)
+            return sh.proj(F.silu(gate).mul_(up))
         h = sh.fc_fmt.linear(x, sh.fc, self.matmul)
         up, gate = h.chunk(2, dim=-1)
         return sh.proj_fmt.linear(F.silu(gate) * up, sh.proj, self.matmul)
@@ -448,4 +483,6 @@ def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
                     proj = f.read(f"{pre}mlp.proj.weight")[i]
                     parts = {"fc": fmts["fc"].quantize(fc, dtype=dt), "proj": fmts["proj"].quantize(proj, dtype=dt)}
                 shards[slot].append(PackedShard(fmts["fc"], mv(parts["fc"]), fmts["proj"], mv(parts["proj"])))
-    return PackedExperts(shards, list(fc_names), list(proj_names), cpu_matmul)
+    # On CPU a serving engine ("auto", packed experts) runs what it can in the CPU kernels.
+    kernels = pack and cpu_matmul == "auto" and torch.device(device).type == "cpu"
+    return PackedExperts(shards, list(fc_names), list(proj_names), cpu_matmul, dt if kernels else None)

@@ -29,13 +29,16 @@ def checkpoint_dir_of(path: str | Path) -> tuple[Path, dict]:
     return p, {}
 
 
-def load_engine(path: str | Path, device: str | None = None) -> EmbeddedEngine:
+def load_engine(path: str | Path, device: str | None = None, pack_experts: bool = True) -> EmbeddedEngine:
+    """The embedded engine for a checkpoint or embedded engine dir. ``pack_experts=False``: routed experts
+    in the checkpoint's own layout, quantized ones on their formats' reference path (see
+    ``EmbeddedEngine.from_checkpoint``), for measurements that must not depend on the CPU's kernels."""
     ck, build = checkpoint_dir_of(path)
     if device is None and build.get("device") not in (None, "auto"):
         device = build["device"]
     # An engine built before cpu_matmul was recorded runs with the default.
     return EmbeddedEngine.from_checkpoint(ck, device=device, max_seq_len=build.get("max_seq_len"),
-                                          cpu_matmul=build.get("cpu_matmul", "auto"))
+                                          cpu_matmul=build.get("cpu_matmul", "auto"), pack_experts=pack_experts)
 
 
 @dataclass
