@@ -36,7 +36,11 @@ but not immune to it). Greedy decode tokens are compared across implementations 
 
 ``--threads`` sets torch's intra-op threads in every worker (default 1). ``--quant FMT`` converts
 with every routed expert in FMT (``uniform`` policy), so the engine runs from packed bytes;
-transformers still runs the float weights then.
+transformers still runs the float weights then. ``--also-quant FMT`` (repeatable; ``float`` for the
+unquantized experts) adds this tree's engine with another expert format, so formats are compared in
+one run:
+
+    python scripts/bench_engine.py --model /tmp/realw2 --quant int8 --also-quant float --also-quant int4_g128 --no-transformers
 """
 
 from __future__ import annotations
@@ -312,7 +316,7 @@ def _extract_rev(rev: str, dest: Path) -> None:
 
 
 class _Worker:
-    def __init__(self, name: str, args, pythonpath: str | None):
+    def __init__(self, name: str, args, pythonpath: str | None, quant: str | None = "same"):
         env = dict(os.environ)
         if pythonpath:
             env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
@@ -320,8 +324,9 @@ class _Worker:
         python = str(args.vllm_python) if kind == "vllm" else sys.executable
         cmd = [python, str(Path(__file__).resolve()), "--worker", kind, "--model", args.model, "--threads",
                str(args.threads), "--steps", str(args.steps)]
-        if args.quant:
-            cmd += ["--quant", args.quant]
+        quant = args.quant if quant == "same" else quant
+        if quant:
+            cmd += ["--quant", quant]
         self.name = name
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                   cwd=tempfile.gettempdir())
@@ -378,6 +383,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", type=Path, default=None,
                     help="also run vLLM's offline LLM.generate with this Python (its environment has vLLM)")
     ap.add_argument("--quant", help="convert with every routed expert in this format (e.g. int8, int4_g64)")
+    ap.add_argument("--also-quant", action="append", default=[], metavar="FMT",
+                    help="also run this tree's engine with every routed expert in FMT ('float': unquantized), "
+                         "as implementation engine[FMT] (repeatable)")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per decode case")
@@ -402,6 +410,8 @@ def main() -> None:
         d.mkdir()
         _extract_rev(rev, d)
         workers.append(_Worker(f"engine@{rev}", args, str(d)))
+    for fmt in args.also_quant:
+        workers.append(_Worker(f"engine[{fmt}]", args, str(REPO_ROOT), None if fmt == "float" else fmt))
     if not args.no_transformers:
         workers.append(_Worker("transformers", args, None))
     if args.vllm_python:

@@ -101,8 +101,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "device": Key(str, "auto", choices=("auto", "cpu", "cuda"), help="Device recorded for the embedded engine."),
         "cpu_matmul": Key(str, "auto", choices=("auto", "blas"),
                           help="The embedded engine's CPU matrix products: auto (MKL, oneDNN for products of 8M "
-                               "multiply-adds and more, and routed expert matrices of 2^18 elements and more "
-                               "held packed for oneDNN) or blas (MKL only)."),
+                               "multiply-adds and more, routed expert matrices of 2^18 elements and more "
+                               "held packed for oneDNN, INT8 / INT4 experts of a 16-bit model in PyTorch's "
+                               "weight-only integer kernels) or blas (MKL only; quantized experts rebuilt "
+                               "in float32 on every call)."),
         "gather_context_logits": Key(bool, False, help="Requests may ask for return_context_logits (the prompt's "
                                                        "logits at every position); trtllm-build's flag of that name."),
         "gather_generation_logits": Key(bool, False, help="Requests may ask for return_generation_logits (each "
