@@ -103,7 +103,7 @@ class FloatKernel:
 def _int4_kernel(codes_out_in: Tensor, scales_groups_out: Tensor, group: int, pre_scale: Tensor | None,
                  dtype: torch.dtype) -> IntKernel:
     N, K = codes_out_in.shape
-    w = torch._convert_weight_to_int4pack_for_cpu((codes_out_in.to(torch.int32) + 8), 1)
+    w = torch._convert_weight_to_int4pack_for_cpu((codes_out_in.to(torch.int32) + 8).contiguous(), 1)
     s = scales_groups_out.to(dtype)
     sz = torch.stack((s, torch.zeros_like(s)), -1).contiguous()  # [K / group, N, 2]: w = (u - 8) * s + 0
     return IntKernel(4, w, sz, group, pre_scale, dtype, N, K)
