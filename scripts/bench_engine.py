@@ -95,7 +95,7 @@ def _mixed_batches(vocab: int, batch: int, tokens: int, seed: int, n: int = 16) 
 
 
 class _EngineRunner:
-    def __init__(self, model: str, workdir: Path, quant: str | None):
+    def __init__(self, model: str, workdir: Path, quant: str | None, activations: str = "float32"):
         import torch
 
         from trtmoe.checkpoint.writer import convert
@@ -110,7 +110,8 @@ class _EngineRunner:
                 plan = uniform_plan(src.model, quant)
         ck = workdir / "ckpt"
         convert(model, ck, quant=plan, force=True)
-        self.eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+        self.eng = EmbeddedEngine.from_checkpoint(ck, device="cpu", **(
+            {"cpu_activations": activations} if activations != "float32" else {}))
         self.vocab = self.eng.vocab_size
         self.torch = torch
 
@@ -266,7 +267,8 @@ def worker(args) -> None:
 
         ready = {"ready": True, "vllm": vllm.__version__, "torch_threads": torch.get_num_threads()}
     else:
-        runner = (_HFRunner if args.worker == "transformers" else _EngineRunner)(args.model, workdir, args.quant)
+        runner = (_HFRunner(args.model, workdir, args.quant) if args.worker == "transformers" else
+                  _EngineRunner(args.model, workdir, args.quant, args.cpu_activations))
         import trtmoe
 
         ready = {"ready": True, "trtmoe": str(Path(trtmoe.__file__).parent), "torch_threads": torch.get_num_threads()}
@@ -316,7 +318,8 @@ def _extract_rev(rev: str, dest: Path) -> None:
 
 
 class _Worker:
-    def __init__(self, name: str, args, pythonpath: str | None, quant: str | None = "same"):
+    def __init__(self, name: str, args, pythonpath: str | None, quant: str | None = "same",
+                 activations: str = "float32"):
         env = dict(os.environ)
         if pythonpath:
             env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
@@ -327,6 +330,8 @@ class _Worker:
         quant = args.quant if quant == "same" else quant
         if quant:
             cmd += ["--quant", quant]
+        if activations != "float32":
+            cmd += ["--cpu-activations", activations]
         self.name = name
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                   cwd=tempfile.gettempdir())
@@ -386,6 +391,10 @@ def main() -> None:
     ap.add_argument("--also-quant", action="append", default=[], metavar="FMT",
                     help="also run this tree's engine with every routed expert in FMT ('float': unquantized), "
                          "as implementation engine[FMT] (repeatable)")
+    ap.add_argument("--also-model-activations", action="store_true",
+                    help="also run this tree's engine with cpu_activations='model' (the checkpoint's dtype on "
+                         "CPU, e.g. bfloat16), as implementation engine[model-act]")
+    ap.add_argument("--cpu-activations", default="float32", help=argparse.SUPPRESS)  # a worker's own setting
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per decode case")
@@ -412,6 +421,8 @@ def main() -> None:
         workers.append(_Worker(f"engine@{rev}", args, str(d)))
     for fmt in args.also_quant:
         workers.append(_Worker(f"engine[{fmt}]", args, str(REPO_ROOT), None if fmt == "float" else fmt))
+    if args.also_model_activations:
+        workers.append(_Worker("engine[model-act]", args, str(REPO_ROOT), activations="model"))
     if not args.no_transformers:
         workers.append(_Worker("transformers", args, None))
     if args.vllm_python:

@@ -29,8 +29,10 @@ same server's 1-stream figure, as in bench_serve.py), idle resident memory of th
 spawning the server until it answers its readiness endpoint: Triton's ``/v2/health/ready``, the peers'
 ``/v1/models``) are printed in one table with ratios against trtmoe. The greedy text of every prompt is
 compared with transformers' greedy continuation (float32, ``min_new_tokens`` = ``max_new_tokens``);
-float32 servers are expected to match, Q8_0 is not. The 1-minute load average is printed before and
-after: on a shared machine the figures are only comparable within one run. A last table splits each
+float32 servers are expected to match; Q8_0, ``trtmoe-int8-http`` (every routed expert INT8, run by the
+CPU integer kernels: the row to read against llama.cpp's Q8_0), and the opt-in rows ``trtmoe-bf16-http``
+(``cpu_activations: model``, the checkpoint's bfloat16 computed in) and ``trtmoe-int8-bf16-http`` (both)
+are not. The 1-minute load average is printed before and after: on a shared machine the figures are only comparable within one run. A last table splits each
 trtmoe server's CPU per output token by part of the stack, thread by thread from /proc: the engine's
 decode loop and the response sender (threads the embedded ``tensorrt_llm`` model names, see
 trtmoe/triton/threads.py), its other threads, pre/postprocessing, BLS and tritonserver itself (a
@@ -539,6 +541,8 @@ class Server:
 class Trtmoe(Server):
     name = "trtmoe"
     breakdown = True
+    quant: str | None = None  # every routed expert in this format
+    activations = "float32"  # the engine's cpu_activations ("model": the checkpoint's 16-bit dtype)
 
     def start(self) -> None:
         from trtmoe.checkpoint.writer import convert
@@ -548,11 +552,21 @@ class Trtmoe(Server):
         a = self.args
         threads = a.torch_threads or default_torch_threads(3)
         ckpt = self.workdir / "ckpt"
-        convert(a.fixture, ckpt, dtype="float32")
+        if self.quant:
+            from trtmoe.hf.reader import HFCheckpoint
+            from trtmoe.quant.plan import uniform_plan
+
+            with HFCheckpoint(a.fixture) as src:
+                plan = uniform_plan(src.model, self.quant)
+            convert(a.fixture, ckpt, quant=plan)  # the model's own 16-bit dtype: the CPU integer kernels run it
+        elif self.activations == "model":
+            convert(a.fixture, ckpt)  # the model's own dtype, computed in
+        else:
+            convert(a.fixture, ckpt, dtype="float32")
         engine = self.workdir / "engine"
         engine.mkdir()
         build = {"max_batch_size": max(a.concurrency), "max_input_len": 64, "max_seq_len": 64 + max_tokens(a) + 8,
-                 "max_beam_width": 1, "tokens_per_block": 32}
+                 "max_beam_width": 1, "tokens_per_block": 32, "cpu_activations": self.activations}
         (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt",
                                                         "build_config": build}))
         repo = generate_repository(engine, self.workdir / "repo", torch_num_threads=threads, streaming=True)
@@ -561,7 +575,9 @@ class Trtmoe(Server):
                                        timeout_s=a.ready_timeout, log_file=self.log)
         self.ready_s = time.perf_counter() - t0
         self.proc = self.server.process
-        self.note = f"torch threads {threads}, float32, Triton gRPC stream"
+        what = ", ".join(x for x in (f"{self.quant} experts" if self.quant else "",
+                                     "model-dtype activations" if self.activations == "model" else "float32") if x)
+        self.note = f"torch threads {threads}, {what}, Triton gRPC stream"
 
     def connect(self):
         return trtmoe_grpc_connect(self.server.endpoints.grpc)
@@ -598,6 +614,30 @@ class TrtmoeHttp(Trtmoe):
 
     def connect(self):
         return triton_sse_connect(self.server.endpoints.http_port)
+
+
+class TrtmoeInt8Http(TrtmoeHttp):
+    """trtmoe with every routed expert INT8 (the model's 16-bit dtype elsewhere), through Triton's HTTP
+    ``generate_stream``: the row to read against llama.cpp's Q8_0."""
+
+    name = "trtmoe-int8-http"
+    quant = "int8"
+
+
+class TrtmoeBf16Http(TrtmoeHttp):
+    """trtmoe computing in the checkpoint's own 16-bit dtype on CPU (``cpu_activations: model``), through
+    Triton's HTTP ``generate_stream``."""
+
+    name = "trtmoe-bf16-http"
+    activations = "model"
+
+
+class TrtmoeInt8Bf16Http(TrtmoeInt8Http):
+    """INT8 routed experts and the checkpoint's 16-bit dtype everywhere else: trtmoe's smallest and
+    fastest CPU configuration, against llama.cpp's Q8_0."""
+
+    name = "trtmoe-int8-bf16-http"
+    activations = "model"
 
 
 _TREE_LAUNCHER = r"""
@@ -717,8 +757,9 @@ class Vllm(Server):
 
 
 def convert_gguf(args, outtype: str) -> Path:
-    """The fixture as GGUF (``f32`` or ``q8_0``) in --gguf-dir, converted once."""
-    out = args.gguf_dir / f"trained_mixtral-{outtype}.gguf"
+    """The fixture as GGUF (``f32`` or ``q8_0``) in --gguf-dir, converted once (named after the fixture's
+    directory, so that another --fixture never reuses it)."""
+    out = args.gguf_dir / f"{args.fixture.name}-{outtype}.gguf"
     if out.exists() and out.stat().st_mtime >= (args.fixture / "model.safetensors").stat().st_mtime:
         return out
     script = next(iter(sorted(args.llamacpp_src.glob("**/convert_hf_to_gguf.py"))), None)
@@ -848,8 +889,11 @@ def loadavg() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["trtmoe", "trtmoe-http", "trtmoe-tritonclient", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
-    ap.add_argument("--servers", nargs="*", default=[n for n in names if n != "trtmoe-tritonclient"], choices=names,
+    names = ["trtmoe", "trtmoe-http", "trtmoe-int8-http", "trtmoe-bf16-http", "trtmoe-int8-bf16-http",
+             "trtmoe-tritonclient", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
+    ap.add_argument("--servers", nargs="*", choices=names,
+                    default=[n for n in names if n not in ("trtmoe-tritonclient", "trtmoe-bf16-http",
+                                                           "trtmoe-int8-bf16-http")],
                     help="servers to measure (none: only the --baseline-tree rows)")
     ap.add_argument("--fixture", type=Path, default=REPO_ROOT / "tests" / "fixtures" / "trained_mixtral")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -898,6 +942,9 @@ def main() -> None:
         d = work / name
         d.mkdir()
         s = {"trtmoe": lambda: Trtmoe(args, d), "trtmoe-http": lambda: TrtmoeHttp(args, d),
+             "trtmoe-int8-http": lambda: TrtmoeInt8Http(args, d),
+             "trtmoe-bf16-http": lambda: TrtmoeBf16Http(args, d),
+             "trtmoe-int8-bf16-http": lambda: TrtmoeInt8Bf16Http(args, d),
              "trtmoe-tritonclient": lambda: TrtmoeTritonclient(args, d),
              "vllm": lambda: Vllm(args, d),
              "llamacpp-f32": lambda: LlamaCpp(args, d, "f32", True), "llamacpp-q8": lambda: LlamaCpp(args, d, "q8_0", True),

@@ -558,7 +558,7 @@ def test_embedded_round_trip(ckpt_fp32, tmp_path):
     assert cfg["backend"] == "embedded" and cfg["checkpoint"] == "checkpoint"
     assert cfg["build_config"] == {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128,
                                    "max_num_tokens": 8192, "max_beam_width": 1, "tokens_per_block": 16,
-                                   "device": "auto", "cpu_matmul": "auto"}
+                                   "device": "auto", "cpu_matmul": "auto", "cpu_activations": "float32"}
     assert cfg["pretrained_config"] == json.loads((ckpt_fp32 / "config.json").read_text())
     # Same filesystem: the rank files are hard links, not copies.
     for name in ("rank0.safetensors", "rank1.safetensors", "config.json"):

@@ -105,6 +105,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                "held packed for oneDNN, INT8 / INT4 experts of a 16-bit model in PyTorch's "
                                "weight-only integer kernels) or blas (MKL only; quantized experts rebuilt "
                                "in float32 on every call)."),
+        "cpu_activations": Key(str, "float32", choices=("float32", "model"),
+                               help="The embedded engine's activations and KV cache on CPU: float32 (exact, "
+                                    "the executable spec) or model (the checkpoint's dtype, as on CUDA: with a "
+                                    "bfloat16 checkpoint on a CPU with AVX512-BF16 or AMX, every weight is held "
+                                    "in bfloat16 packed for oneDNN, half float32's memory and about 1.7x its decode "
+                                    "speed at real widths)."),
         "gather_context_logits": Key(bool, False, help="Requests may ask for return_context_logits (the prompt's "
                                                        "logits at every position); trtllm-build's flag of that name."),
         "gather_generation_logits": Key(bool, False, help="Requests may ask for return_generation_logits (each "

@@ -40,6 +40,13 @@ each oneDNN product runs at a rounded row count (``rows_bucket``): prompts of ev
 reuse a few dozen kernels per weight.
 
 ``cpu_matmul="blas"`` (``EmbeddedEngine``) keeps every product on MKL.
+
+An engine that computes in bfloat16 on CPU (``cpu_activations="model"`` for a bfloat16 checkpoint)
+has no MKL path to choose: where the CPU has native bfloat16 instructions (AVX512-BF16, AMX) and
+oneDNN runs them (``onednn_bf16_available``), every weight, dense and expert, is held packed for
+oneDNN in bfloat16 and every product runs there. On the AVX-512 EPYC core above, a packed bfloat16
+product ran 2-2.6x faster than the packed float32 one at Qwen3-30B-A3B's widths (1 to 128 rows),
+and plain ``F.linear`` in bfloat16 2.4x slower than packed at one row.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ import torch.nn.functional as F
 from .errors import InputError
 
 CPU_MATMUL_MODES = ("auto", "blas")
+# What an embedded engine computes in on CPU: float32, or the checkpoint's dtype (see above).
+CPU_ACTIVATIONS = ("float32", "model")
 
 # Multiply-adds from which a product goes to oneDNN (see above).
 ONEDNN_MIN_MACS = 1 << 23
@@ -84,6 +93,25 @@ def onednn_available() -> bool:
         return False
 
 
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether this CPU has native bfloat16 instructions and oneDNN runs a packed bfloat16 linear that
+    agrees with float32 (checked once, on a small product)."""
+    try:
+        if not (onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(24, 16, generator=g).bfloat16(), torch.randn(4, 16, generator=g).bfloat16()
+        with torch.inference_mode():
+            p = _pack(w)
+            y = torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            exact = torch.equal(p.to_dense(), w)
+        return exact and y.dtype == torch.bfloat16 and torch.allclose(y.float(), x.float() @ w.float().t(),
+                                                                       rtol=2e-2, atol=2e-2)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def check_mode(mode: str) -> str:
     if mode not in CPU_MATMUL_MODES:
         raise InputError(f"cpu_matmul must be one of {', '.join(CPU_MATMUL_MODES)}, got {mode!r}")
@@ -92,8 +120,11 @@ def check_mode(mode: str) -> str:
 
 def uses_onednn(mode: str, w: torch.Tensor) -> bool:
     """Whether products with weight ``w`` may go to oneDNN under ``mode``."""
-    return (mode == "auto" and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
-            and onednn_available())
+    if mode != "auto" or w.device.type != "cpu" or w.dim() != 2:
+        return False
+    if w.dtype == torch.bfloat16:
+        return onednn_bf16_available()
+    return w.dtype == torch.float32 and onednn_available()
 
 
 def _recording(x: torch.Tensor) -> bool:
@@ -109,8 +140,9 @@ class Dense:
     def __init__(self, w: torch.Tensor, mode: str):
         self.w = w
         self.packed = _pack(w) if uses_onednn(mode, w) else None
-        # x.numel() from which a call holds ONEDNN_MIN_MACS multiply-adds (x.numel() * out of them).
-        self._min_numel = -(-ONEDNN_MIN_MACS // w.shape[0])
+        # x.numel() from which a call holds ONEDNN_MIN_MACS multiply-adds (x.numel() * out of them);
+        # bfloat16 has no faster library to leave small products to.
+        self._min_numel = 0 if w.dtype == torch.bfloat16 else -(-ONEDNN_MIN_MACS // w.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() >= self._min_numel and self.packed is not None and not _recording(x):
@@ -172,8 +204,9 @@ class Packed:
 
 
 def packs(mode: str, w: torch.Tensor) -> bool:
-    """Whether a routed expert's matrix ``w`` [out, in] is held packed under ``mode``."""
-    return w.numel() >= PACK_MIN_ELEMS and uses_onednn(mode, w)
+    """Whether a routed expert's matrix ``w`` [out, in] is held packed under ``mode`` (a bfloat16 one
+    whatever its size)."""
+    return (w.numel() >= PACK_MIN_ELEMS or w.dtype == torch.bfloat16) and uses_onednn(mode, w)
 
 
 def dense(w: torch.Tensor | None, mode: str) -> Dense | None:

@@ -34,7 +34,7 @@ from .preflight import CheckpointFacts, Limits, read_checkpoint, resolve_limits
 ENGINE_KIND = "embedded-engine"
 CHECKPOINT_SUBDIR = "checkpoint"
 BUILD_KEYS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "max_beam_width",
-              "tokens_per_block", "device", "cpu_matmul")
+              "tokens_per_block", "device", "cpu_matmul", "cpu_activations")
 # trtllm-build's names; recorded in build_config only when set (an engine without them reads as False).
 GATHER_KEYS = ("gather_context_logits", "gather_generation_logits")
 

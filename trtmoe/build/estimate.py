@@ -148,6 +148,11 @@ def estimate_memory(facts: CheckpointFacts, build: dict, backend: str) -> Memory
     kv = 2 * facts.model.num_layers * facts.model.num_kv_heads * facts.model.head_dim * kv_el * mbs * beams * msl
     notes = ["weights: sum of all rank files (tensors replicated across ranks counted once per rank, so "
              "an upper bound)", "activations not included"]
+    if facts.dtype_bytes == 2 and build.get("device", "auto") != "cuda" and \
+            build.get("cpu_activations", "float32") == "float32":
+        notes.append("on CPU with cpu_activations float32 (the default) the 16-bit float weights and the KV cache "
+                     "are held in float32, up to twice these figures (cpu_activations model keeps the checkpoint's "
+                     "dtype; quantized experts stay quantized either way)")
     one = RankEstimate(0, fb, wb, q, facts.model.num_layers, facts.model.num_kv_heads, kv)
     return MemoryEstimate(backend, [one], msl, kv_el, mbs, EMBEDDED_KV_FORMULA, notes)
 

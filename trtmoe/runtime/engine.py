@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..hf.adapters import FIRST, LAST, MOE_TP, global_rules, layer_rules
-from ..matmul import Dense, check_mode, dense
+from ..matmul import CPU_ACTIVATIONS, Dense, check_mode, dense
 from ..model.description import NORM_NONE, NORM_SPARSE_MIXER
 from ..model.params import count_params
 from .alloc import give_back_freed_memory, hold_freed_memory
@@ -296,7 +296,8 @@ class EmbeddedEngine:
     """Runs a TensorRT-LLM checkpoint directory with PyTorch."""
 
     def __init__(self, cfg: CheckpointConfig, device: torch.device, path: Path | None = None,
-                 compute_dtype: torch.dtype | None = None, cpu_matmul: str = "auto", pack_experts: bool = True):
+                 compute_dtype: torch.dtype | None = None, cpu_matmul: str = "auto", pack_experts: bool = True,
+                 cpu_activations: str = "float32"):
         self.cfg = cfg
         self.device = device
         self.path = path
@@ -308,10 +309,13 @@ class EmbeddedEngine:
         # (calibration reads them) and quantized experts on the reference path.
         self.pack_experts = pack_experts
         self.dtype = cfg.dtype  # the checkpoint's weight dtype
-        # Activations: float32 on CPU (16-bit float matmuls are emulated and ~10x slower there; the
-        # weights keep their exact checkpoint values), the checkpoint dtype on CUDA.
+        # Activations: float32 on CPU (the weights keep their exact checkpoint values; on a CPU without
+        # native 16-bit products those are emulated and many times slower), the checkpoint dtype on CUDA
+        # and, with cpu_activations="model", on CPU too (see trtmoe.matmul for bfloat16 there).
+        if cpu_activations not in CPU_ACTIVATIONS:
+            raise InputError(f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, got {cpu_activations!r}")
         if compute_dtype is None:
-            compute_dtype = cfg.dtype if device.type == "cuda" else torch.float32
+            compute_dtype = cfg.dtype if device.type == "cuda" or cpu_activations == "model" else torch.float32
         self.compute_dtype = compute_dtype
         if device.type == "cpu":
             hold_freed_memory()  # the activations' memory is reused, not faulted in again (runtime/alloc.py)
@@ -357,7 +361,8 @@ class EmbeddedEngine:
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path, device: str | torch.device | None = None,
                         max_seq_len: int | None = None, compute_dtype: torch.dtype | None = None,
-                        cpu_matmul: str = "auto", pack_experts: bool = True) -> "EmbeddedEngine":
+                        cpu_matmul: str = "auto", pack_experts: bool = True,
+                        cpu_activations: str = "float32") -> "EmbeddedEngine":
         """Load a TensorRT-LLM checkpoint directory (config.json + rank*.safetensors).
 
         ``device``: None = CUDA when present, else CPU. ``compute_dtype``: activation dtype, by
@@ -365,12 +370,14 @@ class EmbeddedEngine:
         (see trtmoe.matmul). ``pack_experts=False`` keeps every routed expert's plain weights (with
         "auto" on CPU, large float expert matrices are otherwise held only packed for oneDNN, and
         INT8 / INT4 ones of a 16-bit model only in PyTorch's CPU weight-only kernels' layouts, see
-        trtmoe.runtime.qkernels) and runs quantized experts on their formats' reference path."""
+        trtmoe.runtime.qkernels) and runs quantized experts on their formats' reference path.
+        ``cpu_activations``: "float32" (the default on CPU) or "model" (the checkpoint's dtype, as on
+        CUDA; ignored where ``compute_dtype`` is given)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         cfg = load_config(ckpt_dir)
-        eng = cls(cfg, device, Path(ckpt_dir), compute_dtype, cpu_matmul, pack_experts)
+        eng = cls(cfg, device, Path(ckpt_dir), compute_dtype, cpu_matmul, pack_experts, cpu_activations)
         if max_seq_len:
             eng.max_seq_len = max_seq_len
         files = RankFiles(ckpt_dir, cfg)

@@ -38,7 +38,8 @@ def load_engine(path: str | Path, device: str | None = None, pack_experts: bool 
         device = build["device"]
     # An engine built before cpu_matmul was recorded runs with the default.
     return EmbeddedEngine.from_checkpoint(ck, device=device, max_seq_len=build.get("max_seq_len"),
-                                          cpu_matmul=build.get("cpu_matmul", "auto"), pack_experts=pack_experts)
+                                          cpu_matmul=build.get("cpu_matmul", "auto"), pack_experts=pack_experts,
+                                          cpu_activations=build.get("cpu_activations", "float32"))
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..matmul import CPU_MATMUL_MODES
+from ..matmul import CPU_ACTIVATIONS, CPU_MATMUL_MODES
 from ..parallel.mapping import Mapping
 from ..runtime.checkpoint_reader import CheckpointConfig, parse_config
 
@@ -56,6 +56,7 @@ class EngineInfo:
     gather_generation_logits: bool = False
     rank_files: tuple[str, ...] = field(default_factory=tuple)
     cpu_matmul: str = "auto"  # embedded: the CPU library choice it was built with (trtmoe.matmul)
+    cpu_activations: str = "float32"  # embedded: float32, or model (the checkpoint's dtype) on CPU
 
     @property
     def mapping(self) -> Mapping:
@@ -188,9 +189,13 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
         if cpu_matmul not in CPU_MATMUL_MODES:
             raise InputError(f"build_config.cpu_matmul is {cpu_matmul!r}, not one of {', '.join(CPU_MATMUL_MODES)}",
                              where=where)
+        cpu_activations = build.get("cpu_activations", "float32")  # absent in engine dirs built before it
+        if cpu_activations not in CPU_ACTIVATIONS:
+            raise InputError(f"build_config.cpu_activations is {cpu_activations!r}, not one of "
+                             f"{', '.join(CPU_ACTIVATIONS)}", where=where)
         return EngineInfo(path=root, backend=EMBEDDED, model=model, checkpoint_dir=ck_dir, rank_files=ranks,
                           trtllm_version=cfg.get("version"), logits_dtype=_logits_dtype(ck_cfg),
-                          cpu_matmul=cpu_matmul, **_gather_flags(build), **limits)
+                          cpu_matmul=cpu_matmul, cpu_activations=cpu_activations, **_gather_flags(build), **limits)
 
     if "backend" in cfg and cfg["backend"] not in (TENSORRT_LLM, "tensorrt-llm", "tensorrt_llm"):
         raise InputError(f"unknown engine backend {cfg['backend']!r}", where=where,
