@@ -81,6 +81,23 @@ def test_quantized_experts_take_the_bfloat16_activations(ckpt, tmp_path):
     assert _kl(ref.logits(IDS), b16.logits(IDS)) < 1e-3
 
 
+@needs_bf16
+def test_graded_bank_holds_its_16_bit_experts_in_bfloat16(tmp_path):
+    from trtmoe.quant.plan import QuantPlan
+    from trtmoe.runtime import qkernels
+
+    names = ["bf16", "int8", "int4_g64", "bf16", "int8", "int8", "int4", "bf16"]
+    plan = QuantPlan({l: names for l in range(4)}, granularity="expert", dtype=torch.bfloat16)
+    q = convert(FIXTURE, tmp_path / "q", quant=plan).out_dir
+    ref = EmbeddedEngine.from_checkpoint(q, device="cpu", pack_experts=False)
+    b16 = EmbeddedEngine.from_checkpoint(q, device="cpu", cpu_activations="model")
+    f32 = EmbeddedEngine.from_checkpoint(q, device="cpu")
+    for eng, dt in ((b16, torch.bfloat16), (f32, torch.float32)):
+        k = eng.layers[0].experts.shards[0][0].fc
+        assert isinstance(k, qkernels.FloatKernel) and k.dtype == dt
+    assert _kl(ref.logits(IDS), b16.logits(IDS)) < 1e-3
+
+
 def test_float32_checkpoints_and_bad_values(tmp_path):
     ck = convert(FIXTURE, tmp_path / "f32", dtype="float32").out_dir
     assert EmbeddedEngine.from_checkpoint(ck, device="cpu", cpu_activations="model").compute_dtype == torch.float32

@@ -224,10 +224,10 @@ class KernelShard(NamedTuple):
     proj: object
 
 
-def _kernel_shard(sh: PackedShard, dtype: torch.dtype) -> PackedShard | KernelShard:
+def _kernel_shard(sh: PackedShard, dtype: torch.dtype, compute_dtype: torch.dtype) -> PackedShard | KernelShard:
     """``sh`` held for the CPU kernels when both its matrices have one, else ``sh`` itself."""
-    fc = kernel_for(sh.fc_fmt, sh.fc, dtype)
-    proj = kernel_for(sh.proj_fmt, sh.proj, dtype) if fc is not None else None
+    fc = kernel_for(sh.fc_fmt, sh.fc, dtype, compute_dtype)
+    proj = kernel_for(sh.proj_fmt, sh.proj, dtype, compute_dtype) if fc is not None else None
     return sh if proj is None else KernelShard(sh.fc_fmt, fc, sh.proj_fmt, proj)
 
 
@@ -310,9 +310,10 @@ class PackedExperts(ExpertBank):
     reference path. ``kernels`` says whether any shard is held so."""
 
     def __init__(self, shards: list[list[PackedShard]], fc_names: list[str], proj_names: list[str] | None = None,
-                 cpu_matmul: str = "blas", kernel_dtype: torch.dtype | None = None):
+                 cpu_matmul: str = "blas", kernel_dtype: torch.dtype | None = None,
+                 compute_dtype: torch.dtype = torch.float32):
         if kernel_dtype is not None:
-            shards = [[_kernel_shard(sh, kernel_dtype) for sh in per] for per in shards]
+            shards = [[_kernel_shard(sh, kernel_dtype, compute_dtype) for sh in per] for per in shards]
         self.kernels = any(isinstance(sh, KernelShard) for per in shards for sh in per)
         self.shards, self._stacks = _stack_shards(shards)
         self.fc_names = fc_names
@@ -485,4 +486,5 @@ def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
                 shards[slot].append(PackedShard(fmts["fc"], mv(parts["fc"]), fmts["proj"], mv(parts["proj"])))
     # On CPU a serving engine ("auto", packed experts) runs what it can in the CPU kernels.
     kernels = pack and cpu_matmul == "auto" and torch.device(device).type == "cpu"
-    return PackedExperts(shards, list(fc_names), list(proj_names), cpu_matmul, dt if kernels else None)
+    return PackedExperts(shards, list(fc_names), list(proj_names), cpu_matmul, dt if kernels else None,
+                         compute_dtype or torch.float32)

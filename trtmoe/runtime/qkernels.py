@@ -85,19 +85,21 @@ class IntKernel:
 
 
 class FloatKernel:
-    """An unquantized matrix of a quantized bank, held once in float32: packed for oneDNN when large
-    (``trtmoe.matmul``), else transposed for MKL, as the engine's float experts are."""
+    """An unquantized matrix of a quantized bank, held once in the engine's compute dtype (float32, or
+    bfloat16 under ``cpu_activations="model"``): packed for oneDNN where the engine's float experts
+    would be (``trtmoe.matmul``), else transposed for MKL."""
 
-    __slots__ = ("op",)
+    __slots__ = ("op", "dtype")
 
-    def __init__(self, w: Tensor):
-        w = w.float()
+    def __init__(self, w: Tensor, compute_dtype: torch.dtype = torch.float32):
+        self.dtype = compute_dtype
+        w = w.to(compute_dtype)
         self.op = Packed(w) if packs("auto", w) else w.t().contiguous()
 
     def __call__(self, x: Tensor) -> Tensor:
-        if isinstance(self.op, Packed):
-            return self.op(x.float()).to(x.dtype)
-        return mm_t(x.float(), self.op, True).to(x.dtype)
+        xc = x.to(self.dtype)
+        y = self.op(xc) if isinstance(self.op, Packed) else mm_t(xc, self.op, True)
+        return y.to(x.dtype)
 
 
 def _int4_kernel(codes_out_in: Tensor, scales_groups_out: Tensor, group: int, pre_scale: Tensor | None,
@@ -109,13 +111,14 @@ def _int4_kernel(codes_out_in: Tensor, scales_groups_out: Tensor, group: int, pr
     return IntKernel(4, w, sz, group, pre_scale, dtype, N, K)
 
 
-def kernel_for(fmt, packed: dict[str, Tensor], dtype: torch.dtype):
-    """The matrix ``packed`` (one expert's, in ``fmt``, for a model of ``dtype``) in a kernel's layout,
-    or None when no kernel runs it (the caller keeps the reference path)."""
+def kernel_for(fmt, packed: dict[str, Tensor], dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32):
+    """The matrix ``packed`` (one expert's, in ``fmt``, for a model of ``dtype`` computed in
+    ``compute_dtype``) in a kernel's layout, or None when no kernel runs it (the caller keeps the
+    reference path)."""
     if dtype not in KERNEL_DTYPES or not available():
         return None
     if isinstance(fmt, FloatFormat):
-        return FloatKernel(packed["weight"])
+        return FloatKernel(packed["weight"], compute_dtype)
     if isinstance(fmt, PerChannelIntFormat):
         wq, scale = packed["weight"], packed["per_channel_scale"]
         if wq.dim() != 2 or wq.dtype != torch.int8 or scale.dtype != dtype:
