@@ -197,7 +197,7 @@ class _HFRunner:
 
 
 class _VllmRunner:
-    def __init__(self, model: str, workdir: Path, quant: str | None, threads: int):
+    def __init__(self, model: str, workdir: Path, quant: str | None, threads: int, dtype: str = "float32"):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -206,7 +206,7 @@ class _VllmRunner:
         from vllm import LLM, SamplingParams
 
         self.torch, self.SamplingParams = torch, SamplingParams
-        self.llm = LLM(model=model, dtype="float32", max_model_len=512, max_num_seqs=64, seed=0)
+        self.llm = LLM(model=model, dtype=dtype, max_model_len=512, max_num_seqs=64, seed=0)
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
 
     def _generate(self, prompts: list[list[int]], n: int):
@@ -261,7 +261,7 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     workdir = Path(tempfile.mkdtemp(prefix="bench-engine-"))
     if args.worker == "vllm":
-        runner = _VllmRunner(args.model, workdir, args.quant, args.threads)
+        runner = _VllmRunner(args.model, workdir, args.quant, args.threads, args.vllm_dtype)
         torch.set_num_threads(args.threads)
         import vllm
 
@@ -332,6 +332,8 @@ class _Worker:
             cmd += ["--quant", quant]
         if activations != "float32":
             cmd += ["--cpu-activations", activations]
+        if kind == "vllm":
+            cmd += ["--vllm-dtype", args.vllm_dtype]
         self.name = name
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                   cwd=tempfile.gettempdir())
@@ -394,7 +396,11 @@ def main() -> None:
     ap.add_argument("--also-model-activations", action="store_true",
                     help="also run this tree's engine with cpu_activations='model' (the checkpoint's dtype on "
                          "CPU, e.g. bfloat16), as implementation engine[model-act]")
-    ap.add_argument("--cpu-activations", default="float32", help=argparse.SUPPRESS)  # a worker's own setting
+    ap.add_argument("--cpu-activations", default="float32", choices=("float32", "model"),
+                    help="what this tree's engine computes in ('model': the checkpoint's dtype); baseline "
+                         "revisions keep float32")
+    ap.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the dtype vLLM runs in (bfloat16: the peer of --cpu-activations model)")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per decode case")
@@ -413,7 +419,7 @@ def main() -> None:
         if c not in CASES:
             raise SystemExit(f"unknown case {c!r}; known: {', '.join(CASES)}")
     tmp = Path(tempfile.mkdtemp(prefix="bench-engine-revs-"))
-    workers = [_Worker("engine", args, str(REPO_ROOT))]
+    workers = [_Worker("engine", args, str(REPO_ROOT), activations=args.cpu_activations)]
     for rev in args.baseline_rev:
         d = tmp / rev.replace("/", "_")
         d.mkdir()
@@ -444,7 +450,9 @@ def main() -> None:
         for w in workers:
             w.close()
     names = [w.name for w in workers]
-    print(f"\nmodel {args.model}{' (' + args.quant + ' experts)' if args.quant else ''}; torch threads "
+    print(f"\nmodel {args.model}{' (' + args.quant + ' experts)' if args.quant else ''}"
+          f"{'; engine cpu_activations ' + args.cpu_activations if args.cpu_activations != 'float32' else ''}"
+          f"{'; vLLM ' + args.vllm_dtype if args.vllm_python else ''}; torch threads "
           f"{args.threads}; medians of {args.rounds} interleaved rounds; tok/s wall (cpu). "
           f"Shared machine: wall numbers are noisy, CPU numbers less so.\n")
     print("| case | " + " | ".join(names) + " | " + " | ".join(f"engine / {n}" for n in names[1:]) + " |")
