@@ -14,6 +14,7 @@ from trtmoe.checkpoint.writer import convert
 from trtmoe.errors import InputError
 from trtmoe.quant.formats import FORMATS
 from trtmoe.quant.plan import QuantPlan
+from trtmoe import matmul
 from trtmoe.runtime import qkernels
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
 from trtmoe.runtime.experts import KernelShard, PackedExperts, PackedShard
@@ -55,6 +56,22 @@ def test_kernel_matrix_matches_the_reference_linear(name, dtype):
             assert _rel(got, want) < tol, (name, out_f, in_f, rows, _rel(got, want))
             # Not a coincidence of scale: another matrix's kernel is far off.
             assert _rel(qkernels.kernel_for(fmt, fmt.quantize(w.flip(0), dtype=dtype), dtype)(x), want) > 0.1
+
+
+@pytest.mark.skipif(not matmul.onednn_bf16_available(), reason="no native bfloat16 oneDNN linear on this CPU")
+@pytest.mark.parametrize("name", QUANT)
+def test_bfloat16_activations_at_every_row_count(name):
+    """A bfloat16 engine's activations: INT8 blocks of INT8_DEQUANT_ROWS rows and more run as the
+    dequantized weight through oneDNN, fewer in the integer kernel; both match the reference."""
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(4)
+    packed = fmt.quantize(torch.randn(512, 256, generator=g) * 0.05, dtype=torch.bfloat16)
+    k = qkernels.kernel_for(fmt, packed, torch.bfloat16, torch.bfloat16)
+    for rows in (1, qkernels.INT8_DEQUANT_ROWS - 1, qkernels.INT8_DEQUANT_ROWS, 300):
+        x = torch.randn(rows, 256, generator=g).bfloat16()
+        got = k(x)
+        assert got.dtype == torch.bfloat16
+        assert _rel(got.float(), fmt.linear(x.float(), packed)) < 1e-2, (name, rows)
 
 
 def test_kernel_int4_holds_half_a_byte_per_weight():
