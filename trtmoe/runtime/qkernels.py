@@ -21,7 +21,9 @@ dtype, the weight is dequantized in the kernel, the sum is accumulated in float3
 rounded to the model dtype. They differ from the reference ``linear`` (float32 activations in and
 out) by about one 16-bit rounding of the inputs and of the output. An expert stored unquantized
 inside a quantized bank (a graded checkpoint's 16-bit experts) is held once in float32, as the
-engine's float experts are, instead of being converted on every call.
+engine's float experts are (in bfloat16 under ``cpu_activations="model"``), instead of being
+converted on every call. In a bfloat16 engine an INT8 matrix's blocks of ``INT8_DEQUANT_ROWS`` rows
+and more (a prefill) run as its dequantized bfloat16 weight through oneDNN, which is faster there.
 
 The kernels check few of their preconditions (an INT8 weight whose input width is not a multiple of
 16 crashed the process or returned garbage), so ``kernel_for`` admits only the shapes measured to
