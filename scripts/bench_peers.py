@@ -744,12 +744,12 @@ class Vllm(Server):
         self.port = free_port()
         cmd = [str(a.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.fixture),
                "--served-model-name", "fixture", "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(max(a.concurrency)),
+               "--dtype", a.vllm_dtype, "--max-model-len", "512", "--max-num-seqs", str(max(a.concurrency)),
                "--seed", "0"]
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "OMP_NUM_THREADS": str(a.peer_threads), "VLLM_TARGET_DEVICE": "cpu"}
         self._spawn(cmd, env, self.port, "/v1/models")
-        self.note = f"OMP threads {a.peer_threads}, float32, max-num-seqs {max(a.concurrency)}"
+        self.note = f"OMP threads {a.peer_threads}, {a.vllm_dtype}, max-num-seqs {max(a.concurrency)}"
 
     def connect(self):
         return openai_connect(self.port, "fixture", {"ignore_eos": True, "stream_options": {"include_usage": True}},
@@ -909,6 +909,8 @@ def main() -> None:
     ap.add_argument("--peer-threads", type=int, default=None,
                     help="threads of each peer [default: the same as trtmoe's engine]")
     ap.add_argument("--vllm-python", type=Path, default=PEERS_DIR / "vllm" / "bin" / "python")
+    ap.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the dtype vLLM serves in (bfloat16: the peer of trtmoe-bf16-http)")
     ap.add_argument("--llamacpp-python", type=Path, default=PEERS_DIR / "llamacpp" / "bin" / "python")
     ap.add_argument("--llamacpp-src", type=Path, default=PEERS_DIR / "src",
                     help="llama.cpp sources (searched for convert_hf_to_gguf.py)")
