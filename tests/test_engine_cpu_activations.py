@@ -128,3 +128,14 @@ def test_build_records_it_and_the_engine_dir_loads_it(ckpt, tmp_path):
     r = CliRunner().invoke(group, ["build", str(ckpt), "-o", str(tmp_path / "e2"), "--max-input-len", "64",
                                    "--max-seq-len", "128", "--dry-run"])
     assert r.exit_code == 0 and "held in float32, up to twice these figures" in r.output, r.output
+
+
+def test_run_and_load_engine_override_it_for_a_checkpoint(ckpt):
+    from trtmoe.cli import main
+
+    assert load_engine(ckpt, "cpu").compute_dtype == torch.float32
+    assert load_engine(ckpt, "cpu", cpu_activations="model").compute_dtype == torch.bfloat16
+    r = CliRunner().invoke(main, ["run", str(ckpt), "--tokenizer", str(FIXTURE), "-p", "def main(", "-n", "6",
+                                  "--cpu-activations", "model", "--json"])
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.output)[0]["output_ids"]) == 6

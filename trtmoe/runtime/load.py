@@ -29,17 +29,19 @@ def checkpoint_dir_of(path: str | Path) -> tuple[Path, dict]:
     return p, {}
 
 
-def load_engine(path: str | Path, device: str | None = None, pack_experts: bool = True) -> EmbeddedEngine:
+def load_engine(path: str | Path, device: str | None = None, pack_experts: bool = True,
+                cpu_activations: str | None = None) -> EmbeddedEngine:
     """The embedded engine for a checkpoint or embedded engine dir. ``pack_experts=False``: routed experts
     in the checkpoint's own layout, quantized ones on their formats' reference path (see
-    ``EmbeddedEngine.from_checkpoint``), for measurements that must not depend on the CPU's kernels."""
+    ``EmbeddedEngine.from_checkpoint``), for measurements that must not depend on the CPU's kernels.
+    ``cpu_activations`` overrides what an engine dir records (a checkpoint dir: float32)."""
     ck, build = checkpoint_dir_of(path)
     if device is None and build.get("device") not in (None, "auto"):
         device = build["device"]
     # An engine built before cpu_matmul was recorded runs with the default.
     return EmbeddedEngine.from_checkpoint(ck, device=device, max_seq_len=build.get("max_seq_len"),
                                           cpu_matmul=build.get("cpu_matmul", "auto"), pack_experts=pack_experts,
-                                          cpu_activations=build.get("cpu_activations", "float32"))
+                                          cpu_activations=cpu_activations or build.get("cpu_activations", "float32"))
 
 
 @dataclass
