@@ -109,7 +109,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                help="The embedded engine's activations and KV cache on CPU: float32 (exact, "
                                     "the executable spec) or model (the checkpoint's dtype, as on CUDA: with a "
                                     "bfloat16 checkpoint on a CPU with AVX512-BF16 or AMX, every weight is held "
-                                    "in bfloat16 packed for oneDNN, half float32's memory and about 1.7x its decode "
+                                    "in bfloat16 packed for oneDNN, half float32's memory and about 1.8x its decode "
                                     "speed at real widths)."),
         "gather_context_logits": Key(bool, False, help="Requests may ask for return_context_logits (the prompt's "
                                                        "logits at every position); trtllm-build's flag of that name."),

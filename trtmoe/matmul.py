@@ -146,7 +146,7 @@ class Dense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() >= self._min_numel and self.packed is not None and not _recording(x):
-            return _onednn(x, self.packed)
+            return onednn_linear(x, self.packed)
         return F.linear(x, self.w)
 
 
@@ -156,7 +156,7 @@ def rows_bucket(m: int) -> int:
     return m if m <= 16 else -(-m >> (m.bit_length() - 4)) << (m.bit_length() - 4)
 
 
-def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` through oneDNN (``w`` packed, or a plain [out, in] weight or view), its rows padded
     to ``rows_bucket``. oneDNN builds a kernel for every new shape it meets and keeps a bounded cache
     of them: a product of a row count not seen before took 280 us more than a seen one (fixture
@@ -195,7 +195,7 @@ class Packed:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if _recording(x):
             return torch.matmul(x, self.plain().t().contiguous())
-        y = _onednn(x, self.p)
+        y = onednn_linear(x, self.p)
         return y if out is None else out.copy_(y)
 
     def plain(self) -> torch.Tensor:
@@ -219,7 +219,7 @@ def mm_t(x: torch.Tensor, w_t: torch.Tensor, onednn: bool, out: torch.Tensor | N
     ``ONEDNN_MIN_MACS`` multiply-adds, else MKL."""
     M = x.shape[0]
     if onednn and M >= EXPERT_MIN_ROWS and M * w_t.shape[0] * w_t.shape[1] >= ONEDNN_MIN_MACS and not _recording(x):
-        y = _onednn(x, w_t.t())
+        y = onednn_linear(x, w_t.t())
         return y if out is None else out.copy_(y)
     return torch.mm(x, w_t) if out is None else torch.mm(x, w_t, out=out)
 

@@ -38,7 +38,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ..matmul import Packed, _onednn, mm_t, onednn_bf16_available, packs
+from ..matmul import Packed, mm_t, onednn_bf16_available, onednn_linear, packs, uses_onednn
 from ..quant.formats import FloatFormat, GroupInt4Format, PerChannelIntFormat, unpack_int4
 
 # Model dtypes whose activations the kernels take (a float32 model's quantized experts keep the
@@ -88,7 +88,7 @@ class IntKernel:
                 and onednn_bf16_available():
             # A block of rows in a bfloat16 engine (a prefill): the weight dequantized as the format
             # defines it (codes times scale, rounded to bfloat16) and one oneDNN product.
-            y = _onednn(xs, self.weight.to(self.dtype).mul_(self.scales[:, None]))
+            y = onednn_linear(xs, self.weight.to(self.dtype).mul_(self.scales[:, None]))
         elif self.bits == 8:
             y = torch._weight_int8pack_mm(xs, self.weight, self.scales)
         else:
@@ -101,16 +101,17 @@ class FloatKernel:
     bfloat16 under ``cpu_activations="model"``): packed for oneDNN where the engine's float experts
     would be (``trtmoe.matmul``), else transposed for MKL."""
 
-    __slots__ = ("op", "dtype")
+    __slots__ = ("op", "dtype", "onednn")
 
     def __init__(self, w: Tensor, compute_dtype: torch.dtype = torch.float32):
         self.dtype = compute_dtype
         w = w.to(compute_dtype)
+        self.onednn = uses_onednn("auto", w)  # oneDNN runs this dtype on this CPU (else MKL / torch.mm)
         self.op = Packed(w) if packs("auto", w) else w.t().contiguous()
 
     def __call__(self, x: Tensor) -> Tensor:
         xc = x.to(self.dtype)
-        y = self.op(xc) if isinstance(self.op, Packed) else mm_t(xc, self.op, True)
+        y = self.op(xc) if isinstance(self.op, Packed) else mm_t(xc, self.op, self.onednn)
         return y.to(x.dtype)
 
 
