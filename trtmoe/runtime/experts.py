@@ -304,8 +304,9 @@ class PackedExperts(ExpertBank):
     busiest one's), so a decode step unpacks each layer's packed bytes in one go instead of once per
     expert. Busy blocks (prefill) keep one call per expert, where padding would cost more.
 
-    With ``kernel_dtype`` (a bfloat16 or float16 model on CPU), every shard whose matrices a CPU
-    kernel runs is held only in the kernel's layout (a ``KernelShard``, see
+    With ``kernel_dtype`` (the model's dtype, on CPU; the kernels take bfloat16 and float16 models,
+    ``compute_dtype`` the engine's activations), every shard whose matrices a CPU kernel runs is held
+    only in the kernel's layout (a ``KernelShard``, see
     ``trtmoe.runtime.qkernels``) and runs expert by expert; the rest keep the packed bytes and the
     reference path. ``kernels`` says whether any shard is held so."""
 

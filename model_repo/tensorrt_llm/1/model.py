@@ -106,7 +106,7 @@ class TritonPythonModel:
         self.engine = EmbeddedEngine.from_checkpoint(str(info.checkpoint_dir),
                                                      device=None if device == "auto" else device,
                                                      max_seq_len=info.max_seq_len, cpu_matmul=info.cpu_matmul,
-                                                     cpu_activations=getattr(info, "cpu_activations", "float32"))
+                                                     cpu_activations=info.cpu_activations)
         eng = self.engine
         max_input = min(int(_param(config, "max_input_len", str(info.max_input_len))), info.max_input_len)
         max_seq = min(int(_param(config, "max_seq_len", str(info.max_seq_len))), info.max_seq_len,
