@@ -289,6 +289,10 @@ CONFIG_MUTATIONS: list[tuple[str, str, Callable, tuple]] = [
     ("architectures_number", "mix", cfg_set(architectures=[1]), ("architectures",)),
     ("architectures_unknown", "mix", cfg_set(architectures=["LlamaForCausalLM"], model_type="llama"),
      ("LlamaForCausalLM",)),
+    # An architecture with no adapter is named before any value check: no value would make it convert.
+    ("architectures_unknown_with_bad_values", "mix",
+     cfg_set(architectures=["GptOssForCausalLM"], model_type="gpt_oss", sliding_window=16, eos_token_id=999),
+     ("'GptOssForCausalLM' is not supported", "supported:")),
     ("architectures_two", "mix", cfg_set(architectures=["MixtralForCausalLM", "Qwen2MoeForCausalLM"]),
      ("architectures",)),
     ("architectures_missing", "mix", cfg_set(architectures=_DELETE, model_type=_DELETE), ("architecture",)),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, UnsupportedError
+from .adapters import supported_architectures
 
 # Integer fields and their smallest allowed value (absent or null means "not given").
 _INT_FIELDS = {
@@ -38,6 +39,7 @@ _COUNT_LIMITS = {"num_hidden_layers": 100_000, "num_attention_heads": 100_000, "
                  "num_experts_per_tok": 1_000_000, "n_shared_experts": 1_000_000}
 _SIZE_LIMIT = 1 << 40
 # The model_type Hugging Face writes beside each architecture trtmoe reads.
+_SUPPORTED = frozenset(supported_architectures())
 _MODEL_TYPES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekForCausalLM": "deepseek",
                 "PhimoeForCausalLM": "phimoe", "PhiMoEForCausalLM": "phimoe"}
@@ -75,6 +77,11 @@ def validate_hf_config(cfg: Any, path: str | Path = "config.json") -> dict:
     if archs and len(set(archs)) > 1:
         raise bad("architectures", f"names {len(set(archs))} different architectures {archs!r}; a checkpoint "
                   "holds one")
+    if archs and not any(a in _SUPPORTED for a in archs):
+        # Said first: a value check below (a sliding window, a token id) would send the user to fix a
+        # key when no value makes this checkpoint convertible.
+        raise UnsupportedError(f"architecture {archs[0]!r} is not supported", where=where,
+                               hint="supported: " + ", ".join(supported_architectures()))
     mtype = cfg.get("model_type")
     if archs and isinstance(mtype, str) and _MODEL_TYPES.get(archs[0], mtype) != mtype:
         raise bad("model_type", f"= {mtype!r} contradicts architectures {archs!r} (which Hugging Face "
