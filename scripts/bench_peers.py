@@ -12,7 +12,9 @@ Mixtral checkpoint with its own tokenizer) and driven by ONE closed-loop streami
   ``trtmoe-http``: the same stack through Triton's HTTP ``generate_stream`` endpoint, server-sent
   events read exactly as the peers' are, so every row's load generator spends the same CPU per
   response: a grpcio stream costs the caller about three times that, taken from the servers on a
-  2-core machine);
+  2-core machine; ``trtmoe-llmapi-http``: ``trtmoe repo --layout llmapi --streaming``, one text-in,
+  text-out ``tensorrt_llm`` model with no ensemble and no pre/postprocessing processes, through the
+  same HTTP endpoint);
 - peers: their OpenAI-compatible ``POST /v1/completions`` with ``"stream": true`` (server-sent events),
   one HTTP/1.1 keep-alive connection per stream.
 
@@ -245,7 +247,7 @@ def openai_connect(port: int, model: str, extra: dict, min_tokens: bool = False
             resp.read()  # drain, so the connection can carry the next request
             if usage is not None and reply.counts:
                 reply.counts[-1] = usage  # the server's own count wins
-            reply.text = "".join(pieces)
+            reply.text = (pieces[-1] if pieces else "") if llmapi else "".join(pieces)
             return reply
 
         return call
@@ -319,21 +321,27 @@ def trtmoe_grpc_connect(url: str) -> Callable[[], Callable[[str, int], Reply]]:
     return connect
 
 
-def triton_sse_connect(port: int) -> Callable[[], Callable[[str, int], Reply]]:
+def triton_sse_connect(port: int, llmapi: bool = False) -> Callable[[], Callable[[str, int], Reply]]:
     """The ensemble through Triton's HTTP ``generate_stream`` endpoint (server-sent events), read over one
     keep-alive http.client connection per stream: the same transport and parsing as the peers' rows,
     so the load generator's CPU per response is the peers' too (a grpcio stream costs the caller about
-    three times as much per response, CPU taken from the server on a small machine)."""
+    three times as much per response, CPU taken from the server on a small machine). ``llmapi``: the
+    one ``tensorrt_llm`` model of a ``--layout llmapi`` repository instead (its inputs; each response
+    carries the whole text so far)."""
     body = {"stream": True, "exclude_input_in_output": True, "return_num_output_tokens": True}
+    path = "/v2/models/ensemble/generate_stream"
+    if llmapi:
+        path = "/v2/models/tensorrt_llm/generate_stream"
 
     def connect() -> Callable[[str], Reply]:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
 
         def call(prompt: str, tokens: int) -> Reply:
             t0 = time.perf_counter()
-            conn.request("POST", "/v2/models/ensemble/generate_stream",
-                         json.dumps({"text_input": prompt, "max_tokens": tokens, "min_tokens": tokens, **body}),
-                         {"Content-Type": "application/json"})
+            req = ({"text_input": prompt, "sampling_param_max_tokens": tokens, "sampling_param_min_tokens": tokens,
+                    "streaming": True, "return_num_output_tokens": True} if llmapi else
+                   {"text_input": prompt, "max_tokens": tokens, "min_tokens": tokens, **body})
+            conn.request("POST", path, json.dumps(req), {"Content-Type": "application/json"})
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
@@ -543,6 +551,7 @@ class Trtmoe(Server):
     breakdown = True
     quant: str | None = None  # every routed expert in this format
     activations = "float32"  # the engine's cpu_activations ("model": the checkpoint's 16-bit dtype)
+    layout = "inflight"  # `trtmoe repo --layout`
 
     def start(self) -> None:
         from trtmoe.checkpoint.writer import convert
@@ -569,7 +578,8 @@ class Trtmoe(Server):
                  "max_beam_width": 1, "tokens_per_block": 32, "cpu_activations": self.activations}
         (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt",
                                                         "build_config": build}))
-        repo = generate_repository(engine, self.workdir / "repo", torch_num_threads=threads, streaming=True)
+        repo = generate_repository(engine, self.workdir / "repo", torch_num_threads=threads, streaming=True,
+                                   layout=self.layout)
         t0 = time.perf_counter()
         self.server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0,
                                        timeout_s=a.ready_timeout, log_file=self.log)
@@ -614,6 +624,22 @@ class TrtmoeHttp(Trtmoe):
 
     def connect(self):
         return triton_sse_connect(self.server.endpoints.http_port)
+
+
+class TrtmoeLlmapiHttp(TrtmoeHttp):
+    """The ``--layout llmapi`` repository: one text-in, text-out ``tensorrt_llm`` model (TensorRT-LLM 1.2's
+    llmapi contract), no ensemble and no pre/postprocessing processes, through Triton's HTTP
+    ``generate_stream``; the same engine, batcher and torch threads as ``trtmoe-http``."""
+
+    name = "trtmoe-llmapi-http"
+    layout = "llmapi"
+
+    def start(self) -> None:
+        super().start()
+        self.note = self.note.replace("Triton HTTP generate_stream", "llmapi layout, Triton HTTP generate_stream")
+
+    def connect(self):
+        return triton_sse_connect(self.server.endpoints.http_port, llmapi=True)
 
 
 class TrtmoeInt8Http(TrtmoeHttp):
@@ -889,7 +915,7 @@ def loadavg() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["trtmoe", "trtmoe-http", "trtmoe-int8-http", "trtmoe-bf16-http", "trtmoe-int8-bf16-http",
+    names = ["trtmoe", "trtmoe-http", "trtmoe-llmapi-http", "trtmoe-int8-http", "trtmoe-bf16-http", "trtmoe-int8-bf16-http",
              "trtmoe-tritonclient", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
     ap.add_argument("--servers", nargs="*", choices=names,
                     default=[n for n in names if n not in ("trtmoe-tritonclient", "trtmoe-bf16-http",
@@ -944,6 +970,7 @@ def main() -> None:
         d = work / name
         d.mkdir()
         s = {"trtmoe": lambda: Trtmoe(args, d), "trtmoe-http": lambda: TrtmoeHttp(args, d),
+             "trtmoe-llmapi-http": lambda: TrtmoeLlmapiHttp(args, d),
              "trtmoe-int8-http": lambda: TrtmoeInt8Http(args, d),
              "trtmoe-bf16-http": lambda: TrtmoeBf16Http(args, d),
              "trtmoe-int8-bf16-http": lambda: TrtmoeInt8Bf16Http(args, d),

@@ -129,6 +129,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                            shown_default="the engine's", **_POS),
         "world_size": Key(int, None, nullable=True, help="Checked against the engine's tp × pp.",
                           shown_default="the engine's", **_POS),
+        "layout": Key(str, "inflight", choices=("inflight", "llmapi"),
+                      help="inflight: upstream's inflight_batcher_llm models (ensemble, pre/postprocessing, "
+                           "tensorrt_llm, tensorrt_llm_bls; token ids between them). llmapi (embedded engine): "
+                           "one tensorrt_llm model with the inputs and outputs of TensorRT-LLM 1.2's llmapi "
+                           "model, text in and text out (text_input, sampling_param_*, text_output), the "
+                           "tokenizer in the same process: a streamed token crosses no ensemble step."),
         "streaming": Key(bool, False, flag="--streaming/--no-streaming --decoupled/--not-decoupled",
                          help="Decoupled tensorrt_llm/BLS (and so ensemble): tokens stream over gRPC streams / "
                               "generate_stream, and unary ModelInfer is refused.",

@@ -39,13 +39,15 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
 
     ENGINE_DIR is a `trtmoe build --backend embedded` or `trtllm-build` engine directory; every
     setting comes from its config.json. The repository holds ensemble, preprocessing, tensorrt_llm,
-    postprocessing and tensorrt_llm_bls, with the tokenizer copied in. Options merge command line >
-    the `repo:` section of -c CONFIG > defaults.
+    postprocessing and tensorrt_llm_bls, with the tokenizer copied in; with `--layout llmapi` (embedded
+    engines) one text-in, text-out tensorrt_llm model instead, as TensorRT-LLM 1.2's llmapi model.
+    Options merge command line > the `repo:` section of -c CONFIG > defaults.
 
     \b
     Example:
       trtmoe repo engine/ -o repo/ --max-batch-size 8
       trtmoe repo engine/ -o repo-stream/ --streaming --exclude-input
+      trtmoe repo engine/ -o repo-llmapi/ --layout llmapi --streaming
       trtmoe repo engine/ -o repo/ -c build_configs/tiny-cpu.yaml
       trtmoe serve repo/
     """
@@ -63,11 +65,19 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
     click.echo(f"  engine         {e.path} ({'embedded' if e.backend == 'embedded' else 'TensorRT-LLM'}, {e.architecture})"
                + (f"; served from {s.engine_path}" if s.engine_path else ""))
     click.echo(f"  models         {', '.join(r.models)}")
-    click.echo(f"  max_batch_size {s.max_batch_size} (engine {e.max_batch_size}); max_input_len {s.max_input_len}; "
-               f"max_seq_len {s.max_seq_len}; beam {s.max_beam_width}")
-    click.echo(f"  streaming      {'yes (decoupled tensorrt_llm, BLS and ensemble)' if s.streaming else 'no (not decoupled; --streaming to stream)'}")
-    click.echo(f"  prompt         {'left out of' if s.exclude_input_in_output else 'included in'} non-streamed outputs "
-               "(per request: exclude_input_in_output)")
+    llmapi = r.models == ["tensorrt_llm"]
+    batch = (f"{s.max_batch_size} sequences decoded together (one prompt per request)" if llmapi
+             else f"{s.max_batch_size} (engine {e.max_batch_size})")
+    click.echo(f"  max_batch_size {batch}; max_input_len {s.max_input_len}; max_seq_len {s.max_seq_len}; "
+               f"beam {s.max_beam_width}")
+    decoupled = "decoupled tensorrt_llm" if llmapi else "decoupled tensorrt_llm, BLS and ensemble"
+    click.echo(f"  streaming      {f'yes ({decoupled})' if s.streaming else 'no (not decoupled; --streaming to stream)'}")
+    if llmapi:
+        click.echo("  inputs         text_input, streaming, sampling_param_* (TensorRT-LLM 1.2's llmapi model); "
+                   "text_output is the generated text")
+    else:
+        click.echo(f"  prompt         {'left out of' if s.exclude_input_in_output else 'included in'} non-streamed "
+                   "outputs (per request: exclude_input_in_output)")
     if e.backend == "embedded":
         click.echo(f"  torch threads  {s.torch_num_threads}")
     click.echo(f"  tokenizer      {r.tokenizer_dir}")

@@ -61,6 +61,12 @@ CANCEL_MODULE = "trtmoe_cancel_channel.py"
 TOKENIZER_SUBDIR = "preprocessing/tokenizer"  # relative to the repository root
 MANIFEST = REPOSITORY_MANIFEST
 TRTLLM_CONTRACT = "TensorRT-LLM 1.2.x triton_backend inflight_batcher_llm"
+# The other layout: one `tensorrt_llm` model, text in and text out (upstream's all_models/llmapi contract),
+# for the embedded engine. Its templates live under model_repo/llmapi/.
+LAYOUTS = ("inflight", "llmapi")
+LLMAPI_MODELS = ("tensorrt_llm",)
+LLMAPI_TOKENIZER_SUBDIR = "tensorrt_llm/tokenizer"
+LLMAPI_CONTRACT = "TensorRT-LLM 1.2.x triton_backend llmapi"
 
 # Files of an HF folder that are weights, never tokenizer data.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".npz")
@@ -244,7 +250,8 @@ def _engine_ref(info: EngineInfo, s: RepoSettings, repo: Path | None) -> str:
     return s.engine_path or str(info.path)
 
 
-def backend_parameters(info: EngineInfo, s: RepoSettings, repo: Path | None = None) -> dict[str, Any]:
+def backend_parameters(info: EngineInfo, s: RepoSettings, repo: Path | None = None,
+                       tokenizer_dir: str = TOKENIZER_SUBDIR) -> dict[str, Any]:
     """The ``tensorrt_llm`` model's parameters for its backend."""
     if info.backend == EMBEDDED:
         return {"engine_dir": _engine_ref(info, s, repo), "device": s.device, "torch_num_threads": s.torch_num_threads,
@@ -253,7 +260,7 @@ def backend_parameters(info: EngineInfo, s: RepoSettings, repo: Path | None = No
                 "metrics_interval_s": "0.5", "max_waiting_requests": s.max_queue_size,
                 "stream_interval": s.stream_interval,
                 # Streamed responses never end inside a character (see trtmoe.triton.textstream).
-                "tokenizer_dir": TOKENIZER_SUBDIR, "trust_remote_code": _bool(s.trust_remote_code)}
+                "tokenizer_dir": tokenizer_dir, "trust_remote_code": _bool(s.trust_remote_code)}
     return {
         "gpt_model_type": "inflight_fused_batching",
         "gpt_model_path": _engine_ref(info, s, repo),
@@ -295,7 +302,8 @@ _ENSEMBLE_LLM_KEY = ('      input_map { key: "request_key" value: "_REQUEST_KEY"
 _ENSEMBLE_POST_KEY = '      input_map { key: "REQUEST_KEY" value: "_LLM_REQUEST_KEY" }'
 
 
-def template_values(info: EngineInfo, s: RepoSettings, repo: Path | None = None) -> dict[str, str]:
+def template_values(info: EngineInfo, s: RepoSettings, repo: Path | None = None,
+                    tokenizer_dir: str = TOKENIZER_SUBDIR) -> dict[str, str]:
     """Every placeholder of the templates, as text. ``repo``: where the repository will live (paths
     are recorded relative to it)."""
     emb_dtype = _DTYPE_TO_TRITON.get(info.model.source_dtype, "TYPE_FP16")
@@ -320,7 +328,7 @@ def template_values(info: EngineInfo, s: RepoSettings, repo: Path | None = None)
         "logits_datatype": info.logits_triton_dtype,
         "encoder_input_features_data_type": emb_dtype,
         "prompt_embedding_table_data_type": emb_dtype,
-        "tokenizer_dir": TOKENIZER_SUBDIR,
+        "tokenizer_dir": tokenizer_dir,
         "add_special_tokens": _bool(s.add_special_tokens),
         "skip_special_tokens": _bool(s.skip_special_tokens),
         "trust_remote_code": _bool(s.trust_remote_code),
@@ -328,7 +336,7 @@ def template_values(info: EngineInfo, s: RepoSettings, repo: Path | None = None)
         "postprocessing_instance_count": str(s.postprocessing_instance_count),
         "bls_instance_count": str(s.bls_instance_count),
         "accumulate_tokens": _bool(s.accumulate_tokens),
-        "backend_parameters": render_parameters(backend_parameters(info, s, repo)),
+        "backend_parameters": render_parameters(backend_parameters(info, s, repo, tokenizer_dir)),
     }
 
 
@@ -569,7 +577,7 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                         trust_remote_code: bool = False, add_special_tokens: bool = True,
                         skip_special_tokens: bool = True, device: str | None = None, torch_num_threads: int = 0,
                         stream_interval: int | None = None, engine_path: str | None = None, force: bool = False,
-                        templates: str | Path | None = None) -> RepositoryResult:
+                        templates: str | Path | None = None, layout: str = "inflight") -> RepositoryResult:
     """Write a Triton model repository for ``engine_dir`` at ``out_dir``.
 
     ``tokenizer_dir`` defaults to a tokenizer found beside the engine or its checkpoint. Limits
@@ -580,9 +588,23 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     ``torch_num_threads`` 0: chosen from the cores (see ``default_torch_threads``). ``stream_interval``
     (embedded engine): a streamed response every that many tokens; None/0 = auto (every token
     up to 4 active streams, then ceil(active / 4)). ``engine_path`` (TensorRT-LLM engines): the absolute
-    path the engine will have where the repository is served (default: its path here). Raises InputError.
+    path the engine will have where the repository is served (default: its path here).
+
+    ``layout`` "llmapi" (embedded engines): one ``tensorrt_llm`` model with the inputs and outputs of
+    TensorRT-LLM 1.2's llmapi model (text in, text out, tokenizer in the same process; not batched,
+    decoupled with ``streaming``) instead of the ensemble and its four models. Raises InputError.
     """
+    if layout not in LAYOUTS:
+        raise InputError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     info = read_engine_dir(engine_dir)
+    llmapi = layout == "llmapi"
+    if llmapi and info.backend != EMBEDDED:
+        raise InputError("the llmapi layout serves the embedded engine; a TensorRT-LLM engine is served by the "
+                         "default layout (the tensorrtllm backend behind the ensemble)", where=str(info.path))
+    if llmapi and not torch_num_threads:
+        # No pre/post/BLS processes; tritonserver's own threads still carry every response (one core's
+        # worth kept for them, as for two Python instances).
+        torch_num_threads = default_torch_threads(2)
     settings = resolve_settings(
         info, max_batch_size=max_batch_size, max_beam_width=max_beam_width, max_input_len=max_input_len,
         max_seq_len=max_seq_len, world_size=world_size, streaming=streaming,
@@ -598,14 +620,18 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
         raise InputError("no tokenizer found beside the engine or its checkpoint", where=str(info.path),
                          hint="pass --tokenizer DIR (a Hugging Face tokenizer folder)")
     tpl = Path(templates) if templates else templates_dir()
+    models, tok_sub, contract = (LLMAPI_MODELS, LLMAPI_TOKENIZER_SUBDIR, LLMAPI_CONTRACT) if llmapi else (
+        MODELS, TOKENIZER_SUBDIR, TRTLLM_CONTRACT)
+    if llmapi:
+        tpl = tpl / "llmapi"
     out = Path(out_dir).expanduser().absolute()
-    values = template_values(info, settings, out)
+    values = template_values(info, settings, out, tok_sub)
     warnings: list[str] = []
     configs = {}
     with atomic_directory(out, force=force, inputs=(info.path, tok_src), outside=(info.path,)) as tmp:
-        copy_tokenizer(tok_src, tmp / TOKENIZER_SUBDIR)
-        warnings += prepare_tokenizer(tmp / TOKENIZER_SUBDIR, info, trust_remote_code=trust_remote_code)
-        for model in MODELS:
+        copy_tokenizer(tok_src, tmp / tok_sub)
+        warnings += prepare_tokenizer(tmp / tok_sub, info, trust_remote_code=trust_remote_code)
+        for model in models:
             src = tpl / model
             text = fill_template((src / "config.pbtxt").read_text(), values, where=str(src / "config.pbtxt"))
             configs[model] = parse_model_config(text, where=f"{model}/config.pbtxt")
@@ -625,7 +651,7 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
             if p.is_file():
                 rel = p.relative_to(tmp).as_posix()
                 # Tokenizer files are data (a vocabulary may hold "${"); everything else must be filled.
-                if not rel.startswith(TOKENIZER_SUBDIR + "/") and "${" in p.read_text(errors="replace"):
+                if not rel.startswith(tok_sub + "/") and "${" in p.read_text(errors="replace"):
                     raise TrtmoeError("unresolved ${...} placeholder left", where=rel)
                 files[rel] = sha256_file(p)
         engine = info.to_json()
@@ -633,12 +659,12 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
             if engine.get(key):
                 engine[key] = os.path.relpath(engine[key], out)
         # The artifact manifest every trtmoe output has (`trtmoe verify` rechecks its hashes).
-        write_manifest(tmp, kind="triton-repository", file_hashes=files, name=MANIFEST, contract=TRTLLM_CONTRACT,
-                       engine=engine,
-                       settings=asdict(settings), launch_world_size=info.launch_world_size, models=list(MODELS),
+        write_manifest(tmp, kind="triton-repository", file_hashes=files, name=MANIFEST, contract=contract,
+                       engine=engine, layout=layout,
+                       settings=asdict(settings), launch_world_size=info.launch_world_size, models=list(models),
                        tokenizer_source=os.path.relpath(tok_src, out), warnings=warnings)
-    return RepositoryResult(path=out, engine=info, settings=settings, models=list(MODELS),
-                            tokenizer_dir=out / TOKENIZER_SUBDIR, launch_world_size=info.launch_world_size,
+    return RepositoryResult(path=out, engine=info, settings=settings, models=list(models),
+                            tokenizer_dir=out / tok_sub, launch_world_size=info.launch_world_size,
                             files=files, warnings=warnings)
 
 

@@ -31,24 +31,16 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
-from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests
+from trtmoe.triton.llm_request import RequestError, parse_requests
 from trtmoe.triton.metrics import (IterationRecorder, MetricWriter, RoutingMetricsPublisher, TrtLlmMetricsPublisher,
                                    blocks, next_update_wait)
+from trtmoe.triton.served import model_flag as _flag
+from trtmoe.triton.served import model_param as _param
 from trtmoe.triton.textstream import split_at_character
 from trtmoe.triton.threads import name_native_thread
 
 
 _KEYED_CANCEL_POLL_S = 0.5  # is_cancelled polls of a generation that carries the ensemble's key
-
-
-def _param(config: dict, key: str, default: str = "") -> str:
-    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
-    return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
-
-
-def _flag(config: dict, key: str, default: bool) -> bool:
-    value = _param(config, key, "").strip().lower()
-    return True if value in ("true", "1", "yes") else False if value in ("false", "0", "no") else default
 
 
 class _TritonRequest:
@@ -85,36 +77,17 @@ class TritonPythonModel:
         # the instance's stub imports it again.
         import torch
 
-        # Intra-op threads: `trtmoe repo` records a count chosen from the cores and the model
-        # instances; never more than this machine's cores (a repository may move to a smaller one).
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = int(_param(config, "torch_num_threads", "0") or 0)
-        if threads > 0:
-            torch.set_num_threads(min(threads, cores))
-        from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
-        from trtmoe.triton.engine_dir import read_engine_dir
+        from trtmoe.runtime.engine import SamplingParams
+        from trtmoe.triton.served import load_served_engine
 
         self.SamplingParams = SamplingParams
-        engine_dir = _param(config, "engine_dir")
-        if not engine_dir:
-            raise pb_utils.TritonModelException("parameter engine_dir is not set")
-        repo_root = os.path.dirname(os.path.abspath(args["model_repository"]))  # that arg is this model's folder
-        if not os.path.isabs(engine_dir):
-            engine_dir = os.path.join(repo_root, engine_dir)
-        info = read_engine_dir(engine_dir)
-        device = _param(config, "device", "auto")
-        self.engine = EmbeddedEngine.from_checkpoint(str(info.checkpoint_dir),
-                                                     device=None if device == "auto" else device,
-                                                     max_seq_len=info.max_seq_len, cpu_matmul=info.cpu_matmul,
-                                                     cpu_activations=info.cpu_activations)
-        eng = self.engine
-        max_input = min(int(_param(config, "max_input_len", str(info.max_input_len))), info.max_input_len)
-        max_seq = min(int(_param(config, "max_seq_len", str(info.max_seq_len))), info.max_seq_len,
-                      int(getattr(eng, "max_seq_len", info.max_seq_len)))
-        self.limits = EngineLimits(max_input_len=max_input, max_seq_len=max_seq, vocab_size=int(eng.vocab_size),
-                                   max_beam_width=info.max_beam_width, default_end_id=info.eos_token_id,
-                                   gather_context_logits=info.gather_context_logits,
-                                   gather_generation_logits=info.gather_generation_logits)
+        try:
+            served = load_served_engine(config, args["model_repository"])  # that arg is this model's folder
+        except ValueError as e:
+            raise pb_utils.TritonModelException(str(e)) from None
+        self.engine, info, self.limits = served.engine, served.info, served.limits
+        eng, cores = self.engine, served.cores
+        max_input, max_seq = self.limits.max_input_len, self.limits.max_seq_len
         # context_logits / generation_logits go out in the data type config.pbtxt declares for them.
         self.logits_np = np.float16 if info.logits_triton_dtype == "TYPE_FP16" else np.float32
         self.exclude_input = _flag(config, "exclude_input_in_output", False)
@@ -124,9 +97,7 @@ class TritonPythonModel:
         if tok_dir:
             from tokenizers import Tokenizer
 
-            if not os.path.isabs(tok_dir):
-                tok_dir = os.path.join(repo_root, tok_dir)
-            tok = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+            tok = Tokenizer.from_file(os.path.join(served.resolve(tok_dir), "tokenizer.json"))
             self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.metrics = None

@@ -1,0 +1,81 @@
+"""What the Triton Python models that run the embedded engine share: reading their parameters and
+loading the engine a repository names.
+
+Two models use it: ``tensorrt_llm`` of the default (``inflight_batcher_llm``) layout, token ids in
+and out behind the ensemble, and ``tensorrt_llm`` of the ``llmapi`` layout, text in and out in one
+model. Both run inside Triton's Python-backend stub, which imports trtmoe.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .llm_request import EngineLimits
+
+
+def model_param(config: dict, key: str, default: str = "") -> str:
+    """A ``config.pbtxt`` parameter's string value; ``default`` when unset, empty or an unfilled
+    ``${...}`` placeholder (as upstream's templates read them)."""
+    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
+    return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
+
+
+def model_flag(config: dict, key: str, default: bool) -> bool:
+    value = model_param(config, key, "").strip().lower()
+    return True if value in ("true", "1", "yes") else False if value in ("false", "0", "no") else default
+
+
+def machine_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@dataclass
+class ServedEngine:
+    engine: Any  # trtmoe.runtime.engine.EmbeddedEngine
+    info: Any  # trtmoe.triton.engine_dir.EngineInfo
+    limits: EngineLimits
+    repo_root: str
+    cores: int
+
+    def resolve(self, path: str) -> str:
+        """A path parameter: absolute as given, else relative to the repository root."""
+        return path if os.path.isabs(path) else os.path.join(self.repo_root, path)
+
+
+def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
+    """Set torch's threads from ``torch_num_threads`` (never more than this machine's cores: a
+    repository may move to a smaller one), read the engine directory ``engine_dir`` names (relative
+    to the repository root, the parent of ``model_dir``) and load its checkpoint with the engine's
+    recorded settings. The token limits are the engine's, lowered by ``max_input_len`` /
+    ``max_seq_len`` where the repository sets them lower. Raises ValueError when ``engine_dir`` is
+    unset, and trtmoe's own errors for a bad engine directory."""
+    import torch
+
+    from ..runtime.engine import EmbeddedEngine
+    from .engine_dir import read_engine_dir
+
+    cores = machine_cores()
+    threads = int(model_param(config, "torch_num_threads", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(min(threads, cores))
+    engine_dir = model_param(config, "engine_dir")
+    if not engine_dir:
+        raise ValueError("parameter engine_dir is not set")
+    repo_root = os.path.dirname(os.path.abspath(model_dir))
+    if not os.path.isabs(engine_dir):
+        engine_dir = os.path.join(repo_root, engine_dir)
+    info = read_engine_dir(engine_dir)
+    device = model_param(config, "device", "auto")
+    engine = EmbeddedEngine.from_checkpoint(str(info.checkpoint_dir), device=None if device == "auto" else device,
+                                            max_seq_len=info.max_seq_len, cpu_matmul=info.cpu_matmul,
+                                            cpu_activations=info.cpu_activations)
+    max_input = min(int(model_param(config, "max_input_len", str(info.max_input_len))), info.max_input_len)
+    max_seq = min(int(model_param(config, "max_seq_len", str(info.max_seq_len))), info.max_seq_len,
+                  int(getattr(engine, "max_seq_len", info.max_seq_len)))
+    limits = EngineLimits(max_input_len=max_input, max_seq_len=max_seq, vocab_size=int(engine.vocab_size),
+                          max_beam_width=info.max_beam_width, default_end_id=info.eos_token_id,
+                          gather_context_logits=info.gather_context_logits,
+                          gather_generation_logits=info.gather_generation_logits)
+    return ServedEngine(engine=engine, info=info, limits=limits, repo_root=repo_root, cores=cores)
