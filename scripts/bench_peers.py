@@ -247,7 +247,7 @@ def openai_connect(port: int, model: str, extra: dict, min_tokens: bool = False
             resp.read()  # drain, so the connection can carry the next request
             if usage is not None and reply.counts:
                 reply.counts[-1] = usage  # the server's own count wins
-            reply.text = (pieces[-1] if pieces else "") if llmapi else "".join(pieces)
+            reply.text = "".join(pieces)
             return reply
 
         return call
@@ -361,7 +361,7 @@ def triton_sse_connect(port: int, llmapi: bool = False) -> Callable[[], Callable
                     pieces.append(piece)
                     reply.times.append(t)
                     reply.counts.append(int(obj.get("num_output_tokens", len(reply.times))))
-            reply.text = "".join(pieces)
+            reply.text = (pieces[-1] if pieces else "") if llmapi else "".join(pieces)
             return reply
 
         return call

@@ -302,3 +302,52 @@ def test_stop_request_ends_a_running_generation(streaming):
     assert "cancelled" in stop_result["error"].message().lower()
     out, err = _stream(url, _inputs("def main(", 8))
     assert err is None and _text(out[-1]) == streaming["ref"].text("def main(", 8)
+
+
+def test_metrics_count_every_routed_token(unary):
+    """The routing gauges are exported as by the default layout's model: every token of a request
+    (prompt and generated, but the last, which is never fed back) passes each MoE layer top-k times."""
+    from trtmoe.triton.metrics import routed_token_table, scrape
+
+    ref, metrics_url = unary["ref"], unary["server"].endpoints.metrics
+    time.sleep(1.5)  # earlier requests' counters settle (published every 0.5 s)
+    before = routed_token_table(scrape(metrics_url))
+    prompt, n = "x = [", 12
+    generated = ref.tokens(prompt, n)
+    _infer(unary["url"], _inputs(prompt, n))
+    expected = (len(ref.tok.encode(prompt).ids) + len(generated) - 1) * 2
+    per_layer: dict = {}
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        after = routed_token_table(scrape(metrics_url))
+        per_layer = {li: sum(v - before.get((li, e), 0) for (l2, e), v in after.items() if l2 == li)
+                     for li in {k[0] for k in after}}
+        if per_layer and all(v == expected for v in per_layer.values()):
+            break
+        time.sleep(0.3)
+    assert len(per_layer) == ref.engine.num_layers and all(v == expected for v in per_layer.values()), per_layer
+    m = scrape(metrics_url)
+    assert "nv_trt_llm_request_metrics" in m and "nv_trt_llm_kv_cache_block_metrics" in m
+
+
+def test_generate_client_speaks_the_llmapi_contract(unary, streaming):
+    """`trtmoe generate` / trtmoe.triton.client.generate: with no model named, a server without an
+    ensemble is called through its llmapi tensorrt_llm; streamed pieces are what each response adds."""
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+    from trtmoe.triton.client import generate
+
+    want = unary["ref"].text("import os\n", 16)
+    r = generate(unary["url"], "import os\n", model=None, max_tokens=16)
+    assert r.model == "tensorrt_llm" and not r.streamed and r.text == want
+    pieces: list[str] = []
+    r = generate(streaming["url"], "import os\n", model=None, max_tokens=16, on_text=pieces.append)
+    assert r.streamed and len(r.pieces) > 2 and "".join(pieces) == r.text == want
+    stopped = generate(unary["url"], "def main(", model=None, max_tokens=24, stop_words=["\n"])
+    assert stopped.text == unary["ref"].text("def main(", 24).split("\n")[0]
+    with pytest.raises(InputError, match="completion alone"):
+        generate(unary["url"], "x", model=None, max_tokens=4, exclude_input_in_output=False)
+    out = CliRunner().invoke(main, ["generate", "import os\n", "-n", "16", "--url", streaming["url"]])
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith(want)

@@ -1,4 +1,5 @@
-"""gRPC client for a generated repository's ``ensemble`` / ``tensorrt_llm_bls`` (tritonclient.grpc).
+"""gRPC client for a generated repository's ``ensemble`` / ``tensorrt_llm_bls``, or the ``tensorrt_llm``
+model of an llmapi repository (tritonclient.grpc).
 
 Works with either kind of repository: the default one (not decoupled, as upstream's templates) is
 called with unary ``ModelInfer``; a ``trtmoe repo --streaming`` one (decoupled) through the stream.
@@ -134,6 +135,51 @@ def build_inputs(prompt: str, *, max_tokens: int, stream: bool, temperature: flo
     return inputs
 
 
+def is_llmapi(client, model: str) -> bool:
+    """True if ``model`` speaks the llmapi contract (``trtmoe repo --layout llmapi``: ``text_input`` and
+    ``sampling_param_*`` in, the whole text so far out)."""
+    cfg = client.get_model_config(model, as_json=True)["config"]
+    names = {i.get("name") for i in cfg.get("input", [])}
+    return "text_input" in names and "sampling_param_max_tokens" in names
+
+
+def build_llmapi_inputs(prompt: str, *, max_tokens: int, stream: bool, temperature: float | None = None,
+                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                        stop_words: list[str] | None = None, exclude_input_in_output: bool | None = None,
+                        end_id: int | None = None, beam_width: int | None = None,
+                        extra: dict[str, np.ndarray] | None = None) -> list:
+    """The llmapi model's input tensors for one prompt (not batched: 1-D tensors). Its text never
+    holds the prompt, so ``exclude_input_in_output`` False is refused, as are an end id and beams
+    (the contract has no input for them)."""
+    import tritonclient.grpc as grpcclient
+
+    if exclude_input_in_output is False:
+        raise InputError("the llmapi model returns the completion alone", hint="drop --include-input")
+    if end_id is not None or (beam_width or 1) != 1:
+        raise InputError("the llmapi model takes no end id or beam width",
+                         hint="serve the default repository layout for those")
+    arrays: dict[str, np.ndarray] = {
+        "text_input": np.array([prompt.encode("utf-8")], dtype=object),
+        "sampling_param_max_tokens": np.array([max_tokens], dtype=np.int32),
+        "streaming": np.array([stream], dtype=bool),
+    }
+    for name, value, dtype in (("temperature", temperature, np.float32), ("top_k", top_k, np.int32),
+                               ("top_p", top_p, np.float32), ("seed", seed, np.uint64)):
+        if value is not None:
+            arrays[f"sampling_param_{name}"] = np.array([value], dtype=dtype)
+    if stop_words:
+        arrays["sampling_param_stop"] = np.array([w.encode("utf-8") for w in stop_words], dtype=object)
+    arrays.update(extra or {})
+    dtypes = {np.dtype(object): "BYTES", np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32",
+              np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64", np.dtype(np.int64): "INT64"}
+    inputs = []
+    for name, arr in arrays.items():
+        t = grpcclient.InferInput(name, list(arr.shape), dtypes[arr.dtype])
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    return inputs
+
+
 def _text(result) -> str:
     texts = _texts(result)
     return texts[0] if texts else ""
@@ -153,6 +199,7 @@ def _is_final(result) -> bool:
 
 
 _DECOUPLED: dict[tuple[str, str], bool] = {}  # (url, model) -> decoupled, refreshed by check=True calls
+_LLMAPI: dict[tuple[str, str], bool] = {}  # (url, model) -> speaks the llmapi contract, refreshed likewise
 
 
 _OUTPUTS = ("num_input_tokens", "num_output_tokens", "batch_index")
@@ -187,6 +234,19 @@ def _check_request_args(url: str, timeout_s: float, sampling: dict) -> None:
     b = sampling.get("beam_width")
     if b is not None and b < 1:
         raise InputError(f"beam_width must be >= 1, got {b!r}")
+
+
+def _default_model(client, url: str) -> str:
+    """``ensemble``, unless the server has none and its ``tensorrt_llm`` is an llmapi model."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        names = {m.name for m in client.get_model_repository_index().models}
+    except InferenceServerException:
+        return "ensemble"  # the readiness check then says what is wrong
+    if "ensemble" not in names and "tensorrt_llm" in names and is_llmapi(client, "tensorrt_llm"):
+        return "tensorrt_llm"
+    return "ensemble"
 
 
 def _call_mode(client, url: str, model: str, *, stream: bool | None, unary: bool, check: bool) -> tuple[bool, bool]:
@@ -230,8 +290,11 @@ def _infer_unary(client, model: str, inputs, result: GenerateResult, *, request_
 
 
 def _infer_stream(client, model: str, inputs, result: GenerateResult, *, request_id: str, timeout_s: float,
-                  on_text: Callable[[str], None] | None, beams: bool = False) -> GenerateResult:
-    """One request over the gRPC stream, collecting its responses until the final one."""
+                  on_text: Callable[[str], None] | None, beams: bool = False,
+                  cumulative: bool = False) -> GenerateResult:
+    """One request over the gRPC stream, collecting its responses until the final one. ``cumulative``:
+    each response carries the whole text so far (the llmapi model); pieces are what each one adds."""
+    so_far = ""
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
     complete = False
@@ -247,6 +310,8 @@ def _infer_stream(client, model: str, inputs, result: GenerateResult, *, request
             if err is not None:
                 raise TrtmoeError(f"{model}: {err.message() if hasattr(err, 'message') else err}")
             piece = _text(res)
+            if cumulative:
+                piece, so_far = piece[len(so_far):] if piece.startswith(so_far) else piece, piece
             final = _is_final(res)
             if beams and _texts(res):  # every response carries every beam so far: keep the latest
                 result.beams = _texts(res)
@@ -268,13 +333,16 @@ def _infer_stream(client, model: str, inputs, result: GenerateResult, *, request
     return result
 
 
-def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int = 64, stream: bool | None = None,
+def generate(url: str, prompt: str, *, model: str | None = "ensemble", max_tokens: int = 64,
+             stream: bool | None = None,
              unary: bool = False, on_text: Callable[[str], None] | None = None, timeout_s: float = 300.0,
              request_id: str = "", check: bool = True, client: Any = None,
              exclude_input_in_output: bool | None = True, **sampling: Any) -> GenerateResult:
     """Generate text for ``prompt`` on the Triton gRPC endpoint ``url`` (``host:port``).
 
-    ``stream``: None streams whenever the model is decoupled. ``unary`` forces a unary ModelInfer
+    ``model`` None: the ``ensemble``, or the ``tensorrt_llm`` model of an llmapi repository (``trtmoe repo
+    --layout llmapi``) when the server has no ensemble; that model's contract is used whenever it is
+    the one called. ``stream``: None streams whenever the model is decoupled. ``unary`` forces a unary ModelInfer
     call (refused for decoupled models). ``on_text(piece)`` sees each piece as it arrives.
     ``exclude_input_in_output``: True (default) asks for the completion alone; None leaves it to the
     repository's default (upstream's: the prompt is included in non-streamed outputs).
@@ -291,14 +359,21 @@ def generate(url: str, prompt: str, *, model: str = "ensemble", max_tokens: int 
     own = client is None
     client = _client(url) if own else client
     try:
+        if model is None:
+            model = _default_model(client, url)
         decoupled, stream = _call_mode(client, url, model, stream=stream, unary=unary, check=check)
-        inputs = build_inputs(prompt, max_tokens=max_tokens, stream=stream,
-                              exclude_input_in_output=exclude_input_in_output, **sampling)
+        if check or (url, model) not in _LLMAPI:
+            _LLMAPI[(url, model)] = is_llmapi(client, model)
+        llmapi = _LLMAPI[(url, model)]
+        inputs = (build_llmapi_inputs if llmapi else build_inputs)(
+            prompt, max_tokens=max_tokens, stream=stream, exclude_input_in_output=exclude_input_in_output, **sampling)
         result = GenerateResult(text="", streamed=stream, model=model)
-        call = _infer_stream if decoupled else _infer_unary
         beams = (sampling.get("beam_width") or 1) > 1
-        return call(client, model, inputs, result, request_id=request_id, timeout_s=timeout_s,
-                    on_text=None if beams else on_text, beams=beams)
+        if decoupled:
+            return _infer_stream(client, model, inputs, result, request_id=request_id, timeout_s=timeout_s,
+                                 on_text=None if beams else on_text, beams=beams, cumulative=llmapi)
+        return _infer_unary(client, model, inputs, result, request_id=request_id, timeout_s=timeout_s,
+                            on_text=None if beams else on_text, beams=beams)
     finally:
         if own:
             client.close()

@@ -157,7 +157,9 @@ def serve_command(repo, config_path, log_file, print_command, **options):
 @click.command("generate")
 @click.argument("prompt")
 @click.option("--url", default="127.0.0.1:8001", show_default=True, help="Triton gRPC endpoint host:port.")
-@click.option("--model", default="ensemble", show_default=True, help="ensemble or tensorrt_llm_bls.")
+@click.option("--model", default=None, help="ensemble, tensorrt_llm_bls, or tensorrt_llm of an llmapi repository "
+                                            "[default: the ensemble, or that tensorrt_llm where the server has no "
+                                            "ensemble]")
 @click.option("-n", "--max-tokens", type=int, default=64, show_default=True)
 @click.option("--stream/--no-stream", default=None, help="[default: stream when the model is decoupled]")
 @click.option("--include-input", is_flag=True, help="Ask for the prompt in front of the completion (non-streamed).")

@@ -9,6 +9,8 @@ model. Both run inside Triton's Python-backend stub, which imports trtmoe.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,3 +81,56 @@ def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
                           gather_context_logits=info.gather_context_logits,
                           gather_generation_logits=info.gather_generation_logits)
     return ServedEngine(engine=engine, info=info, limits=limits, repo_root=repo_root, cores=cores)
+
+
+class ServedMetrics:
+    """The routing gauges (``trtmoe_*``) and TensorRT-LLM's ``nv_trt_llm_*`` gauges of an embedded model,
+    updated on a thread of their own (an update is dozens of IPC calls and must not stall decoding).
+
+    ``recorder`` wraps the engine for the batcher: it records what each iteration ran. With the
+    ``enable_metrics`` parameter false nothing is published (the recorder still wraps the engine)."""
+
+    def __init__(self, pb_utils, engine, config: dict, model_name: str, version: str, tokens_per_block: int):
+        from .metrics import IterationRecorder, MetricWriter, RoutingMetricsPublisher, TrtLlmMetricsPublisher
+
+        self.engine, self.tokens_per_block, self._log = engine, tokens_per_block, pb_utils.Logger
+        self.recorder = IterationRecorder(engine)
+        self.routing = self.trt = None
+        if model_flag(config, "enable_metrics", True):
+            writer = MetricWriter()  # one pacing for both publishers: they write from one thread
+            self.routing = RoutingMetricsPublisher(pb_utils, num_layers=int(engine.num_layers),
+                                                   num_experts=int(engine.num_experts), model=model_name,
+                                                   min_interval_s=float(model_param(config, "metrics_interval_s", "0.5")),
+                                                   writer=writer)
+            self.routing.set_active_params(int(engine.active_params_per_token))
+            self.trt = TrtLlmMetricsPublisher(pb_utils, model=model_name, version=version, writer=writer)
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self, batcher) -> None:
+        if self.routing is not None:
+            self.thread = threading.Thread(target=self._loop, args=(batcher,), name="tensorrt_llm-metrics",
+                                           daemon=True)
+            self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _loop(self, batcher) -> None:
+        from .metrics import TrtLlmMetricsPublisher, next_update_wait
+        from .threads import name_native_thread
+
+        name_native_thread("trtmoe-metrics")
+        wait = self.routing.min_interval_s
+        while not self.stopping.wait(wait):
+            t0 = time.monotonic()
+            try:
+                stats = batcher.stats()
+                self.routing.update(self.engine.routing_stats(), stats)
+                self.trt.update(TrtLlmMetricsPublisher.values(
+                    batcher_stats=stats, max_batch_size=batcher.max_batch_size, kv=self.engine.kv_cache_stats(),
+                    tokens_per_block=self.tokens_per_block, iteration=self.recorder.latest))
+            except Exception as e:  # noqa: BLE001 - metrics must never take the model down
+                self._log.log_warn(f"tensorrt_llm: metrics update failed: {e}")
+            # Thousands of expert series make an update slow: space them out (see trtmoe.triton.metrics).
+            wait = next_update_wait(self.routing.min_interval_s, time.monotonic() - t0)

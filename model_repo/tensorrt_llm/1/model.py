@@ -32,10 +32,10 @@ import triton_python_backend_utils as pb_utils
 
 from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
 from trtmoe.triton.llm_request import RequestError, parse_requests
-from trtmoe.triton.metrics import (IterationRecorder, MetricWriter, RoutingMetricsPublisher, TrtLlmMetricsPublisher,
-                                   blocks, next_update_wait)
+from trtmoe.triton.metrics import blocks
 from trtmoe.triton.served import model_flag as _flag
 from trtmoe.triton.served import model_param as _param
+from trtmoe.triton.served import ServedMetrics
 from trtmoe.triton.textstream import split_at_character
 from trtmoe.triton.threads import name_native_thread
 
@@ -100,17 +100,9 @@ class TritonPythonModel:
             tok = Tokenizer.from_file(os.path.join(served.resolve(tok_dir), "tokenizer.json"))
             self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
-        self.metrics = None
-        if _flag(config, "enable_metrics", True):
-            writer = MetricWriter()  # one pacing for both publishers: they write from one thread
-            self.metrics = RoutingMetricsPublisher(pb_utils, num_layers=int(eng.num_layers),
-                                                   num_experts=int(eng.num_experts), model=self.model_name,
-                                                   min_interval_s=float(_param(config, "metrics_interval_s", "0.5")),
-                                                   writer=writer)
-            self.metrics.set_active_params(int(eng.active_params_per_token))
-            self.trt_metrics = TrtLlmMetricsPublisher(pb_utils, model=self.model_name,
-                                                      version=str(args.get("model_version", "1")), writer=writer)
-        self.recorder = IterationRecorder(eng)  # what each batcher iteration ran, for nv_trt_llm_*
+        # What each batcher iteration ran (the recorder wraps the engine), and the exported gauges.
+        self.metrics = ServedMetrics(pb_utils, eng, config, self.model_name, str(args.get("model_version", "1")),
+                                     self.tokens_per_block)
         # Batcher -> sender hand-off: appends are atomic; the sender is woken once per burst of
         # events (batcher on_flush), not once per token.
         self.outbox: deque = deque()
@@ -120,7 +112,7 @@ class TritonPythonModel:
         self.sender_thread.start()
         budget = _param(config, "prefill_budget_ms", "")
         self.batcher = InflightBatcher(
-            self.recorder, max_batch_size=min(int(config["max_batch_size"]) or 1, info.max_batch_size),
+            self.metrics.recorder, max_batch_size=min(int(config["max_batch_size"]) or 1, info.max_batch_size),
             max_waiting=int(_param(config, "max_waiting_requests", "0") or 0),
             prefill_budget_s=float(budget) / 1000.0 if budget else None,
             stream_interval=max(int(_param(config, "stream_interval", "0")), 0), on_flush=self._flush)
@@ -132,11 +124,7 @@ class TritonPythonModel:
                                                   lambda key: self.batcher.cancel(key, remember=True))
         except OSError as e:  # e.g. a second instance: `stop` requests still reach every instance
             pb_utils.Logger.log_warn(f"tensorrt_llm: no cancel channel ({e}); cancels come as stop requests only")
-        self.stopping = threading.Event()
-        if self.metrics:
-            # Its own thread: a metrics update is dozens of IPC calls and must not stall decoding.
-            self.metrics_thread = threading.Thread(target=self._metrics_loop, name="tensorrt_llm-metrics", daemon=True)
-            self.metrics_thread.start()
+        self.metrics.start(self.batcher)
         pb_utils.Logger.log_info(
             f"tensorrt_llm: embedded engine {info.architecture} from {info.checkpoint_dir}, "
             f"max_batch_size={self.batcher.max_batch_size} max_input_len={max_input} max_seq_len={max_seq} "
@@ -146,23 +134,6 @@ class TritonPythonModel:
         # passes over it (about 0.1 s over torch and the engine) would otherwise stall every stream.
         gc.collect()
         gc.freeze()
-
-    # -- metrics (own thread) ------------------------------------------------------------------
-    def _metrics_loop(self):
-        name_native_thread("trtmoe-metrics")
-        wait = self.metrics.min_interval_s
-        while not self.stopping.wait(wait):
-            t0 = time.monotonic()
-            try:
-                stats = self.batcher.stats()
-                self.metrics.update(self.engine.routing_stats(), stats)
-                self.trt_metrics.update(TrtLlmMetricsPublisher.values(
-                    batcher_stats=stats, max_batch_size=self.batcher.max_batch_size, kv=self.engine.kv_cache_stats(),
-                    tokens_per_block=self.tokens_per_block, iteration=self.recorder.latest))
-            except Exception as e:  # noqa: BLE001 - metrics must never take the model down
-                pb_utils.Logger.log_warn(f"tensorrt_llm: metrics update failed: {e}")
-            # Thousands of expert series make an update slow: space them out (see trtmoe.triton.metrics).
-            wait = next_update_wait(self.metrics.min_interval_s, time.monotonic() - t0)
 
     # -- responses (batcher thread) ------------------------------------------------------------
     def _tensors(self, treq, gen, req, ids, final):
@@ -446,7 +417,7 @@ class TritonPythonModel:
     def finalize(self):
         if self.cancel_listener is not None:
             self.cancel_listener.close()
-        self.stopping.set()
+        self.metrics.stop()
         self.batcher.shutdown()
         self.closing = True
         self.wake.set()

@@ -27,6 +27,8 @@ The rules it keeps:
   request's times (wall clock, ns) and its KV-cache block counts (the embedded engine reuses no
   blocks across requests). `return_num_output_tokens` (trtmoe's addition, named as TensorRT-LLM 1.2's
   `tensorrt_llm` input) puts the count of tokens generated so far on every response.
+* The routing gauges (`trtmoe_*`) and TensorRT-LLM's `nv_trt_llm_*` gauges are exported on the
+  server's metrics port, as by the default layout's `tensorrt_llm` model.
 * What the embedded engine does not do is refused with INVALID_ARG rather than ignored:
   `sampling_param_best_of` > 1, `image_url`, LoRA adapters.
 """
@@ -44,7 +46,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtmoe.triton.batcher import FINISH_CANCELLED, FINISH_ERROR, InflightBatcher
-from trtmoe.triton.served import load_served_engine, model_flag, model_param
+from trtmoe.triton.metrics import blocks as kv_blocks
+from trtmoe.triton.served import ServedMetrics, load_served_engine, model_flag, model_param
 from trtmoe.triton.textstream import split_at_character
 from trtmoe.triton.threads import name_native_thread
 
@@ -111,11 +114,16 @@ class TritonPythonModel:
         self.closing = False
         self.sender_thread = threading.Thread(target=self._send_loop, name="tensorrt_llm-sender", daemon=True)
         self.sender_thread.start()
+        # Routing and nv_trt_llm_* gauges on the metrics port, as the default layout's model exports them.
+        self.metrics = ServedMetrics(pb_utils, self.engine, config, args.get("model_name", "tensorrt_llm"),
+                                     str(args.get("model_version", "1")), int(self.info.tokens_per_block))
         size = int(model_param(config, "engine_max_batch_size", str(self.info.max_batch_size)))
-        self.batcher = InflightBatcher(self.engine, max_batch_size=max(1, min(size, self.info.max_batch_size)),
+        self.batcher = InflightBatcher(self.metrics.recorder,
+                                       max_batch_size=max(1, min(size, self.info.max_batch_size)),
                                        max_waiting=int(model_param(config, "max_waiting_requests", "0") or 0),
                                        stream_interval=max(int(model_param(config, "stream_interval", "0")), 0),
                                        on_flush=self._flush)
+        self.metrics.start(self.batcher)
         pb_utils.Logger.log_info(f"tensorrt_llm (llmapi): embedded engine {self.info.architecture}, "
                                  f"max_batch_size={self.batcher.max_batch_size} decoupled={self.decoupled}")
         gc.collect()
@@ -268,7 +276,9 @@ class TritonPythonModel:
         reason = "stop" if gen.stop_hit is not None else event.finish_reason
         stop = gen.stop_hit[0] if gen.stop_hit is not None else None
         if not event.finished:
-            if not gen.streaming or len(text) == gen.sent_chars:  # (unstreamed: only the stop check above)  # nothing new to show (a character still incomplete)
+            # Unstreamed, an event served only the stop check above; streamed, a response that would show
+            # nothing new (a character still incomplete) waits for the next.
+            if not gen.streaming or len(text) == gen.sent_chars:
                 return
             gen.sent_chars = len(text)
         out = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))]
@@ -292,7 +302,9 @@ class TritonPythonModel:
 
     def _perf(self, gen: _Generation, req) -> list:
         off = self.clock_offset_ns
-        blocks = -(-(len(gen.prompt) + len(req.tokens)) // max(gen.tokens_per_block, 1))
+        # The KV-cache row reserved for the sequence at admission, in blocks (the pool shares no prefixes).
+        reserved = getattr(req.seq, "kv_capacity", 0) or len(gen.prompt) + len(req.tokens)
+        blocks = kv_blocks(reserved, gen.tokens_per_block)
 
         def one(name, value, dtype):
             return pb_utils.Tensor(name, np.array([value], dtype=dtype))
@@ -302,7 +314,8 @@ class TritonPythonModel:
                 one("first_token_time_ns", (req.first_token_ns or gen.arrival_ns) + off, np.int64),
                 one("last_token_time_ns", (req.last_token_ns or gen.arrival_ns) + off, np.int64),
                 one("kv_cache_reused_block", 0, np.int32), one("kv_cache_missed_block", blocks, np.int32),
-                one("kv_cache_alloc_new_blocks", blocks, np.int32), one("kv_cache_alloc_total_blocks", blocks, np.int32),
+                one("kv_cache_alloc_new_blocks", blocks, np.int32),
+                one("kv_cache_alloc_total_blocks", blocks, np.int32),
                 one("kv_cache_hit_rate", 0.0, np.float32)]
 
     def _flush(self):
@@ -324,6 +337,7 @@ class TritonPythonModel:
                 return
 
     def finalize(self):
+        self.metrics.stop()
         self.batcher.shutdown()
         self.closing = True
         self.wake.set()
