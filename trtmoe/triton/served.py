@@ -3,7 +3,9 @@ loading the engine a repository names.
 
 Two models use it: ``tensorrt_llm`` of the default (``inflight_batcher_llm``) layout, token ids in
 and out behind the ensemble, and ``tensorrt_llm`` of the ``llmapi`` layout, text in and out in one
-model. Both run inside Triton's Python-backend stub, which imports trtmoe.
+model. Both run inside Triton's Python-backend stub, which imports trtmoe; they import this module
+in ``initialize`` (it brings torch), not at the top: Triton also imports a model's file in a stub of
+its own to complete its config, which would otherwise spend seconds importing torch.
 """
 
 from __future__ import annotations
@@ -14,19 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..runtime.engine import EmbeddedEngine
+from .engine_dir import read_engine_dir
 from .llm_request import EngineLimits
-
-
-def model_param(config: dict, key: str, default: str = "") -> str:
-    """A ``config.pbtxt`` parameter's string value; ``default`` when unset, empty or an unfilled
-    ``${...}`` placeholder (as upstream's templates read them)."""
-    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
-    return default if not value or (value.startswith("$" + "{") and value.endswith("}")) else value
-
-
-def model_flag(config: dict, key: str, default: bool) -> bool:
-    value = model_param(config, key, "").strip().lower()
-    return True if value in ("true", "1", "yes") else False if value in ("false", "0", "no") else default
+from .metrics import IterationRecorder, MetricWriter, RoutingMetricsPublisher, TrtLlmMetricsPublisher, next_update_wait
+from .model_params import model_flag, model_param
+from .threads import name_native_thread
 
 
 def machine_cores() -> int:
@@ -54,9 +49,6 @@ def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
     ``max_seq_len`` where the repository sets them lower. Raises ValueError when ``engine_dir`` is
     unset, and trtmoe's own errors for a bad engine directory."""
     import torch
-
-    from ..runtime.engine import EmbeddedEngine
-    from .engine_dir import read_engine_dir
 
     cores = machine_cores()
     threads = int(model_param(config, "torch_num_threads", "0") or 0)
@@ -91,8 +83,6 @@ class ServedMetrics:
     ``enable_metrics`` parameter false nothing is published (the recorder still wraps the engine)."""
 
     def __init__(self, pb_utils, engine, config: dict, model_name: str, version: str, tokens_per_block: int):
-        from .metrics import IterationRecorder, MetricWriter, RoutingMetricsPublisher, TrtLlmMetricsPublisher
-
         self.engine, self.tokens_per_block, self._log = engine, tokens_per_block, pb_utils.Logger
         self.recorder = IterationRecorder(engine)
         self.routing = self.trt = None
@@ -117,9 +107,6 @@ class ServedMetrics:
         self.stopping.set()
 
     def _loop(self, batcher) -> None:
-        from .metrics import TrtLlmMetricsPublisher, next_update_wait
-        from .threads import name_native_thread
-
         name_native_thread("trtmoe-metrics")
         wait = self.routing.min_interval_s
         while not self.stopping.wait(wait):

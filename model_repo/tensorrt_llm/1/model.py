@@ -33,9 +33,8 @@ import triton_python_backend_utils as pb_utils
 from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
 from trtmoe.triton.llm_request import RequestError, parse_requests
 from trtmoe.triton.metrics import blocks
-from trtmoe.triton.served import model_flag as _flag
-from trtmoe.triton.served import model_param as _param
-from trtmoe.triton.served import ServedMetrics
+from trtmoe.triton.model_params import model_flag as _flag
+from trtmoe.triton.model_params import model_param as _param
 from trtmoe.triton.textstream import split_at_character
 from trtmoe.triton.threads import name_native_thread
 
@@ -78,7 +77,7 @@ class TritonPythonModel:
         import torch
 
         from trtmoe.runtime.engine import SamplingParams
-        from trtmoe.triton.served import load_served_engine
+        from trtmoe.triton.served import ServedMetrics, load_served_engine
 
         self.SamplingParams = SamplingParams
         try:

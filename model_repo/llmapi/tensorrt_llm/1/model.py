@@ -47,7 +47,7 @@ import triton_python_backend_utils as pb_utils
 
 from trtmoe.triton.batcher import FINISH_CANCELLED, FINISH_ERROR, InflightBatcher
 from trtmoe.triton.metrics import blocks as kv_blocks
-from trtmoe.triton.served import ServedMetrics, load_served_engine, model_flag, model_param
+from trtmoe.triton.model_params import model_flag, model_param
 from trtmoe.triton.textstream import split_at_character
 from trtmoe.triton.threads import name_native_thread
 
@@ -92,9 +92,11 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        # torch (and what imports it) only here, as in the default layout's model.
         from tokenizers import Tokenizer
 
         from trtmoe.runtime.engine import SamplingParams
+        from trtmoe.triton.served import ServedMetrics, load_served_engine
 
         self.SamplingParams = SamplingParams
         try:
