@@ -179,7 +179,10 @@ def test_llmapi_layout_refuses_tensorrt_llm_engines_and_unknown_layouts(engine_d
         generate_repository(trt, tmp_path / "repo", layout="llmapi", tokenizer_dir=FIXTURE)
     with pytest.raises(InputError, match="layout must be one of inflight, llmapi"):
         generate_repository(engine_dir, tmp_path / "repo2", layout="bls")
-    assert not (tmp_path / "repo").exists() and not (tmp_path / "repo2").exists()
+    with pytest.raises(InputError, match="bls_instance_count, exclude_input_in_output do.es. not apply"):
+        generate_repository(engine_dir, tmp_path / "repo3", layout="llmapi", bls_instance_count=2,
+                            exclude_input_in_output=True)
+    assert not any((tmp_path / n).exists() for n in ("repo", "repo2", "repo3"))
 
 
 # -- served, not decoupled (unary ModelInfer and HTTP /generate) -------------------------------------

@@ -601,6 +601,16 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     if llmapi and info.backend != EMBEDDED:
         raise InputError("the llmapi layout serves the embedded engine; a TensorRT-LLM engine is served by the "
                          "default layout (the tensorrtllm backend behind the ensemble)", where=str(info.path))
+    if llmapi:
+        unused = [name for name, value, default in (
+            ("preprocessing_instance_count", preprocessing_instance_count, 1),
+            ("postprocessing_instance_count", postprocessing_instance_count, 1),
+            ("bls_instance_count", bls_instance_count, 1), ("exclude_input_in_output", exclude_input_in_output, False),
+            ("max_queue_delay_microseconds", max_queue_delay_microseconds, 0)) if value != default]
+        if unused:
+            raise InputError(f"{', '.join(unused)} do(es) not apply to the llmapi layout: it has no pre/post/BLS "
+                             "models, no dynamic batcher, and its text_output never holds the prompt",
+                             hint="drop them, or use the default layout")
     if llmapi and not torch_num_threads:
         # No pre/post/BLS processes; tritonserver's own threads still carry every response (one core's
         # worth kept for them, as for two Python instances).
