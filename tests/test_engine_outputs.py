@@ -185,3 +185,28 @@ def test_a_repeated_prompt_is_prefilled_once(engine, prompts):
     assert together[2].context_logits is not None and together[0].context_logits is None
     assert torch.allclose(together[2].context_logits, alone[2].context_logits, atol=1e-5)
     assert engine.kv_cache_stats()["live"] == 0
+
+
+def test_a_sequence_collected_on_another_thread_leaves_the_pool_to_the_engine(engine):
+    """A dropped sequence's finalizer runs wherever the collector runs (a server's sender or metrics
+    thread): it must not touch the pooled KV cache there, since clearing an idle pool under a running
+    forward once failed generations with "list index out of range". The engine applies the release
+    on its own thread, before its next slot or step."""
+    import gc
+    import threading
+
+    gc.collect()
+    a = engine.start([1, 5, 9], SamplingParams(max_new_tokens=8))
+    slot, pool = a.slot, engine._kv
+    a.cycle = a  # only the cyclic collector frees it
+    del a
+    collected = threading.Thread(target=gc.collect)
+    collected.start()
+    collected.join()
+    assert pool.live == 1 and pool.k, "the other thread changed the pool"
+    assert engine.kv_cache_stats()["live"] == 0  # but it is no longer counted as live
+    b = engine.start([1, 5, 10], SamplingParams(max_new_tokens=8))
+    assert b.slot == slot and pool.live == 1  # released on the engine's thread, and reused
+    while not b.finished:
+        engine.step([b])
+    assert pool.live == 0 and pool.k == []

@@ -20,6 +20,7 @@ import heapq
 import math
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -175,7 +176,11 @@ class _KVPool:
     capacity]`` rows, one row per sequence and head).
 
     A sequence holds one slot from its prefill until it finishes (or is garbage-collected, e.g. when
-    a cancelled request is dropped). Both dimensions grow on demand (existing rows are copied over),
+    a cancelled request is dropped). A collected sequence's finalizer runs on whichever thread the
+    collector ran in (a server's sender or metrics thread, say), so ``release`` only queues the slot;
+    the engine's own thread applies the queue (``drain``) before it takes a slot or runs a step.
+    Applied off-thread, an idle pool's clearing once emptied the cache lists under a running
+    forward ("list index out of range"). Both dimensions grow on demand (existing rows are copied over),
     so the pool holds at most (active sequences, rounded up to a power of two) x (the longest
     prompt + max_new_tokens seen since the engine was last idle); it is freed when no sequence is
     live. The lowest free slot is reused first, so a steady batch keeps to a contiguous block of
@@ -192,6 +197,7 @@ class _KVPool:
         self.capacity = 0
         self._free: list[int] = []
         self.live = 0
+        self._released: deque[int] = deque()  # slots released from any thread, applied by drain()
 
     def _resize(self, slots: int, capacity: int) -> None:
         shape = (slots, self.nkv, capacity, self.hd)
@@ -210,7 +216,8 @@ class _KVPool:
         self.slots, self.capacity = slots, capacity
 
     def acquire(self, need: int) -> int:
-        """A free slot able to hold ``need`` tokens."""
+        """A free slot able to hold ``need`` tokens (the engine's thread)."""
+        self.drain()
         slots, cap = self.slots, self.capacity
         if need > cap:
             # Doubling amortizes growth, but never reserve more than 4x what was asked for.
@@ -223,9 +230,17 @@ class _KVPool:
         return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
-        heapq.heappush(self._free, slot)
-        self.live -= 1
-        if self.live == 0:  # idle: give the memory back rather than keep a burst's peak
+        """Give ``slot`` back; any thread (see the class docstring). Takes effect at the next ``drain``."""
+        self._released.append(slot)
+
+    def drain(self) -> None:
+        """Apply the queued releases (the engine's thread)."""
+        released = False
+        while self._released:
+            heapq.heappush(self._free, self._released.popleft())
+            self.live -= 1
+            released = True
+        if released and self.live == 0:  # idle: give the memory back rather than keep a burst's peak
             self.k.clear()
             self.v.clear()
             self._free.clear()
@@ -820,17 +835,18 @@ class EmbeddedEngine:
         return self._forward(torch.zeros(B, T, dtype=torch.long, device=self.device), pos, None,
                              start_layer=layer, hidden=hidden.to(self.device))
 
-    @staticmethod
-    def trim_memory() -> bool:
+    def trim_memory(self) -> bool:
         """Give the memory freed since the engine last ran back to the system (CPU engines hold it
-        for reuse while they are busy; see ``trtmoe.runtime.alloc``). The serving loop calls this
-        once the engine has been idle a while; True when something was returned."""
+        for reuse while they are busy; see ``trtmoe.runtime.alloc``), the KV cache of sequences
+        collected since included. The serving loop calls this, on the engine's thread, once the
+        engine has been idle a while; True when something was returned."""
+        self._kv.drain()
         return give_back_freed_memory()
 
     def kv_cache_stats(self) -> dict[str, int]:
         """The pooled KV cache now: rows allocated, rows held by live sequences, tokens per row."""
         pool = self._kv
-        return {"slots": pool.slots, "live": pool.live, "capacity": pool.capacity}
+        return {"slots": pool.slots, "live": pool.live - len(pool._released), "capacity": pool.capacity}
 
     def logits_with_grad(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The full causal forward of ``logits``, recorded by autograd from the embedding output on
@@ -851,12 +867,12 @@ class EmbeddedEngine:
         # Freed when the sequence finishes, or when it is dropped unfinished (cancelled request).
         s._release = weakref.finalize(s, pool.release, slot)
 
-    @staticmethod
-    def _free_cache(s: Sequence) -> None:
+    def _free_cache(self, s: Sequence) -> None:
         if s._release is not None:
             s._release()  # a finalize object runs once
             s._release = None
             s.slot = -1
+            self._kv.drain()
 
     def _process(self, s: Sequence, logits: torch.Tensor) -> torch.Tensor:
         """The per-row logit steps of SamplingParams (bias, temperature, penalties, min_tokens,
@@ -1033,6 +1049,7 @@ class EmbeddedEngine:
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[int]:
         """One batched decode step for each unfinished sequence; returns the new token of each."""
+        self._kv.drain()  # slots of sequences collected on other threads since the last step
         live = [s for s in seqs if not s.finished]
         if not live:
             return []
