@@ -95,14 +95,28 @@ def is_decoupled(client, model: str, _seen: set[str] | None = None) -> bool:
     return False
 
 
+_TRITON_DTYPES = {np.dtype(object): "BYTES", np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32",
+                  np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64", np.dtype(np.int64): "INT64"}
+
+
+def _infer_inputs(arrays: dict[str, np.ndarray]) -> list:
+    """tritonclient InferInputs holding ``arrays`` (name -> array), in that order."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, arr in arrays.items():
+        t = grpcclient.InferInput(name, list(arr.shape), _TRITON_DTYPES[arr.dtype])
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    return inputs
+
+
 def build_inputs(prompt: str, *, max_tokens: int, stream: bool, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stop_words: list[str] | None = None, exclude_input_in_output: bool | None = None,
                  end_id: int | None = None, beam_width: int | None = None,
                  extra: dict[str, np.ndarray] | None = None) -> list:
     """The ensemble's input tensors for one prompt (batch of 1)."""
-    import tritonclient.grpc as grpcclient
-
     arrays: dict[str, np.ndarray] = {
         "text_input": np.array([[prompt.encode("utf-8")]], dtype=object),
         "max_tokens": np.array([[max_tokens]], dtype=np.int32),
@@ -125,14 +139,7 @@ def build_inputs(prompt: str, *, max_tokens: int, stream: bool, temperature: flo
     if beam_width is not None and beam_width != 1:
         arrays["beam_width"] = np.array([[beam_width]], dtype=np.int32)
     arrays.update(extra or {})
-    dtypes = {np.dtype(object): "BYTES", np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32",
-              np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64", np.dtype(np.int64): "INT64"}
-    inputs = []
-    for name, arr in arrays.items():
-        t = grpcclient.InferInput(name, list(arr.shape), dtypes[arr.dtype])
-        t.set_data_from_numpy(arr)
-        inputs.append(t)
-    return inputs
+    return _infer_inputs(arrays)
 
 
 def is_llmapi(client, model: str) -> bool:
@@ -151,8 +158,6 @@ def build_llmapi_inputs(prompt: str, *, max_tokens: int, stream: bool, temperatu
     """The llmapi model's input tensors for one prompt (not batched: 1-D tensors). Its text never
     holds the prompt, so ``exclude_input_in_output`` False is refused, as are an end id and beams
     (the contract has no input for them)."""
-    import tritonclient.grpc as grpcclient
-
     if exclude_input_in_output is False:
         raise InputError("the llmapi model returns the completion alone", hint="drop --include-input")
     if end_id is not None or (beam_width or 1) != 1:
@@ -170,14 +175,7 @@ def build_llmapi_inputs(prompt: str, *, max_tokens: int, stream: bool, temperatu
     if stop_words:
         arrays["sampling_param_stop"] = np.array([w.encode("utf-8") for w in stop_words], dtype=object)
     arrays.update(extra or {})
-    dtypes = {np.dtype(object): "BYTES", np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32",
-              np.dtype(np.float32): "FP32", np.dtype(np.uint64): "UINT64", np.dtype(np.int64): "INT64"}
-    inputs = []
-    for name, arr in arrays.items():
-        t = grpcclient.InferInput(name, list(arr.shape), dtypes[arr.dtype])
-        t.set_data_from_numpy(arr)
-        inputs.append(t)
-    return inputs
+    return _infer_inputs(arrays)
 
 
 def _text(result) -> str:
