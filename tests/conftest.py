@@ -167,3 +167,23 @@ def request_getter(**tensors):
             "request_output_len": np.array([[4]], np.int32)}
     base.update(tensors)
     return lambda name: base.get(name)
+
+
+def routed_tokens_per_layer(metrics_url: str, before: dict, expected: int, timeout_s: float = 10.0) -> dict:
+    """Routed-token counts per MoE layer added since ``before`` (a ``routed_token_table``), read from a
+    served model's metrics until every layer shows ``expected`` (they are published every 0.5 s) or
+    ``timeout_s`` passes; the last reading either way."""
+    import time
+
+    from trtmoe.triton.metrics import routed_token_table, scrape
+
+    per_layer: dict = {}
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        after = routed_token_table(scrape(metrics_url))
+        per_layer = {li: sum(v - before.get((li, e), 0) for (l2, e), v in after.items() if l2 == li)
+                     for li in {k[0] for k in after}}
+        if per_layer and all(v == expected for v in per_layer.values()):
+            break
+        time.sleep(0.3)
+    return per_layer

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import routed_tokens_per_layer
 
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
@@ -319,15 +320,7 @@ def test_metrics_count_every_routed_token(unary):
     generated = ref.tokens(prompt, n)
     _infer(unary["url"], _inputs(prompt, n))
     expected = (len(ref.tok.encode(prompt).ids) + len(generated) - 1) * 2
-    per_layer: dict = {}
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        after = routed_token_table(scrape(metrics_url))
-        per_layer = {li: sum(v - before.get((li, e), 0) for (l2, e), v in after.items() if l2 == li)
-                     for li in {k[0] for k in after}}
-        if per_layer and all(v == expected for v in per_layer.values()):
-            break
-        time.sleep(0.3)
+    per_layer = routed_tokens_per_layer(metrics_url, before, expected)
     assert len(per_layer) == ref.engine.num_layers and all(v == expected for v in per_layer.values()), per_layer
     m = scrape(metrics_url)
     assert "nv_trt_llm_request_metrics" in m and "nv_trt_llm_kv_cache_block_metrics" in m

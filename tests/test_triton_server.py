@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import start_serve_command
+from conftest import routed_tokens_per_layer, start_serve_command
 
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
@@ -253,15 +253,8 @@ def test_metrics_count_every_routed_token(served):
     prompt, n = PROMPTS[5], 16
     generated = ref.tokens(prompt, n)
     generate(served["url"], prompt, max_tokens=n)
-    deadline = time.time() + 10
     expected = (len(ref.ids(prompt)) + len(generated) - 1) * 2  # tokens through each MoE layer x top-k
-    while time.time() < deadline:
-        after = routed_token_table(scrape(metrics_url))
-        per_layer = {l: sum(v - before.get((l, e), 0) for (l2, e), v in after.items() if l2 == l)
-                     for l in {k[0] for k in after}}
-        if per_layer and all(v == expected for v in per_layer.values()):
-            break
-        time.sleep(0.3)
+    per_layer = routed_tokens_per_layer(metrics_url, before, expected)
     assert len(per_layer) == ref.engine.num_layers and all(v == expected for v in per_layer.values()), per_layer
     m = scrape(metrics_url)
     ent = [v for _, v in m["trtmoe_router_entropy_nats"]]
