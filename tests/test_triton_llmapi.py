@@ -153,7 +153,7 @@ def _text(res) -> str:
 # -- the repository ---------------------------------------------------------------------------------
 def test_llmapi_repository_holds_one_model(engine_dir, tmp_path):
     r = generate_repository(engine_dir, tmp_path / "repo", layout="llmapi")
-    assert r.models == ["tensorrt_llm"]
+    assert r.models == ["tensorrt_llm"] and r.layout == "llmapi"
     assert sorted(p.name for p in r.path.iterdir()) == ["tensorrt_llm", "trtmoe_repository.json"]
     assert (r.tokenizer_dir / "tokenizer.json").is_file() and r.tokenizer_dir.parent.name == "tensorrt_llm"
     cfg = validate_repository(r.path)["tensorrt_llm"]

@@ -65,7 +65,7 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
     click.echo(f"  engine         {e.path} ({'embedded' if e.backend == 'embedded' else 'TensorRT-LLM'}, {e.architecture})"
                + (f"; served from {s.engine_path}" if s.engine_path else ""))
     click.echo(f"  models         {', '.join(r.models)}")
-    llmapi = r.models == ["tensorrt_llm"]
+    llmapi = r.layout == "llmapi"
     batch = (f"{s.max_batch_size} sequences decoded together (one prompt per request)" if llmapi
              else f"{s.max_batch_size} (engine {e.max_batch_size})")
     click.echo(f"  max_batch_size {batch}; max_input_len {s.max_input_len}; max_seq_len {s.max_seq_len}; "

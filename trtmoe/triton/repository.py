@@ -130,6 +130,7 @@ class RepositoryResult:
     launch_world_size: int
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     warnings: list[str] = field(default_factory=list)
+    layout: str = "inflight"  # one of LAYOUTS
 
 
 def _contradiction(field_name: str, requested: Any, engine_value: Any, cfg: Path, why: str) -> InputError:
@@ -611,10 +612,10 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
             raise InputError(f"{', '.join(unused)} do(es) not apply to the llmapi layout: it has no pre/post/BLS "
                              "models, no dynamic batcher, and its text_output never holds the prompt",
                              hint="drop them, or use the default layout")
-    if llmapi and not torch_num_threads:
-        # No pre/post/BLS processes; tritonserver's own threads still carry every response (one core's
-        # worth kept for them, as for two Python instances).
-        torch_num_threads = default_torch_threads(2)
+        if not torch_num_threads:
+            # No pre/post/BLS processes; tritonserver's own threads still carry every response (one
+            # core's worth kept for them, as for two Python instances).
+            torch_num_threads = default_torch_threads(2)
     settings = resolve_settings(
         info, max_batch_size=max_batch_size, max_beam_width=max_beam_width, max_input_len=max_input_len,
         max_seq_len=max_seq_len, world_size=world_size, streaming=streaming,
@@ -675,7 +676,7 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                        tokenizer_source=os.path.relpath(tok_src, out), warnings=warnings)
     return RepositoryResult(path=out, engine=info, settings=settings, models=list(models),
                             tokenizer_dir=out / tok_sub, launch_world_size=info.launch_world_size,
-                            files=files, warnings=warnings)
+                            files=files, warnings=warnings, layout=layout)
 
 
 def validate_repository(repo: str | Path) -> dict[str, Any]:

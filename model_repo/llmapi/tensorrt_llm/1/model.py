@@ -80,9 +80,9 @@ class _Generation:
     """One request being answered."""
 
     def __init__(self, sender, request_id: str, prompt: list[int], streaming: bool, stops: list[str],
-                 outputs: dict, arrival_ns: int, tokens_per_block: int):
+                 outputs: dict):
         self.sender, self.request_id, self.prompt, self.streaming = sender, request_id, prompt, streaming
-        self.stops, self.outputs, self.arrival_ns, self.tokens_per_block = stops, outputs, arrival_ns, tokens_per_block
+        self.stops, self.outputs = stops, outputs
         self.sent_chars = 0  # length of the text the latest streamed response carried
         self.stop_hit: tuple[str, int] | None = None  # (stop string, where the text ends) once one appeared
         self.answered = False  # its final response is queued
@@ -208,8 +208,7 @@ class TritonPythonModel:
         outputs = {name: bool(_scalar(arrays, name)) for name in
                    ("return_finish_reason", "return_stop_reason", "return_cumulative_logprob",
                     "sampling_param_return_perf_metrics", "return_num_output_tokens")}
-        gen = _Generation(sender, request.request_id(), prompt, streaming, stops, outputs, time.monotonic_ns(),
-                          int(self.info.tokens_per_block))
+        gen = _Generation(sender, request.request_id(), prompt, streaming, stops, outputs)
         self.batcher.submit(prompt, params, lambda ev: self._on_event(gen, ev), request_id=request.request_id(),
                             is_cancelled=getattr(sender, "is_cancelled", None))
 
@@ -306,15 +305,15 @@ class TritonPythonModel:
         off = self.clock_offset_ns
         # The KV-cache row reserved for the sequence at admission, in blocks (the pool shares no prefixes).
         reserved = getattr(req.seq, "kv_capacity", 0) or len(gen.prompt) + len(req.tokens)
-        blocks = kv_blocks(reserved, gen.tokens_per_block)
+        blocks = kv_blocks(reserved, int(self.info.tokens_per_block))
 
         def one(name, value, dtype):
             return pb_utils.Tensor(name, np.array([value], dtype=dtype))
 
-        return [one("arrival_time_ns", gen.arrival_ns + off, np.int64),
-                one("first_scheduled_time_ns", (req.first_scheduled_ns or gen.arrival_ns) + off, np.int64),
-                one("first_token_time_ns", (req.first_token_ns or gen.arrival_ns) + off, np.int64),
-                one("last_token_time_ns", (req.last_token_ns or gen.arrival_ns) + off, np.int64),
+        return [one("arrival_time_ns", req.arrival_ns + off, np.int64),
+                one("first_scheduled_time_ns", (req.first_scheduled_ns or req.arrival_ns) + off, np.int64),
+                one("first_token_time_ns", (req.first_token_ns or req.arrival_ns) + off, np.int64),
+                one("last_token_time_ns", (req.last_token_ns or req.arrival_ns) + off, np.int64),
                 one("kv_cache_reused_block", 0, np.int32), one("kv_cache_missed_block", blocks, np.int32),
                 one("kv_cache_alloc_new_blocks", blocks, np.int32),
                 one("kv_cache_alloc_total_blocks", blocks, np.int32),
