@@ -48,7 +48,7 @@ import triton_python_backend_utils as pb_utils
 from trtmoe.triton.batcher import FINISH_CANCELLED, FINISH_ERROR, InflightBatcher
 from trtmoe.triton.metrics import blocks as kv_blocks
 from trtmoe.triton.model_params import model_flag, model_param
-from trtmoe.triton.textstream import split_at_character
+from trtmoe.triton.textstream import IncrementalText, windows_decode_exactly
 from trtmoe.triton.threads import name_native_thread
 
 DEFAULT_MAX_TOKENS = 32  # the LLM API's SamplingParams default
@@ -80,9 +80,10 @@ class _Generation:
     """One request being answered."""
 
     def __init__(self, sender, request_id: str, prompt: list[int], streaming: bool, stops: list[str],
-                 outputs: dict):
+                 outputs: dict, text: IncrementalText):
         self.sender, self.request_id, self.prompt, self.streaming = sender, request_id, prompt, streaming
         self.stops, self.outputs = stops, outputs
+        self.text = text  # the generated text so far, decoded a window per response
         self.sent_chars = 0  # length of the text the latest streamed response carried
         self.stop_hit: tuple[str, int] | None = None  # (stop string, where the text ends) once one appeared
         self.answered = False  # its final response is queued
@@ -109,6 +110,7 @@ class TritonPythonModel:
         self.add_special_tokens = model_flag(config, "add_special_tokens", True)
         skip = model_flag(config, "skip_special_tokens", True)
         self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)
+        self.windowed_text = windows_decode_exactly(self.tokenizer)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.stopped: set[str] = set()  # request ids a `stop` request ended (they answer with their text)
         self.outbox: deque = deque()  # (sender, response or None, flags), sent in order by the sender thread
@@ -208,7 +210,8 @@ class TritonPythonModel:
         outputs = {name: bool(_scalar(arrays, name)) for name in
                    ("return_finish_reason", "return_stop_reason", "return_cumulative_logprob",
                     "sampling_param_return_perf_metrics", "return_num_output_tokens")}
-        gen = _Generation(sender, request.request_id(), prompt, streaming, stops, outputs)
+        gen = _Generation(sender, request.request_id(), prompt, streaming, stops, outputs,
+                          IncrementalText(self.decode, self.windowed_text))
         self.batcher.submit(prompt, params, lambda ev: self._on_event(gen, ev), request_id=request.request_id(),
                             is_cancelled=getattr(sender, "is_cancelled", None))
 
@@ -231,10 +234,7 @@ class TritonPythonModel:
     def _text(self, gen: _Generation, tokens: list[int], final: bool) -> str:
         """The text so far: cut before a stop string (the first to appear, as the LLM API cuts it),
         and never ending inside a character while more may come."""
-        ids = list(tokens)
-        if not final and gen.stop_hit is None:
-            ids, _ = split_at_character(self.decode, ids)
-        text = self.decode(ids)
+        text = gen.text.update(tokens, final or gen.stop_hit is not None)
         if gen.stops and gen.stop_hit is None:
             hits = [(i, s) for s in gen.stops for i in [text.find(s)] if i >= 0]
             if hits:
