@@ -187,3 +187,29 @@ def routed_tokens_per_layer(metrics_url: str, before: dict, expected: int, timeo
             break
         time.sleep(0.3)
     return per_layer
+
+
+def thread_affinities(pid: int) -> dict[str, list[int]]:
+    """Every thread of process ``pid``: "name:tid" -> the cores it may run on (``--decode-cores`` tests)."""
+    import os
+
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            out[f"{name}:{tid}"] = sorted(os.sched_getaffinity(int(tid)))
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+    return out
+
+
+def assert_decode_thread_alone(server, decode: list[int], rest: list[int]) -> None:
+    """A served embedded model's decode thread (``trtmoe-decode``) is the only thread on ``decode``; every
+    other thread of every backend process, and of tritonserver, is on ``rest``."""
+    on_decode = []
+    for pid in server.stubs:
+        threads = thread_affinities(pid)
+        on_decode += [n.split(":")[0] for n, c in threads.items() if c == decode]
+        assert all(c == rest for n, c in threads.items() if not n.startswith("trtmoe-decode")), threads
+    assert on_decode == ["trtmoe-decode"], {pid: thread_affinities(pid) for pid in server.stubs}
+    assert all(c == rest for c in thread_affinities(server.process.pid).values())

@@ -8,6 +8,7 @@ tensor of one prompt, `sampling_param_max_tokens` [1], `stop` [1] with the reque
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import routed_tokens_per_layer
+from conftest import assert_decode_thread_alone, routed_tokens_per_layer, thread_affinities
 
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
@@ -27,6 +28,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.errors import InputError  # noqa: E402
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
+from trtmoe.triton.cpu_binding import format_cores  # noqa: E402
 from trtmoe.triton.repository import LLMAPI_CONTRACT, generate_repository, validate_repository  # noqa: E402
 from trtmoe.triton.serve import serve_repository  # noqa: E402
 
@@ -347,3 +349,39 @@ def test_generate_client_speaks_the_llmapi_contract(unary, streaming):
     out = CliRunner().invoke(main, ["generate", "import os\n", "-n", "16", "--url", streaming["url"]])
     assert out.exit_code == 0, out.output
     assert out.output.startswith(want)
+
+
+# -- decode cores -----------------------------------------------------------------------------------
+def _bound_server(engine_dir, root: Path, decode_cores: str):
+    repo = generate_repository(engine_dir, root / "repo", layout="llmapi", streaming=True, torch_num_threads=1,
+                               decode_cores=decode_cores)
+    return serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="binding the decode thread needs Linux and at least 2 usable cores")
+def test_decode_cores_keep_the_decode_thread_alone(engine_dir, tmp_path, unary):
+    cores = sorted(os.sched_getaffinity(0))
+    server = _bound_server(engine_dir, tmp_path, "auto")
+    try:
+        decode, rest = cores[-1:], cores[:-1]  # auto, one torch thread: the last core
+        assert server.binding == (f"decode thread on cores {format_cores(decode)}, tritonserver and its other "
+                                  f"threads on {format_cores(rest)}")
+        want = unary["ref"].text("def main(", 24)
+        out, err = _stream(server.endpoints.grpc, _inputs("def main(", 24, streaming=(True, "BOOL")))
+        assert err is None and _text(out[-1]) == want
+        assert len(server.stubs) == 1
+        assert_decode_thread_alone(server, decode, rest)
+    finally:
+        server.stop()
+    # Cores the machine does not have: the model says so in the log and serves unbound.
+    server = _bound_server(engine_dir, tmp_path / "missing", "4000-4001")
+    try:
+        assert server.binding.startswith("decode_cores not applied: ") and "not available" in server.binding
+        out, err = _stream(server.endpoints.grpc, _inputs("def main(", 24, streaming=(True, "BOOL")))
+        assert err is None and _text(out[-1]) == unary["ref"].text("def main(", 24)
+        threads = thread_affinities(list(server.stubs)[0])
+        assert [c for n, c in threads.items() if n.startswith("trtmoe-decode")] == [cores]
+        assert "decode_cores not applied" in server.log_path.read_text()
+    finally:
+        server.stop()

@@ -18,6 +18,7 @@ from trtmoe.errors import InputError, TrtmoeError
 from trtmoe.parallel.mapping import Mapping
 from trtmoe.runtime.checkpoint_reader import load_config
 from trtmoe.triton import commands
+from trtmoe.triton.cpu_binding import format_cores
 from trtmoe.triton.engine_dir import EMBEDDED, TENSORRT_LLM, read_engine_dir
 from trtmoe.triton.repository import (MANIFEST, MODELS, TOKENIZER_SUBDIR, check_repository_configs, fill_template,
                                       generate_repository, parse_model_config, templates_dir, validate_repository)
@@ -555,3 +556,50 @@ def test_gather_flags_from_build_to_engine_info(setup, tmp_path):
     assert not plain.gather_context_logits and not plain.gather_generation_logits
     trt = read_engine_dir(write_trt_engine(tmp_path / "trt", setup["ckpt"], gather_all_token_logits=True))
     assert trt.gather_context_logits and trt.gather_generation_logits
+
+
+def test_decode_cores_setting(setup, tmp_path):
+    out = _run_repo([str(setup["engine"]), "-o", str(tmp_path / "auto"), "--tokenizer", str(setup["tok"]),
+                     "--decode-cores", "auto", "--torch-threads", "1"])
+    assert out.exit_code == 0, out.output
+    assert "decode cores   auto" in out.output
+    params = validate_repository(tmp_path / "auto")["tensorrt_llm"].parameters
+    assert params["decode_cores"].string_value == "auto"
+    assert json.loads((tmp_path / "auto" / MANIFEST).read_text())["settings"]["decode_cores"] == "auto"
+    pytest.importorskip("pytriton")
+    from trtmoe.cli import main
+    from trtmoe.triton.cpu_binding import allowed_cores, plan
+
+    # The launch command says where serve would start the server and which cores it leaves the model.
+    shown = CliRunner().invoke(main, ["serve", str(tmp_path / "auto"), "--print-command"])
+    assert shown.exit_code == 0, shown.output
+    bound = plan("auto", 1, allowed_cores())
+    if isinstance(bound, tuple):
+        assert f"TRTMOE_DECODE_CORES={format_cores(bound[0])}\ntaskset -c {format_cores(bound[1])} " in shown.output
+    else:
+        assert "decode_cores not applied" in shown.output and "taskset" not in shown.output
+    # A list: one torch thread per core unless told otherwise, and written in its shortest form.
+    r = generate_repository(setup["engine"], tmp_path / "list", tokenizer_dir=setup["tok"], decode_cores="3,1-2")
+    assert (r.settings.decode_cores, r.settings.torch_num_threads) == ("1-3", 3)
+    params = validate_repository(tmp_path / "list")["tensorrt_llm"].parameters
+    assert (params["decode_cores"].string_value, params["torch_num_threads"].string_value) == ("1-3", "3")
+    r = generate_repository(setup["engine"], tmp_path / "none", tokenizer_dir=setup["tok"])
+    assert r.settings.decode_cores is None
+    assert validate_repository(tmp_path / "none")["tensorrt_llm"].parameters["decode_cores"].string_value == "none"
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(decode_cores="1-x"), ("decode_cores", "'1-x'")),
+    (dict(decode_cores="2", torch_num_threads=2), ("torch_num_threads 2", "1 decode core")),
+])
+def test_bad_decode_cores_are_refused(setup, tmp_path, kwargs, words):
+    with pytest.raises(InputError) as e:
+        generate_repository(setup["engine"], tmp_path / "repo", tokenizer_dir=setup["tok"], **kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert not (tmp_path / "repo").exists()
+
+
+def test_decode_cores_are_for_the_embedded_engine(setup, tmp_path):
+    eng = write_trt_engine(setup["root"] / "trt-cores", setup["ckpt"])
+    with pytest.raises(InputError, match="embedded engine only"):
+        generate_repository(eng, tmp_path / "repo", tokenizer_dir=setup["tok"], decode_cores="auto")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import routed_tokens_per_layer, start_serve_command
+from conftest import assert_decode_thread_alone, routed_tokens_per_layer, start_serve_command
 
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
@@ -94,14 +94,24 @@ def served(tmp_path_factory):
     build = {**BUILD, "gather_context_logits": True, "gather_generation_logits": True, "max_beam_width": 2,
              "max_seq_len": SERVED_MAX_SEQ_LEN}
     (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt", "build_config": build}))
-    # The streaming (decoupled) repository; tests/test_triton_contract.py serves the default one.
-    repo = generate_repository(engine, root / "repo", torch_num_threads=1, streaming=True)
+    # The streaming (decoupled) repository, its decode thread on a core of its own (where the machine
+    # has two: else it is served unbound); tests/test_triton_contract.py serves the default one.
+    repo = generate_repository(engine, root / "repo", torch_num_threads=1, streaming=True, decode_cores="auto")
     server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
     try:
         yield {"server": server, "url": server.endpoints.grpc, "ref": Reference(ckpt, repo.tokenizer_dir),
                "repo": repo}
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="binding the decode thread needs Linux and at least 2 usable cores")
+def test_decode_cores_auto_keeps_the_ensembles_decode_thread_alone(served):
+    cores = sorted(os.sched_getaffinity(0))
+    assert served["server"].binding.startswith(f"decode thread on cores {cores[-1]},")
+    assert_decode_thread_alone(served["server"], cores[-1:], cores[:-1])
+    assert generate(served["url"], "def main(", max_tokens=24).text == served["ref"].text("def main(", 24)
 
 
 def stream_call(url: str, model: str, inputs: list, timeout: float = 60.0) -> tuple[list, Exception | None]:

@@ -159,6 +159,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                  help="Embedded engine torch intra-op threads; 0 = this machine's cores less one "
                                       "per two pre/post/BLS instances (at least 1). Written to config.pbtxt; "
                                       "capped at the serving machine's cores."),
+        "decode_cores": Key(str, None, nullable=True, metavar="auto|none|LIST",
+                            help="Embedded engine: keep its decode thread on cores of its own (auto: the last "
+                                 "--torch-threads cores; or a list such as 2-7) and every other thread of the "
+                                 "server on the rest, so that no frontend, sender or client thread takes the "
+                                 "decode core for a scheduler slice between two tokens. `trtmoe serve` starts "
+                                 "tritonserver on the rest; on a machine that cannot meet it, serving goes on "
+                                 "unbound with a warning in the log.", shown_default="none"),
         "stream_interval": Key(int, None, nullable=True, minimum=0,
                                help="Embedded engine: a streamed response every N tokens (the first and last at "
                                     "once). 1 = every token; 0 = auto: every token up to 4 active streams, then "

@@ -49,6 +49,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .cpu_binding import bind_this_thread
 from .threads import name_native_thread
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ class InflightBatcher:
     ``remember=True`` are kept for requests that arrive after their cancel.
     ``trim_after_idle_s``: idle time after which the engine's ``trim_memory()`` is called (once per
     idle period; None never).
+    ``cpu_cores``: cores the batcher thread moves itself to when it starts (see
+    ``trtmoe.triton.cpu_binding``); None leaves it where it is.
     """
 
     def __init__(self, engine: Any, *, max_batch_size: int, max_waiting: int = 0,
@@ -150,13 +153,15 @@ class InflightBatcher:
                  on_flush: Callable[[], None] | None = None,
                  max_prefill_tokens: int = 1024, name: str = "trtmoe-inflight-batcher",
                  min_cancel_check_period_s: float = 0.005, remember_cancel_s: float = 600.0,
-                 max_remembered_cancels: int = 16384, trim_after_idle_s: float | None = 2.0):
+                 max_remembered_cancels: int = 16384, trim_after_idle_s: float | None = 2.0,
+                 cpu_cores: set[int] | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if stream_interval < 0:
             raise ValueError(f"stream_interval must be >= 0 (0 = auto), got {stream_interval}")
         if responses_per_step < 1:
             raise ValueError(f"responses_per_step must be >= 1, got {responses_per_step}")
+        self.cpu_cores = cpu_cores
         self.stream_interval = stream_interval
         self.responses_per_step = responses_per_step
         self.on_flush = on_flush
@@ -510,6 +515,11 @@ class InflightBatcher:
 
     def _run(self) -> None:
         name_native_thread("trtmoe-decode")
+        if self.cpu_cores:  # before the first torch op, so the intra-op workers it starts inherit them
+            try:
+                bind_this_thread(self.cpu_cores)
+            except OSError as e:
+                log.warning("could not move the decode thread to cores %s: %s", sorted(self.cpu_cores), e)
         next_idle_cb = 0.0
         while True:
             with self._cv:

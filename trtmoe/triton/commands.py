@@ -80,6 +80,9 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
                    "outputs (per request: exclude_input_in_output)")
     if e.backend == "embedded":
         click.echo(f"  torch threads  {s.torch_num_threads}")
+        if s.decode_cores:
+            click.echo(f"  decode cores   {s.decode_cores} (the decode thread alone there; every other thread on "
+                       "the rest)")
     click.echo(f"  tokenizer      {r.tokenizer_dir}")
     for w in r.warnings:
         click.echo(f"  warning: {w}", err=True)
@@ -109,7 +112,8 @@ def serve_command(repo, config_path, log_file, print_command, **options):
       trtmoe serve repo/ -c build_configs/tiny-cpu.yaml
       trtmoe generate "def main(" --url 127.0.0.1:8001
     """
-    from .serve import (Endpoints, build_launch_command, find_tritonserver, read_repository_manifest,
+    from . import cpu_binding
+    from .serve import (Endpoints, build_launch_command, decode_binding, find_tritonserver, read_repository_manifest,
                         run_until_signalled, serve_repository, server_environment)
 
     o = cfgmod.resolve(config_path, cfgmod.from_cli(options, "serve"))["serve"]
@@ -123,7 +127,13 @@ def serve_command(repo, config_path, log_file, print_command, **options):
         cmd = build_launch_command(repo, install, endpoints=Endpoints(host, http_port, grpc_port, metrics_port),
                                    world_size=ws, backend_dir=backend_dir)
         env = server_environment(install)
-        for key in ("LD_LIBRARY_PATH", "PYTHONPATH"):
+        binding = decode_binding(Path(repo))
+        if isinstance(binding, tuple):  # as serve_repository starts it: the decode cores left to the model
+            env[cpu_binding.ENV] = cpu_binding.format_cores(binding[0])
+            cmd = ["taskset", "-c", cpu_binding.format_cores(binding[1]), *cmd]
+        elif binding is not None:
+            click.echo(f"# decode_cores not applied: {binding}", err=True)
+        for key in ("LD_LIBRARY_PATH", "PYTHONPATH", cpu_binding.ENV):
             if env.get(key):
                 click.echo(f"{key}={env[key]}")
         click.echo(" ".join(cmd))
@@ -137,6 +147,8 @@ def serve_command(repo, config_path, log_file, print_command, **options):
         ep = s.endpoints
         click.echo(f"ready: gRPC {ep.grpc}   HTTP {ep.http}   metrics {ep.metrics}")
         click.echo(f"log: {s.log_path}   (Ctrl-C to stop)")
+        if s.binding:
+            click.echo(f"cores: {s.binding}", err=not s.cpu_cores)
         click.echo(f'try: trtmoe generate "def main(" --url {ep.grpc}')
         sys.stdout.flush()
 

@@ -52,6 +52,8 @@ from ..checkpoint.manifest import REPOSITORY_MANIFEST, write_manifest
 from ..errors import BackendUnavailable, InputError, TrtmoeError
 from ..hf.hashing import sha256_file
 from . import cancel_channel
+from .cpu_binding import AUTO as AUTO_CORES
+from .cpu_binding import format_cores, parse_cores
 from .engine_dir import EMBEDDED, TENSORRT_LLM, EngineInfo, read_engine_dir
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -110,6 +112,7 @@ class RepoSettings:
     kv_cache_free_gpu_mem_fraction: float | None = None
     device: str = "auto"
     torch_num_threads: int = 0  # embedded engine; resolved from the cores when not given
+    decode_cores: str | None = None  # embedded engine: the decode thread's cores (trtmoe.triton.cpu_binding)
     stream_interval: int = 0  # embedded engine: tokens per streamed response, 0 = auto
     engine_path: str | None = None  # TensorRT-LLM engines: gpt_model_path where served; None = the engine's path
 
@@ -190,6 +193,18 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
     if info.backend == TENSORRT_LLM and rest.get("stream_interval") not in (None, 1):
         raise InputError("stream_interval applies to the embedded engine only; the TensorRT-LLM backend "
                          "streams every token")
+    cores = parse_cores(rest.get("decode_cores"))
+    if cores is not None and info.backend == TENSORRT_LLM:
+        raise InputError("decode_cores applies to the embedded engine only; the TensorRT-LLM backend runs its own "
+                         "threads")
+    if isinstance(cores, list):
+        if not rest.get("torch_num_threads"):
+            rest["torch_num_threads"] = len(cores)  # one intra-op thread per decode core
+        elif rest["torch_num_threads"] > len(cores):
+            raise InputError(f"torch_num_threads {rest['torch_num_threads']} is more than the {len(cores)} decode "
+                             f"core(s) {format_cores(cores)}: the threads would take turns on them",
+                             hint="give as many cores as threads, or fewer threads")
+    rest["decode_cores"] = None if cores is None else (cores if cores == AUTO_CORES else format_cores(cores))
     engine_path = rest.get("engine_path")
     if engine_path is not None and info.backend == EMBEDDED:
         raise InputError("engine_path applies to TensorRT-LLM engines only; an embedded repository refers to its "
@@ -256,6 +271,7 @@ def backend_parameters(info: EngineInfo, s: RepoSettings, repo: Path | None = No
     """The ``tensorrt_llm`` model's parameters for its backend."""
     if info.backend == EMBEDDED:
         return {"engine_dir": _engine_ref(info, s, repo), "device": s.device, "torch_num_threads": s.torch_num_threads,
+                "decode_cores": s.decode_cores or "none",
                 "max_input_len": s.max_input_len, "max_seq_len": s.max_seq_len,
                 "exclude_input_in_output": _bool(s.exclude_input_in_output), "enable_metrics": "true",
                 "metrics_interval_s": "0.5", "max_waiting_requests": s.max_queue_size,
@@ -577,7 +593,7 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                         bls_instance_count: int = 1, kv_cache_free_gpu_mem_fraction: float | None = None,
                         trust_remote_code: bool = False, add_special_tokens: bool = True,
                         skip_special_tokens: bool = True, device: str | None = None, torch_num_threads: int = 0,
-                        stream_interval: int | None = None, engine_path: str | None = None, force: bool = False,
+                        decode_cores: str | None = None, stream_interval: int | None = None, engine_path: str | None = None, force: bool = False,
                         templates: str | Path | None = None, layout: str = "inflight") -> RepositoryResult:
     """Write a Triton model repository for ``engine_dir`` at ``out_dir``.
 
@@ -586,7 +602,9 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     build_config and may not exceed it; ``max_beam_width`` and ``world_size`` must equal it.
     ``streaming`` makes tensorrt_llm/BLS (and so the ensemble) decoupled (upstream's default is not);
     ``exclude_input_in_output`` sets the default for requests that do not send it (upstream: false).
-    ``torch_num_threads`` 0: chosen from the cores (see ``default_torch_threads``). ``stream_interval``
+    ``torch_num_threads`` 0: chosen from the cores (see ``default_torch_threads``); with a ``decode_cores``
+    list, one per core. ``decode_cores`` (embedded engine): "auto", "none" or a core list for the decode
+    thread (see ``trtmoe.triton.cpu_binding``). ``stream_interval``
     (embedded engine): a streamed response every that many tokens; None/0 = auto (every token
     up to 4 active streams, then ceil(active / 4)). ``engine_path`` (TensorRT-LLM engines): the absolute
     path the engine will have where the repository is served (default: its path here).
@@ -612,7 +630,7 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
             raise InputError(f"{', '.join(unused)} do(es) not apply to the llmapi layout: it has no pre/post/BLS "
                              "models, no dynamic batcher, and its text_output never holds the prompt",
                              hint="drop them, or use the default layout")
-        if not torch_num_threads:
+        if not torch_num_threads and not isinstance(parse_cores(decode_cores), list):
             # No pre/post/BLS processes; tritonserver's own threads still carry every response (one
             # core's worth kept for them, as for two Python instances).
             torch_num_threads = default_torch_threads(2)
@@ -624,7 +642,7 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
         max_queue_size=max_queue_size, preprocessing_instance_count=preprocessing_instance_count,
         postprocessing_instance_count=postprocessing_instance_count, bls_instance_count=bls_instance_count,
         trust_remote_code=trust_remote_code, add_special_tokens=add_special_tokens,
-        skip_special_tokens=skip_special_tokens, torch_num_threads=torch_num_threads,
+        skip_special_tokens=skip_special_tokens, torch_num_threads=torch_num_threads, decode_cores=decode_cores,
         stream_interval=stream_interval, engine_path=engine_path)
     tok_src = Path(tokenizer_dir).expanduser().resolve() if tokenizer_dir else find_tokenizer(info)
     if tok_src is None:

@@ -51,6 +51,7 @@ from typing import Callable, Sequence
 from ..checkpoint.atomic import pid_alive
 from ..errors import BackendUnavailable, InputError, TrtmoeError
 from ..checkpoint.manifest import read_repository_manifest
+from . import cpu_binding
 
 PYTRITON = "pytriton"
 SYSTEM = "system"
@@ -308,6 +309,25 @@ def _preexec() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _on_cores(preexec, cores: set[int] | None):
+    """``preexec`` that also starts the child on ``cores`` (None: where the launcher may run)."""
+    if not cores:
+        return preexec
+
+    def run() -> None:
+        preexec()
+        os.sched_setaffinity(0, cores)
+    return run
+
+
+def decode_binding(repo: Path, manifest: dict | None = None) -> tuple[set[int], set[int]] | str | None:
+    """What the repository's ``decode_cores`` setting (its manifest's) means on this machine: (the decode
+    thread's cores, the cores for tritonserver and everything else), a one-line reason it cannot be
+    met here, or None when the repository asks for no binding (see ``trtmoe.triton.cpu_binding``)."""
+    settings = (manifest if manifest is not None else read_repository_manifest(repo)).get("settings") or {}
+    return cpu_binding.plan(settings.get("decode_cores"), int(settings.get("torch_num_threads") or 1))
+
+
 @dataclass
 class TritonServer:
     """A running tritonserver (use ``serve_repository`` or ``with TritonServer(...) as s``)."""
@@ -325,6 +345,8 @@ class TritonServer:
     failure: str | None = None  # why the watchdog took the server down
     stubs: dict[int, str] = field(default_factory=dict)  # backend stubs seen when the server got ready
     expected_stubs: frozenset[str] = frozenset()  # stub names of the first ready start: a restart must match
+    cpu_cores: set[int] | None = None  # where the server runs (the decode cores left out); None: anywhere
+    binding: str = ""  # the repository's decode_cores on this machine, in words ("" when it asks for none)
     _log_file: object = field(default=None, repr=False)
     _watchdog: threading.Thread | None = field(default=None, repr=False)
     _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -339,7 +361,8 @@ class TritonServer:
         # stopped as soon as that thread returns).
         main = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(self.command, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_preexec if main else _new_group,
+                                        stdin=subprocess.DEVNULL,
+                                        preexec_fn=_on_cores(_preexec if main else _new_group, self.cpu_cores),
                                         cwd=str(self.workspace))
         return self
 
@@ -624,8 +647,17 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
                                shm_prefix=f"trtmoe{os.getpid()}{uuid.uuid4().hex[:6]}r", log_verbose=log_verbose,
                                extra_args=extra_args)
     log_path = Path(log_file).absolute() if log_file else workspace / "tritonserver.log"
+    binding = decode_binding(repo, manifest)
+    rest, said = None, ""
+    if isinstance(binding, tuple):  # the model moves its decode thread to these; the server starts on the rest
+        env[cpu_binding.ENV] = cpu_binding.format_cores(binding[0])
+        rest = binding[1]
+        said = (f"decode thread on cores {env[cpu_binding.ENV]}, tritonserver and its other threads on "
+                f"{cpu_binding.format_cores(rest)}")
+    elif binding is not None:
+        said = f"decode_cores not applied: {binding}"
     srv = TritonServer(repo=repo, endpoints=endpoints, install=install, command=cmd, env=env, log_path=log_path,
-                       workspace=workspace)
+                       workspace=workspace, cpu_cores=rest, binding=said)
     srv.start()
     if wait:
         try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..runtime.engine import EmbeddedEngine
+from . import cpu_binding
 from .engine_dir import read_engine_dir
 from .llm_request import EngineLimits
 from .metrics import IterationRecorder, MetricWriter, RoutingMetricsPublisher, TrtLlmMetricsPublisher, next_update_wait
@@ -35,6 +36,8 @@ class ServedEngine:
     limits: EngineLimits
     repo_root: str
     cores: int
+    decode_cores: set[int] | None = None  # the decode thread's cores (``decode_cores``), None unbound
+    binding: str = ""  # what the binding did, or why it could not, for the model's log; "" when not asked
 
     def resolve(self, path: str) -> str:
         """A path parameter: absolute as given, else relative to the repository root."""
@@ -52,8 +55,9 @@ def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
 
     cores = machine_cores()
     threads = int(model_param(config, "torch_num_threads", "0") or 0)
+    decode, binding = _bind(model_param(config, "decode_cores", ""), threads or torch.get_num_threads())
     if threads > 0:
-        torch.set_num_threads(min(threads, cores))
+        torch.set_num_threads(min(threads, len(decode) if decode else cores))
     engine_dir = model_param(config, "engine_dir")
     if not engine_dir:
         raise ValueError("parameter engine_dir is not set")
@@ -72,7 +76,32 @@ def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
                           max_beam_width=info.max_beam_width, default_end_id=info.eos_token_id,
                           gather_context_logits=info.gather_context_logits,
                           gather_generation_logits=info.gather_generation_logits)
-    return ServedEngine(engine=engine, info=info, limits=limits, repo_root=repo_root, cores=cores)
+    return ServedEngine(engine=engine, info=info, limits=limits, repo_root=repo_root, cores=cores,
+                        decode_cores=decode, binding=binding)
+
+
+def _bind(spec: str, threads: int) -> tuple[set[int] | None, str]:
+    """Apply ``decode_cores`` to this process (see ``trtmoe.triton.cpu_binding``): every thread it has
+    now moves to the cores left over, so the threads it starts later stay there too; the decode cores
+    are returned for the batcher's thread to move to. Cores a launcher resolved (``trtmoe serve``)
+    come first. Returns (decode cores or None, a line for the log)."""
+    if cpu_binding.parse_cores(spec) is None:
+        return None, ""
+    decode = cpu_binding.from_environment()
+    if decode is not None:
+        rest = cpu_binding.allowed_cores() - decode
+        result = (decode, rest) if rest else f"{cpu_binding.ENV} {cpu_binding.format_cores(decode)} leaves no core"
+    else:
+        result = cpu_binding.plan(spec, threads)
+    if isinstance(result, str):
+        return None, f"decode_cores not applied: {result}"
+    decode, rest = result
+    try:
+        cpu_binding.bind_process_threads(rest)
+    except OSError as e:
+        return None, f"decode_cores not applied: {e}"
+    return decode, (f"decode thread on cores {cpu_binding.format_cores(decode)}, the other threads on "
+                    f"{cpu_binding.format_cores(rest)}")
 
 
 class ServedMetrics:

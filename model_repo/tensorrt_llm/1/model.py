@@ -114,7 +114,8 @@ class TritonPythonModel:
             self.metrics.recorder, max_batch_size=min(int(config["max_batch_size"]) or 1, info.max_batch_size),
             max_waiting=int(_param(config, "max_waiting_requests", "0") or 0),
             prefill_budget_s=float(budget) / 1000.0 if budget else None,
-            stream_interval=max(int(_param(config, "stream_interval", "0")), 0), on_flush=self._flush)
+            stream_interval=max(int(_param(config, "stream_interval", "0")), 0), on_flush=self._flush,
+            cpu_cores=served.decode_cores)
         self.cancel_listener = None
         try:
             from trtmoe.triton.cancel_channel import CancelListener
@@ -128,6 +129,9 @@ class TritonPythonModel:
             f"tensorrt_llm: embedded engine {info.architecture} from {info.checkpoint_dir}, "
             f"max_batch_size={self.batcher.max_batch_size} max_input_len={max_input} max_seq_len={max_seq} "
             f"decoupled={self.decoupled} torch_threads={torch.get_num_threads()} (cores {cores})")
+        if served.binding:
+            (pb_utils.Logger.log_info if served.decode_cores else pb_utils.Logger.log_warn)(
+                f"tensorrt_llm: {served.binding}")
 
         # What initialize loaded lives as long as the model: keep it out of the collector, whose full
         # passes over it (about 0.1 s over torch and the engine) would otherwise stall every stream.

@@ -126,10 +126,13 @@ class TritonPythonModel:
                                        max_batch_size=max(1, min(size, self.info.max_batch_size)),
                                        max_waiting=int(model_param(config, "max_waiting_requests", "0") or 0),
                                        stream_interval=max(int(model_param(config, "stream_interval", "0")), 0),
-                                       on_flush=self._flush)
+                                       on_flush=self._flush, cpu_cores=served.decode_cores)
         self.metrics.start(self.batcher)
         pb_utils.Logger.log_info(f"tensorrt_llm (llmapi): embedded engine {self.info.architecture}, "
                                  f"max_batch_size={self.batcher.max_batch_size} decoupled={self.decoupled}")
+        if served.binding:
+            (pb_utils.Logger.log_info if served.decode_cores else pb_utils.Logger.log_warn)(
+                f"tensorrt_llm: {served.binding}")
         gc.collect()
         gc.freeze()
 
