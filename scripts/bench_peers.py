@@ -14,7 +14,9 @@ Mixtral checkpoint with its own tokenizer) and driven by ONE closed-loop streami
   response: a grpcio stream costs the caller about three times that, taken from the servers on a
   2-core machine; ``trtmoe-llmapi-http``: ``trtmoe repo --layout llmapi --streaming``, one text-in,
   text-out ``tensorrt_llm`` model with no ensemble and no pre/postprocessing processes, through the
-  same HTTP endpoint);
+  same HTTP endpoint; ``trtmoe-bound-http`` / ``trtmoe-llmapi-bound-http``: those two with
+  ``trtmoe repo --decode-cores auto``, the decode thread alone on its cores and every other thread of
+  the server on the rest);
 - peers: their OpenAI-compatible ``POST /v1/completions`` with ``"stream": true`` (server-sent events),
   one HTTP/1.1 keep-alive connection per stream.
 
@@ -552,6 +554,7 @@ class Trtmoe(Server):
     quant: str | None = None  # every routed expert in this format
     activations = "float32"  # the engine's cpu_activations ("model": the checkpoint's 16-bit dtype)
     layout = "inflight"  # `trtmoe repo --layout`
+    decode_cores: str | None = None  # `trtmoe repo --decode-cores`
 
     def start(self) -> None:
         from trtmoe.checkpoint.writer import convert
@@ -579,14 +582,15 @@ class Trtmoe(Server):
         (engine / "config.json").write_text(json.dumps({"backend": "embedded", "checkpoint": "../ckpt",
                                                         "build_config": build}))
         repo = generate_repository(engine, self.workdir / "repo", torch_num_threads=threads, streaming=True,
-                                   layout=self.layout)
+                                   layout=self.layout, decode_cores=self.decode_cores)
         t0 = time.perf_counter()
         self.server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0,
                                        timeout_s=a.ready_timeout, log_file=self.log)
         self.ready_s = time.perf_counter() - t0
         self.proc = self.server.process
         what = ", ".join(x for x in (f"{self.quant} experts" if self.quant else "",
-                                     "model-dtype activations" if self.activations == "model" else "float32") if x)
+                                     "model-dtype activations" if self.activations == "model" else "float32",
+                                     self.server.binding) if x)
         self.note = f"torch threads {threads}, {what}, Triton gRPC stream"
 
     def connect(self):
@@ -640,6 +644,21 @@ class TrtmoeLlmapiHttp(TrtmoeHttp):
 
     def connect(self):
         return triton_sse_connect(self.server.endpoints.http_port, llmapi=True)
+
+
+class TrtmoeBoundHttp(TrtmoeHttp):
+    """``trtmoe-http`` with ``--decode-cores auto``: the decode thread alone on its cores, tritonserver,
+    the pre/postprocessing processes and the other threads on the rest."""
+
+    name = "trtmoe-bound-http"
+    decode_cores = "auto"
+
+
+class TrtmoeLlmapiBoundHttp(TrtmoeLlmapiHttp):
+    """``trtmoe-llmapi-http`` with ``--decode-cores auto`` (see ``trtmoe-bound-http``)."""
+
+    name = "trtmoe-llmapi-bound-http"
+    decode_cores = "auto"
 
 
 class TrtmoeInt8Http(TrtmoeHttp):
@@ -915,7 +934,8 @@ def loadavg() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["trtmoe", "trtmoe-http", "trtmoe-llmapi-http", "trtmoe-int8-http", "trtmoe-bf16-http", "trtmoe-int8-bf16-http",
+    names = ["trtmoe", "trtmoe-http", "trtmoe-llmapi-http", "trtmoe-bound-http", "trtmoe-llmapi-bound-http",
+             "trtmoe-int8-http", "trtmoe-bf16-http", "trtmoe-int8-bf16-http",
              "trtmoe-tritonclient", "vllm", "llamacpp-f32", "llamacpp-q8", "llama-cpp-py-f32", "llama-cpp-py-q8"]
     ap.add_argument("--servers", nargs="*", choices=names,
                     default=[n for n in names if n not in ("trtmoe-tritonclient", "trtmoe-bf16-http",
@@ -971,6 +991,8 @@ def main() -> None:
         d.mkdir()
         s = {"trtmoe": lambda: Trtmoe(args, d), "trtmoe-http": lambda: TrtmoeHttp(args, d),
              "trtmoe-llmapi-http": lambda: TrtmoeLlmapiHttp(args, d),
+             "trtmoe-bound-http": lambda: TrtmoeBoundHttp(args, d),
+             "trtmoe-llmapi-bound-http": lambda: TrtmoeLlmapiBoundHttp(args, d),
              "trtmoe-int8-http": lambda: TrtmoeInt8Http(args, d),
              "trtmoe-bf16-http": lambda: TrtmoeBf16Http(args, d),
              "trtmoe-int8-bf16-http": lambda: TrtmoeInt8Bf16Http(args, d),
