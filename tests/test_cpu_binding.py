@@ -20,7 +20,7 @@ needs_two_cores = pytest.mark.skipif(not MULTICORE, reason="binding threads need
 
 @pytest.mark.parametrize("spec,want", [
     (None, None), ("", None), ("none", None), (" None ", None), ("auto", "auto"), ("AUTO", "auto"),
-    ("3", [3]), ("0-3,8", [0, 1, 2, 3, 8]), ("5,1-2,2", [1, 2, 5]), ("2-2", [2]),
+    ("3", [3]), (3, [3]), ("0-3,8", [0, 1, 2, 3, 8]), ("5,1-2,2", [1, 2, 5]), ("2-2", [2]),
 ])
 def test_parse_cores(spec, want):
     assert parse_cores(spec) == want

@@ -583,6 +583,11 @@ def test_decode_cores_setting(setup, tmp_path):
     assert (r.settings.decode_cores, r.settings.torch_num_threads) == ("1-3", 3)
     params = validate_repository(tmp_path / "list")["tensorrt_llm"].parameters
     assert (params["decode_cores"].string_value, params["torch_num_threads"].string_value) == ("1-3", "3")
+    # YAML reads a lone core as a number.
+    (tmp_path / "c.yaml").write_text("repo:\n  decode_cores: 1\n")
+    out = _run_repo([str(setup["engine"]), "-o", str(tmp_path / "yaml"), "--tokenizer", str(setup["tok"]),
+                     "-c", str(tmp_path / "c.yaml")])
+    assert out.exit_code == 0 and "decode cores   1 " in out.output, out.output
     r = generate_repository(setup["engine"], tmp_path / "none", tokenizer_dir=setup["tok"])
     assert r.settings.decode_cores is None
     assert validate_repository(tmp_path / "none")["tensorrt_llm"].parameters["decode_cores"].string_value == "none"

@@ -159,7 +159,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                  help="Embedded engine torch intra-op threads; 0 = this machine's cores less one "
                                       "per two pre/post/BLS instances (at least 1). Written to config.pbtxt; "
                                       "capped at the serving machine's cores."),
-        "decode_cores": Key(str, None, nullable=True, metavar="auto|none|LIST",
+        "decode_cores": Key((str, int), None, nullable=True, metavar="auto|none|LIST",
                             help="Embedded engine: keep its decode thread on cores of its own (auto: the last "
                                  "--torch-threads cores; or a list such as 2-7) and every other thread of the "
                                  "server on the rest, so that no frontend, sender or client thread takes the "

@@ -40,10 +40,10 @@ ENV = "TRTMOE_DECODE_CORES"  # cores resolved by the launcher, e.g. "1" or "4,5,
 _LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
 
-def parse_cores(spec: str | None) -> str | list[int] | None:
-    """None (no binding), ``"auto"``, or the sorted distinct cores of a list like ``0-3,8``; InputError
-    names a malformed one."""
-    text = (spec or "").strip().lower().replace(" ", "")
+def parse_cores(spec: str | int | None) -> str | list[int] | None:
+    """None (no binding), ``"auto"``, or the sorted distinct cores of a list like ``0-3,8`` (or one core
+    number, as YAML gives ``decode_cores: 3``); InputError names a malformed one."""
+    text = ("" if spec is None else str(spec)).strip().lower().replace(" ", "")
     if text in ("", "none"):
         return None
     if text == AUTO:
