@@ -97,3 +97,27 @@ def test_resolved_cores_come_from_the_launcher(monkeypatch):
     assert cpu_binding.from_environment() == {1, 3}
     monkeypatch.setenv(cpu_binding.ENV, "")
     assert cpu_binding.from_environment() is None
+
+
+_SERVED_CHILD = r"""
+import json, os, sys
+from trtmoe.triton.served import _bind
+out = {"none": _bind("none", 1), "missing": _bind("4000-4001", 1)}
+os.environ["TRTMOE_DECODE_CORES"] = sys.argv[1]
+out["launcher"] = _bind("none", 1)  # a launcher's resolved cores win over an edited config.pbtxt
+out["threads"] = sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
+print(json.dumps({k: [sorted(v[0]) if v[0] else None, v[1]] if k != "threads" else v for k, v in out.items()}))
+"""
+
+
+@needs_two_cores
+def test_a_served_model_applies_the_setting_or_says_why_not():
+    cores = sorted(os.sched_getaffinity(0))
+    res = subprocess.run([sys.executable, "-c", _SERVED_CHILD, str(cores[-1])], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["none"] == [None, ""]
+    assert got["missing"][0] is None and got["missing"][1].startswith("decode_cores not applied: ")
+    assert got["launcher"][0] == [cores[-1]] and "decode thread on cores" in got["launcher"][1]
+    assert got["threads"] == [cores[:-1]]  # every thread of the process moved off the decode core

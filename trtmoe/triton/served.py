@@ -83,11 +83,12 @@ def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
 def _bind(spec: str, threads: int) -> tuple[set[int] | None, str]:
     """Apply ``decode_cores`` to this process (see ``trtmoe.triton.cpu_binding``): every thread it has
     now moves to the cores left over, so the threads it starts later stay there too; the decode cores
-    are returned for the batcher's thread to move to. Cores a launcher resolved (``trtmoe serve``)
-    come first. Returns (decode cores or None, a line for the log)."""
-    if cpu_binding.parse_cores(spec) is None:
-        return None, ""
+    are returned for the batcher's thread to move to. Cores a launcher resolved (``trtmoe serve``, from
+    the repository manifest) come first, even over a config.pbtxt edited since: the launcher has
+    already kept the process off them. Returns (decode cores or None, a line for the log)."""
     decode = cpu_binding.from_environment()
+    if decode is None and cpu_binding.parse_cores(spec) is None:
+        return None, ""
     if decode is not None:
         rest = cpu_binding.allowed_cores() - decode
         result = (decode, rest) if rest else f"{cpu_binding.ENV} {cpu_binding.format_cores(decode)} leaves no core"
