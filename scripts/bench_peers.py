@@ -26,7 +26,10 @@ for 0.25-1.75x that (the same sequence of lengths on every server), so that stre
 steps as in real traffic, where a batch's sequences are no longer started and finished together.
 Default load: 12, 32 and 96 requests at concurrency 1, 8 and 32, repeated for --rounds rounds; the rounds are interleaved
 (round 1 of every server, then round 2 of every server, ...) and the table shows medians over rounds.
-All servers stay up for the whole run; the CPU time each one burns while another is measured is printed,
+With ``--bind-peers`` each peer is pinned the way ``--decode-cores auto`` pins trtmoe, through its own
+option (llama-server's ``--cpu-mask``/``--cpu-strict``, vLLM's ``VLLM_CPU_OMP_THREADS_BIND``), so
+that the ``*-bound-http`` rows are read against peers that got the same help. All servers stay up for
+the whole run; the CPU time each one burns while another is measured is printed,
 so an idle server that spins is visible. Output tokens/s per concurrency (with the scaling against the
 same server's 1-stream figure, as in bench_serve.py), idle resident memory of the whole process group
 (after loading and a warm-up request; shared pages counted once per process), and "ready after" (from
@@ -125,6 +128,8 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from bench_serve import PROMPTS, pct, stack_rss_mb  # noqa: E402
+
+from trtmoe.triton.cpu_binding import format_cores, plan  # noqa: E402
 
 PEERS_DIR = Path("/tmp/peers")
 
@@ -523,11 +528,14 @@ class Server:
     def rss(self) -> float:
         return group_rss_mb(self.pgid)
 
-    def _spawn(self, cmd: list[str], env: dict | None, port: int, ready_path: str) -> None:
+    def _spawn(self, cmd: list[str], env: dict | None, port: int, ready_path: str,
+               cores: set[int] | None = None) -> None:
+        """Start the server (on ``cores`` only, when given) and wait until it answers ``ready_path``."""
         t0 = time.perf_counter()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                         start_new_session=True, cwd=self.workdir)
+                                         start_new_session=True, cwd=self.workdir,
+                                         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         try:
             wait_http(port, ready_path, self.proc, self.args.ready_timeout)
         except RuntimeError as e:
@@ -793,8 +801,13 @@ class Vllm(Server):
                "--seed", "0"]
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "OMP_NUM_THREADS": str(a.peer_threads), "VLLM_TARGET_DEVICE": "cpu"}
-        self._spawn(cmd, env, self.port, "/v1/models")
-        self.note = f"OMP threads {a.peer_threads}, {a.vllm_dtype}, max-num-seqs {max(a.concurrency)}"
+        bound = ""
+        if a.bind_peers:  # its OpenMP threads (the model's compute) on the decode cores, the rest elsewhere
+            decode, rest = a.bind_peers
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(decode)))
+            bound = f", OMP threads bound to cores {format_cores(decode)}, the rest on {format_cores(rest)}"
+        self._spawn(cmd, env, self.port, "/v1/models", cores=a.bind_peers[1] if a.bind_peers else None)
+        self.note = f"OMP threads {a.peer_threads}, {a.vllm_dtype}, max-num-seqs {max(a.concurrency)}{bound}"
 
     def connect(self):
         return openai_connect(self.port, "fixture", {"ignore_eos": True, "stream_options": {"include_usage": True}},
@@ -896,6 +909,10 @@ class LlamaCpp(Server):
             self.kind = f"llama-server, {c} slots"
             self.extra = {"ignore_eos": True, "repeat_penalty": 1.0}
             env = None
+            if a.bind_peers:  # its compute threads on the decode cores (its own option), the rest elsewhere
+                decode, rest = a.bind_peers
+                cmd += ["--cpu-mask", format(sum(1 << c for c in decode), "x"), "--cpu-strict", "1"]
+                self.kind += f", compute threads on cores {format_cores(decode)}, the rest on {format_cores(rest)}"
         else:
             cmd = [str(a.llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                    "--port", str(self.port), "--n_threads", str(a.peer_threads), "--n_threads_batch",
@@ -904,7 +921,8 @@ class LlamaCpp(Server):
             self.kind = "llama-cpp-python"
             self.extra = {"repeat_penalty": 1.0}  # its default, 1.1, is not greedy
             env = llamacpp_lib_env(a)
-        self._spawn(cmd, env, self.port, "/v1/models" if not self.binary else "/health")
+        self._spawn(cmd, env, self.port, "/v1/models" if not self.binary else "/health",
+                    cores=a.bind_peers[1] if a.bind_peers and self.binary else None)
         self.note = f"{self.kind}, {self.outtype} GGUF, threads {a.peer_threads}"
 
     def connect(self):
@@ -954,6 +972,11 @@ def main() -> None:
                     help="torch threads of trtmoe's engine [default: the repository's default]")
     ap.add_argument("--peer-threads", type=int, default=None,
                     help="threads of each peer [default: the same as trtmoe's engine]")
+    ap.add_argument("--bind-peers", action="store_true",
+                    help="pin the peers as trtmoe's --decode-cores auto pins itself, each through its own option: "
+                         "llama-server's compute threads with --cpu-mask/--cpu-strict, vLLM's OpenMP threads with "
+                         "VLLM_CPU_OMP_THREADS_BIND, on the last --peer-threads cores; the rest of each server "
+                         "process on the other cores (to read against the *-bound-http rows)")
     ap.add_argument("--vllm-python", type=Path, default=PEERS_DIR / "vllm" / "bin" / "python")
     ap.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the dtype vLLM serves in (bfloat16: the peer of trtmoe-bf16-http)")
@@ -975,6 +998,11 @@ def main() -> None:
 
     args.torch_threads = args.torch_threads or default_torch_threads(3)
     args.peer_threads = args.peer_threads or args.torch_threads
+    if args.bind_peers:
+        bound = plan("auto", args.peer_threads)
+        if not isinstance(bound, tuple):
+            ap.error(f"--bind-peers: {bound or 'no binding'}")
+        args.bind_peers = bound
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers are stopped below
     print(f"cpu cores {os.cpu_count()}; load average {loadavg()} at the start", flush=True)
