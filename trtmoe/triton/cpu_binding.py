@@ -76,8 +76,11 @@ def format_cores(cores) -> str:
 
 
 def allowed_cores() -> set[int]:
-    """The cores this process may run on."""
-    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    """The cores this process may run on (all of the machine's where the platform cannot tell)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
 
 
 def plan(spec: str | None, threads: int, allowed: set[int] | None = None) -> tuple[set[int], set[int]] | str | None:
@@ -122,14 +125,12 @@ def bind_this_thread(cores: set[int]) -> None:
     os.sched_setaffinity(0, cores)
 
 
-def bind_process_threads(cores: set[int]) -> int:
+def bind_process_threads(cores: set[int]) -> None:
     """Move every thread of this process to ``cores`` (threads it starts later inherit the mask of the
-    thread that starts them); returns how many were moved. A thread that ended meanwhile is skipped."""
-    moved = 0
+    thread that starts them). A thread that ended meanwhile is skipped; any other refusal raises
+    OSError."""
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
-            moved += 1
-        except (ProcessLookupError, PermissionError, OSError):
+        except ProcessLookupError:
             continue
-    return moved

@@ -53,7 +53,7 @@ from ..errors import BackendUnavailable, InputError, TrtmoeError
 from ..hf.hashing import sha256_file
 from . import cancel_channel
 from .cpu_binding import AUTO as AUTO_CORES
-from .cpu_binding import format_cores, parse_cores
+from .cpu_binding import allowed_cores, format_cores, parse_cores
 from .engine_dir import EMBEDDED, TENSORRT_LLM, EngineInfo, read_engine_dir
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -226,10 +226,7 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
 
 def available_cores() -> int:
     """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return len(allowed_cores())
 
 
 def default_torch_threads(python_instances: int, engine_instances: int = 1, cores: int | None = None) -> int:
@@ -593,7 +590,8 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
                         bls_instance_count: int = 1, kv_cache_free_gpu_mem_fraction: float | None = None,
                         trust_remote_code: bool = False, add_special_tokens: bool = True,
                         skip_special_tokens: bool = True, device: str | None = None, torch_num_threads: int = 0,
-                        decode_cores: str | None = None, stream_interval: int | None = None, engine_path: str | None = None, force: bool = False,
+                        decode_cores: str | None = None, stream_interval: int | None = None,
+                        engine_path: str | None = None, force: bool = False,
                         templates: str | Path | None = None, layout: str = "inflight") -> RepositoryResult:
     """Write a Triton model repository for ``engine_dir`` at ``out_dir``.
 

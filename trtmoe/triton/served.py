@@ -25,10 +25,6 @@ from .model_params import model_flag, model_param
 from .threads import name_native_thread
 
 
-def machine_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 @dataclass
 class ServedEngine:
     engine: Any  # trtmoe.runtime.engine.EmbeddedEngine
@@ -43,6 +39,11 @@ class ServedEngine:
         """A path parameter: absolute as given, else relative to the repository root."""
         return path if os.path.isabs(path) else os.path.join(self.repo_root, path)
 
+    def log_binding(self, logger) -> None:
+        """Say in the server log what ``decode_cores`` did (info), or why it could not (warning)."""
+        if self.binding:
+            (logger.log_info if self.decode_cores else logger.log_warn)(f"tensorrt_llm: {self.binding}")
+
 
 def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
     """Set torch's threads from ``torch_num_threads`` (never more than this machine's cores: a
@@ -53,7 +54,7 @@ def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
     unset, and trtmoe's own errors for a bad engine directory."""
     import torch
 
-    cores = machine_cores()
+    cores = len(cpu_binding.allowed_cores())
     threads = int(model_param(config, "torch_num_threads", "0") or 0)
     decode, binding = _bind(model_param(config, "decode_cores", ""), threads or torch.get_num_threads())
     if threads > 0:

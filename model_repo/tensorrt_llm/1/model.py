@@ -129,9 +129,7 @@ class TritonPythonModel:
             f"tensorrt_llm: embedded engine {info.architecture} from {info.checkpoint_dir}, "
             f"max_batch_size={self.batcher.max_batch_size} max_input_len={max_input} max_seq_len={max_seq} "
             f"decoupled={self.decoupled} torch_threads={torch.get_num_threads()} (cores {cores})")
-        if served.binding:
-            (pb_utils.Logger.log_info if served.decode_cores else pb_utils.Logger.log_warn)(
-                f"tensorrt_llm: {served.binding}")
+        served.log_binding(pb_utils.Logger)
 
         # What initialize loaded lives as long as the model: keep it out of the collector, whose full
         # passes over it (about 0.1 s over torch and the engine) would otherwise stall every stream.

@@ -130,9 +130,7 @@ class TritonPythonModel:
         self.metrics.start(self.batcher)
         pb_utils.Logger.log_info(f"tensorrt_llm (llmapi): embedded engine {self.info.architecture}, "
                                  f"max_batch_size={self.batcher.max_batch_size} decoupled={self.decoupled}")
-        if served.binding:
-            (pb_utils.Logger.log_info if served.decode_cores else pb_utils.Logger.log_warn)(
-                f"tensorrt_llm: {served.binding}")
+        served.log_binding(pb_utils.Logger)
         gc.collect()
         gc.freeze()
 
