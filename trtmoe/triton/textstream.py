@@ -19,18 +19,24 @@ MAX_HOLD = 4  # a UTF-8 character has at most 4 bytes, so at most 4 byte tokens
 _WINDOW = 2 * MAX_HOLD  # context decoded to look at the end of the text
 
 
-def split_at_character(decode: Callable[[list[int]], str], ids: list[int]) -> tuple[list[int], list[int]]:
-    """Split ``ids`` into (send, hold): ``hold`` is the shortest tail (≤ MAX_HOLD tokens) whose
-    removal leaves text that does not end in an unfinished character. Text that ends in U+FFFD for
-    any other reason (the model produced invalid bytes, or the character itself) is sent whole
-    once no short tail explains it."""
+def held_back(decode: Callable[[list[int]], str], ids: list[int]) -> int:
+    """How many trailing ``ids`` to hold back: the shortest tail (≤ MAX_HOLD tokens) whose removal
+    leaves text that does not end in an unfinished character, or 0. Text that ends in U+FFFD for any
+    other reason (the model produced invalid bytes, or the character itself) is sent whole once no
+    short tail explains it. Decodes only the last ``_WINDOW`` ids."""
     tail = ids[-_WINDOW:]
     if not tail or not decode(tail).endswith(REPLACEMENT):
-        return list(ids), []
+        return 0
     for k in range(1, min(MAX_HOLD, len(tail)) + 1):
         if not decode(tail[:-k]).endswith(REPLACEMENT):
-            return list(ids[:-k]), list(ids[-k:])
-    return list(ids), []
+            return k
+    return 0
+
+
+def split_at_character(decode: Callable[[list[int]], str], ids: list[int]) -> tuple[list[int], list[int]]:
+    """Split ``ids`` into (send, hold), ``hold`` being the ``held_back`` tail."""
+    k = held_back(decode, ids)
+    return (list(ids[:-k]), list(ids[-k:])) if k else (list(ids), [])
 
 
 class IncrementalText:
@@ -62,7 +68,7 @@ class IncrementalText:
         self._read = 0  # self.text is decode(ids[:self._read])
 
     def update(self, ids: list[int], final: bool = False) -> str:
-        end = len(ids) if final else len(split_at_character(self.decode, ids)[0])
+        end = len(ids) - (0 if final else held_back(self.decode, ids))  # no copy of the ids per update
         if end < self._read:  # fewer ids than last time: not a continuation of the same list
             self.text, self._prefix, self._read = "", 0, 0
         if end == self._read:
@@ -90,7 +96,7 @@ class IncrementalText:
 
 
 # Decoders that turn a list of tokens into the concatenation of their texts, apart from a leading
-# space dropped at the start (Metaspace; Strip after Fuse); Strip and Metaspace are checked below.
+# space dropped at the start (Metaspace; Strip after Fuse, which windows_decode_exactly checks).
 _CONCATENATING = {"ByteLevel", "ByteFallback", "Fuse", "Replace", "Metaspace", "Strip"}
 
 
