@@ -213,3 +213,32 @@ def assert_decode_thread_alone(server, decode: list[int], rest: list[int]) -> No
         assert all(c == rest for n, c in threads.items() if not n.startswith("trtmoe-decode")), threads
     assert on_decode == ["trtmoe-decode"], {pid: thread_affinities(pid) for pid in server.stubs}
     assert all(c == rest for c in thread_affinities(server.process.pid).values())
+
+
+def grpc_stream(url: str, model: str, inputs: list, timeout: float = 60.0, on_first=None,
+                **infer_kwargs) -> tuple[list, Exception | None]:
+    """A raw ModelStreamInfer call through tritonclient: every response until the one flagged final,
+    or the first error (returned with the responses before it). ``on_first()`` runs once the first
+    response arrived; ``infer_kwargs`` go to ``async_stream_infer`` (request_id, ...)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, **infer_kwargs)
+        out = []
+        while True:
+            res, err = q.get(timeout=timeout)
+            if err is not None:
+                return out, err
+            out.append(res)
+            if len(out) == 1 and on_first is not None:
+                on_first()
+            if res.get_response().parameters["triton_final_response"].bool_param:
+                return out, None
+    finally:
+        client.stop_stream()
+        client.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
 import time
 import urllib.request
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_decode_thread_alone, routed_tokens_per_layer, thread_affinities
+from conftest import assert_decode_thread_alone, grpc_stream, routed_tokens_per_layer, thread_affinities
 
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
@@ -128,24 +127,7 @@ def _infer(url: str, inputs: list, request_id: str = ""):
 
 def _stream(url: str, inputs: list, request_id: str = "", timeout: float = 60.0,
             on_first=None) -> tuple[list, Exception | None]:
-    client = grpcclient.InferenceServerClient(url)
-    q: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    try:
-        client.async_stream_infer("tensorrt_llm", inputs, request_id=request_id)
-        out = []
-        while True:
-            res, err = q.get(timeout=timeout)
-            if err is not None:
-                return out, err
-            out.append(res)
-            if len(out) == 1 and on_first is not None:
-                on_first()
-            if res.get_response().parameters["triton_final_response"].bool_param:
-                return out, None
-    finally:
-        client.stop_stream()
-        client.close()
+    return grpc_stream(url, "tensorrt_llm", inputs, timeout, on_first, request_id=request_id)
 
 
 def _text(res) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_decode_thread_alone, routed_tokens_per_layer, start_serve_command
+from conftest import assert_decode_thread_alone, grpc_stream, routed_tokens_per_layer, start_serve_command
 
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
@@ -116,22 +116,7 @@ def test_decode_cores_auto_keeps_the_ensembles_decode_thread_alone(served):
 
 def stream_call(url: str, model: str, inputs: list, timeout: float = 60.0) -> tuple[list, Exception | None]:
     """Raw ModelStreamInfer call: all responses until the final flag, or the first error."""
-    client = grpcclient.InferenceServerClient(url)
-    q: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        out = []
-        while True:
-            res, err = q.get(timeout=timeout)
-            if err is not None:
-                return out, err
-            out.append(res)
-            if res.get_response().parameters["triton_final_response"].bool_param:
-                return out, None
-    finally:
-        client.stop_stream()
-        client.close()
+    return grpc_stream(url, model, inputs, timeout, enable_empty_final_response=True)
 
 
 def _tensor(name, arr, dtype):
