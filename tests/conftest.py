@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -78,15 +80,61 @@ def tiny_model(tmp_path_factory) -> Callable[..., Path]:
 
 
 TRAINED_MIXTRAL = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
+TRAINED_QWEN3_MOE = REPO_ROOT / "tests" / "fixtures" / "trained_qwen3_moe"
+
+# Under CI (CI=true, as CI services and .ci/run set it) whatever the test extra installs and every
+# committed fixture must be present: a missing one fails instead of skipping, so a broken install
+# cannot pass as a run with fewer tests. Elsewhere it skips, saying what is missing.
+IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def missing(reason: str) -> None:
+    """Skip the calling test (or module, at import time) with ``reason``; under CI, fail with it."""
+    if IN_CI:
+        pytest.fail(f"CI=true and {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require(module: str, why: str = "installed by the test extra: pip install -e '.[test]'"):
+    """``import module`` for a dependency the test extra installs; missing, the caller is skipped
+    locally and fails under CI (see ``IN_CI``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        missing(f"{module} cannot be imported ({exc}); {why}")
 
 
 def require_fixture(path: Path) -> Path:
-    """``path`` (a committed trained fixture); the calling test module is skipped, saying how to make
-    it, when it is missing."""
+    """``path`` (a committed trained fixture); missing, the caller is skipped locally, saying how to
+    make it, and fails under CI."""
     if not (path / "config.json").is_file():
-        pytest.skip(f"tests/fixtures/{path.name} is missing (make it with scripts/make_trained_fixture.py)",
-                    allow_module_level=True)
+        missing(f"tests/fixtures/{path.name} is missing (make it with scripts/make_trained_fixture.py)")
     return path
+
+
+def modelopt_python() -> str:
+    """The interpreter of the optional ModelOpt environment ($TRTMOE_MODELOPT_PYTHON, default
+    /work/venvs/modelopt/bin/python). ModelOpt is no dependency of trtmoe, so a missing one always
+    skips (.ci/allowed-skips lists this reason)."""
+    exe = os.environ.get("TRTMOE_MODELOPT_PYTHON", "/work/venvs/modelopt/bin/python")
+    if not os.access(exe, os.X_OK):
+        pytest.skip(f"needs the optional ModelOpt environment: {exe} is not there (set TRTMOE_MODELOPT_PYTHON)",
+                    allow_module_level=True)
+    return exe
+
+
+def wait_until(condition: Callable[[], Any], timeout_s: float = 10.0, what: str = "", interval_s: float = 0.05):
+    """Call ``condition`` until it returns something true, and return that; an AssertionError naming
+    ``what`` and the last value when ``timeout_s`` passes first. For counters and metrics that are
+    published asynchronously: wait on the condition itself, never a fixed time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what or condition} (last: {value!r})")
+        time.sleep(interval_s)
 
 
 def float_engine(fixture: Path, tmp_path_factory, name: str):
