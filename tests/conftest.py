@@ -34,6 +34,20 @@ def _load_script(name: str):
 
 make_tiny_models = _load_script("make_tiny_models")
 
+# pytest-timeout's limit for tests marked slow or server (the default, for the rest, is pyproject's
+# [tool.pytest.ini_options] timeout): a module's first server test also starts the server.
+SLOW_TIMEOUT_S = 1200
+SERVER_MODULE_PREFIXES = ("test_triton_", "test_serving_")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name.startswith(SERVER_MODULE_PREFIXES):
+            item.add_marker(pytest.mark.server)
+        if (item.get_closest_marker("slow") or item.get_closest_marker("server")) \
+                and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
 
 def hf_logits(model_dir: str | Path, input_ids: torch.Tensor,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -101,7 +115,8 @@ def require(module: str, why: str = "installed by the test extra: pip install -e
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        missing(f"{module} cannot be imported ({exc}); {why}")
+        error = exc
+    missing(f"{module} cannot be imported ({error}); {why}")
 
 
 def require_fixture(path: Path) -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import click
+from conftest import require_fixture
 import pytest
 
 from trtmoe import config as cfgmod
@@ -102,8 +103,7 @@ def test_tiny_cpu_config_matches_the_trained_fixture():
     assert resolved["build"]["backend"] == "embedded" and resolved["build"]["device"] == "cpu"
     assert resolved["convert"]["tp"] == 1
     fixture = REPO_ROOT / resolved["model"]
-    if not (fixture / "config.json").is_file():
-        pytest.skip(f"{resolved['model']} is not built here (scripts/make_trained_fixture.py makes it)")
+    require_fixture(fixture)
     hf = json.loads((fixture / "config.json").read_text())
     ck = SimpleNamespace(dtype=resolved["convert"]["dtype"], seq_len_limit=hf["max_position_embeddings"],
                          max_position_embeddings=hf["max_position_embeddings"])

@@ -50,8 +50,7 @@ def pair(tmp_path_factory, engine, hf):
 
     def get(name: str):
         if name not in made:
-            if not (FIXTURES / name / "config.json").is_file():
-                pytest.skip(f"tests/fixtures/{name} is missing (make it with scripts/make_trained_fixture.py)")
+            require_fixture(FIXTURES / name)
             made[name] = (float_engine(FIXTURES / name, tmp_path_factory, "beam-" + name), _hf(FIXTURES / name))
         return made[name]
     return get

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import start_serve_command
+from conftest import require, require_fixture, start_serve_command
 
-pytest.importorskip("tritonclient.grpc")
-pytest.importorskip("pytriton")
+require("tritonclient.grpc")
+require("pytriton")
 
 import tritonclient.grpc as grpcclient  # noqa: E402
 
@@ -51,9 +51,7 @@ LONG = 500
 # machine), so a generation lasts seconds on any machine and its cancel lands inside it.
 DEEP = 64
 
-if not (FIXTURE / "config.json").is_file():
-    pytest.skip("tests/fixtures/trained_mixtral is missing (make it with scripts/make_trained_fixture.py)",
-                allow_module_level=True)
+require_fixture(FIXTURE)
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,16 @@ import json
 import math
 from pathlib import Path
 
+from conftest import require, require_fixture
 import pytest
 import torch
 
 from trtmoe.data import SPLITS, corpus_split, load_texts, split_texts, stdlib_files, stdlib_root, write_split_text
 from trtmoe.errors import InputError
 
-transformers = pytest.importorskip("transformers", reason="the fixture is loaded with transformers (test extra)")
+transformers = require("transformers", "the fixture is loaded with transformers (test extra)")
 
-FIXTURE = Path(__file__).parent / "fixtures" / "trained_mixtral"
+FIXTURE = require_fixture(Path(__file__).parent / "fixtures" / "trained_mixtral")
 SEQ_LEN = 256
 SAMPLE_WINDOWS = 16
 

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+from conftest import require, require_fixture
 import pytest
 import torch
 
@@ -18,10 +19,10 @@ from trtmoe.quant.calibrate import token_batches
 from trtmoe.runtime.engine import EmbeddedEngine
 from trtmoe.runtime.load import load_tokenizer
 
-transformers = pytest.importorskip("transformers", reason="the fixture is compared with transformers (test extra)")
+transformers = require("transformers", "the fixture is compared with transformers (test extra)")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-FIXTURE = Path(__file__).parent / "fixtures" / "trained_qwen3_moe"
+FIXTURE = require_fixture(Path(__file__).parent / "fixtures" / "trained_qwen3_moe")
 
 
 @pytest.fixture(scope="module")

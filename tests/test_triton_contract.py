@@ -24,11 +24,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from conftest import require
 import numpy as np
 import pytest
 
-pytest.importorskip("tritonclient.grpc")
-pytest.importorskip("pytriton")
+require("tritonclient.grpc")
+require("pytriton")
 
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402

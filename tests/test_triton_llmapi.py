@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_decode_thread_alone, grpc_stream, routed_tokens_per_layer, thread_affinities
+from conftest import (assert_decode_thread_alone, grpc_stream, require, require_fixture, routed_tokens_per_layer,
+                      thread_affinities)
 
-pytest.importorskip("tritonclient.grpc")
-pytest.importorskip("pytriton")
+require("tritonclient.grpc")
+require("pytriton")
 
 import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -35,9 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = REPO_ROOT / "tests" / "fixtures" / "trained_mixtral"
 BUILD = {"max_batch_size": 8, "max_input_len": 64, "max_seq_len": 512, "max_beam_width": 1, "tokens_per_block": 32}
 
-if not (FIXTURE / "config.json").is_file():
-    pytest.skip("tests/fixtures/trained_mixtral is missing (make it with scripts/make_trained_fixture.py)",
-                allow_module_level=True)
+require_fixture(FIXTURE)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+from conftest import require
 import pytest
 from click.testing import CliRunner
 
@@ -566,7 +567,7 @@ def test_decode_cores_setting(setup, tmp_path):
     params = validate_repository(tmp_path / "auto")["tensorrt_llm"].parameters
     assert params["decode_cores"].string_value == "auto"
     assert json.loads((tmp_path / "auto" / MANIFEST).read_text())["settings"]["decode_cores"] == "auto"
-    pytest.importorskip("pytriton")
+    require("pytriton")
     from trtmoe.cli import main
     from trtmoe.triton.cpu_binding import allowed_cores, plan
 

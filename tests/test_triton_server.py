@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_decode_thread_alone, grpc_stream, routed_tokens_per_layer, start_serve_command
+from conftest import (assert_decode_thread_alone, grpc_stream, require, require_fixture, routed_tokens_per_layer,
+                      start_serve_command)
 
-pytest.importorskip("tritonclient.grpc")
-pytest.importorskip("pytriton")
+require("tritonclient.grpc")
+require("pytriton")
 
 import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -41,9 +42,7 @@ SERVED_MAX_SEQ_LEN = 512
 PROMPTS = ["def main(", "import os\n", "class Parser:\n    def __init__(self", "    return self.", "for i in range(",
            "x = [", "if __name__ ==", "try:\n    import"]
 
-if not (FIXTURE / "config.json").is_file():
-    pytest.skip("tests/fixtures/trained_mixtral is missing (make it with scripts/make_trained_fixture.py)",
-                allow_module_level=True)
+require_fixture(FIXTURE)
 
 
 class Reference:
