@@ -138,6 +138,25 @@ def modelopt_python() -> str:
     return exe
 
 
+def wait_settled(read: Callable[[], Any], quiet_s: float = 1.0, timeout_s: float = 30.0, what: str = "",
+                 interval_s: float = 0.1):
+    """The value of ``read()`` once it has not changed for ``quiet_s`` (for counters published every
+    0.5 s: pick ``quiet_s`` above the publication period); an AssertionError naming ``what`` when it
+    is still changing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last, since = read(), time.monotonic()
+    while True:
+        now = time.monotonic()
+        if now - since >= quiet_s:
+            return last
+        if now >= deadline:
+            raise AssertionError(f"still changing after {timeout_s:g} s: {what or read} (last: {last!r})")
+        time.sleep(interval_s)
+        value = read()
+        if value != last:
+            last, since = value, time.monotonic()
+
+
 def wait_until(condition: Callable[[], Any], timeout_s: float = 10.0, what: str = "", interval_s: float = 0.05):
     """Call ``condition`` until it returns something true, and return that; an AssertionError naming
     ``what`` and the last value when ``timeout_s`` passes first. For counters and metrics that are

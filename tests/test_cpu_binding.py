@@ -68,12 +68,21 @@ cpu_binding.bind_process_threads(rest)
 after = threading.Thread(target=time.sleep, args=(5,), daemon=True)
 after.start()  # one started after it
 b = InflightBatcher(Idle(), max_batch_size=1, cpu_cores=decode, trim_after_idle_s=None)
-time.sleep(0.3)
-out = {}
-for tid in os.listdir("/proc/self/task"):
-    name = open(f"/proc/self/task/{tid}/comm").read().strip()
-    out[f"{name}:{tid}"] = sorted(os.sched_getaffinity(int(tid)))
-print(json.dumps(out))
+
+
+def threads():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        name = open(f"/proc/self/task/{tid}/comm").read().strip()
+        out[f"{name}:{tid}"] = sorted(os.sched_getaffinity(int(tid)))
+    return out
+
+
+deadline = time.monotonic() + 20  # until the decode thread has started and moved (or the test sees why not)
+while not any(n.startswith("trtmoe-decode:") and c == sorted(decode) for n, c in threads().items()) \
+        and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(json.dumps(threads()))
 b.shutdown()
 """
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require, require_fixture, start_serve_command
+from conftest import require, require_fixture, start_serve_command, wait_until
 
 require("tritonclient.grpc")
 require("pytriton")
@@ -32,7 +32,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
 from trtmoe.triton.batcher import FINISH_CANCELLED, InflightBatcher  # noqa: E402
-from trtmoe.triton.metrics import scrape, tokens_when_idle  # noqa: E402
+from trtmoe.triton.metrics import engine_activity, scrape, tokens_when_idle  # noqa: E402
 from trtmoe.triton.repository import generate_repository  # noqa: E402
 from trtmoe.errors import TrtmoeError  # noqa: E402
 from trtmoe.triton.serve import (STUB_NAME, Endpoints, RestartBudget, TritonServer, backend_stubs,  # noqa: E402
@@ -302,7 +302,7 @@ def test_dropped_sse_connection_stops_generation(served, model):
 
 def test_unary_cancel_in_a_non_decoupled_repository(built, tmp_path):
     """Upstream's default repository (not decoupled): a unary gRPC request cancelled by the client
-    after 0.3 s stops generating, sent to tensorrt_llm or to tensorrt_llm_bls."""
+    once it has generated tokens stops generating, sent to tensorrt_llm or to tensorrt_llm_bls."""
     repo = generate_repository(built["root"] / "engine", tmp_path / "repo", streaming=False, torch_num_threads=1)
     server = serve_repository(repo.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
     try:
@@ -312,7 +312,8 @@ def test_unary_cancel_in_a_non_decoupled_repository(built, tmp_path):
             client = grpcclient.InferenceServerClient(server.endpoints.grpc)
             q: queue.Queue = queue.Queue()
             ctx = client.async_infer(model, inputs, callback=lambda result, error: q.put(error))
-            time.sleep(0.3)
+            wait_until(lambda: engine_activity(server.endpoints.metrics)[0] > before, 60,
+                       f"the first tokens of the request to {model}")  # published every 0.5 s
             ctx.cancel()
             assert "CANCELLED" in str(q.get(timeout=60))
             generated = _wait_idle(server, timeout=10) - before

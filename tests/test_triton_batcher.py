@@ -11,7 +11,7 @@ import time
 import uuid
 
 import numpy as np
-from conftest import request_getter
+from conftest import request_getter, wait_until
 import pytest
 import torch
 
@@ -206,14 +206,18 @@ def test_cancel_poll_period_per_request(engine):
 
     slow, step = Gated(2), Collector()
     try:
+        t0 = time.monotonic()
         b.submit([1, 7], _params(40), step, is_cancelled=poller("step"))
         b.submit([1, 5, 9], _params(40), slow, is_cancelled=poller("slow"), cancel_poll_s=0.4)
         assert slow.reached[2].wait(30)
-        t0 = time.monotonic()
-        time.sleep(1.0)
+        # Until the per-step one has been asked many times more often than the slow one (never, if
+        # cancel_poll_s were ignored) ...
+        wait_until(lambda: polls["slow"] >= 1 and polls["step"] > 5 * polls["slow"] + 20, 30,
+                   "the per-step request polled more than 5x as often as the cancel_poll_s=0.4 one")
         seen, elapsed = dict(polls), time.monotonic() - t0
         flags["slow"] = flags["step"] = True
-        time.sleep(0.5)  # the slow one is due again within 0.4 s
+        # ... and the slow one is asked again (it is due within 0.4 s), now cancelled
+        wait_until(lambda: polls["slow"] > seen["slow"], 10, "the slow request polled again")
         slow.release[2].set()
         assert step.done.wait(10) and step.final.finish_reason == FINISH_CANCELLED
         assert slow.done.wait(10) and slow.final.finish_reason == FINISH_CANCELLED
@@ -341,8 +345,8 @@ def test_stream_interval_groups_tokens(engine):
             b.submit(p, _params(11), c)
         for c in cols:
             assert c.done.wait(60)
-        time.sleep(0.05)
         # Every burst of events is followed by a flush: the last flush saw every event.
+        wait_until(lambda: flushed and flushed[-1] == 3 * 4, 10, "a flush after the last event")
         assert flushed and flushed[-1] == sum(len(c.events) for c in cols) == 3 * 4
         assert len(set(flushed)) >= 4  # one per burst (first tokens, then every fourth step)
         slow = Collector()
@@ -460,23 +464,28 @@ def test_a_batched_request_is_queued_whole_or_refused(engine):
 def test_idle_engine_gives_its_freed_memory_back(engine, monkeypatch):
     """Once the loop has been idle ``trim_after_idle_s``, it calls the engine's ``trim_memory`` once
     per idle period, never while requests run."""
-    calls = []
+    calls, ticks = [], []
     real = engine.trim_memory
     monkeypatch.setattr(engine, "trim_memory", lambda: calls.append(time.monotonic()) or real())
-    b = InflightBatcher(engine, max_batch_size=4, trim_after_idle_s=0.3, on_iteration=lambda _: None,
-                        idle_callback_period_s=0.05)  # idle calls must not postpone the trim
+
+    def idle_for(since: float) -> bool:  # the loop itself has run idle past ``since`` + 0.5 s (> 0.3 s)
+        return bool(ticks) and ticks[-1] - since >= 0.5
+
+    b = InflightBatcher(engine, max_batch_size=4, trim_after_idle_s=0.3, idle_callback_period_s=0.05,
+                        on_iteration=lambda _: ticks.append(time.monotonic()))  # idle calls must not postpone the trim
     try:
-        time.sleep(0.5)
+        start = time.monotonic()
+        wait_until(lambda: idle_for(start), 30, "idle loop iterations")
         assert calls == []  # nothing ran yet: nothing to give back
         for _ in range(2):
             c = Collector()
-            b.submit(PROMPTS[2], _params(40), c)
+            finished_at = []
+            b.submit(PROMPTS[2], _params(40), lambda ev: (ev.finished and finished_at.append(time.monotonic()), c(ev)))
             assert c.done.wait(30)
-            done_at = time.monotonic()
             n = len(calls)
             _wait_for(lambda: len(calls) == n + 1, timeout=5)
-            assert calls[-1] - done_at >= 0.25
-            time.sleep(0.5)
+            assert calls[-1] - finished_at[0] >= 0.3 - 1e-6  # the trim waits 0.3 s from the last event on
+            wait_until(lambda: idle_for(calls[-1]), 30, "idle loop iterations after the trim")
             assert len(calls) == n + 1 and b.trims == n + 1
     finally:
         b.shutdown()

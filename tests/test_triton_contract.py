@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from conftest import require
+from conftest import require, wait_until
 import numpy as np
 import pytest
 
@@ -217,8 +217,6 @@ def test_missing_required_input_is_an_error(moved, missing):
 
 def test_nv_trt_llm_metric_families(moved):
     generate(moved["url"], "x = [", max_tokens=6)
-    time.sleep(1.2)  # published every 0.5 s
-    m = parse_prometheus(urllib.request.urlopen(moved["server"].endpoints.metrics, timeout=10).read().decode())
     families = {
         "nv_trt_llm_request_metrics": ("request_type", {"active", "max", "scheduled", "context", "waiting"}),
         "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type",
@@ -228,6 +226,14 @@ def test_nv_trt_llm_metric_families(moved):
                                                  "paused_requests"}),
         "nv_trt_llm_general_metrics": ("general_type", {"timestamp", "iteration_counter"}),
     }
+
+    def published():  # every family with all its labels, and the request's decode steps counted (every 0.5 s)
+        m = parse_prometheus(urllib.request.urlopen(moved["server"].endpoints.metrics, timeout=10).read().decode())
+        labels_ok = all({lab.get(key) for lab, _ in m.get(fam, [])} == values for fam, (key, values) in families.items())
+        steps = [v for lab, v in m.get("nv_trt_llm_general_metrics", []) if lab.get("general_type") == "iteration_counter"]
+        return m if labels_ok and steps and steps[0] >= 5 else None
+
+    m = wait_until(published, 10, "the nv_trt_llm_* metric families after a 6-token request")
     got = {}
     for fam, (key, values) in families.items():
         samples = m.get(fam, [])

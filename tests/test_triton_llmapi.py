@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import (assert_decode_thread_alone, grpc_stream, require, require_fixture, routed_tokens_per_layer,
-                      thread_affinities)
+                      thread_affinities, wait_settled)
 
 require("tritonclient.grpc")
 require("pytriton")
@@ -297,8 +297,8 @@ def test_metrics_count_every_routed_token(unary):
     from trtmoe.triton.metrics import routed_token_table, scrape
 
     ref, metrics_url = unary["ref"], unary["server"].endpoints.metrics
-    time.sleep(1.5)  # earlier requests' counters settle (published every 0.5 s)
-    before = routed_token_table(scrape(metrics_url))
+    # earlier requests' counters settle (published every 0.5 s)
+    before = wait_settled(lambda: routed_token_table(scrape(metrics_url)), what="routed-token counters")
     prompt, n = "x = [", 12
     generated = ref.tokens(prompt, n)
     _infer(unary["url"], _inputs(prompt, n))

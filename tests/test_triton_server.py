@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import (assert_decode_thread_alone, grpc_stream, require, require_fixture, routed_tokens_per_layer,
-                      start_serve_command)
+                      start_serve_command, wait_settled)
 
 require("tritonclient.grpc")
 require("pytriton")
@@ -242,8 +242,8 @@ def test_32_concurrent_streams(served):
 
 def test_metrics_count_every_routed_token(served):
     ref, metrics_url = served["ref"], served["server"].endpoints.metrics
-    time.sleep(1.5)  # let the previous requests' counters settle (published every 0.5 s)
-    before = routed_token_table(scrape(metrics_url))
+    # the previous requests' counters settle (published every 0.5 s)
+    before = wait_settled(lambda: routed_token_table(scrape(metrics_url)), what="routed-token counters")
     prompt, n = PROMPTS[5], 16
     generated = ref.tokens(prompt, n)
     generate(served["url"], prompt, max_tokens=n)
@@ -633,8 +633,7 @@ def test_cancelled_stream_stops_generation(served):
     when the cancel, polled about every 0.1 s, reaches the batcher."""
     metrics_url = served["server"].endpoints.metrics
     total = lambda: sum(v for _, v in scrape(metrics_url)["trtmoe_generated_tokens_total"])  # noqa: E731
-    time.sleep(1.0)
-    before = total()
+    before = wait_settled(total, what="generated-token counter before the request")
     want = SERVED_MAX_SEQ_LEN - 4
     client = grpcclient.InferenceServerClient(served["url"])
     q: queue.Queue = queue.Queue()
@@ -649,8 +648,7 @@ def test_cancelled_stream_stops_generation(served):
         assert q.get(timeout=60)[1] is None
     client.stop_stream(cancel_requests=True)
     client.close()
-    time.sleep(2.0)
-    generated = total() - before
+    generated = wait_settled(total, what="generated-token counter after the cancel") - before
     assert 2 <= generated < want, generated
     _assert_still_serving(served)
 
