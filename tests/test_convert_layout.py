@@ -1,9 +1,13 @@
 """Per-rank TensorRT-LLM checkpoint layout, checked against the reference rules.
 
 The expected names, shapes, dtypes and contents are computed here from the rules of the
-TensorRT-LLM checkpoint format (reference notes §1–§2), written out independently of
-``trtmoe.checkpoint.layout``, and compared with the rank files ``convert`` writes for every
-architecture fixture under four layouts: tp=1; tp=2 with moe_ep=2; tp=4 with moe_tp=2 × moe_ep=2;
+TensorRT-LLM checkpoint format, written out independently of ``trtmoe.checkpoint.layout``. The rules
+are read in NVIDIA/TensorRT-LLM: ``tensorrt_llm/models/modeling_utils.py`` (config.json,
+``PretrainedConfig`` and ``QuantConfig``), ``tensorrt_llm/mapping.py`` (the mapping block),
+``tensorrt_llm/layers/moe.py`` (the moe block and the expert weights), and
+``tensorrt_llm/models/llama/convert.py`` / ``tensorrt_llm/models/model_weights_loader.py`` (per-rank
+tensor names and how each is split). They are compared with the rank files ``convert`` writes for
+every architecture fixture under four layouts: tp=1; tp=2 with moe_ep=2; tp=4 with moe_tp=2 × moe_ep=2;
 pp=2. HF tensors are read with the ``safetensors`` library, rank files likewise.
 """
 
@@ -32,7 +36,8 @@ LAYOUTS = {
 }
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# Field names TensorRT-LLM 1.x accepts in the strict blocks (reference §1.3–§1.5), written out
+# Field names TensorRT-LLM 1.x accepts in the strict blocks (``Mapping``, ``MoeConfig`` and ``QuantConfig``
+# are built from them as keyword arguments, so an unknown key fails to load), written out
 # here so the test does not trust trtmoe's own schema table alone.
 REF_MAPPING_KEYS = {"world_size", "rank", "gpus_per_node", "cp_size", "tp_size", "pp_size", "moe_tp_size",
                     "moe_ep_size", "moe_cluster_size", "attn_tp_size", "attn_cp_size", "cp_config",
