@@ -39,6 +39,21 @@ def test_probe_covariance_is_the_softmax_fisher(kind):
     assert v.sum(-1).abs().max() < 1e-5  # a probe never moves the logits' common offset
 
 
+# How closely Fisher must agree with the exact ΔKL on the trained fixture (16 × 64 calibration
+# tokens, int4). Measured: expert Spearman rho 0.976 / 0.929 / 0.881 / 0.976 for layers 0-3, so
+# layer 2 passes EXPERT_RHO_MIN by 0.031; matrix rho at least 0.595 (layer 2 fc, a margin of 0.045);
+# summed Fisher / summed exact 0.79. A run that fails by a little is a finding about the estimate,
+# not a reason to lower these: test_agreement_thresholds_stay_where_they_were_set pins them, so a
+# change shows in review.
+EXPERT_RHO_MIN = 0.85
+MATRIX_RHO_MIN = 0.55
+TOTAL_RATIO_MAX = 1.5
+
+
+def test_agreement_thresholds_stay_where_they_were_set():
+    assert (EXPERT_RHO_MIN, MATRIX_RHO_MIN, TOTAL_RATIO_MAX) == (0.85, 0.55, 1.5)
+
+
 @pytest.fixture(scope="module")
 def fixture_pair(tmp_path_factory):
     """Fisher and exact (RTN) sensitivities of the trained fixture on the same 16 × 64 calibration tokens."""
@@ -52,14 +67,14 @@ def test_fisher_ranks_experts_as_the_exact_kl_does(fixture_pair):
     fi, ex = fixture_pair
     for l in ex["moe_layers"]:
         rho = spearmanr(ex["sensitivity"]["delta_kl"]["int4"][l], fi["sensitivity"]["delta_kl"]["int4"][l]).statistic
-        assert rho >= 0.85, (l, rho)
+        assert rho >= EXPERT_RHO_MIN, (l, rho)
         for m in ("fc", "proj"):
             a = ex["sensitivity"]["matrices"][m]["measured"]["int4"][l]
             b = fi["sensitivity"]["matrices"][m]["measured"]["int4"][l]
-            assert spearmanr(a, b).statistic >= 0.55, (l, m)
+            assert spearmanr(a, b).statistic >= MATRIX_RHO_MIN, (l, m, spearmanr(a, b).statistic)
     # Same currency: the summed estimate is within a factor 1.5 of the summed measurement.
     tot = lambda c: sum(map(sum, c["sensitivity"]["delta_kl"]["int4"]))  # noqa: E731
-    assert 1 / 1.5 < tot(fi) / tot(ex) < 1.5
+    assert 1 / TOTAL_RATIO_MAX < tot(fi) / tot(ex) < TOTAL_RATIO_MAX, tot(fi) / tot(ex)
 
 
 def test_fisher_calibration_has_the_layout_consumers_read(fixture_pair):
