@@ -100,6 +100,16 @@ def test_budget_respected_and_monotone():
         prev = plan.predicted_delta_kl
 
 
+def test_budget_is_the_whole_bits_at_or_below_bpw_times_weights():
+    """A plan never exceeds the bits per weight asked for: 3.5 bits/weight over 3 weights is 10 bits,
+    not 11; bpw values computed as bits / weights (11 / 3) still reach their whole bits."""
+    units = [Unit(("a",), 3, {"hi": 11, "lo": 9}, {"hi": 0.0, "lo": 1.0})]
+    plan = allocate(units, 3.5)
+    assert plan.budget_bits == 10 and plan.assignment == {("a",): "lo"} and plan.avg_bits_per_weight <= 3.5
+    plan = allocate(units, 11 / 3)
+    assert plan.budget_bits == 11 and plan.assignment == {("a",): "hi"}
+
+
 def test_not_greedy():
     # Greedy by ΔKL-saved-per-bit upgrades unit A first and then cannot afford B; the optimum
     # upgrades B only.
