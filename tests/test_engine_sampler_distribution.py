@@ -15,17 +15,21 @@ False-failure probability: each chi-square check rejects a correct sampler with 
 
 Part one feeds constructed logits (ties, top_k=1, top_p near 0 and 1, the order of the steps) to
 the engine's per-row sampler; part two samples first tokens through ``start_many`` on the trained
-fixture and takes the reference from transformers' own warpers applied to transformers' logits.
+fixture and takes the reference from transformers' own warpers applied to transformers' logits, also
+with the parameters a served request's runtime_top_k / runtime_top_p / temperature inputs become.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
-from conftest import TRAINED_MIXTRAL, float_engine, hf_logits, require, require_fixture
+from conftest import TRAINED_MIXTRAL, float_engine, hf_logits, request_getter, require, require_fixture
 import pytest
 import torch
 
 from trtmoe.runtime.engine import SamplingParams
+from trtmoe.triton.llm_request import EngineLimits, parse_requests
 
 FIXTURE = require_fixture(TRAINED_MIXTRAL)
 stats = require("scipy.stats", "the chi-square test (test extra)")
@@ -265,3 +269,31 @@ def test_beam_search_ignores_top_k_and_top_p(engine, fixture_logits):
     plain = beams()
     assert beams(top_k=1, top_p=0.05, seed=3) == plain
     assert beams(top_k=2, seed=99) == plain
+
+
+# ---- the serving inputs reach the sampler ----------------------------------------------------------
+def _served_params(ids, **tensors) -> SamplingParams:
+    """The SamplingParams a tensorrt_llm request with ``tensors`` becomes."""
+    limits = EngineLimits(max_input_len=64, max_seq_len=512, vocab_size=2048, default_end_id=2)
+    get = request_getter(input_ids=np.array([ids], np.int32), input_lengths=np.array([[len(ids)]], np.int32),
+                         request_output_len=np.array([[1]], np.int32), **tensors)
+    (g,) = parse_requests(get, limits, SamplingParams)
+    return g.params
+
+
+def test_runtime_top_k_and_top_p_inputs_reach_the_sampler(engine, fixture_logits):
+    """runtime_top_k / runtime_top_p / temperature of a request: the first tokens of requests parsed
+    from them follow transformers' warpers with those values."""
+    ids, hf = fixture_logits
+    f32 = lambda v: np.array([[v]], np.float32)  # noqa: E731
+    p = _served_params(ids, runtime_top_k=np.array([[12]], np.int32), runtime_top_p=f32(0.6), temperature=f32(1.2))
+    assert (p.top_k, p.temperature) == (12, pytest.approx(1.2)) and p.top_p == pytest.approx(0.6)
+    top_p_only = _served_params(ids, runtime_top_p=f32(0.8), temperature=f32(1.3))
+    assert (top_p_only.top_k, top_p_only.temperature, top_p_only.top_p) == (0, pytest.approx(1.3), pytest.approx(0.8))
+    # TensorRT-LLM: top_p 0 is off, and top_k 1 (or none) with it decodes greedily whatever the temperature
+    greedy = _served_params(ids, runtime_top_k=np.array([[1]], np.int32), runtime_top_p=f32(0.0), temperature=f32(1.3))
+    assert (greedy.temperature, greedy.top_p) == (0.0, 1.0)
+    ref = _transformers_probs(ids, hf, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+    assert (ref > 0).sum() > 1
+    seqs = engine.start_many([ids] * 4000, [dataclasses.replace(p, seed=i) for i in range(4000)])
+    assert_follows([s.tokens[0] for s in seqs], ref, "parsed runtime_top_k=12, runtime_top_p=0.6, temperature=1.2")
