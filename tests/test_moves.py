@@ -27,7 +27,7 @@ from conftest import REPO_ROOT, require_fixture
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 STEPS = 63
-STREAMS = 64  # held-out windows, each decoded once per batch size (4 batches of 8, 2 of 32)
+STREAMS = 64  # held-out windows, each decoded once per batch size (8 batches of 8, 2 of 32)
 WINDOW = 128  # calibration windows; a stream starts 1..64 tokens in, so it decodes within them
 BATCHES = (1, 8, 32)
 
@@ -143,7 +143,7 @@ def test_prediction_matches_the_engines_count(measured):
         B = row["batch"]
         p = row["measured"]
         # Several batches of B streams: B windows' documents alone are a small sample of the text.
-        groups = [streams[i * B:(i + 1) * B] for i in range(min(4, STREAMS // B))]
+        groups = [streams[i * B:(i + 1) * B] for i in range(min(8, STREAMS // B))]
         runs = [_decode(eng, g) for g in groups]
         got = _merge(runs)
         assert got["steps"] == STEPS * len(groups) and got["tokens"] == STEPS * B * len(groups)
@@ -202,3 +202,111 @@ def test_inspect_cli_reports_measured_and_uniform(measured, tmp_path):
         assert b["tokens_max_over_mean"] <= c["tokens_max_over_mean"] + 1e-9
     r = CliRunner().invoke(main, ["inspect", str(fx), "--calib", str(tmp_path), "--batch", "1,8"])
     assert r.exit_code == 0 and "What a decode step moves" in r.output
+
+
+def test_run_json_and_served_metrics_report_the_engines_count(measured, tmp_path):
+    """``trtmoe run --json`` carries each prompt's decode traffic; the served model's publisher turns
+    the engine's ``routing_stats`` into the decode counters (a recording stand-in for Triton's
+    ``pb_utils.MetricFamily``; the real server's families are the publisher's)."""
+    from trtmoe.triton.metrics import DECODE_BYTES, DECODE_DISTINCT, DECODE_DISTINCT_MEAN, DECODE_STEPS, \
+        RoutingMetricsPublisher
+
+    fx, _, ck, _ = measured
+    r = CliRunner().invoke(main, ["run", str(ck), "--tokenizer", str(fx), "-p", "def main(", "-n", "6", "--json"])
+    assert r.exit_code == 0, r.output
+    dec = json.loads(r.output)[0]["decode"]
+    k = _describe(str(fx))[1].top_k
+    assert dec["steps"] == 5 and dec["mean_batch"] == 1.0  # the first token comes from the prefill
+    assert all(v == k for v in dec["distinct_experts_per_layer"].values())
+    assert dec["bytes_per_step"]["total"] > dec["bytes_per_step"]["expert_bytes"] > 0
+
+    class Family:
+        COUNTER, GAUGE = "counter", "gauge"
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels):  # noqa: N802 - Triton's spelling
+            m = type("M", (), {})()
+            m.family, m.labels, m.value = self.name, labels, 0.0
+            m.set = lambda v, m=m: setattr(m, "value", v)
+            m.increment = lambda v, m=m: setattr(m, "value", m.value + v)
+            made.append(m)
+            return m
+
+    made: list = []
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    pub = RoutingMetricsPublisher(type("PB", (), {"MetricFamily": Family})(), num_layers=eng.num_layers,
+                                  num_experts=eng.num_experts)
+    params = SamplingParams(max_new_tokens=12, end_id=None)
+    seqs = eng.start_many([[1, 5], [1, 9, 4], [1, 7]], [params] * 3)
+    for i in range(10):
+        eng.step(seqs)
+        if i in (3, 9):
+            pub.update(eng.routing_stats())
+    tr = eng.decode_traffic()
+    val = {(m.family, tuple(sorted(m.labels.items()))): m.value for m in made}
+    assert val[(DECODE_STEPS, (("model", "tensorrt_llm"),))] == tr["steps"] == 10
+    for l in range(eng.num_layers):
+        assert val[(DECODE_DISTINCT, (("layer", str(l)), ("model", "tensorrt_llm")))] == int(tr["distinct_sum"][l])
+        assert 0 < val[(DECODE_DISTINCT_MEAN, (("layer", str(l)), ("model", "tensorrt_llm")))] <= 3 * k
+    assert val[(DECODE_BYTES, (("kind", "experts"), ("model", "tensorrt_llm")))] == tr["expert_bytes"]
+    assert val[(DECODE_BYTES, (("kind", "kv_cache"), ("model", "tensorrt_llm")))] == tr["kv_bytes"]
+
+
+# ---- router what-ifs ------------------------------------------------------------------------------------
+def test_router_override_capacity_top_k_and_temperature(measured):
+    """The override hook: a capacity keeps exactly the first ceil(f·N·k/E) picks of each expert in token
+    order; top-k − 1 runs k − 1 picks; a temperature leaves the first MoE layer's picks as they were."""
+    from trtmoe.runtime.engine import RouterOverride
+
+    ov = RouterOverride(capacity_factor=1.0)
+    idx = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])  # E = 4, N = 4, k = 2: capacity 2 per expert
+    assert ov.keep(idx, 4).tolist() == [[True, True], [True, True], [False, True], [True, False]]
+    with pytest.raises(Exception):
+        RouterOverride(temperature=0.0)
+    _, _, ck, streams = measured
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu", pack_experts=False)
+    k = eng.cfg.top_k
+    ids = streams[:2, :32]
+    seen: dict = {}
+    eng.route_hook = lambda li, i: seen.setdefault(li, i.clone())
+    ref = eng.logits(ids)
+    first = min(seen)
+    base = seen[first]
+    for override, check in ((RouterOverride(top_k=k - 1), lambda i: i.shape[1] == k - 1),
+                            (RouterOverride(temperature=2.0), lambda i: torch.equal(i, base)),
+                            (RouterOverride(capacity_factor=1.0), lambda i: bool((i < 0).any()))):
+        seen.clear()
+        eng.router_override = override
+        out = eng.logits(ids)
+        eng.router_override = None
+        assert check(seen[first]), override
+        assert not torch.allclose(out, ref)
+    seen.clear()
+    assert torch.equal(eng.logits(ids), ref)  # nothing left behind
+
+
+def test_report_has_what_it_moves_and_router_what_ifs(measured, tmp_path):
+    from trtmoe.report.assemble import write_report
+
+    fx, cal, ck, _ = measured
+    cdir = tmp_path / "calib"
+    cdir.mkdir()
+    (cdir / "calib.json").write_text(json.dumps(cal))
+    res = write_report(ck, tmp_path / "report", calib=cdir, samples=4, seq_len=32, batch_size=2, tokenizer=fx,
+                       what_ifs=True)
+    rep = res.report
+    wi = {r["name"]: r for r in rep["router_what_ifs"]["what_ifs"]}
+    k = cal["top_k"]
+    assert wi[f"top-{k - 1} (k − 1)"]["dropped"] == pytest.approx(1 / k)
+    assert wi["temperature 2"]["dropped"] == 0.0
+    caps = [wi[f"capacity {f}"] for f in ("1", "1.25", "2")]
+    assert caps[0]["dropped"] >= caps[1]["dropped"] >= caps[2]["dropped"]
+    assert all(r["kl"]["mean"] > 0 for r in wi.values())
+    mv = rep["moves"]
+    cover = [b["measured"]["expert_coverage"] for b in mv["batches"]]
+    assert cover == sorted(cover) and mv["batches"][0]["measured"]["distinct_experts_mean"] == pytest.approx(k)
+    page = res.paths["html"].read_text()
+    assert "What it moves" in page and "Router what-ifs" in page
+    assert res.paths["moves"].stat().st_size > 0 and res.paths["what_ifs"].stat().st_size > 0

@@ -366,7 +366,7 @@ def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p
     Example:
       trtmoe run ckpt/ --tokenizer tests/fixtures/trained_mixtral -p "def main(" -n 40
     """
-    from .runtime.engine import SamplingParams
+    from .runtime.engine import SamplingParams, decode_summary
     from .runtime.load import load_engine, load_tokenizer
 
     eng = load_engine(checkpoint, None if device == "auto" else device, cpu_activations=cpu_activations)
@@ -376,6 +376,7 @@ def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p
         ids = tok.encode(text)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, end_id=tok.eos_id)
+        before = eng.decode_traffic()
         if as_json:
             out = eng.generate(ids, params)
         else:
@@ -388,7 +389,10 @@ def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p
                 console.print(tok.decode(out)[len(prev):], end="", highlight=False, markup=False)
             eng.generate(ids, params, on_token=show)
             console.print()
-        results.append({"prompt": text, "output_ids": out, "text": tok.decode(out)})
+        results.append({"prompt": text, "output_ids": out, "text": tok.decode(out),
+                        # what its decode steps read: distinct experts per MoE layer and bytes per step
+                        "decode": decode_summary(eng.decode_traffic(), before,
+                                                 [l for l, x in enumerate(eng.cfg.moe_layers) if x])})
     if as_json:
         click.echo(json.dumps(results, indent=2))
 

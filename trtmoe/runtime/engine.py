@@ -305,6 +305,38 @@ def _sparse_mixer(logits: torch.Tensor, k: int, eps: float) -> tuple[torch.Tenso
     return torch.cat(ws, -1), torch.cat(idxs, -1)
 
 
+@dataclass(frozen=True)
+class RouterOverride:
+    """A what-if on routing (``EmbeddedEngine.router_override``): ``top_k`` picks per token instead of
+    the model's, router logits divided by ``temperature`` before the model's own normalization, and a
+    per-expert capacity of ceil(``capacity_factor`` · tokens · k / experts) picks per forward block:
+    as in capacity-limited MoE serving, the tokens of a block claim places in order (row by row,
+    position by position, a token's picks best first) and a pick over its expert's capacity is
+    dropped (the expert adds nothing for that token; the residual stream passes on)."""
+
+    top_k: int | None = None
+    temperature: float = 1.0
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        if self.top_k is not None and self.top_k < 1:
+            raise InputError(f"router override top_k must be ≥ 1, got {self.top_k}")
+        if not self.temperature > 0:
+            raise InputError(f"router temperature must be > 0, got {self.temperature}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise InputError(f"capacity factor must be > 0, got {self.capacity_factor}")
+
+    def keep(self, idx: torch.Tensor, num_experts: int) -> torch.Tensor | None:
+        """[N, k] bool: the picks within their expert's capacity (None: no capacity limit)."""
+        if self.capacity_factor is None:
+            return None
+        n, k = idx.shape
+        cap = math.ceil(self.capacity_factor * n * k / num_experts)
+        flat = idx.reshape(-1)
+        # Each pick's place in its expert's queue: how many earlier picks chose the same expert.
+        place = F.one_hot(flat, num_experts).cumsum(0).gather(1, flat[:, None]).squeeze(1)
+        return (place <= cap).view(n, k)
+
 
 
 class EmbeddedEngine:
@@ -375,6 +407,8 @@ class EmbeddedEngine:
         self.layer_hook: Callable[[int, torch.Tensor], None] | None = None  # sees MoE-layer inputs
         self.residual_hook: Callable[[int, torch.Tensor], None] | None = None  # sees each layer's input
         self.route_hook: Callable[[int, torch.Tensor], None] | None = None  # sees top-k expert ids [N, k]
+        # A routing what-if (None: the model's routing); the route hook then sees a dropped pick as -1.
+        self.router_override: RouterOverride | None = None
         # Sees each MoE layer's input h [N, H], top-k ids and weights [N, k] and its output [N, H]; under
         # ``logits_with_grad`` the output is a node of the autograd graph (a tensor hook on it receives
         # the gradient with respect to the layer's output).
@@ -566,15 +600,24 @@ class EmbeddedEngine:
         if self.layer_hook is not None:
             self.layer_hook(li, h)
         logits = lay.router(h if h.dtype == torch.float32 else h.float())
+        ov, top_k, keep = self.router_override, c.top_k, None
+        if ov is not None:
+            top_k = min(ov.top_k or top_k, c.num_experts)
+            if ov.temperature != 1.0:
+                logits = logits / ov.temperature
         probs = None  # the router probabilities, where routing itself needs them
         if c.normalization_mode == NORM_NONE:
             probs = logits.softmax(-1)
-            w, idx = probs.topk(c.top_k, dim=-1)
+            w, idx = probs.topk(top_k, dim=-1)
         elif c.normalization_mode == NORM_SPARSE_MIXER:
-            w, idx = _sparse_mixer(logits, c.top_k, c.sparse_mixer_epsilon)
+            w, idx = _sparse_mixer(logits, top_k, c.sparse_mixer_epsilon)
         else:
-            top, idx = logits.topk(c.top_k, dim=-1)
+            top, idx = logits.topk(top_k, dim=-1)
             w = top.softmax(-1)
+        if ov is not None:
+            keep = ov.keep(idx, c.num_experts)
+            if keep is not None:
+                w = w * keep
         one = h.shape[0] == 1 and not h.requires_grad and stats is not None
         flat_idx = None if one else idx.reshape(-1)
         with torch.no_grad():
@@ -586,7 +629,7 @@ class EmbeddedEngine:
             else:  # the probabilities of a deferred record are computed when it is added
                 stats.append((li, n_e, logits if probs is None else probs, idx, w, probs is None))
             if self.route_hook is not None:
-                self.route_hook(li, idx)
+                self.route_hook(li, idx if keep is None else idx.masked_fill(~keep, -1))
         if w.dtype != h.dtype:
             w = w.to(h.dtype)
         if one:
@@ -603,7 +646,7 @@ class EmbeddedEngine:
         # tokens over its contiguous block, and add the weighted outputs back in one indexed op
         # (in expert order, as a loop over the experts would).
         order = flat_idx.argsort(stable=True)
-        token_of = order // c.top_k
+        token_of = order // idx.shape[1]
         counts = n_e.tolist()
         w_sorted = w.reshape(-1)[order, None]
         if len(token_of) <= STACK_MAX_ROWS:
@@ -691,7 +734,7 @@ class EmbeddedEngine:
         flags: list[bool] = []
         for recs, dec in zip(pending, decode):
             if run and (len(recs) != len(run[0]) or any(
-                    (a[0], a[2].shape, a[5]) != (b[0], b[2].shape, b[5]) for a, b in zip(recs, run[0]))):
+                    (a[0], a[2].shape, a[3].shape, a[5]) != (b[0], b[2].shape, b[3].shape, b[5]) for a, b in zip(recs, run[0]))):
                 self._add_run(run, flags)
                 run, flags = [], []
             run.append(recs)
