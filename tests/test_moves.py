@@ -310,3 +310,23 @@ def test_report_has_what_it_moves_and_router_what_ifs(measured, tmp_path):
     page = res.paths["html"].read_text()
     assert "What it moves" in page and "Router what-ifs" in page
     assert res.paths["moves"].stat().st_size > 0 and res.paths["what_ifs"].stat().st_size > 0
+
+
+def test_inspect_plan_takes_the_checkpoints_formats(tmp_path):
+    """``--plan ckpt/``: the experts a step reads are counted at the checkpoint's formats (int8 here:
+    half of bfloat16's bytes, plus a scale per output row)."""
+    from trtmoe.quant.plan import uniform_plan
+
+    fx = require_fixture(FIXTURES / "trained_mixtral")
+    _, m, _ = _describe(str(fx))
+    ck = convert(fx, tmp_path / "int8", quant=uniform_plan(m, "int8")).out_dir
+    out = {}
+    for extra in ([], ["--plan", str(ck)]):
+        r = CliRunner().invoke(main, ["inspect", str(fx), "--batch", "1,8", "--json", *extra])
+        assert r.exit_code == 0, r.output
+        out[bool(extra)] = json.loads(r.output)["moves"]
+    H, I = m.hidden_size, m.expert_intermediate_size
+    per_expert = {False: 3 * H * I * 2, True: 3 * H * I + (2 * I + H) * 2}  # bf16; int8 + bf16 row scales
+    for plan in (False, True):
+        assert out[plan]["batches"][0]["uniform"]["expert_bytes"] == m.num_moe_layers * m.top_k * per_expert[plan]
+    assert out[True]["experts"].startswith("plan of")
