@@ -330,3 +330,21 @@ def test_inspect_plan_takes_the_checkpoints_formats(tmp_path):
     for plan in (False, True):
         assert out[plan]["batches"][0]["uniform"]["expert_bytes"] == m.num_moe_layers * m.top_k * per_expert[plan]
     assert out[True]["experts"].startswith("plan of")
+
+
+def test_expected_busiest_rank_against_enumeration():
+    """E[max over EP ranks of the expert bytes a step reads] with experts read independently, against
+    enumerating every subset of read experts; one rank: exactly Σ q·b."""
+    import itertools
+
+    from trtmoe.report.moves import expected_busiest
+
+    q = [0.9, 0.2, 0.5, 0.05, 0.7, 0.3]
+    groups = [(q[0:2], [10, 10]), (q[2:4], [10, 10]), (q[4:6], [10, 10])]
+    exact = 0.0
+    for read in itertools.product((0, 1), repeat=6):
+        pr = _prod(x if r else 1 - x for x, r in zip(q, read))
+        exact += pr * max(10 * sum(read[i:i + 2]) for i in (0, 2, 4))
+    assert expected_busiest(groups) == pytest.approx(exact, rel=1e-12)
+    assert expected_busiest([(q, [3] * 6)]) == pytest.approx(3 * sum(q))
+    assert expected_busiest(groups) > max(10 * sum(g[0]) for g in groups)  # above the busiest expectation

@@ -127,7 +127,8 @@ def moves_options(f):
     """inspect's options for what a decode step moves (trtmoe.report.moves)."""
     for opt in reversed((
         click.option("--batch", default=None, metavar="B,B,...",
-                     help="Decode batch sizes (concurrent streams) to report what a step moves at [default: 1,8,32,128]."),
+                     help="Decode batch sizes (concurrent streams) to report what a step moves at "
+                          "[default: 1,8,32,128]."),
         click.option("--calib", type=click.Path(path_type=Path), default=None,
                      help="Calibration directory: expert coverage from its measured routing (uniform beside it)."),
         click.option("--plan", type=click.Path(path_type=Path), default=None,

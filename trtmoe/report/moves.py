@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich import box
 from rich.table import Table
@@ -52,7 +53,8 @@ ASSUMPTIONS = (
     "probability 1 - (1 - p_e)^B, p_e = its share of calibration tokens (top-k inclusion probability)",
     "every stream's KV cache holds the given context; weights and cache are read once per step",
     "roofline: bytes / memory bandwidth, compute and communication not modelled; pipeline stages run "
-    "one after another (one batch in flight); the ranks of a stage wait for the busiest at every MoE layer",
+    "one after another (one batch in flight); the ranks of a stage wait for the busiest at every MoE layer "
+    "(its expected expert bytes with experts read independently, an approximation where moe_ep > 1)",
 )
 
 
@@ -212,26 +214,67 @@ def _ep_groups(mapping: Mapping, E: int, perm: list[int] | None) -> list[list[in
     return [perm[r * per:(r + 1) * per] for r in range(mapping.moe_ep_size)]
 
 
+_BUSIEST: dict = {}
+
+
+def expected_busiest(groups: list[tuple[list[float], list[int]]]) -> float:
+    """E[max over groups of the bytes a step reads there]: a group (an EP rank) holds experts read
+    with probabilities ``q`` and of sizes ``b``. Approximation: experts read independently (one
+    token's k picks are not), and a group's bytes are its read count times its mean expert size
+    (exact for one format per group). One group: exactly Σ q·b."""
+    key = tuple((tuple(q), tuple(b)) for q, b in groups)
+    if key in _BUSIEST:
+        return _BUSIEST[key]
+    if len(groups) == 1:
+        out = float(sum(x * y for x, y in zip(*groups[0])))
+    else:
+        dists = []
+        for q, b in groups:
+            pmf = np.array([1.0])
+            for x in q:
+                pmf = np.convolve(pmf, [1.0 - x, x])
+            tq = sum(q)
+            size = sum(x * y for x, y in zip(q, b)) / tq if tq > 0 else 0.0
+            dists.append((np.arange(len(pmf)) * size, np.cumsum(pmf)))
+        grid = np.unique(np.concatenate([v for v, _ in dists]))
+        cdf = np.ones_like(grid)
+        for v, c in dists:
+            at = np.searchsorted(v, grid, side="right") - 1
+            cdf *= np.where(at >= 0, c[np.clip(at, 0, None)], 0.0)
+        out = float((grid * np.diff(np.concatenate([[0.0], cdf]))).sum())
+    if len(_BUSIEST) > 100_000:
+        _BUSIEST.clear()
+    _BUSIEST[key] = out
+    return out
+
+
 def rank_imbalance(probs: dict[int, list[float]], bytes_of: dict[int, list[int]], mapping: Mapping, batch: int,
                    placement: dict[int, list[int]] | None) -> dict:
     """Expected tokens and expert bytes per step of the hottest EP rank against the mean, per layer and
-    summed over layers (Σ_l max_r / Σ_l mean_r: ranks wait for the busiest one at every layer). This is
-    the max over ranks of the expectation; the expected per-step maximum is higher still."""
+    summed over layers (Σ_l max_r / Σ_l mean_r: ranks wait for the busiest one at every layer): the
+    busiest rank of the expectations (``*_max_over_mean``), and for bytes also the expected busiest rank
+    of a step (``bytes_expected_max_over_mean``, see ``expected_busiest``), which is higher: at small
+    batches a few ranks hold all the experts a step reads."""
     ep = mapping.moe_ep_size
-    tok_max = tok_mean = byte_max = byte_mean = 0.0
+    tok_max = tok_mean = byte_max = byte_mean = byte_emax = 0.0
     per_layer = {}
     for l, p in probs.items():
         groups = _ep_groups(mapping, len(p), (placement or {}).get(l))
         toks = [batch * sum(p[e] for e in g) for g in groups]
         byts = [sum(used_prob(p[e], batch) * bytes_of[l][e] for e in g) for g in groups]
+        emax = expected_busiest([([used_prob(p[e], batch) for e in g], [bytes_of[l][e] for e in g]) for g in groups])
         mt, mb = sum(toks) / ep, sum(byts) / ep
         tok_max, tok_mean, byte_max, byte_mean = tok_max + max(toks), tok_mean + mt, byte_max + max(byts), \
             byte_mean + mb
+        byte_emax += emax
         per_layer[l] = {"tokens_max_over_mean": max(toks) / mt if mt else 1.0,
-                        "bytes_max_over_mean": max(byts) / mb if mb else 1.0}
+                        "bytes_max_over_mean": max(byts) / mb if mb else 1.0,
+                        "bytes_expected_max_over_mean": emax / mb if mb else 1.0}
     return {"tokens_max_over_mean": tok_max / tok_mean if tok_mean else 1.0,
             "bytes_max_over_mean": byte_max / byte_mean if byte_mean else 1.0,
-            "hottest_rank_expert_bytes": byte_max, "mean_rank_expert_bytes": byte_mean, "layers": per_layer}
+            "bytes_expected_max_over_mean": byte_emax / byte_mean if byte_mean else 1.0,
+            "hottest_rank_expert_bytes": byte_max, "expected_busiest_rank_expert_bytes": byte_emax,
+            "mean_rank_expert_bytes": byte_mean, "layers": per_layer}
 
 
 def predict_step(m: ModelSpec, mapping: Mapping, dtype: torch.dtype, probs: dict[int, list[float]],
@@ -260,7 +303,6 @@ def predict_step(m: ModelSpec, mapping: Mapping, dtype: torch.dtype, probs: dict
         layers = mapping.pp_layers(m.num_layers, pp)
         members = [mapping.rank(t, pp) for t in range(mapping.tp_size)]
         stage_nonexpert = 0.0
-        layer_max: dict[int, float] = {}
         for r in members:
             held = mapping.ep_experts(m.num_experts, r)
             kv_r = batch * context * kv_bytes_per_token(m, kv_element_bytes, mapping, len(layers))
@@ -272,19 +314,28 @@ def predict_step(m: ModelSpec, mapping: Mapping, dtype: torch.dtype, probs: dict
                 perm = experts.placement.get(l, list(range(m.num_experts)))
                 b = sum(used[l][perm[s]] * local_bytes[l][perm[s]] for s in held)
                 exp_r += b
-                layer_max[l] = max(layer_max.get(l, 0.0), b)
             ranks.append({"rank": r, "pp_rank": pp, "moe_ep_rank": mapping.moe_ep_rank(r),
                           "nonexpert_bytes": ne, "expert_bytes": exp_r, "kv_bytes": kv_r,
                           "bytes": ne + exp_r + kv_r})
             stage_nonexpert = max(stage_nonexpert, ne + kv_r)
-        step_s += (stage_nonexpert + sum(layer_max.values())) / gpu.bandwidth
+        # Per MoE layer the expected busiest EP rank's expert bytes (the moe_tp ranks of one EP rank
+        # read equal shares of its experts).
+        busiest = 0.0
+        for l in layers:
+            if l in probs:
+                perm = experts.placement.get(l, list(range(m.num_experts)))
+                groups = _ep_groups(mapping, m.num_experts, perm)
+                busiest += expected_busiest([([used[l][e] for e in g], [local_bytes[l][e] for e in g])
+                                             for g in groups])
+        step_s += (stage_nonexpert + busiest) / gpu.bandwidth
     n_moe = len(probs)
     return {
         "batch": batch,
         "distinct_experts_per_layer": {str(l): d for l, d in distinct.items()},
         "distinct_experts_mean": sum(distinct.values()) / n_moe if n_moe else 0.0,
         "expert_coverage": (sum(distinct.values()) / (n_moe * m.num_experts)) if n_moe else 0.0,
-        "expert_bytes": expert_bytes, "expert_bytes_share": expert_bytes / all_expert_bytes if all_expert_bytes else 0.0,
+        "expert_bytes": expert_bytes,
+        "expert_bytes_share": expert_bytes / all_expert_bytes if all_expert_bytes else 0.0,
         "nonexpert_bytes": dense, "weight_bytes": dense + expert_bytes, "kv_bytes": kv,
         "bytes_per_step": dense + expert_bytes + kv,
         "ranks": ranks,
@@ -400,10 +451,12 @@ def render_moves(rep: dict, console) -> None:
     lay = rep["layout"]
     console.print(f"[bold]What a decode step moves[/] ({rep['dtype']}, {rep['experts']}, tp={lay['tp']} "
                   f"pp={lay['pp']} moe_tp={lay['moe_tp']} moe_ep={lay['moe_ep']}; context {rep['context']} "
-                  f"tokens per stream; {g['name']} at {g['bandwidth_bytes_per_s'] / 1e12:.3g} TB/s — {g['source']})")
+                  f"tokens per stream; {g['name']} at {g['bandwidth_bytes_per_s'] / 1e12:.3g} TB/s — "
+                  f"{g['source']})")
     E = rep["model"]["num_experts"]
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left", title=f"Per decode step ({rep['model']['num_moe_layers']} MoE layers × "
-                                          f"{E} experts, top-{rep['model']['top_k']})")
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
+              title=f"Per decode step ({rep['model']['num_moe_layers']} MoE layers × {E} experts, "
+                    f"top-{rep['model']['top_k']})")
     for col in ("B", "routing", "distinct", "cover", "weights", "experts", "KV", "top rank", "steps/s",
                 "tok/s"):
         t.add_column(col, justify="left" if col == "routing" else "right")
@@ -424,16 +477,20 @@ def render_moves(rep: dict, console) -> None:
                   "routing, unif: uniform[/]")
     pl = rep["placement"]
     if pl["moe_ep"] > 1:
-        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left", title=f"Hottest expert-parallel rank / mean ({pl['routing']} routing, "
-                                              f"moe_ep={pl['moe_ep']}, summed over MoE layers)")
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left",
+                  title=f"Hottest expert-parallel rank / mean ({pl['routing']} routing, moe_ep={pl['moe_ep']}, "
+                        "summed over MoE layers)")
         t.add_column("placement")
         for row in rep["batches"]:
             t.add_column(f"{row['batch']}: tok", justify="right")
             t.add_column(f"{row['batch']}: bytes", justify="right")
         for name, rows in pl["placements"].items():
-            t.add_row(name, *[v for x in rows for v in (f"{x['tokens_max_over_mean']:.2f}×",
-                                                         f"{x['bytes_max_over_mean']:.2f}×")])
+            t.add_row(name, *[v for x in rows for v in (
+                f"{x['tokens_max_over_mean']:.2f}×",
+                f"{x['bytes_max_over_mean']:.2f}× ({x['bytes_expected_max_over_mean']:.1f}×)")])
         console.print(t)
+        console.print("  [dim]tok, bytes: the busiest rank's expected tokens and expert bytes over the mean; in "
+                      "brackets the expected bytes of a step's busiest rank over the mean[/]")
     if pl.get("note"):
         console.print(f"  [dim]{pl['note']}[/]")
     for a in rep["assumptions"]:

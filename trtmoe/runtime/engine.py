@@ -734,7 +734,8 @@ class EmbeddedEngine:
         flags: list[bool] = []
         for recs, dec in zip(pending, decode):
             if run and (len(recs) != len(run[0]) or any(
-                    (a[0], a[2].shape, a[3].shape, a[5]) != (b[0], b[2].shape, b[3].shape, b[5]) for a, b in zip(recs, run[0]))):
+                    (a[0], a[2].shape, a[3].shape, a[5]) != (b[0], b[2].shape, b[3].shape, b[5])
+                    for a, b in zip(recs, run[0]))):
                 self._add_run(run, flags)
                 run, flags = [], []
             run.append(recs)
