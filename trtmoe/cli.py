@@ -134,7 +134,8 @@ def moves_options(f):
         click.option("--plan", type=click.Path(path_type=Path), default=None,
                      help="A converted checkpoint: its per-expert formats and placement instead of --format."),
         click.option("--context", type=int, default=None,
-                     help="Tokens of context each stream's KV cache holds [default: 2048]."),
+                     help="Tokens of context each stream's KV cache holds [default: 2048, or the model's "
+                          "max_position_embeddings when shorter]."),
         click.option("--gpu", default=None,
                      help="Memory bandwidth of the roofline: H100 (3.35 TB/s), H200 (4.8), B200 (8), or GB/s "
                           "[default: H100]."),

@@ -190,7 +190,8 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
         t.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
     for r in rows:
         t.add_row(*[r[i] for i in cols])
-    console.print(t)
+    if rows:
+        console.print(t)
     wi = res.report.get("router_what_ifs")
     if wi:
         t = Table(title=f"Router what-ifs ({wi['tokens']} held-out tokens)", title_justify="left")

@@ -345,14 +345,17 @@ def predict_step(m: ModelSpec, mapping: Mapping, dtype: torch.dtype, probs: dict
 
 
 def what_it_moves(m: ModelSpec, mapping: Mapping, dtype: torch.dtype, *, batches=DEFAULT_BATCHES,
-                  calib: dict | None = None, experts: ExpertLayout | None = None, context: int = DEFAULT_CONTEXT,
+                  calib: dict | None = None, experts: ExpertLayout | None = None, context: int | None = None,
                   gpu: GPU | None = None, kv_element_bytes: int | None = None) -> dict:
     """Per batch size, under uniform routing and (with ``calib``) the measured one: expected distinct
     experts per MoE layer, weight / KV bytes per step (whole deployment and per rank), the bandwidth
     roofline; and the EP ranks' imbalance under contiguous, balanced (and the plan's) placement."""
     gpu = gpu or GPUS["H100"]
-    if context < 0:
-        raise InputError(f"--context must be ≥ 0, got {context}")
+    if context is None:  # DEFAULT_CONTEXT tokens, or the model's whole context when shorter
+        context = min(DEFAULT_CONTEXT, m.max_position_embeddings)
+    if context < 0 or context > m.max_position_embeddings:
+        raise InputError(f"--context {context}: a stream holds 0 to max_position_embeddings = "
+                         f"{m.max_position_embeddings} tokens")
     batches = parse_batches(batches)
     experts = experts or ExpertLayout.uniform(m, None)
     kv_b = kv_element_bytes or torch.empty((), dtype=dtype).element_size()
@@ -433,7 +436,7 @@ def moves_report(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = N
         experts = ExpertLayout.uniform(m, None if fmt in (None, "float", "fp16", "bf16", "fp32") else fmt)
     cal = load_calib(calib) if calib is not None else None
     out = what_it_moves(m, mapping, tdtype, batches=parse_batches(batch), calib=cal, experts=experts,
-                        context=DEFAULT_CONTEXT if context is None else context, gpu=parse_gpu(gpu))
+                        context=context, gpu=parse_gpu(gpu))
     out["layout"] = mapping.summary()
     out["dtype"] = DTYPE_STR[tdtype]
     out["model"] = {"num_moe_layers": m.num_moe_layers, "num_experts": m.num_experts, "top_k": m.top_k}
