@@ -123,6 +123,27 @@ def layout_options(f):
 
 
 # ---- inspect ---------------------------------------------------------------------------------------
+def moves_options(f):
+    """inspect's options for what a decode step moves (trtmoe.report.moves)."""
+    for opt in reversed((
+        click.option("--batch", default=None, metavar="B,B,...",
+                     help="Decode batch sizes (concurrent streams) to report what a step moves at "
+                          "[default: 1,8,32,128]."),
+        click.option("--calib", type=click.Path(path_type=Path), default=None,
+                     help="Calibration directory: expert coverage from its measured routing (uniform beside it)."),
+        click.option("--plan", type=click.Path(path_type=Path), default=None,
+                     help="A converted checkpoint: its per-expert formats and placement instead of --format."),
+        click.option("--context", type=int, default=None,
+                     help="Tokens of context each stream's KV cache holds [default: 2048, or the model's "
+                          "max_position_embeddings when shorter]."),
+        click.option("--gpu", default=None,
+                     help="Memory bandwidth of the roofline: H100 (3.35 TB/s), H200 (4.8), B200 (8), or GB/s "
+                          "[default: H100]."),
+    )):
+        f = opt(f)
+    return f
+
+
 @main.command()
 @click.argument("model")
 @layout_options
@@ -132,25 +153,42 @@ def layout_options(f):
               help="tensorrt-llm: also show whether TensorRT-LLM builds this layout and format (support table).")
 @click.option("--trtllm-version", default="1.2", show_default=True, help="TensorRT-LLM release line for --target.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def inspect(model, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtllm_version, as_json):
+@moves_options
+def inspect(model, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtllm_version, as_json, **moves):
     """Show what MODEL costs and really activates per token, and bytes per rank for a layout.
 
     MODEL is a local HF directory or a hub id already in the local cache. Only config.json is needed:
     plan a layout before downloading the weights.
 
+    With --batch (or --calib, --plan, --gpu, --context): what a decode step at each batch size moves
+    (distinct experts per MoE layer, weight and KV-cache bytes, per rank) and the steps per second a
+    GPU's memory bandwidth allows, under uniform routing and the calibration's measured routing.
+
     \b
     Examples:
       trtmoe inspect mistralai/Mixtral-8x7B-v0.1 --tp 4 --moe-tp 2 --moe-ep 2 --dtype bfloat16
       trtmoe inspect ./config-only-dir --tp 2 --moe-ep 2 --format int4_g128 --target tensorrt-llm
+      trtmoe inspect ./model --calib calib/ --batch 1,8,32,128 --context 4096 --gpu H200 --moe-ep 2
+      trtmoe inspect ./model --plan ckpt/ --batch 1,32 --gpu 2000    # the checkpoint's formats, 2000 GB/s
     """
     from .report.inspect import inspect_model
 
     rep = inspect_model(model, tp=1 if tp is None else tp, pp=1 if pp is None else pp, moe_tp=moe_tp,
                         moe_ep=moe_ep, dtype=dtype or "auto", fmt=fmt, target=target, trtllm_version=trtllm_version)
+    wants_moves = any(moves[k] is not None for k in ("batch", "calib", "plan", "gpu", "context"))
+    if wants_moves and rep["layout"]["ok"]:
+        from .report.moves import moves_report
+
+        rep["moves"] = moves_report(model, tp=1 if tp is None else tp, pp=1 if pp is None else pp, moe_tp=moe_tp,
+                                    moe_ep=moe_ep, dtype=dtype or "auto", fmt=fmt, **moves)
     if as_json:
         click.echo(json.dumps(rep, indent=2))
     else:
         _render_inspect(rep)
+        if "moves" in rep:
+            from .report.moves import render_moves
+
+            render_moves(rep["moves"], console)
     if not rep["layout"]["ok"]:
         from .errors import LayoutError
 
@@ -330,7 +368,7 @@ def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p
     Example:
       trtmoe run ckpt/ --tokenizer tests/fixtures/trained_mixtral -p "def main(" -n 40
     """
-    from .runtime.engine import SamplingParams
+    from .runtime.engine import SamplingParams, decode_summary
     from .runtime.load import load_engine, load_tokenizer
 
     eng = load_engine(checkpoint, None if device == "auto" else device, cpu_activations=cpu_activations)
@@ -340,6 +378,7 @@ def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p
         ids = tok.encode(text)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, end_id=tok.eos_id)
+        before = eng.decode_traffic()
         if as_json:
             out = eng.generate(ids, params)
         else:
@@ -352,7 +391,10 @@ def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p
                 console.print(tok.decode(out)[len(prev):], end="", highlight=False, markup=False)
             eng.generate(ids, params, on_token=show)
             console.print()
-        results.append({"prompt": text, "output_ids": out, "text": tok.decode(out)})
+        results.append({"prompt": text, "output_ids": out, "text": tok.decode(out),
+                        # what its decode steps read: distinct experts per MoE layer and bytes per step
+                        "decode": decode_summary(eng.decode_traffic(), before,
+                                                 [l for l, x in enumerate(eng.cfg.moe_layers) if x])})
     if as_json:
         click.echo(json.dumps(results, indent=2))
 

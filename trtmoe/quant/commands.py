@@ -152,15 +152,19 @@ def _routing_table(r: dict, E: int, layers, title: str, per_expert: bool):
               help="Tokenizer dir [default: the reference checkpoint's copy].")
 @click.option("--field", default="text", show_default=True, help="JSONL field holding the text.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--what-ifs", "what_ifs", is_flag=True,
+              help="Also measure router what-ifs on the reference (top-k − 1, router temperature 0.5 and 2, "
+                   "per-expert capacity 1.0 / 1.25 / 2.0): held-out KL, dropped and re-routed shares.")
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
 def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_size, tokenizer, field, device,
-           as_json):
+           what_ifs, as_json):
     """Evaluate quantized checkpoints against the reference on held-out text and write report.json plus
     a self-contained report.html (KL statistics, router agreement, heatmaps, KL-versus-bits curve).
 
     \b
     Example:
       trtmoe report --calib calib/ --ref ckpt_fp/ --quant ckpt_q/ --data heldout.txt -o report/
+      trtmoe report --calib calib/ --ref ckpt_fp/ --what-ifs -o report/     # routing what-ifs only
     """
 
     from ..report.assemble import write_report
@@ -168,10 +172,11 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
 
     res = write_report(ref, out, quants=quants, calib=calib, data=data, bench_paths=bench_paths, samples=samples,
                        seq_len=seq_len, batch_size=batch_size, tokenizer=tokenizer, text_field=field, device=device,
-                       on_evaluate=lambda q: err_console.print(f"evaluating {q} …"))
+                       on_evaluate=lambda q: err_console.print(f"evaluating {q} …"), what_ifs=what_ifs)
     paths, evals, heldout, warnings = res.paths, res.evaluations, res.heldout, res.warnings
     if as_json:
-        click.echo(json.dumps({"report": str(paths["html"]), "evaluations": evals}, indent=1))
+        click.echo(json.dumps({"report": str(paths["html"]), "evaluations": evals,
+                               "router_what_ifs": res.report.get("router_what_ifs")}, indent=1))
         return
     from rich.table import Table
 
@@ -185,7 +190,17 @@ def report(ref, quants, calib, data, bench_paths, out, samples, seq_len, batch_s
         t.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
     for r in rows:
         t.add_row(*[r[i] for i in cols])
-    console.print(t)
+    if rows:
+        console.print(t)
+    wi = res.report.get("router_what_ifs")
+    if wi:
+        t = Table(title=f"Router what-ifs ({wi['tokens']} held-out tokens)", title_justify="left")
+        for h in ("what-if", "KL mean ± se", "same top-1 %", "dropped %", "re-routed %"):
+            t.add_column(h, justify="left" if h == "what-if" else "right")
+        for r in wi["what_ifs"]:
+            t.add_row(r["name"], f"{r['kl']['mean']:.4g} ± {r['kl']['stderr']:.2g}", f"{100 * r['same_top1']:.2f}",
+                      f"{100 * r['dropped']:.2f}", f"{100 * r['rerouted']:.2f}")
+        console.print(t)
     for w in warnings:
         err_console.print(f"[yellow]warning:[/] {w}")
     console.print(f"[green]wrote[/] {paths['html']} and {paths['json']}")

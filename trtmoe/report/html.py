@@ -128,7 +128,8 @@ def curve_from_evaluations(evals: list[dict]) -> dict[str, list[dict]]:
 
 
 def build_report(*, calib: dict | None, reference: dict | None, evaluations: list[dict],
-                 bench: dict | None = None, heldout: dict | None = None, warnings: list[str] | None = None) -> dict:
+                 bench: dict | None = None, heldout: dict | None = None, warnings: list[str] | None = None,
+                 moves: dict | None = None, what_ifs: dict | None = None) -> dict:
     """The report as a JSON-serialisable dict (what ``report.json`` holds)."""
     return {
         "version": 1,
@@ -141,6 +142,8 @@ def build_report(*, calib: dict | None, reference: dict | None, evaluations: lis
                   "bench_targets": (bench or {}).get("targets"),
                   "bench_rows": bench_table(bench) if bench else None},
         "warnings": list(warnings or []),
+        "moves": moves,
+        "router_what_ifs": what_ifs,
     }
 
 
@@ -415,6 +418,109 @@ def plot_bytes(reference: dict | None, evals: list[dict]) -> bytes | None:
     return _png(fig)
 
 
+def plot_moves(moves: dict) -> bytes | None:
+    """Expert coverage and bytes read per decode step against batch size (measured and uniform)."""
+    if not moves or not moves.get("batches"):
+        return None
+    plt = _plt()
+    bs = [r["batch"] for r in moves["batches"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, style in (("measured", "-o"), ("uniform", "--s")):
+        if name not in moves["batches"][0]:
+            continue
+        a.plot(bs, [100 * r[name]["expert_coverage"] for r in moves["batches"]], style, label=f"{name} routing")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("decode batch (streams)")
+    a.set_ylabel("experts read per step, % of each layer's")
+    a.set_ylim(0, 105)
+    a.set_title("Expert coverage per decode step")
+    a.grid(True, alpha=0.3)
+    a.legend(fontsize=8)
+    rows = [r.get("measured") or r["uniform"] for r in moves["batches"]]
+    mib = 2 ** 20
+    b.plot(bs, [r["nonexpert_bytes"] / mib for r in rows], ":", color="#757575", label="other weights")
+    b.plot(bs, [r["expert_bytes"] / mib for r in rows], "-o", color="#4c72b0", label="experts read (reference)")
+    b.plot(bs, [r["kv_bytes"] / mib for r in rows], "-.", color="#dd8452",
+           label=f"KV cache ({moves['context']} tokens / stream)")
+    for ck in (moves.get("checkpoints") or [])[1:]:
+        b.plot(bs, [x / mib for x in ck["bytes_per_step"]], "-", linewidth=1, label=f"weights: {ck['name']}")
+    b.set_xscale("log", base=2)
+    b.set_yscale("log")
+    b.set_xlabel("decode batch (streams)")
+    b.set_ylabel("MiB read per step")
+    b.set_title("Bytes read per decode step (measured routing)")
+    b.grid(True, which="both", alpha=0.3)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def plot_what_ifs(wi: dict) -> bytes | None:
+    """Held-out KL and the dropped / re-routed shares of each router what-if."""
+    if not wi or not wi.get("what_ifs"):
+        return None
+    plt = _plt()
+    rows = wi["what_ifs"]
+    names = [r["name"] for r in rows]
+    x = list(range(len(rows)))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar(x, [r["kl"]["mean"] for r in rows], yerr=[r["kl"]["stderr"] for r in rows], color="#8172b3", capsize=3)
+    a.set_yscale("log")
+    a.set_ylabel("mean KL(p_ref ‖ p_what-if), nats / token")
+    a.set_title("Held-out KL against the unmodified model")
+    b.bar([k - 0.2 for k in x], [100 * r["dropped"] for r in rows], 0.4, label="picks dropped", color="#c44e52")
+    b.bar([k + 0.2 for k in x], [100 * r["rerouted"] for r in rows], 0.4, label="tokens re-routed",
+          color="#55a868")
+    b.set_ylabel("% (picks, or token × MoE layer pairs)")
+    b.set_title("Dropped and re-routed")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, rotation=25, ha="right")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _moves_section(rep: dict, pngs: dict) -> list[str]:
+    """The "what it moves" and router what-if sections (empty when the report has neither)."""
+    esc, parts = html.escape, []
+    mv, wi = rep.get("moves"), rep.get("router_what_ifs")
+    if mv:
+        g = mv["gpu"]
+        parts.append("<h2>What it moves</h2>")
+        parts.append("<p class='note'>Per decode step at batch B (B independent streams), each MoE layer reads "
+                     "every expert one of the B tokens picks: expected Σ<sub>e</sub> 1 − (1 − p<sub>e</sub>)"
+                     "<sup>B</sup> distinct experts, p<sub>e</sub> the calibration's measured top-k inclusion "
+                     "probability (uniform: k/E). Bytes are the checkpoints' stored sizes (quantized experts "
+                     f"packed, scales counted); KV cache at {mv['context']} tokens per stream; steps/s is the "
+                     f"memory-bandwidth roofline on {esc(g['name'])} ({esc(g['source'])}).</p>")
+        parts.append(_img(pngs.get("moves"), "expert coverage and bytes per step against batch size"))
+        trs = []
+        for r in mv["batches"]:
+            m, u = r.get("measured") or r["uniform"], r["uniform"]
+            trs.append([r["batch"], f"{m['distinct_experts_mean']:.2f}", f"{u['distinct_experts_mean']:.2f}",
+                        f"{100 * m['expert_coverage']:.1f}", f"{m['weight_bytes'] / 2**20:,.2f}",
+                        f"{m['kv_bytes'] / 2**20:,.2f}", f"{m['steps_per_s']:,.0f}", f"{m['tokens_per_s']:,.0f}"])
+        parts.append(_table(["batch", "distinct experts / layer (measured)", "(uniform)", "coverage %",
+                             "weights MiB / step", "KV MiB / step", "steps/s (roofline)", "tokens/s"], trs))
+    if wi:
+        parts.append("<h2>Router what-ifs</h2>")
+        parts.append(f"<p class='note'>The reference rerun on the same {wi['windows']} held-out windows × "
+                     f"{wi['seq_len']} tokens with its routing changed: top-k − 1, the router logits divided by "
+                     "a temperature, or a per-expert capacity (ceil(factor · tokens · k / E) picks per "
+                     f"{esc(wi['capacity_group'])}; picks over it dropped, in token order). Dropped: share of the "
+                     "k expert places per token and MoE layer where no expert runs (top-k − 1: 1/k); re-routed: "
+                     "share of (token, MoE layer) pairs that run an expert the unmodified model did not pick "
+                     "there.</p>")
+        parts.append(_img(pngs.get("what_ifs"), "router what-ifs"))
+        parts.append(_table(["what-if", "mean KL ± stderr", "99% KL", "same top-1 %", "dropped %", "re-routed %"],
+                            [[esc(r["name"]), f"{r['kl']['mean']:.4g} ± {r['kl']['stderr']:.2g}",
+                              f"{r['kl']['p99']:.4g}", f"{100 * r['same_top1']:.2f}", f"{100 * r['dropped']:.2f}",
+                              f"{100 * r['rerouted']:.2f}"] for r in wi["what_ifs"]]))
+    return parts
+
+
 # ---- HTML ---------------------------------------------------------------------------------------------
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1200px;
@@ -524,6 +630,7 @@ def _page(rep: dict, pngs: dict[str, bytes | None]) -> str:
         if cal["under_observed"]:
             parts.append(_table(["layer", "expert", "routed tokens"],
                                 [[u["layer"], u["expert"], u["tokens"]] for u in cal["under_observed"]]))
+    parts.extend(_moves_section(rep, pngs))
     parts.append("<h2>Bytes per rank</h2>")
     parts.append(_img(pngs.get("bytes"), "bytes per rank"))
     brows = []
@@ -558,6 +665,10 @@ def render(rep: dict, out_dir: str | Path) -> dict[str, Path]:
     elif evals and evals[0].get("formats"):
         layers = sorted(int(l) for l in evals[0]["formats"])
         pngs["formats"] = plot_formats(evals, layers, len(evals[0]["formats"][str(layers[0])])) if layers else None
+    if rep.get("moves"):
+        pngs["moves"] = plot_moves(rep["moves"])
+    if rep.get("router_what_ifs"):
+        pngs["what_ifs"] = plot_what_ifs(rep["router_what_ifs"])
     paths: dict[str, Path] = {}
     for name, png in pngs.items():
         if png is not None:

@@ -36,7 +36,7 @@ from ..model.params import count_params
 from .alloc import give_back_freed_memory, hold_freed_memory
 from .beam import BeamState, Hypothesis
 from .checkpoint_reader import CheckpointConfig, RankFiles, load_config, whole
-from .experts import STACK_MAX_ROWS, ExpertBank, load_expert_bank
+from .experts import STACK_MAX_ROWS, ExpertBank, expert_bytes, load_expert_bank, nonexpert_step_bytes
 
 
 @dataclass
@@ -305,6 +305,38 @@ def _sparse_mixer(logits: torch.Tensor, k: int, eps: float) -> tuple[torch.Tenso
     return torch.cat(ws, -1), torch.cat(idxs, -1)
 
 
+@dataclass(frozen=True)
+class RouterOverride:
+    """A what-if on routing (``EmbeddedEngine.router_override``): ``top_k`` picks per token instead of
+    the model's, router logits divided by ``temperature`` before the model's own normalization, and a
+    per-expert capacity of ceil(``capacity_factor`` · tokens · k / experts) picks per forward block:
+    as in capacity-limited MoE serving, the tokens of a block claim places in order (row by row,
+    position by position, a token's picks best first) and a pick over its expert's capacity is
+    dropped (the expert adds nothing for that token; the residual stream passes on)."""
+
+    top_k: int | None = None
+    temperature: float = 1.0
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        if self.top_k is not None and self.top_k < 1:
+            raise InputError(f"router override top_k must be ≥ 1, got {self.top_k}")
+        if not self.temperature > 0:
+            raise InputError(f"router temperature must be > 0, got {self.temperature}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise InputError(f"capacity factor must be > 0, got {self.capacity_factor}")
+
+    def keep(self, idx: torch.Tensor, num_experts: int) -> torch.Tensor | None:
+        """[N, k] bool: the picks within their expert's capacity (None: no capacity limit)."""
+        if self.capacity_factor is None:
+            return None
+        n, k = idx.shape
+        cap = math.ceil(self.capacity_factor * n * k / num_experts)
+        flat = idx.reshape(-1)
+        # Each pick's place in its expert's queue: how many earlier picks chose the same expert.
+        place = F.one_hot(flat, num_experts).cumsum(0).gather(1, flat[:, None]).squeeze(1)
+        return (place <= cap).view(n, k)
+
 
 
 class EmbeddedEngine:
@@ -357,6 +389,14 @@ class EmbeddedEngine:
         self._entropy = torch.zeros(L, dtype=torch.float64, device=device)
         self._mass = torch.zeros(L, E, dtype=torch.float64, device=device)
         self._tokens = 0
+        # Decode steps' traffic (see ``decode_traffic``): steps, rows, the steps in which each expert
+        # was read [L, E], and the KV-cache bytes read; the weights' bytes follow from these.
+        self._dec_steps = self._dec_rows = self._dec_kv_bytes = 0
+        self._dec_touched = torch.zeros(L, E, dtype=torch.int64, device=device)
+        self._pending_decode: list[bool] = []
+        self.expert_bytes = torch.zeros(L, E, dtype=torch.int64)  # checkpoint bytes of each expert (load)
+        self.nonexpert_bytes = nonexpert_step_bytes(cfg)
+        self._kv_token_bytes = 2 * L * cfg.num_kv_heads * hd * torch.empty((), dtype=compute_dtype).element_size()
         self._layer_ids: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         # Small blocks' (decode steps') routing records wait here and are added in batches (see
         # ``_record_routing``); the lock guards them, the totals and ``_tokens`` against a reader in
@@ -367,6 +407,8 @@ class EmbeddedEngine:
         self.layer_hook: Callable[[int, torch.Tensor], None] | None = None  # sees MoE-layer inputs
         self.residual_hook: Callable[[int, torch.Tensor], None] | None = None  # sees each layer's input
         self.route_hook: Callable[[int, torch.Tensor], None] | None = None  # sees top-k expert ids [N, k]
+        # A routing what-if (None: the model's routing); the route hook then sees a dropped pick as -1.
+        self.router_override: RouterOverride | None = None
         # Sees each MoE layer's input h [N, H], top-k ids and weights [N, k] and its output [N, H]; under
         # ``logits_with_grad`` the output is a node of the autograd graph (a tensor hook on it receives
         # the gradient with respect to the layer's output).
@@ -428,6 +470,7 @@ class EmbeddedEngine:
             if c.moe_layers[l]:
                 lay.router = dense(t["mlp.router.weight"].float().to(dev), self.cpu_matmul)
                 lay.experts = load_expert_bank(files, c, l, pre, p, dev, cdt, self.cpu_matmul, self.pack_experts)
+                self.expert_bytes[l] = torch.tensor(expert_bytes(c, l))
                 lay.shared_fc = lin(t.get("mlp.shared_expert.fc.weight"))  # [up; gate]
                 lay.shared_proj = lin(t.get("mlp.shared_expert.proj.weight"))
                 lay.shared_gate = lin(t.get("mlp.shared_expert_gate.weight"))
@@ -460,11 +503,34 @@ class EmbeddedEngine:
         with self._stats_lock:
             self._flush_routing()
             return {"counts": self._counts.to("cpu", copy=True), "entropy_sum": self._entropy.to("cpu", copy=True),
-                    "tokens": self._tokens, "weight_mass": self._mass.to("cpu", copy=True)}
+                    "tokens": self._tokens, "weight_mass": self._mass.to("cpu", copy=True),
+                    "decode": self._decode_totals()}
+
+    def _decode_totals(self) -> dict:
+        touched = self._dec_touched.to("cpu", copy=True)
+        return {"steps": self._dec_steps, "rows": self._dec_rows, "touched": touched,
+                "distinct_sum": touched.sum(-1), "expert_bytes": int((touched * self.expert_bytes).sum()),
+                "nonexpert_bytes": self._dec_steps * self.nonexpert_bytes[0] + self._dec_rows * self.nonexpert_bytes[1],
+                "kv_bytes": self._dec_kv_bytes}
+
+    def decode_traffic(self) -> dict:
+        """Cumulative traffic of the decode steps since load (or the last reset): ``steps``, ``rows``
+        (tokens decoded), ``touched`` [L, E] (steps in which each expert was read), ``distinct_sum``
+        [L] (distinct experts read, summed over steps), and the bytes read: ``expert_bytes`` (each
+        touched expert once per step, at its checkpoint format's size: packed weights and scales),
+        ``nonexpert_bytes`` (every other weight once per step, one embedding row per token, at the
+        checkpoint's sizes) and ``kv_bytes`` (each row's cached keys and values, as this engine holds
+        them). See ``decode_summary`` for per-step figures."""
+        with self._stats_lock:
+            self._flush_routing()
+            return self._decode_totals()
 
     def reset_routing_stats(self) -> None:
         with self._stats_lock:
             self._pending.clear()
+            self._pending_decode.clear()
+            self._dec_touched.zero_()
+            self._dec_steps = self._dec_rows = self._dec_kv_bytes = 0
             self._pending_elems = 0
             self._counts.zero_()
             self._entropy.zero_()
@@ -534,15 +600,24 @@ class EmbeddedEngine:
         if self.layer_hook is not None:
             self.layer_hook(li, h)
         logits = lay.router(h if h.dtype == torch.float32 else h.float())
+        ov, top_k, keep = self.router_override, c.top_k, None
+        if ov is not None:
+            top_k = min(ov.top_k or top_k, c.num_experts)
+            if ov.temperature != 1.0:
+                logits = logits / ov.temperature
         probs = None  # the router probabilities, where routing itself needs them
         if c.normalization_mode == NORM_NONE:
             probs = logits.softmax(-1)
-            w, idx = probs.topk(c.top_k, dim=-1)
+            w, idx = probs.topk(top_k, dim=-1)
         elif c.normalization_mode == NORM_SPARSE_MIXER:
-            w, idx = _sparse_mixer(logits, c.top_k, c.sparse_mixer_epsilon)
+            w, idx = _sparse_mixer(logits, top_k, c.sparse_mixer_epsilon)
         else:
-            top, idx = logits.topk(c.top_k, dim=-1)
+            top, idx = logits.topk(top_k, dim=-1)
             w = top.softmax(-1)
+        if ov is not None:
+            keep = ov.keep(idx, c.num_experts)
+            if keep is not None:
+                w = w * keep
         one = h.shape[0] == 1 and not h.requires_grad and stats is not None
         flat_idx = None if one else idx.reshape(-1)
         with torch.no_grad():
@@ -554,7 +629,7 @@ class EmbeddedEngine:
             else:  # the probabilities of a deferred record are computed when it is added
                 stats.append((li, n_e, logits if probs is None else probs, idx, w, probs is None))
             if self.route_hook is not None:
-                self.route_hook(li, idx)
+                self.route_hook(li, idx if keep is None else idx.masked_fill(~keep, -1))
         if w.dtype != h.dtype:
             w = w.to(h.dtype)
         if one:
@@ -571,7 +646,7 @@ class EmbeddedEngine:
         # tokens over its contiguous block, and add the weighted outputs back in one indexed op
         # (in expert order, as a loop over the experts would).
         order = flat_idx.argsort(stable=True)
-        token_of = order // c.top_k
+        token_of = order // idx.shape[1]
         counts = n_e.tolist()
         w_sorted = w.reshape(-1)[order, None]
         if len(token_of) <= STACK_MAX_ROWS:
@@ -612,7 +687,7 @@ class EmbeddedEngine:
     _PENDING_ELEMS = 1 << 14
     _PENDING_BLOCKS = 64
 
-    def _record_routing(self, recs: list[tuple], tokens: int = 0) -> None:
+    def _record_routing(self, recs: list[tuple], tokens: int = 0, decode: int | None = None) -> None:
         """Add routing statistics (layer, expert counts, router probabilities, flat top-k ids,
         top-k weights) of one or more layers; they stay on the engine's device (no host sync).
 
@@ -620,7 +695,8 @@ class EmbeddedEngine:
         small block (layer, counts, router logits or probabilities, top-k ids, weights, whether the
         third item is logits) is queued, with the block's ``tokens``, and added later together with
         the following blocks': each total receives the same values in the same order as adding the
-        blocks one by one would."""
+        blocks one by one would. ``decode``: the block is a decode step whose rows' caches held that
+        many tokens in all (the experts it reads are counted, see ``decode_traffic``)."""
         with torch.no_grad():
             if len(recs) == 1 and recs[0][1] is not None and len(recs[0]) == 5:
                 li, n_e, probs, flat_idx, w = recs[0]
@@ -635,7 +711,12 @@ class EmbeddedEngine:
                 recs = [r[:2] + (r[2].detach(),) + r[3:4] + (r[4].detach(),) + r[5:] for r in recs]
             with self._stats_lock:
                 self._tokens += tokens
+                if decode is not None:
+                    self._dec_steps += 1
+                    self._dec_rows += tokens
+                    self._dec_kv_bytes += decode * self._kv_token_bytes
                 self._pending.append(recs)
+                self._pending_decode.append(decode is not None)
                 self._pending_elems += len(recs) * recs[0][2].numel()
                 if self._pending_elems >= self._PENDING_ELEMS or len(self._pending) >= self._PENDING_BLOCKS:
                     self._flush_routing()
@@ -645,20 +726,23 @@ class EmbeddedEngine:
         Consecutive blocks of the same layers, row count and kind go together: per (block, layer)
         the entropy is summed over the block's tokens in float32 as before, and the float64 totals
         receive those sums and the weights in block order."""
-        pending = self._pending
+        pending, decode = self._pending, self._pending_decode
         if not pending:
             return
-        self._pending, self._pending_elems = [], 0
+        self._pending, self._pending_decode, self._pending_elems = [], [], 0
         run: list[list[tuple]] = []
-        for recs in pending:
+        flags: list[bool] = []
+        for recs, dec in zip(pending, decode):
             if run and (len(recs) != len(run[0]) or any(
-                    (a[0], a[2].shape, a[5]) != (b[0], b[2].shape, b[5]) for a, b in zip(recs, run[0]))):
-                self._add_run(run)
-                run = []
+                    (a[0], a[2].shape, a[3].shape, a[5]) != (b[0], b[2].shape, b[3].shape, b[5])
+                    for a, b in zip(recs, run[0]))):
+                self._add_run(run, flags)
+                run, flags = [], []
             run.append(recs)
-        self._add_run(run)
+            flags.append(dec)
+        self._add_run(run, flags)
 
-    def _add_run(self, run: list[list[tuple]]) -> None:
+    def _add_run(self, run: list[list[tuple]], decode: list[bool] | None = None) -> None:
         key = tuple(r[0] for r in run[0])
         at = self._layer_ids.get(key)
         if at is None:  # the layers, and the offset of each one's experts in [L * E]
@@ -674,6 +758,14 @@ class EmbeddedEngine:
         flat = (torch.stack([r[3] for recs in run for r in recs]).view(S, nl, -1) + off).view(-1)
         self._counts.view(-1).add_(torch.bincount(flat, minlength=self._counts.numel()))
         self._mass.view(-1).index_add_(0, flat, torch.stack([r[4] for recs in run for r in recs]).view(-1).double())
+        if decode and any(decode):
+            # The experts each decode step read: a (step, layer, expert) presence count.
+            LE = self._counts.numel()
+            per_step = flat.view(S, -1) + torch.arange(S, device=flat.device)[:, None] * LE
+            hits = torch.bincount(per_step.view(-1), minlength=S * LE).view(S, LE)
+            if not all(decode):
+                hits = hits[torch.tensor(decode, device=hits.device)]
+            self._dec_touched.view(-1).add_((hits > 0).sum(0))
 
     def _dense(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
         return lay.dense_down(F.silu(lay.dense_gate(x)) * lay.dense_up(x))
@@ -770,12 +862,14 @@ class EmbeddedEngine:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seqs: list[Sequence] | None,
                  start_layer: int = 0, hidden: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                  last: list[int] | None = None, rope_lengths: list[int] | None = None,
-                 all_positions: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+                 all_positions: dict[int, torch.Tensor | None] | None = None,
+                 decode: int | None = None) -> torch.Tensor:
         """Logits [B, T, V]; with ``last`` (a position per row) only those, [B, 1, V]. ``valid``
         [B, T] marks the real tokens of a right-padded batch: only they are routed and counted.
         ``rope_lengths`` overrides the sequence lengths LongRoPE chooses its factors by.
         ``all_positions`` (with ``last``): rows whose logits at every position up to their ``last``
-        are also wanted; each key's value is set to those, [last + 1, V] float32."""
+        are also wanted; each key's value is set to those, [last + 1, V] float32. ``decode``: this is a
+        decode step over rows whose caches hold that many tokens in all after it (``decode_traffic``)."""
         x = self.embedding[ids] if hidden is None else hidden
         plan = self._cache_plan(seqs, pos, ids.shape[1]) if seqs is not None else None
         lengths = rope_lengths  # each cached sequence's tokens after this forward (padding excluded)
@@ -783,8 +877,9 @@ class EmbeddedEngine:
             T = ids.shape[1]
             lengths = [s.length + (last[b] + 1 if last is not None else T) for b, s in enumerate(seqs)]
         rope = self._rope_tables(pos, x.dtype, plan["Lmax"] if plan is not None else int(pos.max()) + 1, lengths)
-        # A small block (a decode step) adds every layer's routing statistics in one go afterwards.
-        stats = [] if ids.numel() <= STACK_MAX_ROWS else None
+        # A small block (a decode step) adds every layer's routing statistics in one go afterwards;
+        # a decode step always does, so that the experts it read are counted per step.
+        stats = [] if ids.numel() <= STACK_MAX_ROWS or decode is not None else None
         for li in range(start_layer, len(self.layers)):
             lay = self.layers[li]
             if self.residual_hook is not None:
@@ -795,7 +890,7 @@ class EmbeddedEngine:
             x = x + (self._moe(li, lay, h, valid, stats) if lay.router is not None else self._dense(lay, h))
         n = ids.numel() if valid is None else int(valid.sum())
         if stats:  # queued together with its token count: a reader never sees one without the other
-            self._record_routing(stats, n)
+            self._record_routing(stats, n, decode)
         else:
             with self._stats_lock:
                 self._tokens += n
@@ -1097,7 +1192,8 @@ class EmbeddedEngine:
             order = sorted(range(len(rows)), key=slots.__getitem__)
             rows = [rows[i] for i in order]
         ids_pos = torch.tensor([[s.last_token, s.length] for s in rows], device=self.device)
-        logits = self._forward(ids_pos[:, :1], ids_pos[:, 1:], rows)[:, -1]
+        logits = self._forward(ids_pos[:, :1], ids_pos[:, 1:], rows,
+                               decode=sum(s.length for s in rows) + len(rows))[:, -1]
         if order is None:
             return logits
         # Row i of the caller is row slots[i] - min(slots) of the slot-ordered batch.
@@ -1187,6 +1283,7 @@ class EmbeddedEngine:
         s.length = n
         with self._stats_lock:
             self._pending.clear()
+            self._pending_decode.clear()
             self._pending_elems = 0
             self._counts.copy_(saved[0])
             self._entropy.copy_(saved[1])
@@ -1234,3 +1331,18 @@ class EmbeddedEngine:
             if s.finished:
                 return list(s.tokens)
             self.step([s])
+
+
+def decode_summary(after: dict, before: dict | None = None, moe_layers: list[int] | None = None) -> dict:
+    """Per-step figures of the decode steps between two ``decode_traffic`` snapshots (``before`` None:
+    since load): steps, tokens, mean distinct experts read per MoE layer, and bytes read per step."""
+    d = {k: after[k] - before[k] for k in ("steps", "rows", "distinct_sum", "expert_bytes", "nonexpert_bytes",
+                                           "kv_bytes")} if before is not None else dict(after)
+    n = d["steps"]
+    layers = moe_layers if moe_layers is not None else list(range(len(d["distinct_sum"])))
+    per_layer = {str(l): (float(d["distinct_sum"][l]) / n if n else 0.0) for l in layers}
+    per_step = {k: (d[k] / n if n else 0.0) for k in ("expert_bytes", "nonexpert_bytes", "kv_bytes")}
+    return {"steps": n, "tokens": d["rows"], "mean_batch": d["rows"] / n if n else 0.0,
+            "distinct_experts_per_layer": per_layer,
+            "distinct_experts_mean": sum(per_layer.values()) / len(per_layer) if per_layer else 0.0,
+            "bytes_per_step": {**per_step, "total": sum(per_step.values())}}

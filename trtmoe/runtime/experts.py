@@ -19,6 +19,7 @@ from ..checkpoint.layout import packed_at_conversion
 from ..errors import CheckpointError, InputError
 from ..hf.adapters import expert_rules
 from ..matmul import Packed, matmul_for, mm_t, packs, uses_onednn
+from ..model.params import count_params
 from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
 from .qkernels import kernel_for
@@ -444,6 +445,32 @@ def slot_formats(cfg, layer: int) -> tuple[str, list[str], list[str]]:
     if fs is None:
         return gran, floats, list(floats)
     return gran, fs, list(fs)
+
+
+def expert_bytes(cfg, layer: int) -> list[int]:
+    """Bytes each expert slot of ``layer`` stores (fc + proj in their formats: packed weights and
+    scales, the whole expert over every rank): what a step that runs the expert reads."""
+    _, fc, proj = slot_formats(cfg, layer)
+    I, H, dt = cfg.expert_intermediate_size, cfg.hidden_size, cfg.dtype
+    scale = torch.empty((), dtype=dt).element_size()
+    memo: dict[tuple[str, str], int] = {}
+    for pair in zip(fc, proj):
+        if pair not in memo:
+            memo[pair] = (format_obj(pair[0], dt).weight_bytes(2 * I, H, 1, scale)
+                          + format_obj(pair[1], dt).weight_bytes(H, I, 1, scale))
+    return [memo[pair] for pair in zip(fc, proj)]
+
+
+def nonexpert_step_bytes(cfg) -> tuple[int, int]:
+    """(bytes of every weight but the routed experts and the embedding table, bytes of one embedding
+    row) at the checkpoint's sizes (routers float32): a decode step reads the first once and the
+    second once per token."""
+    pc = count_params(cfg)
+    es = torch.empty((), dtype=cfg.dtype).element_size()
+    static = sum(t for name, (t, _) in pc.components.items() if name not in ("routed experts", "embedding"))
+    router = pc.components.get("router", (0, 0))[0]
+    tied = cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0  # the head reads the table
+    return (static - router + tied) * es + router * 4, cfg.hidden_size * es
 
 
 def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,

@@ -11,6 +11,10 @@ the router entropy and the load imbalance (busiest expert / mean expert load).
 | ``trtmoe_expert_load_imbalance`` | gauge | model, layer | max / mean of the per-expert counters (1.0 = perfectly balanced) |
 | ``trtmoe_dead_experts`` | gauge | model, layer | experts that have received no token yet |
 | ``trtmoe_active_params_per_token`` | gauge | model | parameters touched per token (dense + top-k experts) |
+| ``trtmoe_decode_steps_total`` | counter | model | decode steps the engine ran (batched: one per step) |
+| ``trtmoe_decode_distinct_experts_total`` | counter | model, layer | distinct experts read per decode step, summed over steps |
+| ``trtmoe_decode_distinct_experts`` | gauge | model, layer | mean distinct experts read per decode step since the previous update |
+| ``trtmoe_decode_bytes_read_total`` | counter | model, kind=experts/weights/kv_cache | bytes decode steps read: routed experts touched (at their formats' sizes), the other weights, the KV cache |
 | ``trtmoe_batcher_requests`` | gauge | model, state=active/waiting | in-flight batcher occupancy |
 | ``trtmoe_batcher_iterations_total`` | counter | model | decode steps run |
 | ``trtmoe_generated_tokens_total`` | counter | model | tokens generated |
@@ -55,6 +59,11 @@ ACTIVE_PARAMS = "trtmoe_active_params_per_token"
 BATCHER_REQUESTS = "trtmoe_batcher_requests"
 BATCHER_ITERATIONS = "trtmoe_batcher_iterations_total"
 GENERATED = "trtmoe_generated_tokens_total"
+DECODE_STEPS = "trtmoe_decode_steps_total"
+DECODE_DISTINCT = "trtmoe_decode_distinct_experts_total"
+DECODE_DISTINCT_MEAN = "trtmoe_decode_distinct_experts"
+DECODE_BYTES = "trtmoe_decode_bytes_read_total"
+DECODE_BYTE_KINDS = {"experts": "expert_bytes", "weights": "nonexpert_bytes", "kv_cache": "kv_bytes"}
 
 
 @dataclass(frozen=True)
@@ -267,6 +276,45 @@ class RoutingMetricsPublisher:
         self._last_generated = 0
         for l in range(num_layers):
             self.writer.set(self.dead[l], num_experts)
+        self._init_decode(mf, labels, num_layers)
+
+    def _init_decode(self, mf: Any, labels: dict, num_layers: int) -> None:
+        """The decode-traffic families (what a decode step reads; the engine's ``decode_traffic``)."""
+        self.f_dec_steps = mf(name=DECODE_STEPS, description="Decode steps run by the engine", kind=mf.COUNTER)
+        self.f_dec_distinct = mf(name=DECODE_DISTINCT, description="Distinct experts read per decode step, "
+                                 "summed over decode steps", kind=mf.COUNTER)
+        self.f_dec_mean = mf(name=DECODE_DISTINCT_MEAN, description="Mean distinct experts read per decode step "
+                             "since the last update", kind=mf.GAUGE)
+        self.f_dec_bytes = mf(name=DECODE_BYTES, description="Bytes read by decode steps (experts touched, other "
+                              "weights, KV cache)", kind=mf.COUNTER)
+        self.dec_steps = self.f_dec_steps.Metric(labels=labels)
+        self.dec_distinct = [self.f_dec_distinct.Metric(labels={**labels, "layer": str(l)}) for l in range(num_layers)]
+        self.dec_mean = [self.f_dec_mean.Metric(labels={**labels, "layer": str(l)}) for l in range(num_layers)]
+        self.dec_bytes = {k: self.f_dec_bytes.Metric(labels={**labels, "kind": k}) for k in DECODE_BYTE_KINDS}
+        self._last_dec = {"steps": 0, "distinct": [0] * num_layers, **{k: 0 for k in DECODE_BYTE_KINDS}}
+
+    def _update_decode(self, d: dict) -> None:
+        """Publish the decode traffic's deltas since the last call."""
+        w, last = self.writer, self._last_dec
+        steps = int(d.get("steps", 0))
+        new_steps = steps - last["steps"]
+        if new_steps <= 0:
+            return
+        w.increment(self.dec_steps, new_steps)
+        distinct = [int(x) for x in (d["distinct_sum"].tolist() if hasattr(d["distinct_sum"], "tolist")
+                                     else d["distinct_sum"])]
+        for l, v in enumerate(distinct[: len(self.dec_distinct)]):
+            dv = v - last["distinct"][l]
+            if dv > 0:
+                w.increment(self.dec_distinct[l], dv)
+            w.set(self.dec_mean[l], dv / new_steps)
+            last["distinct"][l] = v
+        for kind, key in DECODE_BYTE_KINDS.items():
+            v = int(d.get(key, 0))
+            if v > last[kind]:
+                w.increment(self.dec_bytes[kind], v - last[kind])
+                last[kind] = v
+        last["steps"] = steps
 
     def set_active_params(self, n: int) -> None:
         self.writer.set(self.params, n)
@@ -304,6 +352,8 @@ class RoutingMetricsPublisher:
             for lr in summarize_routing(counts)[: len(self.imbalance)]:
                 w.set(self.imbalance[lr.layer], lr.imbalance)
                 w.set(self.dead[lr.layer], lr.dead_experts)
+            if routing.get("decode"):
+                self._update_decode(routing["decode"])
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
