@@ -14,10 +14,11 @@ import torch
 
 from .. import DEFAULT_TRTLLM_VERSION
 from ..hf.adapters import (ADAPTERS, EP, FIRST, FLOAT32, KV_HEADS, LAST, MOE_TP, REPLICATED, TP, VOCAB, Rule,
-                           expert_rules, global_rules, layer_rules, role_shapes)
+                           expert_rules, global_rules, layer_rules)
 from ..hf.reader import all_finite
 from ..hf.safetensors_io import SourceRange
 from ..model.description import ModelSpec
+from ..model.params import role_shapes
 from ..parallel.mapping import Mapping
 from ..quant import awq
 from ..quant.formats import FORMATS, GroupInt4Format, PerChannelIntFormat
@@ -265,7 +266,7 @@ class RankLayout:
 
     def _experts(self, p: str, l: int, rules: list[Rule]) -> list[TensorSpec]:
         m, mp, plan = self.m, self.mp, self.plan
-        self._expert_rules = {mod: rule for mod, rule in expert_rules().items() if rule in rules}
+        self._expert_rules = {mod: rule for mod, rule in expert_rules(m).items() if rule in rules}
         slots = mp.ep_experts(m.num_experts, self.rank)
         t = mp.moe_tp_rank(self.rank)
         I_loc = mp.expert_ffn_per_rank(m.expert_intermediate_size)

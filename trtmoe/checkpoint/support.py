@@ -35,9 +35,9 @@ from .schema import schema_for
 
 SUPPORTED, UNLISTED, REFUSED = "supported", "unlisted", "refused"
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
-ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
-              "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE"}
+# The architectures, in the registry's order, and their labels: the registry entries'.
+FAMILIES = tuple(ADAPTERS)
+ARCH_LABEL = {fam: ADAPTERS[fam].label for fam in FAMILIES}
 # The TensorRT-LLM class name each row is about: the architecture registry's.
 TRTLLM_ARCHITECTURE = {fam: ADAPTERS[fam].trtllm_architecture for fam in FAMILIES}
 
