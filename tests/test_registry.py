@@ -98,3 +98,11 @@ def test_parameter_counts_are_products_of_the_role_shapes(tiny_model):
             for role, s in role_shapes(m, layer).items():
                 every += torch.Size(s).numel() * (m.num_experts if role.startswith("expert_") else 1)
         assert count_params(m).total == every, arch
+
+
+def test_tensors_an_architecture_always_has_are_marked_in_its_own_table():
+    always = {fam: sorted(r.name for r in a.rules if r.always) for fam, a in ADAPTERS.items()}
+    assert always["phimoe"] == ["attention.dense.bias", "attention.qkv.bias", "lm_head.bias"]
+    assert not any(always[fam] for fam in ADAPTERS if fam != "phimoe")
+    with pytest.raises(UnsupportedError, match=r"always_written names attention.dense.weight, which is no optional"):
+        dataclasses.replace(ADAPTERS["mixtral"], rules=None, always_written=("attention.dense.weight",))

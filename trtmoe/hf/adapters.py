@@ -14,6 +14,7 @@ norm, router or attention, its kernel in the engine, and its support cells per t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,9 +49,10 @@ class Rule:
     """One TensorRT-LLM tensor: ``name`` (layer-relative for layer rules) <- HF ``roles``, concatenated
     in that order along ``axis``, sharded by ``shard``, stored in the model dtype or float32.
     ``when`` names the ``ModelSpec`` fact that must be truthy for the tensor to exist; ``tied`` is the
-    role read instead of the first one when the model ties its word embeddings. ``always_for`` names
-    the families whose TensorRT-LLM model has the tensor whatever the source says: where the source
-    lacks it (``when`` is falsy) it is written as zeros, which is exactly the source's arithmetic."""
+    role read instead of the first one when the model ties its word embeddings. ``always``: the
+    architecture's TensorRT-LLM model has the tensor whatever the source says, so where the source
+    lacks it (``when`` is falsy) it is written as zeros, which is exactly the source's arithmetic (an
+    entry sets it on its own table through ``Adapter.always_written``)."""
 
     name: str
     roles: tuple[str, ...]
@@ -61,14 +63,14 @@ class Rule:
     when: str | None = None
     tied: str | None = None
     kind: str = ""  # accounting group, e.g. "expert_fc"
-    always_for: tuple[str, ...] = ()
+    always: bool = False
 
     def applies(self, m: ModelSpec) -> bool:
-        return self.when is None or bool(getattr(m, self.when)) or m.family in self.always_for
+        return self.when is None or bool(getattr(m, self.when)) or self.always
 
     def zeros(self, m: ModelSpec) -> bool:
         """Written as zeros: the target model has the tensor, the source model does not."""
-        return self.when is not None and not getattr(m, self.when) and m.family in self.always_for
+        return self.when is not None and not getattr(m, self.when) and self.always
 
     def source_roles(self, m: ModelSpec) -> tuple[str, ...]:
         if self.tied and m.tie_word_embeddings:
@@ -82,14 +84,11 @@ DECODER_RULES: tuple[Rule, ...] = (
     Rule("input_layernorm.weight", ("input_norm",), REPLICATED, LAYER, kind="norm"),
     Rule("input_layernorm.bias", ("input_norm_bias",), REPLICATED, LAYER, when="norm_bias", kind="norm"),
     Rule("attention.qkv.weight", ("q", "k", "v"), KV_HEADS, LAYER, kind="attention"),
-    # TensorRT-LLM's PhiMoE always has attention (qkv and dense) and lm_head biases.
-    Rule("attention.qkv.bias", ("q_bias", "k_bias", "v_bias"), KV_HEADS, LAYER, when="qkv_bias", kind="attention",
-         always_for=("phimoe",)),
+    Rule("attention.qkv.bias", ("q_bias", "k_bias", "v_bias"), KV_HEADS, LAYER, when="qkv_bias", kind="attention"),
     Rule("attention.q_layernorm.weight", ("q_norm",), REPLICATED, LAYER, when="qk_norm", kind="norm"),
     Rule("attention.k_layernorm.weight", ("k_norm",), REPLICATED, LAYER, when="qk_norm", kind="norm"),
     Rule("attention.dense.weight", ("o",), TP, LAYER, axis=1, kind="attention"),
-    Rule("attention.dense.bias", ("o_bias",), REPLICATED, LAYER, when="attn_out_bias", kind="attention",
-         always_for=("phimoe",)),
+    Rule("attention.dense.bias", ("o_bias",), REPLICATED, LAYER, when="attn_out_bias", kind="attention"),
     Rule("post_layernorm.weight", ("post_norm",), REPLICATED, LAYER, kind="norm"),
     Rule("post_layernorm.bias", ("post_norm_bias",), REPLICATED, LAYER, when="norm_bias", kind="norm"),
     Rule("mlp.router.weight", ("router",), EP, MOE, dtype=FLOAT32, kind="router"),
@@ -109,7 +108,7 @@ DECODER_RULES: tuple[Rule, ...] = (
     Rule("transformer.ln_f.weight", ("final_norm",), REPLICATED, LAST, kind="norm"),
     Rule("transformer.ln_f.bias", ("final_norm_bias",), REPLICATED, LAST, when="norm_bias", kind="norm"),
     Rule("lm_head.weight", ("lm_head",), VOCAB, LAST, tied="embed", kind="lm_head"),
-    Rule("lm_head.bias", ("lm_head_bias",), VOCAB, LAST, when="lm_head_bias", kind="lm_head", always_for=("phimoe",)),
+    Rule("lm_head.bias", ("lm_head_bias",), VOCAB, LAST, when="lm_head_bias", kind="lm_head"),
 )
 
 
@@ -488,11 +487,22 @@ class Adapter:
     # Top-level TensorRT-LLM 1.x config keys its model class reads with no default (trtllm-build fails
     # with AttributeError without them; checkpoint.schema checks them).
     trtllm_required_keys: tuple[str, ...] = ()
+    # Optional tensors (rules with a ``when``) the TensorRT-LLM model has whatever the source says:
+    # written as zeros where the source lacks them (the default table's rules of these names get
+    # ``always``).
+    always_written: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.rules is None:
             named = set(self.names)
-            object.__setattr__(self, "rules", tuple(r for r in DECODER_RULES if set(r.roles) <= named))
+            object.__setattr__(self, "rules", tuple(
+                dataclasses.replace(r, always=True) if r.name in self.always_written else r
+                for r in DECODER_RULES if set(r.roles) <= named))
+        optional = {r.name for r in self.rules if r.when is not None}
+        unknown = sorted(set(self.always_written) - optional)
+        if unknown:
+            raise UnsupportedError(f"always_written names {', '.join(unknown)}, which is no optional rule of the "
+                                   f"table", where=f"architecture registry: {self.family}")
         if self.hf_model_type is None:
             object.__setattr__(self, "hf_model_type", self.family)
         check_rules(self.family, self.names, self.rules)
@@ -568,6 +578,8 @@ ADAPTERS: dict[str, Adapter] = {
         Adapter("phimoe", ("PhimoeForCausalLM", "PhiMoEForCausalLM"), "PhiMoEForCausalLM", _PHIMOE, _phimoe,
                 _phimoe_trtllm, _phimoe_from_trtllm, default_norm_eps=1e-5, default_rope_theta=1e6,
                 dense_layers=False, label="Phi-3.5-MoE",
+                # TensorRT-LLM's PhiMoE always has attention (qkv and dense) and lm_head biases.
+                always_written=("attention.qkv.bias", "attention.dense.bias", "lm_head.bias"),
                 # Phi3DecoderLayer passes config.rotary_pct to its attention (PretrainedConfig only reads
                 # the key to derive rotary_embedding_dim).
                 trtllm_required_keys=("rotary_pct",)),
