@@ -236,13 +236,22 @@ def test_options_follow_the_cells():
         support.options("0.9", "mixtral")
 
 
+def _between(path, begin, end):
+    text = (ROOT / path).read_text()
+    assert begin in text and end in text, f"{path} lacks the generated support table markers"
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
 def test_readme_table_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
-    begin, end = "<!-- support-table:begin -->", "<!-- support-table:end -->"
-    assert begin in readme and end in readme, "README lacks the generated support table markers"
-    body = readme.split(begin, 1)[1].split(end, 1)[0].strip()
+    body = _between("README.md", "<!-- support-table:begin -->", "<!-- support-table:end -->")
+    assert body == support.markdown_table("1.2").strip(), \
+        "README support table is stale: regenerate with `python -m trtmoe.checkpoint.support --table`"
+
+
+def test_docs_support_section_is_the_generated_one():
+    body = _between("docs/checkpoint-formats.md", "<!-- support-section:begin -->", "<!-- support-section:end -->")
     assert body == support.readme_section("1.2").strip(), \
-        "README support table is stale: regenerate with `python -m trtmoe.checkpoint.support`"
+        "docs/checkpoint-formats.md support section is stale: regenerate with `python -m trtmoe.checkpoint.support`"
 
 
 # ---- the TensorRT-LLM plan: candidates from the table, budget spent or its remainder explained ----

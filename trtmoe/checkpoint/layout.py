@@ -14,10 +14,11 @@ import torch
 
 from .. import DEFAULT_TRTLLM_VERSION
 from ..hf.adapters import (ADAPTERS, EP, FIRST, FLOAT32, KV_HEADS, LAST, MOE_TP, REPLICATED, TP, VOCAB, Rule,
-                           expert_rules, global_rules, layer_rules, role_shapes)
+                           expert_rules, global_rules, layer_rules)
 from ..hf.reader import all_finite
 from ..hf.safetensors_io import SourceRange
 from ..model.description import ModelSpec
+from ..model.params import role_shapes
 from ..parallel.mapping import Mapping
 from ..quant import awq
 from ..quant.formats import FORMATS, GroupInt4Format, PerChannelIntFormat
@@ -173,7 +174,6 @@ class RankLayout:
     # -- one rule -> one tensor ---------------------------------------------------------------------
     def _spec(self, prefix: str, rule: Rule, l: int | None) -> TensorSpec:
         m, mp, r = self.m, self.mp, self.tp_rank
-        tp = mp.tp_size
         roles = rule.source_roles(m)
         zeros = rule.zeros(m)
         # A tensor the source lacks has the shape it would have if the source had it.
@@ -195,30 +195,31 @@ class RankLayout:
                 w = self.src.role(role, l).to(dt)
                 emit(w[perm] if perm != list(range(len(perm))) else w)
         elif rule.shard == TP:
-            parts = [tuple(d // tp if i == ax else d for i, d in enumerate(sh)) for sh in src_shape]
+            parts = [tuple(mp.tp_shard(d) if i == ax else d for i, d in enumerate(sh)) for sh in src_shape]
             shape = _concat(parts, ax)
 
             def produce(emit):
-                for role, part in zip(roles, parts):
-                    n = part[ax]
+                for role, sh in zip(roles, src_shape):
+                    rng = mp.tp_range(sh[ax], r)
                     if ax == 0:
-                        self._rows(emit, role, l, r * n, (r + 1) * n)
+                        self._rows(emit, role, l, rng.start, rng.stop)
                     else:
-                        self._cols(emit, role, l, r * n, (r + 1) * n)
+                        self._cols(emit, role, l, rng.start, rng.stop)
         elif rule.shard == KV_HEADS:
-            hd, nh = m.head_dim, m.num_heads // tp
+            hd, nh = m.head_dim, mp.heads_per_rank(m.num_heads)
+            qr = mp.tp_range(m.num_heads, r)
             kvr = mp.kv_head_range(m.num_kv_heads, r)
             shape = ((nh + 2 * len(kvr)) * hd, *src_shape[0][1:])
 
             def produce(emit):
-                self._rows(emit, roles[0], l, r * nh * hd, (r + 1) * nh * hd)
+                self._rows(emit, roles[0], l, qr.start * hd, qr.stop * hd)
                 for role in roles[1:]:
                     self._rows(emit, role, l, kvr.start * hd, kvr.stop * hd)
         elif rule.shard == VOCAB:
             V = m.vocab_size
-            per = mp.padded_vocab(V) // tp
-            a, b = r * per, (r + 1) * per
-            shape = (per, *src_shape[0][1:])
+            rows = mp.vocab_range(V, r)
+            a, b = rows.start, rows.stop
+            shape = (len(rows), *src_shape[0][1:])
 
             def produce(emit, role=roles[0]):
                 if a < min(b, V):
@@ -265,7 +266,7 @@ class RankLayout:
 
     def _experts(self, p: str, l: int, rules: list[Rule]) -> list[TensorSpec]:
         m, mp, plan = self.m, self.mp, self.plan
-        self._expert_rules = {mod: rule for mod, rule in expert_rules().items() if rule in rules}
+        self._expert_rules = {mod: rule for mod, rule in expert_rules(m).items() if rule in rules}
         slots = mp.ep_experts(m.num_experts, self.rank)
         t = mp.moe_tp_rank(self.rank)
         I_loc = mp.expert_ffn_per_rank(m.expert_intermediate_size)
@@ -286,7 +287,7 @@ class RankLayout:
         specs = []
         for rule in rules:
             shape = role_shapes(m, l)[rule.roles[0]]
-            per = tuple(d // mp.moe_tp_size if i == rule.axis else d for i, d in enumerate(shape))
+            per = tuple(mp.expert_ffn_per_rank(d) if i == rule.axis else d for i, d in enumerate(shape))
             full = (len(orig), *_concat([per] * len(rule.roles), rule.axis))
 
             def produce(emit, rule=rule):

@@ -10,6 +10,7 @@ quantization × layout × mapping) cells a release line can build is the support
 from __future__ import annotations
 
 from ..errors import UnsupportedError
+from ..hf.adapters import ADAPTERS
 
 _MAPPING_1X = frozenset({
     "world_size", "rank", "gpus_per_node", "cp_size", "tp_size", "pp_size", "moe_tp_size", "moe_ep_size",
@@ -33,15 +34,8 @@ _QUANT_ALGOS_1X = frozenset({
 # Top-level keys each model class of the release line reads as a plain attribute, with no default in its
 # config class or in PretrainedConfig.__init__ (which sets only its named parameters and the extra keys
 # it is given): a checkpoint without one fails when trtllm-build constructs the model (AttributeError).
-# Phi3DecoderLayer passes ``config.rotary_pct`` to its attention (PretrainedConfig only reads the key to
-# derive rotary_embedding_dim); QWenConfig takes qwen_type, seq_length and both MoE sizes as required
-# arguments; DeepseekDecoderLayer reads moe_intermediate_size and DeepSeekV1Config asserts a moe block.
-_REQUIRED_1X = {
-    "PhiMoEForCausalLM": ("rotary_pct",),
-    "Qwen2MoeForCausalLM": ("qwen_type", "seq_length", "moe_intermediate_size", "moe_shared_expert_intermediate_size"),
-    "Qwen3MoeForCausalLM": ("qwen_type", "seq_length", "moe_intermediate_size", "moe_shared_expert_intermediate_size"),
-    "DeepseekForCausalLM": ("moe", "moe_intermediate_size"),
-}
+# Each architecture's registry entry states its own (``Adapter.trtllm_required_keys``, with the reason).
+_REQUIRED_1X = {a.trtllm_architecture: a.trtllm_required_keys for a in ADAPTERS.values() if a.trtllm_required_keys}
 
 SCHEMAS: dict[str, dict] = {
     # 1.2.x: the last release line with the trtllm-build engine path.

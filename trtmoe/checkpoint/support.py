@@ -35,9 +35,9 @@ from .schema import schema_for
 
 SUPPORTED, UNLISTED, REFUSED = "supported", "unlisted", "refused"
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
-ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
-              "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE"}
+# The architectures, in the registry's order, and their labels: the registry entries'.
+FAMILIES = tuple(ADAPTERS)
+ARCH_LABEL = {fam: ADAPTERS[fam].label for fam in FAMILIES}
 # The TensorRT-LLM class name each row is about: the architecture registry's.
 TRTLLM_ARCHITECTURE = {fam: ADAPTERS[fam].trtllm_architecture for fam in FAMILIES}
 
@@ -361,12 +361,12 @@ def check_checkpoint_config(cfg: dict, quant_cfg: dict | None, version: str) -> 
                  shared_expert_size=(cfg.get("moe") or {}).get("shared_expert_intermediate_size"))
 
 
-# ---- the README table -----------------------------------------------------------------------------
+# ---- the generated tables (README, docs/checkpoint-formats.md) --------------------------------
 _MARK = {SUPPORTED: "yes", UNLISTED: "unlisted", REFUSED: "no"}
 
 
 def markdown_table(version: str) -> str:
-    """The README's support table for one release line (generated; a test compares the README)."""
+    """The support table for one release line (generated; a test compares the README's copy)."""
     rs = release_support(version)
     cols = [f"{FORMAT_LABEL[f]}" for f in FORMATS] + ["MIXED_PRECISION"] + list(FEATURES)
     lines = [f"| TensorRT-LLM {rs.line} | " + " | ".join(cols) + " |",
@@ -381,7 +381,7 @@ def markdown_table(version: str) -> str:
 
 
 def reasons(version: str) -> list[str]:
-    """One line per refused or unlisted cell, for the README under the table."""
+    """One line per refused or unlisted cell, to print under the table."""
     rs = release_support(version)
     seen: dict[str, list[str]] = {}
     for (fam, fmt, layout), c in rs.quant.items():
@@ -400,13 +400,18 @@ def reasons(version: str) -> list[str]:
 
 
 def readme_section(version: str) -> str:
-    """The README's support section (table plus the reason of each cell that is not a plain yes)."""
+    """The support section: the table plus the reason of each cell that is not a plain yes
+    (generated; a test compares docs/checkpoint-formats.md's copy)."""
     return (markdown_table(version) + "\n\n"
             + "Cells other than *yes*, and why (restated from TensorRT-LLM's source and NVIDIA's support "
               "lists):\n\n" + "\n".join(reasons(version)) + "\n")
 
 
-if __name__ == "__main__":  # python -m trtmoe.checkpoint.support [RELEASE]: print the README section
+if __name__ == "__main__":
+    # python -m trtmoe.checkpoint.support [--table] [RELEASE]: the docs' support section, or (--table)
+    # the README's table alone
     import sys
 
-    print(readme_section(sys.argv[1] if len(sys.argv) > 1 else "1.2"), end="")
+    args = [a for a in sys.argv[1:] if a != "--table"]
+    release = args[0] if args else "1.2"
+    print(markdown_table(release) + "\n" if "--table" in sys.argv[1:] else readme_section(release), end="")

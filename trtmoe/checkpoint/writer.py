@@ -1,7 +1,9 @@
 """``trtmoe convert``: stream an HF MoE checkpoint into a TensorRT-LLM checkpoint directory.
 
-Memory stays bounded by one tensor chunk: every rank file is written header-first from the layout
-specs, then tensor by tensor in order. Output bytes that are an exact byte range of a source file
+Memory stays bounded whatever the model's size (a float convert peaked at 0.33-0.36 GiB resident for
+1.2-4.6 GiB sources, 0.23 GiB of it the interpreter with torch; docs/benchmarks.md), though not by one
+read chunk: every rank file is written header-first from the layout specs, then tensor by tensor in
+order. Output bytes that are an exact byte range of a source file
 (row slices, whole tensors, no cast) are copied inside the kernel; the rest is read, sliced or
 cast, and written from Python. Background threads keep the main thread on copying:
 

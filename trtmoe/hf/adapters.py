@@ -2,21 +2,26 @@
 
 Per architecture (one ``Adapter``): the HF tensor name of every role, the config facts read from
 ``config.json``, the TensorRT-LLM architecture name and the config keys written for it (and read
-back), and capability fields (norm kind, router kind, shared-expert gate, dense layers). Which
-TensorRT-LLM tensor is built from which roles, in which order, sharded how and stored in which
-dtype is the rule table ``DECODER_RULES``: the checkpoint layout interprets it to write rank
-files and the embedded engine's loader applies it in reverse. Adding an architecture means adding
-an ``Adapter`` here (plus, for a new kind of norm, router or attention, its kernel in the engine).
+back), capability fields (norm kind, router kind, shared-expert gate, dense layers), its label,
+the HF model_type and the TensorRT-LLM keys its model class requires. Which TensorRT-LLM tensor is
+built from which roles, in which order, sharded how and stored in which dtype is the entry's rule
+table (``Adapter.rules``; by default the rules of the Llama-style ``DECODER_RULES`` whose roles the
+entry names): the checkpoint layout interprets it to write rank files and the embedded engine's
+loader applies it in reverse, and a table with an unknown or unused rule or role is refused when
+the entry is made. Adding an architecture means adding an ``Adapter`` here (plus, for a new kind of
+norm, router or attention, its kernel in the engine, and its support cells per target).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import CheckpointError, UnsupportedError
 from ..model.description import NORM_NONE, NORM_RENORMALIZE, NORM_SPARSE_MIXER, ModelSpec
+from ..model.params import role_shapes
 
 # ---- the tensor rule table -----------------------------------------------------------------------
 
@@ -44,9 +49,10 @@ class Rule:
     """One TensorRT-LLM tensor: ``name`` (layer-relative for layer rules) <- HF ``roles``, concatenated
     in that order along ``axis``, sharded by ``shard``, stored in the model dtype or float32.
     ``when`` names the ``ModelSpec`` fact that must be truthy for the tensor to exist; ``tied`` is the
-    role read instead of the first one when the model ties its word embeddings. ``always_for`` names
-    the families whose TensorRT-LLM model has the tensor whatever the source says: where the source
-    lacks it (``when`` is falsy) it is written as zeros, which is exactly the source's arithmetic."""
+    role read instead of the first one when the model ties its word embeddings. ``always``: the
+    architecture's TensorRT-LLM model has the tensor whatever the source says, so where the source
+    lacks it (``when`` is falsy) it is written as zeros, which is exactly the source's arithmetic (an
+    entry sets it on its own table through ``Adapter.always_written``)."""
 
     name: str
     roles: tuple[str, ...]
@@ -57,14 +63,14 @@ class Rule:
     when: str | None = None
     tied: str | None = None
     kind: str = ""  # accounting group, e.g. "expert_fc"
-    always_for: tuple[str, ...] = ()
+    always: bool = False
 
     def applies(self, m: ModelSpec) -> bool:
-        return self.when is None or bool(getattr(m, self.when)) or m.family in self.always_for
+        return self.when is None or bool(getattr(m, self.when)) or self.always
 
     def zeros(self, m: ModelSpec) -> bool:
         """Written as zeros: the target model has the tensor, the source model does not."""
-        return self.when is not None and not getattr(m, self.when) and m.family in self.always_for
+        return self.when is not None and not getattr(m, self.when) and self.always
 
     def source_roles(self, m: ModelSpec) -> tuple[str, ...]:
         if self.tied and m.tie_word_embeddings:
@@ -78,14 +84,11 @@ DECODER_RULES: tuple[Rule, ...] = (
     Rule("input_layernorm.weight", ("input_norm",), REPLICATED, LAYER, kind="norm"),
     Rule("input_layernorm.bias", ("input_norm_bias",), REPLICATED, LAYER, when="norm_bias", kind="norm"),
     Rule("attention.qkv.weight", ("q", "k", "v"), KV_HEADS, LAYER, kind="attention"),
-    # TensorRT-LLM's PhiMoE always has attention (qkv and dense) and lm_head biases.
-    Rule("attention.qkv.bias", ("q_bias", "k_bias", "v_bias"), KV_HEADS, LAYER, when="qkv_bias", kind="attention",
-         always_for=("phimoe",)),
+    Rule("attention.qkv.bias", ("q_bias", "k_bias", "v_bias"), KV_HEADS, LAYER, when="qkv_bias", kind="attention"),
     Rule("attention.q_layernorm.weight", ("q_norm",), REPLICATED, LAYER, when="qk_norm", kind="norm"),
     Rule("attention.k_layernorm.weight", ("k_norm",), REPLICATED, LAYER, when="qk_norm", kind="norm"),
     Rule("attention.dense.weight", ("o",), TP, LAYER, axis=1, kind="attention"),
-    Rule("attention.dense.bias", ("o_bias",), REPLICATED, LAYER, when="attn_out_bias", kind="attention",
-         always_for=("phimoe",)),
+    Rule("attention.dense.bias", ("o_bias",), REPLICATED, LAYER, when="attn_out_bias", kind="attention"),
     Rule("post_layernorm.weight", ("post_norm",), REPLICATED, LAYER, kind="norm"),
     Rule("post_layernorm.bias", ("post_norm_bias",), REPLICATED, LAYER, when="norm_bias", kind="norm"),
     Rule("mlp.router.weight", ("router",), EP, MOE, dtype=FLOAT32, kind="router"),
@@ -105,58 +108,31 @@ DECODER_RULES: tuple[Rule, ...] = (
     Rule("transformer.ln_f.weight", ("final_norm",), REPLICATED, LAST, kind="norm"),
     Rule("transformer.ln_f.bias", ("final_norm_bias",), REPLICATED, LAST, when="norm_bias", kind="norm"),
     Rule("lm_head.weight", ("lm_head",), VOCAB, LAST, tied="embed", kind="lm_head"),
-    Rule("lm_head.bias", ("lm_head_bias",), VOCAB, LAST, when="lm_head_bias", kind="lm_head", always_for=("phimoe",)),
+    Rule("lm_head.bias", ("lm_head_bias",), VOCAB, LAST, when="lm_head_bias", kind="lm_head"),
 )
 
 
-def layer_rules(m: ModelSpec, layer: int, rules: tuple[Rule, ...] = DECODER_RULES) -> list[Rule]:
-    """The rules that apply to decoder layer ``layer`` of ``m``, in file order."""
+def rules_of(m: ModelSpec) -> tuple[Rule, ...]:
+    """The rule table of ``m``'s architecture: its registry entry's, which the checkpoint layout
+    interprets and the engine's loader reverses."""
+    return ADAPTERS[m.family].rules
+
+
+def layer_rules(m: ModelSpec, layer: int, rules: tuple[Rule, ...] | None = None) -> list[Rule]:
+    """The rules that apply to decoder layer ``layer`` of ``m``, in file order (``rules``: the
+    architecture's table unless given)."""
     kinds = (LAYER, MOE if m.moe_layers[layer] else DENSE)
-    return [r for r in rules if r.where in kinds and r.applies(m)]
+    return [r for r in (rules_of(m) if rules is None else rules) if r.where in kinds and r.applies(m)]
 
 
-def expert_rules(rules: tuple[Rule, ...] = DECODER_RULES) -> dict[str, Rule]:
-    """The routed-expert rules by the expert matrix they build: ``fc`` ([up; gate]) and ``proj`` (down)."""
-    return {r.name.split(".")[-2]: r for r in rules if r.shard == MOE_TP}
+def expert_rules(m: ModelSpec, rules: tuple[Rule, ...] | None = None) -> dict[str, Rule]:
+    """The routed-expert rules by the expert matrix they build: ``fc`` ([up; gate]) and ``proj`` (down),
+    from ``m``'s architecture's table unless ``rules`` is given."""
+    return {r.name.split(".")[-2]: r for r in (rules_of(m) if rules is None else rules) if r.shard == MOE_TP}
 
 
-def global_rules(m: ModelSpec, where: str, rules: tuple[Rule, ...] = DECODER_RULES) -> list[Rule]:
-    return [r for r in rules if r.where == where and r.applies(m)]
-
-
-def role_shapes(m: ModelSpec, layer: int | None) -> dict[str, tuple[int, ...]]:
-    """HF shape of every role that exists in ``layer`` (None: the global tensors); routed experts
-    under their role names (the same shape for every expert)."""
-    H, V = m.hidden_size, m.vocab_size
-    if layer is None:
-        out = {"embed": (V, H), "final_norm": (H,), "lm_head": (V, H)}
-        if m.norm_bias:
-            out["final_norm_bias"] = (H,)
-        if m.lm_head_bias:
-            out["lm_head_bias"] = (V,)
-        return out
-    out = {"input_norm": (H,), "post_norm": (H,), "q": (m.q_size, H), "k": (m.kv_size, H),
-           "v": (m.kv_size, H), "o": (H, m.q_size)}
-    if m.norm_bias:
-        out.update(input_norm_bias=(H,), post_norm_bias=(H,))
-    if m.qkv_bias:
-        out.update(q_bias=(m.q_size,), k_bias=(m.kv_size,), v_bias=(m.kv_size,))
-    if m.attn_out_bias:
-        out["o_bias"] = (H,)
-    if m.qk_norm:
-        out.update(q_norm=(m.head_dim,), k_norm=(m.head_dim,))
-    if m.moe_layers[layer]:
-        I = m.expert_intermediate_size
-        out.update(router=(m.num_experts, H), expert_gate=(I, H), expert_up=(I, H), expert_down=(H, I))
-        S = m.shared_expert_intermediate_size
-        if S:
-            out.update(shared_gate_proj=(S, H), shared_up=(S, H), shared_down=(H, S))
-        if m.shared_expert_gate:
-            out["shared_expert_gate"] = (1, H)
-    else:
-        D = m.dense_intermediate_size
-        out.update(dense_gate=(D, H), dense_up=(D, H), dense_down=(H, D))
-    return out
+def global_rules(m: ModelSpec, where: str, rules: tuple[Rule, ...] | None = None) -> list[Rule]:
+    return [r for r in (rules_of(m) if rules is None else rules) if r.where == where and r.applies(m)]
 
 
 # ---- HF names ------------------------------------------------------------------------------------
@@ -500,25 +476,92 @@ class Adapter:
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert's output
     # Which layers TensorRT-LLM's checkpoint loader treats as MoE, from config.json alone.
     trtllm_moe_layers: Callable[[dict, int], list[bool]] = _moe_layers_from_mlp_only
-    rules: tuple[Rule, ...] = DECODER_RULES
+    # The rule table (None: the Llama-style table's rules whose roles this entry names). Checked when
+    # the entry is made: every role a rule reads is named here, every named role is read by a rule.
+    rules: tuple[Rule, ...] | None = None
+    label: str = ""  # the short name tables and messages use ("Phi-3.5-MoE")
+    # The model_type Hugging Face writes beside each of hf_architectures (None: family).
+    hf_model_type: str | None = None
+    # config.json's use_sliding_window switches the window on (Qwen MoE); else a given window applies.
+    use_sliding_window_key: bool = False
+    # Top-level TensorRT-LLM 1.x config keys its model class reads with no default (trtllm-build fails
+    # with AttributeError without them; checkpoint.schema checks them).
+    trtllm_required_keys: tuple[str, ...] = ()
+    # Optional tensors (rules with a ``when``) the TensorRT-LLM model has whatever the source says:
+    # written as zeros where the source lacks them (the default table's rules of these names get
+    # ``always``).
+    always_written: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.rules is None:
+            named = set(self.names)
+            object.__setattr__(self, "rules", tuple(
+                dataclasses.replace(r, always=True) if r.name in self.always_written else r
+                for r in DECODER_RULES if set(r.roles) <= named))
+        optional = {r.name for r in self.rules if r.when is not None}
+        unknown = sorted(set(self.always_written) - optional)
+        if unknown:
+            raise UnsupportedError(f"always_written names {', '.join(unknown)}, which is no optional rule of the "
+                                   f"table", where=f"architecture registry: {self.family}")
+        if self.hf_model_type is None:
+            object.__setattr__(self, "hf_model_type", self.family)
+        check_rules(self.family, self.names, self.rules)
 
     def name(self, role: str, layer: int | None = None, expert: int | None = None) -> str:
         return self.names[role].format(l=layer, e=expert)
 
 
+_SHARDS = (REPLICATED, TP, KV_HEADS, VOCAB, MOE_TP, EP)
+_WHERE = (FIRST, LAST, LAYER, MOE, DENSE)
+_SPEC_FIELDS = frozenset(ModelSpec.__dataclass_fields__)
+
+
+def check_rules(family: str, names: dict[str, str], rules: tuple[Rule, ...]) -> None:
+    """Raise ``UnsupportedError`` naming the rule or role when a rule table cannot be interpreted: a
+    rule of an unknown shard kind, place, dtype or condition, a rule reading a role the architecture
+    does not name (unknown), a named role no rule reads (unused: its tensors would be dropped
+    silently), or routed-expert rules other than one ``fc`` and one ``proj``."""
+    where = f"architecture registry: {family}"
+    read: set[str] = set()
+    for r in rules:
+        bad = ([f"shard kind {r.shard!r}"] * (r.shard not in _SHARDS) + [f"place {r.where!r}"] * (r.where not in _WHERE)
+               + [f"dtype {r.dtype!r}"] * (r.dtype not in (MODEL_DTYPE, FLOAT32))
+               + [f"condition {r.when!r}"] * (r.when is not None and r.when not in _SPEC_FIELDS))
+        if bad:
+            raise UnsupportedError(f"rule {r.name!r} has an unknown " + ", ".join(bad), where=where)
+        unknown = [role for role in (*r.roles, *((r.tied,) if r.tied else ())) if role not in names]
+        if unknown:
+            raise UnsupportedError(f"rule {r.name!r} reads role(s) {', '.join(unknown)} that {family} does not name",
+                                   where=where, hint="add the HF tensor name of each role to the entry's names")
+        read.update(r.roles)
+    unused = sorted(set(names) - read)
+    if unused:
+        raise UnsupportedError(f"no rule reads role(s) {', '.join(unused)}: their tensors would not be written",
+                               where=where, hint="add the rule that builds a TensorRT-LLM tensor from each")
+    experts = sorted(r.name.split(".")[-2] for r in rules if r.shard == MOE_TP)
+    if experts != ["fc", "proj"]:
+        raise UnsupportedError(f"routed-expert rules build {experts or 'nothing'}; exactly one fc and one proj "
+                               f"are needed", where=where)
+
+
+# QWenConfig takes qwen_type, seq_length and both MoE sizes as required arguments.
+_QWEN_REQUIRED = ("qwen_type", "seq_length", "moe_intermediate_size", "moe_shared_expert_intermediate_size")
+
 ADAPTERS: dict[str, Adapter] = {
     a.family: a
     for a in (
         Adapter("mixtral", ("MixtralForCausalLM",), "MixtralForCausalLM", _BLOCK_SPARSE_MOE, _mixtral,
-                _mixtral_trtllm, default_norm_eps=1e-5, default_rope_theta=1e6, dense_layers=False),
+                _mixtral_trtllm, default_norm_eps=1e-5, default_rope_theta=1e6, dense_layers=False, label="Mixtral"),
         Adapter("qwen2_moe", ("Qwen2MoeForCausalLM",), "Qwen2MoeForCausalLM", {
             **_QWEN_MOE,
             "shared_gate_proj": "model.layers.{l}.mlp.shared_expert.gate_proj.weight",
             "shared_up": "model.layers.{l}.mlp.shared_expert.up_proj.weight",
             "shared_down": "model.layers.{l}.mlp.shared_expert.down_proj.weight",
             "shared_expert_gate": "model.layers.{l}.mlp.shared_expert_gate.weight",
-        }, _qwen2_moe, _qwen_trtllm, shared_expert_gate=True),
-        Adapter("qwen3_moe", ("Qwen3MoeForCausalLM",), "Qwen3MoeForCausalLM", _QWEN_MOE, _qwen3_moe, _qwen_trtllm),
+        }, _qwen2_moe, _qwen_trtllm, shared_expert_gate=True, label="Qwen2-MoE", use_sliding_window_key=True,
+            trtllm_required_keys=_QWEN_REQUIRED),
+        Adapter("qwen3_moe", ("Qwen3MoeForCausalLM",), "Qwen3MoeForCausalLM", _QWEN_MOE, _qwen3_moe, _qwen_trtllm,
+                label="Qwen3-MoE", use_sliding_window_key=True, trtllm_required_keys=_QWEN_REQUIRED),
         Adapter("deepseek_v1", ("DeepseekForCausalLM",), "DeepseekForCausalLM", {
             **_QWEN_MOE,
             "shared_gate_proj": "model.layers.{l}.mlp.shared_experts.gate_proj.weight",
@@ -526,12 +569,20 @@ ADAPTERS: dict[str, Adapter] = {
             "shared_down": "model.layers.{l}.mlp.shared_experts.down_proj.weight",
         }, _deepseek_v1, _deepseek_trtllm,
             # TensorRT-LLM's DeepSeek-V1 makes layer 0 dense and every other layer MoE.
-            trtllm_moe_layers=lambda raw, n: [l > 0 for l in range(n)]),
+            trtllm_moe_layers=lambda raw, n: [l > 0 for l in range(n)], label="DeepSeek-MoE v1",
+            hf_model_type="deepseek",
+            # DeepseekDecoderLayer reads moe_intermediate_size and DeepSeekV1Config asserts a moe block.
+            trtllm_required_keys=("moe", "moe_intermediate_size")),
         # Phi-3.5-MoE: transformers 5 names the class PhimoeForCausalLM, the hub's remote code
         # PhiMoEForCausalLM (also TensorRT-LLM's name, which its phi3 model family builds).
         Adapter("phimoe", ("PhimoeForCausalLM", "PhiMoEForCausalLM"), "PhiMoEForCausalLM", _PHIMOE, _phimoe,
                 _phimoe_trtllm, _phimoe_from_trtllm, default_norm_eps=1e-5, default_rope_theta=1e6,
-                dense_layers=False),
+                dense_layers=False, label="Phi-3.5-MoE",
+                # TensorRT-LLM's PhiMoE always has attention (qkv and dense) and lm_head biases.
+                always_written=("attention.qkv.bias", "attention.dense.bias", "lm_head.bias"),
+                # Phi3DecoderLayer passes config.rotary_pct to its attention (PretrainedConfig only reads
+                # the key to derive rotary_embedding_dim).
+                trtllm_required_keys=("rotary_pct",)),
     )
 }
 

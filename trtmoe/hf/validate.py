@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, UnsupportedError
-from .adapters import supported_architectures
+from .adapters import ADAPTERS, supported_architectures
 
 # Integer fields and their smallest allowed value (absent or null means "not given").
 _INT_FIELDS = {
@@ -28,8 +28,6 @@ _FLOAT_FIELDS = {"rope_theta", "rms_norm_eps"}
 _BOOL_FIELDS = {"tie_word_embeddings", "norm_topk_prob", "qkv_bias", "attention_bias", "use_sliding_window"}
 _STR_FIELDS = {"hidden_act", "scoring_func", "dtype", "torch_dtype", "model_type"}
 _DICT_FIELDS = {"rope_parameters", "rope_scaling"}
-# The model types whose sliding window is on only when use_sliding_window is true.
-_USE_SLIDING_WINDOW = {"qwen2_moe", "qwen3_moe"}
 # The default the adapters assume when max_position_embeddings is not given.
 _DEFAULT_CONTEXT = 4096
 # Far beyond any real model: a larger count is a corrupt file, and reading it literally would
@@ -38,11 +36,11 @@ _COUNT_LIMITS = {"num_hidden_layers": 100_000, "num_attention_heads": 100_000, "
                  "num_local_experts": 1_000_000, "num_experts": 1_000_000, "n_routed_experts": 1_000_000,
                  "num_experts_per_tok": 1_000_000, "n_shared_experts": 1_000_000}
 _SIZE_LIMIT = 1 << 40
-# The model_type Hugging Face writes beside each architecture trtmoe reads.
 _SUPPORTED = frozenset(supported_architectures())
-_MODEL_TYPES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekForCausalLM": "deepseek",
-                "PhimoeForCausalLM": "phimoe", "PhiMoEForCausalLM": "phimoe"}
+# The model_type Hugging Face writes beside each architecture trtmoe reads (the registry entries').
+_MODEL_TYPES = {arch: a.hf_model_type for a in ADAPTERS.values() for arch in a.hf_architectures}
+# The model types whose sliding window is on only when use_sliding_window is true.
+_USE_SLIDING_WINDOW = frozenset(a.hf_model_type for a in ADAPTERS.values() if a.use_sliding_window_key)
 
 
 def _kind(v: Any) -> str:

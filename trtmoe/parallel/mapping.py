@@ -115,6 +115,25 @@ class Mapping:
         """Query heads per tensor-parallel rank."""
         return num_heads // self.tp_size
 
+    def tp_shard(self, size: int) -> int:
+        """One tensor-parallel rank's share of a dimension of ``size`` split evenly over tp."""
+        return size // self.tp_size
+
+    def tp_range(self, size: int, tp_rank: int) -> range:
+        """The indices of a dimension of ``size`` that tensor-parallel rank ``tp_rank`` holds."""
+        per = self.tp_shard(size)
+        return range(tp_rank * per, (tp_rank + 1) * per)
+
+    def moe_tp_range(self, intermediate_size: int, moe_tp_rank: int) -> range:
+        """The rows (fc) or columns (proj) of an expert's FFN that MoE tensor-parallel rank holds."""
+        per = self.expert_ffn_per_rank(intermediate_size)
+        return range(moe_tp_rank * per, (moe_tp_rank + 1) * per)
+
+    def vocab_range(self, vocab_size: int, tp_rank: int) -> range:
+        """The rows of the vocabulary, zero-padded to a multiple of tp, that ``tp_rank`` holds (may
+        reach past ``vocab_size``: those rows are the padding)."""
+        return self.tp_range(self.padded_vocab(vocab_size), tp_rank)
+
     def ep_experts(self, num_experts: int, rank: int) -> range:
         per = self.experts_per_rank(num_experts)
         r = self.moe_ep_rank(rank)

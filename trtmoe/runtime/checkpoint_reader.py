@@ -127,7 +127,7 @@ def gather_qkv(files: RankFiles, prefix: str, suffix: str, pp_rank: int) -> tupl
     duplicated KV heads TensorRT-LLM makes when num_kv_heads < tp."""
     c, mp = files.cfg, files.mp
     hd = c.head_dim
-    nh_loc = c.num_heads // mp.tp_size
+    nh_loc = mp.heads_per_rank(c.num_heads)
     qs, ks, vs = [], {}, {}
     for r in range(mp.tp_size):
         t = files.get(f"{prefix}attention.qkv.{suffix}", r, pp_rank)

@@ -198,7 +198,7 @@ def _float_fc_proj(files, cfg, pre: str, pp_rank: int):
     reverse: EP blocks stacked, moe_tp shards joined role by role)."""
     mp = cfg.mapping
     out = []
-    for rule in expert_rules().values():
+    for rule in expert_rules(cfg).values():
         name, axis = pre + rule.name, rule.axis + 1  # dim 0 stacks the experts
         blocks = [unshard([files.get(name, mp.tp_rank_for(t, ep), pp_rank) for t in range(mp.moe_tp_size)],
                           len(rule.roles), axis) for ep in range(mp.moe_ep_size)]
