@@ -49,13 +49,13 @@ from ..hf.reader import model_context
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from ..runtime.load import find_tokenizer_dir, load_tokenizer
-from . import QUANTIZED_NAMES, awq
+from . import ENGINE_PATH_NAMES, awq
 from .calib_schema import CALIB_VERSION, _expert_bpw, build_result, check_calib  # noqa: F401 - calib.json's home
 from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
 from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, check_float_banks, fisher_measure
 
-DEFAULT_FORMATS = QUANTIZED_NAMES
+DEFAULT_FORMATS = ENGINE_PATH_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
 
 
