@@ -107,6 +107,32 @@ class _MatrixSwapped(ExpertBank):
         return fc if fc == proj else f"fc:{fc},proj:{proj}"
 
 
+@torch.inference_mode()
+def layer_input_amax(bank: FloatExperts, x_all: torch.Tensor, routed: torch.Tensor,
+                     amax: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Per input channel, the absolute maximum of each matrix kind's inputs over one MoE layer's
+    calibration tokens, shared by all the layer's experts (a fused-MoE kernel takes one static input
+    scale per layer and matrix kind): ``fc`` sees the layer input of every token routed to any expert,
+    ``proj`` the activations ``silu(gate) * up`` of each expert over its own routed tokens. ``x_all``
+    [tokens, H], ``routed`` [tokens, k] expert ids; with ``amax`` (a previous batch's result) the
+    maxima accumulate. The formats with a static input scale take these as ``input_amax``."""
+    x = x_all[(routed >= 0).any(-1)]
+    fc = x.abs().amax(0).float() if len(x) else x_all.new_zeros(x_all.shape[-1], dtype=torch.float32)
+    proj = None
+    for e in range(bank.fc.shape[0]):
+        rows = (routed == e).any(-1)
+        if not bool(rows.any()):
+            continue
+        up, gate = bank.fc_out(e, x_all[rows]).chunk(2, dim=-1)
+        a = (F.silu(gate) * up).abs().amax(0).float()
+        proj = a if proj is None else torch.maximum(proj, a)
+    if proj is None:
+        proj = torch.zeros(bank.proj.shape[-1], dtype=torch.float32)
+    if amax is not None:
+        fc, proj = torch.maximum(fc, amax["fc"]), torch.maximum(proj, amax["proj"])
+    return {"fc": fc, "proj": proj}
+
+
 def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = None, *, samples: int = 32,
               seq_len: int = 128, formats: tuple[str, ...] = DEFAULT_FORMATS, min_tokens: int = 16,
               batch_size: int = 8, tokenizer: str | Path | None = None,
