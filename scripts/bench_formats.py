@@ -3,7 +3,7 @@
 
 For each fixture (tests/fixtures/trained_mixtral, trained_qwen3_moe): convert the float model, run it
 in the embedded engine on calibration windows (``calib`` split) to measure each MoE layer's input
-amax per matrix kind (``trtmoe.quant.calibrate.layer_input_amax``), then store every routed expert in
+amax per matrix kind (``trtmoe.quant.sensitivity.layer_input_amax``), then store every routed expert in
 one format (each expert's fc and proj quantized by the format's own ``quantize``, the static input
 scales from those amax values) and compare the held-out windows' next-token distributions with the
 float model's (mean KL, share of positions with the same top-1). The engine runs each matrix through
@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.data import write_split_text, load_texts  # noqa: E402
-from trtmoe.quant.calibrate import kl_per_token, layer_input_amax, token_batches  # noqa: E402
+from trtmoe.quant.calibrate import kl_per_token, token_batches  # noqa: E402
+from trtmoe.quant.sensitivity import layer_input_amax  # noqa: E402
 from trtmoe.quant.formats import FORMATS, QUANTIZED  # noqa: E402
 from trtmoe.runtime.engine import EmbeddedEngine  # noqa: E402
 from trtmoe.runtime.experts import PackedExperts, PackedShard  # noqa: E402

@@ -227,3 +227,85 @@ def test_packed_tensors_equal_modelopt(tmp_path, dtype):
                     assert torch.equal(e4m3_round(mine / s), e4m3_round(xq / s)), (n, fname)
                 checked += 1
     assert checked >= 30
+
+
+# ---- a checkpoint in these formats, run by the embedded engine -------------------------------------
+
+
+@pytest.mark.parametrize("name,gran", [("fp8", "expert"), ("nvfp4", "layer"), ("mxfp4", "expert"),
+                                       ("w4a8_awq", "layer"), ("fp8_block", "expert")])
+def test_checkpoint_in_format_runs_in_the_engine(tiny_model, tmp_path, name, gran):
+    from dataclasses import replace
+
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.hf.reader import HFCheckpoint
+    from trtmoe.quant.plan import uniform_plan
+    from trtmoe.quant.sensitivity import layer_input_amax
+    from trtmoe.runtime.engine import EmbeddedEngine
+
+    model = tiny_model("mixtral", dtype="bfloat16", hidden_size=128, intermediate_size=128)
+    convert(model, tmp_path / "fp")
+    ref = EmbeddedEngine.from_checkpoint(tmp_path / "fp", device="cpu", pack_experts=False)
+    with HFCheckpoint(model) as src:
+        m = src.model
+    layers = [l for l in range(m.num_layers) if m.moe_layers[l]]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, m.hidden_size, generator=g)
+    routed = torch.randint(0, m.num_experts, (64, 2), generator=g)
+    amax = {l: layer_input_amax(ref.layers[l].experts, x, routed) for l in layers}
+    plan = uniform_plan(m, name, gran)
+    if FORMATS[name].needs_input_amax:
+        with pytest.raises(InputError, match="amax"):
+            convert(model, tmp_path / "no_amax", quant=plan)
+    meta = {str(l): {k: float(v.max()) for k, v in a.items()} for l, a in amax.items()}
+    convert(model, tmp_path / "q", quant=replace(plan, meta={**plan.meta, "input_amax": meta}))
+    eng = EmbeddedEngine.from_checkpoint(tmp_path / "q", device="cpu", pack_experts=False)
+    fmt = FORMATS[name]
+    for l in layers:
+        base, bank = ref.layers[l].experts, eng.layers[l].experts
+        for e in (0, m.num_experts - 1):
+            w = base.row_major(e)
+            fc = fmt.quantize(w["fc"], dtype=ref.dtype, input_amax=amax[l]["fc"].max())
+            proj = fmt.quantize(w["proj"], dtype=ref.dtype, input_amax=amax[l]["proj"].max())
+            xe = x[:5]
+            up, gate = fmt.linear(xe, fc).chunk(2, dim=-1)
+            want = fmt.linear(torch.nn.functional.silu(gate) * up, proj)
+            assert torch.equal(bank.forward(e, xe), want), (l, e)
+    ids = torch.randint(0, m.vocab_size, (2, 16), generator=g)
+    a, b = ref.logits(ids).float(), eng.logits(ids).float()
+    assert torch.isfinite(b).all() and not torch.equal(a, b)  # the quantized experts are what runs
+
+
+def test_calibration_measures_input_amax_and_plans_use_it(tiny_model, tmp_path):
+    """calibrate records each MoE layer's input amax per matrix kind and measures the fused-MoE formats
+    as they run (activation quantization included); convert makes their input scales from it."""
+    import json
+
+    from test_quant_pipeline import cli, make_tokenizer
+    from trtmoe.data import write_split_text
+    from trtmoe.runtime.engine import EmbeddedEngine
+
+    model = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=2, hidden_size=128, intermediate_size=128,
+                       seed=5)
+    tok = make_tokenizer(tmp_path / "tok")
+    text = tmp_path / "calib.txt"
+    write_split_text("calib", text, max_bytes=8_000)
+    cli("calibrate", model, "--data", text, "--tokenizer", tok, "--samples", 2, "--seq-len", 16,
+        "--formats", "fp8,nvfp4,mxfp4,w4a8_awq", "-o", tmp_path / "c")
+    cal = json.loads((tmp_path / "c" / "calib.json").read_text())
+    assert cal["formats"] == ["fp8", "nvfp4", "mxfp4", "w4a8_awq"]
+    for l in cal["moe_layers"]:
+        a = cal["input_amax"][str(l)]
+        assert len(a["fc"]) == 128 and len(a["proj"]) == 128 and max(a["fc"]) > 0 and max(a["proj"]) > 0
+    d = cal["sensitivity"]["delta_kl"]
+    assert all(v >= 0 for f in d for row in d[f] for v in row)
+    cli("convert", model, "-o", tmp_path / "u", "--policy", "uniform", "--format", "nvfp4", "--calib", tmp_path / "c")
+    eng = EmbeddedEngine.from_checkpoint(tmp_path / "u", device="cpu", pack_experts=False)
+    bank = eng.layers[cal["moe_layers"][0]].experts
+    sh = bank.shards[0][0]
+    assert sh.fc_fmt.name == "nvfp4"
+    want = max(cal["input_amax"][str(cal["moe_layers"][0])]["fc"]) / (6 * 448)
+    assert float(sh.fc["input_scale"]) == pytest.approx(want, rel=1e-6)
+    cli("convert", model, "-o", tmp_path / "g", "--calib", tmp_path / "c", "--budget", "6")
+    g = EmbeddedEngine.from_checkpoint(tmp_path / "g", device="cpu")
+    assert torch.isfinite(g.logits(torch.tensor([[1, 5, 9, 12]]))).all()

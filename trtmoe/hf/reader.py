@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, InputError, UnsupportedError
 from ..model.description import ModelSpec
 from .adapters import Adapter, describe, expected_tensors
 from .validate import validate_hf_config, _DEFAULT_CONTEXT
@@ -221,6 +221,11 @@ class HFCheckpoint:
             if tuple(info.shape) != tuple(shape):
                 raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}, config implies "
                                       f"{list(shape)}", where=str(self.location[name]))
+            if info.dtype.itemsize == 1 and info.dtype.is_floating_point:
+                raise UnsupportedError(f"tensor {name!r} is stored as {DTYPE_NAMES[info.dtype]} (an FP8-quantized "
+                                       "checkpoint); trtmoe reads float weights only",
+                                       where=str(self.location[name]),
+                                       hint="dequantize the checkpoint to BF16 first")
             if not info.dtype.is_floating_point:
                 # Casting integer storage to float would turn bit patterns into huge weights.
                 raise CheckpointError(f"tensor {name!r} is stored as {DTYPE_NAMES[info.dtype]}, an integer "

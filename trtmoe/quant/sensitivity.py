@@ -80,16 +80,51 @@ ESTIMATE_SHARE = 16  # under-observed experts' estimates together score at most 
 STACKED = "@stacked"
 
 
+@torch.inference_mode()
+def layer_input_amax(bank: FloatExperts, x_all: torch.Tensor, routed: torch.Tensor,
+                     amax: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Per input channel, the absolute maximum of each matrix kind's inputs over one MoE layer's
+    calibration tokens, shared by all the layer's experts (a fused-MoE kernel takes one static input
+    scale per layer and matrix kind): ``fc`` sees the layer input of every token routed to any expert,
+    ``proj`` the activations ``silu(gate) * up`` of each expert over its own routed tokens. ``x_all``
+    [tokens, H], ``routed`` [tokens, k] expert ids; with ``amax`` (a previous batch's result) the
+    maxima accumulate. The formats with a static input scale take these as ``input_amax``."""
+    x = x_all[(routed >= 0).any(-1)]
+    fc = x.abs().amax(0).float() if len(x) else x_all.new_zeros(x_all.shape[-1], dtype=torch.float32)
+    proj = None
+    for e in range(bank.fc.shape[0]):
+        rows = (routed == e).any(-1)
+        if not bool(rows.any()):
+            continue
+        up, gate = bank.fc_out(e, x_all[rows]).chunk(2, dim=-1)
+        a = (F.silu(gate) * up).abs().amax(0).float()
+        proj = a if proj is None else torch.maximum(proj, a)
+    if proj is None:
+        proj = torch.zeros(bank.proj.shape[-1], dtype=torch.float32)
+    if amax is not None:
+        fc, proj = torch.maximum(fc, amax["fc"]), torch.maximum(proj, amax["proj"])
+    return {"fc": fc, "proj": proj}
+
+
+def amax_json(amax: dict[int, dict[str, torch.Tensor]]) -> dict[str, dict[str, list[float]]]:
+    """``layer_input_amax`` results per MoE layer as calib.json stores them (``input_amax``)."""
+    return {str(l): {m: [float(v) for v in t.tolist()] for m, t in d.items()} for l, d in sorted(amax.items())}
+
+
 class RTN:
-    """Round-to-nearest: each matrix quantized from its weights alone (``fmt.quantize``)."""
+    """Round-to-nearest: each matrix quantized from its weights alone (``fmt.quantize``), the static
+    input scales from the layer's input amax."""
 
     name = "rtn"
 
+    def __init__(self):
+        self.input_amax: dict[int, dict[str, torch.Tensor]] = {}
+
     def add_layer(self, layer: int, base: FloatExperts, x_all: torch.Tensor, routed: torch.Tensor) -> None:
-        pass
+        self.input_amax[layer] = layer_input_amax(base, x_all, routed)
 
     def quantize(self, fmt, w: torch.Tensor, layer: int, expert: int, mod: str, dtype: torch.dtype) -> dict:
-        return fmt.quantize(w, dtype=dtype)
+        return fmt.quantize(w, dtype=dtype, input_amax=(self.input_amax.get(layer) or {}).get(mod))
 
 
 def forward_macs(cfg, seq_len: int) -> dict:
