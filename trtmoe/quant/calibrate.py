@@ -232,9 +232,8 @@ def _fisher(eng: EmbeddedEngine, ids: torch.Tensor, usable, work: Path, acts: "a
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     result = fisher_measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
                             progress=progress, work=work / _PROGRESS, key=digest, probe=probe,
-                            rounding=(rounder := _AwqRounding(acts, rounding, stacked=stacked, **gram)), notes=notes)
+                            rounding=_AwqRounding(acts, rounding, stacked=stacked, **gram), notes=notes)
     shutil.rmtree(work / _PROGRESS, ignore_errors=True)
-    result["input_amax"] = amax_json(rounder.input_amax)
     result["rounding"] = rounding
     result["activations"] = acts.summary(gram["max_input_tokens"])
     return result

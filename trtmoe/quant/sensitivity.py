@@ -126,6 +126,13 @@ class RTN:
     def quantize(self, fmt, w: torch.Tensor, layer: int, expert: int, mod: str, dtype: torch.dtype) -> dict:
         return fmt.quantize(w, dtype=dtype, input_amax=(self.input_amax.get(layer) or {}).get(mod))
 
+    def layer_state(self, layer: int):
+        return {"input_amax": self.input_amax[layer]} if layer in self.input_amax else None
+
+    def restore_layer(self, layer: int, state) -> None:
+        if state and "input_amax" in state:
+            self.input_amax[layer] = state["input_amax"]
+
 
 def forward_macs(cfg, seq_len: int) -> dict:
     """Multiply-accumulates per token of one causal forward over ``seq_len``-token windows: total,
@@ -235,12 +242,15 @@ def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_token
     if own_work:
         work = Path(tempfile.mkdtemp(prefix="trtmoe-fisher-"))
     try:
-        return _run(eng, ids, formats=tuple(formats), min_tokens=min_tokens, batch_size=batch_size,
+        result = _run(eng, ids, formats=tuple(formats), min_tokens=min_tokens, batch_size=batch_size,
                     progress=progress, probe=probe,
                     # Layer files scored under other estimate settings are not resumed from.
                     state=Progress(Path(work), f"{key}|estimate {estimate_tokens}/{ESTIMATE_SHARE}"), seed=seed,
                     rounding=rounding, estimate_tokens=estimate_tokens, moe_layers=moe_layers,
                     notes=notes if notes is not None else [])
+        # Each MoE layer's input amax per matrix kind, what the static input scales are made from.
+        result["input_amax"] = amax_json(getattr(rounding, "input_amax", {}))
+        return result
     finally:
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
