@@ -108,6 +108,8 @@ def modelopt_banks(py: str, model: Path, ids: torch.Tensor, name: str, family: s
         t.update(load_file(f))
     fmt = FORMATS[name]
     pre, roles = EXPERT_NAMES[family]
+    if not any(".experts.0." in k and pre.split(".")[0] in k for k in t):
+        pre, roles = EXPERT_NAMES["qwen3_moe"]  # some configs export transformers' fused experts under mlp.*
     banks = {}
     for l in layers:
         mats = []
@@ -116,6 +118,10 @@ def modelopt_banks(py: str, model: Path, ids: torch.Tensor, name: str, family: s
             for r in roles:
                 base = f"model.layers.{l}.{pre.format(e=e)}{r}."
                 d = {k[len(base):]: v for k, v in t.items() if k.startswith(base)}
+                if "weight" not in d or (name != "fp8_block_wo" and d["weight"].dtype.is_floating_point
+                                         and d["weight"].dtype.itemsize > 1):
+                    some = sorted(k for k in t if f"layers.{l}." in k and "experts" in k)[:2]
+                    return f"no {name} expert tensors under {base}* in the export (e.g. {some})"
                 if name == "fp8_block_wo":  # ModelOpt 0.47 writes the block grid as [] or [1, 1, 1, 1] here
                     w = d["weight"]
                     d["weight_scale"] = d["weight_scale"].float().reshape(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
