@@ -86,6 +86,10 @@ _DEEPSEEK_WO = ("SharedMoE is re-created with quant_mode only for per-channel we
                 "NVIDIA lists no weight-only build for DeepSeek-MoE v1")
 
 
+_FUSED_MOE_ONLY = ("this format is run by TensorRT-LLM's PyTorch-backend fused MoE from a ModelOpt unified-HF "
+                   "checkpoint; the engine path (trtllm-build) has no MoE build of it")
+
+
 def _quant_cells_1_2() -> dict[tuple[str, str, str], Cell]:
     cells: dict[tuple[str, str, str], Cell] = {}
     uniform = {
@@ -105,7 +109,12 @@ def _quant_cells_1_2() -> dict[tuple[str, str, str], Cell]:
         "phimoe": {"float": Cell(SUPPORTED), "int8": Cell(UNLISTED, _PHIMOE_WO), "int4": Cell(UNLISTED, _PHIMOE_WO),
                    "int4_g128": Cell(UNLISTED, _PHIMOE_WO), "int4_g64": Cell(UNLISTED, _PHIMOE_WO + "; " + _G64)},
     }
+    # The fused-MoE formats (FP8, FP8 blocks, NVFP4, MXFP4, W4A8 AWQ) are stored with ModelOpt's
+    # unified-HF tensor names, which the engine path's converters do not read.
     for fam, row in uniform.items():
+        for fmt in QUANTIZED:
+            if not QUANT_FORMATS[fmt].engine_path:
+                row[fmt] = Cell(REFUSED, _FUSED_MOE_ONLY)
         for fmt, cell in row.items():
             cells[(fam, fmt, "uniform")] = cell
             if fam != "mixtral":
@@ -368,12 +377,14 @@ _MARK = {SUPPORTED: "yes", UNLISTED: "unlisted", REFUSED: "no"}
 def markdown_table(version: str) -> str:
     """The support table for one release line (generated; a test compares the README's copy)."""
     rs = release_support(version)
-    cols = [f"{FORMAT_LABEL[f]}" for f in FORMATS] + ["MIXED_PRECISION"] + list(FEATURES)
+    # The engine path's formats: the fused-MoE ones are refused by every row (see _FUSED_MOE_ONLY).
+    fmts = [f for f in FORMATS if f == "float" or QUANT_FORMATS[f].engine_path]
+    cols = [f"{FORMAT_LABEL[f]}" for f in fmts] + ["MIXED_PRECISION"] + list(FEATURES)
     lines = [f"| TensorRT-LLM {rs.line} | " + " | ".join(cols) + " |",
              "|" + "---|" * (len(cols) + 1)]
     for fam in FAMILIES:
-        row = [_MARK[rs.quant[(fam, f, "uniform")].status] for f in FORMATS]
-        mixed_ok = [f for f in FORMATS if rs.quant[(fam, f, "mixed")].ok]
+        row = [_MARK[rs.quant[(fam, f, "uniform")].status] for f in fmts]
+        mixed_ok = [f for f in fmts if rs.quant[(fam, f, "mixed")].ok]
         row.append(("yes: " + ", ".join(FORMAT_LABEL[f] for f in mixed_ok)) if mixed_ok else "no")
         row += [_MARK[rs.mapping[(fam, feat)].status] for feat in FEATURES]
         lines.append(f"| {ARCH_LABEL[fam]} | " + " | ".join(row) + " |")
@@ -384,9 +395,10 @@ def reasons(version: str) -> list[str]:
     """One line per refused or unlisted cell, to print under the table."""
     rs = release_support(version)
     seen: dict[str, list[str]] = {}
+    engine = [f for f in FORMATS if f == "float" or QUANT_FORMATS[f].engine_path]  # the table's columns
     for (fam, fmt, layout), c in rs.quant.items():
-        if c.status != SUPPORTED:
-            whole = layout == "mixed" and len({rs.quant[(fam, f, "mixed")] for f in FORMATS}) == 1
+        if c.status != SUPPORTED and fmt in engine:
+            whole = layout == "mixed" and len({rs.quant[(fam, f, "mixed")] for f in engine}) == 1
             what = (f"{ARCH_LABEL[fam]} MIXED_PRECISION" if whole else
                     f"{ARCH_LABEL[fam]} {FORMAT_LABEL[fmt]}" + (" layers in MIXED_PRECISION" if layout == "mixed"
                                                                else ""))
