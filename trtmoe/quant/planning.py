@@ -47,13 +47,18 @@ def plan_from_config(model, cfg: dict):
     # Unless asked otherwise, INT4 is rounded as the sensitivities were measured (the resolved config
     # the manifest keeps says which).
     measured = calib if calib is not None else (load_calib(q["calib"]) if q["calib"] else None)
+    named = q["rounding"] is not None
+    asked = named or q["calib"] is not None  # by name, or as the calibration measured
     q["rounding"] = q["rounding"] or (measured or {}).get("rounding") or "awq"
     budget = _budget_bpw(q, m, mapping)
     I_loc = mapping.expert_ffn_per_rank(m.expert_intermediate_size)
     if policy == "uniform":
         if not q["format"]:
             raise InputError("policy 'uniform' needs --format int8, int4, int4_g128 or int4_g64")
+        granularity, note = _uniform_codes(q, granularity, backend, named)
         plan = uniform_plan(m, q["format"], granularity)
+        if note:
+            plan = replace(plan, meta={**plan.meta, "notes": [note]})
     elif policy == "none":
         # Placement only: experts stay stacked float tensors (layer form), which every target loads.
         plan = QuantPlan({}, granularity="layer", meta={"policy": "none"})
@@ -81,7 +86,7 @@ def plan_from_config(model, cfg: dict):
         plan = replace(plan, meta={**plan.meta, "calib": calib_identity})
     if q["placement"] == "balanced":
         plan = plan.placed(*placement(calib, mapping.moe_ep_size))
-    return attach_rounding(plan, q["rounding"], q["calib"], measured)
+    return attach_rounding(plan, q["rounding"], q["calib"], measured, asked=asked)
 
 
 def _granularity(asked: str, policy: str, backend: str) -> str:
@@ -112,6 +117,34 @@ def _granularity(asked: str, policy: str, backend: str) -> str:
         raise UnsupportedError("the frequency-tier policy assigns formats per expert, which TensorRT-LLM "
                                "cannot run", hint="use --policy frequency-bytes or graded for --target tensorrt-llm")
     return granularity
+
+
+def _uniform_codes(q: dict, granularity: str, backend: str, named: bool) -> tuple[str, str | None]:
+    """The granularity a uniform plan is written at so that its rounding is the one applied. The layer
+    layout stores per-channel int4 as float weights that the engine builder (or the embedded engine at
+    load) rounds to nearest, which drops gptq's codes: the embedded target then writes every expert
+    packed (granularity expert) unless the layer layout was asked for, which is refused; TensorRT-LLM
+    builds only the layer layout, so a rounding asked for by name is refused, and the calibration's
+    default becomes what reaches the engine (``q["rounding"]`` is set to it, and the note says so)."""
+    fmt = FORMATS[q["format"]]
+    if not awq.loses_codes(fmt, q["rounding"]):
+        return granularity, None
+    r, kept = q["rounding"], awq.kept_in_float(q["rounding"])
+    why = (f"per-channel int4 in the layer layout is stored as float weights that the "
+           f"{'engine builder' if backend == 'tensorrt-llm' else 'engine'} rounds to nearest, so {r}'s "
+           "error-feedback codes cannot be kept")
+    if backend == "tensorrt-llm":
+        if named:
+            raise UnsupportedError(f"--rounding {r} with --format int4 on --target tensorrt-llm: {why}",
+                                   hint=f"use --rounding {kept}, a group-wise format (--format int4_g128), "
+                                        "or --target embedded")
+        q["rounding"] = kept
+        return granularity, (f"the calibration measured {r}; TensorRT-LLM builds per-channel int4 from float "
+                             f"weights, which keep {kept} of it: the checkpoint is rounded with {kept}")
+    if q["granularity"] != "auto":
+        raise UnsupportedError(f"--rounding {r} with --format int4 --granularity layer: {why}",
+                               hint=f"use --granularity expert (packed per expert, codes kept), or --rounding {kept}")
+    return "expert", None
 
 
 def _calibration(q: dict, policy: str, m) -> tuple[dict | None, dict | None]:
