@@ -727,6 +727,11 @@ YAML_CASES = [
     ("backend_choice", yaml_file("build:\n  backend: onnx\n"), ("cfg.yaml", "build.backend")),
     ("beam_nine", yaml_file("build:\n  max_beam_width: 9\n"), ("cfg.yaml", "build.max_beam_width")),
     ("block_seven", yaml_file("build:\n  tokens_per_block: 7\n"), ("cfg.yaml", "build.tokens_per_block")),
+    ("duplicate_key", yaml_file("convert:\n  tp: 1\n  tp: 2\n"), ("cfg.yaml", "duplicate key 'tp'", "line 3")),
+    ("duplicate_section", yaml_file("build:\n  workers: 1\nbuild:\n  workers: 2\n"),
+     ("cfg.yaml", "duplicate key 'build'", "line 3")),
+    ("budget_nan", yaml_file("quantize:\n  budget_bpw: .nan\n"), ("cfg.yaml", "quantize.budget_bpw", "finite")),
+    ("batch_2e40", yaml_file("build:\n  max_batch_size: 1099511627776\n"), ("cfg.yaml", "build.max_batch_size")),
     ("alias_bomb", yaml_file("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
                              "c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c, *c, *c, *c, *c, *c]\n"),
      ("cfg.yaml",)),
@@ -735,6 +740,7 @@ YAML_CASES = [
 for _id, _mk, _exp in YAML_CASES:
     case(f"convert-yaml-{_id}", lambda w, b, mk=_mk: ["convert", b.mix, "-o", out_of(w), "-c", mk(w)], 2, _exp)
     case(f"build-yaml-{_id}", lambda w, b, mk=_mk: ["build", b.ckpt, "-o", out_of(w), "-c", mk(w)], 2, _exp)
+    case(f"inspect-yaml-{_id}", lambda w, b, mk=_mk: ["inspect", b.mix, "-c", mk(w)], 2, _exp)
 
 
 # -- option values, per command --
@@ -981,6 +987,54 @@ PATH_CASES = [
 
 for _id, _mk, _code, _exp in PATH_CASES:
     case(f"path-{_id}", _mk, _code, _exp)
+
+
+# -- what an option asks for must be what is written (refused by name when it cannot be) --
+
+def _calib_without(*names):
+    def make(w: Path, b: Base) -> Path:
+        c = link_tree(b.calib, w / "calib")
+        for n in names:
+            (c / n).unlink()
+        return c
+    return make
+
+
+HONEST_CASES = [
+    # A rounding that needs activation statistics never silently falls back to round-to-nearest.
+    ("convert-calib-no-activations", lambda w, b: ["convert", b.tokm, "-o", out_of(w), "--calib",
+                                                   _calib_without("activations.safetensors")(w, b), "--policy",
+                                                   "uniform", "--format", "int4_g128"], 2,
+     ("activations.safetensors", "awq_gptq")),
+    ("convert-calib-no-activations-budget", lambda w, b: ["convert", b.tokm, "-o", out_of(w), "--calib",
+                                                          _calib_without("activations.safetensors")(w, b),
+                                                          "--budget", "6", "--rounding", "awq"], 2,
+     ("activations.safetensors",)),
+    # Values no engine can hold are refused where they are given, not by a later command.
+    ("build-batch-2e40", _cli("build", "CKPT", "-o", "OUT", "--max-batch-size", str(2 ** 40)), 2,
+     ("--max-batch-size", "2147483647")),
+    ("build-num-tokens-2e40", _cli("build", "CKPT", "-o", "OUT", "--max-num-tokens", str(2 ** 40)), 2,
+     ("--max-num-tokens",)),
+    ("repo-batch-2e40", _cli("repo", "ENGINE", "-o", "OUT", "--max-batch-size", str(2 ** 40)), 2,
+     ("--max-batch-size",)),
+    ("run-temperature-nan", _cli("run", "CKPT", "-p", "hi", "--temperature", "nan"), 2, ("temperature", "finite")),
+    ("run-temperature-inf", _cli("run", "CKPT", "-p", "hi", "--temperature", "inf"), 2, ("temperature", "finite")),
+    # A planning script can gate on inspect: a layout TensorRT-LLM refuses is exit 3, not 0.
+    ("inspect-target-refuses", _cli("inspect", "MODEL", "--target", "tensorrt-llm", model="qwen"), 3,
+     ("does not build", "dense layers")),
+    ("inspect-yaml-target-refuses", lambda w, b: ["inspect", b.qwen, "-c",
+                                                  yaml_file("build:\n  backend: tensorrt-llm\n")(w)], 3,
+     ("does not build",)),
+    # build takes the checkpoint's layout: a config asking for another one is refused, not overridden.
+    ("build-yaml-layout-conflict", lambda w, b: ["build", b.ckpt, "-o", out_of(w), "--max-input-len", "64", "-c",
+                                                 yaml_file("convert:\n  tp: 2\n  moe_ep: 2\n")(w)], 2,
+     ("cfg.yaml", "tp 2", "moe_ep 2", "tp=1")),
+    ("convert-rounding-without-calib", _cli("convert", "TOKM", "-o", "OUT", "--policy", "uniform", "--format",
+                                            "int4_g128", "--rounding", "gptq"), 2, ("--rounding gptq", "--calib")),
+]
+
+for _id, _mk, _code, _exp in HONEST_CASES:
+    case(f"honest-{_id}", _mk, _code, _exp)
 
 
 # ---- running one case ----------------------------------------------------------------------------
