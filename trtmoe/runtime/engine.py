@@ -846,10 +846,13 @@ class EmbeddedEngine:
         self._kv.drain()
         return give_back_freed_memory()
 
-    def kv_cache_stats(self) -> dict[str, int]:
-        """The pooled KV cache now: rows allocated, rows held by live sequences, tokens per row."""
+    def kv_cache_stats(self) -> dict[str, int | str]:
+        """The pooled KV cache now: rows allocated, rows held by live sequences, tokens per row, bytes
+        allocated and the device they are on."""
         pool = self._kv
-        return {"slots": pool.slots, "live": pool.live - len(pool._released), "capacity": pool.capacity}
+        nbytes = sum(t.numel() * t.element_size() for t in (*list(pool.k), *list(pool.v)))
+        return {"slots": pool.slots, "live": pool.live - len(pool._released), "capacity": pool.capacity,
+                "bytes": nbytes, "device": str(pool.device)}
 
     def logits_with_grad(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The full causal forward of ``logits``, recorded by autograd from the embedding output on
