@@ -1029,6 +1029,19 @@ HONEST_CASES = [
     ("build-yaml-layout-conflict", lambda w, b: ["build", b.ckpt, "-o", out_of(w), "--max-input-len", "64", "-c",
                                                  yaml_file("convert:\n  tp: 2\n  moe_ep: 2\n")(w)], 2,
      ("cfg.yaml", "tp 2", "moe_ep 2", "tp=1")),
+    # Errors that teach: the command that fetches what is missing, the values that work.
+    ("inspect-hub-id-not-cached", _cli("inspect", "nobody/no-such-model-xyz"), 2,
+     ("hf download nobody/no-such-model-xyz config.json",)),
+    ("convert-hub-id-not-cached-fetch", _cli("convert", "nobody/no-such-model-xyz", "-o", "OUT"), 2,
+     ("hf download nobody/no-such-model-xyz --include",)),
+    ("inspect-heads-tp", _cli("inspect", "MODEL", "--tp", "3"), 2, ("tp that fit this model: 1, 2, 4",)),
+    ("inspect-experts-moe-ep", _cli("inspect", "MODEL", "--tp", "8", "--moe-ep", "8"), 2,
+     ("num_experts=4 is not divisible by moe_ep=8", "moe_ep that divide it: 1, 2, 4")),
+    ("inspect-moe-ep-not-dividing-tp", _cli("inspect", "MODEL", "--tp", "4", "--moe-ep", "3"), 2,
+     ("moe_ep that do: 1, 2, 4",)),
+    ("inspect-no-architectures-unknown-type", model_with("mix", cfg_set(architectures=_DELETE, model_type="llama"))
+     and (lambda w, b: ["inspect", model_with("mix", cfg_set(architectures=_DELETE, model_type="llama"))(w, b)]),
+     2, ("no architectures", "llama", "mixtral")),
     ("convert-rounding-without-calib", _cli("convert", "TOKM", "-o", "OUT", "--policy", "uniform", "--format",
                                             "int4_g128", "--rounding", "gptq"), 2, ("--rounding gptq", "--calib")),
 ]
@@ -1104,7 +1117,10 @@ def test_there_are_at_least_200_cases():
                   "-o", out_of(w)],
     lambda w, b: ["convert", b.mix, "-o", out_of(w), "-c", (put(w / "cfg.yaml", "convert:\n  tp: 2\n  moe_ep: 2\n")
                                                            or w / "cfg.yaml")],
-], ids=["inspect", "convert-sharded", "convert-calib", "verify", "build", "report", "convert-yaml"])
+    lambda w, b: ["inspect", model_with("mix", cfg_set(architectures=_DELETE))(w, b), "--target", "tensorrt-llm"],
+    lambda w, b: ["build", link_tree(b.ckpt, w / "ckpt"), "-o", out_of(w)],
+], ids=["inspect", "convert-sharded", "convert-calib", "verify", "build", "report", "convert-yaml",
+        "inspect-model-type-only", "build-defaults"])
 def test_well_formed_inputs_succeed(args, base, tmp_path):
     w = tmp_path / "w"
     w.mkdir()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, UnsupportedError
-from .adapters import supported_architectures
+from .adapters import HF_MODEL_TYPES, supported_architectures
 
 # Integer fields and their smallest allowed value (absent or null means "not given").
 _INT_FIELDS = {
@@ -40,9 +40,7 @@ _COUNT_LIMITS = {"num_hidden_layers": 100_000, "num_attention_heads": 100_000, "
 _SIZE_LIMIT = 1 << 40
 # The model_type Hugging Face writes beside each architecture trtmoe reads.
 _SUPPORTED = frozenset(supported_architectures())
-_MODEL_TYPES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekForCausalLM": "deepseek",
-                "PhimoeForCausalLM": "phimoe", "PhiMoEForCausalLM": "phimoe"}
+_MODEL_TYPES = HF_MODEL_TYPES
 
 
 def _kind(v: Any) -> str:

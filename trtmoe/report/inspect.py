@@ -29,7 +29,7 @@ def _has_weights(path) -> bool:
 
 def _describe(model: str):
     """(path, model description, source bytes or None): from the weights when present, else config.json."""
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, config_only=True)
     if _has_weights(path):
         with HFCheckpoint(path) as src:
             return src.path, src.model, src.total_bytes()
@@ -73,7 +73,14 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
         problems.append(e.render())
         mapping = None
     if mapping is not None and fmt is not None:
-        why = expert_shape_problem(fmt, m.hidden_size, mapping.expert_ffn_per_rank(m.expert_intermediate_size))
+        I = m.expert_intermediate_size
+        why = expert_shape_problem(fmt, m.hidden_size, mapping.expert_ffn_per_rank(I))
+        if why and mapping.moe_tp_size > 1 and not expert_shape_problem(fmt, m.hidden_size, I):
+            # The split made the shape: say so, and which moe_tp keep it whole enough.
+            ok = [t for t in range(1, mapping.tp_size + 1) if mapping.tp_size % t == 0 and I % t == 0
+                  and not expert_shape_problem(fmt, m.hidden_size, I // t)]
+            why += (f" (caused by moe_tp={mapping.moe_tp_size}: the expert FFN {I} is {I // mapping.moe_tp_size} "
+                    f"per rank; moe_tp that fit {fmt}: {', '.join(map(str, ok))})")
         if why:
             problems.append(why)
     report["layout"] = {"tp": tp, "pp": pp, "moe_tp": moe_tp, "moe_ep": moe_ep, "ok": not problems,
