@@ -1042,6 +1042,11 @@ HONEST_CASES = [
     ("inspect-no-architectures-unknown-type", model_with("mix", cfg_set(architectures=_DELETE, model_type="llama"))
      and (lambda w, b: ["inspect", model_with("mix", cfg_set(architectures=_DELETE, model_type="llama"))(w, b)]),
      2, ("no architectures", "llama", "mixtral")),
+    # Per-channel int4 measured with error-feedback codes that TensorRT-LLM's float layout loses: its
+    # ΔKL would not be what the engine computes, so naming it as a candidate is refused.
+    ("convert-trtllm-int4-codes-lost", _cli("convert", "TOKM", "-o", "OUT", "--calib", "CALIB", "--budget", "6",
+                                            "--target", "tensorrt-llm", "--formats", "fp16,int8,int4"), 2,
+     ("--formats int4", "awq_gptq", "codes")),
     ("convert-rounding-without-calib", _cli("convert", "TOKM", "-o", "OUT", "--policy", "uniform", "--format",
                                             "int4_g128", "--rounding", "gptq"), 2, ("--rounding gptq", "--calib")),
 ]
@@ -1127,6 +1132,25 @@ def test_well_formed_inputs_succeed(args, base, tmp_path):
     c = Case("ok", args)
     argv, _, res = run_case(c, w, base)
     assert res.exit_code == 0, (argv, res.stderr, res.stdout[-400:])
+
+
+def test_tensorrt_llm_plan_is_scored_with_what_the_engine_computes(base, tmp_path):
+    """The calibration measured int4 with awq_gptq codes, which TensorRT-LLM's layer layout cannot keep:
+    the budgeted plan for that target leaves int4 out (the predicted ΔKL is then of formats the engine
+    runs as measured) and says what int4 would lose; the embedded target's per-matrix plan keeps it."""
+    out = tmp_path / "trt"
+    res = CliRunner().invoke(main, ["convert", str(base.tokm), "-o", str(out), "--calib", str(base.calib),
+                                    "--budget", "9", "--target", "tensorrt-llm", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert any("int4 left out of the candidates" in n and "awq_gptq" in n for n in summary["notes"]), summary
+    assert summary["quantization"]["formats_used"] == ["int8"], summary["quantization"]
+    emb = tmp_path / "emb"
+    res = CliRunner().invoke(main, ["convert", str(base.tokm), "-o", str(emb), "--calib", str(base.calib),
+                                    "--budget", "6", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert not any("left out" in n for n in summary["notes"]) and "int4" in summary["quantization"]["formats_used"]
 
 
 # ---- an OS limit hit mid-write: one line, exit 1, nothing left (a subprocess: the limit is per process) --
