@@ -285,7 +285,8 @@ CONFIG_MUTATIONS: list[tuple[str, str, Callable, tuple]] = [
     ("bos_outside_vocab", "mix", cfg_set(bos_token_id=1000), ("bos_token_id",)),
     ("architectures_string", "mix", cfg_set(architectures="MixtralForCausalLM"),
      ("architectures", "string", "MixtralForCausalLM")),
-    ("architectures_empty", "mix", cfg_set(architectures=[]), ("architecture",)),
+    # Empty architectures: the model_type names the model (as for transformers); without one, refused.
+    ("architectures_empty", "mix", cfg_set(architectures=[], model_type=_DELETE), ("architecture", "model_type")),
     ("architectures_number", "mix", cfg_set(architectures=[1]), ("architectures",)),
     ("architectures_unknown", "mix", cfg_set(architectures=["LlamaForCausalLM"], model_type="llama"),
      ("LlamaForCausalLM",)),
@@ -826,7 +827,10 @@ OPTION_CASES = [
      ("max_seq_len",)),
     ("build-seq-beyond-context", _cli("build", "CKPT", "-o", "OUT", "--max-input-len", "64",
                                       "--max-seq-len", "100000"), ("max_seq_len",)),
-    ("build-default-input-beyond-seq", _cli("build", "CKPT", "-o", "OUT"), ("max_input_len",)),
+    # Plain `build` derives max_input_len from the model (well-formed case build-defaults); one given
+    # beyond the model's positions is still a contradiction.
+    ("build-input-1024-beyond-seq", _cli("build", "CKPT", "-o", "OUT", "--max-input-len", "1024"),
+     ("max_input_len",)),
     ("build-beam-nine", _cli("build", "CKPT", "-o", "OUT", "--max-beam-width", "9"), ("--max-beam-width",)),
     ("build-block-seven", _cli("build", "CKPT", "-o", "OUT", "--tokens-per-block", "7"), ("--tokens-per-block",)),
     ("build-workers-zero", _cli("build", "CKPT", "-o", "OUT", "--workers", "0"), ("--workers",)),
