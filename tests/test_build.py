@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,21 @@ def test_defaults_fill_max_seq_len_from_the_model(ckpt_fp16, tmp_path):
                  "--max_beam_width", "--workers"):
         assert flag in argv
     assert not any(f in argv for f in ("--tp_size", "--moe_ep_size", "--pp_size"))  # parallelism: the mapping
+
+
+def test_default_limits_fit_a_short_model(ckpt_fp16, tmp_path):
+    """Nothing given: the defaults agree with each other on a model of MPE (256) positions, for both
+    backends (max_input_len half of max_seq_len there, 1024 where the model is long enough)."""
+    argv = plan_tensorrt_llm(ckpt_fp16, tmp_path / "e", defaults()["build"]).argv
+    assert argv[argv.index("--max_seq_len") + 1] == str(MPE)
+    assert argv[argv.index("--max_input_len") + 1] == str(MPE // 2)
+    r = CliRunner().invoke(main, ["build", str(ckpt_fp16), "-o", str(tmp_path / "emb"), "--backend", "embedded"])
+    assert r.exit_code == 0, r.output
+    bc = json.loads((tmp_path / "emb" / "config.json").read_text())["build_config"]
+    assert (bc["max_input_len"], bc["max_seq_len"]) == (MPE // 2, MPE)
+    facts = read_checkpoint(ckpt_fp16)
+    long = replace(facts, seq_len_limit=32768)
+    assert resolve_limits(defaults()["build"], long, "embedded").build["max_input_len"] == 1024
 
 
 def test_help_has_examples():

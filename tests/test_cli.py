@@ -181,6 +181,43 @@ def test_inspect_bad_layout_exits_2_with_numbers(inspect_runs):
     assert any("2 × 4 = 8 ≠ 4" in p for p in lay["problems"]), lay["problems"]
 
 
+def test_inspect_reads_a_build_config_and_shows_checkpoint_and_engine_bytes(tmp_path):
+    """``-c`` sets the layout as convert reads it (options override it); a weight-only per-channel format
+    shows the engine's bytes and the checkpoint file's (float experts) apart, the latter equal to what
+    convert writes; a group-wise format's are the same."""
+    from click.testing import CliRunner
+
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.cli import main
+    from trtmoe.quant.plan import uniform_plan
+    from trtmoe.hf.reader import HFCheckpoint
+
+    fx = Path(__file__).parent / "fixtures" / "trained_mixtral"
+    y = tmp_path / "cfg.yaml"
+    y.write_text("convert:\n  tp: 2\n  moe_ep: 2\n")
+
+    def inspect(*args):
+        r = CliRunner().invoke(main, ["inspect", str(fx), "--json", *map(str, args)], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    rep = inspect("-c", y, "--format", "int8")
+    assert (rep["layout"]["tp"], rep["layout"]["moe_ep"], rep["layout"]["moe_tp"]) == (2, 2, 1)
+    assert inspect("-c", y, "--moe-ep", 1)["layout"]["moe_tp"] == 2  # the option wins
+    with HFCheckpoint(fx) as src:
+        m = src.model
+    ck = convert(fx, tmp_path / "ck", tp=2, moe_ep=2, quant=uniform_plan(m, "int8")).out_dir
+    for r in rep["ranks"]:
+        assert r["checkpoint_bytes"] > r["bytes"]
+        f = ck / f"rank{r['rank']}.safetensors"
+        header = 8 + int.from_bytes(f.read_bytes()[:8], "little")
+        assert r["checkpoint_bytes"] == f.stat().st_size - header
+    g = inspect("-c", y, "--format", "int4_g128")
+    assert all(r["checkpoint_bytes"] == r["bytes"] for r in g["ranks"])
+    text = " ".join(CliRunner().invoke(main, ["inspect", str(fx), "--format", "int8"]).stdout.split())
+    assert "ckpt file" in text and "engine" in text
+
+
 # ---- errors and --debug --------------------------------------------------------------------------------
 
 def test_debug_shows_traceback_only_when_asked(tmp_path):

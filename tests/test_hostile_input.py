@@ -285,7 +285,8 @@ CONFIG_MUTATIONS: list[tuple[str, str, Callable, tuple]] = [
     ("bos_outside_vocab", "mix", cfg_set(bos_token_id=1000), ("bos_token_id",)),
     ("architectures_string", "mix", cfg_set(architectures="MixtralForCausalLM"),
      ("architectures", "string", "MixtralForCausalLM")),
-    ("architectures_empty", "mix", cfg_set(architectures=[]), ("architecture",)),
+    # Empty architectures: the model_type names the model (as for transformers); without one, refused.
+    ("architectures_empty", "mix", cfg_set(architectures=[], model_type=_DELETE), ("architecture", "model_type")),
     ("architectures_number", "mix", cfg_set(architectures=[1]), ("architectures",)),
     ("architectures_unknown", "mix", cfg_set(architectures=["LlamaForCausalLM"], model_type="llama"),
      ("LlamaForCausalLM",)),
@@ -727,6 +728,11 @@ YAML_CASES = [
     ("backend_choice", yaml_file("build:\n  backend: onnx\n"), ("cfg.yaml", "build.backend")),
     ("beam_nine", yaml_file("build:\n  max_beam_width: 9\n"), ("cfg.yaml", "build.max_beam_width")),
     ("block_seven", yaml_file("build:\n  tokens_per_block: 7\n"), ("cfg.yaml", "build.tokens_per_block")),
+    ("duplicate_key", yaml_file("convert:\n  tp: 1\n  tp: 2\n"), ("cfg.yaml", "duplicate key 'tp'", "line 3")),
+    ("duplicate_section", yaml_file("build:\n  workers: 1\nbuild:\n  workers: 2\n"),
+     ("cfg.yaml", "duplicate key 'build'", "line 3")),
+    ("budget_nan", yaml_file("quantize:\n  budget_bpw: .nan\n"), ("cfg.yaml", "quantize.budget_bpw", "finite")),
+    ("batch_2e40", yaml_file("build:\n  max_batch_size: 1099511627776\n"), ("cfg.yaml", "build.max_batch_size")),
     ("alias_bomb", yaml_file("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\n"
                              "c: &c [*b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c, *c, *c, *c, *c, *c]\n"),
      ("cfg.yaml",)),
@@ -735,6 +741,7 @@ YAML_CASES = [
 for _id, _mk, _exp in YAML_CASES:
     case(f"convert-yaml-{_id}", lambda w, b, mk=_mk: ["convert", b.mix, "-o", out_of(w), "-c", mk(w)], 2, _exp)
     case(f"build-yaml-{_id}", lambda w, b, mk=_mk: ["build", b.ckpt, "-o", out_of(w), "-c", mk(w)], 2, _exp)
+    case(f"inspect-yaml-{_id}", lambda w, b, mk=_mk: ["inspect", b.mix, "-c", mk(w)], 2, _exp)
 
 
 # -- option values, per command --
@@ -820,7 +827,10 @@ OPTION_CASES = [
      ("max_seq_len",)),
     ("build-seq-beyond-context", _cli("build", "CKPT", "-o", "OUT", "--max-input-len", "64",
                                       "--max-seq-len", "100000"), ("max_seq_len",)),
-    ("build-default-input-beyond-seq", _cli("build", "CKPT", "-o", "OUT"), ("max_input_len",)),
+    # Plain `build` derives max_input_len from the model (well-formed case build-defaults); one given
+    # beyond the model's positions is still a contradiction.
+    ("build-input-1024-beyond-seq", _cli("build", "CKPT", "-o", "OUT", "--max-input-len", "1024"),
+     ("max_input_len",)),
     ("build-beam-nine", _cli("build", "CKPT", "-o", "OUT", "--max-beam-width", "9"), ("--max-beam-width",)),
     ("build-block-seven", _cli("build", "CKPT", "-o", "OUT", "--tokens-per-block", "7"), ("--tokens-per-block",)),
     ("build-workers-zero", _cli("build", "CKPT", "-o", "OUT", "--workers", "0"), ("--workers",)),
@@ -983,6 +993,72 @@ for _id, _mk, _code, _exp in PATH_CASES:
     case(f"path-{_id}", _mk, _code, _exp)
 
 
+# -- what an option asks for must be what is written (refused by name when it cannot be) --
+
+def _calib_without(*names):
+    def make(w: Path, b: Base) -> Path:
+        c = link_tree(b.calib, w / "calib")
+        for n in names:
+            (c / n).unlink()
+        return c
+    return make
+
+
+HONEST_CASES = [
+    # A rounding that needs activation statistics never silently falls back to round-to-nearest.
+    ("convert-calib-no-activations", lambda w, b: ["convert", b.tokm, "-o", out_of(w), "--calib",
+                                                   _calib_without("activations.safetensors")(w, b), "--policy",
+                                                   "uniform", "--format", "int4_g128"], 2,
+     ("activations.safetensors", "awq_gptq")),
+    ("convert-calib-no-activations-budget", lambda w, b: ["convert", b.tokm, "-o", out_of(w), "--calib",
+                                                          _calib_without("activations.safetensors")(w, b),
+                                                          "--budget", "6", "--rounding", "awq"], 2,
+     ("activations.safetensors",)),
+    # Values no engine can hold are refused where they are given, not by a later command.
+    ("build-batch-2e40", _cli("build", "CKPT", "-o", "OUT", "--max-batch-size", str(2 ** 40)), 2,
+     ("--max-batch-size", "2147483647")),
+    ("build-num-tokens-2e40", _cli("build", "CKPT", "-o", "OUT", "--max-num-tokens", str(2 ** 40)), 2,
+     ("--max-num-tokens",)),
+    ("repo-batch-2e40", _cli("repo", "ENGINE", "-o", "OUT", "--max-batch-size", str(2 ** 40)), 2,
+     ("--max-batch-size",)),
+    ("run-temperature-nan", _cli("run", "CKPT", "-p", "hi", "--temperature", "nan"), 2, ("temperature", "finite")),
+    ("run-temperature-inf", _cli("run", "CKPT", "-p", "hi", "--temperature", "inf"), 2, ("temperature", "finite")),
+    # A planning script can gate on inspect: a layout TensorRT-LLM refuses is exit 3, not 0.
+    ("inspect-target-refuses", _cli("inspect", "MODEL", "--target", "tensorrt-llm", model="qwen"), 3,
+     ("does not build", "dense layers")),
+    ("inspect-yaml-target-refuses", lambda w, b: ["inspect", b.qwen, "-c",
+                                                  yaml_file("build:\n  backend: tensorrt-llm\n")(w)], 3,
+     ("does not build",)),
+    # build takes the checkpoint's layout: a config asking for another one is refused, not overridden.
+    ("build-yaml-layout-conflict", lambda w, b: ["build", b.ckpt, "-o", out_of(w), "--max-input-len", "64", "-c",
+                                                 yaml_file("convert:\n  tp: 2\n  moe_ep: 2\n")(w)], 2,
+     ("cfg.yaml", "tp 2", "moe_ep 2", "tp=1")),
+    # Errors that teach: the command that fetches what is missing, the values that work.
+    ("inspect-hub-id-not-cached", _cli("inspect", "nobody/no-such-model-xyz"), 2,
+     ("hf download nobody/no-such-model-xyz config.json",)),
+    ("convert-hub-id-not-cached-fetch", _cli("convert", "nobody/no-such-model-xyz", "-o", "OUT"), 2,
+     ("hf download nobody/no-such-model-xyz --include",)),
+    ("inspect-heads-tp", _cli("inspect", "MODEL", "--tp", "3"), 2, ("tp that fit this model: 1, 2, 4",)),
+    ("inspect-experts-moe-ep", _cli("inspect", "MODEL", "--tp", "8", "--moe-ep", "8"), 2,
+     ("num_experts=4 is not divisible by moe_ep=8", "moe_ep that divide it: 1, 2, 4")),
+    ("inspect-moe-ep-not-dividing-tp", _cli("inspect", "MODEL", "--tp", "4", "--moe-ep", "3"), 2,
+     ("moe_ep that do: 1, 2, 4",)),
+    ("inspect-no-architectures-unknown-type", model_with("mix", cfg_set(architectures=_DELETE, model_type="llama"))
+     and (lambda w, b: ["inspect", model_with("mix", cfg_set(architectures=_DELETE, model_type="llama"))(w, b)]),
+     2, ("no architectures", "llama", "mixtral")),
+    # Per-channel int4 measured with error-feedback codes that TensorRT-LLM's float layout loses: its
+    # ΔKL would not be what the engine computes, so naming it as a candidate is refused.
+    ("convert-trtllm-int4-codes-lost", _cli("convert", "TOKM", "-o", "OUT", "--calib", "CALIB", "--budget", "6",
+                                            "--target", "tensorrt-llm", "--formats", "fp16,int8,int4"), 2,
+     ("--formats int4", "awq_gptq", "codes")),
+    ("convert-rounding-without-calib", _cli("convert", "TOKM", "-o", "OUT", "--policy", "uniform", "--format",
+                                            "int4_g128", "--rounding", "gptq"), 2, ("--rounding gptq", "--calib")),
+]
+
+for _id, _mk, _code, _exp in HONEST_CASES:
+    case(f"honest-{_id}", _mk, _code, _exp)
+
+
 # ---- running one case ----------------------------------------------------------------------------
 
 class Hang(Exception):
@@ -1050,13 +1126,35 @@ def test_there_are_at_least_200_cases():
                   "-o", out_of(w)],
     lambda w, b: ["convert", b.mix, "-o", out_of(w), "-c", (put(w / "cfg.yaml", "convert:\n  tp: 2\n  moe_ep: 2\n")
                                                            or w / "cfg.yaml")],
-], ids=["inspect", "convert-sharded", "convert-calib", "verify", "build", "report", "convert-yaml"])
+    lambda w, b: ["inspect", model_with("mix", cfg_set(architectures=_DELETE))(w, b), "--target", "tensorrt-llm"],
+    lambda w, b: ["build", link_tree(b.ckpt, w / "ckpt"), "-o", out_of(w)],
+], ids=["inspect", "convert-sharded", "convert-calib", "verify", "build", "report", "convert-yaml",
+        "inspect-model-type-only", "build-defaults"])
 def test_well_formed_inputs_succeed(args, base, tmp_path):
     w = tmp_path / "w"
     w.mkdir()
     c = Case("ok", args)
     argv, _, res = run_case(c, w, base)
     assert res.exit_code == 0, (argv, res.stderr, res.stdout[-400:])
+
+
+def test_tensorrt_llm_plan_is_scored_with_what_the_engine_computes(base, tmp_path):
+    """The calibration measured int4 with awq_gptq codes, which TensorRT-LLM's layer layout cannot keep:
+    the budgeted plan for that target leaves int4 out (the predicted ΔKL is then of formats the engine
+    runs as measured) and says what int4 would lose; the embedded target's per-matrix plan keeps it."""
+    out = tmp_path / "trt"
+    res = CliRunner().invoke(main, ["convert", str(base.tokm), "-o", str(out), "--calib", str(base.calib),
+                                    "--budget", "9", "--target", "tensorrt-llm", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert any("int4 left out of the candidates" in n and "awq_gptq" in n for n in summary["notes"]), summary
+    assert summary["quantization"]["formats_used"] == ["int8"], summary["quantization"]
+    emb = tmp_path / "emb"
+    res = CliRunner().invoke(main, ["convert", str(base.tokm), "-o", str(emb), "--calib", str(base.calib),
+                                    "--budget", "6", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert not any("left out" in n for n in summary["notes"]) and "int4" in summary["quantization"]["formats_used"]
 
 
 # ---- an OS limit hit mid-write: one line, exit 1, nothing left (a subprocess: the limit is per process) --

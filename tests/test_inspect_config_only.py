@@ -27,7 +27,7 @@ def config_only(src: Path, dst: Path) -> Path:
 
 def run(*args) -> tuple[int, str]:
     r = CliRunner().invoke(main, [str(a) for a in args])
-    return r.exit_code, r.output if "--json" in args else " ".join(r.output.split())
+    return r.exit_code, r.stdout if "--json" in args else " ".join(r.output.split())
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v1", "phimoe"])
@@ -67,10 +67,13 @@ def test_support_cell_from_config_alone(tiny_model, tmp_path):
     assert rep["support"]["ok"] is False and "SharedMoE" in rep["support"]["refusals"][0]
     rep = inspect_model(str(bare), fmt="int4", target="tensorrt-llm")
     assert rep["support"]["ok"] is True and "no MIXED_PRECISION" in rep["support"]["what_works"]
+    # The report is printed, and the exit status (3) says it does not build, so a script can gate on it.
     code, out = run("inspect", bare, "--format", "int4_g128", "--target", "tensorrt-llm", "--json")
-    assert code == 0 and json.loads(out)["support"]["ok"] is False
+    assert code == 3 and json.loads(out)["support"]["ok"] is False
     code, out = run("inspect", bare, "--format", "int4_g128", "--target", "tensorrt-llm")
-    assert code == 0 and "does not build" in out
+    assert code == 3 and "does not build" in out
+    code, _ = run("inspect", bare, "--format", "int4", "--target", "tensorrt-llm")
+    assert code == 0
 
 
 def test_format_that_does_not_fit_the_shapes_is_a_layout_problem(tiny_model, tmp_path):

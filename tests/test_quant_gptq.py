@@ -7,6 +7,7 @@ layers' stored MoE inputs: bit for bit the stored one on the same tokens, in bou
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -211,15 +212,69 @@ def test_tensorrt_llm_layout_keeps_the_shared_scale_and_changes_only_codes(model
                     h = stats.get(l, e, m).gram_matrix() * torch.outer(pq.float(), pq.float())
                     errs.append(awq._gram_err(h, w, deq, pq))
                 assert errs[1] <= errs[0] * (1 + 1e-6), (l, m, e, errs)
-    # Per-channel W4A16 layers are stored as float (trtllm-build quantizes them): codes cannot be, so
-    # awq_gptq stores awq's clipped weights there, byte for byte.
-    for r in ("awq", "awq_gptq"):
+    # Per-channel W4A16 layers are stored as float (trtllm-build quantizes them): codes cannot be. Asked
+    # for by name, awq_gptq is refused; taken from the calibration, the checkpoint is rounded with what
+    # reaches the engine (awq's clipped weights, byte for byte) and the manifest says awq.
+    res = CliRunner().invoke(main, ["convert", str(model), "-o", str(tmp_path / "pc-named"), "--calib",
+                                    str(cal["dir"]["awq_gptq"]), "--policy", "uniform", "--format", "int4",
+                                    "--target", "tensorrt-llm", "--rounding", "awq_gptq"])
+    assert res.exit_code == 2 and "--rounding awq_gptq" in res.stderr and "codes" in res.stderr, res.output
+    assert not (tmp_path / "pc-named").exists()
+    for r, named in (("awq", ["--rounding", "awq"]), ("awq_gptq", [])):
         res = CliRunner().invoke(main, ["convert", str(model), "-o", str(tmp_path / f"pc-{r}"), "--calib",
                                         str(cal["dir"][r]), "--policy", "uniform", "--format", "int4", "--target",
-                                        "tensorrt-llm", "--rounding", r], catch_exceptions=False)
+                                        "tensorrt-llm", *named], catch_exceptions=False)
         assert res.exit_code == 0, res.output
     assert (tmp_path / "pc-awq" / "rank0.safetensors").read_bytes() == \
         (tmp_path / "pc-awq_gptq" / "rank0.safetensors").read_bytes()
+    q = json.loads((tmp_path / "pc-awq_gptq" / "manifest.json").read_text())["quantization"]
+    assert q["rounding"] == "awq", q
+
+
+def test_uniform_per_channel_int4_keeps_the_codes_on_the_embedded_target(model, cal, tmp_path):
+    """``--policy uniform --format int4 --rounding awq_gptq`` writes the error-feedback codes (each expert
+    packed: the layer layout would store float weights the engine rounds to nearest), so its bytes
+    differ from awq's and its error over every routed token is lower; the manifest says what was done.
+    The layer layout asked for by name with those codes is refused."""
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+
+    outs = {}
+    for r in ("awq", "awq_gptq"):
+        outs[r] = tmp_path / r
+        res = CliRunner().invoke(main, ["convert", str(model), "-o", str(outs[r]), "--calib", str(cal["dir"][r]),
+                                        "--policy", "uniform", "--format", "int4", "--rounding", r],
+                                 catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+    man = {r: json.loads((outs[r] / "manifest.json").read_text())["quantization"] for r in outs}
+    assert man["awq_gptq"]["rounding"] == "awq_gptq" and man["awq"]["rounding"] == "awq"
+    a, g = (load_file(str(outs[r] / "rank0.safetensors")) for r in ("awq", "awq_gptq"))
+    fmt = FORMATS["int4"]
+    stats = cal["acts"]["awq_gptq"]
+    worse = better = 0
+    for l in range(2):
+        for m in ("fc", "proj"):
+            for e in range(4):
+                w = _experts(model, l, e)[m]
+                h = stats.get(l, e, m).with_fc(_experts(model, l, e)["fc"]).gram_matrix()
+                # awq: float weights (clipped) that the engine rounds to nearest per channel at load
+                fw = a[f"transformer.layers.{l}.mlp.{'fc' if m == 'fc' else 'proj'}.weight"][e]
+                pa = fmt.quantize(fw, dtype=DT)
+                # awq_gptq: the packed codes of each expert
+                p = f"transformer.layers.{l}.mlp.experts.{e}.{m}."
+                pg = {k: g[p + k] for k in pa}
+                assert not torch.equal(pa["weight"], pg["weight"]), (l, m, e)
+                errs = [awq._gram_err(h, w.float(), (unpack_int4(t["weight"], dim=-1).t().to(DT)
+                                                     * t["per_channel_scale"].unsqueeze(-1)).float(), None)
+                        for t in (pa, pg)]
+                better += errs[1] < errs[0]
+                worse += errs[1] > errs[0] * (1 + 1e-6)
+    assert worse == 0 and better > 0, (better, worse)
+    res = CliRunner().invoke(main, ["convert", str(model), "-o", str(tmp_path / "layer"), "--calib",
+                                    str(cal["dir"]["awq_gptq"]), "--policy", "uniform", "--format", "int4",
+                                    "--granularity", "layer", "--rounding", "awq_gptq"])
+    assert res.exit_code == 2 and "--granularity expert" in res.stderr, res.output
 
 
 def test_too_few_rows_and_no_gram_keeps_the_base_recipe():

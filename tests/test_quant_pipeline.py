@@ -266,7 +266,8 @@ def test_unreached_experts_still_plan_and_warn(mixtral8_bf16, tokdir, tmp_path):
 def test_router_gate_embeddings_head_norms_stay_float(tiny_model, tmp_path):
     hf = tiny_model("qwen2_moe", seed=1, dtype="bfloat16")
     cal = _calib(hf, tmp_path, _ids(4, 32))
-    cli("convert", hf, "-o", tmp_path / "ck", "--calib", cal, "--budget", "4.4", "--formats", "fp16,int8,int4")
+    cli("convert", hf, "-o", tmp_path / "ck", "--calib", cal, "--budget", "4.4", "--formats", "fp16,int8,int4",
+        "--rounding", "rtn")  # _calib keeps no activation statistics
     ck = tmp_path / "ck"
     manifest = json.loads((ck / "manifest.json").read_text())
     excluded = manifest["quantization"]["excluded"]
@@ -359,8 +360,10 @@ def test_graded_plan_runs_from_packed_int8_bytes(mixtral8, tmp_path):
 # ---- granularity follows the target ---------------------------------------------------------------------------
 def test_target_sets_granularity(mixtral8_bf16, bf16_calib, tmp_path):
     fm = ("--formats", "fp16,int8,int4")
-    cli("convert", mixtral8_bf16, "-o", tmp_path / "trt", "--calib", bf16_calib, "--budget", "7", *fm,
-        "--target", "tensorrt-llm")
+    # TensorRT-LLM's layer layout cannot keep the awq_gptq codes the calibration measured int4 with
+    # (refused as a candidate there: tests/test_hostile_input.py), so that target plans with int8.
+    cli("convert", mixtral8_bf16, "-o", tmp_path / "trt", "--calib", bf16_calib, "--budget", "9",
+        "--formats", "fp16,int8", "--target", "tensorrt-llm")
     cfg = json.loads((tmp_path / "trt" / "config.json").read_text())
     q = cfg["trtmoe"]["quantization"]
     assert q["granularity"] == "layer"
@@ -375,7 +378,9 @@ def test_target_sets_granularity(mixtral8_bf16, bf16_calib, tmp_path):
                                               for k in qc["quantized_layers"])
     else:
         assert algo in ("W8A16", "W4A16")
-    cli("convert", mixtral8_bf16, "-o", tmp_path / "emb", "--calib", bf16_calib, "--budget", "6.5", *fm)
+    # This calibration keeps no activation statistics (calib.json alone): int4 is rounded to nearest.
+    cli("convert", mixtral8_bf16, "-o", tmp_path / "emb", "--calib", bf16_calib, "--budget", "6.5", *fm,
+        "--rounding", "rtn")
     q = json.loads((tmp_path / "emb" / "config.json").read_text())["trtmoe"]["quantization"]
     assert q["granularity"] == "matrix" and "expert_formats" not in q
     mf = q["matrix_formats"]
@@ -392,7 +397,7 @@ def test_target_sets_granularity(mixtral8_bf16, bf16_calib, tmp_path):
                 if entry is not None:
                     assert entry == FORMATS[name].trtllm_layer_config()
     cli("convert", mixtral8_bf16, "-o", tmp_path / "embx", "--calib", bf16_calib, "--budget", "6.5", *fm,
-        "--granularity", "expert")
+        "--granularity", "expert", "--rounding", "rtn")
     q = json.loads((tmp_path / "embx" / "config.json").read_text())["trtmoe"]["quantization"]
     assert q["granularity"] == "expert" and "matrix_formats" not in q
     assert any(len(set(fs)) > 1 for fs in q["expert_formats"].values()), q["expert_formats"]

@@ -15,6 +15,7 @@ What upstream's clients rely on, restated (not copied) from their source:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -219,6 +220,7 @@ def test_nv_trt_llm_metric_families(moved):
     generate(moved["url"], "x = [", max_tokens=6)
     families = {
         "nv_trt_llm_request_metrics": ("request_type", {"active", "max", "scheduled", "context", "waiting"}),
+        "nv_trt_llm_runtime_memory_metrics": ("memory_type", {"cpu", "gpu", "pinned"}),
         "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type",
                                               {"max", "free", "used", "tokens_per", "reused", "fraction"}),
         "nv_trt_llm_inflight_batcher_metrics": ("inflight_batcher_specific_metric",
@@ -250,6 +252,17 @@ def test_nv_trt_llm_metric_families(moved):
     assert got[("nv_trt_llm_request_metrics", "scheduled")] >= 1
     kv = {k: got[("nv_trt_llm_kv_cache_block_metrics", k)] for k in ("max", "free", "used", "fraction")}
     assert kv["max"] == kv["free"] + kv["used"] and 0.0 <= kv["fraction"] <= 1.0
+    # Idle after the request: the cache reads free up to what max_batch_size sequences may hold, not 0.
+    assert kv["used"] == 0 and kv["max"] == kv["free"] >= BUILD["max_batch_size"]
+    assert got[("nv_trt_llm_runtime_memory_metrics", "gpu")] == 0
+    # Upstream's token-length histograms: the request's prompt and 6 generated tokens were observed.
+    for fam, label in (("nv_llm_input_token_len", "total_input_tokens"),
+                       ("nv_llm_output_token_len", "total_output_tokens")):
+        buckets = {float(lab["le"]): v for lab, v in m.get(fam + "_bucket", [])
+                   if lab.get("response_metric_type") == label}
+        assert set(buckets) == {10.0, 50.0, 100.0, 500.0, 1000.0, math.inf}, (fam, m.get(fam + "_bucket"))
+        assert buckets[math.inf] >= 1 and m[fam + "_count"][0][1] >= 1, fam
+    assert [v for _, v in m["nv_llm_output_token_len_sum"]][0] >= 6
 
 
 def _stack_processes(server) -> list[tuple[int, int, str]]:

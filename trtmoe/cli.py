@@ -18,7 +18,7 @@ from rich.table import Table
 from . import __version__
 from . import config as cfgmod
 from .console import console, err_console, fmt_bytes, fmt_count, note, progress
-from .errors import TrtmoeError
+from .errors import LayoutError, NotBuildable, TrtmoeError
 from .quant import QUANTIZED_NAMES
 
 
@@ -146,15 +146,19 @@ def moves_options(f):
 
 @main.command()
 @click.argument("model")
+@click.option("-c", "--config", "config_path", type=click.Path(path_type=Path), default=None,
+              help="YAML build config (as convert and build read it): its convert section's layout, dtype and "
+                   "trtllm_version, and build.backend as --target; options override it.")
 @layout_options
 @click.option("--format", "fmt", type=click.Choice(["float", *QUANTIZED_NAMES]), default=None,
               help="Routed-expert format for the bytes per rank [default: float, the weight dtype].")
 @click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,
               help="tensorrt-llm: also show whether TensorRT-LLM builds this layout and format (support table).")
-@click.option("--trtllm-version", default="1.2", show_default=True, help="TensorRT-LLM release line for --target.")
+@click.option("--trtllm-version", type=click.Choice(cfgmod.SCHEMA["convert"]["trtllm_version"].choices),
+              default=None, help="TensorRT-LLM release line for --target [default: 1.2].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @moves_options
-def inspect(model, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtllm_version, as_json, **moves):
+def inspect(model, config_path, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtllm_version, as_json, **moves):
     """Show what MODEL costs and really activates per token, and bytes per rank for a layout.
 
     MODEL is a local HF directory or a hub id already in the local cache. Only config.json is needed:
@@ -165,22 +169,34 @@ def inspect(model, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtllm_version, a
     GPU's memory bandwidth allows, under uniform routing and the calibration's measured routing.
 
     \b
+    Exit status (the report is printed first):
+      0  the layout fits the model (and, with --target tensorrt-llm, TensorRT-LLM builds it)
+      2  bad input, or a layout the model does not divide into
+      3  --target tensorrt-llm: TensorRT-LLM's support table refuses this layout and format
+
+    \b
     Examples:
       trtmoe inspect mistralai/Mixtral-8x7B-v0.1 --tp 4 --moe-tp 2 --moe-ep 2 --dtype bfloat16
       trtmoe inspect ./config-only-dir --tp 2 --moe-ep 2 --format int4_g128 --target tensorrt-llm
       trtmoe inspect ./model --calib calib/ --batch 1,8,32,128 --context 4096 --gpu H200 --moe-ep 2
       trtmoe inspect ./model --plan ckpt/ --batch 1,32 --gpu 2000    # the checkpoint's formats, 2000 GB/s
+      trtmoe inspect MODEL -c build_configs/mixtral-8x7b-ep8.yaml --target tensorrt-llm || echo "not buildable"
     """
     from .report.inspect import inspect_model
 
-    rep = inspect_model(model, tp=1 if tp is None else tp, pp=1 if pp is None else pp, moe_tp=moe_tp,
-                        moe_ep=moe_ep, dtype=dtype or "auto", fmt=fmt, target=target, trtllm_version=trtllm_version)
+    cfg = cfgmod.resolve(config_path, cfgmod.from_cli(dict(tp=tp, pp=pp, moe_tp=moe_tp, moe_ep=moe_ep, dtype=dtype,
+                                                           trtllm_version=trtllm_version), "convert"))
+    cv = cfg["convert"]
+    if target is None and config_path is not None:
+        target = (cfgmod.load_yaml(config_path).get("build") or {}).get("backend")
+    rep = inspect_model(model, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"], dtype=cv["dtype"],
+                        fmt=fmt, target=target, trtllm_version=cv["trtllm_version"])
     wants_moves = any(moves[k] is not None for k in ("batch", "calib", "plan", "gpu", "context"))
     if wants_moves and rep["layout"]["ok"]:
         from .report.moves import moves_report
 
-        rep["moves"] = moves_report(model, tp=1 if tp is None else tp, pp=1 if pp is None else pp, moe_tp=moe_tp,
-                                    moe_ep=moe_ep, dtype=dtype or "auto", fmt=fmt, **moves)
+        rep["moves"] = moves_report(model, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"],
+                                    dtype=cv["dtype"], fmt=fmt, **moves)
     if as_json:
         click.echo(json.dumps(rep, indent=2))
     else:
@@ -190,9 +206,11 @@ def inspect(model, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtllm_version, a
 
             render_moves(rep["moves"], console)
     if not rep["layout"]["ok"]:
-        from .errors import LayoutError
-
         raise LayoutError("layout check failed: " + "; ".join(rep["layout"]["problems"]))
+    sup = rep.get("support")
+    if sup is not None and not sup["ok"]:
+        raise NotBuildable(f"TensorRT-LLM {sup['release']} does not build this layout and format: "
+                           + "; ".join(sup["refusals"]), hint=f"it builds {sup['what_works']}")
 
 
 def _render_inspect(rep: dict) -> None:
@@ -226,13 +244,20 @@ def _render_inspect(rep: dict) -> None:
     experts = "" if rep.get("expert_format", "float") == "float" else f", experts {rep['expert_format']}"
     t = Table(title=f"Weights per rank ({rep['dtype']}{experts}, tp={lay['tp']} pp={lay['pp']} "
                     f"moe_tp={lay['moe_tp']} moe_ep={lay['moe_ep']})", title_justify="left")
-    for col in ("rank", "tp", "pp", "moe_ep", "moe_tp", "experts", "layers", "bytes"):
+    both = any(r.get("checkpoint_bytes", r["bytes"]) != r["bytes"] for r in rep["ranks"])
+    for col in ("rank", "tp", "pp", "moe_ep", "moe_tp", "experts", "layers",
+                *(("engine", "ckpt file") if both else ("bytes",))):
         t.add_column(col, justify="right")
     for r in rep["ranks"]:
         t.add_row(str(r["rank"]), str(r["tp_rank"]), str(r["pp_rank"]), str(r["moe_ep_rank"]),
                   str(r["moe_tp_rank"]), f"{r['experts'][0]}–{r['experts'][1]}",
-                  f"{r['layers'][0]}–{r['layers'][-1]}", fmt_bytes(r["bytes"]))
+                  f"{r['layers'][0]}–{r['layers'][-1]}", fmt_bytes(r["bytes"]),
+                  *((fmt_bytes(r["checkpoint_bytes"]),) if both else ()))
     console.print(t)
+    if both:
+        console.print(f"  engine: the routed experts in {rep['expert_format']}, as the engine holds them; "
+                      "ckpt file: the rank file, whose weight-only per-channel experts stay float for the "
+                      "engine builder to quantize")
     console.print("  layout checks: [green]ok[/] (heads, kv heads, experts % moe_ep, FFN % moe_tp)")
     sup = rep.get("support")
     if sup:

@@ -8,6 +8,7 @@ naming the key and what is allowed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ class Key:
 
 
 _POS = dict(minimum=1)
+# Engine limits: TensorRT-LLM's build config and Triton's model config hold them as 32-bit integers.
+INT32_MAX = 2 ** 31 - 1
+_LIMIT = dict(minimum=1, maximum=INT32_MAX)
 SCHEMA: dict[str, dict[str, Key]] = {
     "convert": {
         "tp": Key(int, 1, help="Tensor-parallel size.", **_POS),
@@ -82,11 +86,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "backend": Key(str, "embedded", choices=("embedded", "tensorrt-llm"),
                        help="tensorrt-llm: run trtllm-build (GPU + TensorRT-LLM 1.2.x); embedded: engine dir for "
                             "the embedded PyTorch engine."),
-        "max_batch_size": Key(int, 8, help="Requests decoded together.", **_POS),
-        "max_input_len": Key(int, 1024, help="Longest prompt, tokens.", **_POS),
+        "max_batch_size": Key(int, 8, help="Requests decoded together.", **_LIMIT),
+        "max_input_len": Key(int, None, nullable=True, help="Longest prompt, tokens.",
+                             shown_default="1024, or half of max_seq_len when that is smaller", **_LIMIT),
         "max_seq_len": Key(int, None, nullable=True, help="Longest prompt + output, tokens.",
-                           shown_default="the model's max_position_embeddings", **_POS),
-        "max_num_tokens": Key(int, 8192, help="Tokens per engine step.", **_POS),
+                           shown_default="the model's max_position_embeddings", **_LIMIT),
+        "max_num_tokens": Key(int, 8192, help="Tokens per engine step.", **_LIMIT),
         "max_beam_width": Key(int, 1, minimum=1, maximum=8,
                               help="Widest beam search a request may ask for (beam_width); 1 = no beam search."),
         "tokens_per_block": Key(int, 32, choices=(8, 16, 32, 64, 128), help="Tokens per paged KV block."),
@@ -120,15 +125,15 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "tokenizer": Key(str, None, nullable=True, metavar="DIR", help="Hugging Face tokenizer folder.",
                          shown_default="the one beside the engine or its checkpoint"),
         "max_batch_size": Key(int, None, nullable=True, help="Triton max_batch_size (<= the engine's).",
-                              shown_default="the engine's", **_POS),
+                              shown_default="the engine's", **_LIMIT),
         "max_beam_width": Key(int, None, nullable=True, help="Must equal the engine's build value.",
-                              shown_default="the engine's", **_POS),
+                              shown_default="the engine's", **_LIMIT),
         "max_input_len": Key(int, None, nullable=True, help="Prompt limit in tokens (<= the engine's).",
-                             shown_default="the engine's", **_POS),
+                             shown_default="the engine's", **_LIMIT),
         "max_seq_len": Key(int, None, nullable=True, help="Prompt + output limit in tokens (<= the engine's).",
-                           shown_default="the engine's", **_POS),
+                           shown_default="the engine's", **_LIMIT),
         "world_size": Key(int, None, nullable=True, help="Checked against the engine's tp × pp.",
-                          shown_default="the engine's", **_POS),
+                          shown_default="the engine's", **_LIMIT),
         "layout": Key(str, "inflight", choices=("inflight", "llmapi"),
                       help="inflight: upstream's inflight_batcher_llm models (ensemble, pre/postprocessing, "
                            "tensorrt_llm, tensorrt_llm_bls; token ids between them). llmapi (embedded engine): "
@@ -266,6 +271,8 @@ def check_value(where: str, key: Key, value: Any) -> Any:
         ok = isinstance(value, key.type)
     if not ok:
         raise ConfigError(f"{where} must be {_type_name(key.type)}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes every bound below
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
     if key.choices is not None and isinstance(value, list):
         bad = [v for v in value if v not in key.choices]
         if bad:
@@ -294,6 +301,30 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"{' '.join(str(what).split())}{where}"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (the plain loader keeps the last
+    one silently): a config must not say two things."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark)
+                except TypeError:  # an unhashable key: the base class says so
+                    break
+                if first is not key_node.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at line {first.line + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+
+
 def load_yaml(path: str | Path | None) -> dict:
     """Read and validate a YAML build config; returns only the keys it sets."""
     if path is None:
@@ -313,7 +344,7 @@ def load_yaml(path: str | Path | None) -> dict:
         line = raw[:e.start].count(b"\n") + 1
         raise ConfigError(f"not UTF-8 text (byte {e.start}, line {line})", where=str(p)) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"not valid YAML: {_yaml_problem(e)}", where=str(p)) from None
     except RecursionError:

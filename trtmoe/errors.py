@@ -41,6 +41,13 @@ class LayoutError(InputError):
     """A parallel layout that cannot be realised (divisibility, world size)."""
 
 
+class NotBuildable(UnsupportedError):
+    """A well-formed layout and format that the target's support table refuses (``inspect --target``).
+    Exit code 3, apart from bad input, so that a planning script can gate on it."""
+
+    exit_code = 3
+
+
 class ConfigError(InputError):
     """An invalid YAML build config or option value."""
 

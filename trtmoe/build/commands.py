@@ -10,6 +10,7 @@ import click
 
 from .. import config as cfgmod
 from ..console import console
+from ..errors import ConfigError
 
 
 def _echo_lines(lines: list[str], err: bool = False) -> None:
@@ -51,11 +52,29 @@ def build(checkpoint, out, config_path, dry_run, force, allow_fewer_gpus, copy_f
     """
     cfg = cfgmod.resolve(config_path, cfgmod.from_cli(options, "build"))
     b = cfg["build"]
+    _check_layout(checkpoint, cfgmod.load_yaml(config_path).get("convert") or {}, config_path)
     if b["backend"] == "tensorrt-llm":
         _tensorrt_llm(checkpoint, out, b, dry_run=dry_run, force=force, allow_fewer_gpus=allow_fewer_gpus,
                       as_json=as_json)
     else:
         _embedded(checkpoint, out, b, dry_run=dry_run, force=force, link=not copy_files, as_json=as_json)
+
+
+def _check_layout(checkpoint, convert: dict, config_path) -> None:
+    """The parallel layout is the checkpoint's (``convert`` wrote it): a YAML config whose ``convert``
+    section asks for another one is refused, naming both, instead of being silently overridden."""
+    asked = {k: convert[k] for k in ("tp", "pp", "moe_tp", "moe_ep") if convert.get(k) is not None}
+    if not asked or not (Path(checkpoint) / "config.json").is_file():
+        return  # nothing asked; a missing checkpoint is named by the build itself
+    from ..runtime.checkpoint_reader import load_config
+
+    mp = load_config(checkpoint).mapping
+    have = {"tp": mp.tp_size, "pp": mp.pp_size, "moe_tp": mp.moe_tp_size, "moe_ep": mp.moe_ep_size}
+    differ = [f"{k} {v} (the checkpoint's {have[k]})" for k, v in asked.items() if have[k] != v]
+    if differ:
+        raise ConfigError(f"convert section asks for {', '.join(differ)}; build uses the checkpoint's layout "
+                          f"({mp.describe()})", where=str(config_path),
+                          hint="convert the model again with this layout, or drop those keys")
 
 
 def _tensorrt_llm(checkpoint, out, b, *, dry_run, force, allow_fewer_gpus, as_json):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..checkpoint.manifest import MANIFEST, read_manifest
 from ..checkpoint.support import check_checkpoint_config
-from ..config import SCHEMA
+from ..config import INT32_MAX, SCHEMA
 from ..errors import BackendUnavailable, ConfigError, InputError, UnsupportedError
 from ..parallel.mapping import Mapping
 from ..runtime.checkpoint_reader import CheckpointConfig, load_config
@@ -124,6 +124,7 @@ def read_checkpoint(path: str | Path) -> CheckpointFacts:
 
 
 # ---- build settings ------------------------------------------------------------------------------
+DEFAULT_MAX_INPUT_LEN = 1024  # max_input_len when not given (TensorRT-LLM's), or half of max_seq_len
 @dataclass
 class Limits:
     """Resolved build settings plus non-fatal notes."""
@@ -138,8 +139,14 @@ def resolve_limits(build: dict, facts: CheckpointFacts, backend: str) -> Limits:
     b = dict(build)
     if b.get("max_seq_len") is None:
         b["max_seq_len"] = facts.seq_len_limit
+    if b.get("max_input_len") is None:  # the default fits the model: half of it left for the output
+        b["max_input_len"] = max(1, min(DEFAULT_MAX_INPUT_LEN, b["max_seq_len"] // 2))
     b["backend"] = backend
     problems, notes = [], []
+    for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens"):
+        if not 1 <= b[k] <= INT32_MAX:  # settings built in code skip the schema's check
+            problems.append(f"{k} {b[k]} is outside 1..{INT32_MAX} (TensorRT-LLM and Triton hold it as a "
+                            "32-bit integer)")
     mi, ms, mnt, mbs = b["max_input_len"], b["max_seq_len"], b["max_num_tokens"], b["max_batch_size"]
     if ms > facts.seq_len_limit:
         problems.append(f"max_seq_len {ms} exceeds the model's limit {facts.seq_len_limit} "

@@ -594,11 +594,23 @@ def supported_architectures() -> list[str]:
     return sorted(_BY_ARCH)
 
 
+# The model_type Hugging Face writes beside each architecture trtmoe reads (what transformers itself
+# goes by when a config names no architecture), from the registry entries.
+HF_MODEL_TYPES = {arch: a.hf_model_type for arch, a in _BY_ARCH.items()}
+
+
 def adapter_for(hf_config: dict) -> Adapter:
     archs = hf_config.get("architectures") or []
     for arch in archs:
         if arch in _BY_ARCH:
             return _BY_ARCH[arch]
+    if not archs:  # no architectures: the model_type names the model, as for transformers' AutoConfig
+        mtype = hf_config.get("model_type")
+        for arch, t in HF_MODEL_TYPES.items():
+            if t == mtype and arch in _BY_ARCH:
+                return _BY_ARCH[arch]
+        raise UnsupportedError(f"no architectures given, and model_type {mtype!r} is not one trtmoe reads", where="config.json",
+                               hint="supported model_type: " + ", ".join(sorted(set(HF_MODEL_TYPES.values()))))
     raise UnsupportedError(
         f"architecture {archs[0] if archs else '(none given)'!r} is not supported",
         where="config.json",

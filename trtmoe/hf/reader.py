@@ -27,8 +27,9 @@ def parse_dtype(name: str) -> torch.dtype:
         raise InputError(f"unknown dtype {name!r}", hint="use one of: auto, " + ", ".join(_DTYPE_NAMES)) from None
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """A local directory as is, or a hub id (``org/name``) resolved in the local HF cache, offline."""
+def resolve_model_path(model: str | Path, *, config_only: bool = False) -> Path:
+    """A local directory as is, or a hub id (``org/name``) resolved in the local HF cache, offline.
+    ``config_only``: the caller reads config.json alone (``inspect``), and the hint fetches only that."""
     p = Path(model).expanduser()
     if p.is_dir():
         return p
@@ -41,9 +42,12 @@ def resolve_model_path(model: str | Path) -> Path:
 
             return Path(snapshot_download(text, local_files_only=True))
         except Exception as e:  # noqa: BLE001 - any cache miss becomes one clear message
+            # huggingface_hub's own CLI (`hf`, from huggingface_hub 1.0 on); without file names it fetches
+            # every file of the repository, .bin / .pt duplicates of the weights included.
+            fetch = (f"hf download {text} config.json" if config_only else
+                     f"hf download {text} --include '*.json' --include '*.safetensors' --include 'tokenizer*'")
             raise InputError(f"hub id {text!r} is not in the local Hugging Face cache ({type(e).__name__})",
-                             hint="download it first with `huggingface-cli download " + text
-                                  + "` or pass a local directory") from None
+                             hint=f"fetch it with `{fetch}`, or pass a local directory") from None
     raise InputError("no such directory", where=str(p))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, UnsupportedError
-from .adapters import ADAPTERS, supported_architectures
+from .adapters import ADAPTERS, HF_MODEL_TYPES, supported_architectures
 
 # Integer fields and their smallest allowed value (absent or null means "not given").
 _INT_FIELDS = {
@@ -38,7 +38,7 @@ _COUNT_LIMITS = {"num_hidden_layers": 100_000, "num_attention_heads": 100_000, "
 _SIZE_LIMIT = 1 << 40
 _SUPPORTED = frozenset(supported_architectures())
 # The model_type Hugging Face writes beside each architecture trtmoe reads (the registry entries').
-_MODEL_TYPES = {arch: a.hf_model_type for a in ADAPTERS.values() for arch in a.hf_architectures}
+_MODEL_TYPES = HF_MODEL_TYPES
 # The model types whose sliding window is on only when use_sliding_window is true.
 _USE_SLIDING_WINDOW = frozenset(a.hf_model_type for a in ADAPTERS.values() if a.use_sliding_window_key)
 

@@ -31,11 +31,11 @@ class Mapping:
             moe_tp, moe_ep = tp, 1
         elif moe_tp is None:
             if tp % moe_ep:
-                raise LayoutError(f"moe_ep={moe_ep} does not divide tp={tp}")
+                raise LayoutError(f"moe_ep={moe_ep} does not divide tp={tp} (moe_ep that do: {_listed(_divisors(tp))})")
             moe_tp = tp // moe_ep
         elif moe_ep is None:
             if tp % moe_tp:
-                raise LayoutError(f"moe_tp={moe_tp} does not divide tp={tp}")
+                raise LayoutError(f"moe_tp={moe_tp} does not divide tp={tp} (moe_tp that do: {_listed(_divisors(tp))})")
             moe_ep = tp // moe_tp
         if moe_tp * moe_ep != tp:
             raise LayoutError(f"moe_tp × moe_ep must equal tp: {moe_tp} × {moe_ep} = {moe_tp * moe_ep} ≠ {tp}")
@@ -162,29 +162,41 @@ class Mapping:
 
     # ---- checks ----------------------------------------------------------------------------------
     def validate(self, m: ModelSpec) -> None:
-        """Raise LayoutError, with the numbers, if this layout cannot hold the model."""
+        """Raise LayoutError, with the numbers and the values that would work, if this layout cannot
+        hold the model."""
         problems = []
-        if m.num_heads % self.tp_size:
-            problems.append(f"num_attention_heads={m.num_heads} is not divisible by tp={self.tp_size}")
+        tp, I = self.tp_size, m.expert_intermediate_size
+        fit_tp = ""  # the values that work are named once, after the problems they answer
+        if m.num_heads % tp:
+            problems.append(f"num_attention_heads={m.num_heads} is not divisible by tp={tp}{fit_tp}")
         kv = m.num_kv_heads
-        if kv >= self.tp_size and kv % self.tp_size:
-            problems.append(f"num_key_value_heads={kv} is not divisible by tp={self.tp_size}")
-        if kv < self.tp_size and self.tp_size % kv:
-            problems.append(f"tp={self.tp_size} is not a multiple of num_key_value_heads={kv} "
-                            f"(needed to duplicate KV heads)")
+        if kv >= tp and kv % tp:
+            problems.append(f"num_key_value_heads={kv} is not divisible by tp={tp}{fit_tp}")
+        if kv < tp and tp % kv:
+            problems.append(f"tp={tp} is not a multiple of num_key_value_heads={kv} "
+                            f"(needed to duplicate KV heads){fit_tp}")
+        # moe_tp × moe_ep = tp: the splits of this tp that hold the experts and their FFN
+        splits = [(t, tp // t) for t in _divisors(tp) if I % t == 0 and m.num_experts % (tp // t) == 0]
+        fit_split = ""
         if m.num_experts % self.moe_ep_size:
-            problems.append(f"num_experts={m.num_experts} is not divisible by moe_ep={self.moe_ep_size}")
-        if m.expert_intermediate_size % self.moe_tp_size:
-            problems.append(f"expert intermediate size {m.expert_intermediate_size} is not divisible by "
-                            f"moe_tp={self.moe_tp_size}")
-        if m.shared_expert_intermediate_size % self.tp_size:
+            ok_ep = [e for e in _divisors(m.num_experts) if e <= 64]
+            problems.append(f"num_experts={m.num_experts} is not divisible by moe_ep={self.moe_ep_size} "
+                            f"(moe_ep that divide it: {_listed(ok_ep)}){fit_split}")
+        if I % self.moe_tp_size:
+            problems.append(f"expert intermediate size {I} is not divisible by moe_tp={self.moe_tp_size}{fit_split}")
+        if m.shared_expert_intermediate_size % tp:
             problems.append(f"shared expert intermediate size {m.shared_expert_intermediate_size} is not "
-                            f"divisible by tp={self.tp_size}")
-        if not all(m.moe_layers) and m.dense_intermediate_size % self.tp_size:
+                            f"divisible by tp={tp}{fit_tp}")
+        if not all(m.moe_layers) and m.dense_intermediate_size % tp:
             problems.append(f"dense intermediate size {m.dense_intermediate_size} is not divisible by "
-                            f"tp={self.tp_size}")
+                            f"tp={tp}{fit_tp}")
         if self.pp_size > m.num_layers:
             problems.append(f"pp={self.pp_size} exceeds num_hidden_layers={m.num_layers}")
+        if any("tp=" in p and "moe_tp=" not in p for p in problems):
+            problems.append("tp that fit this model: " + _listed(valid_tp(m)))
+        if m.num_experts % self.moe_ep_size or I % self.moe_tp_size:
+            problems.append(f"splits of tp={tp} that fit the experts: "
+                            + (", ".join(f"moe_tp={t} moe_ep={e}" for t, e in splits) if splits else "none"))
         if problems:
             raise LayoutError("impossible layout: " + "; ".join(problems),
                               hint=f"tp={self.tp_size} pp={self.pp_size} moe_tp={self.moe_tp_size} "
@@ -193,3 +205,21 @@ class Mapping:
     def describe(self) -> str:
         return (f"tp={self.tp_size} pp={self.pp_size} moe_tp={self.moe_tp_size} moe_ep={self.moe_ep_size} "
                 f"(world size {self.world_size})")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+def _listed(values: list[int]) -> str:
+    return ", ".join(map(str, values)) or "none"
+
+
+def valid_tp(m: ModelSpec, most: int = 64) -> list[int]:
+    """The tensor-parallel sizes up to ``most`` that the model's attention heads, KV heads, shared and
+    dense FFNs divide into (what ``validate`` checks of tp alone; the expert split is apart)."""
+    kv = m.num_kv_heads
+    return [t for t in range(1, most + 1)
+            if m.num_heads % t == 0 and (kv % t == 0 if kv >= t else t % kv == 0)
+            and m.shared_expert_intermediate_size % t == 0
+            and (all(m.moe_layers) or m.dense_intermediate_size % t == 0)]

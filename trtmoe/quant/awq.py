@@ -123,6 +123,19 @@ def applies(fmt: QuantFormat) -> bool:
     return isinstance(fmt, GroupInt4Format) or (isinstance(fmt, PerChannelIntFormat) and fmt.bits == 4)
 
 
+def kept_in_float(rounding: str) -> str:
+    """What of ``rounding`` survives in a per-channel int4 layer the checkpoint stores as float weights
+    (the layer layout; the engine builder, or the embedded engine at load, rounds them to nearest):
+    the clip, never error-feedback codes."""
+    return {"gptq": "rtn", "awq_gptq": "awq"}.get(rounding, rounding)
+
+
+def loses_codes(fmt: QuantFormat, rounding: str) -> bool:
+    """Whether ``fmt`` in the layer layout (float weights for per-channel int4) drops the error-feedback
+    codes ``rounding`` chooses."""
+    return isinstance(fmt, PerChannelIntFormat) and applies(fmt) and rounding in ERROR_FEEDBACK
+
+
 def shares_prequant(fmt: QuantFormat, rounding: str) -> bool:
     """Whether TensorRT-LLM's stacked layout (one pre-quant scale per MoE layer and matrix kind, searched
     on all of the layer's experts) rounds ``fmt`` differently from the embedded engine's per-matrix
@@ -1313,11 +1326,14 @@ def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
     return CheckpointRounding(_LOADED[key], dtype, key, rounding)
 
 
-def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None):
+def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None, *,
+           asked: bool = True):
     """``plan`` with ``rounding`` recorded in its meta (what the layout reads and the manifest keeps):
-    a new plan, the given one is left as it is. awq needs a calibration with activation statistics;
-    without one the plan is rounded to nearest and says why. A plan that stores no int4 format comes
-    back unchanged."""
+    a new plan, the given one is left as it is. Every rounding but rtn needs a calibration with
+    activation statistics: a calibration without them, or a rounding ``asked`` for by name without a
+    calibration, is refused; only the default rounding (``asked`` False) of a plan with no calibration
+    at all falls back to round-to-nearest, and says so. A plan that stores no int4 format comes back
+    unchanged."""
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=ROUNDING_HINT)
     if plan is None or not any(f in FORMATS and applies(FORMATS[f]) for f in plan.used_formats()):
@@ -1333,7 +1349,15 @@ def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None
     if rounding != "rtn" and calib_dir is not None:
         d = Path(calib_dir)
         f = (d if d.is_dir() else d.parent) / ACT_FILE
-        act = f if f.is_file() else None
+        if not f.is_file():
+            raise InputError(f"{rounding} rounding needs the calibration's activation statistics, which are "
+                             "missing", where=str(f),
+                             hint=f"recalibrate (`trtmoe calibrate ... --rounding {rounding}`), or convert with "
+                                  "--rounding rtn")
+        act = f
+    if rounding != "rtn" and act is None and asked:
+        raise InputError(f"--rounding {rounding} needs a calibration with activation statistics",
+                         hint="pass --calib CALIB (from `trtmoe calibrate`), or use --rounding rtn")
     if rounding != "rtn" and act is None:
         note(f"{rounding} needs a calibration with activation statistics (--calib from `trtmoe calibrate`); "
              "int4 weights rounded to nearest")

@@ -47,13 +47,21 @@ def plan_from_config(model, cfg: dict):
     # Unless asked otherwise, INT4 is rounded as the sensitivities were measured (the resolved config
     # the manifest keeps says which).
     measured = calib if calib is not None else (load_calib(q["calib"]) if q["calib"] else None)
+    named = q["rounding"] is not None
+    asked = named or q["calib"] is not None  # by name, or as the calibration measured
     q["rounding"] = q["rounding"] or (measured or {}).get("rounding") or "awq"
     budget = _budget_bpw(q, m, mapping)
     I_loc = mapping.expert_ffn_per_rank(m.expert_intermediate_size)
+    formats, lost_note = q["formats"], None
+    if policy in _BUDGETED and granularity == "layer" and calib is not None:
+        formats, lost_note = _target_candidates(calib, q["formats"])
     if policy == "uniform":
         if not q["format"]:
             raise InputError("policy 'uniform' needs --format int8, int4, int4_g128 or int4_g64")
+        granularity, note = _uniform_codes(q, granularity, backend, named)
         plan = uniform_plan(m, q["format"], granularity)
+        if note:
+            plan = replace(plan, meta={**plan.meta, "notes": [note]})
     elif policy == "none":
         # Placement only: experts stay stacked float tensors (layer form), which every target loads.
         plan = QuantPlan({}, granularity="layer", meta={"policy": "none"})
@@ -68,21 +76,23 @@ def plan_from_config(model, cfg: dict):
         if stacked:
             calib = stacked_view(calib)
         plan = make_target_plan(calib, policy, budget_bpw=budget, uniform=opts.uniform, mixed=opts.mixed,
-                                dtype=dtype, formats=q["formats"], seed=q["seed"], I_loc=I_loc,
+                                dtype=dtype, formats=formats, seed=q["seed"], I_loc=I_loc,
                                 target=f"{ARCH_LABEL[m.family]} on TensorRT-LLM {opts.line}")
         if not stacked and any(awq.shares_prequant(FORMATS[f], q["rounding"]) for f in calib["formats"]):
             note = ("group-wise int4 ΔKL were measured with each expert matrix's own pre-quant scale, while this "
                     "layout shares one per MoE layer; `trtmoe calibrate --target tensorrt-llm` measures those weights")
             plan = replace(plan, meta={**plan.meta, "notes": [*plan.meta.get("notes", []), note]})
     else:
-        plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=q["formats"],
+        plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=formats,
                          dtype=dtype, seed=q["seed"], I_loc=I_loc)
+    if lost_note:
+        plan = replace(plan, meta={**plan.meta, "notes": [*plan.meta.get("notes", []), lost_note]})
     if calib is not None:
         plan = replace(plan, meta={**plan.meta, "calib": calib_identity})
     if q["placement"] == "balanced":
         plan = plan.placed(*placement(calib, mapping.moe_ep_size))
     plan = _with_input_amax(plan, measured)
-    return attach_rounding(plan, q["rounding"], q["calib"], measured)
+    return attach_rounding(plan, q["rounding"], q["calib"], measured, asked=asked)
 
 
 def _with_input_amax(plan: QuantPlan, calib: dict | None) -> QuantPlan:
@@ -129,6 +139,57 @@ def _granularity(asked: str, policy: str, backend: str) -> str:
         raise UnsupportedError("the frequency-tier policy assigns formats per expert, which TensorRT-LLM "
                                "cannot run", hint="use --policy frequency-bytes or graded for --target tensorrt-llm")
     return granularity
+
+
+def _target_candidates(calib: dict, asked: list[str] | None) -> tuple[list[str] | None, str | None]:
+    """The candidate formats of a budgeted plan in the layer layout, scored as the engine will run them.
+    Per-channel int4 is stored there as float weights the engine builder rounds to nearest (after awq's
+    clip), so a calibration that measured it with error-feedback codes measured something the engine
+    never computes: such a format is left out of the candidates (a note says what it would lose), and
+    refused when named in --formats. Returns (formats for the policy, note or None)."""
+    measured = calib.get("rounding") or "awq"
+    lost = [f for f in calib["formats"] if awq.loses_codes(FORMATS[f], measured)]
+    if not lost:
+        return asked, None
+    named = [f for f in asked or [] if f in lost]
+    why = (f"the layer layout stores per-channel {', '.join(lost)} as float weights that the engine builder "
+           f"rounds to nearest, which loses the {measured} error-feedback codes calibration measured "
+           f"{'it' if len(lost) == 1 else 'them'} with (only awq's clip reaches the engine)")
+    if named:
+        raise UnsupportedError(f"--formats {', '.join(named)}: {why}, so its predicted ΔKL would not be what "
+                               "the engine computes",
+                               hint="drop it from --formats, calibrate with --rounding awq to plan with it, or "
+                                    "plan per matrix on the embedded target (--granularity matrix)")
+    keep = [f for f in (asked or ["fp16", *calib["formats"]]) if f not in lost]
+    return keep, f"{', '.join(lost)} left out of the candidates: {why}"
+
+
+def _uniform_codes(q: dict, granularity: str, backend: str, named: bool) -> tuple[str, str | None]:
+    """The granularity a uniform plan is written at so that its rounding is the one applied. The layer
+    layout stores per-channel int4 as float weights that the engine builder (or the embedded engine at
+    load) rounds to nearest, which drops gptq's codes: the embedded target then writes every expert
+    packed (granularity expert) unless the layer layout was asked for, which is refused; TensorRT-LLM
+    builds only the layer layout, so a rounding asked for by name is refused, and the calibration's
+    default becomes what reaches the engine (``q["rounding"]`` is set to it, and the note says so)."""
+    fmt = FORMATS[q["format"]]
+    if not awq.loses_codes(fmt, q["rounding"]):
+        return granularity, None
+    r, kept = q["rounding"], awq.kept_in_float(q["rounding"])
+    why = (f"per-channel int4 in the layer layout is stored as float weights that the "
+           f"{'engine builder' if backend == 'tensorrt-llm' else 'engine'} rounds to nearest, so {r}'s "
+           "error-feedback codes cannot be kept")
+    if backend == "tensorrt-llm":
+        if named:
+            raise UnsupportedError(f"--rounding {r} with --format int4 on --target tensorrt-llm: {why}",
+                                   hint=f"use --rounding {kept}, a group-wise format (--format int4_g128), "
+                                        "or --target embedded")
+        q["rounding"] = kept
+        return granularity, (f"the calibration measured {r}; TensorRT-LLM builds per-channel int4 from float "
+                             f"weights, which keep {kept} of it: the checkpoint is rounded with {kept}")
+    if q["granularity"] != "auto":
+        raise UnsupportedError(f"--rounding {r} with --format int4 --granularity layer: {why}",
+                               hint=f"use --granularity expert (packed per expert, codes kept), or --rounding {kept}")
+    return "expert", None
 
 
 def _calibration(q: dict, policy: str, m) -> tuple[dict | None, dict | None]:

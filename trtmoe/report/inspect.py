@@ -9,7 +9,7 @@ from collections import defaultdict
 
 from .. import DEFAULT_TRTLLM_VERSION
 from ..checkpoint import support
-from ..checkpoint.layout import DTYPE_STR, rank_specs
+from ..checkpoint.layout import DTYPE_STR, packed_at_conversion, rank_specs
 from ..errors import CheckpointError, LayoutError
 from ..hf.adapters import describe
 from ..hf.reader import HFCheckpoint, parse_dtype, read_json, resolve_model_path
@@ -29,7 +29,7 @@ def _has_weights(path) -> bool:
 
 def _describe(model: str):
     """(path, model description, source bytes or None): from the weights when present, else config.json."""
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, config_only=True)
     if _has_weights(path):
         with HFCheckpoint(path) as src:
             return src.path, src.model, src.total_bytes()
@@ -73,7 +73,14 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
         problems.append(e.render())
         mapping = None
     if mapping is not None and fmt is not None:
-        why = expert_shape_problem(fmt, m.hidden_size, mapping.expert_ffn_per_rank(m.expert_intermediate_size))
+        I = m.expert_intermediate_size
+        why = expert_shape_problem(fmt, m.hidden_size, mapping.expert_ffn_per_rank(I))
+        if why and mapping.moe_tp_size > 1 and not expert_shape_problem(fmt, m.hidden_size, I):
+            # The split made the shape: say so, and which moe_tp keep it whole enough.
+            ok = [t for t in range(1, mapping.tp_size + 1) if mapping.tp_size % t == 0 and I % t == 0
+                  and not expert_shape_problem(fmt, m.hidden_size, I // t)]
+            why += (f" (caused by moe_tp={mapping.moe_tp_size}: the expert FFN {I} is {I // mapping.moe_tp_size} "
+                    f"per rank; moe_tp that fit {fmt}: {', '.join(map(str, ok))})")
         if why:
             problems.append(why)
     report["layout"] = {"tp": tp, "pp": pp, "moe_tp": moe_tp, "moe_ep": moe_ep, "ok": not problems,
@@ -88,6 +95,7 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
                 by_role[s.role] += s.nbytes
             layers = mapping.pp_layers(m.num_layers, mapping.pp_rank(r))
             ep = mapping.ep_experts(m.num_experts, r)
+            stored = sum(by_role.values())  # float experts: what the checkpoint file holds
             if fmt is not None and not problems:
                 # The routed experts as the engine holds them: the format's packed bytes and scales.
                 n_moe = sum(1 for l in layers if m.moe_layers[l])
@@ -96,11 +104,18 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
                     by_role.pop(role, None)
                 by_role["experts"] = n_moe * expert_cost_bits(fmt, i_loc, m.hidden_size, tdtype,
                                                               ep.stop - ep.start) // 8
+                if packed_at_conversion(fmt):
+                    stored = sum(by_role.values())
             ranks.append({"rank": r, "tp_rank": mapping.tp_rank(r), "pp_rank": mapping.pp_rank(r),
                           "moe_ep_rank": mapping.moe_ep_rank(r), "moe_tp_rank": mapping.moe_tp_rank(r),
                           "experts": [ep.start, ep.stop - 1], "layers": layers,
-                          "bytes": sum(by_role.values()), "bytes_by_role": dict(sorted(by_role.items()))})
+                          "bytes": sum(by_role.values()), "bytes_by_role": dict(sorted(by_role.items())),
+                          "checkpoint_bytes": stored})
         report["ranks"] = ranks
+        # Weight-only per-channel formats (int8, int4) stay float in the checkpoint's layer layout: the
+        # engine builder quantizes them. ``bytes`` is what the engine holds, ``checkpoint_bytes`` the file.
+        report["bytes_meaning"] = {"bytes": "engine (routed experts in the format)",
+                                   "checkpoint_bytes": "checkpoint rank file (layer layout)"}
     if target == "tensorrt-llm" and mapping is not None and m.family in support.FAMILIES:
         fmts = {l: fmt or "float" for l, x in enumerate(m.moe_layers) if x}
         v = support.check(trtllm_version, m.family, layer_formats=fmts, tp=mapping.tp_size, pp=mapping.pp_size,

@@ -96,8 +96,8 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         if self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InputError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
+            raise InputError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
         if self.top_k < 0:
             raise InputError(f"top_k must be ≥ 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -106,8 +106,11 @@ class SamplingParams:
             raise InputError(f"end_id {self.end_id} outside the vocabulary (0..{vocab_size - 1})")
         if not self.repetition_penalty > 0:
             raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.greedy_temperature < 0:
-            raise InputError(f"temperature must be ≥ 0, got {self.greedy_temperature}")
+        if not 0 <= self.greedy_temperature < math.inf:
+            raise InputError(f"temperature must be a finite number ≥ 0, got {self.greedy_temperature}")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "len_penalty", "diversity_rate"):
+            if not math.isfinite(getattr(self, name)):
+                raise InputError(f"{name} must be finite, got {getattr(self, name)}")
         for w in self.bad_words:
             if not w or any(not 0 <= int(t) < vocab_size for t in w):
                 raise InputError(f"bad word {list(w)} is empty or outside the vocabulary (0..{vocab_size - 1})")
@@ -938,10 +941,13 @@ class EmbeddedEngine:
         self._kv.drain()
         return give_back_freed_memory()
 
-    def kv_cache_stats(self) -> dict[str, int]:
-        """The pooled KV cache now: rows allocated, rows held by live sequences, tokens per row."""
+    def kv_cache_stats(self) -> dict[str, int | str]:
+        """The pooled KV cache now: rows allocated, rows held by live sequences, tokens per row, bytes
+        allocated and the device they are on."""
         pool = self._kv
-        return {"slots": pool.slots, "live": pool.live - len(pool._released), "capacity": pool.capacity}
+        nbytes = sum(t.numel() * t.element_size() for t in (*list(pool.k), *list(pool.v)))
+        return {"slots": pool.slots, "live": pool.live - len(pool._released), "capacity": pool.capacity,
+                "bytes": nbytes, "device": str(pool.device)}
 
     def logits_with_grad(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The full causal forward of ``logits``, recorded by autograd from the embedding output on

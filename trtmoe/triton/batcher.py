@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 # little more.
 AUTO_RESPONSES_PER_STEP = 4
 
+# Finished requests' lengths kept for the token-length histograms between two metrics updates.
+FINISHED_LENGTHS_KEPT = 4096
+
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
 FINISH_CANCELLED = "cancelled"
@@ -193,6 +196,9 @@ class InflightBatcher:
         self.prefilled_tokens = 0
         self.completed_requests = 0
         self.failed_requests = 0
+        # (prompt tokens, generated tokens) of each request finished since the metrics last took them;
+        # appended by the batcher thread, taken by the metrics thread (deque ends are thread-safe).
+        self._finished_lengths: deque[tuple[int, int]] = deque(maxlen=FINISHED_LENGTHS_KEPT)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -276,6 +282,14 @@ class InflightBatcher:
                     generated_tokens=self.generated_tokens, prefilled_tokens=self.prefilled_tokens,
                     completed_requests=self.completed_requests, failed_requests=self.failed_requests)
 
+    def take_finished_lengths(self) -> list[tuple[int, int]]:
+        """(prompt tokens, generated tokens) of the requests finished since the last call (at most
+        ``FINISHED_LENGTHS_KEPT``, the latest, when nobody took them)."""
+        out = []
+        while self._finished_lengths:
+            out.append(self._finished_lengths.popleft())
+        return out
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; every unfinished request gets a final error event."""
         with self._cv:
@@ -336,6 +350,7 @@ class InflightBatcher:
             done, reason = False, None
         if done:
             self.completed_requests += 1
+            self._finished_lengths.append((len(req.prompt_ids), len(req.tokens)))
         first = len(req.tokens) == len(new)
         req._unsent.extend(new)
         if done or first or len(req._unsent) >= self._interval():

@@ -270,8 +270,8 @@ def _sampling_kwargs(get: Getter, b: int, max_new: int, limits: EngineLimits) ->
     seed = _aliased(get, "seed", b)
     min_tokens = _aliased(get, "min_tokens", b)
     end_id = _scalar(get, "end_id", b)
-    if temperature is not None and float(temperature) < 0:
-        raise RequestError(f"temperature must be >= 0, got {temperature}")
+    if temperature is not None and not 0 <= float(temperature) < float("inf"):  # NaN fails every comparison
+        raise RequestError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_p is not None and not 0.0 <= float(top_p) <= 1.0:
         raise RequestError(f"top_p must be in [0, 1], got {top_p}")
     if top_k is not None and int(top_k) < 0:

@@ -27,9 +27,14 @@ do); they are measured by :class:`IterationRecorder` around the engine's own cal
 | family | label key | values (embedded engine) |
 |---|---|---|
 | ``nv_trt_llm_request_metrics`` | ``request_type`` | active (in the batch), max (max batch size), scheduled (context + generation requests of the latest iteration), context (prefilled in it), waiting (queued) |
-| ``nv_trt_llm_kv_cache_block_metrics`` | ``kv_cache_block_type`` | max (blocks of the pooled cache as allocated now), free, used (rows held by live sequences), tokens_per (the engine's ``tokens_per_block``), reused (0: no prefix reuse), fraction (used / max) |
+| ``nv_trt_llm_runtime_memory_metrics`` | ``memory_type`` | cpu, gpu (bytes of the KV cache allocated now, on the engine's device), pinned (0) |
+| ``nv_trt_llm_kv_cache_block_metrics`` | ``kv_cache_block_type`` | max (blocks the cache may grow to: max_batch_size sequences of max_seq_len tokens, or more when allocated), free (max - used), used (rows held by live sequences), tokens_per (the engine's ``tokens_per_block``), reused (0: no prefix reuse), fraction (used / max) |
 | ``nv_trt_llm_inflight_batcher_metrics`` | ``inflight_batcher_specific_metric`` | total_context_tokens, generation_requests (latest iteration), micro_batch_id (0: no pipeline micro-batches), paused_requests (0: nothing is paused) |
 | ``nv_trt_llm_general_metrics`` | ``general_type`` | timestamp (of the latest iteration, microseconds since the epoch), iteration_counter |
+
+and the histograms ``nv_llm_input_token_len`` / ``nv_llm_output_token_len`` (label
+``response_metric_type`` = total_input_tokens / total_output_tokens; buckets 10, 50, 100, 500, 1000)
+of each finished request's prompt and output lengths (:class:`TokenLengthHistograms`).
 
 The embedded engine's cache is one row per sequence (see ``trtmoe.runtime.engine``); block counts
 are rows in units of ``tokens_per_block`` (ceil(row tokens / tokens_per_block) per row).
@@ -38,9 +43,11 @@ Cost: every ``set`` or ``increment`` of a Python-backend metric is a round trip 
 made with the GIL held. A fine-grained MoE has thousands of per-expert counters (Qwen3-30B-A3B:
 48 layers x 128 experts), and publishing them all at once would stall the decode thread for the
 whole round of calls. So the publishers skip gauges whose value has not changed, write in short
-bursts with a pause between them (:class:`MetricWriter`), and the model spaces its updates by
-:func:`next_update_wait` so that publishing takes a bounded share of the wall time however many
-series there are.
+bursts with a pause between them (:class:`MetricWriter`), and the model spaces its per-expert updates
+by :func:`next_update_wait` so that publishing takes a bounded share of the wall time however many
+series there are, for at most ``MAX_UPDATE_WAIT_S`` between two. The few request, token and
+``nv_trt_llm_*`` series are written every ``metrics_interval_s`` whatever the expert series cost, so
+a finished request moves ``trtmoe_generated_tokens_total`` within one interval.
 """
 
 from __future__ import annotations
@@ -93,17 +100,21 @@ def summarize_routing(counts: Any) -> list[LayerRouting]:
 
 
 # A metrics update may take at most 1 / UPDATE_DUTY of the wall time: the next one waits at least
-# this many times as long as the last one took.
+# this many times as long as the last one took, and never more than MAX_UPDATE_WAIT_S (a host stall
+# that made one update slow must not leave the gauges minutes old).
 UPDATE_DUTY = 20
+MAX_UPDATE_WAIT_S = 5.0
 # Calls per burst and the pause after each: the decode thread waits at most one burst for the GIL.
 BURST_CALLS = 32
 BURST_PAUSE_S = 0.001
 
 
-def next_update_wait(min_interval_s: float, took_s: float, duty: float = UPDATE_DUTY) -> float:
+def next_update_wait(min_interval_s: float, took_s: float, duty: float = UPDATE_DUTY,
+                     max_wait_s: float = MAX_UPDATE_WAIT_S) -> float:
     """Seconds until the next metrics update, after one that took ``took_s``: ``min_interval_s``, or
-    longer when updates are slow (many series), so that they take at most 1 / ``duty`` of the time."""
-    return max(min_interval_s, duty * max(took_s, 0.0))
+    longer when updates are slow (many series), so that they take at most 1 / ``duty`` of the time,
+    but at most ``max_wait_s`` (or ``min_interval_s`` when that is longer)."""
+    return min(max(min_interval_s, duty * max(took_s, 0.0)), max(max_wait_s, min_interval_s))
 
 
 class MetricWriter:
@@ -185,11 +196,13 @@ class TrtLlmMetricsPublisher:
     """The ``nv_trt_llm_*`` gauges (see the module docstring) through ``pb_utils.MetricFamily``."""
 
     REQUEST = "nv_trt_llm_request_metrics"
+    RUNTIME_MEMORY = "nv_trt_llm_runtime_memory_metrics"
     KV_CACHE = "nv_trt_llm_kv_cache_block_metrics"
     INFLIGHT = "nv_trt_llm_inflight_batcher_metrics"
     GENERAL = "nv_trt_llm_general_metrics"
     _GROUPS = {
         REQUEST: ("request_type", ("active", "max", "scheduled", "context", "waiting"), "TRT LLM request metrics"),
+        RUNTIME_MEMORY: ("memory_type", ("cpu", "gpu", "pinned"), "TRT LLM runtime memory metrics"),
         KV_CACHE: ("kv_cache_block_type", ("max", "free", "used", "tokens_per", "reused", "fraction"),
                    "TRT LLM KV cache block metrics"),
         INFLIGHT: ("inflight_batcher_specific_metric",
@@ -211,13 +224,21 @@ class TrtLlmMetricsPublisher:
 
     @staticmethod
     def values(*, batcher_stats: dict, max_batch_size: int, kv: dict, tokens_per_block: int,
-               iteration: dict) -> dict[tuple[str, str], float]:
-        """Every gauge's value from the batcher's stats, the engine's KV pool and the latest iteration."""
+               iteration: dict, max_seq_len: int = 0) -> dict[tuple[str, str], float]:
+        """Every gauge's value from the batcher's stats, the engine's KV pool and the latest iteration.
+
+        The embedded engine's cache grows with its sequences and is freed when idle, so ``max`` is what
+        it may grow to (``max_batch_size`` sequences of ``max_seq_len`` tokens, or what is allocated
+        when larger), not what is allocated now: an idle engine reads all free, not exhausted."""
         row = blocks(kv.get("capacity", 0), tokens_per_block)
-        total, used = kv.get("slots", 0) * row, kv.get("live", 0) * row
-        R, K, I, G = (TrtLlmMetricsPublisher.REQUEST, TrtLlmMetricsPublisher.KV_CACHE,
-                      TrtLlmMetricsPublisher.INFLIGHT, TrtLlmMetricsPublisher.GENERAL)
+        allocated, used = kv.get("slots", 0) * row, kv.get("live", 0) * row
+        total = max(allocated, max_batch_size * blocks(max_seq_len, tokens_per_block))
+        R, M, K, I, G = (TrtLlmMetricsPublisher.REQUEST, TrtLlmMetricsPublisher.RUNTIME_MEMORY,
+                         TrtLlmMetricsPublisher.KV_CACHE, TrtLlmMetricsPublisher.INFLIGHT,
+                         TrtLlmMetricsPublisher.GENERAL)
+        cache_bytes, on_gpu = kv.get("bytes", 0), str(kv.get("device", "cpu")).startswith("cuda")
         return {
+            (M, "cpu"): 0 if on_gpu else cache_bytes, (M, "gpu"): cache_bytes if on_gpu else 0, (M, "pinned"): 0,
             (R, "active"): batcher_stats.get("active", 0), (R, "max"): max_batch_size,
             (R, "scheduled"): iteration.get("scheduled_requests", 0),
             (R, "context"): iteration.get("context_requests", 0), (R, "waiting"): batcher_stats.get("waiting", 0),
@@ -232,6 +253,34 @@ class TrtLlmMetricsPublisher:
     def update(self, values: dict[tuple[str, str], float]) -> None:
         for k, v in values.items():
             self.writer.set(self.metrics[k], v)
+
+
+class TokenLengthHistograms:
+    """TensorRT-LLM's backend histograms of each finished request's prompt and output lengths in
+    tokens: ``nv_llm_input_token_len{response_metric_type="total_input_tokens"}`` and
+    ``nv_llm_output_token_len{response_metric_type="total_output_tokens"}`` (labels ``model`` and
+    ``version`` on each), with its buckets. A Python backend without histogram metrics (before Triton
+    24.08) has none: ``available`` is False and ``observe`` does nothing."""
+
+    INPUT, OUTPUT = "nv_llm_input_token_len", "nv_llm_output_token_len"
+    BUCKETS = (10.0, 50.0, 100.0, 500.0, 1000.0)
+
+    def __init__(self, pb_utils: Any, *, model: str = "tensorrt_llm", version: str = "1"):
+        mf = pb_utils.MetricFamily
+        self.available = hasattr(mf, "HISTOGRAM")
+        self.families: dict[str, Any] = {}
+        self.metrics: dict[str, Any] = {}
+        if not self.available:
+            return
+        for name, label in ((self.INPUT, "total_input_tokens"), (self.OUTPUT, "total_output_tokens")):
+            fam = self.families[name] = mf(name=name, description="TRT LLM response metrics", kind=mf.HISTOGRAM)
+            self.metrics[name] = fam.Metric(labels={"model": model, "version": str(version),
+                                                    "response_metric_type": label}, buckets=list(self.BUCKETS))
+
+    def observe(self, input_tokens: int, output_tokens: int) -> None:
+        if self.available:
+            self.metrics[self.INPUT].observe(float(input_tokens))
+            self.metrics[self.OUTPUT].observe(float(output_tokens))
 
 
 class RoutingMetricsPublisher:

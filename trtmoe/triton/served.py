@@ -20,7 +20,8 @@ from ..runtime.engine import EmbeddedEngine
 from . import cpu_binding
 from .engine_dir import read_engine_dir
 from .llm_request import EngineLimits
-from .metrics import IterationRecorder, MetricWriter, RoutingMetricsPublisher, TrtLlmMetricsPublisher, next_update_wait
+from .metrics import (IterationRecorder, MetricWriter, RoutingMetricsPublisher, TokenLengthHistograms,
+                      TrtLlmMetricsPublisher, next_update_wait)
 from .model_params import model_flag, model_param
 from .threads import name_native_thread
 
@@ -116,7 +117,7 @@ class ServedMetrics:
     def __init__(self, pb_utils, engine, config: dict, model_name: str, version: str, tokens_per_block: int):
         self.engine, self.tokens_per_block, self._log = engine, tokens_per_block, pb_utils.Logger
         self.recorder = IterationRecorder(engine)
-        self.routing = self.trt = None
+        self.routing = self.trt = self.lengths = None
         if model_flag(config, "enable_metrics", True):
             writer = MetricWriter()  # one pacing for both publishers: they write from one thread
             self.routing = RoutingMetricsPublisher(pb_utils, num_layers=int(engine.num_layers),
@@ -125,6 +126,7 @@ class ServedMetrics:
                                                    writer=writer)
             self.routing.set_active_params(int(engine.active_params_per_token))
             self.trt = TrtLlmMetricsPublisher(pb_utils, model=model_name, version=version, writer=writer)
+            self.lengths = TokenLengthHistograms(pb_utils, model=model_name, version=version)
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -139,16 +141,28 @@ class ServedMetrics:
 
     def _loop(self, batcher) -> None:
         name_native_thread("trtmoe-metrics")
-        wait = self.routing.min_interval_s
-        while not self.stopping.wait(wait):
-            t0 = time.monotonic()
+        interval = self.routing.min_interval_s
+        routing_due = 0.0  # monotonic s when the per-expert series are next written
+        while not self.stopping.wait(interval):
             try:
-                stats = batcher.stats()
-                self.routing.update(self.engine.routing_stats(), stats)
-                self.trt.update(TrtLlmMetricsPublisher.values(
-                    batcher_stats=stats, max_batch_size=batcher.max_batch_size, kv=self.engine.kv_cache_stats(),
-                    tokens_per_block=self.tokens_per_block, iteration=self.recorder.latest))
+                self.update_requests(batcher)
+                if time.monotonic() >= routing_due:
+                    # Thousands of expert series make this slow: space them out (see trtmoe.triton.metrics),
+                    # while the request and token series above keep their interval.
+                    t0 = time.monotonic()
+                    self.routing.update(self.engine.routing_stats(), None)
+                    routing_due = time.monotonic() + next_update_wait(interval, time.monotonic() - t0)
             except Exception as e:  # noqa: BLE001 - metrics must never take the model down
                 self._log.log_warn(f"tensorrt_llm: metrics update failed: {e}")
-            # Thousands of expert series make an update slow: space them out (see trtmoe.triton.metrics).
-            wait = next_update_wait(self.routing.min_interval_s, time.monotonic() - t0)
+
+    def update_requests(self, batcher) -> None:
+        """The few series a dashboard reads per request (batcher and token counters, ``nv_trt_llm_*``
+        gauges, the finished requests' token-length histograms): written every interval."""
+        stats = batcher.stats()
+        self.routing.update(None, stats)
+        self.trt.update(TrtLlmMetricsPublisher.values(
+            batcher_stats=stats, max_batch_size=batcher.max_batch_size, kv=self.engine.kv_cache_stats(),
+            tokens_per_block=self.tokens_per_block, iteration=self.recorder.latest,
+            max_seq_len=int(getattr(self.engine, "max_seq_len", 0) or 0)))
+        for n_in, n_out in batcher.take_finished_lengths():
+            self.lengths.observe(n_in, n_out)
