@@ -40,7 +40,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.atomic import _MARK, atomic_directory, pid_alive, recover_leftovers
+from ..checkpoint.atomic import (_MARK, atomic_directory, foreign_entry, own_directory, pid_alive, recover_leftovers,
+                                 remove_tree)
 from ..checkpoint.manifest import dump_json, write_manifest
 from ..checkpoint.writer import convert
 from ..data import load_texts
@@ -53,7 +54,7 @@ from . import QUANTIZED_NAMES, awq
 from .calib_schema import CALIB_VERSION, _expert_bpw, build_result, check_calib  # noqa: F401 - calib.json's home
 from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
-from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, check_float_banks, fisher_measure
+from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, Progress, check_float_banks, fisher_measure, owned_marker
 
 DEFAULT_FORMATS = QUANTIZED_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
@@ -156,7 +157,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     notes.append(special["note"])
     ids = token_batches(texts, tok, samples, seq_len)
     data_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
-    with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None]) as work:
+    with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None], notes=notes) as work:
         ck = work / "scratch-checkpoint"
         if ck.exists():
             shutil.rmtree(ck)
@@ -199,6 +200,9 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
 def _check_options(sensitivity: str, device: str, formats, min_tokens: int, max_gram_in: int,
                    max_input_tokens: int, target: str = "embedded") -> None:
     """InputError for an option ``calibrate`` cannot run with (before any work is done)."""
+    if not formats:
+        raise InputError("no candidate formats given (--formats is empty)",
+                         hint="name at least one, e.g. --formats int8,int4_g128, or leave the option out for all")
     if target not in ("embedded", "tensorrt-llm"):
         raise InputError(f"unknown target {target!r}", hint="use embedded or tensorrt-llm")
     if target == "tensorrt-llm" and sensitivity == "exact":
@@ -270,18 +274,21 @@ class _AwqRounding:
                                                      gram=self.name in awq.ERROR_FEEDBACK, **self.gram))
 
     def layer_state(self, layer):
-        """The layer's statistics and searched recipes (resumable progress); the recipes are written
-        to the artifact's ``recipes/`` now, so memory holds one layer's."""
-        state = {(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer}
+        """The layer's statistics and searched recipes as plain data (resumable progress); the recipes
+        are written to the artifact's ``recipes/`` now, so memory holds one layer's."""
+        state = awq.layer_state({(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer})
         recipes = self.acts.recipes.layer_state(layer)
         self.acts.recipes.flush(layer)
         return {**state, "recipes": recipes} if recipes else state
 
     def restore_layer(self, layer, state) -> None:
         if state:
-            state = dict(state)
-            self.acts.recipes.restore(layer, state.pop("recipes", None))
-            self.acts.add_layer(layer, state)
+            recipes = state.get("recipes")
+            if recipes is not None and not isinstance(recipes, dict):
+                raise InputError("saved recipes are malformed")
+            stats = awq.layer_from_state(state)
+            self.acts.recipes.restore(layer, recipes)
+            self.acts.add_layer(layer, stats)
 
     def quantize(self, fmt, w, layer, expert, mod, dtype):
         return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name,
@@ -304,9 +311,12 @@ class _AwqRounding:
         return awq.apply(fmt, w, dtype, rec)
 
 
-def _adopt_progress(parent: Path, name: str) -> Path | None:
+def _adopt_progress(parent: Path, name: str, notes: list[str] | None = None) -> Path | None:
     """Move the sensitivity progress out of a dead run's partial directory for the same output (before
-    that directory is cleaned up) into a sibling marked with this process's pid; None if there is none."""
+    that directory is cleaned up) into a sibling marked with this process's pid; None if there is none.
+    Progress is adopted only from a real directory of this user's holding this user's progress marker
+    and nothing but plain directories and files of this user's; anything else is removed (a link
+    unlinked, never followed) and the run starts over, with a note saying why."""
     prefix = f".{name}{_MARK}"
     if not parent.is_dir():
         return None
@@ -314,10 +324,18 @@ def _adopt_progress(parent: Path, name: str) -> Path | None:
         pid, _, rest = p.name[len(prefix):].partition("-")
         if not pid.isdigit() or rest.startswith("old-") or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
-        if (p / _PROGRESS / "state.json").is_file():
-            dest = parent / f"{prefix}{os.getpid()}-resume-{uuid.uuid4().hex[:8]}"
-            os.rename(p / _PROGRESS, dest)
+        if not own_directory(p) or not os.path.lexists(p / _PROGRESS):
+            continue
+        dest = parent / f"{prefix}{os.getpid()}-resume-{uuid.uuid4().hex[:8]}"
+        os.rename(p / _PROGRESS, dest)  # moves a link itself, never what it points to
+        why = foreign_entry(dest)
+        if why is None and owned_marker(dest) is None:
+            why = f"it has no valid {Progress.MARKER} of this user's"
+        if why is None:
             return dest
+        remove_tree(dest, parent)
+        if notes is not None:
+            notes.append(f"an interrupted run's progress was not resumed ({why}); starting over")
     return None
 
 
@@ -330,7 +348,7 @@ def _resumable(tmp: Path, parent: Path, name: str, adopted: Path | None):
     try:
         yield tmp
     except BaseException as e:
-        if not isinstance(e, Exception) and (tmp / _PROGRESS / "state.json").is_file():
+        if not isinstance(e, Exception) and (tmp / _PROGRESS / Progress.MARKER).is_file():
             keep = parent / f".{name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             keep.mkdir()
             os.rename(tmp / _PROGRESS, keep / _PROGRESS)
@@ -338,24 +356,24 @@ def _resumable(tmp: Path, parent: Path, name: str, adopted: Path | None):
 
 
 @contextlib.contextmanager
-def _workspace(out_dir, force: bool, inputs=()):
+def _workspace(out_dir, force: bool, inputs=(), notes: list[str] | None = None):
     """The directory a calibration works in: the output's atomic partial sibling, or without an
     output a pid-marked directory in the system temp dir. Either way a killed run's directory carries
     its pid, and the next run (to the same output, or any output-less run) removes it, after taking
     over its sensitivity progress (which the measurement reuses only for the same inputs)."""
     if out_dir is not None:
         out = Path(out_dir).expanduser().absolute()
-        adopted = _adopt_progress(out.parent, out.name)
+        adopted = _adopt_progress(out.parent, out.name, notes)
         try:
             with atomic_directory(out_dir, force=force, inputs=inputs) as tmp, \
                     _resumable(tmp, out.parent, out.name, adopted) as w:
                 yield w
         finally:
-            if adopted is not None and adopted.exists():
-                shutil.rmtree(adopted, ignore_errors=True)
+            if adopted is not None:
+                remove_tree(adopted, out.parent)
         return
     parent, name = Path(tempfile.gettempdir()), "trtmoe-calib"
-    adopted = _adopt_progress(parent, name)
+    adopted = _adopt_progress(parent, name, notes)
     recover_leftovers(parent / name)
     tmp = parent / f".{name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -363,9 +381,9 @@ def _workspace(out_dir, force: bool, inputs=()):
         with _resumable(tmp, parent, name, adopted) as w:
             yield w
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if adopted is not None and adopted.exists():
-            shutil.rmtree(adopted, ignore_errors=True)
+        remove_tree(tmp, parent)
+        if adopted is not None:
+            remove_tree(adopted, parent)
 
 
 def applicable_formats(formats, hidden: int, inter: int) -> tuple[tuple[str, ...], dict[str, str]]:
