@@ -51,7 +51,8 @@ from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from ..runtime.load import find_tokenizer_dir, load_tokenizer
 from . import QUANTIZED_NAMES, awq
-from .calib_schema import CALIB_VERSION, _expert_bpw, build_result, check_calib  # noqa: F401 - calib.json's home
+from .calib_schema import (CALIB_VERSION, NonFinite, _expert_bpw, build_result, check_calib,  # noqa: F401 - calib.json's home
+                           non_finite_path, parse_calib_json)
 from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
 from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, Progress, check_float_banks, fisher_measure, owned_marker
@@ -243,7 +244,12 @@ def _fisher(eng: EmbeddedEngine, ids: torch.Tensor, usable, work: Path, acts: "a
 
 
 def write_calibration(out: Path, result: dict, *, source: dict | None = None) -> None:
-    """calib.json (deterministic bytes) and the manifest that ``verify`` checks, into ``out``."""
+    """calib.json (deterministic bytes) and the manifest that ``verify`` checks, into ``out``. A
+    result holding a NaN or infinite number is refused (nothing is written)."""
+    bad = non_finite_path(result)
+    if bad:
+        raise InputError(f"the calibration came out non-finite at {bad} (NaN or infinite); nothing was written",
+                         hint="check the model's weights and the calibration text")
 
     dump_json(result, out / "calib.json")
     write_manifest(out, kind="calibration", file_hashes={}, source=source, model=result.get("model"),
@@ -646,7 +652,9 @@ def load_calib(path: str | Path) -> dict:
     if not f.is_file():
         raise InputError("no calib.json", where=str(p), hint="run `trtmoe calibrate` first")
     try:
-        calib = json.loads(f.read_bytes().decode("utf-8"))
+        calib = parse_calib_json(f.read_bytes().decode("utf-8"))
+    except NonFinite as e:
+        raise InputError(f"calib.json {e}", where=str(f), hint="recalibrate: trtmoe calibrate MODEL --data TEXT -o DIR") from None
     except UnicodeDecodeError as e:
         raise InputError(f"calib.json is not UTF-8 text (byte {e.start})", where=str(f)) from None
     except (json.JSONDecodeError, RecursionError) as e:
