@@ -171,7 +171,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                     "once). 1 = every token; 0 = auto: every token up to 4 active streams, then "
                                     "ceil(active/4), which keeps per-response overhead bounded when many streams "
                                     "share the CPU.", shown_default="auto"),
-        "trust_remote_code": Key(bool, False, help="Let the tokenizer run code from its folder."),
+        "trust_remote_code": Key(bool, False, help="Refused when set: trtmoe never runs code from a tokenizer or "
+                                                   "model folder (false is accepted, so configs that state it load)."),
         "engine_path": Key(str, None, nullable=True, metavar="PATH",
                            help="TensorRT-LLM engines: the engine directory's absolute path on the serving "
                                 "machine (gpt_model_path), for a repository deployed where ENGINE_DIR is not; "

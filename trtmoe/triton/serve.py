@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..checkpoint.atomic import pid_alive
+from ..checkpoint.atomic import own_directory, pid_alive
 from ..errors import BackendUnavailable, InputError, TrtmoeError
 from ..checkpoint.manifest import read_repository_manifest
 from . import cpu_binding
@@ -133,8 +133,11 @@ def _libpython_dir() -> Path | None:
 
 
 def server_environment(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for tritonserver so that Python-backend models run in this interpreter's env."""
+    """Environment for tritonserver so that Python-backend models run in this interpreter's env.
+    Python writes no bytecode caches (``__pycache__``) beside the model files it imports: the
+    repository stays exactly what ``trtmoe repo`` wrote, so ``trtmoe verify`` passes after serving."""
     env = dict(os.environ if base is None else base)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     if install.kind != PYTRITON:
         return env
     libpython = _libpython_dir()
@@ -586,7 +589,7 @@ def remove_stale_workspaces(root: str | Path | None = None, *, keep_log_days: fl
     removed = []
     for d in sorted(Path(root or tempfile.gettempdir()).glob(WORKSPACE_PREFIX + "*")):
         pid = d.name[len(WORKSPACE_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or not d.is_dir() or d.is_symlink() or pid_alive(int(pid)):
+        if not pid.isdigit() or not own_directory(d) or pid_alive(int(pid)):
             continue
         try:
             only_log = [c.name for c in d.iterdir()] == ["tritonserver.log"]

@@ -48,7 +48,7 @@ import triton_python_backend_utils as pb_utils
 from trtmoe.triton.batcher import FINISH_CANCELLED, FINISH_ERROR, InflightBatcher
 from trtmoe.triton.metrics import blocks as kv_blocks
 from trtmoe.triton.model_params import model_flag, model_param
-from trtmoe.triton.textstream import IncrementalText, windows_decode_exactly
+from trtmoe.triton.textstream import IncrementalText, max_token_bytes, windows_decode_exactly
 from trtmoe.triton.threads import name_native_thread
 
 DEFAULT_MAX_TOKENS = 32  # the LLM API's SamplingParams default
@@ -108,6 +108,8 @@ class TritonPythonModel:
         tok_dir = served.resolve(model_param(config, "tokenizer_dir"))
         self.tokenizer = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
         self.add_special_tokens = model_flag(config, "add_special_tokens", True)
+        # A prompt of more bytes than this is over max_input_len tokens: refused before tokenizing.
+        self.max_prompt_bytes = self.limits.max_input_len * max_token_bytes(self.tokenizer)
         skip = model_flag(config, "skip_special_tokens", True)
         self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)
         self.windowed_text = windows_decode_exactly(self.tokenizer)
@@ -194,6 +196,10 @@ class TritonPythonModel:
             raise BadRequest("streaming needs a decoupled model: write the repository with "
                              "`trtmoe repo --layout llmapi --streaming`")
         params = self._params(arrays)
+        size = len(texts[0].encode("utf-8"))
+        if size > self.max_prompt_bytes:
+            raise BadRequest(f"text_input is {size} bytes, more than {self.limits.max_input_len} tokens (this "
+                             "engine's max_input_len) can hold: refused before tokenizing")
         prompt = self.tokenizer.encode(texts[0], add_special_tokens=self.add_special_tokens).ids
         if not prompt:
             raise BadRequest("text_input encodes to no tokens")
