@@ -192,12 +192,19 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "timeout_s": Key((int, float), 300.0, minimum=1, flag="--timeout", help="Seconds to wait for ready."),
         "log_verbose": Key(int, 0, minimum=0, help="tritonserver's --log-verbose level."),
         "restart": Key(int, 3, minimum=0, help="When a backend process dies or tritonserver exits, start it again "
-                                               "on the same repository and ports, at most this many times within "
-                                               "--restart-window; then exit 1 (0: exit at the first failure)."),
+                                               "on the same repository and ports, at once up to this many times "
+                                               "within --restart-window, then after a back-off (--restart-backoff) "
+                                               "(0: exit 1 at the first failure)."),
         "restart_window_s": Key((int, float), 3600, minimum=0, flag="--restart-window", metavar="SECONDS",
                                 help="Only restarts made within the last this many seconds count against "
                                      "--restart, so a server that dies now and then is always restarted and "
-                                     "one that keeps dying is given up on (0: count over the whole run)."),
+                                     "one that keeps dying is restarted only after a back-off (0: count over "
+                                     "the whole run)."),
+        "restart_backoff_s": Key((int, float), 60, minimum=0, flag="--restart-backoff", metavar="SECONDS",
+                                 help="Once --restart is spent within the window, each further restart waits 1, 2, "
+                                      "4 ... seconds, at most this many, instead of ending the service, so that "
+                                      "requests which crash tritonserver cannot switch it off (0: exit 1 instead, "
+                                      "for a supervisor to take over)."),
     },
     "calibrate": {  # `trtmoe calibrate`: routing statistics and sensitivity on calibration text
         "data": Key(str, None, nullable=True, metavar="PATH",

@@ -156,13 +156,18 @@ def serve_command(repo, config_path, log_file, print_command, **options):
     within = f" within {window_s:g} s" if window_s > 0 else ""
 
     def restarting(s, reason, n):
-        click.echo(f"restarting tritonserver ({n} of {o['restart']}{within}): {reason}", err=True)
+        count = f"{n} of {o['restart']}{within}" if n <= int(o["restart"]) else f"restart {n}{within}, after a back-off"
+        click.echo(f"restarting tritonserver ({count}): {reason}", err=True)
 
     def restarted(s, n):
         click.echo(f"ready again after restart {n}: gRPC {s.endpoints.grpc}", err=True)
 
+    def backing_off(s, reason, why, wait_s):
+        click.echo(f"tritonserver failed again: {reason}; {why}: restarting in {wait_s:g} s", err=True)
+
     run_until_signalled(srv, on_ready=ready, restarts=int(o["restart"]), restart_window_s=window_s,
-                        timeout_s=timeout_s, on_restart=restarting, on_restarted=restarted)
+                        timeout_s=timeout_s, on_restart=restarting, on_restarted=restarted,
+                        backoff_max_s=float(o["restart_backoff_s"]), on_backoff=backing_off)
     click.echo("stopped", err=True)
 
 

@@ -713,7 +713,8 @@ class RestartBudget:
 
 
 def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, restart_window_s: float = 0.0,
-                        timeout_s: float = 300.0, on_restart=None, on_restarted=None, clock=time.monotonic) -> int:
+                        timeout_s: float = 300.0, on_restart=None, on_restarted=None, clock=time.monotonic,
+                        backoff_max_s: float = 0.0, on_backoff=None) -> int:
     """Foreground loop for the CLI: return on SIGINT/SIGTERM (then stop the server).
 
     When the server exits or a backend stub dies (the watchdog has then ended the group and removed
@@ -722,8 +723,12 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
     a server that dies now and then is restarted every time and one that keeps dying is given up on.
     ``on_restart(srv, reason, n)`` is called before each restart, ``n`` the restarts within the
     window, this one included (the CLI prints one line), and ``on_restarted(srv, n)`` once it is
-    ready again and watched. When no restart is left, or a restart fails to get ready, it raises
-    TrtmoeError (exit 1).
+    ready again and watched. When no restart is left it raises TrtmoeError (exit 1), unless
+    ``backoff_max_s`` > 0: then it waits 1, 2, 4 ... seconds (at most ``backoff_max_s``; doubling while
+    the budget stays spent, back to 1 once it is not) and restarts anyway, calling
+    ``on_backoff(srv, reason, why, wait_s)`` first, so that a request which crashes the server can cost
+    the service a bounded wait but never end it (with ``restarts`` 0 the first failure still ends the
+    loop). A restart that fails to get ready raises (BackendUnavailable).
     """
     stop = {"sig": None}
 
@@ -732,6 +737,7 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     budget = RestartBudget(restarts, restart_window_s, clock)
+    over = 0  # restarts in a row made past the budget (each one waits twice as long)
     try:
         if on_ready:
             on_ready(srv)
@@ -742,12 +748,24 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
                 break
             srv.join_watchdog(30)  # a dead stub: the group is being ended and its regions removed
             reason = srv.failure or srv.check() or "tritonserver stopped"
-            if not budget.allows():
+            if not budget.allows() and backoff_max_s > 0 and restarts > 0:
+                wait_s = min(float(backoff_max_s), 2.0 ** over)
+                over += 1
+                if on_backoff:
+                    on_backoff(srv, reason, budget.describe(), wait_s)
+                until = time.monotonic() + wait_s
+                while stop["sig"] is None and time.monotonic() < until:
+                    time.sleep(min(0.1, max(until - time.monotonic(), 0.0)))
+                if stop["sig"] is not None:
+                    break
+            elif not budget.allows():
                 what = f"{budget.describe()}; " if budget.total else ""
                 raise TrtmoeError(f"{reason}; {what}tritonserver was stopped so that clients get an error instead "
                                   f"of a hang; log tail:\n{srv.log_tail()}",
                                   hint="`trtmoe serve --restart N --restart-window SECONDS` restarts it up to N "
                                        "times within any SECONDS; a non-zero exit lets a supervisor take over")
+            else:
+                over = 0
             n = budget.record()
             if on_restart:
                 on_restart(srv, reason, n)
