@@ -28,6 +28,7 @@ from trtmoe.hf.tree_file import read_tree, write_tree
 from trtmoe.quant.calibrate import calibrate, load_calib
 from trtmoe.quant.sensitivity import Progress
 
+from conftest import tiny_mixtral_engine
 from test_quant_pipeline import make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -440,3 +441,42 @@ def test_verify_ignores_bytecode_caches(tmp_path, name):
     (art / "1" / "extra.py").write_text("y = 2\n")  # anything else unlisted is still a problem
     with pytest.raises(VerifyError, match="extra.py"):
         verify_artifact(art)
+
+
+# ---- repo: no remote code, no manifest entry outside the engine ------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    return tiny_mixtral_engine(tiny_model, tmp_path_factory.mktemp("eng"), "tokm")[3]
+
+
+def _repo(args, out):
+    r = CliRunner().invoke(main, ["repo", *map(str, args), "-o", str(out)])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    return r, lines
+
+
+@pytest.mark.parametrize("how", ["option", "yaml"])
+def test_repo_refuses_trust_remote_code(engine, tmp_path, how):
+    if how == "option":
+        args = [engine, "--trust-remote-code"]
+    else:
+        (tmp_path / "c.yaml").write_text("repo:\n  trust_remote_code: true\n")
+        args = [engine, "-c", tmp_path / "c.yaml"]
+    r, lines = _repo(args, tmp_path / "repo")
+    assert r.exit_code == 2 and len(lines) == 1 and "--trust-remote-code is refused" in lines[0], r.output
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.parametrize("entry", ["../ckpt/rank0.safetensors", "/etc/passwd", "a/../../x"])
+def test_repo_refuses_an_engine_manifest_entry_outside_the_engine(engine, tmp_path, entry):
+    import shutil
+
+    eng = Path(shutil.copytree(engine, tmp_path / "engine"))
+    shutil.copytree(engine.parent / "ckpt", tmp_path / "ckpt")
+    m = json.loads((eng / "manifest.json").read_text())
+    m["files"][entry] = "0" * 64
+    (eng / "manifest.json").write_text(json.dumps(m))
+    r, lines = _repo([eng], tmp_path / "repo")
+    assert r.exit_code == 2 and len(lines) == 1 and repr(entry) in lines[0] and "manifest" in lines[0], r.output
+    assert not (tmp_path / "repo").exists()

@@ -25,6 +25,7 @@ pytest.importorskip("pytriton")
 import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from trtmoe.checkpoint.verify import verify_artifact  # noqa: E402
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.errors import InputError  # noqa: E402
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
@@ -867,3 +868,23 @@ def test_sigkilled_serve_leaves_a_workspace_the_next_start_removes(served, tmp_p
         time.sleep(0.2)
     assert (workspace / "backends").is_dir()  # what a killed launcher leaves
     assert remove_stale_workspaces(tmpdir) == [workspace] and not workspace.exists()
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_prompt_of_megabytes_is_refused_before_tokenizing(served, model):
+    """preprocessing refuses a 3 MB text_input on its byte length, at once (tokenizing it first held
+    the one preprocessing instance for seconds); the server answers on, and the repository it serves
+    still verifies (tritonserver's Python writes no bytecode caches into it)."""
+    ep = served["server"].endpoints
+    body = json.dumps({"text_input": "def main(" + "x = 1\n" * (3 * 2**20 // 6), "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"http://{ep.host}:{ep.http_port}/v2/models/{model}/generate", data=body,
+                                 method="POST")
+    t0 = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400 and "refused before tokenizing" in e.value.read().decode()
+    assert time.monotonic() - t0 < 2.0
+    assert served["server"].failure is None and served["server"].is_alive()
+    assert not list(served["repo"].path.rglob("__pycache__"))
+    verify_artifact(served["repo"].path)
+
