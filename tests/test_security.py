@@ -480,3 +480,122 @@ def test_repo_refuses_an_engine_manifest_entry_outside_the_engine(engine, tmp_pa
     r, lines = _repo([eng], tmp_path / "repo")
     assert r.exit_code == 2 and len(lines) == 1 and repr(entry) in lines[0] and "manifest" in lines[0], r.output
     assert not (tmp_path / "repo").exists()
+
+
+# ---- the HTTP front before tritonserver ---------------------------------------------------------------
+
+@pytest.fixture
+def front():
+    """A BodyLimitFront (limit 1000 bytes) before a small HTTP/1.1 server that answers how many body
+    bytes it read, streams a chunked answer on /stream, and closes on /close."""
+    import http.server
+    import threading
+
+    from trtmoe.triton.front import BodyLimitFront
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            if self.headers.get("Transfer-Encoding") == "chunked":
+                data = b""
+                while (n := int(self.rfile.readline().strip(), 16)):
+                    data += self.rfile.read(n)
+                    self.rfile.readline()
+                self.rfile.readline()
+            else:
+                data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/stream":
+                self.send_response(200)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for i in range(3):
+                    part = f"data: {i}\n\n".encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+                return
+            body = json.dumps({"got": len(data), "sha": hashlib.sha256(data).hexdigest()}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    up = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=up.serve_forever, daemon=True).start()
+    f = BodyLimitFront("127.0.0.1", 0, up.server_address[1], 1000).start()
+    try:
+        yield f, up
+    finally:
+        f.stop()
+        up.shutdown()
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        out = b""
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:  # the front may answer and close before the request is all sent
+            pass
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except ConnectionResetError:
+            pass
+    return out
+
+
+def test_the_front_passes_bodies_up_to_the_limit_on_one_connection(front):
+    import http.client
+
+    f, _ = front
+    c = http.client.HTTPConnection("127.0.0.1", f.port, timeout=10)
+    for n in (0, 10, 1000):  # keep-alive: one connection, requests in turn
+        body = os.urandom(n)
+        c.request("POST", "/x", body=body)
+        r = c.getresponse()
+        assert r.status == 200 and json.loads(r.read()) == {"got": n, "sha": hashlib.sha256(body).hexdigest()}
+    c.request("POST", "/x", body=iter([b"a" * 600, b"b" * 400]), encode_chunked=True)
+    r = c.getresponse()
+    assert r.status == 200 and json.loads(r.read())["got"] == 1000
+    c.request("POST", "/stream", body=b"{}")
+    r = c.getresponse()
+    assert r.status == 200 and r.read() == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert f.refused == 0
+
+
+@pytest.mark.parametrize("request_bytes,status", [
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 1001\r\n\r\n", 413),
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 99999999999\r\nExpect: 100-continue\r\n\r\n", 413),
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3e8\r\n" + b"a" * 1000 + b"\r\n1\r\nb\r\n0\r\n\r\n", 413),
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nabcde", 400),
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n", 400),
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n", 431),
+    # a request within the limit, then one over it on the same connection: the first is answered
+    (b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabcPOST /x HTTP/1.1\r\nHost: a\r\n"
+     b"Content-Length: 5000\r\n\r\n", 413),
+])
+def test_the_front_refuses_what_tritonserver_should_not_parse(front, request_bytes, status):
+    f, _ = front
+    out = _raw(f.port, request_bytes)
+    assert out.split(b"\r\n", 1)[0].split()[1] == str(status).encode(), out[:300]
+    assert json.loads(out.split(b"\r\n\r\n")[-1])["error"]
+    assert f.refused == (1 if status == 413 else 0)
+
+
+def test_the_front_answers_503_while_the_server_is_down(front):
+    f, up = front
+    up.shutdown()
+    up.server_close()
+    out = _raw(f.port, b"GET /v2/health/ready HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 503 ")

@@ -200,6 +200,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                      "--restart, so a server that dies now and then is always restarted and "
                                      "one that keeps dying is restarted only after a back-off (0: count over "
                                      "the whole run)."),
+        "http_max_body_mb": Key((int, float), 3, minimum=0, flag="--http-max-body-mb", metavar="MB",
+                                help="Answer HTTP requests whose body is over this many MiB with 413 before "
+                                     "tritonserver reads them (2.51 can crash on one of 4 MB); the HTTP port is "
+                                     "then a small front passing everything else through (0: no front)."),
         "restart_backoff_s": Key((int, float), 60, minimum=0, flag="--restart-backoff", metavar="SECONDS",
                                  help="Once --restart is spent within the window, each further restart waits 1, 2, "
                                       "4 ... seconds, at most this many, instead of ending the service, so that "

@@ -137,11 +137,14 @@ def serve_command(repo, config_path, log_file, print_command, **options):
             if env.get(key):
                 click.echo(f"{key}={env[key]}")
         click.echo(" ".join(cmd))
+        if o["http_max_body_mb"]:
+            click.echo(f"# trtmoe serve itself listens on the HTTP port (bodies over {o['http_max_body_mb']:g} MiB "
+                       "answered 413) and gives tritonserver another one on 127.0.0.1", err=True)
         return
     click.echo(f"starting tritonserver on {repo} (waiting up to {timeout_s:.0f} s for the models to load)...", err=True)
     srv = serve_repository(repo, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                            world_size=world_size, server=server, timeout_s=timeout_s, log_file=log_file,
-                           log_verbose=log_verbose)
+                           log_verbose=log_verbose, max_http_body_bytes=int(float(o["http_max_body_mb"]) * 2**20))
 
     def ready(s):
         ep = s.endpoints

@@ -52,6 +52,7 @@ from ..checkpoint.atomic import own_directory, pid_alive
 from ..errors import BackendUnavailable, InputError, TrtmoeError
 from ..checkpoint.manifest import read_repository_manifest
 from . import cpu_binding
+from .front import BodyLimitFront
 
 PYTRITON = "pytriton"
 SYSTEM = "system"
@@ -133,11 +134,8 @@ def _libpython_dir() -> Path | None:
 
 
 def server_environment(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for tritonserver so that Python-backend models run in this interpreter's env.
-    Python writes no bytecode caches (``__pycache__``) beside the model files it imports: the
-    repository stays exactly what ``trtmoe repo`` wrote, so ``trtmoe verify`` passes after serving."""
+    """Environment for tritonserver so that Python-backend models run in this interpreter's env."""
     env = dict(os.environ if base is None else base)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
     if install.kind != PYTRITON:
         return env
     libpython = _libpython_dir()
@@ -182,9 +180,10 @@ class Endpoints:
 def build_launch_command(repo: str | Path, install: TritonInstall, *, endpoints: Endpoints, world_size: int = 1,
                          backend_dir: Path | None = None, shm_prefix: str = "trtmoe", log_verbose: int = 0,
                          exit_timeout_s: int = 10, extra_args: Sequence[str] = (),
-                         tensorrt_llm_model_name: str = "tensorrt_llm") -> list[str]:
+                         tensorrt_llm_model_name: str = "tensorrt_llm", http_host: str | None = None) -> list[str]:
     """The argv that starts the server. ``world_size`` > 1 (TensorRT engines) gives one MPI rank per
-    engine rank; only rank 0 serves HTTP/gRPC/metrics, the others load ``tensorrt_llm`` alone."""
+    engine rank; only rank 0 serves HTTP/gRPC/metrics, the others load ``tensorrt_llm`` alone.
+    ``http_host``: the HTTP address when it differs from the others (behind the body-limit front)."""
     if world_size < 1:
         raise InputError(f"world_size must be >= 1, got {world_size}")
 
@@ -200,7 +199,7 @@ def build_launch_command(repo: str | Path, install: TritonInstall, *, endpoints:
         # instead of 5.8 s).
         args.append("--disable-auto-complete-config")
         if rank == 0:
-            args += [f"--http-address={endpoints.host}", f"--http-port={endpoints.http_port}",
+            args += [f"--http-address={http_host or endpoints.host}", f"--http-port={endpoints.http_port}",
                      f"--grpc-address={endpoints.host}", f"--grpc-port={endpoints.grpc_port}",
                      f"--metrics-address={endpoints.host}", f"--metrics-port={endpoints.metrics_port}"]
         else:
@@ -354,6 +353,7 @@ class TritonServer:
     _watchdog: threading.Thread | None = field(default=None, repr=False)
     _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
     _watched: threading.Event | None = field(default=None, repr=False)  # the event the watchdog thread waits on
+    front: BodyLimitFront | None = None  # the public HTTP port's body-limit front (kept across restarts)
 
     def start(self, *, append_log: bool = False) -> "TritonServer":
         self.failure, self.stubs = None, {}
@@ -537,6 +537,8 @@ class TritonServer:
         workspace is removed, except the server log when ``keep_log`` (failures point to it)."""
         rc = None
         self._stopping.set()
+        if self.front is not None:
+            self.front.stop()
         if self.process is not None:
             if self.process.poll() is None:
                 # The server alone: it finalizes its models and stops their stubs itself (a stub
@@ -578,6 +580,9 @@ class TritonServer:
 
 
 WORKSPACE_PREFIX = "trtmoe-triton-"
+# Request bodies refused (413) before tritonserver parses them: far above any prompt an engine takes
+# (a 128k-token prompt is about 0.5 MB of text), below the 4 MB that ends tritonserver 2.51.
+DEFAULT_MAX_HTTP_BODY = 3 * 2**20
 KEPT_LOG_DAYS = 7
 
 
@@ -606,13 +611,16 @@ def remove_stale_workspaces(root: str | Path | None = None, *, keep_log_days: fl
 def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                      metrics_port: int = 8002, world_size: int | None = None, server: str | None = None,
                      timeout_s: float = 300.0, log_file: str | Path | None = None, log_verbose: int = 0,
-                     extra_args: Sequence[str] = (), wait: bool = True) -> TritonServer:
+                     extra_args: Sequence[str] = (), wait: bool = True,
+                     max_http_body_bytes: int = DEFAULT_MAX_HTTP_BODY) -> TritonServer:
     """Start tritonserver on ``repo`` and (``wait``) block until it is ready, up to ``timeout_s`` seconds.
 
     Port 0 picks a free port. ``world_size`` defaults to the repository manifest's launch world size
     (1 for embedded engines, tp x pp for TensorRT engines). ``server`` picks the installation
     ("system" / "pytriton"; default: system first). Returns a started TritonServer; ``stop()`` it,
     or use it as a context manager. Raises BackendUnavailable with the server log tail on failure.
+    ``max_http_body_bytes`` > 0 puts the HTTP port behind ``front.BodyLimitFront``: request bodies
+    over it are answered 413 before tritonserver reads them (0: tritonserver listens itself).
     """
     repo = Path(repo).expanduser().absolute()
     if not repo.is_dir() or not any(repo.glob("*/config.pbtxt")):
@@ -635,9 +643,12 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
             raise InputError(f"port {port} is given for more than one endpoint", hint="give each endpoint its own port or 0")
         if port and _port_in_use(host, port):
             raise InputError(f"{name} port {port} on {host} is already in use", hint=f"pass --{name}-port or 0 for a free one")
-    chosen = iter(free_ports(sum(1 for _, port in asked if not port), host, avoid=fixed))
+    chosen = iter(free_ports(sum(1 for _, port in asked if not port) + (1 if max_http_body_bytes else 0), host,
+                             avoid=fixed))
     ports = [port or next(chosen) for _, port in asked]
     endpoints = Endpoints(host, *ports)
+    # Behind the front, tritonserver's HTTP listens on 127.0.0.1 only, on a port of its own.
+    inner = Endpoints(host, next(chosen), ports[1], ports[2]) if max_http_body_bytes else endpoints
     remove_stale_workspaces()
     workspace = Path(tempfile.mkdtemp(prefix=f"{WORKSPACE_PREFIX}{os.getpid()}-"))
     try:
@@ -646,9 +657,9 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise
-    cmd = build_launch_command(repo, install, endpoints=endpoints, world_size=ws, backend_dir=backend_dir,
+    cmd = build_launch_command(repo, install, endpoints=inner, world_size=ws, backend_dir=backend_dir,
                                shm_prefix=f"trtmoe{os.getpid()}{uuid.uuid4().hex[:6]}r", log_verbose=log_verbose,
-                               extra_args=extra_args)
+                               extra_args=extra_args, http_host="127.0.0.1" if max_http_body_bytes else None)
     log_path = Path(log_file).absolute() if log_file else workspace / "tritonserver.log"
     binding = decode_binding(repo, manifest)
     rest, said = None, ""
@@ -659,9 +670,22 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
                 f"{cpu_binding.format_cores(rest)}")
     elif binding is not None:
         said = f"decode_cores not applied: {binding}"
+    front = None
+    if max_http_body_bytes:
+        try:
+            front = BodyLimitFront(host, endpoints.http_port, inner.http_port, max_http_body_bytes).start()
+        except OSError as e:
+            shutil.rmtree(workspace, ignore_errors=True)
+            raise InputError(f"http port {endpoints.http_port} on {host} cannot be opened ({e.strerror})",
+                             hint="pass --http-port or 0 for a free one") from None
     srv = TritonServer(repo=repo, endpoints=endpoints, install=install, command=cmd, env=env, log_path=log_path,
-                       workspace=workspace, cpu_cores=rest, binding=said)
-    srv.start()
+                       workspace=workspace, cpu_cores=rest, binding=said, front=front)
+    try:
+        srv.start()
+    except BaseException:
+        if front is not None:
+            front.stop()
+        raise
     if wait:
         try:
             srv.wait_ready(timeout_s)

@@ -122,9 +122,3 @@ def windows_decode_exactly(tokenizer: Any) -> bool:
             return False
     return True
 
-
-def max_token_bytes(tokenizer) -> int:
-    """The UTF-8 length of the longest vocabulary entry of a ``tokenizers`` tokenizer (added tokens
-    included): no token covers more bytes of text than that, so a text of more than ``n`` times as many
-    bytes encodes to more than ``n`` tokens and can be refused without tokenizing it."""
-    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1

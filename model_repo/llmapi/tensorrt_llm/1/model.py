@@ -48,7 +48,7 @@ import triton_python_backend_utils as pb_utils
 from trtmoe.triton.batcher import FINISH_CANCELLED, FINISH_ERROR, InflightBatcher
 from trtmoe.triton.metrics import blocks as kv_blocks
 from trtmoe.triton.model_params import model_flag, model_param
-from trtmoe.triton.textstream import IncrementalText, max_token_bytes, windows_decode_exactly
+from trtmoe.triton.textstream import IncrementalText, windows_decode_exactly
 from trtmoe.triton.threads import name_native_thread
 
 DEFAULT_MAX_TOKENS = 32  # the LLM API's SamplingParams default
@@ -67,6 +67,12 @@ def _scalar(arrays: dict, name: str):
     if a.size != 1:
         raise BadRequest(f"{name} must hold one value, got shape {list(a.shape)}")
     return a.reshape(-1)[0].item()
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The UTF-8 length of the longest vocabulary entry (added tokens included): no token covers more
+    bytes of text than that, so a text of more than ``n`` times as many bytes is over ``n`` tokens."""
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1
 
 
 def _strings(arrays: dict, name: str) -> list[str]:
