@@ -441,7 +441,8 @@ def layer_from_state(state: dict) -> dict[tuple[int, str], MatrixStats]:
             for t in (d["act_mean"], d["rows"], d["gram"]):
                 if t is not None and not isinstance(t, Tensor):
                     raise ValueError("a statistic that is not a tensor")
-            if d["mod"] not in MATRIX_KINDS or d["source"] not in ("routed", "layer") or not isinstance(d["act_mean"], Tensor):
+            if d["mod"] not in MATRIX_KINDS or d["source"] not in ("routed", "layer") \
+                    or not isinstance(d["act_mean"], Tensor):
                 raise ValueError(f"unknown matrix {d['mod']!r} or source {d['source']!r}")
             out[(int(d["expert"]), d["mod"])] = MatrixStats(d["act_mean"], d["rows"], int(d["count"]), d["source"],
                                                             d["gram"], ref)

@@ -51,11 +51,12 @@ from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from ..runtime.load import find_tokenizer_dir, load_tokenizer
 from . import QUANTIZED_NAMES, awq
-from .calib_schema import (CALIB_VERSION, NonFinite, _expert_bpw, build_result, check_calib,  # noqa: F401 - calib.json's home
-                           non_finite_path, parse_calib_json)
+from .calib_schema import (CALIB_VERSION, NonFinite, _expert_bpw, build_result,  # noqa: F401 - calib.json's home
+                           check_calib, non_finite_path, parse_calib_json)
 from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
-from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, Progress, check_float_banks, fisher_measure, owned_marker
+from .sensitivity import (DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, Progress, check_float_banks, fisher_measure,
+                          owned_marker)
 
 DEFAULT_FORMATS = QUANTIZED_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
@@ -654,7 +655,8 @@ def load_calib(path: str | Path) -> dict:
     try:
         calib = parse_calib_json(f.read_bytes().decode("utf-8"))
     except NonFinite as e:
-        raise InputError(f"calib.json {e}", where=str(f), hint="recalibrate: trtmoe calibrate MODEL --data TEXT -o DIR") from None
+        raise InputError(f"calib.json {e}", where=str(f),
+                         hint="recalibrate: trtmoe calibrate MODEL --data TEXT -o DIR") from None
     except UnicodeDecodeError as e:
         raise InputError(f"calib.json is not UTF-8 text (byte {e.start})", where=str(f)) from None
     except (json.JSONDecodeError, RecursionError) as e:

@@ -159,8 +159,9 @@ class BodyLimitFront:
                 await asyncio.wait_for(self._discard(reader, min(e.discard, DISCARD_BYTES)), DISCARD_SECONDS)
             except (ConnectionError, OSError, asyncio.TimeoutError):
                 pass
-        except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
+        except (ConnectionError, OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                asyncio.CancelledError):
+            pass  # the client went away, or sent a chunk line no server would read: the connection ends
         finally:
             if pipe is not None and not pipe.done():
                 pipe.cancel()
