@@ -230,13 +230,14 @@ class NonFinite(ValueError):
     """A calib.json number that is NaN or infinite (JSON has no such numbers; Python writes them)."""
 
 
-def _non_finite(name: str):
-    raise NonFinite(f"holds {name}, which is not a number a calibration can have")
-
-
 def parse_calib_json(text: str):
-    """calib.json's text parsed strictly: NaN, Infinity and -Infinity raise NonFinite."""
-    return json.loads(text, parse_constant=_non_finite)
+    """calib.json's text parsed; a NaN, Infinity or -Infinity anywhere in it raises NonFinite naming
+    where (e.g. ``sensitivity.delta_kl.int8.1.0``)."""
+    obj = json.loads(text)
+    bad = non_finite_path(obj)
+    if bad:
+        raise NonFinite(f"holds a NaN or infinite number at {bad}, which no calibration has")
+    return obj
 
 
 def non_finite_path(obj, path: str = "") -> str | None:
