@@ -32,7 +32,6 @@ from .manifest import MANIFEST_NAMES
 _MARK = ".trtmoe-partial-"
 _OLD = "old-"
 _RENAME_EXCHANGE = 2
-_RENAME_NOREPLACE = 1
 # Errors only writing can cause (reading an input never gives these), so they concern the output.
 _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 _AT_FDCWD = -100
@@ -143,22 +142,6 @@ def _libc_exchange():
 
 
 _renameat2 = _libc_exchange()
-
-
-def rename_no_replace(a: Path, b: Path) -> bool:
-    """Rename ``a`` to ``b`` unless ``b`` exists, in one step (FileExistsError if it does). False where
-    the system or file system cannot (then nothing changed)."""
-    if _renameat2 is None:
-        return False
-    rc = _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_NOREPLACE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    if err == errno.EEXIST:
-        raise FileExistsError(err, os.strerror(err), str(b))
-    raise OSError(err, os.strerror(err), str(a))
 
 
 def exchange(a: Path, b: Path) -> bool:
@@ -327,18 +310,13 @@ def _swap_into_place(tmp: Path, out: Path, replace: bool = True) -> None:
     previous output (removed here, or by the next run if this one is killed first). Without
     ``replace`` an ``out`` that exists now (another run's, finished meanwhile) raises _Appeared."""
     if not replace:
+        # rename(2) of a directory refuses, atomically, a target that is a non-empty directory or a
+        # file (an empty directory made meanwhile is the only thing it replaces): a finished run's
+        # output is never replaced by a second run that started before it ended.
         try:
-            if rename_no_replace(tmp, out):
-                _fsync_dir(out.parent)
-                return
-        except FileExistsError:
-            raise _Appeared() from None
-        if os.path.lexists(out):
-            raise _Appeared()
-        try:
-            os.rename(tmp, out)  # an empty directory created since would be replaced; a full one refuses
+            os.rename(tmp, out)
         except OSError as e:
-            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
                 raise _Appeared() from None
             raise
         _fsync_dir(out.parent)
