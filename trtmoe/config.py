@@ -202,8 +202,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                      "the whole run)."),
         "http_max_body_mb": Key((int, float), 3, minimum=0, flag="--http-max-body-mb", metavar="MB",
                                 help="Answer HTTP requests whose body is over this many MiB with 413 before "
-                                     "tritonserver reads them (2.51 can crash on one of 4 MB); the HTTP port is "
-                                     "then a small front passing everything else through (0: no front)."),
+                                     "tritonserver reads them (an upstream report has 2.51 crash on one of 4 MB); "
+                                     "the HTTP port is then a small front passing everything else through (0: no "
+                                     "front)."),
         "restart_backoff_s": Key((int, float), 60, minimum=0, flag="--restart-backoff", metavar="SECONDS",
                                  help="Once --restart is spent within the window, each further restart waits 1, 2, "
                                       "4 ... seconds, at most this many, instead of ending the service, so that "

@@ -581,7 +581,9 @@ class TritonServer:
 
 WORKSPACE_PREFIX = "trtmoe-triton-"
 # Request bodies refused (413) before tritonserver parses them: far above any prompt an engine takes
-# (a 128k-token prompt is about 0.5 MB of text), below the 4 MB that ends tritonserver 2.51.
+# (a 128k-token prompt is about 0.5 MB of text), below the 4 MB an upstream report has end
+# tritonserver 2.51 (not reproduced here: bodies of 4-64 MB were answered; 4 MB of prompt or bad_words
+# held the server 24-39 s).
 DEFAULT_MAX_HTTP_BODY = 3 * 2**20
 KEPT_LOG_DAYS = 7
 
