@@ -16,11 +16,16 @@ kind; wrong greedy texts; resident memory (RSS) of tritonserver and every backen
 warm-up and at the end of each server lifetime; greedy outputs of a fixed prompt set before the
 soak, after the restart and at the end (must be identical). With --cancel-rss N, also the
 tritonserver RSS growth per cancelled request over N cancels through each entry point; with
---cancel-tokens N, the tokens generated for N cancelled 150-token streams per entry point.
+--cancel-tokens N, the tokens generated for N cancelled 150-token streams per entry point. With
+--oversized N, N HTTP generate requests with bodies of --oversized-mb MB or more (a prompt that
+long, the same bytes in a field no model reads, a prompt that long to generate_stream, over the
+ensemble and tensorrt_llm_bls in turn), after the soak: how each was answered, how long it took, and
+how many times tritonserver crashed (the soak restarts it and goes on); any crash fails the run.
 
     python scripts/soak_serve.py                        # 5000 requests, concurrency 32
     python scripts/soak_serve.py --requests 600 --json soak.json
     python scripts/soak_serve.py --requests 0 --cancel-rss 200   # only the cancel-leak measurement
+    python scripts/soak_serve.py --requests 200 --oversized 30    # plus 30 bodies of 4 MB and more
 
 Exit code 0 when every request ended inside its deadline, every greedy text matched and the
 before/after outputs are identical; 1 otherwise.
@@ -271,6 +276,46 @@ def build(tmp: Path, templates: str | None):
                                templates=templates)
 
 
+OVERSIZED_KINDS = ("prompt", "unread_field", "stream_prompt")
+
+
+def oversized_bodies(srv, n: int, mb: float) -> dict:
+    """``n`` HTTP generate requests of ``mb`` MB or more, one at a time: statuses, seconds, crashes."""
+    import http.client
+
+    size = int(mb * 2**20)
+    statuses: Counter = Counter()
+    crashes: list[str] = []
+    seconds: list[float] = []
+    for i in range(n):
+        kind = OVERSIZED_KINDS[i % len(OVERSIZED_KINDS)]
+        model = MODELS[(i // len(OVERSIZED_KINDS)) % 2]  # ensemble, tensorrt_llm_bls
+        body = {"text_input": "def main(", "max_tokens": 1, "note": "x" * size} if kind == "unread_field" else \
+            {"text_input": "def main(" + "x" * size, "max_tokens": 1}
+        path = f"/v2/models/{model}/generate" + ("_stream" if kind == "stream_prompt" else "")
+        data = json.dumps(body).encode()
+        t0 = time.monotonic()
+        try:
+            c = http.client.HTTPConnection(srv.endpoints.host, srv.endpoints.http_port, timeout=300)
+            c.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            r.read()
+            outcome = str(r.status)
+            c.close()
+        except Exception as e:  # noqa: BLE001 - a dropped connection is what a crash looks like to a client
+            outcome = type(e).__name__
+        seconds.append(time.monotonic() - t0)
+        statuses[f"{kind} -> {outcome}"] += 1
+        time.sleep(0.5)  # the watchdog checks twice a second
+        if srv.failure or not srv.is_alive():
+            crashes.append(f"request {i} ({kind}, {len(data)} bytes): {srv.failure or srv.check()}")
+            srv.join_watchdog(60)
+            srv.restart(600)
+    return {"requests": n, "body_bytes_min": size, "answers": dict(sorted(statuses.items())), "crashes": len(crashes),
+            "crash_reasons": crashes[:10], "seconds_max": round(max(seconds or [0.0]), 2),
+            "seconds_p50": round(sorted(seconds or [0.0])[len(seconds) // 2], 2)}
+
+
 def cancel_rss(soak: Soak, n: int) -> dict:
     """tritonserver RSS growth per cancelled request, per entry point (after 20 warm-up cancels)."""
     out = {}
@@ -342,6 +387,9 @@ def main() -> int:
     ap.add_argument("--cancel-rss", type=int, default=0, help="also measure RSS growth over this many cancels")
     ap.add_argument("--cancel-tokens", type=int, default=0,
                     help="also count the tokens generated for this many cancelled 150-token streams per entry point")
+    ap.add_argument("--oversized", type=int, default=0,
+                    help="also send this many HTTP generate requests with oversized bodies (see above)")
+    ap.add_argument("--oversized-mb", type=float, default=4.0, help="their body size in MiB (at least)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--templates", default=None, help="model_repo templates (default: the project's)")
     ap.add_argument("--json", default=None, help="write the figures here")
@@ -419,6 +467,10 @@ def main() -> int:
                 report["cancel_tokens"] = cancel_tokens(soak, args.cancel_tokens)
             if args.cancel_rss:
                 report["cancel_rss"] = cancel_rss(soak, args.cancel_rss)
+            if args.oversized:
+                report["oversized"] = oversized_bodies(srv, args.oversized, args.oversized_mb)
+                print(f"oversized bodies: {report['oversized']}", flush=True)
+                after = soak.greedy_outputs()  # the server (restarted or not) still answers the same
         finally:
             srv.stop()
         shm_left = len(shm_regions(srv.shm_prefix))
@@ -439,7 +491,8 @@ def main() -> int:
     planned_kill = args.requests > 0 and args.kill_at >= 0
     if planned_kill and not state["killed"]:
         print("the planned backend kill did not happen", flush=True)
-    ok = hung == 0 and not soak.wrong and same and shm_left == 0 and (state["killed"] or not planned_kill)
+    ok = hung == 0 and not soak.wrong and same and shm_left == 0 and (state["killed"] or not planned_kill) \
+        and report.get("oversized", {}).get("crashes", 0) == 0
     report["ensemble_text_equals_bls_text"] = bls_vs_ensemble
     print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=1, default=str))
     if not same:

@@ -439,14 +439,16 @@ def test_calibrate_streams_the_inputs_and_gives_the_stored_gram_result(tiny_mode
 
 
 def test_resumed_layers_keep_their_inputs(tmp_path):
-    """A layer's statistics pickled into the resumable progress carry its MoE inputs (not the model's
-    weights); added to the next run's statistics they are written back byte for byte."""
-    import pickle
+    """A layer's statistics stored in the resumable progress (a data-only tree file) carry its MoE
+    inputs (not the model's weights); added to the next run's statistics they are written back byte
+    for byte."""
+    from trtmoe.hf.tree_file import read_tree, write_tree
 
     fc, proj, x, routed = _layer(4, 32, 48, 200, 3)
     a = awq.ActivationStats(inputs_dir=tmp_path / "a")
     a.add_layer(2, awq.collect_layer(fc, proj, x, routed, gram=True, max_gram_in=0, layer=2))
-    state = pickle.loads(pickle.dumps({k[1:]: s for k, s in a.stats.items()}))
+    write_tree(tmp_path / "state.safetensors", awq.layer_state({k[1:]: s for k, s in a.stats.items()}))
+    state = awq.layer_from_state(read_tree(tmp_path / "state.safetensors"))
     assert all(s.inputs.fc is None for s in state.values())
     b = awq.ActivationStats(inputs_dir=tmp_path / "b")
     b.add_layer(2, state)

@@ -149,7 +149,7 @@ def test_an_interrupted_calibration_resumes_and_gives_the_same_result(small, tmp
     left = list(tmp_path.glob(".calib.trtmoe-partial-*"))
     assert len(left) == 1
     layers = left[0] / "sensitivity-progress" / "layers"
-    assert sorted(p.name for p in layers.iterdir()) == ["layer-000.pt"], r.stderr[-2000:]
+    assert sorted(p.name for p in layers.iterdir()) == ["layer-000.safetensors"], r.stderr[-2000:]
     notes = []
     res = calibrate(model, text, out, tokenizer=tok, samples=4, seq_len=16, batch_size=2,
                     formats=("int8", "int4"), rounding=rounding, notes=notes)

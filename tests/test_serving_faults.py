@@ -543,6 +543,38 @@ def test_serve_loop_restarts_within_its_window(tmp_path, window_s):
     assert srv.process.poll() is not None and backend_stubs(srv.process.pid) == {}
 
 
+def test_a_spent_restart_budget_backs_off_instead_of_ending_the_service(tmp_path):
+    """With a back-off, deaths past the budget (here 1 restart within 60 s) are restarted after a
+    wait that doubles up to its cap, never ending the loop: five deaths in a row, five restarts
+    (the last four after a back-off each), and the loop still ends only on SIGTERM, with exit 0."""
+    port = free_port()
+    srv = TritonServer(repo=tmp_path, endpoints=Endpoints("127.0.0.1", port, 2, 3), install=None,
+                       command=[sys.executable, "-c", _FAKE_TRITON, str(port)], env=dict(os.environ),
+                       log_path=tmp_path / "log.txt", workspace=tmp_path, keep_workspace=True, watch_period_s=0.05)
+    events: list = []
+
+    def kill_stub(s):
+        os.kill(next(iter(s.stubs)), signal.SIGKILL)
+
+    def restarted(s, n):
+        events.append(("restarted", n))
+        if n < 5:
+            kill_stub(s)
+        else:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    srv.start().wait_ready(60)
+    rc = run_until_signalled(srv, kill_stub, restarts=1, restart_window_s=60, timeout_s=60,
+                             on_restarted=restarted, backoff_max_s=0.25,
+                             on_backoff=lambda s, reason, why, wait_s: events.append(("backoff", wait_s, why)))
+    assert rc == 0
+    backoffs = [e for e in events if e[0] == "backoff"]
+    assert [e for e in events if e[0] == "restarted"] == [("restarted", n) for n in range(1, 6)]
+    assert [b[1] for b in backoffs] == [0.25] * 4  # min(cap, 1 s, 2 s, ...)
+    assert backoffs[0][2] == "restarted 1 time(s) in the last 60 s (limit 1)"
+    assert srv.process.poll() is not None and backend_stubs(srv.process.pid) == {}
+
+
 # The same group, except that once MARKER exists (the first start makes it) the leader never answers
 # ready: a restart that hangs in model loading.
 _FAKE_TRITON_HANGS_ON_RESTART = _FAKE_TRITON.replace(
@@ -583,7 +615,7 @@ def test_serve_command_restarts_once_then_exits_nonzero(built, tmp_path):
     """`trtmoe serve --restart 1`: the first SIGKILLed engine stub brings the server back on the same
     ports (one line says so), serving the same greedy text, with the dead server's group and shared
     memory gone; the second death exhausts the budget: exit 1 naming the dead stub, nothing left."""
-    proc, ready = start_serve_command(built["repo"].path, tmp_path / "server.log", extra_args=("--restart", "1"))
+    proc, ready = start_serve_command(built["repo"].path, tmp_path / "server.log", extra_args=("--restart", "1", "--restart-backoff", "0"))
     url = ready.split("gRPC ")[1].split()[0]
     try:
         want = _generate_text(url, "ensemble", "def main(", 12)

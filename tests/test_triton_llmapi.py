@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -25,6 +26,7 @@ require("pytriton")
 import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from trtmoe.checkpoint.verify import verify_artifact  # noqa: E402
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.errors import InputError  # noqa: E402
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
@@ -366,3 +368,19 @@ def test_decode_cores_keep_the_decode_thread_alone(engine_dir, tmp_path, unary):
         assert "decode_cores not applied" in server.log_path.read_text()
     finally:
         server.stop()
+
+
+def test_a_prompt_of_megabytes_is_refused_before_tokenizing(unary):
+    """A 2 MB text_input is refused on its byte length (tokenizing it first held the model for seconds),
+    and the repository still verifies after serving (the bytecode caches the Python backend writes are not artifact files)."""
+    host, port = unary["server"].endpoints.host, unary["server"].endpoints.http_port
+    body = json.dumps({"text_input": "def main(" + "x = 1\n" * (2 * 2**20 // 6), "sampling_param_max_tokens": 4})
+    req = urllib.request.Request(f"http://{host}:{port}/v2/models/tensorrt_llm/generate", data=body.encode(),
+                                 method="POST")
+    t0 = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400 and "refused before tokenizing" in e.value.read().decode()
+    assert time.monotonic() - t0 < 2.0  # tokenizing it took 4-16 s
+    assert _text(_infer(unary["url"], _inputs("def main(", 8))) == unary["ref"].text("def main(", 8)
+    verify_artifact(unary["repo"].path)  # with the __pycache__ the Python backend wrote into it

@@ -26,6 +26,7 @@ require("pytriton")
 import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from trtmoe.checkpoint.verify import verify_artifact  # noqa: E402
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.errors import InputError  # noqa: E402
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams  # noqa: E402
@@ -722,6 +723,47 @@ def test_stream_interval_server(served, tmp_path):
         assert r.text == "".join(r.pieces) and len(r.pieces) == len(counts)
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_prompt_of_megabytes_is_refused_before_tokenizing(served, model):
+    """preprocessing refuses a 2 MB text_input on its byte length, at once (tokenizing it first held
+    the one preprocessing instance for seconds); the server answers on, and the repository it serves
+    still verifies (the bytecode caches the Python backend writes into it are not artifact files)."""
+    ep = served["server"].endpoints
+    body = json.dumps({"text_input": "def main(" + "x = 1\n" * (2 * 2**20 // 6), "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"http://{ep.host}:{ep.http_port}/v2/models/{model}/generate", data=body,
+                                 method="POST")
+    t0 = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 400 and "refused before tokenizing" in e.value.read().decode()
+    assert time.monotonic() - t0 < 2.0
+    assert served["server"].failure is None and served["server"].is_alive()
+    verify_artifact(served["repo"].path)  # with the __pycache__ the Python backend wrote into it
+
+
+def test_an_oversized_http_body_is_answered_413_before_tritonserver_reads_it(served):
+    """Bodies over the front's limit (3 MiB; tritonserver 2.51 can crash on 4 MB) get 413 at once,
+    with Content-Length or chunked; the server lives on and answers the next request."""
+    srv = served["server"]
+    ep = srv.endpoints
+    url = f"http://{ep.host}:{ep.http_port}/v2/models/ensemble/generate"
+    refused = srv.front.refused
+    body = json.dumps({"text_input": "def main(", "max_tokens": 4, "pad": "x" * (4 * 2**20)}).encode()
+    t0 = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=60)
+    assert e.value.code == 413 and "limit of 3145728 bytes" in e.value.read().decode()
+    chunks = (body[i:i + 2**20] for i in range(0, len(body), 2**20))
+    req = urllib.request.Request(url, data=chunks, method="POST", headers={"Transfer-Encoding": "chunked"})
+    with pytest.raises((urllib.error.HTTPError, ConnectionError)) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert time.monotonic() - t0 < 10 and srv.front.refused == refused + 2
+    assert srv.failure is None and srv.is_alive()
+    ok = json.dumps({"text_input": "def main(", "max_tokens": 4}).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, data=ok, method="POST"), timeout=60) as r:
+        assert json.loads(r.read())["text_output"]
 
 
 def test_stop_leaves_no_process(served):

@@ -176,7 +176,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                     "once). 1 = every token; 0 = auto: every token up to 4 active streams, then "
                                     "ceil(active/4), which keeps per-response overhead bounded when many streams "
                                     "share the CPU.", shown_default="auto"),
-        "trust_remote_code": Key(bool, False, help="Let the tokenizer run code from its folder."),
+        "trust_remote_code": Key(bool, False, help="Refused when set: trtmoe never runs code from a tokenizer or "
+                                                   "model folder (false is accepted, so configs that state it load)."),
         "engine_path": Key(str, None, nullable=True, metavar="PATH",
                            help="TensorRT-LLM engines: the engine directory's absolute path on the serving "
                                 "machine (gpt_model_path), for a repository deployed where ENGINE_DIR is not; "
@@ -196,12 +197,24 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "timeout_s": Key((int, float), 300.0, minimum=1, flag="--timeout", help="Seconds to wait for ready."),
         "log_verbose": Key(int, 0, minimum=0, help="tritonserver's --log-verbose level."),
         "restart": Key(int, 3, minimum=0, help="When a backend process dies or tritonserver exits, start it again "
-                                               "on the same repository and ports, at most this many times within "
-                                               "--restart-window; then exit 1 (0: exit at the first failure)."),
+                                               "on the same repository and ports, at once up to this many times "
+                                               "within --restart-window, then after a back-off (--restart-backoff) "
+                                               "(0: exit 1 at the first failure)."),
         "restart_window_s": Key((int, float), 3600, minimum=0, flag="--restart-window", metavar="SECONDS",
                                 help="Only restarts made within the last this many seconds count against "
                                      "--restart, so a server that dies now and then is always restarted and "
-                                     "one that keeps dying is given up on (0: count over the whole run)."),
+                                     "one that keeps dying is restarted only after a back-off (0: count over "
+                                     "the whole run)."),
+        "http_max_body_mb": Key((int, float), 3, minimum=0, flag="--http-max-body-mb", metavar="MB",
+                                help="Answer HTTP requests whose body is over this many MiB with 413 before "
+                                     "tritonserver reads them (an upstream report has 2.51 crash on one of 4 MB); "
+                                     "the HTTP port is then a small front passing everything else through (0: no "
+                                     "front)."),
+        "restart_backoff_s": Key((int, float), 60, minimum=0, flag="--restart-backoff", metavar="SECONDS",
+                                 help="Once --restart is spent within the window, each further restart waits 1, 2, "
+                                      "4 ... seconds, at most this many, instead of ending the service, so that "
+                                      "requests which crash tritonserver cannot switch it off (0: exit 1 instead, "
+                                      "for a supervisor to take over)."),
     },
     "calibrate": {  # `trtmoe calibrate`: routing statistics and sensitivity on calibration text
         "data": Key(str, None, nullable=True, metavar="PATH",

@@ -7,7 +7,10 @@ kill at any moment leaves either the previous output or the new one at the final
 the previous output is first moved aside to a marked sibling, and the next run puts it back if the
 process died before the new one took its place. Interrupted runs (SIGINT/SIGTERM) remove their
 partial directory; leftovers of a killed process are recognised by their owner pid and cleaned by
-the next run for the same output."""
+the next run for the same output. Only real directories this user owns are taken for leftovers: a
+link or another user's entry under a leftover's name is left alone, so nothing is deleted or written
+through it outside the output's parent. Without ``force`` the final rename refuses an output that
+appeared while the command ran (another run to the same path), instead of replacing it."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -55,6 +59,58 @@ def _parse_leftover(prefix: str, name: str) -> tuple[int, bool] | None:
     return int(pid), rest.startswith(_OLD)
 
 
+def own_directory(p: Path) -> bool:
+    """True when ``p`` itself (not followed if a link) is a directory owned by this user."""
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
+def foreign_entry(root: Path) -> str | None:
+    """Why the tree at ``root`` is not one this user's run wrote, or None: every entry, ``root``
+    included, must be a plain directory or regular file owned by this user (no links, devices,
+    FIFOs), so removing, reading or writing inside it cannot reach outside it."""
+    uid = os.getuid()
+    try:
+        if not own_directory(root):
+            return "it is not a directory of this user's" if not os.path.islink(root) else "it is a symbolic link"
+        for top, dirs, files in os.walk(root):
+            for n in dirs + files:
+                st = os.lstat(os.path.join(top, n))
+                rel = os.path.relpath(os.path.join(top, n), root)
+                if stat.S_ISLNK(st.st_mode):
+                    return f"{rel} is a symbolic link"
+                if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                    return f"{rel} is not a regular file"
+                if st.st_uid != uid:
+                    return f"{rel} belongs to another user"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror})"
+    return None
+
+
+def inside(path: str | Path, root: str | Path) -> bool:
+    """True when ``path``, every link resolved, is ``root`` (resolved) or lies under it."""
+    p, r = _resolved(path), _resolved(root)
+    return p == r or r in p.parents
+
+
+def remove_tree(p: Path, root: Path) -> None:
+    """Remove the directory ``p`` that this process made in ``root``; a link there is unlinked (never
+    followed), and a path that resolves outside ``root`` is refused (InputError), so a planted link
+    cannot turn cleanup into deleting someone else's files."""
+    if os.path.islink(p):
+        os.unlink(p)
+        return
+    if not os.path.lexists(p):
+        return
+    if not inside(p, root):
+        raise InputError("refusing to remove a directory outside the output's parent", where=str(p))
+    shutil.rmtree(p, ignore_errors=True)
+
+
 def recover_leftovers(out: Path) -> None:
     """Clean up after killed runs that wrote ``out``: a previous output that was moved aside and
     never replaced goes back to ``out``; partial outputs and replaced previous outputs are removed.
@@ -65,14 +121,14 @@ def recover_leftovers(out: Path) -> None:
     dead = []
     for p in sorted(parent.glob(prefix + "*")):
         parsed = _parse_leftover(prefix, p.name)
-        if parsed is not None and not pid_alive(parsed[0]):
+        if parsed is not None and own_directory(p) and not pid_alive(parsed[0]):
             dead.append((p, parsed[1]))
     for p, previous in dead:
         if previous and not os.path.lexists(out) and any((p / n).is_file() for n in _MANIFEST_NAMES):
             os.rename(p, out)
             _fsync_dir(parent)
         else:
-            shutil.rmtree(p, ignore_errors=True)
+            remove_tree(p, parent)
 
 
 def _libc_exchange():
@@ -205,15 +261,19 @@ def atomic_directory(out: str | Path, *, force: bool = False, inputs: Iterable[s
     try:
         yield tmp
         _fsync_tree(tmp)
-        _swap_into_place(tmp, out)
+        _swap_into_place(tmp, out, replace=force)
     except _Interrupted:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp, out.parent)
         raise KeyboardInterrupt("terminated") from None
+    except _Appeared:
+        remove_tree(tmp, out.parent)
+        raise InputError("output already exists: another run wrote it while this one ran", where=str(out),
+                         hint="this run's result was discarded; pass --force to replace it") from None
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp, out.parent)
         raise _name_output(e, tmp, out) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp, out.parent)
         raise
     finally:
         if in_main and old is not None:
@@ -241,9 +301,26 @@ def _name_output(e: OSError, tmp: Path, out: Path) -> OSError:
                    ).with_traceback(e.__traceback__)
 
 
-def _swap_into_place(tmp: Path, out: Path) -> None:
+class _Appeared(Exception):
+    """The output appeared while the command ran, and it was not to be replaced."""
+
+
+def _swap_into_place(tmp: Path, out: Path, replace: bool = True) -> None:
     """Make the complete directory ``tmp`` the new ``out``. After an exchange ``tmp`` holds the
-    previous output (removed here, or by the next run if this one is killed first)."""
+    previous output (removed here, or by the next run if this one is killed first). Without
+    ``replace`` an ``out`` that exists now (another run's, finished meanwhile) raises _Appeared."""
+    if not replace:
+        # rename(2) of a directory refuses, atomically, a target that is a non-empty directory or a
+        # file (an empty directory made meanwhile is the only thing it replaces): a finished run's
+        # output is never replaced by a second run that started before it ended.
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise _Appeared() from None
+            raise
+        _fsync_dir(out.parent)
+        return
     if not os.path.lexists(out):
         os.rename(tmp, out)
     elif not exchange(tmp, out):
@@ -253,7 +330,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         tmp = aside
     _fsync_dir(out.parent)
     if tmp.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp, out.parent)
 
 
 def _fsync_tree(root: Path) -> None:

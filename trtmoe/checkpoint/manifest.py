@@ -16,6 +16,14 @@ REPOSITORY_MANIFEST = "trtmoe_repository.json"
 MANIFEST_NAMES = (MANIFEST, REPOSITORY_MANIFEST)
 
 
+def is_bytecode_cache(rel: str) -> bool:
+    """Python's bytecode cache (a ``__pycache__`` folder, a ``.pyc`` file): what an interpreter writes
+    beside the Python files it imports (Triton's Python backend does, into model folders), never part
+    of an artifact; manifests neither list it nor count it as an unlisted file."""
+    parts = rel.split("/")
+    return "__pycache__" in parts or parts[-1].endswith((".pyc", ".pyo"))
+
+
 def manifest_file(path: str | Path) -> Path | None:
     """The manifest of the artifact at ``path`` (checkpoint, engine, calibration, report or model
     repository), or None when it has none."""
@@ -37,7 +45,7 @@ def write_manifest(out_dir: Path, *, kind: str, file_hashes: dict[str, str], nam
     hashes = dict(file_hashes)
     for p in sorted(out_dir.rglob("*")):
         rel = p.relative_to(out_dir).as_posix()
-        if p.is_file() and rel not in MANIFEST_NAMES and rel not in hashes:
+        if p.is_file() and rel not in MANIFEST_NAMES and rel not in hashes and not is_bytecode_cache(rel):
             hashes[rel] = sha256_file(p)
     manifest = {"tool": "trtmoe", "tool_version": __version__, "kind": kind,
                 "files": dict(sorted(hashes.items())), **fields}
@@ -103,6 +111,6 @@ def directory_problems(path: str | Path, *, progress=None) -> tuple[dict, list[s
             problems.append(f"{rel}: sha256 {got[:12]}… ≠ recorded {want[:12]}…")
     for p in sorted(d.rglob("*")):
         rel = p.relative_to(d).as_posix()
-        if p.is_file() and rel not in MANIFEST_NAMES and rel not in listed:
+        if p.is_file() and rel not in MANIFEST_NAMES and rel not in listed and not is_bytecode_cache(rel):
             problems.append(f"{rel}: not in the manifest")
     return manifest, problems

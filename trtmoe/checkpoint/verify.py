@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..errors import VerifyError
+from ..quant.calib_schema import NonFinite, parse_calib_json
 from .manifest import directory_problems
 from .schema import check_strict_blocks
 
@@ -19,10 +20,25 @@ def verify_artifact(path: str | Path) -> dict:
     manifest, problems = directory_problems(d)
     if manifest.get("kind") == "trtllm-checkpoint":
         problems += _checkpoint_problems(d, manifest)
+    elif manifest.get("kind") == "calibration":
+        problems += _calibration_problems(d)
     if problems:
         raise VerifyError(f"{len(problems)} problem(s): " + "; ".join(problems[:5]), where=str(d))
     return {"path": str(d), "kind": manifest.get("kind"), "files": manifest["files"],
             "target_trtllm_version": manifest.get("target_trtllm_version")}
+
+
+def _calibration_problems(d: Path) -> list[str]:
+    """calib.json must be strict JSON: a NaN or infinite ΔKL would steer every plan made from it."""
+    try:
+        parse_calib_json((d / "calib.json").read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return []  # already reported as a missing file
+    except NonFinite as e:
+        return [f"calib.json {e}"]
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return [f"calib.json is not valid JSON ({str(e)[:100]})"]
+    return []
 
 
 def _checkpoint_problems(d: Path, manifest: dict) -> list[str]:

@@ -221,9 +221,6 @@ class InputRef:
     def rows(self, all_rows: bool) -> Tensor:
         return self.layer_inputs.sampled_rows(self, all_rows)
 
-    def __getstate__(self):  # resumable progress pickles statistics: the model's weights stay out
-        return {**self.__dict__, "fc": None}
-
 
 def expert_inputs(fc_e: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
     """The inputs of an expert's two matrices for rows ``x``: ``fc``'s (``x``) and ``proj``'s
@@ -255,15 +252,6 @@ class LayerInputs:
             idx = torch.div(torch.arange(max_tokens, dtype=torch.int64) * n, max_tokens, rounding_mode="floor")
             x_all, routed = x_all[idx], routed[idx]
         return cls(layer, x_all.detach().cpu().clone(), routed.cpu().to(torch.int32).contiguous(), n)
-
-    def __getstate__(self):  # pickled (resumable progress): the rows themselves
-        x, routed = self._tensors()
-        return {"layer": self.layer, "_x": x, "_routed": routed, "tokens": self.tokens, "path": None,
-                "sha256": None, "n_rows": int(x.shape[0]), "_checked": False}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._uid = next(_UIDS)
 
     def write(self, path: Path) -> str:
         """Write the rows to ``path`` (deterministic bytes); from then on they are read from it."""
@@ -423,6 +411,57 @@ def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, ma
             g = gptq.gram(rows) if store[m] else None
             out[(e, m)] = MatrixStats(rows.double().abs().mean(0).float(), None, count, source, g, ref)
     return out
+
+
+def layer_state(stats: dict[tuple[int, str], MatrixStats]) -> dict:
+    """One MoE layer's statistics ``{(expert, matrix): stats}`` as plain data (numbers, strings,
+    tensors; ``tree_file`` stores it): the rows of the layer's MoE inputs themselves, never the
+    model's weights (a proj matrix's ``fc`` is supplied again when used)."""
+    shared: list[LayerInputs] = []
+    out = []
+    for (e, m), s in sorted(stats.items()):
+        ref = None
+        if s.inputs is not None:
+            li = s.inputs.layer_inputs
+            if not any(li is x for x in shared):
+                shared.append(li)
+            ref = {"layer_inputs": next(i for i, x in enumerate(shared) if x is li),
+                   "cols": None if s.inputs.cols is None else list(s.inputs.cols),
+                   "max_rows": s.inputs.max_rows, "gram_rebuilt": bool(s.inputs.gram_rebuilt)}
+        out.append({"expert": int(e), "mod": m, "act_mean": s.act_mean, "rows": s.stored_rows, "count": int(s.count),
+                    "source": s.source, "gram": s.gram, "inputs": ref})
+    return {"layer_inputs": [dict(zip(("x", "routed"), li._tensors()), layer=li.layer, tokens=li.tokens)
+                             for li in shared], "stats": out}
+
+
+def layer_from_state(state: dict) -> dict[tuple[int, str], MatrixStats]:
+    """The statistics ``layer_state`` recorded. InputError for anything but what it writes."""
+    try:
+        lis = []
+        for d in state["layer_inputs"]:
+            x, routed = d["x"], d["routed"]
+            if not (isinstance(x, Tensor) and isinstance(routed, Tensor) and x.dim() == 2 and routed.dim() == 2
+                    and x.shape[0] == routed.shape[0] and not routed.is_floating_point()):
+                raise ValueError("MoE inputs of the wrong shape or type")
+            lis.append(LayerInputs(int(d["layer"]), x, routed, int(d["tokens"])))
+        out = {}
+        for d in state["stats"]:
+            ref = d["inputs"]
+            if ref is not None:
+                cols = None if ref["cols"] is None else (int(ref["cols"][0]), int(ref["cols"][1]))
+                ref = InputRef(lis[int(ref["layer_inputs"])], int(d["expert"]), d["mod"], cols,
+                               max_rows=int(ref["max_rows"]), gram_rebuilt=bool(ref["gram_rebuilt"]))
+            for t in (d["act_mean"], d["rows"], d["gram"]):
+                if t is not None and not isinstance(t, Tensor):
+                    raise ValueError("a statistic that is not a tensor")
+            if d["mod"] not in MATRIX_KINDS or d["source"] not in ("routed", "layer") \
+                    or not isinstance(d["act_mean"], Tensor):
+                raise ValueError(f"unknown matrix {d['mod']!r} or source {d['source']!r}")
+            out[(int(d["expert"]), d["mod"])] = MatrixStats(d["act_mean"], d["rows"], int(d["count"]), d["source"],
+                                                            d["gram"], ref)
+        return out
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise InputError(f"saved layer statistics are malformed ({str(e)[:100]})") from None
 
 
 class ActivationStats:
@@ -635,12 +674,19 @@ class RecipeStore:
         return got
 
     def layer_state(self, layer: int) -> dict:
-        """The layer's kept entries (resumable calibration progress pickles them)."""
+        """The layer's kept entries, {rid: [fingerprint, pq, clip, choice]} (resumable calibration
+        progress stores them with ``tree_file``)."""
         with self._lock:
             return {rid: list(ent) for rid, ent in (self._mem.get(layer) or {}).items()}
 
     def restore(self, layer: int, entries: dict | None) -> None:
         if entries:
+            for rid, ent in entries.items():
+                ok = (isinstance(ent, (list, tuple)) and len(ent) == 4 and isinstance(ent[0], str)
+                      and all(t is None or isinstance(t, Tensor) for t in ent[1:3])
+                      and (ent[3] is None or (isinstance(ent[3], int) and not isinstance(ent[3], bool))))
+                if not ok:
+                    raise InputError(f"saved recipe {rid!r} is malformed")
             with self._lock:
                 self._mem[layer] = {rid: list(ent) for rid, ent in entries.items()}
             self.flush(layer)

@@ -8,6 +8,7 @@ row, not a KeyError or an IndexError deep inside the allocator."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -223,6 +224,37 @@ def _expert_bpw(name: str, I: int, H: int, dtype: torch.dtype) -> float:
     scale = torch.empty((), dtype=dtype).element_size()
     bits = 8 * (fmt.weight_bytes(2 * I, H, 1, scale) + fmt.weight_bytes(H, I, 1, scale))
     return bits / (3 * I * H)
+
+
+class NonFinite(ValueError):
+    """A calib.json number that is NaN or infinite (JSON has no such numbers; Python writes them)."""
+
+
+def parse_calib_json(text: str):
+    """calib.json's text parsed; a NaN, Infinity or -Infinity anywhere in it raises NonFinite naming
+    where (e.g. ``sensitivity.delta_kl.int8.1.0``)."""
+    obj = json.loads(text)
+    bad = non_finite_path(obj)
+    if bad:
+        raise NonFinite(f"holds a NaN or infinite number at {bad}, which no calibration has")
+    return obj
+
+
+def non_finite_path(obj, path: str = "") -> str | None:
+    """Where ``obj`` (calib.json's dict) holds a NaN or infinite float, or None."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else (path or "value")
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    for k, v in items:
+        got = non_finite_path(v, f"{path}.{k}" if path else str(k))
+        if got:
+            return got
+    return None
 
 
 def check_calib(calib: dict, where: str | None = None) -> dict:

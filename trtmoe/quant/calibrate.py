@@ -40,7 +40,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.atomic import _MARK, atomic_directory, pid_alive, recover_leftovers
+from ..checkpoint.atomic import (_MARK, atomic_directory, foreign_entry, own_directory, pid_alive, recover_leftovers,
+                                 remove_tree)
 from ..checkpoint.manifest import dump_json, write_manifest
 from ..checkpoint.writer import convert
 from ..data import load_texts
@@ -49,12 +50,13 @@ from ..hf.reader import model_context
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from ..runtime.load import find_tokenizer_dir, load_tokenizer
-from . import ENGINE_PATH_NAMES, awq
-from .calib_schema import CALIB_VERSION, _expert_bpw, build_result, check_calib  # noqa: F401 - calib.json's home
+from . import ENGINE_PATH_NAMES, QUANTIZED_NAMES, awq
+from .calib_schema import (CALIB_VERSION, NonFinite, _expert_bpw, build_result,  # noqa: F401 - calib.json's home
+                           check_calib, non_finite_path, parse_calib_json)
 from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
-from .sensitivity import (DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, amax_json, check_float_banks, fisher_measure,
-                          layer_input_amax)
+from .sensitivity import (DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, Progress, amax_json, check_float_banks,
+                          fisher_measure, layer_input_amax, owned_marker)
 
 DEFAULT_FORMATS = ENGINE_PATH_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
@@ -157,7 +159,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     notes.append(special["note"])
     ids = token_batches(texts, tok, samples, seq_len)
     data_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
-    with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None]) as work:
+    with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None], notes=notes) as work:
         ck = work / "scratch-checkpoint"
         if ck.exists():
             shutil.rmtree(ck)
@@ -200,6 +202,9 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
 def _check_options(sensitivity: str, device: str, formats, min_tokens: int, max_gram_in: int,
                    max_input_tokens: int, target: str = "embedded") -> None:
     """InputError for an option ``calibrate`` cannot run with (before any work is done)."""
+    if not formats:
+        raise InputError("no candidate formats given (--formats is empty)",
+                         hint="name at least one, e.g. --formats int8,int4_g128, or leave the option out for all")
     if target not in ("embedded", "tensorrt-llm"):
         raise InputError(f"unknown target {target!r}", hint="use embedded or tensorrt-llm")
     if target == "tensorrt-llm" and sensitivity == "exact":
@@ -240,7 +245,12 @@ def _fisher(eng: EmbeddedEngine, ids: torch.Tensor, usable, work: Path, acts: "a
 
 
 def write_calibration(out: Path, result: dict, *, source: dict | None = None) -> None:
-    """calib.json (deterministic bytes) and the manifest that ``verify`` checks, into ``out``."""
+    """calib.json (deterministic bytes) and the manifest that ``verify`` checks, into ``out``. A
+    result holding a NaN or infinite number is refused (nothing is written)."""
+    bad = non_finite_path(result)
+    if bad:
+        raise InputError(f"the calibration came out non-finite at {bad} (NaN or infinite); nothing was written",
+                         hint="check the model's weights and the calibration text")
 
     dump_json(result, out / "calib.json")
     write_manifest(out, kind="calibration", file_hashes={}, source=source, model=result.get("model"),
@@ -273,9 +283,9 @@ class _AwqRounding:
                                                      gram=self.name in awq.ERROR_FEEDBACK, **self.gram))
 
     def layer_state(self, layer):
-        """The layer's statistics and searched recipes (resumable progress); the recipes are written
-        to the artifact's ``recipes/`` now, so memory holds one layer's."""
-        state = {(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer}
+        """The layer's statistics and searched recipes as plain data (resumable progress); the recipes
+        are written to the artifact's ``recipes/`` now, so memory holds one layer's."""
+        state = awq.layer_state({(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer})
         recipes = self.acts.recipes.layer_state(layer)
         self.acts.recipes.flush(layer)
         state = {**state, "recipes": recipes} if recipes else state
@@ -284,10 +294,18 @@ class _AwqRounding:
     def restore_layer(self, layer, state) -> None:
         if state:
             state = dict(state)
-            if "input_amax" in state:
-                self.input_amax[layer] = state.pop("input_amax")
-            self.acts.recipes.restore(layer, state.pop("recipes", None))
-            self.acts.add_layer(layer, state)
+            amax = state.pop("input_amax", None)
+            if amax is not None:
+                if not (isinstance(amax, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                       for k, v in amax.items())):
+                    raise InputError("saved input amax is malformed")
+                self.input_amax[layer] = amax
+            recipes = state.get("recipes")
+            if recipes is not None and not isinstance(recipes, dict):
+                raise InputError("saved recipes are malformed")
+            stats = awq.layer_from_state(state)
+            self.acts.recipes.restore(layer, recipes)
+            self.acts.add_layer(layer, stats)
 
     def quantize(self, fmt, w, layer, expert, mod, dtype):
         return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name,
@@ -311,9 +329,12 @@ class _AwqRounding:
         return awq.apply(fmt, w, dtype, rec)
 
 
-def _adopt_progress(parent: Path, name: str) -> Path | None:
+def _adopt_progress(parent: Path, name: str, notes: list[str] | None = None) -> Path | None:
     """Move the sensitivity progress out of a dead run's partial directory for the same output (before
-    that directory is cleaned up) into a sibling marked with this process's pid; None if there is none."""
+    that directory is cleaned up) into a sibling marked with this process's pid; None if there is none.
+    Progress is adopted only from a real directory of this user's holding this user's progress marker
+    and nothing but plain directories and files of this user's; anything else is removed (a link
+    unlinked, never followed) and the run starts over, with a note saying why."""
     prefix = f".{name}{_MARK}"
     if not parent.is_dir():
         return None
@@ -321,10 +342,18 @@ def _adopt_progress(parent: Path, name: str) -> Path | None:
         pid, _, rest = p.name[len(prefix):].partition("-")
         if not pid.isdigit() or rest.startswith("old-") or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
-        if (p / _PROGRESS / "state.json").is_file():
-            dest = parent / f"{prefix}{os.getpid()}-resume-{uuid.uuid4().hex[:8]}"
-            os.rename(p / _PROGRESS, dest)
+        if not own_directory(p) or not os.path.lexists(p / _PROGRESS):
+            continue
+        dest = parent / f"{prefix}{os.getpid()}-resume-{uuid.uuid4().hex[:8]}"
+        os.rename(p / _PROGRESS, dest)  # moves a link itself, never what it points to
+        why = foreign_entry(dest)
+        if why is None and owned_marker(dest) is None:
+            why = f"it has no valid {Progress.MARKER} of this user's"
+        if why is None:
             return dest
+        remove_tree(dest, parent)
+        if notes is not None:
+            notes.append(f"an interrupted run's progress was not resumed ({why}); starting over")
     return None
 
 
@@ -337,7 +366,7 @@ def _resumable(tmp: Path, parent: Path, name: str, adopted: Path | None):
     try:
         yield tmp
     except BaseException as e:
-        if not isinstance(e, Exception) and (tmp / _PROGRESS / "state.json").is_file():
+        if not isinstance(e, Exception) and (tmp / _PROGRESS / Progress.MARKER).is_file():
             keep = parent / f".{name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             keep.mkdir()
             os.rename(tmp / _PROGRESS, keep / _PROGRESS)
@@ -345,24 +374,24 @@ def _resumable(tmp: Path, parent: Path, name: str, adopted: Path | None):
 
 
 @contextlib.contextmanager
-def _workspace(out_dir, force: bool, inputs=()):
+def _workspace(out_dir, force: bool, inputs=(), notes: list[str] | None = None):
     """The directory a calibration works in: the output's atomic partial sibling, or without an
     output a pid-marked directory in the system temp dir. Either way a killed run's directory carries
     its pid, and the next run (to the same output, or any output-less run) removes it, after taking
     over its sensitivity progress (which the measurement reuses only for the same inputs)."""
     if out_dir is not None:
         out = Path(out_dir).expanduser().absolute()
-        adopted = _adopt_progress(out.parent, out.name)
+        adopted = _adopt_progress(out.parent, out.name, notes)
         try:
             with atomic_directory(out_dir, force=force, inputs=inputs) as tmp, \
                     _resumable(tmp, out.parent, out.name, adopted) as w:
                 yield w
         finally:
-            if adopted is not None and adopted.exists():
-                shutil.rmtree(adopted, ignore_errors=True)
+            if adopted is not None:
+                remove_tree(adopted, out.parent)
         return
     parent, name = Path(tempfile.gettempdir()), "trtmoe-calib"
-    adopted = _adopt_progress(parent, name)
+    adopted = _adopt_progress(parent, name, notes)
     recover_leftovers(parent / name)
     tmp = parent / f".{name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -370,9 +399,9 @@ def _workspace(out_dir, force: bool, inputs=()):
         with _resumable(tmp, parent, name, adopted) as w:
             yield w
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if adopted is not None and adopted.exists():
-            shutil.rmtree(adopted, ignore_errors=True)
+        remove_tree(tmp, parent)
+        if adopted is not None:
+            remove_tree(adopted, parent)
 
 
 def applicable_formats(formats, hidden: int, inter: int) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -639,7 +668,10 @@ def load_calib(path: str | Path) -> dict:
     if not f.is_file():
         raise InputError("no calib.json", where=str(p), hint="run `trtmoe calibrate` first")
     try:
-        calib = json.loads(f.read_bytes().decode("utf-8"))
+        calib = parse_calib_json(f.read_bytes().decode("utf-8"))
+    except NonFinite as e:
+        raise InputError(f"calib.json {e}", where=str(f),
+                         hint="recalibrate: trtmoe calibrate MODEL --data TEXT -o DIR") from None
     except UnicodeDecodeError as e:
         raise InputError(f"calib.json is not UTF-8 text (byte {e.start})", where=str(f)) from None
     except (json.JSONDecodeError, RecursionError) as e:

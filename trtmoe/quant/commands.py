@@ -44,7 +44,7 @@ def calibrate(model, out, config_path, force, as_json, **options):
     with progress("calibrate") as prog:
         task = prog.add_task("measuring sensitivity", total=None)
         res = run(model, Path(c["data"]), out, samples=c["samples"], seq_len=c["seq_len"],
-                  formats=tuple(c["formats"] or DEFAULT_FORMATS), min_tokens=c["min_tokens"],
+                  formats=tuple(DEFAULT_FORMATS if c["formats"] is None else c["formats"]), min_tokens=c["min_tokens"],
                   tokenizer=Path(c["tokenizer"]) if c["tokenizer"] else None, text_field=c["field"], force=force,
                   add_bos=c["add_bos"], notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t),
                   rounding=c["rounding"], sensitivity=c["sensitivity"], device=c["device"],

@@ -47,13 +47,17 @@ batch.
 
 Streaming and resumption: phase 1 runs the batches (forward + backward) and writes each MoE layer's
 inputs, routing and output gradients per batch into ``work/acts`` (activation dtype); phase 2 scores
-one layer at a time from those files (one layer's activations in memory), writes ``work/layers/L.pt``
-and deletes the layer's activations. A rerun with the same ``key`` skips every batch and layer already
-on disk, so an interrupted calibration continues where it stopped.
+one layer at a time from those files (one layer's activations in memory), writes
+``work/layers/layer-L.safetensors`` and deletes the layer's activations. A rerun with the same ``key``
+skips every batch and layer already on disk, so an interrupted calibration continues where it stopped.
+Every progress file is data only (``hf.tree_file``: tensors and JSON, never unpickled), checked when
+read back (structure, shapes, finite values); progress is reused only under this user's marker
+(``Progress.MARKER``) with the same key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -65,6 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from ..hf.tree_file import read_tree, write_tree
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import FloatExperts
 from .calib_schema import build_result
@@ -176,39 +181,85 @@ def _probe(logits: torch.Tensor, kind: str, gen: torch.Generator, chunk: int = 1
 
 
 def _save(obj, path: Path) -> None:
-    """torch.save, atomically (a kill leaves the previous file or none, never half of one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """Write progress data atomically (a kill leaves the previous file or none, never half of one)."""
+    write_tree(path, obj)
+
+
+def _load(path: Path, check: Callable[[object], None]):
+    """Read back one progress file and ``check`` its structure; InputError naming it when it is not
+    what this module wrote (data only: a file is parsed, never executed). The progress it belongs to
+    is discarded with the run's partial output, so the next run starts over."""
+    try:
+        obj = read_tree(path)
+        check(obj)
+        return obj
+    except InputError as e:
+        why = e.what
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        why = f"malformed ({str(e)[:120]})"
+    raise InputError(f"resumed calibration progress is unusable: {why}", where=str(path),
+                     hint="its saved progress was discarded; run the command again to start over")
 
 
 class Progress:
-    """The resumable state in ``work``: which batches and layers are done, for which inputs."""
+    """The resumable state in ``work``: which batches and layers are done, for which inputs. Files in
+    ``work`` are reused only when its marker says this user's run with the same ``key`` wrote them;
+    anything else there is removed first (links unlinked, never followed)."""
+
+    MARKER = "trtmoe-progress.json"
+    VERSION = 2  # progress written as tree_file safetensors
 
     def __init__(self, work: Path, key: str):
         self.work = work
         self.acts, self.layers = work / "acts", work / "layers"
-        state = work / "state.json"
-        if state.is_file():
-            try:
-                same = json.loads(state.read_text()).get("key") == key
-            except (OSError, ValueError):
-                same = False
-            if not same:  # progress of another calibration: start over
-                shutil.rmtree(self.acts, ignore_errors=True)
-                shutil.rmtree(self.layers, ignore_errors=True)
+        if work.is_symlink():
+            raise InputError("the calibration progress directory is a symbolic link", where=str(work))
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        if owned_marker(work) != digest:  # progress of another calibration, or not ours: start over
+            for d in (self.acts, self.layers):
+                if d.is_symlink() or d.is_file():
+                    d.unlink()
+                elif d.is_dir():
+                    shutil.rmtree(d)
         self.acts.mkdir(parents=True, exist_ok=True)
         self.layers.mkdir(parents=True, exist_ok=True)
-        state.write_text(json.dumps({"key": key}))
+        for d in (self.acts, self.layers):
+            if d.is_symlink() or not d.is_dir():
+                raise InputError("the calibration progress directory holds a link", where=str(d))
+        marker = work / self.MARKER
+        tmp = work / (self.MARKER + ".tmp")
+        if os.path.lexists(tmp):
+            tmp.unlink()
+        tmp.write_text(json.dumps({"tool": "trtmoe", "kind": "calibration-progress", "version": self.VERSION,
+                                   "uid": os.getuid(), "key_sha256": digest}))
+        os.replace(tmp, marker)
 
     def batch_file(self, b: int) -> Path:
-        return self.acts / f"batch-{b:06d}.pt"
+        return self.acts / f"batch-{b:06d}.safetensors"
 
     def act_file(self, l: int, b: int) -> Path:
-        return self.acts / f"layer-{l:03d}-batch-{b:06d}.pt"
+        return self.acts / f"layer-{l:03d}-batch-{b:06d}.safetensors"
 
     def layer_file(self, l: int) -> Path:
-        return self.layers / f"layer-{l:03d}.pt"
+        return self.layers / f"layer-{l:03d}.safetensors"
+
+
+def owned_marker(work: Path) -> str | None:
+    """The key hash in ``work``'s progress marker when this user's trtmoe wrote it (a regular file,
+    owned by this user, of the current version), else None."""
+    marker = work / Progress.MARKER
+    try:
+        st = os.lstat(marker)
+        if not os.path.isfile(marker) or os.path.islink(marker) or st.st_uid != os.getuid():
+            return None
+        d = json.loads(marker.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(d, dict) or d.get("tool") != "trtmoe" or d.get("kind") != "calibration-progress" \
+            or d.get("version") != Progress.VERSION or d.get("uid") != os.getuid():
+        return None
+    sha = d.get("key_sha256")
+    return sha if isinstance(sha, str) else None
 
 
 def check_float_banks(eng: EmbeddedEngine, moe_layers: list[int]) -> None:
@@ -334,7 +385,7 @@ def _routing_totals(state: Progress, n_batches: int, L: int, E: int):
     mass = torch.zeros(L, E, dtype=torch.float64)
     entropy = torch.zeros(L, dtype=torch.float64)
     for b in range(n_batches):
-        st = torch.load(state.batch_file(b))
+        st = _load(state.batch_file(b), lambda d: _check_batch(d, L, E))
         counts += st["counts"]
         mass += st["weight_mass"]
         entropy += st["entropy_sum"]
@@ -366,9 +417,13 @@ def _score_layers(eng, moe_layers, formats, rounding, state: Progress, n_batches
                                progress=(lambda e: tick.show(step + e)) if tick.progress else None), lf)
             for b in range(n_batches):
                 state.act_file(l, b).unlink(missing_ok=True)
-        res = torch.load(lf, weights_only=False)
+        res = _load(lf, lambda d: _check_layer(d, formats, E))
         if lf_existed and hasattr(rounding, "restore_layer"):
-            rounding.restore_layer(l, res.get("rounding_state"))
+            try:
+                rounding.restore_layer(l, res.get("rounding_state"))
+            except InputError as e:
+                raise InputError(f"resumed calibration progress is unusable: {e.what}", where=str(lf),
+                                 hint="its saved progress was discarded; run the command again to start over") from None
         tick.advance(E)
         for m in MATRICES:
             for f in formats:
@@ -380,6 +435,41 @@ def _score_layers(eng, moe_layers, formats, rounding, state: Progress, n_batches
     shutil.rmtree(state.acts, ignore_errors=True)
     return {"measured": measured, "per_seq": per_seq, "estimated": estimated, "scored": scored,
             "estimate": estimate, "floor": floor}
+
+
+def _tensor(t, shape: tuple, what: str, floating: bool | None = None) -> None:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{what} is {got}, expected shape {tuple(shape)}")
+    if floating is not None and t.is_floating_point() != floating:
+        raise ValueError(f"{what} has dtype {t.dtype}")
+
+
+def _check_batch(d, L: int, E: int) -> None:
+    _tensor(d["counts"], (L, E), "counts", False)
+    _tensor(d["weight_mass"], (L, E), "weight_mass", True)
+    _tensor(d["entropy_sum"], (L,), "entropy_sum", True)
+
+
+def _check_acts(d, H: int, k: int) -> None:
+    n = d["h"].shape[0] if isinstance(d.get("h"), torch.Tensor) and d["h"].dim() == 2 else -1
+    _tensor(d["h"], (n, H), "h", True)
+    _tensor(d["g"], (n, H), "g", True)
+    _tensor(d["idx"], (n, k), "idx", False)
+    _tensor(d["w"], (n, k), "w", True)
+
+
+def _check_layer(d, formats, E: int) -> None:
+    for key in ("measured", "per_seq", "estimated"):
+        for m in MATRICES:
+            for f in formats:
+                _tensor(d[key][m][f], (E,), f"{key}.{m}.{f}", True)
+    for key in ("expert_passes", "estimate_passes"):
+        v = d.get(key, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"{key} is {v!r}")
+    if not (d.get("rounding_state") is None or isinstance(d["rounding_state"], dict)):
+        raise ValueError("rounding_state is not a mapping")
 
 
 def _under_observed(scores: dict, counts, moe_layers, formats, min_tokens: int, E: int):
@@ -457,7 +547,7 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
     E, k = c.num_experts, c.top_k
     base: FloatExperts = eng.layers[l].experts
     dev = eng.device
-    parts = [torch.load(f) for f in files]
+    parts = [_load(f, lambda d: _check_acts(d, c.hidden_size, k)) for f in files]
     # Scored in float32 whatever the activation dtype (on CUDA bf16/fp16 rounding of y_q - y would swamp
     # an int8 matrix's error); the inputs are the ones the forward pass saw.
     h = torch.cat([p["h"] for p in parts]).to(dev).float()  # [tokens, H]

@@ -137,11 +137,14 @@ def serve_command(repo, config_path, log_file, print_command, **options):
             if env.get(key):
                 click.echo(f"{key}={env[key]}")
         click.echo(" ".join(cmd))
+        if o["http_max_body_mb"]:
+            click.echo(f"# trtmoe serve itself listens on the HTTP port (bodies over {o['http_max_body_mb']:g} MiB "
+                       "answered 413) and gives tritonserver another one on 127.0.0.1", err=True)
         return
     click.echo(f"starting tritonserver on {repo} (waiting up to {timeout_s:.0f} s for the models to load)...", err=True)
     srv = serve_repository(repo, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                            world_size=world_size, server=server, timeout_s=timeout_s, log_file=log_file,
-                           log_verbose=log_verbose)
+                           log_verbose=log_verbose, max_http_body_bytes=int(float(o["http_max_body_mb"]) * 2**20))
 
     def ready(s):
         ep = s.endpoints
@@ -156,13 +159,18 @@ def serve_command(repo, config_path, log_file, print_command, **options):
     within = f" within {window_s:g} s" if window_s > 0 else ""
 
     def restarting(s, reason, n):
-        click.echo(f"restarting tritonserver ({n} of {o['restart']}{within}): {reason}", err=True)
+        count = f"{n} of {o['restart']}{within}" if n <= int(o["restart"]) else f"restart {n}{within}, after a back-off"
+        click.echo(f"restarting tritonserver ({count}): {reason}", err=True)
 
     def restarted(s, n):
         click.echo(f"ready again after restart {n}: gRPC {s.endpoints.grpc}", err=True)
 
+    def backing_off(s, reason, why, wait_s):
+        click.echo(f"tritonserver failed again: {reason}; {why}: restarting in {wait_s:g} s", err=True)
+
     run_until_signalled(srv, on_ready=ready, restarts=int(o["restart"]), restart_window_s=window_s,
-                        timeout_s=timeout_s, on_restart=restarting, on_restarted=restarted)
+                        timeout_s=timeout_s, on_restart=restarting, on_restarted=restarted,
+                        backoff_max_s=float(o["restart_backoff_s"]), on_backoff=backing_off)
     click.echo("stopped", err=True)
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 from .. import __version__
 from ..checkpoint.atomic import atomic_directory, source_tree, stays_inside
-from ..checkpoint.manifest import REPOSITORY_MANIFEST, write_manifest
+from ..checkpoint.manifest import REPOSITORY_MANIFEST, manifest_file, read_manifest, write_manifest
 from ..errors import BackendUnavailable, InputError, TrtmoeError
 from ..hf.hashing import sha256_file
 from . import cancel_channel
@@ -346,6 +346,7 @@ def template_values(info: EngineInfo, s: RepoSettings, repo: Path | None = None,
         "add_special_tokens": _bool(s.add_special_tokens),
         "skip_special_tokens": _bool(s.skip_special_tokens),
         "trust_remote_code": _bool(s.trust_remote_code),
+        "max_input_len": str(s.max_input_len),
         "preprocessing_instance_count": str(s.preprocessing_instance_count),
         "postprocessing_instance_count": str(s.postprocessing_instance_count),
         "bls_instance_count": str(s.bls_instance_count),
@@ -613,7 +614,16 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     """
     if layout not in LAYOUTS:
         raise InputError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if trust_remote_code:
+        raise InputError("--trust-remote-code is refused: trtmoe never runs code from a tokenizer or model folder",
+                         hint="use a tokenizer folder with tokenizer.json (or a SentencePiece model that "
+                              "transformers converts without remote code)")
     info = read_engine_dir(engine_dir)
+    if manifest_file(info.path) is not None:
+        try:  # its entries must be plain paths inside the engine directory (no '..', no absolute path)
+            read_manifest(info.path)
+        except TrtmoeError as e:
+            raise InputError(f"the engine's manifest is not valid: {e.what}", where=e.where) from None
     llmapi = layout == "llmapi"
     if llmapi and info.backend != EMBEDDED:
         raise InputError("the llmapi layout serves the embedded engine; a TensorRT-LLM engine is served by the "
@@ -657,7 +667,7 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     configs = {}
     with atomic_directory(out, force=force, inputs=(info.path, tok_src), outside=(info.path,)) as tmp:
         copy_tokenizer(tok_src, tmp / tok_sub)
-        warnings += prepare_tokenizer(tmp / tok_sub, info, trust_remote_code=trust_remote_code)
+        warnings += prepare_tokenizer(tmp / tok_sub, info, trust_remote_code=False)
         for model in models:
             src = tpl / model
             text = fill_template((src / "config.pbtxt").read_text(), values, where=str(src / "config.pbtxt"))

@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..checkpoint.atomic import pid_alive
+from ..checkpoint.atomic import own_directory, pid_alive
 from ..errors import BackendUnavailable, InputError, TrtmoeError
 from ..checkpoint.manifest import read_repository_manifest
 from . import cpu_binding
+from .front import BodyLimitFront
 
 PYTRITON = "pytriton"
 SYSTEM = "system"
@@ -179,9 +180,10 @@ class Endpoints:
 def build_launch_command(repo: str | Path, install: TritonInstall, *, endpoints: Endpoints, world_size: int = 1,
                          backend_dir: Path | None = None, shm_prefix: str = "trtmoe", log_verbose: int = 0,
                          exit_timeout_s: int = 10, extra_args: Sequence[str] = (),
-                         tensorrt_llm_model_name: str = "tensorrt_llm") -> list[str]:
+                         tensorrt_llm_model_name: str = "tensorrt_llm", http_host: str | None = None) -> list[str]:
     """The argv that starts the server. ``world_size`` > 1 (TensorRT engines) gives one MPI rank per
-    engine rank; only rank 0 serves HTTP/gRPC/metrics, the others load ``tensorrt_llm`` alone."""
+    engine rank; only rank 0 serves HTTP/gRPC/metrics, the others load ``tensorrt_llm`` alone.
+    ``http_host``: the HTTP address when it differs from the others (behind the body-limit front)."""
     if world_size < 1:
         raise InputError(f"world_size must be >= 1, got {world_size}")
 
@@ -197,7 +199,7 @@ def build_launch_command(repo: str | Path, install: TritonInstall, *, endpoints:
         # instead of 5.8 s).
         args.append("--disable-auto-complete-config")
         if rank == 0:
-            args += [f"--http-address={endpoints.host}", f"--http-port={endpoints.http_port}",
+            args += [f"--http-address={http_host or endpoints.host}", f"--http-port={endpoints.http_port}",
                      f"--grpc-address={endpoints.host}", f"--grpc-port={endpoints.grpc_port}",
                      f"--metrics-address={endpoints.host}", f"--metrics-port={endpoints.metrics_port}"]
         else:
@@ -351,6 +353,7 @@ class TritonServer:
     _watchdog: threading.Thread | None = field(default=None, repr=False)
     _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
     _watched: threading.Event | None = field(default=None, repr=False)  # the event the watchdog thread waits on
+    front: BodyLimitFront | None = None  # the public HTTP port's body-limit front (kept across restarts)
 
     def start(self, *, append_log: bool = False) -> "TritonServer":
         self.failure, self.stubs = None, {}
@@ -534,6 +537,8 @@ class TritonServer:
         workspace is removed, except the server log when ``keep_log`` (failures point to it)."""
         rc = None
         self._stopping.set()
+        if self.front is not None:
+            self.front.stop()
         if self.process is not None:
             if self.process.poll() is None:
                 # The server alone: it finalizes its models and stops their stubs itself (a stub
@@ -575,6 +580,11 @@ class TritonServer:
 
 
 WORKSPACE_PREFIX = "trtmoe-triton-"
+# Request bodies refused (413) before tritonserver parses them: far above any prompt an engine takes
+# (a 128k-token prompt is about 0.5 MB of text), below the 4 MB an upstream report has end
+# tritonserver 2.51 (not reproduced here: bodies of 4-64 MB were answered; 4 MB of prompt or bad_words
+# held the server 24-39 s).
+DEFAULT_MAX_HTTP_BODY = 3 * 2**20
 KEPT_LOG_DAYS = 7
 
 
@@ -586,7 +596,7 @@ def remove_stale_workspaces(root: str | Path | None = None, *, keep_log_days: fl
     removed = []
     for d in sorted(Path(root or tempfile.gettempdir()).glob(WORKSPACE_PREFIX + "*")):
         pid = d.name[len(WORKSPACE_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or not d.is_dir() or d.is_symlink() or pid_alive(int(pid)):
+        if not pid.isdigit() or not own_directory(d) or pid_alive(int(pid)):
             continue
         try:
             only_log = [c.name for c in d.iterdir()] == ["tritonserver.log"]
@@ -603,13 +613,16 @@ def remove_stale_workspaces(root: str | Path | None = None, *, keep_log_days: fl
 def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                      metrics_port: int = 8002, world_size: int | None = None, server: str | None = None,
                      timeout_s: float = 300.0, log_file: str | Path | None = None, log_verbose: int = 0,
-                     extra_args: Sequence[str] = (), wait: bool = True) -> TritonServer:
+                     extra_args: Sequence[str] = (), wait: bool = True,
+                     max_http_body_bytes: int = DEFAULT_MAX_HTTP_BODY) -> TritonServer:
     """Start tritonserver on ``repo`` and (``wait``) block until it is ready, up to ``timeout_s`` seconds.
 
     Port 0 picks a free port. ``world_size`` defaults to the repository manifest's launch world size
     (1 for embedded engines, tp x pp for TensorRT engines). ``server`` picks the installation
     ("system" / "pytriton"; default: system first). Returns a started TritonServer; ``stop()`` it,
     or use it as a context manager. Raises BackendUnavailable with the server log tail on failure.
+    ``max_http_body_bytes`` > 0 puts the HTTP port behind ``front.BodyLimitFront``: request bodies
+    over it are answered 413 before tritonserver reads them (0: tritonserver listens itself).
     """
     repo = Path(repo).expanduser().absolute()
     if not repo.is_dir() or not any(repo.glob("*/config.pbtxt")):
@@ -632,9 +645,12 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
             raise InputError(f"port {port} is given for more than one endpoint", hint="give each endpoint its own port or 0")
         if port and _port_in_use(host, port):
             raise InputError(f"{name} port {port} on {host} is already in use", hint=f"pass --{name}-port or 0 for a free one")
-    chosen = iter(free_ports(sum(1 for _, port in asked if not port), host, avoid=fixed))
+    chosen = iter(free_ports(sum(1 for _, port in asked if not port) + (1 if max_http_body_bytes else 0), host,
+                             avoid=fixed))
     ports = [port or next(chosen) for _, port in asked]
     endpoints = Endpoints(host, *ports)
+    # Behind the front, tritonserver's HTTP listens on 127.0.0.1 only, on a port of its own.
+    inner = Endpoints(host, next(chosen), ports[1], ports[2]) if max_http_body_bytes else endpoints
     remove_stale_workspaces()
     workspace = Path(tempfile.mkdtemp(prefix=f"{WORKSPACE_PREFIX}{os.getpid()}-"))
     try:
@@ -643,9 +659,9 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise
-    cmd = build_launch_command(repo, install, endpoints=endpoints, world_size=ws, backend_dir=backend_dir,
+    cmd = build_launch_command(repo, install, endpoints=inner, world_size=ws, backend_dir=backend_dir,
                                shm_prefix=f"trtmoe{os.getpid()}{uuid.uuid4().hex[:6]}r", log_verbose=log_verbose,
-                               extra_args=extra_args)
+                               extra_args=extra_args, http_host="127.0.0.1" if max_http_body_bytes else None)
     log_path = Path(log_file).absolute() if log_file else workspace / "tritonserver.log"
     binding = decode_binding(repo, manifest)
     rest, said = None, ""
@@ -656,9 +672,22 @@ def serve_repository(repo: str | Path, *, host: str = "127.0.0.1", http_port: in
                 f"{cpu_binding.format_cores(rest)}")
     elif binding is not None:
         said = f"decode_cores not applied: {binding}"
+    front = None
+    if max_http_body_bytes:
+        try:
+            front = BodyLimitFront(host, endpoints.http_port, inner.http_port, max_http_body_bytes).start()
+        except OSError as e:
+            shutil.rmtree(workspace, ignore_errors=True)
+            raise InputError(f"http port {endpoints.http_port} on {host} cannot be opened ({e.strerror})",
+                             hint="pass --http-port or 0 for a free one") from None
     srv = TritonServer(repo=repo, endpoints=endpoints, install=install, command=cmd, env=env, log_path=log_path,
-                       workspace=workspace, cpu_cores=rest, binding=said)
-    srv.start()
+                       workspace=workspace, cpu_cores=rest, binding=said, front=front)
+    try:
+        srv.start()
+    except BaseException:
+        if front is not None:
+            front.stop()
+        raise
     if wait:
         try:
             srv.wait_ready(timeout_s)
@@ -710,7 +739,8 @@ class RestartBudget:
 
 
 def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, restart_window_s: float = 0.0,
-                        timeout_s: float = 300.0, on_restart=None, on_restarted=None, clock=time.monotonic) -> int:
+                        timeout_s: float = 300.0, on_restart=None, on_restarted=None, clock=time.monotonic,
+                        backoff_max_s: float = 0.0, on_backoff=None) -> int:
     """Foreground loop for the CLI: return on SIGINT/SIGTERM (then stop the server).
 
     When the server exits or a backend stub dies (the watchdog has then ended the group and removed
@@ -719,8 +749,12 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
     a server that dies now and then is restarted every time and one that keeps dying is given up on.
     ``on_restart(srv, reason, n)`` is called before each restart, ``n`` the restarts within the
     window, this one included (the CLI prints one line), and ``on_restarted(srv, n)`` once it is
-    ready again and watched. When no restart is left, or a restart fails to get ready, it raises
-    TrtmoeError (exit 1).
+    ready again and watched. When no restart is left it raises TrtmoeError (exit 1), unless
+    ``backoff_max_s`` > 0: then it waits 1, 2, 4 ... seconds (at most ``backoff_max_s``; doubling while
+    the budget stays spent, back to 1 once it is not) and restarts anyway, calling
+    ``on_backoff(srv, reason, why, wait_s)`` first, so that a request which crashes the server can cost
+    the service a bounded wait but never end it (with ``restarts`` 0 the first failure still ends the
+    loop). A restart that fails to get ready raises (BackendUnavailable).
     """
     stop = {"sig": None}
 
@@ -729,6 +763,7 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     budget = RestartBudget(restarts, restart_window_s, clock)
+    over = 0  # restarts in a row made past the budget (each one waits twice as long)
     try:
         if on_ready:
             on_ready(srv)
@@ -739,12 +774,24 @@ def run_until_signalled(srv: TritonServer, on_ready=None, *, restarts: int = 0, 
                 break
             srv.join_watchdog(30)  # a dead stub: the group is being ended and its regions removed
             reason = srv.failure or srv.check() or "tritonserver stopped"
-            if not budget.allows():
+            if not budget.allows() and backoff_max_s > 0 and restarts > 0:
+                wait_s = min(float(backoff_max_s), 2.0 ** over)
+                over += 1
+                if on_backoff:
+                    on_backoff(srv, reason, budget.describe(), wait_s)
+                until = time.monotonic() + wait_s
+                while stop["sig"] is None and time.monotonic() < until:
+                    time.sleep(min(0.1, max(until - time.monotonic(), 0.0)))
+                if stop["sig"] is not None:
+                    break
+            elif not budget.allows():
                 what = f"{budget.describe()}; " if budget.total else ""
                 raise TrtmoeError(f"{reason}; {what}tritonserver was stopped so that clients get an error instead "
                                   f"of a hang; log tail:\n{srv.log_tail()}",
                                   hint="`trtmoe serve --restart N --restart-window SECONDS` restarts it up to N "
                                        "times within any SECONDS; a non-zero exit lets a supervisor take over")
+            else:
+                over = 0
             n = budget.record()
             if on_restart:
                 on_restart(srv, reason, n)

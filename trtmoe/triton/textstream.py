@@ -121,3 +121,4 @@ def windows_decode_exactly(tokenizer: Any) -> bool:
         if kind == "Strip" and (part.get("stop", 0) or not fused):
             return False
     return True
+

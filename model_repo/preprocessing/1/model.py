@@ -61,6 +61,16 @@ def _strings(arr) -> list[str]:
     return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in arr.reshape(-1)]
 
 
+def max_token_bytes(tokenizer) -> int:
+    """The UTF-8 length of the longest vocabulary entry (added tokens included): no token covers more
+    bytes of text than that, so a text of more than ``n`` times as many bytes is over ``n`` tokens."""
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1
+
+
+def text_bytes(x) -> int:
+    return len(x) if isinstance(x, bytes) else len(str(x).encode("utf-8"))
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -70,6 +80,10 @@ class TritonPythonModel:
             facts = json.load(f)
         self.add_special_tokens = _flag(config, "add_special_tokens", True)
         self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        limit = _param(config, "max_input_len", "0")
+        self.max_input_len = int(limit) if limit.isdigit() else 0  # 0: not set (a template without it)
+        # A prompt of more bytes than this is over max_input_len tokens: refused before tokenizing.
+        self.max_prompt_bytes = self.max_input_len * max_token_bytes(self.tokenizer) if self.max_input_len else 0
         eos, pad = facts.get("eos_token_id"), facts.get("pad_token_id")
         self.end_id = eos if eos is not None else -1
         self.pad_id = pad if pad is not None else max(self.end_id, 0)
@@ -134,7 +148,13 @@ class TritonPythonModel:
         if out_len is None:
             raise ValueError("missing input 'max_tokens' (REQUEST_OUTPUT_LEN)")
         batch = query.shape[0]
-        input_ids, input_len = self._encode(_strings(query.reshape(batch, -1)[:, 0]))
+        prompts = query.reshape(batch, -1)[:, 0]
+        if self.max_prompt_bytes:
+            longest = max(text_bytes(x) for x in prompts)
+            if longest > self.max_prompt_bytes:
+                raise ValueError(f"text_input is {longest} bytes, more than {self.max_input_len} tokens (this "
+                                 f"engine's max_input_len) can hold: refused before tokenizing")
+        input_ids, input_len = self._encode(_strings(prompts))
         decoder = get("DECODER_QUERY")
         if decoder is not None:
             dec_ids, dec_len = self._encode(_strings(decoder.reshape(batch, -1)[:, 0]))

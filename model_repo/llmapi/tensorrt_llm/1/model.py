@@ -69,6 +69,12 @@ def _scalar(arrays: dict, name: str):
     return a.reshape(-1)[0].item()
 
 
+def max_token_bytes(tokenizer) -> int:
+    """The UTF-8 length of the longest vocabulary entry (added tokens included): no token covers more
+    bytes of text than that, so a text of more than ``n`` times as many bytes is over ``n`` tokens."""
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1
+
+
 def _strings(arrays: dict, name: str) -> list[str]:
     t = arrays.get(name)
     if t is None:
@@ -108,6 +114,8 @@ class TritonPythonModel:
         tok_dir = served.resolve(model_param(config, "tokenizer_dir"))
         self.tokenizer = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
         self.add_special_tokens = model_flag(config, "add_special_tokens", True)
+        # A prompt of more bytes than this is over max_input_len tokens: refused before tokenizing.
+        self.max_prompt_bytes = self.limits.max_input_len * max_token_bytes(self.tokenizer)
         skip = model_flag(config, "skip_special_tokens", True)
         self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)
         self.windowed_text = windows_decode_exactly(self.tokenizer)
@@ -194,6 +202,10 @@ class TritonPythonModel:
             raise BadRequest("streaming needs a decoupled model: write the repository with "
                              "`trtmoe repo --layout llmapi --streaming`")
         params = self._params(arrays)
+        size = len(texts[0].encode("utf-8"))
+        if size > self.max_prompt_bytes:
+            raise BadRequest(f"text_input is {size} bytes, more than {self.limits.max_input_len} tokens (this "
+                             "engine's max_input_len) can hold: refused before tokenizing")
         prompt = self.tokenizer.encode(texts[0], add_special_tokens=self.add_special_tokens).ids
         if not prompt:
             raise BadRequest("text_input encodes to no tokens")
