@@ -17,7 +17,7 @@ import yaml
 
 from . import DEFAULT_TRTLLM_VERSION
 from .errors import ConfigError
-from .quant import FLOAT_NAMES, QUANTIZED_NAMES, ROUNDING_NAMES
+from .quant import ENGINE_PATH_NAMES, FLOAT_NAMES, QUANTIZED_NAMES, ROUNDING_NAMES
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "formats": Key(list, None, nullable=True, choices=QUANTIZED_NAMES, metavar="LIST",
                        help="Candidate formats to measure, comma separated (YAML: a list); formats that cannot "
                             "store the model's matrices are skipped with a note.",
-                       shown_default=",".join(QUANTIZED_NAMES)),
+                       shown_default=",".join(ENGINE_PATH_NAMES)),
         "min_tokens": Key(int, 16, minimum=0,
                           help="Experts routed fewer tokens than this are flagged and their ΔKL also estimated."),
         "field": Key(str, "text", help="JSONL field holding the text."),

@@ -13,6 +13,7 @@ from typing import Callable, Union
 import torch
 
 from .. import DEFAULT_TRTLLM_VERSION
+from ..errors import InputError
 from ..hf.adapters import (ADAPTERS, EP, FIRST, FLOAT32, KV_HEADS, LAST, MOE_TP, REPLICATED, TP, VOCAB, Rule,
                            expert_rules, global_rules, layer_rules, role_shapes)
 from ..hf.reader import all_finite
@@ -20,7 +21,7 @@ from ..hf.safetensors_io import SourceRange
 from ..model.description import ModelSpec
 from ..parallel.mapping import Mapping
 from ..quant import awq
-from ..quant.formats import FORMATS, GroupInt4Format, PerChannelIntFormat
+from ..quant.formats import FORMATS, PerChannelIntFormat
 from ..quant.plan import format_obj
 from .schema import MAPPING_KEYS, schema_for
 
@@ -259,9 +260,21 @@ class RankLayout:
     def _quantized(self, fmt, l: int, e: int, t: int, I_loc: int, mod: str, shared: bool = False) -> dict:
         """Packed tensors of original expert ``e``'s ``mod`` shard in ``fmt``, with the plan's rounding."""
         w = self.expert_matrix(l, e, t, I_loc, mod)
+        amax = self._input_amax(l, mod, w.shape[-1]) if fmt.needs_input_amax else None
         if self.rounding is None:
-            return fmt.quantize(w, dtype=self.dtype)
-        return awq.apply(fmt, w, self.dtype, self._recipe(fmt, l, e, t, I_loc, mod, w, shared))
+            return fmt.quantize(w, dtype=self.dtype, input_amax=amax)
+        return awq.apply(fmt, w, self.dtype, self._recipe(fmt, l, e, t, I_loc, mod, w, shared), input_amax=amax)
+
+    def _input_amax(self, l: int, mod: str, width: int) -> torch.Tensor:
+        """The calibrated input amax of layer ``l``'s ``mod`` matrices (the plan carries it from the
+        calibration, ``meta["input_amax"]``): per input channel when this shard sees every channel,
+        else the layer's maximum (one input scale serves all shards and experts)."""
+        got = ((self.plan.meta.get("input_amax") or {}).get(str(l)) or {}).get(mod) if self.plan else None
+        if got is None:
+            raise InputError(f"layer {l}'s {mod} inputs have no calibrated amax, which a format with a static "
+                             "input scale needs", hint="pass --calib with a calibration made by this trtmoe")
+        a = torch.as_tensor(got, dtype=torch.float32)
+        return a if a.numel() == width else a.amax()
 
     def _experts(self, p: str, l: int, rules: list[Rule]) -> list[TensorSpec]:
         m, mp, plan = self.m, self.mp, self.plan
@@ -325,7 +338,7 @@ class RankLayout:
         key = (fmt_name, out_f, in_f, self.dtype)  # scales are stored in the model dtype
         if key not in _SHAPE_CACHE:
             packed = format_obj(fmt_name, self.dtype).quantize(torch.ones(out_f, in_f, dtype=self.dtype),
-                                                               dtype=self.dtype)
+                                                               dtype=self.dtype, input_amax=1.0)
             _SHAPE_CACHE[key] = {k: (tuple(v.shape), v.dtype) for k, v in packed.items()}
         return _SHAPE_CACHE[key]
 
@@ -335,10 +348,10 @@ class RankLayout:
         specs = []
         for mod, (out_f, in_f) in self._expert_matrix_shapes(I_loc):
             for key, (shape, dtype) in self._packed_shapes(fmt_name, out_f, in_f).items():
-                shared = key == "prequant_scaling_factor"  # one row shared by every expert
+                shared = key in fmt._shared_keys()  # one tensor shared by every expert (pre-quant / input scale)
 
                 def produce(emit, mod=mod, key=key, shared=shared):
-                    if shared and self.rounding is not None:  # the layer's searched pre-quant scale
+                    if key == "prequant_scaling_factor" and self.rounding is not None:  # the layer's searched one
                         I = self.m.expert_intermediate_size
                         emit(self.rounding.shared_prequant(
                             fmt, l, mod, (t, I_loc), lambda x: self.expert_matrix(l, x, 0, I, mod),
@@ -372,7 +385,7 @@ class RankLayout:
 def packed_at_conversion(fmt_name: str) -> bool:
     """Layer-uniform formats whose bytes trtmoe packs itself (group-wise INT4, ModelOpt style); the
     per-channel weight-only formats stay float in the file and ``trtllm-build`` quantizes them."""
-    return isinstance(FORMATS.get(fmt_name), GroupInt4Format)
+    return bool(getattr(FORMATS.get(fmt_name), "packed_at_conversion", False))
 
 
 def rank_specs(m: ModelSpec, mapping: Mapping, rank: int, dtype: torch.dtype, src=None,

@@ -86,6 +86,10 @@ _DEEPSEEK_WO = ("SharedMoE is re-created with quant_mode only for per-channel we
                 "NVIDIA lists no weight-only build for DeepSeek-MoE v1")
 
 
+_FUSED_MOE_ONLY = ("this format is run by TensorRT-LLM's PyTorch-backend fused MoE from a ModelOpt unified-HF "
+                   "checkpoint; the engine path (trtllm-build) has no MoE build of it")
+
+
 def _quant_cells_1_2() -> dict[tuple[str, str, str], Cell]:
     cells: dict[tuple[str, str, str], Cell] = {}
     uniform = {
@@ -105,7 +109,12 @@ def _quant_cells_1_2() -> dict[tuple[str, str, str], Cell]:
         "phimoe": {"float": Cell(SUPPORTED), "int8": Cell(UNLISTED, _PHIMOE_WO), "int4": Cell(UNLISTED, _PHIMOE_WO),
                    "int4_g128": Cell(UNLISTED, _PHIMOE_WO), "int4_g64": Cell(UNLISTED, _PHIMOE_WO + "; " + _G64)},
     }
+    # The fused-MoE formats (FP8, FP8 blocks, NVFP4, MXFP4, W4A8 AWQ) are stored with ModelOpt's
+    # unified-HF tensor names, which the engine path's converters do not read.
     for fam, row in uniform.items():
+        for fmt in QUANTIZED:
+            if not QUANT_FORMATS[fmt].engine_path:
+                row[fmt] = Cell(REFUSED, _FUSED_MOE_ONLY)
         for fmt, cell in row.items():
             cells[(fam, fmt, "uniform")] = cell
             if fam != "mixtral":

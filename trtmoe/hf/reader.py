@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, InputError, UnsupportedError
 from ..model.description import ModelSpec
 from .adapters import Adapter, describe, expected_tensors
 from .validate import validate_hf_config, _DEFAULT_CONTEXT
-from .safetensors_io import DTYPE_NAMES, SafetensorsFile, SourceRange, pread_into
+from .safetensors_io import DTYPE_NAMES, SafetensorsFile, SourceRange, TensorInfo, pread_into
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -137,6 +139,20 @@ def all_finite_bytes(buf: memoryview, dtype: torch.dtype) -> bool:
     return all_finite(torch.frombuffer(buf, dtype=dtype))
 
 
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+@dataclass(frozen=True)
+class _QuantSource:
+    """A weight the source stores quantized: its values and scales tensors, its dequantized shape."""
+
+    kind: str  # "fp8_block" or "mxfp4"
+    values: str
+    scales: str
+    shape: tuple[int, ...]
+    block: tuple[int, int]
+
+
 class HFCheckpoint:
     """A validated HF checkpoint: config, description, and lazy tensor access by name."""
 
@@ -157,7 +173,75 @@ class HFCheckpoint:
                                           f"and {f.name}", where=str(self.path))
                 self.location[name] = f
         self._check_index()
+        self.quantized_sources: dict[str, _QuantSource] = {}
+        self._find_quantized_sources()
         self._check_tensors()
+
+    # ---- quantized source weights -------------------------------------------------------------
+    def _find_quantized_sources(self) -> None:
+        """Weights stored quantized in the source, read back dequantized under their own names:
+
+        * FP8 with block scales (DeepSeek-V3's layout, also Qwen3's FP8 releases): ``X.weight`` E4M3 and
+          ``X.weight_scale_inv`` float [ceil(out/b), ceil(in/b)] per b x b block (b from config.json's
+          ``quantization_config.weight_block_size``, 128 by default); the weight is ``w * scale``;
+        * MXFP4 (gpt-oss's layout): ``X_blocks`` uint8 [..., n, 16] (32 E2M1 values per block, element
+          2j in the low nibble) and ``X_scales`` uint8 [..., n] (E8M0 exponents biased by 127), read as
+          ``X`` [..., 32 n].
+
+        Their parts leave ``location`` (so no other check sees them) and the name they dequantize to
+        takes their place; ``info`` reports it as bfloat16."""
+        qc = self.hf_config.get("quantization_config") or {}
+        bs = qc.get("weight_block_size") if isinstance(qc, dict) else None
+        block = tuple(bs) if isinstance(bs, (list, tuple)) and len(bs) == 2 else (128, 128)
+        for name in sorted(self.location):
+            if name.endswith(".weight_scale_inv"):
+                w = name[:-len("_scale_inv")]
+                if w not in self.location:
+                    raise CheckpointError(f"{name!r} has no {w!r} beside it", where=str(self.location[name]))
+                wi, si = self.info(w), self.info(name)
+                if wi.dtype != torch.float8_e4m3fn or len(wi.shape) != 2 or tuple(si.shape) != (
+                        -(-wi.shape[0] // block[0]), -(-wi.shape[1] // block[1])):
+                    raise CheckpointError(f"{w!r} ({DTYPE_NAMES[wi.dtype]} {list(wi.shape)}) and its block scales "
+                                          f"{list(si.shape)} are not FP8 in {block[0]}x{block[1]} blocks",
+                                          where=str(self.location[w]))
+                self.quantized_sources[w] = _QuantSource("fp8_block", w, name, tuple(wi.shape), block)
+            elif name.endswith("_blocks"):
+                x, sc = name[:-len("_blocks")], name[:-len("_blocks")] + "_scales"
+                if sc not in self.location:
+                    continue
+                bi, si = self.info(name), self.info(sc)
+                if bi.dtype != torch.uint8 or si.dtype != torch.uint8 or tuple(bi.shape[:-1]) != tuple(si.shape) \
+                        or bi.shape[-1] != 16:
+                    raise CheckpointError(f"{name!r} {list(bi.shape)} and {sc!r} {list(si.shape)} are not MXFP4 "
+                                          "blocks of 32 with one E8M0 scale each", where=str(self.location[name]))
+                shape = (*bi.shape[:-2], bi.shape[-2] * 32)
+                self.quantized_sources[x] = _QuantSource("mxfp4", name, sc, shape, (1, 32))
+        for x, q in self.quantized_sources.items():
+            f = self.location.pop(q.values)
+            self.location.pop(q.scales)
+            self.location[x] = f
+
+    def _read_quantized(self, q: "_QuantSource", rows: tuple[int, int] | None) -> torch.Tensor:
+        """Rows ``[a, b)`` (all when None) of a quantized source weight, dequantized to float32."""
+        a, b = rows if rows is not None else (0, q.shape[0])
+        vf, sf = self._file(self._part_file(q.values)), self._file(self._part_file(q.scales))
+        if q.kind == "fp8_block":
+            bo, bi = q.block
+            w = vf.read(q.values, (a, b)).float()
+            s = sf.read(q.scales, (a // bo, -(-b // bo))).float()
+            s = s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[a - (a // bo) * bo:][:b - a, :w.shape[1]]
+            return w * s
+        codes = vf.read(q.values, (a, b))
+        e = sf.read(q.scales, (a, b)).float() - 127
+        lo, hi = codes & 0x0F, codes >> 4
+        v = _E2M1[torch.stack((lo, hi), -1).flatten(-2).long()]  # [..., n, 32]
+        return (v * torch.exp2(e).unsqueeze(-1)).flatten(-2)
+
+    def _part_file(self, part: str) -> Path:
+        for f in self.files:
+            if part in self._file(f).tensors:
+                return f
+        raise CheckpointError(f"tensor {part!r} vanished", where=str(self.path))
 
     # ---- files -------------------------------------------------------------------------------
     def _weight_files(self) -> list[Path]:
@@ -221,6 +305,11 @@ class HFCheckpoint:
             if tuple(info.shape) != tuple(shape):
                 raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}, config implies "
                                       f"{list(shape)}", where=str(self.location[name]))
+            if info.dtype.itemsize == 1 and info.dtype.is_floating_point:
+                raise UnsupportedError(f"tensor {name!r} is stored as {DTYPE_NAMES[info.dtype]} (an FP8-quantized "
+                                       "checkpoint); trtmoe reads float weights only",
+                                       where=str(self.location[name]),
+                                       hint="dequantize the checkpoint to BF16 first")
             if not info.dtype.is_floating_point:
                 # Casting integer storage to float would turn bit patterns into huge weights.
                 raise CheckpointError(f"tensor {name!r} is stored as {DTYPE_NAMES[info.dtype]}, an integer "
@@ -260,6 +349,9 @@ class HFCheckpoint:
 
     # ---- tensors -----------------------------------------------------------------------------
     def info(self, name: str):
+        q = self.quantized_sources.get(name) if hasattr(self, "quantized_sources") else None
+        if q is not None:
+            return TensorInfo(name, torch.bfloat16, q.shape, 0, 2 * math.prod(q.shape))
         return self._file(self.location[name]).tensors[name]
 
     def has(self, name: str) -> bool:
@@ -271,6 +363,12 @@ class HFCheckpoint:
         uint8 tensor, bytes) the result is a view of its front instead of a fresh tensor. With
         ``dtype`` the result is cast to it and the NaN/Inf check runs after the cast (see
         ``cast_finite``), so values the cast overflows are refused too."""
+        q = self.quantized_sources.get(name)
+        if q is not None:  # dequantized in float32, then as asked (bfloat16, the type info reports)
+            t = self._read_quantized(q, rows).to(dtype or torch.bfloat16)
+            if check_finite and not all_finite(t):
+                raise self._nonfinite(name, rows, int(torch.isnan(t).sum()), int(torch.isinf(t).sum()))
+            return t
         t = self._file(self.location[name]).read(name, rows, out=out)
         if dtype is not None:
             return self.cast(t, dtype, name, rows) if check_finite else t.to(dtype)
@@ -301,6 +399,8 @@ class HFCheckpoint:
         """Where a tensor (or rows ``[a, b)`` of its first dimension) lies in its file, so that its
         bytes can be copied verbatim; None when ``dtype`` is given and a cast would be needed. The
         range is valid while this checkpoint is open. Nothing is read (no NaN/Inf check here)."""
+        if name in self.quantized_sources:
+            return None  # no stored bytes to copy: read dequantizes
         info = self.info(name)
         if dtype is not None and info.dtype != dtype:
             return None

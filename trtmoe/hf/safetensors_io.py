@@ -30,13 +30,16 @@ DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
+    # FP8 E4M3: written for the fused-MoE formats' weights and scales (a source checkpoint's FP8 weights
+    # are refused by the reader, which has no dequantization for them).
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Dtypes trtmoe writes (quantized checkpoints for other engines) but does not read as source weights.
 WRITE_DTYPE_NAMES = {**DTYPE_NAMES, torch.float8_e4m3fn: "F8_E4M3"}
 _MAX_HEADER = 100 * 1024 * 1024
 # Valid safetensors dtypes trtmoe does not read (named as such, not as corruption).
-UNSUPPORTED_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64",
+UNSUPPORTED_DTYPES = {"F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64",
                       "C64", "C128"}
 
 

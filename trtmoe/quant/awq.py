@@ -815,12 +815,13 @@ def transformed_weight(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: 
     return wd.to(dtype)
 
 
-def apply(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe | None) -> dict[str, Tensor]:
+def apply(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe | None, input_amax=None
+          ) -> dict[str, Tensor]:
     """The packed tensors of ``w`` in ``fmt`` under ``recipe`` (None: round to nearest, bytes exactly
     ``fmt.quantize``'s). Codes in the recipe replace the rounded ones; every scale stays the one the
     format computes from the transformed weight."""
     if recipe is None or (recipe.pq is None and recipe.clip is None and recipe.codes is None):
-        return fmt.quantize(w, dtype=dtype)
+        return fmt.quantize(w, dtype=dtype, input_amax=input_amax)
     packed = fmt.quantize(transformed_weight(fmt, w, dtype, recipe), dtype=dtype)
     if recipe.codes is not None:
         packed["weight"] = _pack_codes(fmt, recipe.codes)
@@ -1114,14 +1115,15 @@ def _awq_recipe(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSt
 
 
 def quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: MatrixStats | None,
-             rounding: str = "awq", keep: "tuple[RecipeStore, int, int, str] | None" = None) -> dict[str, Tensor]:
+             rounding: str = "awq", keep: "tuple[RecipeStore, int, int, str] | None" = None,
+             input_amax=None) -> dict[str, Tensor]:
     """``fmt.quantize`` with ``rounding`` ("rtn": exactly ``fmt.quantize``; "awq": this matrix's own
     activation-aware transform, when it is an int4 format and statistics are given); ``keep`` as for
     ``recipe_for``."""
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=ROUNDING_HINT)
-    if rounding == "rtn":
-        return fmt.quantize(w, dtype=dtype)
+    if rounding == "rtn" or not applies(fmt):
+        return fmt.quantize(w, dtype=dtype, input_amax=input_amax)
     return apply(fmt, w, dtype, recipe_for(fmt, w, dtype, stats, rounding=rounding, keep=keep))
 
 

@@ -49,13 +49,14 @@ from ..hf.reader import model_context
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from ..runtime.load import find_tokenizer_dir, load_tokenizer
-from . import QUANTIZED_NAMES, awq
+from . import ENGINE_PATH_NAMES, awq
 from .calib_schema import CALIB_VERSION, _expert_bpw, build_result, check_calib  # noqa: F401 - calib.json's home
 from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
-from .sensitivity import DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, check_float_banks, fisher_measure
+from .sensitivity import (DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, amax_json, check_float_banks, fisher_measure,
+                          layer_input_amax)
 
-DEFAULT_FORMATS = QUANTIZED_NAMES
+DEFAULT_FORMATS = ENGINE_PATH_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
 
 
@@ -264,8 +265,10 @@ class _AwqRounding:
         self.acts, self.name, self.stacked = acts, rounding, stacked
         self.gram = {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens}
         self._stacked: "awq.CheckpointRounding | None" = None
+        self.input_amax: dict[int, dict[str, torch.Tensor]] = {}  # what static input scales are made from
 
     def add_layer(self, layer, base, x_all, routed) -> None:
+        self.input_amax[layer] = layer_input_amax(base, x_all, routed)
         self.acts.add_layer(layer, awq.collect_layer(base.fc, base.proj, x_all, routed, layer=layer,
                                                      gram=self.name in awq.ERROR_FEEDBACK, **self.gram))
 
@@ -275,17 +278,21 @@ class _AwqRounding:
         state = {(e, m): s for (l, e, m), s in self.acts.stats.items() if l == layer}
         recipes = self.acts.recipes.layer_state(layer)
         self.acts.recipes.flush(layer)
-        return {**state, "recipes": recipes} if recipes else state
+        state = {**state, "recipes": recipes} if recipes else state
+        return {**state, "input_amax": self.input_amax[layer]} if layer in self.input_amax else state
 
     def restore_layer(self, layer, state) -> None:
         if state:
             state = dict(state)
+            if "input_amax" in state:
+                self.input_amax[layer] = state.pop("input_amax")
             self.acts.recipes.restore(layer, state.pop("recipes", None))
             self.acts.add_layer(layer, state)
 
     def quantize(self, fmt, w, layer, expert, mod, dtype):
         return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name,
-                            keep=(self.acts.recipes, layer, expert, mod))
+                            keep=(self.acts.recipes, layer, expert, mod),
+                            input_amax=(self.input_amax.get(layer) or {}).get(mod))
 
     def shares_prequant(self, fmt) -> bool:
         """Whether ``fmt`` is also scored as TensorRT-LLM's stacked layout writes it (``quantize_stacked``)."""
@@ -482,6 +489,7 @@ class _Exact:
     measured: dict[str, dict[str, torch.Tensor]]
     out_err: dict[str, dict[str, torch.Tensor]]
     passes: float
+    input_amax: dict[int, dict[str, torch.Tensor]]
 
 
 def _zeros(formats, L: int, E: int) -> dict[str, torch.Tensor]:
@@ -499,11 +507,13 @@ def _exact_delta_kl(eng: EmbeddedEngine, ref: _Reference, moe_layers: list[int],
     done = 0
     measured = {m: _zeros(formats, L, E) for m in MATRICES}
     out_err = {m: _zeros(formats, L, E) for m in MATRICES}
+    in_amax: dict[int, dict[str, torch.Tensor]] = {}
     passes = 0.0
     for l in moe_layers:
         lay = eng.layers[l]
         base = lay.experts
         x_all = torch.cat(ref.moe_in[l])  # [tokens, H]: every calibration token's input to this layer
+        in_amax[l] = layer_input_amax(base, x_all, ref.routed[l].reshape(-1, k))
         acts.add_layer(l, awq.collect_layer(base.fc, base.proj, x_all, ref.routed[l].reshape(-1, k), layer=l,
                                             gram=rounding in awq.ERROR_FEEDBACK, **(gram or {})))
         frac = (L - l) / L
@@ -518,7 +528,7 @@ def _exact_delta_kl(eng: EmbeddedEngine, ref: _Reference, moe_layers: list[int],
                 for m in MATRICES:
                     w = ws[m]
                     packed = awq.quantize(fmt, w, dtype=eng.dtype, stats=acts.get(l, e, m), rounding=rounding,
-                                          keep=(acts.recipes, l, e, m))
+                                          keep=(acts.recipes, l, e, m), input_amax=in_amax[l][m])
                     swapped = _MatrixSwapped(base, e, **{m: (fmt, packed)})
                     # Output error over all tokens, routing ignored (for seldom-routed experts).
                     y_q = swapped.forward(e, x_all)
@@ -535,7 +545,7 @@ def _exact_delta_kl(eng: EmbeddedEngine, ref: _Reference, moe_layers: list[int],
                     done += 1
                     if progress:
                         progress("sensitivity", done, total)
-    return _Exact(measured, out_err, passes)
+    return _Exact(measured, out_err, passes, in_amax)
 
 
 def _fill_under_observed(exact: _Exact, ref: _Reference, moe_layers: list[int], formats, min_tokens: int,
@@ -590,6 +600,7 @@ def _exact_result(eng: EmbeddedEngine, ref: _Reference, exact: _Exact, filled: d
         "weights_per_expert": expert_weights,
         "formats": list(formats),
         "rounding": rounding,
+        "input_amax": amax_json(exact.input_amax),
         "activations": acts.summary(max_input_tokens),
         "bits_per_weight": {f: _expert_bpw(f, I, H, eng.dtype) for f in (FLOAT, *formats)},
         "routing": {

@@ -10,10 +10,10 @@ import click
 from .. import config as cfgmod
 from ..console import console, err_console, progress
 from ..errors import InputError
-from . import QUANTIZED_NAMES
+from . import ENGINE_PATH_NAMES
 
 # Every quantized format (calibrate measures them all by default), without importing torch.
-DEFAULT_FORMATS = QUANTIZED_NAMES
+DEFAULT_FORMATS = ENGINE_PATH_NAMES
 
 
 @click.command()

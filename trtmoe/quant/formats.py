@@ -155,6 +155,44 @@ class QuantFormat:
     color: str = "#888888"
     trtllm_label: str = ""
 
+    # What a deployment needs to know beyond the bytes (the fused-MoE formats override these):
+    # ``activation`` names how the kernel quantizes its inputs (None: they stay in the model dtype);
+    # formats with a static input scale need the calibrated input amax of their layer
+    # (``needs_input_amax``) and take it as ``quantize(..., input_amax=...)``.
+    activation = None
+    needs_input_amax = False
+    # True when trtmoe writes the packed bytes itself (the file holds this format's tensors); False
+    # for the per-channel formats ``trtllm-build`` quantizes from float weights.
+    packed_at_conversion = False
+    # A format TensorRT-LLM 1.2's engine path builds (trtllm-build); the fused-MoE formats are served by
+    # the PyTorch backend from a ModelOpt unified-HF checkpoint instead.
+    engine_path = True
+
+    @property
+    def modelopt_quant_algo(self) -> str | None:
+        """The ``quant_algo`` ModelOpt's unified-HF ``hf_quant_config.json`` names this format by (None
+        where ModelOpt has no name for it)."""
+        return None
+
+    @property
+    def modelopt_group_size(self) -> int | None:
+        """The ``group_size`` ModelOpt records beside ``modelopt_quant_algo`` (None: none recorded)."""
+        return None
+
+    def modelopt_layer_config(self) -> dict | None:
+        """The ``hf_quant_config.json`` entry of a layer stored in this format (None: no ModelOpt name)."""
+        if self.modelopt_quant_algo is None:
+            return None
+        cfg = {"quant_algo": self.modelopt_quant_algo}
+        if self.modelopt_group_size is not None:
+            cfg["group_size"] = self.modelopt_group_size
+        return cfg
+
+    def modelopt_tensors(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> dict[str, Tensor]:
+        """One ``[out, in]`` matrix's packed tensors as ModelOpt's unified-HF export names and lays
+        them out (suffixes ``weight``, ``weight_scale``, ...). The dequantized weight is unchanged."""
+        raise UnsupportedError(f"{self.name}: ModelOpt has no export form for this format")
+
     def bits_per_weight(self, out_features: int, in_features: int,
                         scale_dtype_bytes: int = 2, *, n: int = 1) -> float:
         """Stored bits per weight of an ``[n, out, in]`` stack, scales counted."""
@@ -166,9 +204,12 @@ class QuantFormat:
         """Stored bytes of ``n`` stacked ``[out, in]`` matrices, scale tensors included."""
         raise NotImplementedError
 
-    def quantize(self, w: Tensor, *, dtype: torch.dtype) -> dict[str, Tensor]:
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax: Tensor | float | None = None
+                 ) -> dict[str, Tensor]:
         """Quantize ``w [..., out, in]`` for a model whose dtype is ``dtype``; returns the
-        checkpoint tensors keyed by TensorRT-LLM suffix."""
+        checkpoint tensors keyed by the format's tensor-name suffixes. ``input_amax`` (the calibrated
+        absolute maximum of the matrix's inputs, a scalar or one per input channel) is required by
+        formats with ``needs_input_amax`` and ignored by the others."""
         raise NotImplementedError
 
     def dequantize(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> Tensor:
@@ -219,7 +260,7 @@ class FloatFormat(QuantFormat):
         self._check_dims(out_features, in_features, n)
         return n * out_features * in_features * _dtype_bytes(self.dtype)
 
-    def quantize(self, w: Tensor, *, dtype: torch.dtype) -> dict[str, Tensor]:
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
         _check_model_dtype(dtype)
         _check_weight(w, self.name)
         return {"weight": w.to(self.dtype).contiguous()}
@@ -227,6 +268,10 @@ class FloatFormat(QuantFormat):
     def dequantize(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> Tensor:
         _need(packed, ("weight",), self.name)
         return packed["weight"].to(dtype)
+
+    def modelopt_tensors(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> dict[str, Tensor]:
+        _need(packed, ("weight",), self.name)
+        return {"weight": packed["weight"]}
 
     def linear(self, x: Tensor, packed: dict[str, Tensor], matmul: Matmul = torch.matmul) -> Tensor:
         _need(packed, ("weight",), self.name)
@@ -264,7 +309,7 @@ class PerChannelIntFormat(QuantFormat):
         packed = out_features * in_features * self.bits // 8
         return n * (packed + out_features * scale_dtype_bytes)
 
-    def quantize(self, w: Tensor, *, dtype: torch.dtype) -> dict[str, Tensor]:
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
         _check_model_dtype(dtype)
         _check_weight(w, self.name)
         if self.bits == 4 and w.shape[-2] % 2:
@@ -297,6 +342,21 @@ class PerChannelIntFormat(QuantFormat):
                 f"{tuple(packed['per_channel_scale'].shape)} disagree on out_features")
         return q
 
+    @property
+    def modelopt_quant_algo(self) -> str | None:
+        return "W8A16" if self.bits == 8 else None  # ModelOpt has no per-channel INT4 weight-only export
+
+    def modelopt_tensors(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> dict[str, Tensor]:
+        """W8A16 as ModelOpt's ``INT8_WEIGHT_ONLY_CFG`` export stores it: ``weight`` int8 ``[out, in]``,
+        ``weight_scale`` float32 ``[out]``. The codes and scales are TensorRT-LLM's (amax / 128, ties
+        away from zero, where ModelOpt's own quantizer takes amax / 127 and ties to even); the form
+        carries them unchanged, so the dequantized weight is the same."""
+        if self.bits != 8:
+            return super().modelopt_tensors(packed, dtype=dtype)
+        q = self._codes_in_out(packed)
+        return {"weight": q.transpose(-1, -2).contiguous(),
+                "weight_scale": packed["per_channel_scale"].float().contiguous()}
+
     def dequantize(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> Tensor:
         q = self._codes_in_out(packed)
         s = packed["per_channel_scale"].float()
@@ -323,6 +383,7 @@ class GroupInt4Format(QuantFormat):
     """
 
     group_size: int = GROUP_SIZE
+    packed_at_conversion = True
 
     def __post_init__(self):
         if self.group_size not in TRTLLM_GROUP_SIZES:
@@ -360,7 +421,7 @@ class GroupInt4Format(QuantFormat):
         if problem:
             raise UnsupportedError(problem)
 
-    def quantize(self, w: Tensor, *, dtype: torch.dtype) -> dict[str, Tensor]:
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
         _check_model_dtype(dtype)
         _check_weight(w, self.name)
         out_f, in_f = w.shape[-2], w.shape[-1]
@@ -419,6 +480,496 @@ class GroupInt4Format(QuantFormat):
         return matmul(xs, w.transpose(-1, -2)).to(x.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# the fused-MoE formats: FP8, FP8 block scales, NVFP4, MXFP4, W4A8 AWQ
+#
+# Their tensors are keyed and laid out as ModelOpt's unified-HF export writes them (``weight``,
+# ``weight_scale``, ``weight_scale_2``, ``input_scale``, ``pre_quant_scale``), one ``[out, in]`` matrix
+# per expert (leading dims stack experts: per-matrix scales then have those leading dims). The rules
+# below are restated from ModelOpt 0.47's quantizers and exporter and TensorRT-LLM's fused-MoE loaders:
+#
+# * E4M3 (``torch.float8_e4m3fn``): largest finite 448, round to nearest even; values are clamped to
+#   ±448 before the cast (a saturating conversion, whatever the device's cast does out of range).
+# * E2M1: the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (code = sign << 3 | index), two codes per byte
+#   along the input dim, element 2j in the low nibble. NVFP4 rounds to nearest with ties to the even
+#   code (0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4, 5 → 4) and saturates at 6;
+#   ModelOpt's MXFP4 packer rounds ties toward zero instead (0.75 → 0.5, 1.75 → 1.5, ...), and writes
+#   an exact zero with the sign bit set. Each format keeps its own rule so its bytes are ModelOpt's.
+# * E8M0 (MXFP4 block scales): a uint8 biased exponent, scale = 2**(u - 127); the block's exponent
+#   is ceil(log2(amax / 6)) (at least -127), so the block's largest value lands in (3, 6].
+# * Per-tensor scales are float32; an all-zero tensor or block gets scale 1 (codes 0).
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+# The midpoints whose upper neighbour has the even code (1.0, 2.0, 4.0): ties there round up.
+_E2M1_TIES_UP = (0.75, 1.75, 3.5)
+_NVFP4_SCALE_MIN = 2.0 ** -9  # the smallest E4M3 subnormal: block scales never cast to zero
+FP8_BLOCK = 128  # DeepSeek-V3's weight block (128 x 128) and activation group (1 x 128)
+
+
+def _grid(device) -> Tensor:
+    return torch.tensor(_E2M1_GRID, dtype=torch.float32, device=device)
+
+
+def e4m3_round(x: Tensor) -> Tensor:
+    """``x`` (float32) rounded to E4M3, saturating at ±448, as float32."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def e2m1_codes(x: Tensor, *, ties: str = "even") -> Tensor:
+    """E2M1 codes (uint8, sign << 3 | magnitude index) of float32 ``x`` (already divided by its
+    scale). ``ties`` "even" rounds halfway values to the even code (NVFP4, and the conversion the
+    GPUs do); "down" rounds them toward zero and gives an exact zero the sign bit (ModelOpt's MXFP4
+    packer)."""
+    a = x.abs()
+    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
+    if ties == "even":
+        idx = torch.searchsorted(mids, a.contiguous(), right=False).to(torch.uint8)
+        up = torch.zeros_like(idx, dtype=torch.bool)
+        for t in _E2M1_TIES_UP:
+            up |= a == t
+        idx = idx + up.to(torch.uint8)
+        sign = x < 0
+    elif ties == "down":
+        idx = torch.searchsorted(mids, a.contiguous(), right=False).to(torch.uint8)
+        sign = x <= 0
+    else:
+        raise ValueError(f"unknown tie rule {ties!r}")
+    return (sign.to(torch.uint8) << 3) | idx
+
+
+def e2m1_values(codes: Tensor) -> Tensor:
+    """The float32 values of E2M1 ``codes`` (uint8 in [0, 15])."""
+    c = codes.to(torch.long)
+    mag = _grid(codes.device)[c & 7]
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def e2m1_round(x: Tensor) -> Tensor:
+    """``x`` rounded to E2M1 (ties to even, saturating at ±6), as float32."""
+    return e2m1_values(e2m1_codes(x))
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """uint8 codes in [0, 15] two per byte along the last dim: element 2j low, 2j+1 high."""
+    if codes.shape[-1] % 2:
+        raise UnsupportedError(f"cannot pack 4-bit codes along a dimension of odd size {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """Inverse of :func:`pack_nibbles`: uint8 codes, last dim doubled."""
+    b = packed.view(torch.uint8)
+    return torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
+
+
+def _blocks(x: Tensor, size: int) -> Tensor:
+    """``x [..., n]`` as ``[..., n / size, size]`` (n a multiple of size)."""
+    return x.unflatten(-1, (x.shape[-1] // size, size))
+
+
+def _block_amax_2d(w: Tensor, bo: int, bi: int) -> Tensor:
+    """amax of every ``bo x bi`` block of ``w [..., out, in]`` (partial blocks at the edges included):
+    ``[..., ceil(out / bo), ceil(in / bi)]``."""
+    out_f, in_f = w.shape[-2], w.shape[-1]
+    po, pi = -out_f % bo, -in_f % bi
+    a = w.abs()
+    if po or pi:
+        a = torch.nn.functional.pad(a, (0, pi, 0, po))
+    a = a.unflatten(-1, (-1, bi)).unflatten(-3, (-1, bo))  # [..., O, bo, I, bi]
+    return a.amax(dim=(-3, -1))
+
+
+def _expand_2d(s: Tensor, bo: int, bi: int, out_f: int, in_f: int) -> Tensor:
+    """Block values ``[..., O, I]`` repeated over their ``bo x bi`` blocks, cropped to ``out x in``."""
+    return s.repeat_interleave(bo, dim=-2).repeat_interleave(bi, dim=-1)[..., :out_f, :in_f]
+
+
+def _nonzero(scale: Tensor) -> Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _lead(t: Tensor, x_dims: int) -> Tensor:
+    """A per-matrix tensor (shape = the weight's leading dims) shaped to broadcast against an
+    ``x_dims``-dim ``[..., N, in]`` block (trailing 1s)."""
+    return t.reshape(*t.shape, *([1] * (x_dims - t.dim() if t.dim() else x_dims)))
+
+
+def _input_amax(input_amax, name: str, pre_quant_scale: Tensor | None = None) -> Tensor:
+    """The scalar amax an input scale is made from: ``input_amax`` is a scalar or one value per input
+    channel (then, with ``pre_quant_scale``, the amax of the pre-scaled inputs)."""
+    if input_amax is None:
+        raise InputError(f"{name} quantizes its activations with a static scale and needs the input amax "
+                         "of its layer", hint="calibrate the model first; the calibration records it")
+    a = torch.as_tensor(input_amax, dtype=torch.float32).detach().cpu()
+    if not bool(torch.isfinite(a).all()) or bool((a < 0).any()) or a.numel() == 0:
+        raise InputError(f"{name}: input amax must be finite and non-negative, got {a.flatten()[:4].tolist()}")
+    if pre_quant_scale is not None and a.numel() > 1:
+        a = a * pre_quant_scale.float().cpu().reshape(-1)
+    return a.amax()
+
+
+@dataclass(frozen=True)
+class FusedMoEFormat(QuantFormat):
+    """A format TensorRT-LLM's PyTorch-backend fused MoE runs (and ModelOpt exports), with the
+    activation quantization its kernel does emulated on the way into ``linear``. Subclasses say how
+    the weight is stored; ``activation`` names the input rule:
+
+    * None: inputs stay in the model dtype (weight-only: W4A16 / W8A16);
+    * ``"fp8"``: static per-tensor E4M3 with ``input_scale = amax / 448``: ``q = e4m3(x / s)``;
+    * ``"fp8_1x128"``: dynamic per token, per group of 128 inputs, ``s = amax(group) / 448``;
+    * ``"nvfp4"``: blocks of 16 inputs in E2M1 under an E4M3 block scale and the static global
+      ``input_scale = amax / (6 * 448)``, the same rule as the weight.
+    """
+
+    modelopt_algo: str | None = None
+    modelopt_group: int | None = None
+    activation: str | None = None
+    packed_at_conversion = True
+    engine_path = False
+
+    @property
+    def needs_input_amax(self) -> bool:  # type: ignore[override]
+        return self.activation in ("fp8", "nvfp4")
+
+    @property
+    def modelopt_quant_algo(self) -> str | None:
+        return self.modelopt_algo
+
+    @property
+    def modelopt_group_size(self) -> int | None:
+        return self.modelopt_group
+
+    def trtllm_layer_config(self) -> dict:
+        cfg = {"quant_algo": self.trtllm_quant_algo}
+        if self.modelopt_group is not None:
+            cfg["group_size"] = self.modelopt_group
+        return cfg
+
+    def modelopt_tensors(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> dict[str, Tensor]:
+        return dict(packed)  # stored in ModelOpt's form already
+
+    def _shared_keys(self) -> frozenset[str]:
+        return frozenset({"input_scale"})
+
+    def _input_scale_bytes(self) -> int:
+        return 4 if self.needs_input_amax else 0
+
+    # -- activations --------------------------------------------------------------------------------
+    def quantize_input(self, x: Tensor, packed: dict[str, Tensor]) -> Tensor:
+        """``x`` (float32 ``[..., N, in]``) as the kernel sees it: quantized by ``activation`` and
+        dequantized back to float32 (``x`` itself for weight-only formats)."""
+        if self.activation is None:
+            return x
+        if self.activation == "fp8_1x128":
+            return fp8_groups_fake(x, FP8_BLOCK)
+        _need(packed, ("input_scale",), self.name)
+        s = _lead(packed["input_scale"].float(), x.dim())
+        if self.activation == "fp8":
+            return fp8_tensor_fake(x, s)
+        return nvfp4_fake(x, s)
+
+    def linear(self, x: Tensor, packed: dict[str, Tensor], matmul: Matmul = torch.matmul) -> Tensor:
+        w = self._dequant_f32(packed)
+        _check_x(x, w.shape[-1], self.name)
+        xq = self.quantize_input(x.float(), packed)
+        return matmul(xq, w.transpose(-1, -2)).to(x.dtype)
+
+    def dequantize(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> Tensor:
+        return self._dequant_f32(packed).to(dtype)
+
+    def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _input_scale(self, input_amax, divisor: float, pre_quant_scale: Tensor | None = None) -> dict:
+        if not self.needs_input_amax:
+            return {}
+        amax = _input_amax(input_amax, self.name, pre_quant_scale)
+        return {"input_scale": _nonzero(amax / divisor).to(torch.float32)}
+
+    def _prepare(self, w: Tensor, dtype: torch.dtype) -> Tensor:
+        _check_model_dtype(dtype)
+        _check_weight(w, self.name)
+        problem = self.shape_problem(w.shape[-2], w.shape[-1])
+        if problem:
+            raise UnsupportedError(problem)
+        wd = w.to(dtype).float()
+        _check_amax(wd.abs().amax(), self.name, dtype)
+        return wd
+
+
+def fp8_tensor_fake(x: Tensor, scale: Tensor) -> Tensor:
+    """Static per-tensor FP8: ``e4m3(x / scale) * scale`` (float32)."""
+    return e4m3_round(x / scale) * scale
+
+
+def fp8_groups_fake(x: Tensor, group: int) -> Tensor:
+    """Dynamic FP8 per row and group of ``group`` inputs (the last group may be shorter):
+    ``s = amax / 448``, ``e4m3(x / s) * s`` (float32)."""
+    n = x.shape[-1]
+    pad = -n % group
+    xp = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    g = _blocks(xp, group)
+    s = _nonzero(g.abs().amax(dim=-1, keepdim=True) / E4M3_MAX)
+    y = (e4m3_round(g / s) * s).flatten(-2)
+    return y[..., :n] if pad else y
+
+
+def _nvfp4_block_scales(block_amax: Tensor, global_scale: Tensor) -> Tensor:
+    """E4M3 block scales (as float32) of NVFP4 blocks whose amax is ``block_amax`` under
+    ``global_scale``: ``amax / (6 * global)``, 1 for an all-zero block, kept within [2**-9, 448]."""
+    s = block_amax / (E2M1_MAX * global_scale)
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return s.clamp(_NVFP4_SCALE_MIN, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def nvfp4_fake(x: Tensor, global_scale: Tensor, block: int = 16) -> Tensor:
+    """NVFP4 activations: blocks of ``block`` inputs, each in E2M1 under its E4M3 block scale and the
+    static ``global_scale``; returns the dequantized float32 values."""
+    g = _blocks(x, block)
+    gs = global_scale.unsqueeze(-1)
+    bs = _nvfp4_block_scales(g.abs().amax(dim=-1, keepdim=True), gs)
+    scale = bs * gs
+    return (e2m1_round(g / scale) * scale).flatten(-2)
+
+
+@dataclass(frozen=True)
+class FP8Format(FusedMoEFormat):
+    """FP8 E4M3 weights with one float32 scale per matrix (``weight_scale = amax / 448``), and with
+    ``activation`` "fp8" a static per-tensor FP8 input scale (W8A8, ModelOpt ``FP8``)."""
+
+    def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
+                     scale_dtype_bytes: int = 2) -> int:
+        self._check_dims(out_features, in_features, n)
+        return n * (out_features * in_features + 4) + self._input_scale_bytes()
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
+        wd = self._prepare(w, dtype)
+        scale = _nonzero(wd.abs().amax(dim=(-2, -1)) / E4M3_MAX)
+        # The quotient is rounded to the model dtype before E4M3, as ModelOpt's exporter computes it (a
+        # model-dtype weight divided by a float32 scalar scale yields the model dtype).
+        q = (wd / _lead(scale, wd.dim())).to(dtype).float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return {"weight": q.contiguous(), "weight_scale": scale.contiguous(),
+                **self._input_scale(input_amax, E4M3_MAX)}
+
+    def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
+        _need(packed, ("weight", "weight_scale"), self.name)
+        q = packed["weight"]
+        if q.dtype != torch.float8_e4m3fn:
+            raise InputError(f"{self.name}: weight must be float8_e4m3fn, got {q.dtype}")
+        return q.float() * _lead(packed["weight_scale"].float(), q.dim())
+
+
+@dataclass(frozen=True)
+class FP8BlockFormat(FusedMoEFormat):
+    """FP8 E4M3 weights with one float32 scale per 128 x 128 block (``weight_scale`` ``[ceil(out/128),
+    ceil(in/128)]``, amax / 448; DeepSeek-V3's ``weight_scale_inv``). With ``activation``
+    "fp8_1x128" the inputs are quantized per token in groups of 128 (TensorRT-LLM
+    ``FP8_BLOCK_SCALES``); without, weight-only (ModelOpt ``fp8_pb_wo``)."""
+
+    block: int = FP8_BLOCK
+
+    def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
+                     scale_dtype_bytes: int = 2) -> int:
+        self._check_dims(out_features, in_features, n)
+        blocks = -(-out_features // self.block) * -(-in_features // self.block)
+        return n * (out_features * in_features + 4 * blocks)
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
+        wd = self._prepare(w, dtype)
+        b = self.block
+        scale = _nonzero(_block_amax_2d(wd, b, b) / E4M3_MAX)
+        full = _expand_2d(scale, b, b, wd.shape[-2], wd.shape[-1])
+        q = (wd / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
+
+    def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
+        _need(packed, ("weight", "weight_scale"), self.name)
+        q, s = packed["weight"], packed["weight_scale"].float()
+        if q.dtype != torch.float8_e4m3fn:
+            raise InputError(f"{self.name}: weight must be float8_e4m3fn, got {q.dtype}")
+        b = self.block
+        if s.shape[-2:] != (-(-q.shape[-2] // b), -(-q.shape[-1] // b)):
+            raise InputError(f"{self.name}: weight {tuple(q.shape)} and weight_scale {tuple(s.shape)} disagree "
+                             f"(blocks of {b} x {b})")
+        return q.float() * _expand_2d(s, b, b, q.shape[-2], q.shape[-1])
+
+
+@dataclass(frozen=True)
+class NVFP4Format(FusedMoEFormat):
+    """NVFP4: E2M1 weights in blocks of 16 inputs, an E4M3 scale per block (``weight_scale`` ``[out,
+    in/16]``) and a float32 global ``weight_scale_2 = amax / (6 * 448)``; ``weight`` uint8 ``[out,
+    in/2]``. With ``activation`` "nvfp4" the inputs are NVFP4 too under the static
+    ``input_scale = amax / (6 * 448)`` (W4A4, ModelOpt ``NVFP4``); without, W4A16 (``W4A16_NVFP4``)."""
+
+    block: int = 16
+
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
+        if in_features % self.block:
+            return (f"{self.name}: in_features (dim -1) = {in_features} is not a multiple of the block "
+                    f"size {self.block}")
+        return None
+
+    def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
+                     scale_dtype_bytes: int = 2) -> int:
+        self._check_dims(out_features, in_features, n)
+        problem = self.shape_problem(out_features, in_features)
+        if problem:
+            raise UnsupportedError(problem)
+        return n * (out_features * in_features // 2 + out_features * in_features // self.block + 4) \
+            + self._input_scale_bytes()
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
+        wd = self._prepare(w, dtype)
+        gs = _nonzero(wd.abs().amax(dim=(-2, -1)) / (E2M1_MAX * E4M3_MAX))
+        g = _blocks(wd, self.block)
+        gsl = _lead(gs, g.dim())
+        bs = _nvfp4_block_scales(g.abs().amax(dim=-1), gsl.squeeze(-1))
+        codes = e2m1_codes(g / (bs.unsqueeze(-1) * gsl)).flatten(-2)
+        return {"weight": pack_nibbles(codes), "weight_scale": bs.to(torch.float8_e4m3fn).contiguous(),
+                "weight_scale_2": gs.contiguous(), **self._input_scale(input_amax, E2M1_MAX * E4M3_MAX)}
+
+    def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
+        _need(packed, ("weight", "weight_scale", "weight_scale_2"), self.name)
+        wq, bs = packed["weight"], packed["weight_scale"]
+        if wq.dtype != torch.uint8 or bs.dtype != torch.float8_e4m3fn:
+            raise InputError(f"{self.name}: weight must be uint8 and weight_scale float8_e4m3fn, got "
+                             f"{wq.dtype} / {bs.dtype}")
+        v = _blocks(e2m1_values(unpack_nibbles(wq)), self.block)
+        if bs.shape != v.shape[:-1]:
+            raise InputError(f"{self.name}: weight {tuple(wq.shape)} and weight_scale {tuple(bs.shape)} disagree "
+                             f"(blocks of {self.block})")
+        gs = _lead(packed["weight_scale_2"].float(), v.dim())
+        return (v * (bs.float().unsqueeze(-1) * gs)).flatten(-2)
+
+
+@dataclass(frozen=True)
+class MXFP4Format(FusedMoEFormat):
+    """MXFP4 (OCP MX): E2M1 weights in blocks of 32 inputs with a power-of-two E8M0 scale per block
+    (``weight_scale`` uint8 ``[out, in/32]``, biased by 127); ``weight`` uint8 ``[out, in/2]``.
+    Weight-only (W4A16; ModelOpt ``mxfp4``, TensorRT-LLM ``W4A16_MXFP4``)."""
+
+    block: int = 32
+
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
+        if in_features % self.block:
+            return (f"{self.name}: in_features (dim -1) = {in_features} is not a multiple of the block "
+                    f"size {self.block}")
+        return None
+
+    def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
+                     scale_dtype_bytes: int = 2) -> int:
+        self._check_dims(out_features, in_features, n)
+        problem = self.shape_problem(out_features, in_features)
+        if problem:
+            raise UnsupportedError(problem)
+        return n * (out_features * in_features // 2 + out_features * in_features // self.block)
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
+        wd = self._prepare(w, dtype)
+        g = _blocks(wd, self.block)
+        e = e8m0_exponents(g.abs().amax(dim=-1))
+        codes = e2m1_codes(g / torch.exp2(e).unsqueeze(-1), ties="down").flatten(-2)
+        return {"weight": pack_nibbles(codes), "weight_scale": (e + 127).to(torch.uint8).contiguous()}
+
+    def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
+        _need(packed, ("weight", "weight_scale"), self.name)
+        wq, s = packed["weight"], packed["weight_scale"]
+        if wq.dtype != torch.uint8 or s.dtype != torch.uint8:
+            raise InputError(f"{self.name}: weight and weight_scale must be uint8, got {wq.dtype} / {s.dtype}")
+        v = _blocks(e2m1_values(unpack_nibbles(wq)), self.block)
+        if s.shape != v.shape[:-1]:
+            raise InputError(f"{self.name}: weight {tuple(wq.shape)} and weight_scale {tuple(s.shape)} disagree "
+                             f"(blocks of {self.block})")
+        return (v * torch.exp2(s.float() - 127).unsqueeze(-1)).flatten(-2)
+
+
+def e8m0_exponents(block_amax: Tensor) -> Tensor:
+    """The unbiased E8M0 exponent of MX blocks whose amax is ``block_amax`` (float32):
+    ``ceil(log2(amax / 6))``, within [-127, 127]."""
+    return torch.ceil(torch.log2(block_amax.float() / E2M1_MAX).clamp(min=-127.0)).clamp(max=127.0)
+
+
+@dataclass(frozen=True)
+class W4A8AwqFormat(FusedMoEFormat):
+    """W4A8 AWQ: INT4 weights in groups of 128 inputs (``weight`` uint8 ``[out/2, in]``, adjacent
+    output rows 2j / 2j+1 in the low / high nibble; ``weight_scale`` float32 ``[out, in/128]`` =
+    group amax / 7), a per-matrix ``weight_scale_2 = amax / 448``, a ``pre_quant_scale`` ``[in]`` the
+    inputs are multiplied by (AWQ smoothing; ones when none was searched) and FP8 inputs under the
+    static ``input_scale``. The effective weight is ModelOpt's: the INT4-dequantized weight rounded
+    to E4M3 under ``weight_scale_2`` (the kernel runs it as FP8)."""
+
+    group_size: int = GROUP_SIZE
+
+    def _shared_keys(self) -> frozenset[str]:
+        return frozenset({"input_scale", "pre_quant_scale"})
+
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
+        if in_features % self.group_size:
+            return (f"{self.name}: in_features (dim -1) = {in_features} is not a multiple of the "
+                    f"group size {self.group_size}")
+        if out_features % 2:
+            return f"{self.name}: out_features (dim -2) = {out_features} is odd; int4 packs pairs of output rows"
+        return None
+
+    def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
+                     scale_dtype_bytes: int = 2) -> int:
+        self._check_dims(out_features, in_features, n)
+        problem = self.shape_problem(out_features, in_features)
+        if problem:
+            raise UnsupportedError(problem)
+        per = out_features * in_features // 2 + 4 * out_features * (in_features // self.group_size) + 4
+        return n * per + 4 + in_features * scale_dtype_bytes
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None,
+                 pre_quant_scale: Tensor | None = None) -> dict[str, Tensor]:
+        """``pre_quant_scale`` (``[in]``, AWQ's smoothing) divides the weight's input columns and
+        multiplies the inputs; ``input_amax`` per input channel lets the input scale follow it."""
+        wd = self._prepare(w, dtype)
+        in_f = wd.shape[-1]
+        pq = torch.ones(in_f, dtype=dtype) if pre_quant_scale is None else pre_quant_scale.reshape(-1).to(dtype)
+        if pq.numel() != in_f or not bool((pq.float() > 0).all()):
+            raise InputError(f"{self.name}: pre_quant_scale must hold {in_f} positive values")
+        wt = wd / pq.float()
+        g = _blocks(wt, self.group_size)
+        scale = _nonzero(g.abs().amax(dim=-1) / 7.0)
+        codes = (g / scale.unsqueeze(-1)).round().clamp(-8, 7).to(torch.int8).flatten(-2)
+        s2 = _nonzero(wt.abs().amax(dim=(-2, -1)) / E4M3_MAX)
+        packed = pack_int4(codes, dim=-2).view(torch.uint8)
+        return {"weight": packed, "weight_scale": scale.contiguous(), "weight_scale_2": s2.contiguous(),
+                "pre_quant_scale": pq.contiguous(), **self._input_scale(input_amax, E4M3_MAX, pq)}
+
+    def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
+        """The effective weight on the pre-scaled inputs (without ``pre_quant_scale``)."""
+        _need(packed, ("weight", "weight_scale", "weight_scale_2"), self.name)
+        wq, s = packed["weight"], packed["weight_scale"].float()
+        q = unpack_int4(wq, dim=-2).float()
+        if s.shape[-2] != q.shape[-2] or s.shape[-1] * self.group_size != q.shape[-1]:
+            raise InputError(f"{self.name}: weight {tuple(wq.shape)} and weight_scale {tuple(s.shape)} disagree "
+                             f"(group size {self.group_size})")
+        w4 = (_blocks(q, self.group_size) * s.unsqueeze(-1)).flatten(-2)
+        s2 = _lead(packed["weight_scale_2"].float(), w4.dim())
+        return e4m3_round(w4 / s2) * s2
+
+    def dequantize(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> Tensor:
+        w = self._dequant_f32(packed)
+        pq = packed.get("pre_quant_scale")
+        if pq is not None:  # y = (x * pq) @ W.T: the effective weight carries pq on its input columns
+            w = w * pq.float().reshape(*pq.shape[:-1], 1, pq.shape[-1]) if pq.dim() > 1 else w * pq.float()
+        return w.to(dtype)
+
+    def quantize_input(self, x: Tensor, packed: dict[str, Tensor]) -> Tensor:
+        pq = packed.get("pre_quant_scale")
+        if pq is not None:
+            pqf = pq.float()
+            x = x * (pqf.reshape(*pqf.shape[:-1], *([1] * (x.dim() - pqf.dim())), pqf.shape[-1])
+                     if pqf.dim() > 1 else pqf)
+        return super().quantize_input(x, packed)
+
+
 def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -435,6 +986,23 @@ FORMATS: dict[str, QuantFormat] = {
     "int4_g64": GroupInt4Format("int4_g64", "W4A16_AWQ", "INT4 g64", "g64", "#e5ae38", "W4A16_AWQ g64",
                                 group_size=64),
 }
+_W4A16 = dict(activation=None)
+FORMATS.update({
+    "fp8": FP8Format("fp8", "FP8", "FP8 W8A8 (per-tensor)", "F8", "#8172b3", "FP8",
+                     modelopt_algo="FP8", activation="fp8"),
+    "fp8_block": FP8BlockFormat("fp8_block", "FP8_BLOCK_SCALES", "FP8 128x128 blocks, 1x128 activations", "F8b",
+                                "#64b5cd", "FP8_BLOCK_SCALES", activation="fp8_1x128"),
+    "fp8_block_wo": FP8BlockFormat("fp8_block_wo", "FP8_BLOCK_SCALES", "FP8 128x128 blocks, weight-only", "F8w",
+                                   "#4c9fb8", "FP8 block (weight-only)", modelopt_algo="fp8_pb_wo", **_W4A16),
+    "nvfp4": NVFP4Format("nvfp4", "NVFP4", "NVFP4 W4A4", "NV4", "#937860", "NVFP4",
+                         modelopt_algo="NVFP4", modelopt_group=16, activation="nvfp4"),
+    "nvfp4_w4a16": NVFP4Format("nvfp4_w4a16", "W4A16_NVFP4", "NVFP4 weight-only (W4A16)", "NV4w", "#b39b84",
+                               "W4A16_NVFP4", modelopt_algo="W4A16_NVFP4", modelopt_group=16, **_W4A16),
+    "mxfp4": MXFP4Format("mxfp4", "W4A16_MXFP4", "MXFP4 weight-only (W4A16)", "MX4", "#da8bc3", "W4A16_MXFP4",
+                         modelopt_algo="mxfp4", **_W4A16),
+    "w4a8_awq": W4A8AwqFormat("w4a8_awq", "W4A8_AWQ", "INT4 g128, FP8 activations (W4A8 AWQ)", "W4A8", "#8c8c8c",
+                              "W4A8_AWQ", modelopt_algo="W4A8_AWQ", modelopt_group=128, activation="fp8"),
+})
 # The quantized formats in declaration order, and from most to fewest stored bits (for plots).
 QUANTIZED = tuple(n for n, f in FORMATS.items() if f.trtllm_quant_algo)
 BY_BITS = tuple(sorted(QUANTIZED, key=lambda n: -FORMATS[n].bits_per_weight(256, 256)))

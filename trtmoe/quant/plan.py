@@ -211,6 +211,10 @@ class QuantPlan:
             return "MIXED_PRECISION", {}
         # One format for every MoE layer: a plain config (group_size, if any, is checkpoint-wide).
         (name,) = used
+        if not FORMATS[name].engine_path:
+            # A fused-MoE format (ModelOpt unified-HF names): trtmoe's own record says what each layer
+            # holds, as for the per-expert layout; the support table refuses it for trtllm-build.
+            return "MIXED_PRECISION", {}
         cfg = FORMATS[name].trtllm_layer_config()
         return cfg.pop("quant_algo"), cfg
 

@@ -81,7 +81,24 @@ def plan_from_config(model, cfg: dict):
         plan = replace(plan, meta={**plan.meta, "calib": calib_identity})
     if q["placement"] == "balanced":
         plan = plan.placed(*placement(calib, mapping.moe_ep_size))
+    plan = _with_input_amax(plan, measured)
     return attach_rounding(plan, q["rounding"], q["calib"], measured)
+
+
+def _with_input_amax(plan: QuantPlan, calib: dict | None) -> QuantPlan:
+    """``plan`` carrying the calibration's per-layer input amax (``meta["input_amax"]``) when one of its
+    formats quantizes activations with a static scale (the checkpoint layout makes the scales from it)."""
+    needs = sorted(f for f in plan.used_formats() if f in FORMATS and FORMATS[f].needs_input_amax)
+    if not needs:
+        return plan
+    amax = (calib or {}).get("input_amax")
+    if not amax:
+        raise InputError(f"{', '.join(needs)} quantize activations with a static input scale made from the calibrated "
+                         "input amax of each MoE layer", hint="pass --calib with a calibration made by this trtmoe")
+    # One value per layer and matrix kind: the scale is per tensor (the per-channel maxima calib.json
+    # keeps would only matter to a pre-quant scale, which these plans do not search).
+    per_layer = {l: {m: max(v) for m, v in d.items()} for l, d in amax.items()}
+    return replace(plan, meta={**plan.meta, "input_amax": per_layer})
 
 
 def _granularity(asked: str, policy: str, backend: str) -> str:

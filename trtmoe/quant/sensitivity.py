@@ -80,16 +80,58 @@ ESTIMATE_SHARE = 16  # under-observed experts' estimates together score at most 
 STACKED = "@stacked"
 
 
+@torch.inference_mode()
+def layer_input_amax(bank: FloatExperts, x_all: torch.Tensor, routed: torch.Tensor,
+                     amax: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Per input channel, the absolute maximum of each matrix kind's inputs over one MoE layer's
+    calibration tokens, shared by all the layer's experts (a fused-MoE kernel takes one static input
+    scale per layer and matrix kind): ``fc`` sees the layer input of every token routed to any expert,
+    ``proj`` the activations ``silu(gate) * up`` of each expert over its own routed tokens. ``x_all``
+    [tokens, H], ``routed`` [tokens, k] expert ids; with ``amax`` (a previous batch's result) the
+    maxima accumulate. The formats with a static input scale take these as ``input_amax``."""
+    x = x_all[(routed >= 0).any(-1)]
+    fc = x.abs().amax(0).float() if len(x) else x_all.new_zeros(x_all.shape[-1], dtype=torch.float32)
+    proj = None
+    for e in range(bank.fc.shape[0]):
+        rows = (routed == e).any(-1)
+        if not bool(rows.any()):
+            continue
+        up, gate = bank.fc_out(e, x_all[rows]).chunk(2, dim=-1)
+        a = (F.silu(gate) * up).abs().amax(0).float()
+        proj = a if proj is None else torch.maximum(proj, a)
+    if proj is None:
+        proj = torch.zeros(bank.proj.shape[-1], dtype=torch.float32)
+    if amax is not None:
+        fc, proj = torch.maximum(fc, amax["fc"]), torch.maximum(proj, amax["proj"])
+    return {"fc": fc, "proj": proj}
+
+
+def amax_json(amax: dict[int, dict[str, torch.Tensor]]) -> dict[str, dict[str, list[float]]]:
+    """``layer_input_amax`` results per MoE layer as calib.json stores them (``input_amax``)."""
+    return {str(l): {m: [float(v) for v in t.tolist()] for m, t in d.items()} for l, d in sorted(amax.items())}
+
+
 class RTN:
-    """Round-to-nearest: each matrix quantized from its weights alone (``fmt.quantize``)."""
+    """Round-to-nearest: each matrix quantized from its weights alone (``fmt.quantize``), the static
+    input scales from the layer's input amax."""
 
     name = "rtn"
 
+    def __init__(self):
+        self.input_amax: dict[int, dict[str, torch.Tensor]] = {}
+
     def add_layer(self, layer: int, base: FloatExperts, x_all: torch.Tensor, routed: torch.Tensor) -> None:
-        pass
+        self.input_amax[layer] = layer_input_amax(base, x_all, routed)
 
     def quantize(self, fmt, w: torch.Tensor, layer: int, expert: int, mod: str, dtype: torch.dtype) -> dict:
-        return fmt.quantize(w, dtype=dtype)
+        return fmt.quantize(w, dtype=dtype, input_amax=(self.input_amax.get(layer) or {}).get(mod))
+
+    def layer_state(self, layer: int):
+        return {"input_amax": self.input_amax[layer]} if layer in self.input_amax else None
+
+    def restore_layer(self, layer: int, state) -> None:
+        if state and "input_amax" in state:
+            self.input_amax[layer] = state["input_amax"]
 
 
 def forward_macs(cfg, seq_len: int) -> dict:
@@ -200,12 +242,15 @@ def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_token
     if own_work:
         work = Path(tempfile.mkdtemp(prefix="trtmoe-fisher-"))
     try:
-        return _run(eng, ids, formats=tuple(formats), min_tokens=min_tokens, batch_size=batch_size,
+        result = _run(eng, ids, formats=tuple(formats), min_tokens=min_tokens, batch_size=batch_size,
                     progress=progress, probe=probe,
                     # Layer files scored under other estimate settings are not resumed from.
                     state=Progress(Path(work), f"{key}|estimate {estimate_tokens}/{ESTIMATE_SHARE}"), seed=seed,
                     rounding=rounding, estimate_tokens=estimate_tokens, moe_layers=moe_layers,
                     notes=notes if notes is not None else [])
+        # Each MoE layer's input amax per matrix kind, what the static input scales are made from.
+        result["input_amax"] = amax_json(getattr(rounding, "input_amax", {}))
+        return result
     finally:
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
