@@ -258,7 +258,9 @@ def convert(model, out, config_path, target, layer_formats, calib_ids, engine_re
           --calib-ids ids.json --sm 100
     """
     if target in UNIFIED_TARGETS:
-        return _convert_unified(model, out, target, layer_formats, calib_ids, engine_release, int(sm), force, as_json)
+        q = cfgmod.resolve(config_path, cfgmod.from_cli(options, "convert", "quantize"))["quantize"]
+        return _convert_unified(model, out, target, layer_formats, calib_ids, engine_release, int(sm), force, as_json,
+                                q)
     if layer_formats or calib_ids or engine_release:
         raise click.UsageError("--layer-format, --calib-ids and --engine apply to --target trtllm-pytorch, vllm, sglang")
     from .checkpoint.writer import convert as do_convert
@@ -296,15 +298,17 @@ def convert(model, out, config_path, target, layer_formats, calib_ids, engine_re
             note(n)
 
 
-def _convert_unified(model, out, target, layer_formats, calib_ids, engine, sm, force, as_json) -> None:
+def _convert_unified(model, out, target, layer_formats, calib_ids, engine, sm, force, as_json, q) -> None:
     from .build.unified_hf import convert_unified
 
-    if not layer_formats:
-        raise click.UsageError(f"--target {target} needs --layer-format (e.g. '*=fp8' or '0=nvfp4')")
+    if not layer_formats and q.get("budget_bpw") is None:
+        raise click.UsageError(f"--target {target} needs --layer-format (e.g. '*=fp8' or '0=nvfp4') or "
+                               "--calib DIR --budget BPW")
     with progress("convert", units="bytes") as prog:
         task = prog.add_task("converting", total=None)
         r = convert_unified(model, out, target=target, layer_formats=layer_formats, engine=engine, sm=sm,
-                            calib_ids=calib_ids, force=force,
+                            calib_ids=calib_ids, force=force, calib=q.get("calib"), budget_bpw=q.get("budget_bpw"),
+                            formats=q.get("formats"),
                             progress=lambda d, t: prog.update(task, completed=d, total=t))
     res = r.result
     q = res.hf_quant_config["quantization"]
@@ -316,7 +320,12 @@ def _convert_unified(model, out, target, layer_formats, calib_ids, engine, sm, f
         return
     console.print(f"[green]wrote[/] {res.out_dir} — unified-HF ({q['quant_algo']}), {fmt_bytes(res.bytes_written)} "
                   f"in {len(res.files)} shard(s)")
-    for c in r.verdict.cautions:
+    m = res.plan.meta
+    if m.get("policy") == "graded":
+        console.print(f"  experts per MoE layer: " + ", ".join(f"{l}={f}" for l, f in sorted(res.plan.expert_formats.items()))
+                      + (f" ({m['avg_bpw']:.3f} bpw" if "avg_bpw" in m else " (")
+                      + (f", predicted ΔKL {m['predicted_delta_kl']:.4g})" if "predicted_delta_kl" in m else ")"))
+    for c in r.verdict.cautions + list(m.get("notes") or []):
         note(c)
 
 

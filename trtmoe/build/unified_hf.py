@@ -23,7 +23,9 @@ from ..checkpoint.atomic import atomic_directory
 from ..checkpoint.manifest import REPOSITORY_MANIFEST, read_manifest, write_manifest
 from ..checkpoint.verify import verify_artifact
 from ..errors import InputError
-from ..hf.reader import HFCheckpoint
+from ..hf.reader import HFCheckpoint, parse_dtype
+from ..quant.calibrate import load_calib
+from ..quant.policies import make_target_plan
 
 REPO_KIND = "triton-repository"
 
@@ -65,6 +67,43 @@ def build_plan(model: str | Path, specs) -> U.UnifiedPlan:
     return plan
 
 
+def plan_from_calibration(model: str | Path, calib_dir: str | Path, budget_bpw: float, *, engine: str, sm: int,
+                          formats: list[str] | None = None) -> tuple[U.UnifiedPlan, dict[str, float]]:
+    """The graded per-MoE-layer plan: trtmoe's exact allocator over the formats the support cell
+    (engine x architecture x SM) allows per layer, on the calibration's measured ΔKL (``trtmoe calibrate
+    --formats fp8,nvfp4,...``); plus the input amax of each expert linear from the calibration (one per
+    layer and matrix kind). Attention, shared experts and dense MLPs stay bf16 (their own decisions
+    through ``--layer-format attention=...``)."""
+    calib = load_calib(calib_dir)
+    with HFCheckpoint(model) as ck:
+        spec, family = ck.model, ck.adapter.family
+    known = [f for f in calib["formats"] if f in U.FORMATS]
+    uniform = ("float", *[f for f in known if S.cell(engine, family, f, "uniform", sm).ok])
+    mixed = tuple(f for f in ("float", *known) if S.cell(engine, family, "bf16" if f == "float" else f, "mixed", sm).ok)
+    if len(mixed) < 2:
+        mixed = ()
+    dname = spec.source_dtype if spec.source_dtype in ("float32", "float16", "bfloat16") else "bfloat16"
+    qp = make_target_plan(calib, "graded", budget_bpw=budget_bpw, uniform=uniform, mixed=mixed,
+                          dtype=parse_dtype(dname), formats=formats,
+                          target=f"{S.ARCH_LABEL[family]} on {S.ENGINES[engine][0]} SM{sm}")
+    expert_formats = {}
+    for l, fs in qp.formats.items():
+        f = fs[0]
+        expert_formats[int(l)] = "bf16" if f == "float" else f
+    plan = U.UnifiedPlan(expert_formats, {}, {"policy": "graded", "budget_bpw": budget_bpw,
+                                             **{k: v for k, v in qp.meta.items() if k in ("avg_bpw", "predicted_delta_kl", "notes")}})
+    amax: dict[str, float] = {}
+    roles = {"fc": ("expert_gate", "expert_up"), "proj": ("expert_down",)}
+    ad = U.ADAPTERS[family]
+    for l, kinds in (calib.get("input_amax") or {}).items():
+        for kind, v in kinds.items():
+            value = max(v) if isinstance(v, list) else float(v)
+            for role in roles.get(kind, ()):
+                for e in range(spec.num_experts):
+                    amax[ad.name(role, int(l), e)[: -len(".weight")]] = value
+    return plan, amax
+
+
 @dataclass
 class UnifiedConvert:
     result: U.UnifiedResult
@@ -75,20 +114,35 @@ class UnifiedConvert:
 
 def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_formats, engine: str | None = None,
                     sm: int = 90, calib_ids: str | Path | None = None, force: bool = False,
+                    calib: str | Path | None = None, budget_bpw: float | None = None, formats: list[str] | None = None,
                     progress=None) -> UnifiedConvert:
-    """Plan, consult the support table (refusing before any work), measure input amax when a format
-    quantizes activations, and write the checkpoint."""
+    """Plan (``layer_formats``, or graded from ``calib`` at ``budget_bpw``), consult the support table
+    (refusing before any work), take or measure input amax when a format quantizes activations, and
+    write the checkpoint."""
     engine = engine or S.DEFAULT_ENGINE[target]
     if S.ENGINES.get(engine, (None, None))[1] != target:
         raise InputError(f"engine release {engine!r} is not a {target} release",
                          hint="one of " + ", ".join(e for e, (_, t) in S.ENGINES.items() if t == target))
-    plan = build_plan(model, layer_formats)
+    calib_amax: dict[str, float] = {}
+    if budget_bpw is not None:
+        if calib is None:
+            raise InputError("--budget needs --calib (a calibration that measured the candidate formats)")
+        plan, calib_amax = plan_from_calibration(model, calib, budget_bpw, engine=engine, sm=sm, formats=formats)
+        extra = build_plan(model, layer_formats) if layer_formats else None
+        if extra is not None:
+            plan.other_formats.update(extra.other_formats)
+    else:
+        plan = build_plan(model, layer_formats)
     with HFCheckpoint(model) as ck:
         family = ck.adapter.family
     verdict = S.check(engine, family, plan.used(), sm)
     verdict.raise_if_refused(where=str(model))
     amax = None
-    if any(U.get_format(f).activations for f in plan.used()):
+    needs = [m for m in plan.used() if U.get_format(m).activations]
+    expert_only = all(not U.get_format(f).activations for f in plan.other_formats.values())
+    if needs and calib_amax and expert_only and calib_ids is None:
+        amax = calib_amax  # the calibration's per-layer expert input amax
+    elif needs:
         if calib_ids is None:
             raise InputError("this plan quantizes activations (FP8 / NVFP4) and needs calibration token ids",
                              hint="pass --calib-ids FILE (a JSON list of token-id lists), or weight-only formats")
