@@ -165,3 +165,31 @@ def test_activation_formats_need_calibration_ids(qwen3):
     assert p.returncode == 2 and "--calib-ids" in p.stderr
     p = run_cli("convert", model, "-o", d / "wo", "--target", "sglang", "--layer-format", "*=mxfp4", "--sm", "100")
     assert p.returncode == 0, p.stderr
+
+
+# ---- graded plan from a calibration -----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_budgeted_plan_is_per_layer_and_follows_the_support_cell(tmp_path):
+    """calibrate (fp8, nvfp4 measured) -> convert --budget: vLLM on SM100 takes a per-layer plan within
+    the budget; TensorRT-LLM (no MIXED_PRECISION for Qwen3-MoE) one uniform format; the input scales come
+    from the calibration's per-layer input amax."""
+    from trtmoe.build.unified_hf import convert_unified, plan_from_calibration
+    from trtmoe.data import write_split_text
+    from trtmoe.quant.calibrate import calibrate
+
+    model = REPO / "tests" / "fixtures" / "trained_qwen3_moe"
+    if not model.is_dir():
+        pytest.skip("tests/fixtures/trained_qwen3_moe is missing (scripts/make_trained_fixture.py)")
+    write_split_text("calib", tmp_path / "calib.txt", max_bytes=60_000)
+    calibrate(model, tmp_path / "calib.txt", tmp_path / "calib", samples=4, seq_len=64, formats=("fp8", "nvfp4"))
+    plan, amax = plan_from_calibration(model, tmp_path / "calib", 6.0, engine="vllm-0.33", sm=100)
+    assert set(plan.expert_formats.values()) <= {"bf16", "fp8", "nvfp4"}
+    assert plan.meta["avg_bpw"] <= 6.0 + 1e-9
+    assert amax and all(v > 0 for v in amax.values())
+    uni, _ = plan_from_calibration(model, tmp_path / "calib", 6.0, engine="trtllm-1.2.1", sm=100)
+    assert len(set(uni.expert_formats.values())) == 1
+    r = convert_unified(model, tmp_path / "ck", target="vllm", layer_formats=(), engine="vllm-0.33", sm=100,
+                        calib=tmp_path / "calib", budget_bpw=6.0)
+    q = r.result.hf_quant_config["quantization"]
+    assert q["quant_algo"] in ("MIXED_PRECISION", "FP8", "NVFP4")
