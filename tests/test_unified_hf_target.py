@@ -193,3 +193,21 @@ def test_budgeted_plan_is_per_layer_and_follows_the_support_cell(tmp_path):
                         calib=tmp_path / "calib", budget_bpw=6.0)
     q = r.result.hf_quant_config["quantization"]
     assert q["quant_algo"] in ("MIXED_PRECISION", "FP8", "NVFP4")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4", "fp8_block_wo"])
+def test_export_numerics_equal_the_format_classes(fmt):
+    """The exporter's ModelOpt-form tensors and trtmoe's format classes (quant/formats.py) agree bit for bit
+    on a matrix with several blocks, so the checkpoint and the embedded engine's kernels share one rule."""
+    from trtmoe.quant.formats import FORMATS as QF
+
+    w = (torch.randn(256, 256, generator=torch.Generator().manual_seed(1)) * 0.05).to(torch.bfloat16)
+    f = QF[fmt]
+    ours = f.quantize(w, dtype=torch.bfloat16, **({"input_amax": torch.tensor(3.0)} if f.needs_input_amax else {}))
+    exp = U.FORMATS[fmt].quantize(w, 3.0)
+    assert set(exp) <= set(ours)
+    for k, t in exp.items():
+        a, b = ours[k], t
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), k
+        view = (lambda x: x.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (lambda x: x)
+        assert torch.equal(view(a), view(b)), k
