@@ -92,16 +92,25 @@ def plan_from_calibration(model: str | Path, calib_dir: str | Path, budget_bpw: 
         expert_formats[int(l)] = "bf16" if f == "float" else f
     plan = U.UnifiedPlan(expert_formats, {}, {"policy": "graded", "budget_bpw": budget_bpw,
                                              **{k: v for k, v in qp.meta.items() if k in ("avg_bpw", "predicted_delta_kl", "notes")}})
+    return plan, calib_input_amax(model, calib)
+
+
+def calib_input_amax(model: str | Path, calib: dict | str | Path) -> dict[str, float]:
+    """Each routed-expert linear's input amax from a calibration (``calib.json`` ``input_amax``: per MoE
+    layer, ``fc`` = gate/up input, ``proj`` = down input; per-channel lists reduce to their max)."""
+    if not isinstance(calib, dict):
+        calib = load_calib(calib)
+    with HFCheckpoint(model) as ck:
+        spec, ad = ck.model, ck.adapter
     amax: dict[str, float] = {}
     roles = {"fc": ("expert_gate", "expert_up"), "proj": ("expert_down",)}
-    ad = U.ADAPTERS[family]
     for l, kinds in (calib.get("input_amax") or {}).items():
         for kind, v in kinds.items():
             value = max(v) if isinstance(v, list) else float(v)
             for role in roles.get(kind, ()):
                 for e in range(spec.num_experts):
                     amax[ad.name(role, int(l), e)[: -len(".weight")]] = value
-    return plan, amax
+    return amax
 
 
 @dataclass
@@ -133,6 +142,8 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
             plan.other_formats.update(extra.other_formats)
     else:
         plan = build_plan(model, layer_formats)
+        if calib is not None:
+            calib_amax = calib_input_amax(model, calib)
     with HFCheckpoint(model) as ck:
         family = ck.adapter.family
     verdict = S.check(engine, family, plan.used(), sm)

@@ -40,7 +40,6 @@ from torch import Tensor
 
 from .. import __version__
 from ..errors import InputError, UnsupportedError
-from ..hf.adapters import ADAPTERS
 from ..hf.reader import HFCheckpoint
 from ..hf.safetensors_io import StreamingWriter
 from .atomic import atomic_directory
