@@ -10,6 +10,20 @@ float model's (mean KL, share of positions with the same top-1). The engine runs
 the format's ``linear``: weights dequantized, activations quantized as the format's kernel does. The
 baseline (float, KL 0) and the engine-path formats (int8, int4_g128) are measured in the same run.
 
+Beside each uniform format ModelOpt 0.47 runs here, ModelOpt's own quantization of the same model
+(``--modelopt-python``, its separate environment; skipped when absent): ``mtq.quantize`` with its
+config for the format, calibrated on the same calibration windows, exported as a unified-HF
+checkpoint (tests/reference/modelopt_quantize_model.py); its routed experts' tensors (weights,
+scales, input scales) are run by the same engine kernel (the format's ``linear``) with everything
+else float, so the two columns differ only in how each quantized the experts.
+
+Then graded plans over the ladder FP16 / FP8 / FP4 (``--ladder``, default float, fp8, nvfp4): one
+``trtmoe.quant.calibrate.calibrate`` run on the calibration windows measures every expert matrix's
+ΔKL in each format (activation quantization included) and each layer's input amax; the allocator
+(``make_plan``, policy graded) spends each budget in ``--budgets`` per expert and per layer; each plan
+is converted (``convert``, the input scales from the calibration) and run by the embedded engine on
+the held-out windows. KL should not increase as the budget grows.
+
     python scripts/bench_formats.py [--calib-samples 16] [--eval-samples 16] [--seq-len 128]
 """
 
@@ -18,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +45,11 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dataclasses import replace  # noqa: E402
+
 from trtmoe.checkpoint.writer import convert  # noqa: E402
+from trtmoe.quant.calibrate import calibrate  # noqa: E402
+from trtmoe.quant.policies import make_plan  # noqa: E402
 from trtmoe.data import write_split_text, load_texts  # noqa: E402
 from trtmoe.quant.calibrate import kl_per_token, token_batches  # noqa: E402
 from trtmoe.quant.sensitivity import layer_input_amax  # noqa: E402
@@ -40,6 +59,70 @@ from trtmoe.runtime.experts import PackedExperts, PackedShard  # noqa: E402
 from trtmoe.runtime.load import load_tokenizer  # noqa: E402
 
 FIXTURES = ("trained_mixtral", "trained_qwen3_moe")
+MODELOPT_CFG = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG", "mxfp4": "MXFP4_DEFAULT_CFG",
+                "fp8_block_wo": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "w4a8_awq": "W4A8_AWQ_BETA_CFG"}
+# HF names of an expert's gate, up and down matrices per family.
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+                "qwen3_moe": ("mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+class _SplitBank(PackedExperts):
+    """Experts whose gate, up and down matrices are each one packed tensor set (ModelOpt's export keeps
+    gate and up apart), run through the format's ``linear``: up / gate / down as trtmoe's fc / proj."""
+
+    def __init__(self, fmt, mats: list[tuple[dict, dict, dict]]):
+        self.fmt, self.mats, self.kernels, self._stacks = fmt, mats, False, []
+        self.shards = [[None] for _ in mats]
+        self.fc_names = self.proj_names = [fmt.name] * len(mats)
+
+    def forward(self, e, x):
+        g, u, d = self.mats[e]
+        return self.fmt.linear(torch.nn.functional.silu(self.fmt.linear(x, g)) * self.fmt.linear(x, u), d)
+
+    def forward_grouped(self, x, counts):
+        ys, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                ys.append(self.forward(e, x[start:start + n]))
+                start += n
+        return torch.cat(ys) if ys else x.clone()
+
+    def forward_picks(self, x, experts):
+        return [self.forward(e, x) for e in experts]
+
+
+def modelopt_banks(py: str, model: Path, ids: torch.Tensor, name: str, family: str, layers, E: int, out: Path):
+    """ModelOpt's quantization of ``model``'s experts in format ``name`` as banks per MoE layer, or the
+    reason there are none."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({"ids": ids.contiguous()}, out / "ids.safetensors")
+    exp = out / f"mo_{name}"
+    proc = subprocess.run([py, str(ROOT / "tests" / "reference" / "modelopt_quantize_model.py"), str(model),
+                           str(out / "ids.safetensors"), MODELOPT_CFG[name], str(exp)],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or ["failed"])[-1][:160]
+    t = {}
+    for f in sorted(exp.glob("*.safetensors")):
+        t.update(load_file(f))
+    fmt = FORMATS[name]
+    pre, roles = EXPERT_NAMES[family]
+    banks = {}
+    for l in layers:
+        mats = []
+        for e in range(E):
+            per = []
+            for r in roles:
+                base = f"model.layers.{l}.{pre.format(e=e)}{r}."
+                d = {k[len(base):]: v for k, v in t.items() if k.startswith(base)}
+                if name == "fp8_block_wo":  # ModelOpt 0.47 writes the block grid as [] or [1, 1, 1, 1] here
+                    w = d["weight"]
+                    d["weight_scale"] = d["weight_scale"].float().reshape(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+                per.append(d)
+            mats.append(tuple(per))
+        banks[l] = _SplitBank(fmt, mats)
+    return banks
 
 
 def moe_inputs(eng: EmbeddedEngine, ids: torch.Tensor, layers: list[int]):
@@ -79,6 +162,11 @@ def main() -> int:
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--eval-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--ladder", default="fp8,nvfp4", help="quantized rungs of the graded plans")
+    ap.add_argument("--budgets", default="5,6,8,10,12")
+    ap.add_argument("--fixtures", default=",".join(FIXTURES))
+    ap.add_argument("--modelopt-python", default=os.environ.get("TRTMOE_MODELOPT_PYTHON",
+                                                                "/work/venvs/modelopt/bin/python"))
     ap.add_argument("--formats", default="int8,int4_g128," + ",".join(n for n in QUANTIZED if not FORMATS[n].engine_path))
     args = ap.parse_args()
     names = args.formats.split(",")
@@ -87,7 +175,7 @@ def main() -> int:
         calib_txt, held_txt = work / "calib.txt", work / "heldout.txt"
         write_split_text("calib", calib_txt, max_bytes=64 * args.calib_samples * args.seq_len)
         write_split_text("heldout", held_txt, max_bytes=64 * args.eval_samples * args.seq_len)
-        for fx in FIXTURES:
+        for fx in args.fixtures.split(","):
             model = ROOT / "tests" / "fixtures" / fx
             ck = work / f"ck_{fx}"
             convert(model, ck)
@@ -105,27 +193,81 @@ def main() -> int:
             float_bytes = expert_bytes(FORMATS["bf16"] if eng.dtype == torch.bfloat16 else FORMATS["fp16"], eng)
             print(f"\n{fx}: dtype {eng.dtype}, {len(layers)} MoE layers x {c.num_experts} experts, "
                   f"calib {tuple(cal.shape)}, held-out {tuple(held.shape)}")
-            print(f"{'format':<14} {'bits/w':>7} {'expert MB':>9} {'KL mean':>10} {'same top-1':>10} {'s':>6}")
+            def run_banks(banks):
+                for l in layers:
+                    eng.layers[l].experts = banks[l]
+                kl, same, count = 0.0, 0, 0
+                try:
+                    with torch.inference_mode():
+                        for lp, b in zip(ref, held.split(8)):
+                            lg = eng.logits(b)
+                            kl += float(kl_per_token(lp, lg).sum())
+                            same += int((lg.argmax(-1) == lp.argmax(-1)).sum())
+                            count += lp.shape[0] * lp.shape[1]
+                finally:
+                    for l in layers:
+                        eng.layers[l].experts = bases[l]
+                return kl / count, same / count
+
+            mo_ok = Path(args.modelopt_python).exists()
+            print(f"{'format':<14} {'bits/w':>7} {'expert MB':>9} {'KL mean':>10} {'same top-1':>10} {'s':>6}"
+                  f"   ModelOpt 0.47: {'KL mean':>10} {'same top-1':>10}  trtmoe/ModelOpt KL")
             print(f"{'float':<14} {8 * float_bytes / (float_bytes / 2):7.3f} {float_bytes / 1e6:9.3f} "
                   f"{0.0:10.5f} {100.0:9.2f}% {0:6.1f}")
             for n in names:
                 fmt = FORMATS[n]
                 t0 = time.perf_counter()
-                for l in layers:
-                    eng.layers[l].experts = quantized_bank(bases[l], fmt, amax[l], eng.dtype)
+                kl, same = run_banks({l: quantized_bank(bases[l], fmt, amax[l], eng.dtype) for l in layers})
+                secs = time.perf_counter() - t0
+                mo = ""
+                if n in MODELOPT_CFG and mo_ok:
+                    got = modelopt_banks(args.modelopt_python, model, cal, n, eng.cfg.family, layers,
+                                         c.num_experts, work)
+                    if isinstance(got, str):
+                        mo = f"   ModelOpt failed: {got}"
+                    else:
+                        mkl, msame = run_banks(got)
+                        mo = f"   {'':14} {mkl:10.5f} {100 * msame:9.2f}%  {kl / mkl if mkl else float('nan'):8.3f}x"
+                nb = expert_bytes(fmt, eng)
+                bpw = 8 * nb / (float_bytes / 2)
+                print(f"{n:<14} {bpw:7.3f} {nb / 1e6:9.3f} {kl:10.5f} {100 * same:9.2f}% {secs:6.1f}{mo}", flush=True)
+            if not args.ladder:
+                continue
+            # ---- graded plans over the ladder ----------------------------------------------------
+            t0 = time.perf_counter()
+            ladder = args.ladder.split(",")
+            calib = calibrate(model, calib_txt, work / f"calib_{fx}", samples=args.calib_samples,
+                              seq_len=args.seq_len, formats=tuple(ladder), force=True, rounding="rtn")
+            print(f"calibration over {ladder}: {time.perf_counter() - t0:.1f} s")
+            amax = {l: {m: max(v) for m, v in d.items()} for l, d in calib["input_amax"].items()}
+
+            def held_out_kl(ck):
+                q = EmbeddedEngine.from_checkpoint(ck, device="cpu", pack_experts=False)
                 kl, same, count = 0.0, 0, 0
                 with torch.inference_mode():
                     for lp, b in zip(ref, held.split(8)):
-                        lg = eng.logits(b)
+                        lg = q.logits(b)
                         kl += float(kl_per_token(lp, lg).sum())
                         same += int((lg.argmax(-1) == lp.argmax(-1)).sum())
                         count += lp.shape[0] * lp.shape[1]
-                for l in layers:
-                    eng.layers[l].experts = bases[l]
-                nb = expert_bytes(fmt, eng)
-                bpw = 8 * nb / (float_bytes / 2)
-                print(f"{n:<14} {bpw:7.3f} {nb / 1e6:9.3f} {kl / count:10.5f} {100 * same / count:9.2f}% "
-                      f"{time.perf_counter() - t0:6.1f}")
+                return kl / count, same / count
+
+            print(f"{'plan':<22} {'budget':>6} {'avg bits':>8} {'KL mean':>10} {'same top-1':>10}  formats used")
+            for gran in ("expert", "layer"):
+                last = None
+                for b in [float(x) for x in args.budgets.split(",")]:
+                    plan = make_plan(calib, "graded", budget_bpw=b, granularity=gran, formats=["float", *ladder],
+                                     dtype=eng.dtype, I_loc=c.expert_intermediate_size)
+                    plan = replace(plan, meta={**plan.meta, "input_amax": amax})
+                    ck = work / f"q_{fx}_{gran}_{b}"
+                    convert(model, ck, quant=plan)
+                    kl, same = held_out_kl(ck)
+                    used = sorted({f for fs in plan.formats.values() for f in fs})
+                    flag = "" if last is None or kl <= last * 1.02 else "  (KL rose)"
+                    last = kl
+                    print(f"{'graded per ' + gran:<22} {b:6.1f} {plan.meta['avg_bpw']:8.3f} {kl:10.5f} "
+                          f"{100 * same:9.2f}%  {','.join(used)}{flag}")
+                    shutil.rmtree(ck, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

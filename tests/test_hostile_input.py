@@ -492,7 +492,7 @@ ST_MUTATIONS = [
     ("entry_a_number", st_header(lambda h: h.__setitem__(EXPERT, 5)), (EXPERT,)),
     ("dtype_unknown", st_header(_set(EXPERT, dtype="XYZ")), (EXPERT, "XYZ")),
     ("dtype_missing", st_header(lambda h: h[EXPERT].pop("dtype")), (EXPERT,)),
-    ("dtype_float8", st_header(_to_f8), (EXPERT, "F8_E4M3", "unsupported")),
+    ("dtype_float8", st_header(_to_f8), (EXPERT, "F8_E4M3", "float weights only")),
     ("dtype_integer", st_header(_set(EXPERT, dtype="I32")), (EXPERT, "I32", "integer")),
     ("dtype_bool", st_header(lambda h: h[EXPERT].update(dtype="BOOL", shape=[48, 256])), (EXPERT,)),
     ("shape_negative", st_header(_set(EXPERT, shape=[-48, -64])), (EXPERT,)),

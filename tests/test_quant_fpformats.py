@@ -119,7 +119,7 @@ def test_w4a8_pre_quant_scale_and_fp8_weight_rounding():
     p = fmt.quantize(w, dtype=torch.float32, input_amax=torch.full((256,), 2.0), pre_quant_scale=pq)
     assert p["weight"].shape == (2, 256) and p["weight"].dtype == torch.uint8
     assert p["weight_scale"].shape == (4, 2) and p["pre_quant_scale"].shape == (256,)
-    assert float(p["input_scale"]) == pytest.approx(float((2.0 * pq).max()) / 448)
+    assert float(p["input_scale"]) == pytest.approx(float((2.0 * pq).max()) / 448, rel=1e-6)
     x = torch.randn(3, 256, generator=g)
     y = fmt.linear(x, p)
     # The same product from the definition: x * pq to FP8 under input_scale, times the effective weight.
@@ -189,7 +189,7 @@ def test_packed_tensors_equal_modelopt(tmp_path, dtype):
     t = {}
     for n, w in mats.items():
         t[n] = w.to(dtype).contiguous()
-        t[f"{n}.input_amax"] = torch.tensor(float(w.abs().max()) * 40)
+        t[f"{n}.input_amax"] = torch.tensor(float(w.abs().max()) * 40).to(dtype).float()  # as the model dtype holds it
         t[f"{n}.x"] = (torch.randn(7, w.shape[1], generator=g) * float(w.abs().max()) * 10).to(dtype)
     save_file(t, tmp_path / "in.safetensors")
     proc = subprocess.run([MODELOPT_PY, str(ORACLE), str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")],
@@ -304,7 +304,8 @@ def test_calibration_measures_input_amax_and_plans_use_it(tiny_model, tmp_path):
     bank = eng.layers[cal["moe_layers"][0]].experts
     sh = bank.shards[0][0]
     assert sh.fc_fmt.name == "nvfp4"
-    want = max(cal["input_amax"][str(cal["moe_layers"][0])]["fc"]) / (6 * 448)
+    amax = max(cal["input_amax"][str(cal["moe_layers"][0])]["fc"])
+    want = float(torch.tensor(amax).to(eng.dtype).float()) / (6 * 448)  # the model-dtype inputs' amax
     assert float(sh.fc["input_scale"]) == pytest.approx(want, rel=1e-6)
     cli("convert", model, "-o", tmp_path / "g", "--calib", tmp_path / "c", "--budget", "6")
     g = EmbeddedEngine.from_checkpoint(tmp_path / "g", device="cpu")

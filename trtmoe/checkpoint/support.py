@@ -377,12 +377,14 @@ _MARK = {SUPPORTED: "yes", UNLISTED: "unlisted", REFUSED: "no"}
 def markdown_table(version: str) -> str:
     """The README's support table for one release line (generated; a test compares the README)."""
     rs = release_support(version)
-    cols = [f"{FORMAT_LABEL[f]}" for f in FORMATS] + ["MIXED_PRECISION"] + list(FEATURES)
+    # The engine path's formats: the fused-MoE ones are refused by every row (see _FUSED_MOE_ONLY).
+    fmts = [f for f in FORMATS if f == "float" or QUANT_FORMATS[f].engine_path]
+    cols = [f"{FORMAT_LABEL[f]}" for f in fmts] + ["MIXED_PRECISION"] + list(FEATURES)
     lines = [f"| TensorRT-LLM {rs.line} | " + " | ".join(cols) + " |",
              "|" + "---|" * (len(cols) + 1)]
     for fam in FAMILIES:
-        row = [_MARK[rs.quant[(fam, f, "uniform")].status] for f in FORMATS]
-        mixed_ok = [f for f in FORMATS if rs.quant[(fam, f, "mixed")].ok]
+        row = [_MARK[rs.quant[(fam, f, "uniform")].status] for f in fmts]
+        mixed_ok = [f for f in fmts if rs.quant[(fam, f, "mixed")].ok]
         row.append(("yes: " + ", ".join(FORMAT_LABEL[f] for f in mixed_ok)) if mixed_ok else "no")
         row += [_MARK[rs.mapping[(fam, feat)].status] for feat in FEATURES]
         lines.append(f"| {ARCH_LABEL[fam]} | " + " | ".join(row) + " |")
@@ -393,9 +395,10 @@ def reasons(version: str) -> list[str]:
     """One line per refused or unlisted cell, for the README under the table."""
     rs = release_support(version)
     seen: dict[str, list[str]] = {}
+    engine = [f for f in FORMATS if f == "float" or QUANT_FORMATS[f].engine_path]  # the table's columns
     for (fam, fmt, layout), c in rs.quant.items():
-        if c.status != SUPPORTED:
-            whole = layout == "mixed" and len({rs.quant[(fam, f, "mixed")] for f in FORMATS}) == 1
+        if c.status != SUPPORTED and fmt in engine:
+            whole = layout == "mixed" and len({rs.quant[(fam, f, "mixed")] for f in engine}) == 1
             what = (f"{ARCH_LABEL[fam]} MIXED_PRECISION" if whole else
                     f"{ARCH_LABEL[fam]} {FORMAT_LABEL[fmt]}" + (" layers in MIXED_PRECISION" if layout == "mixed"
                                                                else ""))

@@ -302,14 +302,14 @@ class HFCheckpoint:
                                   hint=f"does config.json match the weights? ({self.adapter.family} layout)")
         for name, shape in want.items():
             info = self.info(name)
-            if tuple(info.shape) != tuple(shape):
-                raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}, config implies "
-                                      f"{list(shape)}", where=str(self.location[name]))
             if info.dtype.itemsize == 1 and info.dtype.is_floating_point:
                 raise UnsupportedError(f"tensor {name!r} is stored as {DTYPE_NAMES[info.dtype]} (an FP8-quantized "
                                        "checkpoint); trtmoe reads float weights only",
                                        where=str(self.location[name]),
                                        hint="dequantize the checkpoint to BF16 first")
+            if tuple(info.shape) != tuple(shape):
+                raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)}, config implies "
+                                      f"{list(shape)}", where=str(self.location[name]))
             if not info.dtype.is_floating_point:
                 # Casting integer storage to float would turn bit patterns into huge weights.
                 raise CheckpointError(f"tensor {name!r} is stored as {DTYPE_NAMES[info.dtype]}, an integer "

@@ -684,10 +684,13 @@ class FusedMoEFormat(QuantFormat):
     def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def _input_scale(self, input_amax, divisor: float, pre_quant_scale: Tensor | None = None) -> dict:
+    def _input_scale(self, input_amax, divisor: float, dtype: torch.dtype, pre_quant_scale: Tensor | None = None
+                     ) -> dict:
         if not self.needs_input_amax:
             return {}
-        amax = _input_amax(input_amax, self.name, pre_quant_scale)
+        # The kernel's inputs are in the model dtype: their amax is the measured one rounded to it
+        # (rounding is monotonic), which is also what a calibration run in that dtype measures.
+        amax = _input_amax(input_amax, self.name, pre_quant_scale).to(dtype).float()
         return {"input_scale": _nonzero(amax / divisor).to(torch.float32)}
 
     def _prepare(self, w: Tensor, dtype: torch.dtype) -> Tensor:
@@ -753,7 +756,7 @@ class FP8Format(FusedMoEFormat):
         # model-dtype weight divided by a float32 scalar scale yields the model dtype).
         q = (wd / _lead(scale, wd.dim())).to(dtype).float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return {"weight": q.contiguous(), "weight_scale": scale.contiguous(),
-                **self._input_scale(input_amax, E4M3_MAX)}
+                **self._input_scale(input_amax, E4M3_MAX, dtype)}
 
     def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
         _need(packed, ("weight", "weight_scale"), self.name)
@@ -830,7 +833,7 @@ class NVFP4Format(FusedMoEFormat):
         bs = _nvfp4_block_scales(g.abs().amax(dim=-1), gsl.squeeze(-1))
         codes = e2m1_codes(g / (bs.unsqueeze(-1) * gsl)).flatten(-2)
         return {"weight": pack_nibbles(codes), "weight_scale": bs.to(torch.float8_e4m3fn).contiguous(),
-                "weight_scale_2": gs.contiguous(), **self._input_scale(input_amax, E2M1_MAX * E4M3_MAX)}
+                "weight_scale_2": gs.contiguous(), **self._input_scale(input_amax, E2M1_MAX * E4M3_MAX, dtype)}
 
     def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
         _need(packed, ("weight", "weight_scale", "weight_scale_2"), self.name)
@@ -940,7 +943,7 @@ class W4A8AwqFormat(FusedMoEFormat):
         s2 = _nonzero(wt.abs().amax(dim=(-2, -1)) / E4M3_MAX)
         packed = pack_int4(codes, dim=-2).view(torch.uint8)
         return {"weight": packed, "weight_scale": scale.contiguous(), "weight_scale_2": s2.contiguous(),
-                "pre_quant_scale": pq.contiguous(), **self._input_scale(input_amax, E4M3_MAX, pq)}
+                "pre_quant_scale": pq.contiguous(), **self._input_scale(input_amax, E4M3_MAX, dtype, pq)}
 
     def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
         """The effective weight on the pre-scaled inputs (without ``pre_quant_scale``)."""
