@@ -17,6 +17,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..checkpoint import unified_hf as U
 from ..checkpoint import unified_support as S
 from ..checkpoint.atomic import atomic_directory
@@ -104,9 +106,11 @@ def calib_input_amax(model: str | Path, calib: dict | str | Path) -> dict[str, f
         spec, ad = ck.model, ck.adapter
     amax: dict[str, float] = {}
     roles = {"fc": ("expert_gate", "expert_up"), "proj": ("expert_down",)}
+    dtype = parse_dtype(spec.source_dtype if spec.source_dtype in ("float32", "float16", "bfloat16") else "bfloat16")
     for l, kinds in (calib.get("input_amax") or {}).items():
         for kind, v in kinds.items():
-            value = max(v) if isinstance(v, list) else float(v)
+            # Rounded to the model dtype: the largest |input| a run in that dtype sees (as ModelOpt measures it).
+            value = float(torch.tensor(max(v) if isinstance(v, list) else float(v)).to(dtype))
             for role in roles.get(kind, ()):
                 for e in range(spec.num_experts):
                     amax[ad.name(role, int(l), e)[: -len(".weight")]] = value
