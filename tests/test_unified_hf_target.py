@@ -150,6 +150,8 @@ def test_convert_repo_serve_for_vllm_and_trtllm(qwen3):
     assert p.returncode == 0, p.stderr
     assert f"trtllm-serve {(d / 'fp8').absolute()} --backend pytorch" in p.stdout
     assert "vllm serve" in p.stdout and "sglang.launch_server" in p.stdout
+    p = run_cli("build", d / "fp8", "-o", d / "engine")
+    assert p.returncode == 2 and "no build step" in p.stderr and not (d / "engine").exists()
     # An edited shard fails verify.
     shard = next((d / "fp8").glob("model-*.safetensors"))
     data = bytearray(shard.read_bytes())
