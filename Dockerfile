@@ -20,6 +20,16 @@
 #   docker run --rm --gpus all --shm-size=2g -p 8000-8002:8000-8002 -v "$PWD/work:/work" trtmoe \
 #       trtmoe serve /work/repo --host 0.0.0.0
 #   docker run --rm --gpus all trtmoe scripts/gpu_smoke.sh
+#
+# The PyTorch-backend path (TensorRT-LLM 1.2.1 in this image; 1.4 with a newer trtllm image as
+# BASE_IMAGE, where the engine path above no longer exists): a ModelOpt unified-HF checkpoint, no build
+# step, served by trtllm-serve or by Triton's llmapi model (docs/deploy-gpu.md):
+#   docker run --rm -v "$PWD/work:/work" trtmoe trtmoe convert /work/hf -o /work/hf-fp8 \
+#       --target trtllm-pytorch --layer-format '*=fp8' --calib-ids /work/ids.json
+#   docker run --rm --gpus all -p 8000:8000 -v "$PWD/work:/work" trtmoe \
+#       trtllm-serve /work/hf-fp8 --backend pytorch --host 0.0.0.0 --port 8000
+#   docker run --rm -v "$PWD/work:/work" trtmoe trtmoe repo /work/hf-fp8 -o /work/repo-llmapi
+#   docker run --rm -v "$PWD/work:/work" trtmoe trtmoe serve /work/repo-llmapi --print-command
 ARG BASE_IMAGE=nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3
 FROM ${BASE_IMAGE}
 

@@ -210,10 +210,11 @@ def test_every_schema_key_is_an_option_of_its_command(command, sections):
 
 
 def test_convert_target_offers_the_build_backends():
-    from trtmoe.cli import convert
+    from trtmoe.cli import UNIFIED_TARGETS, convert
 
+    # The build backends, then the unified-HF targets (no build step: the engines load the checkpoint).
     target = next(p for p in convert.params if p.name == "target")
-    assert tuple(target.type.choices) == cfgmod.SCHEMA["build"]["backend"].choices
+    assert tuple(target.type.choices) == (*cfgmod.SCHEMA["build"]["backend"].choices, *UNIFIED_TARGETS)
 
 
 def test_format_choices_cover_the_format_registry():

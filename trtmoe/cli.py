@@ -21,6 +21,9 @@ from .console import console, err_console, fmt_bytes, fmt_count, note, progress
 from .errors import LayoutError, NotBuildable, TrtmoeError
 from .quant import QUANTIZED_NAMES
 
+# The unified-HF targets (trtmoe.checkpoint.unified_hf.TARGETS; named here so --help imports no torch).
+UNIFIED_TARGETS = ("trtllm-pytorch", "vllm", "sglang")
+
 
 # What an OSError's errno means for the user, where the bare strerror is not enough.
 _OS_HINTS = {
@@ -280,13 +283,26 @@ def _render_inspect(rep: dict) -> None:
               help="YAML build config (see build_configs/); CLI options override it.")
 @cfgmod.click_options("convert")
 @cfgmod.click_options("quantize")
-@click.option("--target", type=click.Choice(cfgmod.SCHEMA["build"]["backend"].choices), default=None,
-              help="Build backend the checkpoint is for: sets the default granularity (per expert matrix vs "
-                   "per MoE layer) and, for tensorrt-llm, the formats and layouts TensorRT-LLM builds "
-                   "[default: embedded].")
+@click.option("--target", type=click.Choice([*cfgmod.SCHEMA["build"]["backend"].choices, *UNIFIED_TARGETS]),
+              default=None,
+              help="What the checkpoint is for: embedded / tensorrt-llm (TensorRT-LLM 1.2 engine path) write a "
+                   "TensorRT-LLM checkpoint; trtllm-pytorch, vllm and sglang write a ModelOpt unified-HF checkpoint "
+                   "(trtllm-serve / LLM(), vLLM, SGLang) [default: embedded].")
+@click.option("--layer-format", "layer_formats", multiple=True, metavar="KEY=FORMAT",
+              help="Unified-HF targets: '*=FMT' quantizes every linear but routers/embeddings/lm_head (as ModelOpt's "
+                   "presets do); 'L=FMT' MoE layer L's routed experts; 'attention=FMT', 'shared=FMT', 'dense=FMT'. "
+                   "Formats: bf16, fp8, fp8_block_wo, nvfp4, mxfp4, int8. Repeatable.")
+@click.option("--calib-ids", type=click.Path(path_type=Path), default=None,
+              help="Unified-HF targets: JSON list of token-id lists the input amax of FP8/NVFP4 layers is measured on.")
+@click.option("--engine", "engine_release", default=None,
+              help="Unified-HF targets: engine release of the support cell (trtllm-1.2.1, trtllm-1.4, vllm-0.33, "
+                   "sglang-0.5) [default: the target's first].")
+@click.option("--sm", type=click.Choice(["89", "90", "100"]), default="90", show_default=True,
+              help="Unified-HF targets: GPU generation of the support cell.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-def convert(model, out, config_path, target, force, as_json, **options):
+def convert(model, out, config_path, target, layer_formats, calib_ids, engine_release, sm, force, as_json,
+            **options):
     """Convert an HF MoE checkpoint into a TensorRT-LLM checkpoint directory.
 
     Streams tensor by tensor (memory stays bounded whatever the model size) into a temporary
@@ -300,7 +316,16 @@ def convert(model, out, config_path, target, force, as_json, **options):
       trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5 --granularity expert
       trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5 --target tensorrt-llm  # per layer
       trtmoe convert ./model -o ckpt/ --policy uniform --format int8
+      trtmoe convert ./qwen3-moe -o hf-fp8/ --target trtllm-pytorch --layer-format '*=fp8' --calib-ids ids.json
+      trtmoe convert ./qwen3-moe -o hf-mix/ --target vllm --layer-format 0=nvfp4 --layer-format 1=fp8 \\
+          --calib-ids ids.json --sm 100
     """
+    if target in UNIFIED_TARGETS:
+        q = cfgmod.resolve(config_path, cfgmod.from_cli(options, "convert", "quantize"))["quantize"]
+        return _convert_unified(model, out, target, layer_formats, calib_ids, engine_release, int(sm), force, as_json,
+                                q)
+    if layer_formats or calib_ids or engine_release:
+        raise click.UsageError("--layer-format, --calib-ids and --engine apply to --target trtllm-pytorch, vllm, sglang")
     from .checkpoint.writer import convert as do_convert
 
     cfg = cfgmod.resolve(config_path, {**cfgmod.from_cli(options, "convert", "quantize"), "build": {"backend": target}})
@@ -334,6 +359,37 @@ def convert(model, out, config_path, target, force, as_json, **options):
             console.print(f"  {_recipes_line(res.recipes)}")
         for n in summary["notes"]:
             note(n)
+
+
+def _convert_unified(model, out, target, layer_formats, calib_ids, engine, sm, force, as_json, q) -> None:
+    from .build.unified_hf import convert_unified
+
+    if not layer_formats and q.get("budget_bpw") is None:
+        raise click.UsageError(f"--target {target} needs --layer-format (e.g. '*=fp8' or '0=nvfp4') or "
+                               "--calib DIR --budget BPW")
+    with progress("convert", units="bytes") as prog:
+        task = prog.add_task("converting", total=None)
+        r = convert_unified(model, out, target=target, layer_formats=layer_formats, engine=engine, sm=sm,
+                            calib_ids=calib_ids, force=force, calib=q.get("calib"), budget_bpw=q.get("budget_bpw"),
+                            formats=q.get("formats"),
+                            progress=lambda d, t: prog.update(task, completed=d, total=t))
+    res = r.result
+    q = res.hf_quant_config["quantization"]
+    summary = {"output": str(res.out_dir), "target": target, "engine": r.engine, "sm": r.sm,
+               "quant_algo": q["quant_algo"], "quantized_layers": q.get("quantized_layers"),
+               "bytes": res.bytes_written, "files": res.files, "support": r.verdict.to_dict()}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    console.print(f"[green]wrote[/] {res.out_dir} — unified-HF ({q['quant_algo']}), {fmt_bytes(res.bytes_written)} "
+                  f"in {len(res.files)} shard(s)")
+    m = res.plan.meta
+    if m.get("policy") == "graded":
+        console.print(f"  experts per MoE layer: " + ", ".join(f"{l}={f}" for l, f in sorted(res.plan.expert_formats.items()))
+                      + (f" ({m['avg_bpw']:.3f} bpw" if "avg_bpw" in m else " (")
+                      + (f", predicted ΔKL {m['predicted_delta_kl']:.4g})" if "predicted_delta_kl" in m else ")"))
+    for c in r.verdict.cautions + list(m.get("notes") or []):
+        note(c)
 
 
 def _recipes_line(counts: dict[str, int]) -> str:

@@ -50,6 +50,7 @@ def build(checkpoint, out, config_path, dry_run, force, allow_fewer_gpus, copy_f
       trtmoe build ckpt/ -o engine/ --backend tensorrt-llm --max-seq-len 4096 --workers 4
       trtmoe verify engine/
     """
+    _refuse_unified(checkpoint)
     cfg = cfgmod.resolve(config_path, cfgmod.from_cli(options, "build"))
     b = cfg["build"]
     _check_layout(checkpoint, cfgmod.load_yaml(config_path).get("convert") or {}, config_path)
@@ -75,6 +76,21 @@ def _check_layout(checkpoint, convert: dict, config_path) -> None:
         raise ConfigError(f"convert section asks for {', '.join(differ)}; build uses the checkpoint's layout "
                           f"({mp.describe()})", where=str(config_path),
                           hint="convert the model again with this layout, or drop those keys")
+
+
+def _refuse_unified(checkpoint) -> None:
+    """A unified-HF checkpoint has no build step: the engines load it as it is."""
+    from ..errors import InputError
+
+    try:
+        kind = json.loads((Path(checkpoint) / "manifest.json").read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return
+    if kind == "unified-hf-checkpoint":
+        raise InputError("a unified-HF checkpoint (convert --target trtllm-pytorch / vllm / sglang) has no build step: "
+                         "TensorRT-LLM's PyTorch backend, vLLM and SGLang load it directly", where=str(checkpoint),
+                         hint=f"trtmoe repo {checkpoint} -o REPO (Triton llmapi), then trtmoe serve REPO "
+                              "--print-command for the trtllm-serve / vLLM / SGLang command lines")
 
 
 def _tensorrt_llm(checkpoint, out, b, *, dry_run, force, allow_fewer_gpus, as_json):

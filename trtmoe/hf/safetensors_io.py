@@ -35,6 +35,8 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Dtypes trtmoe writes (quantized checkpoints for other engines) but does not read as source weights.
+WRITE_DTYPE_NAMES = {**DTYPE_NAMES, torch.float8_e4m3fn: "F8_E4M3"}
 _MAX_HEADER = 100 * 1024 * 1024
 # Valid safetensors dtypes trtmoe does not read (named as such, not as corruption).
 UNSUPPORTED_DTYPES = {"F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64",
@@ -267,7 +269,7 @@ def _header_bytes(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadat
     off = 0
     for name, dtype, shape in specs:
         nb = math.prod(shape) * dtype_size(dtype)
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + nb]}
+        header[name] = {"dtype": WRITE_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + nb]}
         off += nb
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # pad so tensor data starts 8-byte aligned

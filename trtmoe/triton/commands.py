@@ -53,6 +53,8 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
     """
     from .repository import generate_repository
 
+    if _is_unified_checkpoint(engine_dir):
+        return _unified_repo(engine_dir, out_dir, config_path, force, as_json, options)
     kw = dict(cfgmod.resolve(config_path, cfgmod.from_cli(options, "repo"))["repo"])
     kw["tokenizer_dir"] = kw.pop("tokenizer")
     r = generate_repository(engine_dir, out_dir, force=force, **kw)
@@ -89,6 +91,54 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
     click.echo(f"next: trtmoe serve {r.path}" + (f"  (runs {r.launch_world_size} MPI ranks)" if r.launch_world_size > 1 else ""))
 
 
+def _is_unified_checkpoint(path: Path) -> bool:
+    """A checkpoint `convert --target trtllm-pytorch|vllm|sglang` wrote (its manifest's kind)."""
+    import json
+
+    try:
+        return json.loads((Path(path) / "manifest.json").read_text()).get("kind") == "unified-hf-checkpoint"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _unified_repo(ckpt: Path, out_dir: Path, config_path, force: bool, as_json: bool, options: dict) -> None:
+    """`repo` for a unified-HF checkpoint: upstream's llmapi layout (model.yaml of LLM() arguments)."""
+    from ..build.unified_hf import gpu_commands, write_llmapi_repository
+
+    cfg = cfgmod.resolve(config_path, cfgmod.from_cli(options, "repo"))
+    cv, r = cfg.get("convert", {}), cfg["repo"]
+    tp, ep = int(cv.get("tp") or 1), int(cv.get("moe_ep") or 1)
+    build = {k: r[k] for k in ("max_batch_size", "max_seq_len") if r.get(k)}
+    man = write_llmapi_repository(ckpt, out_dir, tp=tp, ep=ep, build=build, force=force)
+    if as_json:
+        _echo_json({"path": str(out_dir), "manifest": man})
+        return
+    click.echo(f"wrote {out_dir} (llmapi layout: tensorrt_llm/config.pbtxt, tensorrt_llm/1/model.yaml)")
+    click.echo(f"  model.yaml     model: {Path(ckpt).absolute()}, backend: pytorch, tensor_parallel_size {tp}, "
+               f"moe_expert_parallel_size {ep}")
+    click.echo("  model.py       upstream's, from the TensorRT-LLM container on the GPU host:")
+    click.echo("  " + gpu_commands(ckpt, tp=tp, ep=ep, build=build, repo=out_dir)["triton"])
+    click.echo(f"next: trtmoe serve {out_dir} --print-command  (the trtllm-serve, vLLM and SGLang command lines)")
+
+
+def _unified_print_command(repo: Path) -> bool:
+    """`serve --print-command` for an llmapi repository of a unified-HF checkpoint: the GPU command lines."""
+    import json
+
+    from ..build.unified_hf import gpu_commands
+
+    try:
+        man = json.loads((Path(repo) / "trtmoe_repository.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(man, dict) or not str(man.get("contract", "")).endswith("(PyTorch backend)"):
+        return False
+    mp = man.get("mapping") or {}
+    for name, cmd in gpu_commands(man["checkpoint"], tp=mp.get("tp", 1), ep=mp.get("ep", 1), repo=repo).items():
+        click.echo(f"# {name}\n{cmd}")
+    return True
+
+
 @click.command("serve")
 @click.argument("repo", type=click.Path(path_type=Path))
 @_CONFIG
@@ -116,6 +166,8 @@ def serve_command(repo, config_path, log_file, print_command, **options):
     from .serve import (Endpoints, build_launch_command, decode_binding, find_tritonserver, read_repository_manifest,
                         run_until_signalled, serve_repository, server_environment)
 
+    if print_command and _unified_print_command(repo):
+        return
     o = cfgmod.resolve(config_path, cfgmod.from_cli(options, "serve"))["serve"]
     host, http_port, grpc_port, metrics_port = o["host"], o["http_port"], o["grpc_port"], o["metrics_port"]
     world_size, server, timeout_s, log_verbose = o["world_size"], o["server"], float(o["timeout_s"]), o["log_verbose"]

@@ -1,0 +1,279 @@
+"""The ``trtllm-pytorch`` / ``vllm`` / ``sglang`` targets: convert to a ModelOpt unified-HF checkpoint,
+check it against the support table, and deploy it (Triton's llmapi ``model.yaml``, or the engines' own
+command lines).
+
+The checkpoint writer and its numerics are ``checkpoint/unified_hf.py``; the table is
+``checkpoint/unified_support.py``. Deploy facts restated from TensorRT-LLM's
+``triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml`` (keys are ``LLM()`` arguments plus a
+``triton_config`` block) and ``config.pbtxt`` (inputs ``text_input`` / ``sampling_param_*`` /
+``streaming``, outputs ``text_output`` ...): the ``model.py`` that reads them ships in TensorRT-LLM's
+container under ``triton_backend/all_models/llmapi/``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import unified_hf as U
+from ..checkpoint import unified_support as S
+from ..checkpoint.atomic import atomic_directory
+from ..checkpoint.manifest import REPOSITORY_MANIFEST, read_manifest, write_manifest
+from ..checkpoint.verify import verify_artifact
+from ..errors import InputError
+from ..hf.reader import HFCheckpoint, parse_dtype
+from ..quant.calibrate import load_calib
+from ..quant.policies import make_target_plan
+
+REPO_KIND = "triton-repository"
+
+
+def parse_layer_formats(specs: tuple[str, ...] | list[str]) -> tuple[str | None, dict[int, str], dict[str, str]]:
+    """``--layer-format`` values: ``*=FMT`` (every quantizable linear, ModelOpt-preset style), ``L=FMT``
+    (MoE layer L's routed experts), ``attention=FMT`` / ``shared=FMT`` / ``dense=FMT``."""
+    uniform, experts, other = None, {}, {}
+    for s in specs:
+        key, sep, fmt = s.partition("=")
+        if not sep or not fmt:
+            raise InputError(f"--layer-format {s!r}: expected KEY=FORMAT", hint="e.g. '*=fp8', '0=nvfp4', 'attention=fp8'")
+        name = U.get_format(fmt).name
+        if key == "*":
+            uniform = name
+        elif key.isdigit():
+            experts[int(key)] = name
+        elif key in ("attention", "shared", "dense"):
+            other[key] = name
+        else:
+            raise InputError(f"--layer-format {s!r}: unknown key {key!r}",
+                             hint="'*', a MoE layer index, 'attention', 'shared' or 'dense'")
+    return uniform, experts, other
+
+
+def build_plan(model: str | Path, specs) -> U.UnifiedPlan:
+    uniform, experts, other = parse_layer_formats(specs)
+    with HFCheckpoint(model) as ck:
+        moe = [l for l, m in enumerate(ck.model.moe_layers) if m]
+    bad = sorted(set(experts) - set(moe))
+    if bad:
+        raise InputError(f"--layer-format names layers {bad} that have no routed experts", hint=f"MoE layers: {moe}")
+    if uniform:
+        plan = U.UnifiedPlan.uniform(uniform, moe)
+    else:
+        plan = U.UnifiedPlan({}, {}, {"policy": "per-layer"})
+    plan.expert_formats.update(experts)
+    plan.other_formats.update(other)
+    return plan
+
+
+def plan_from_calibration(model: str | Path, calib_dir: str | Path, budget_bpw: float, *, engine: str, sm: int,
+                          formats: list[str] | None = None) -> tuple[U.UnifiedPlan, dict[str, float]]:
+    """The graded per-MoE-layer plan: trtmoe's exact allocator over the formats the support cell
+    (engine x architecture x SM) allows per layer, on the calibration's measured ΔKL (``trtmoe calibrate
+    --formats fp8,nvfp4,...``); plus the input amax of each expert linear from the calibration (one per
+    layer and matrix kind). Attention, shared experts and dense MLPs stay bf16 (their own decisions
+    through ``--layer-format attention=...``)."""
+    calib = load_calib(calib_dir)
+    with HFCheckpoint(model) as ck:
+        spec, family = ck.model, ck.adapter.family
+    known = [f for f in calib["formats"] if f in U.FORMATS]
+    uniform = ("float", *[f for f in known if S.cell(engine, family, f, "uniform", sm).ok])
+    mixed = tuple(f for f in ("float", *known) if S.cell(engine, family, "bf16" if f == "float" else f, "mixed", sm).ok)
+    if len(mixed) < 2:
+        mixed = ()
+    dname = spec.source_dtype if spec.source_dtype in ("float32", "float16", "bfloat16") else "bfloat16"
+    qp = make_target_plan(calib, "graded", budget_bpw=budget_bpw, uniform=uniform, mixed=mixed,
+                          dtype=parse_dtype(dname), formats=formats,
+                          target=f"{S.ARCH_LABEL[family]} on {S.ENGINES[engine][0]} SM{sm}")
+    expert_formats = {}
+    for l, fs in qp.formats.items():
+        f = fs[0]
+        expert_formats[int(l)] = "bf16" if f == "float" else f
+    plan = U.UnifiedPlan(expert_formats, {}, {"policy": "graded", "budget_bpw": budget_bpw,
+                                             **{k: v for k, v in qp.meta.items() if k in ("avg_bpw", "predicted_delta_kl", "notes")}})
+    return plan, calib_input_amax(model, calib)
+
+
+def calib_input_amax(model: str | Path, calib: dict | str | Path) -> dict[str, float]:
+    """Each routed-expert linear's input amax from a calibration (``calib.json`` ``input_amax``: per MoE
+    layer, ``fc`` = gate/up input, ``proj`` = down input; per-channel lists reduce to their max)."""
+    if not isinstance(calib, dict):
+        calib = load_calib(calib)
+    with HFCheckpoint(model) as ck:
+        spec, ad = ck.model, ck.adapter
+    amax: dict[str, float] = {}
+    roles = {"fc": ("expert_gate", "expert_up"), "proj": ("expert_down",)}
+    dtype = parse_dtype(spec.source_dtype if spec.source_dtype in ("float32", "float16", "bfloat16") else "bfloat16")
+    for l, kinds in (calib.get("input_amax") or {}).items():
+        for kind, v in kinds.items():
+            # Rounded to the model dtype: the largest |input| a run in that dtype sees (as ModelOpt measures it).
+            value = float(torch.tensor(max(v) if isinstance(v, list) else float(v)).to(dtype))
+            for role in roles.get(kind, ()):
+                for e in range(spec.num_experts):
+                    amax[ad.name(role, int(l), e)[: -len(".weight")]] = value
+    return amax
+
+
+@dataclass
+class UnifiedConvert:
+    result: U.UnifiedResult
+    verdict: S.Verdict
+    engine: str
+    sm: int
+
+
+def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_formats, engine: str | None = None,
+                    sm: int = 90, calib_ids: str | Path | None = None, force: bool = False,
+                    calib: str | Path | None = None, budget_bpw: float | None = None, formats: list[str] | None = None,
+                    progress=None) -> UnifiedConvert:
+    """Plan (``layer_formats``, or graded from ``calib`` at ``budget_bpw``), consult the support table
+    (refusing before any work), take or measure input amax when a format quantizes activations, and
+    write the checkpoint."""
+    engine = engine or S.DEFAULT_ENGINE[target]
+    if S.ENGINES.get(engine, (None, None))[1] != target:
+        raise InputError(f"engine release {engine!r} is not a {target} release",
+                         hint="one of " + ", ".join(e for e, (_, t) in S.ENGINES.items() if t == target))
+    calib_amax: dict[str, float] = {}
+    if budget_bpw is not None:
+        if calib is None:
+            raise InputError("--budget needs --calib (a calibration that measured the candidate formats)")
+        plan, calib_amax = plan_from_calibration(model, calib, budget_bpw, engine=engine, sm=sm, formats=formats)
+        extra = build_plan(model, layer_formats) if layer_formats else None
+        if extra is not None:
+            plan.other_formats.update(extra.other_formats)
+    else:
+        plan = build_plan(model, layer_formats)
+        if calib is not None:
+            calib_amax = calib_input_amax(model, calib)
+    with HFCheckpoint(model) as ck:
+        family = ck.adapter.family
+    verdict = S.check(engine, family, plan.used(), sm)
+    verdict.raise_if_refused(where=str(model))
+    amax = None
+    needs = [m for m in plan.used() if U.get_format(m).activations]
+    expert_only = all(not U.get_format(f).activations for f in plan.other_formats.values())
+    if needs and calib_amax and expert_only and calib_ids is None:
+        amax = calib_amax  # the calibration's per-layer expert input amax
+    elif needs:
+        if calib_ids is None:
+            raise InputError("this plan quantizes activations (FP8 / NVFP4) and needs calibration token ids",
+                             hint="pass --calib-ids FILE (a JSON list of token-id lists), or weight-only formats")
+        try:
+            ids = json.loads(Path(calib_ids).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"cannot read calibration ids: {e}", where=str(calib_ids)) from None
+        if not (isinstance(ids, list) and ids and all(isinstance(r, list) and r for r in ids)):
+            raise InputError("calibration ids must be a non-empty JSON list of non-empty token-id lists",
+                             where=str(calib_ids))
+        amax = U.measure_input_amax(model, ids)
+    res = U.write_unified_checkpoint(model, out, plan, target=target, input_amax=amax, force=force, progress=progress,
+                                     extra_manifest={"support": verdict.to_dict(), "engine": engine, "sm": sm})
+    return UnifiedConvert(res, verdict, engine, sm)
+
+
+# ---- deploy --------------------------------------------------------------------------------------
+
+DEFAULT_BUILD = {"max_batch_size": 64, "max_num_tokens": 8192, "max_seq_len": 4096,
+                 "free_gpu_memory_fraction": 0.9, "enable_block_reuse": True}
+
+
+def model_yaml(checkpoint: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, build: dict | None = None,
+               decoupled: bool = True) -> str:
+    """Triton llmapi ``model.yaml``: ``LLM()`` arguments for the checkpoint plus ``triton_config``."""
+    b = {**DEFAULT_BUILD, **(build or {})}
+    lines = [
+        "# LLM() arguments (tensorrt_llm.llmapi.LLM), read by triton_backend/all_models/llmapi/tensorrt_llm/1/model.py",
+        f"model: {json.dumps(str(Path(checkpoint).absolute()))}",
+        'backend: "pytorch"',
+        f"tensor_parallel_size: {tp}",
+        f"pipeline_parallel_size: {pp}",
+        f"moe_expert_parallel_size: {ep}",
+        f"max_batch_size: {b['max_batch_size']}",
+        f"max_num_tokens: {b['max_num_tokens']}",
+        f"max_seq_len: {b['max_seq_len']}",
+        "kv_cache_config:",
+        f"  free_gpu_memory_fraction: {b['free_gpu_memory_fraction']}",
+        f"  enable_block_reuse: {str(bool(b['enable_block_reuse'])).lower()}",
+        "triton_config:",
+        "  max_batch_size: 0",
+        f"  decoupled: {str(decoupled)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+_CONFIG_PBTXT = """name: "tensorrt_llm"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy {{ decoupled: {decoupled} }}
+input [
+  {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }},
+  {{ name: "streaming" data_type: TYPE_BOOL dims: [ 1 ] optional: true }},
+  {{ name: "sampling_param_max_tokens" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "sampling_param_temperature" data_type: TYPE_FP32 dims: [ 1 ] optional: true }},
+  {{ name: "sampling_param_top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "sampling_param_top_p" data_type: TYPE_FP32 dims: [ 1 ] optional: true }}
+]
+output [
+  {{ name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }},
+  {{ name: "finish_reason" data_type: TYPE_STRING dims: [ -1 ] }}
+]
+instance_group [ {{ count: 1 kind: KIND_MODEL }} ]
+"""
+
+
+def write_llmapi_repository(checkpoint: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                            build: dict | None = None, force: bool = False) -> dict:
+    """A Triton repository in upstream's llmapi layout for a verified unified-HF checkpoint: one
+    ``tensorrt_llm`` model (``config.pbtxt``, ``1/model.yaml``); ``1/model.py`` is upstream's, copied from
+    TensorRT-LLM's container on the GPU host (``trtmoe serve --print-command`` shows how)."""
+    ck = Path(checkpoint)
+    info = verify_artifact(ck)
+    if info["kind"] != U.KIND:
+        raise InputError(f"{ck} is a {info['kind']}, not a unified-HF checkpoint",
+                         hint="convert with --target trtllm-pytorch (or vllm / sglang) first")
+    man = read_manifest(ck)
+    with atomic_directory(out, force=force, inputs=(ck,)) as tmp:
+        (tmp / "tensorrt_llm" / "1").mkdir(parents=True)
+        (tmp / "tensorrt_llm" / "config.pbtxt").write_text(_CONFIG_PBTXT.format(decoupled="true"))
+        (tmp / "tensorrt_llm" / "1" / "model.yaml").write_text(model_yaml(ck, tp=tp, pp=pp, ep=ep, build=build))
+        manifest = write_manifest(tmp, kind=REPO_KIND, file_hashes={}, name=REPOSITORY_MANIFEST, layout="llmapi",
+                                  contract="TensorRT-LLM triton_backend llmapi (PyTorch backend)",
+                                  checkpoint=str(ck.absolute()), checkpoint_manifest_target=man.get("target"),
+                                  engine=man.get("engine"), mapping={"tp": tp, "pp": pp, "ep": ep},
+                                  model_py="triton_backend/all_models/llmapi/tensorrt_llm/1/model.py from the "
+                                           "TensorRT-LLM release's container")
+    return manifest
+
+
+def gpu_commands(checkpoint: str | Path, *, tp: int = 1, ep: int = 1, port: int = 8000, build: dict | None = None,
+                 repo: str | Path | None = None) -> dict[str, str]:
+    """The command lines that serve the checkpoint on a GPU host: trtllm-serve, vLLM, SGLang (and
+    Triton with the llmapi repository when ``repo`` is given)."""
+    b = {**DEFAULT_BUILD, **(build or {})}
+    ck = shlex.quote(str(Path(checkpoint).absolute()))
+    cmds = {
+        "trtllm-serve": (f"trtllm-serve {ck} --backend pytorch --tp_size {tp} --ep_size {ep} "
+                         f"--max_batch_size {b['max_batch_size']} --max_num_tokens {b['max_num_tokens']} "
+                         f"--max_seq_len {b['max_seq_len']} --kv_cache_free_gpu_memory_fraction "
+                         f"{b['free_gpu_memory_fraction']} --port {port}"),
+        "vllm": (f"vllm serve {ck} --quantization modelopt_mixed --tensor-parallel-size {tp}"
+                 f"{' --enable-expert-parallel' if ep > 1 else ''} --max-num-seqs {b['max_batch_size']} "
+                 f"--max-model-len {b['max_seq_len']} --gpu-memory-utilization {b['free_gpu_memory_fraction']} "
+                 f"--port {port}"),
+        "sglang": (f"python -m sglang.launch_server --model-path {ck} --quantization modelopt_mixed --tp {tp}"
+                   f"{f' --ep-size {ep}' if ep > 1 else ''} --max-running-requests {b['max_batch_size']} "
+                   f"--context-length {b['max_seq_len']} --mem-fraction-static {b['free_gpu_memory_fraction']} "
+                   f"--port {port}"),
+    }
+    q = json.loads((Path(checkpoint) / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+    if q != "MIXED_PRECISION":  # one format: vLLM / SGLang read it from the checkpoint's quantization_config
+        cmds["vllm"] = cmds["vllm"].replace(" --quantization modelopt_mixed", "")
+        cmds["sglang"] = cmds["sglang"].replace(" --quantization modelopt_mixed", "")
+    if repo is not None:
+        r = shlex.quote(str(Path(repo).absolute()))
+        cmds["triton"] = (f"cp /app/tensorrt_llm/triton_backend/all_models/llmapi/tensorrt_llm/1/model.py "
+                          f"{r}/tensorrt_llm/1/ && tritonserver --model-repository {r} --http-port {port}")
+    return cmds

@@ -1,0 +1,230 @@
+"""Which engines serve which unified-HF (ModelOpt) checkpoints: one versioned support table.
+
+A cell is (engine release x architecture x format x uniform/mixed x GPU generation). Each cell is
+``supported`` (the engine's loader maps the checkpoint's ``quant_algo`` to a fused-MoE method that runs
+on that GPU), ``unlisted`` (a path exists but the engine's own lists do not name this combination, or
+it runs with other numerics than the checkpoint's, e.g. NVFP4 weights through a W4A16 Marlin kernel;
+accepted with a caution) or ``refused`` (the engine would fail to load it or has no kernel on that
+GPU). Every cell names the upstream file its fact was restated from.
+
+``convert --target trtllm-pytorch|vllm|sglang`` and ``repo --layout llmapi`` consult :func:`check`; a
+refusal names the cell and what would work there. ``docs/deploy-gpu.md`` holds :func:`markdown_table`.
+Facts restated (as of 2026-12) from: TensorRT-LLM ``tensorrt_llm/_torch/modules/fused_moe/
+MOE_DEVELOPER_GUIDE.md`` (capability matrix), ``fused_moe/quantization.py``, ``fused_moe/
+fused_moe_marlin.py``, ``_torch/model_config.py`` (``load_hf_quant_config``), ``_torch/models/
+modeling_{mixtral,qwen2_moe,qwen3_moe}.py`` and PRs #15485 (per-layer MoE formats for Qwen3-MoE/GLM,
+open) and #18393 (DeepSeek-V3 W4A8 MIXED_PRECISION); vLLM ``vllm/model_executor/layers/quantization/
+modelopt.py`` (``modelopt``, ``modelopt_fp4``, ``modelopt_mixed`` from PR #35047); SGLang
+``python/sglang/srt/layers/quantization/modelopt_quant.py`` (``modelopt_mixed``, PR #37752).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import UnsupportedError
+
+SUPPORTED, UNLISTED, REFUSED = "supported", "unlisted", "refused"
+
+ENGINES = {  # key -> (label, target it belongs to)
+    "trtllm-1.2.1": ("TensorRT-LLM 1.2.1 (PyTorch backend)", "trtllm-pytorch"),
+    "trtllm-1.4": ("TensorRT-LLM 1.4 (PyTorch backend)", "trtllm-pytorch"),
+    "vllm-0.33": ("vLLM 0.33", "vllm"),
+    "sglang-0.5": ("SGLang 0.5", "sglang"),
+}
+DEFAULT_ENGINE = {"trtllm-pytorch": "trtllm-1.2.1", "vllm": "vllm-0.33", "sglang": "sglang-0.5"}
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
+ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
+              "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE"}
+FORMATS = ("bf16", "fp8", "fp8_block_wo", "nvfp4", "mxfp4", "int8")
+FORMAT_LABEL = {"bf16": "BF16", "fp8": "FP8", "fp8_block_wo": "FP8-block WO", "nvfp4": "NVFP4", "mxfp4": "MXFP4",
+                "int8": "W8A16"}
+LAYOUTS = ("uniform", "mixed")
+SMS = (89, 90, 100)
+
+_TRT_GUIDE = "tensorrt_llm/_torch/modules/fused_moe/MOE_DEVELOPER_GUIDE.md"
+_TRT_QUANT = "tensorrt_llm/_torch/modules/fused_moe/quantization.py"
+_TRT_MARLIN = "tensorrt_llm/_torch/modules/fused_moe/fused_moe_marlin.py"
+_TRT_CONFIG = "tensorrt_llm/_torch/model_config.py"
+_TRT_MODELS = "tensorrt_llm/_torch/models/"
+_VLLM = "vllm/model_executor/layers/quantization/modelopt.py"
+_SGL = "python/sglang/srt/layers/quantization/modelopt_quant.py"
+
+
+@dataclass(frozen=True)
+class Cell:
+    status: str
+    reason: str = ""
+    source: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status != REFUSED
+
+
+def _trtllm_kernel(fmt: str, sm: int) -> Cell:
+    """TensorRT-LLM's fused-MoE capability matrix (the same rows in 1.2.1 and 1.4)."""
+    if fmt in ("bf16", "int8"):
+        return Cell(SUPPORTED, "", _TRT_GUIDE)  # BF16 and W8A16 INT8 MoE rows run on SM80+
+    if fmt == "fp8":
+        return Cell(SUPPORTED, "", _TRT_GUIDE)  # FP8 per-tensor QDQ: SM89+
+    if fmt == "fp8_block_wo":
+        if sm < 90:
+            return Cell(REFUSED, "FP8 block-scale MoE kernels exist for SM90 and SM100 only", _TRT_GUIDE)
+        return Cell(UNLISTED, "the fused MoE runs FP8 block scales as W8A8 (activations quantized per 1x128 at "
+                              "run time); ModelOpt's weight-only quant_algo fp8_pb_wo is not a name the loader is "
+                              "documented to map", _TRT_CONFIG)
+    if fmt == "nvfp4":
+        if sm >= 100:
+            return Cell(SUPPORTED, "", _TRT_GUIDE)
+        return Cell(UNLISTED, "below SM100 NVFP4 experts run through the Marlin MoE as W4A16 (activations stay "
+                              "bf16, the checkpoint's input scales are unused)", _TRT_MARLIN)
+    if fmt == "mxfp4":
+        if sm < 90:
+            return Cell(REFUSED, "W4A16 MXFP4 MoE kernels exist for SM90 (Cutlass/Triton) and SM100", _TRT_GUIDE)
+        return Cell(SUPPORTED, "", _TRT_GUIDE)
+    raise KeyError(fmt)
+
+
+def _trtllm_mixed(engine: str, family: str) -> Cell:
+    why = ("per-layer MoE formats (MIXED_PRECISION) are wired model by model: DeepSeek-V3's W4A8 in PR #18393; "
+           "for Qwen3-MoE and GLM PR #15485 is open (the loader calls MIXED_PRECISION ambiguous for a fused MoE); "
+           f"{ARCH_LABEL[family]}'s model class does not pass a per-layer quant config to its MoE")
+    return Cell(REFUSED, why, _TRT_MODELS + f"modeling_{family}.py")
+
+
+def _serving_kernel(engine: str, fmt: str, sm: int) -> Cell:
+    """vLLM / SGLang: modelopt (FP8), modelopt_fp4 (NVFP4), modelopt_mixed (per layer)."""
+    src = _VLLM if engine.startswith("vllm") else _SGL
+    if fmt == "bf16":
+        return Cell(SUPPORTED, "", src)
+    if fmt == "fp8":
+        return Cell(SUPPORTED, "", src)
+    if fmt == "nvfp4":
+        if sm >= 100:
+            return Cell(SUPPORTED, "", src)
+        return Cell(UNLISTED, "below SM100 NVFP4 MoE weights run through Marlin as W4A16 (input scales unused)", src)
+    return Cell(UNLISTED, f"the ModelOpt loader is documented for FP8 / NVFP4 (and their MIXED_PRECISION); "
+                          f"quant_algo {FORMAT_LABEL[fmt]} through it is not verified", src)
+
+
+def cell(engine: str, family: str, fmt: str, layout: str, sm: int) -> Cell:
+    """One cell of the table (KeyError for an unknown engine, family, format, layout or GPU)."""
+    if engine not in ENGINES or family not in FAMILIES or fmt not in FORMATS or layout not in LAYOUTS or sm not in SMS:
+        raise KeyError((engine, family, fmt, layout, sm))
+    if engine.startswith("trtllm"):
+        if family in ("deepseek_v1", "phimoe"):
+            return Cell(REFUSED, f"the PyTorch backend has no {ARCH_LABEL[family]} model class", _TRT_MODELS)
+        if layout == "mixed":
+            return _trtllm_mixed(engine, family)
+        return _trtllm_kernel(fmt, sm)
+    if family in ("deepseek_v1", "phimoe"):
+        return Cell(UNLISTED, f"{ARCH_LABEL[family]} has a model class but no ModelOpt-quantized checkpoint is "
+                              "listed for it", _VLLM if engine.startswith("vllm") else _SGL)
+    c = _serving_kernel(engine, fmt, sm)
+    if layout == "mixed" and c.status == SUPPORTED and fmt not in ("bf16", "fp8", "nvfp4"):
+        return Cell(UNLISTED, "modelopt_mixed maps FP8 and NVFP4 layers", c.source)
+    return c
+
+
+# ---- checking a plan -----------------------------------------------------------------------------
+
+@dataclass
+class Verdict:
+    cells: list[dict] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+    cautions: list[str] = field(default_factory=list)
+    works: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.refusals
+
+    def raise_if_refused(self, where: str | None = None) -> None:
+        if self.refusals:
+            raise UnsupportedError(self.refusals[0], where=where, hint="what works there: " + self.works)
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "cells": self.cells, "refusals": self.refusals, "cautions": self.cautions,
+                "what_works": self.works}
+
+
+def what_works(engine: str, family: str, sm: int) -> str:
+    uni = [FORMAT_LABEL[f] for f in FORMATS if cell(engine, family, f, "uniform", sm).ok]
+    mixed = [FORMAT_LABEL[f] for f in FORMATS if cell(engine, family, f, "mixed", sm).ok]
+    s = ("uniform " + ", ".join(uni)) if uni else "nothing"
+    s += ("; MIXED_PRECISION of " + ", ".join(mixed)) if mixed else "; no MIXED_PRECISION"
+    alt = [e for e in ENGINES if e != engine and any(cell(e, family, f, "mixed", sm).status == SUPPORTED
+                                                     for f in FORMATS)]
+    if not mixed and alt:
+        s += f" (per-layer plans: {', '.join(ENGINES[e][0] for e in alt)})"
+    return s
+
+
+def check(engine: str, family: str, formats: set[str], sm: int) -> Verdict:
+    """The cells a checkpoint whose quantized linears use ``formats`` touches on ``engine`` / SM ``sm``."""
+    if engine not in ENGINES:
+        raise UnsupportedError(f"unknown engine release {engine!r}", hint="one of " + ", ".join(ENGINES))
+    if sm not in SMS:
+        raise UnsupportedError(f"GPU generation SM{sm} has no column", hint="one of " + ", ".join(f"SM{s}" for s in SMS))
+    if family not in FAMILIES:
+        raise UnsupportedError(f"architecture {family!r} has no unified-HF support row",
+                               hint="rows: " + ", ".join(ARCH_LABEL.values()))
+    fmts = sorted({f for f in formats}, key=FORMATS.index) or ["bf16"]
+    quantized = [f for f in fmts if f != "bf16"]
+    layout = "mixed" if len(quantized) > 1 else "uniform"
+    v = Verdict(works=what_works(engine, family, sm))
+    label = ENGINES[engine][0]
+    for f in (quantized or ["bf16"]):
+        c = cell(engine, family, f, layout, sm)
+        key = f"{label} x {ARCH_LABEL[family]} x {FORMAT_LABEL[f]} x {layout} x SM{sm}"
+        v.cells.append({"cell": key, "status": c.status, "reason": c.reason, "source": c.source})
+        if c.status == REFUSED:
+            v.refusals.append(f"{key}: refused: {c.reason} ({c.source})")
+        elif c.status == UNLISTED:
+            v.cautions.append(f"{key}: unlisted: {c.reason} ({c.source})")
+    return v
+
+
+# ---- the docs table -------------------------------------------------------------------------------
+_MARK = {SUPPORTED: "yes", UNLISTED: "unlisted", REFUSED: "no"}
+
+
+def markdown_table() -> str:
+    """One row per engine x architecture x layout; one column per format x GPU generation."""
+    cols = [f"{FORMAT_LABEL[f]} SM{sm}" for f in FORMATS if f != "bf16" for sm in SMS]
+    lines = ["| engine | architecture | layout | BF16 | " + " | ".join(cols) + " |",
+             "|" + "---|" * (len(cols) + 4)]
+    for e in ENGINES:
+        for fam in FAMILIES:
+            for layout in LAYOUTS:
+                row = [_MARK[cell(e, fam, f, layout, sm).status] for f in FORMATS if f != "bf16" for sm in SMS]
+                bf = _MARK[cell(e, fam, "bf16", layout, 90).status]
+                lines.append(f"| {ENGINES[e][0]} | {ARCH_LABEL[fam]} | {layout} | {bf} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def reasons() -> list[str]:
+    seen: dict[tuple[str, str, str], list[str]] = {}
+    for e in ENGINES:
+        for fam in FAMILIES:
+            for f in FORMATS:
+                for layout in LAYOUTS:
+                    for sm in SMS:
+                        c = cell(e, fam, f, layout, sm)
+                        if c.status != SUPPORTED:
+                            what = f"{ENGINES[e][0]} {ARCH_LABEL[fam]} {FORMAT_LABEL[f]} {layout} SM{sm}"
+                            seen.setdefault((_MARK[c.status], c.reason, c.source), []).append(what)
+    out = []
+    for (mark, why, src), whats in seen.items():
+        shown = ", ".join(whats[:3]) + (f" and {len(whats) - 3} more" if len(whats) > 3 else "")
+        out.append(f"- **{mark}** ({len(whats)} cells: {shown}) — {why} (`{src}`)")
+    return out
+
+
+def docs_section() -> str:
+    return markdown_table() + "\n\nCells other than *yes*, and why:\n\n" + "\n".join(reasons()) + "\n"
+
+
+if __name__ == "__main__":  # python -m trtmoe.checkpoint.unified_support: print the docs section
+    print(docs_section(), end="")
