@@ -151,7 +151,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     runner = resolve_runner(model, runner, sensitivity)
     # Windows past the model's context would measure positions the model was never defined for;
     # they are refused rather than clipped, so that --seq-len always means what it says.
-    context = model_context(model)
+    context = model_context(model) if runner == "engine" else _config_context(model)
     if seq_len > context:
         raise InputError(f"--seq-len {seq_len} is longer than the model's context (max_position_embeddings "
                          f"{context})", hint=f"choose --seq-len {context} or less")
@@ -230,6 +230,18 @@ def resolve_runner(model: str | Path, runner: str, sensitivity: str) -> str:
                          "runner measures the fisher sensitivity only",
                          hint="use --sensitivity fisher, or --runner engine for an architecture the engine implements")
     return runner
+
+
+def _config_context(model: str | Path) -> int:
+    """max_position_embeddings of a config.json the engine's adapters need not know (or of its text config)."""
+    path = resolve_model_path(model) / "config.json"
+    cfg = read_json(path)
+    if not isinstance(cfg, dict):
+        raise InputError("config.json does not hold an object", where=str(path))
+    n = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise InputError(f"max_position_embeddings must be a positive integer, got {n!r}", where=str(path))
+    return n or 1 << 30
 
 
 def _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, *, formats, min_tokens, batch_size,
