@@ -57,7 +57,6 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..runtime.experts import FloatExperts
 from .calib_schema import build_result
 from .plan import MATRICES, format_obj
 from .sensitivity import (ESTIMATE_SHARE, ESTIMATE_TOKENS, PROBES, RTN, STACKED, Progress, _probe, _save,
@@ -124,26 +123,35 @@ class ExpertLayout:
         return cls(transposed, concatenated, bias, default_gate and silu and concatenated and not bias)
 
 
-class HFExperts(FloatExperts):
+class HFExperts:
     """One MoE layer's routed experts, taken from a transformers experts module into the layout the
-    engine and the quantizers use: fc [E, 2I, H] = per expert [up; gate], proj [E, H, I], with the fc
-    and proj biases (``fc_bias`` [E, 2I] in the same row order, ``proj_bias`` [E, H]) and, when the
-    module's gating is not silu(gate)·up, ``activation`` (the module's own gating on [up; gate])."""
+    engine and the quantizers use: ``fc`` [E, 2I, H] = per expert [up; gate], ``proj`` [E, H, I], with the
+    fc and proj biases (``fc_bias`` [E, 2I] in the same row order, ``proj_bias`` [E, H]) and, when the
+    module's gating is not silu(gate)·up, ``activation`` (the module's own gating on [up; gate]).
 
-    def __init__(self, mod: torch.nn.Module, layout: ExpertLayout, dtype: torch.dtype, fmt: str):
+    The usual layout (gate and up concatenated, not transposed) is reordered in place in the module's
+    own parameter, so that the layer's experts are not held twice: the module must not run afterwards."""
+
+    def __init__(self, mod: torch.nn.Module, layout: ExpertLayout, fmt: str):
+        self.fmt, self.layout, self._mod = fmt, layout, mod
         with torch.no_grad():
-            gu, dn = mod.gate_up_proj.detach(), mod.down_proj.detach()
+            gu, dn = mod.gate_up_proj.data, mod.down_proj.data
             if layout.transposed:
                 gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
-            fc = self._to_up_gate(gu, 1, layout.concatenated).to(dtype)
-            super().__init__(fc, dn.to(dtype), fmt)
-            del fc
+            if layout.concatenated and not layout.transposed:
+                n = gu.shape[1] // 2
+                gate = gu[:, :n].clone()
+                gu[:, :n] = gu[:, n:]
+                gu[:, n:] = gate
+                del gate
+                self.fc = gu
+            else:
+                self.fc = self._to_up_gate(gu, 1, layout.concatenated)
+            self.proj = dn.contiguous()
             self.fc_bias = self.proj_bias = None
             if layout.bias:
                 self.fc_bias = self._to_up_gate(mod.gate_up_proj_bias.detach(), 1, layout.concatenated).float()
                 self.proj_bias = mod.down_proj_bias.detach().float().clone()
-        self.layout = layout
-        self._mod = mod
         if not layout.standard:
             self.activation = self._module_gate
 
@@ -165,13 +173,36 @@ class HFExperts(FloatExperts):
             native = torch.stack([gate, up], -1).flatten(-2)
         return self._mod._apply_gate(native)
 
+    def row_major(self, e: int) -> dict[str, torch.Tensor]:
+        return {"fc": self.fc[e].contiguous(), "proj": self.proj[e].contiguous()}
+
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        hh = self.fc_out(e, x)
+        hh = x @ self.fc[e].t()
         if self.fc_bias is not None:
             hh = hh + self.fc_bias[e].to(hh.dtype)
-        a = self.activation(hh) if not self.layout.standard else F.silu(hh.chunk(2, -1)[1]) * hh.chunk(2, -1)[0]
-        y = self.proj_out(e, a)
+        if self.layout.standard:
+            up, gate = hh.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            a = self.activation(hh)
+        y = a @ self.proj[e].t()
         return y if self.proj_bias is None else y + self.proj_bias[e].to(y.dtype)
+
+    def format_of(self, e: int) -> str:
+        return self.fmt
+
+
+class _CastEmbedding(torch.nn.Module):
+    """The input embedding kept in the checkpoint dtype, its rows cast to the compute dtype when looked up
+    (the same values as casting the whole table, without holding it twice)."""
+
+    def __init__(self, inner: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+        self.weight = getattr(inner, "weight", None)
+
+    def forward(self, ids):
+        return self.inner(ids).to(self.dtype)
 
 
 # ---- the model, one layer at a time ------------------------------------------------------------------
@@ -207,7 +238,7 @@ class StreamCfg:
 
 @dataclass
 class _Layer:
-    experts: FloatExperts | None = None
+    experts: HFExperts | None = None
 
 
 @dataclass
@@ -380,21 +411,25 @@ class StreamedModel:
         if missing:
             raise InputError(f"the checkpoint has no tensor for {missing[0]}"
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""), where=str(self.dir))
+        emb = body.get_input_embeddings()
+        keep = {id(emb), id(head)}  # the two large tables stay in the checkpoint dtype
         for name, mod in body.named_children():
             if name != "layers":
-                self._place(mod)
-        self._place(head)
+                self._place(mod, cast=id(mod) not in keep)
+        self._place(head, cast=False)
+        if self.compute_dtype != self.ckpt_dtype and emb.weight.dtype != self.compute_dtype:
+            body.set_input_embeddings(_CastEmbedding(emb, self.compute_dtype))
         model.requires_grad_(False)
         model.eval()
 
-    def _place(self, mod: torch.nn.Module) -> None:
+    def _place(self, mod: torch.nn.Module, cast: bool = True) -> None:
         """Move ``mod`` to the device, its tensors stored in the checkpoint dtype cast to the compute dtype
         (on CPU everything floating computes in float32; tensors transformers keeps in float32, such as
-        some routers, stay so)."""
+        some routers, stay so), one tensor at a time."""
         cdt = self.compute_dtype
         for t in list(mod.parameters()) + list(mod.buffers()):
             dt = t.dtype
-            if t.is_floating_point() and dt != cdt and (dt == self.ckpt_dtype or cdt == torch.float32):
+            if cast and t.is_floating_point() and dt != cdt and (dt == self.ckpt_dtype or cdt == torch.float32):
                 dt = cdt
             if t.device != self.device or dt != t.dtype:
                 t.data = t.data.to(self.device, dt)
@@ -455,8 +490,16 @@ class StreamedModel:
         calls = [self.record[i] for i in range(len(self.layers))]
         return self.record["x0"], calls
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.body.norm(x))
+    def head(self, x: torch.Tensor, rows: int = 16384) -> torch.Tensor:
+        """Logits of the final hidden states ``x``: the final norm, then the output head in the compute
+        dtype, its weight cast ``rows`` vocabulary rows at a time when it is stored in another dtype."""
+        h = self.body.norm(x)
+        lin = self.model.lm_head
+        w, bias = lin.weight, getattr(lin, "bias", None)
+        if w.dtype == h.dtype:
+            return lin(h)
+        out = torch.cat([h @ w[i:i + rows].to(h.dtype).t() for i in range(0, w.shape[0], rows)], -1)
+        return out if bias is None else out + bias.to(out.dtype)
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
@@ -487,7 +530,7 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
     layer = max(sm.layer_param_bytes(i, sm.compute_dtype) + sm.read_bytes(sm.layer_keys[i])
                 for i in range(c.num_layers))
     E, I, H = c.num_experts, c.expert_intermediate_size, c.hidden_size
-    bank = E * 3 * I * H * 4  # the scored bank's float copies
+    bank = E * I * H * 4  # the experts' [up; gate] reordering (half of fc in float32) while they are scored
     resident = sm.resident_param_bytes()
     acts = 6 * n_tokens * H * 4  # two boundaries, two gradients, the MoE inputs and output gradients
     heads = int(getattr(tc, "num_attention_heads", 1) or 1)
@@ -718,7 +761,7 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
                     mass[l] = torch.zeros(E, dtype=torch.float64).index_add_(0, idx.reshape(-1).cpu(),
                                                                              w.reshape(-1).cpu().double())
                     entropy[l] = ent
-                    shim.layers[l] = _Layer(HFExperts(mod, layout, sm.compute_dtype, _FLOAT_NAME.get(ckpt, "fp32")))
+                    shim.layers[l] = _Layer(HFExperts(mod, layout, _FLOAT_NAME.get(ckpt, "fp32")))
                 cm.__exit__(None, None, None)
                 cm = None
                 with clock("scoring"):
