@@ -178,3 +178,17 @@ def test_streamed_calibration_refuses_a_run_that_does_not_fit(tiny_model, tokdir
     monkeypatch.setattr(stream, "available_memory", lambda device: 1 << 20)
     with pytest.raises(InputError, match=r"needs about .* GiB .* available"):
         calibrate(model, text, None, tokenizer=tokdir, samples=2, seq_len=16, runner="stream", formats=("int8",))
+
+
+def test_calibrate_command_runs_the_stream_and_prints_what_it_measured(tiny_model, tokdir, text, tmp_path):
+    model = tiny_model("olmoe", seed=4)
+    r = cli("calibrate", model, "--data", text, "--tokenizer", tokdir, "--samples", 2, "--seq-len", 16,
+            "--formats", "int8", "--rounding", "rtn", "-o", tmp_path / "c")
+    assert "layer-streamed calibration on cpu" in r.output
+    assert "its own forward pass over the same tokens" in r.output
+    calib = json.loads((tmp_path / "c" / "calib.json").read_text())
+    assert calib["architecture"] == "olmoe" and calib["sensitivity"]["runner"] == "stream"
+    assert set(calib["sensitivity"]["cost_seconds"]["cpu_seconds"]) >= {"forward", "backward", "scoring"}
+    r = cli("calibrate", model, "--data", text, "--tokenizer", tokdir, "--samples", 2, "--seq-len", 16,
+            "--sensitivity", "exact", "-o", tmp_path / "d", expect=None)
+    assert r.exit_code != 0 and "fisher" in r.output and "Traceback" not in r.output
