@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from ..hf.safetensors_io import SafetensorsFile
 from .calib_schema import build_result
 from .plan import MATRICES, format_obj
 from .sensitivity import (ESTIMATE_SHARE, ESTIMATE_TOKENS, PROBES, RTN, STACKED, Progress, _probe, _save,
@@ -253,8 +254,6 @@ class _Shim:
 
 def _shard_index(model_dir: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the safetensors file holding it."""
-    from safetensors import safe_open
-
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -267,8 +266,8 @@ def _shard_index(model_dir: Path) -> dict[str, Path]:
         raise InputError("no *.safetensors weights", where=str(model_dir))
     out = {}
     for f in files:
-        with safe_open(str(f), "pt") as s:
-            for k in s.keys():
+        with SafetensorsFile(f) as s:
+            for k in s.tensors:
                 out[k] = f
     return out
 
@@ -329,47 +328,42 @@ class StreamedModel:
         self.cfg = self._cfg()
 
     # -- loading
-    def _checkpoint_dtype(self) -> torch.dtype:
-        from safetensors import safe_open
+    def _infos(self, keys: list[str]) -> dict:
+        """The safetensors header entries (dtype, shape, bytes) of ``keys``."""
+        by_file: dict[Path, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.files[k], []).append(k)
+        out = {}
+        for f, ks in by_file.items():
+            with SafetensorsFile(f) as s:
+                for k in ks:
+                    if k not in s.tensors:
+                        raise InputError(f"the index names {k!r} in {f.name}, which does not hold it", where=str(f))
+                    out[k] = s.tensors[k]
+        return out
 
-        for k, f in self.files.items():
-            if k.endswith("weight"):
-                with safe_open(str(f), "pt") as s:
-                    dt = s.get_slice(k).get_dtype()
-                if dt in ("BF16", "F16", "F32"):
-                    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dt]
+    def _checkpoint_dtype(self) -> torch.dtype:
+        for k, info in self._infos([k for k in self.files if k.endswith("weight")][:64]).items():
+            if info.dtype in (torch.bfloat16, torch.float16, torch.float32):
+                return info.dtype
         return torch.float32
 
     def read_bytes(self, keys: list[str]) -> int:
         """Bytes of the named checkpoint tensors as stored."""
-        from safetensors import safe_open
-
-        total = 0
-        by_file: dict[Path, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self.files[k], []).append(k)
-        for f, ks in by_file.items():
-            with safe_open(str(f), "pt") as s:
-                for k in ks:
-                    sl = s.get_slice(k)
-                    n = math.prod(sl.get_shape())
-                    total += n * {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4}.get(sl.get_dtype(), 1)
-        return total
+        return sum(i.nbytes for i in self._infos(keys).values())
 
     def _load(self, keys: list[str]) -> None:
         """Read ``keys`` from the shards and load them into the model through transformers' checkpoint
         conversion (in the compute dtype, on the device)."""
-        from safetensors import safe_open
-
         tf = _transformers()[0]
         sd = {}
         by_file: dict[Path, list[str]] = {}
         for k in keys:
             by_file.setdefault(self.files[k], []).append(k)
-        for f, ks in by_file.items():
-            with safe_open(str(f), "pt") as s:
+        for f, ks in by_file.items():  # read with pread, not mapped: no file pages held in this process
+            with SafetensorsFile(f) as s:
                 for k in ks:
-                    sd[k] = s.get_tensor(k)
+                    sd[k] = s.read(k)
         bars = tf.utils.logging.is_progress_bar_enabled()
         tf.utils.logging.disable_progress_bar()
         try:
