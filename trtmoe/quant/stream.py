@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..hf.safetensors_io import SafetensorsFile
+from ..runtime.alloc import give_back_freed_memory
 from .calib_schema import build_result
 from .plan import MATRICES, format_obj
 from .sensitivity import (ESTIMATE_SHARE, ESTIMATE_TOKENS, PROBES, RTN, STACKED, Progress, _probe, _save,
@@ -304,6 +305,10 @@ class StreamedModel:
         self.model, self.body, self.layers = model, body, layers
         self.mapping = get_mapping(model)
         self.meta_layers = list(layers)
+        # Each layer's tensors as declared (dtype), restored on the meta device when the layer is dropped,
+        # so that every load converts the checkpoint's tensors the same way.
+        self._declared = [{n: t.dtype for n, t in list(lay.named_parameters()) + list(lay.named_buffers())}
+                          for lay in layers]
         self.record: dict = {}
         for i in range(len(layers)):
             layers[i] = _Boundary(i, self.record)
@@ -465,7 +470,7 @@ class StreamedModel:
             self.layers[i] = stub
         left = [n for n, t in list(lay.named_parameters()) + list(lay.named_buffers()) if t.is_meta]
         if left:
-            lay.to("meta")
+            self._drop(i)
             raise InputError(f"decoder layer {i}: the checkpoint has no tensor for {left[0]}", where=str(self.dir))
         self._place(lay)
         lay.requires_grad_(False)
@@ -473,7 +478,20 @@ class StreamedModel:
         try:
             yield lay
         finally:
-            lay.to("meta")
+            self._drop(i)
+
+    def _drop(self, i: int) -> None:
+        """Layer ``i`` back on the meta device in its declared dtypes; the freed memory returned to the system."""
+        lay, declared = self.meta_layers[i], self._declared[i]
+        for prefix, sub in lay.named_modules():
+            for table in (sub._parameters, sub._buffers):
+                for n, t in list(table.items()):
+                    if t is None:
+                        continue
+                    meta = torch.empty(t.shape, dtype=declared.get(f"{prefix}.{n}" if prefix else n, t.dtype),
+                                       device="meta")
+                    table[n] = torch.nn.Parameter(meta, requires_grad=False) if table is sub._parameters else meta
+        give_back_freed_memory()
 
     # -- running
     def boundaries(self, ids: torch.Tensor) -> tuple[torch.Tensor, list]:
