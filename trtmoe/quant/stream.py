@@ -781,6 +781,7 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
                     res = score_layer_tensors(shim, l, h, g, idx, w, keys, rounding, counts[l], mass[l], min_tokens,
                                               estimate_tokens, T, N, share, floor)
                     shim.layers.pop(l)
+                    _release_weights(rounding, l)
                 res["routing"] = {"counts": counts[l].clone(), "weight_mass": mass[l].clone(), "entropy_sum": ent}
                 with clock("io"):
                     _save(res, lf)
@@ -805,6 +806,20 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
     cost = {"wall_seconds": dict(clock.wall), "cpu_seconds": dict(clock.cpu),
             "device": str(sm.device), "resumed": resume_g is not None and resume_g < L}
     return _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens, cost)
+
+
+def _release_weights(rounding, layer: int) -> None:
+    """Drop the references a scored layer's activation statistics hold to its float ``fc`` weights (for
+    rebuilding ``proj`` inputs while it was scored), so that the layer's weights are freed; a statistic
+    without one is what a resumed run restores and what ``convert`` supplies the weight to."""
+    stats = getattr(getattr(rounding, "acts", None), "stats", None) or {}
+    for (l, _, _), st in stats.items():
+        ref = getattr(st, "inputs", None)
+        if l == layer and ref is not None and ref.fc is not None:
+            ref.fc = None
+    stacked = getattr(rounding, "_stacked", None)
+    if stacked is not None and hasattr(stacked, "_evict"):
+        stacked._evict(-1)
 
 
 def _take(res, l, counts, mass, entropy, measured, per_seq, estimated, keys) -> None:
