@@ -238,9 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         full = WIDTHS[width]["full_layers"]
         cpu = _line(xs, [r["calibrate"]["cpu_total"] for r in ok], full)
         rss = [r["calibrate"]["peak_rss_gib"] for r in ok]
+        # Peak RSS: the increment between the two deepest runs, carried on to full depth (a line through
+        # every depth would carry the first layer's one-off costs along).
+        per_layer = (rss[-1] - rss[-2]) / (xs[-1] - xs[-2])
         print(f"{width}: peak RSS {rss[-1]:.2f} GiB at {xs[-1]} layers = {rss[-1] / rss[0]:.2f}× at {xs[0]}; "
-              f"extrapolated to {full} layers: {cpu / 3600:.2f} CPU-hours, peak RSS "
-              f"{_line(xs, rss, full):.2f} GiB (straight line through the measured depths)")
+              f"extrapolated to {full} layers: {cpu / 3600:.2f} CPU-hours (straight line through the measured "
+              f"depths), peak RSS {rss[-1] + per_layer * (full - xs[-1]):.2f} GiB ({per_layer:.3f} GiB per layer "
+              f"between the two deepest runs)")
     return 0
 
 
