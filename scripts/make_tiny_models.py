@@ -36,6 +36,9 @@ import torch
 from safetensors.torch import save_file
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
+# MoEs transformers implements and the embedded engine does not: calibrated through transformers'
+# own modelling code (``calibrate --runner stream``), converted by the unified-HF export only.
+TRANSFORMERS_ONLY = ("deepseek_v3", "gpt_oss", "olmoe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
@@ -107,6 +110,54 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
                             "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0],
                             "short_mscale": 1.1, "long_mscale": 1.2,
                             "original_max_position_embeddings": 128},
+    },
+    # DeepSeek-V3's shape: multi-head latent attention (q and kv LoRA ranks, a decoupled RoPE part),
+    # a dense first layer, one shared expert, sigmoid routing with a correction bias, grouped top-k
+    # (4 groups, the best 2 kept) and a routed scaling factor.
+    "deepseek_v3": {
+        **_COMMON,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+    },
+    # gpt-oss's shape: experts stored transposed ([E, H, 2I]) with gate/up interleaved and biases, a
+    # clamped GLU, attention sinks, alternating sliding-window and full attention, a biased router.
+    "gpt_oss": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "num_local_experts": 4,
+        "intermediate_size": 48,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                            "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0},
+        "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # OLMoE's shape: q/k RMSNorm over the whole projection, 8 experts top-2 without renormalisation.
+    "olmoe": {
+        **_COMMON,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "intermediate_size": 48,
+        "norm_topk_prob": False,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     },
     # Field set of deepseek-ai/deepseek-moe-16b-base's config.json, shrunk.
     "deepseek_v1": {
@@ -189,6 +240,9 @@ def _hf_classes(arch: str):
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phimoe": (transformers.PhimoeConfig, transformers.PhimoeForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     }[arch]
 
 
@@ -202,6 +256,9 @@ def _make_transformers_model(
         # named_parameters() yields a tied lm_head once (as the embedding), so ties stay intact.
         for name, param in model.named_parameters():
             param.copy_(init_tensor(arch, name, param.shape, seed))
+        for name, buf in model.named_buffers():  # DeepSeek-V3's router correction bias: not all zero
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(init_tensor(arch, name.replace("e_score_correction_bias", "bias"), buf.shape, seed))
     model = model.to(dtype).eval()
     model.save_pretrained(out_dir, max_shard_size=SHARD_BYTES if sharded else "10GB")
 
@@ -317,8 +374,8 @@ def _make_deepseek_v1(
 
 def tiny_config(arch: str, *, tied: bool = False, **config_overrides: Any) -> dict[str, Any]:
     """The config keyword set ``make_tiny_model`` would use for ``arch`` (a fresh dict)."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES + TRANSFORMERS_ONLY:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES + TRANSFORMERS_ONLY)}")
     config = json.loads(json.dumps(DEFAULT_CONFIGS[arch]))  # deep copy
     config["tie_word_embeddings"] = bool(tied)
     config.update(config_overrides)
@@ -380,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                "      --set vocab_size=2048 --tokenizer-from tests/fixtures/trained_mixtral",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("arch", choices=ARCHITECTURES)
+    parser.add_argument("arch", choices=ARCHITECTURES + TRANSFORMERS_ONLY)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--sharded", action="store_true", help="several shards + index.json")

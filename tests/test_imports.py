@@ -38,7 +38,8 @@ LAYERS = [
      "trtmoe.quant.gptq", "trtmoe.quant.calib_schema"],
     ["trtmoe.checkpoint.*"],
     ["trtmoe.runtime.*"],
-    ["trtmoe.quant.calibrate", "trtmoe.quant.sensitivity", "trtmoe.quant.policies", "trtmoe.quant.planning"],
+    ["trtmoe.quant.calibrate", "trtmoe.quant.sensitivity", "trtmoe.quant.policies", "trtmoe.quant.planning",
+     "trtmoe.quant.stream"],
     ["trtmoe.build.*", "trtmoe.report.*", "trtmoe.triton.*", "trtmoe.quant.commands"],
     ["trtmoe.cli"],
 ]

@@ -243,6 +243,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                 "exact: end-to-end ΔKL per expert matrix and format (about formats × experts × "
                                 "layers passes)."),
         "device": Key(str, "cpu", choices=("cpu", "cuda"), help="Where calibration runs."),
+        "runner": Key(str, "auto", choices=("auto", "engine", "stream"),
+                      help="engine: the whole model in the embedded engine (converted to a scratch checkpoint); "
+                           "stream: transformers' own modelling code one decoder layer at a time, weights read "
+                           "from the safetensors shards (any transformers MoE; memory independent of depth, "
+                           "stated and checked before the run; fisher only); auto: the engine for the "
+                           "architectures it implements, the stream for the others."),
         "target": Key(str, "embedded", choices=("embedded", "tensorrt-llm"),
                       help="tensorrt-llm also scores the group-wise int4 formats as TensorRT-LLM's stacked MoE "
                            "layout writes them (under awq / awq_gptq: one pre-quant scale per MoE layer and "

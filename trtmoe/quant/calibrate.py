@@ -45,8 +45,10 @@ from ..checkpoint.atomic import (_MARK, atomic_directory, foreign_entry, own_dir
 from ..checkpoint.manifest import dump_json, write_manifest
 from ..checkpoint.writer import convert
 from ..data import load_texts
-from ..errors import InputError
-from ..hf.reader import model_context
+from ..errors import InputError, TrtmoeError, UnsupportedError
+from ..hf.adapters import adapter_for
+from ..hf.hashing import sha256_file
+from ..hf.reader import model_context, read_json, resolve_model_path
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from ..runtime.load import find_tokenizer_dir, load_tokenizer
@@ -57,6 +59,7 @@ from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
 from .sensitivity import (DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, Progress, amax_json, check_float_banks,
                           fisher_measure, layer_input_amax, owned_marker)
+from .stream import StreamedModel, memory_plan, stream_measure
 
 DEFAULT_FORMATS = ENGINE_PATH_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
@@ -117,7 +120,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
               force: bool = False, add_bos: bool | None = None, notes: list[str] | None = None,
               rounding: str = awq.DEFAULT_ROUNDING, sensitivity: str = DEFAULT_SENSITIVITY,
               device: str = "cpu", probe: str = "gaussian", max_gram_in: int = awq.MAX_GRAM_IN,
-              max_input_tokens: int = awq.MAX_INPUT_TOKENS, target: str = "embedded") -> dict:
+              max_input_tokens: int = awq.MAX_INPUT_TOKENS, target: str = "embedded", runner: str = "auto") -> dict:
     """Measure routing statistics and per-(layer, expert, matrix, format) ΔKL on calibration text.
 
     ``model`` is an HF MoE directory (converted to a scratch single-rank checkpoint in its own dtype);
@@ -141,12 +144,17 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     ``target`` "tensorrt-llm" (Fisher only) also scores the group-int4 formats as TensorRT-LLM's
     stacked layout writes them under awq / awq_gptq (one pre-quant scale per MoE layer and matrix kind):
     calib.json's ``sensitivity.stacked``, which ``convert --target tensorrt-llm`` plans on.
+    ``runner``: "engine" converts the model to a scratch checkpoint and runs the embedded engine over the
+    whole model; "stream" runs transformers' own modelling code one decoder layer at a time (stream.py:
+    any transformers MoE, memory independent of depth, Fisher only); "auto" the engine for the
+    architectures it implements and the stream for the others.
     Returns the calib.json dict."""
 
     _check_options(sensitivity, device, formats, min_tokens, max_gram_in, max_input_tokens, target)
+    runner = resolve_runner(model, runner, sensitivity)
     # Windows past the model's context would measure positions the model was never defined for;
     # they are refused rather than clipped, so that --seq-len always means what it says.
-    context = model_context(model)
+    context = model_context(model) if runner == "engine" else _config_context(model)
     if seq_len > context:
         raise InputError(f"--seq-len {seq_len} is longer than the model's context (max_position_embeddings "
                          f"{context})", hint=f"choose --seq-len {context} or less")
@@ -159,6 +167,12 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     notes.append(special["note"])
     ids = token_batches(texts, tok, samples, seq_len)
     data_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
+    if runner == "stream":
+        return _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, formats=formats,
+                                   min_tokens=min_tokens, batch_size=batch_size, tokenizer=tokenizer, progress=progress,
+                                   force=force, rounding=rounding, device=device, probe=probe, gram={
+                                       "max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens},
+                                   target=target)
     with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None], notes=notes) as work:
         ck = work / "scratch-checkpoint"
         if ck.exists():
@@ -192,6 +206,91 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
         result["tokens"] = {k: special[k] for k in ("bos_id", "eos_id", "add_bos", "add_bos_from")}
         result["data"] = {"path": _identity(data), "samples": int(ids.shape[0]), "seq_len": int(ids.shape[1]),
                           "tokens": int(ids.numel()), "sha256": data_hash}
+        result["model"] = _identity(model)
+        if out_dir is not None:
+            acts.save(work / awq.ACT_FILE)
+            write_calibration(work, result, source=source)
+    return result
+
+
+RUNNERS = ("auto", "engine", "stream")
+
+
+def resolve_runner(model: str | Path, runner: str, sensitivity: str) -> str:
+    """"engine" or "stream" for ``runner`` (see ``calibrate``); InputError for a combination that cannot run."""
+    if runner not in RUNNERS:
+        raise InputError(f"unknown runner {runner!r}", hint="use auto, engine or stream")
+    if runner == "auto":
+        try:
+            adapter_for(read_json(resolve_model_path(model) / "config.json"))
+            runner = "engine"
+        except UnsupportedError:
+            runner = "stream"
+        except (OSError, ValueError, TrtmoeError):
+            runner = "engine"  # the engine path reports what is wrong with the model
+    if runner == "stream" and sensitivity != "fisher":
+        raise InputError(f"--sensitivity {sensitivity} reruns the whole model per expert matrix; the layer-streamed "
+                         "runner measures the fisher sensitivity only",
+                         hint="use --sensitivity fisher, or --runner engine for an architecture the engine implements")
+    return runner
+
+
+def _config_context(model: str | Path) -> int:
+    """max_position_embeddings of a config.json the engine's adapters need not know (or of its text config)."""
+    path = resolve_model_path(model) / "config.json"
+    cfg = read_json(path)
+    if not isinstance(cfg, dict):
+        raise InputError("config.json does not hold an object", where=str(path))
+    n = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise InputError(f"max_position_embeddings must be a positive integer, got {n!r}", where=str(path))
+    return n or 1 << 30
+
+
+def _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, *, formats, min_tokens, batch_size,
+                        tokenizer, progress, force, rounding, device, probe, gram, target) -> dict:
+    """``calibrate`` through transformers' modelling code, one decoder layer at a time (stream.py)."""
+    if rounding not in awq.ROUNDINGS:
+        raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
+    mdir = resolve_model_path(model)
+    sm = StreamedModel(mdir, device=device)
+    c = sm.cfg
+    usable, skipped = applicable_formats(formats, c.hidden_size, c.expert_intermediate_size)
+    for f, why in skipped.items():
+        notes.append(f"{f} skipped: {why}")
+    if not usable:
+        raise InputError("none of the candidate formats can store this model's experts: "
+                         + "; ".join(skipped.values()), hint="choose --formats int8,int4")
+    N, T = ids.shape
+    plan = memory_plan(sm, N * T, min(batch_size, N) * T, T)
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.2f}" for k, v in plan["parts"].items())
+    notes.append(f"layer-streamed calibration on {sm.device} in {str(sm.compute_dtype).replace('torch.', '')}: "
+                 f"needs about {plan['total'] / 2**30:.2f} GiB at its peak ({parts} GiB; independent of the number "
+                 f"of layers), {plan['available'] / 2**30:.2f} GiB available")
+    if plan["total"] > plan["available"]:
+        raise InputError(f"layer-streamed calibration needs about {plan['total'] / 2**30:.2f} GiB ({parts} GiB) and "
+                         f"{plan['available'] / 2**30:.2f} GiB is available",
+                         hint="use fewer --samples or a smaller batch, or a device with more memory")
+    source = {"name": mdir.name, "architecture": (getattr(sm.config, "architectures", None) or ["?"])[0],
+              "files": {f.name: sha256_file(f) for f in sorted(set(sm.files.values()))}}
+    with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None], notes=notes) as work:
+        acts = awq.ActivationStats(inputs_dir=work / awq.INPUTS_DIR)
+        key = [CALIB_VERSION, "stream", source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
+               str(device), gram["max_input_tokens"], str(sm.compute_dtype)] \
+            + ([gram["max_gram_in"]] if rounding in awq.ERROR_FEEDBACK else []) \
+            + (["stacked"] if target == "tensorrt-llm" else [])
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+        result = stream_measure(sm, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
+                                progress=progress, work=work / _PROGRESS, key=digest, probe=probe,
+                                rounding=_AwqRounding(acts, rounding, stacked=target == "tensorrt-llm", **gram),
+                                notes=notes)
+        shutil.rmtree(work / _PROGRESS, ignore_errors=True)
+        result["rounding"] = rounding
+        result["activations"] = acts.summary(gram["max_input_tokens"])
+        result["skipped_formats"] = skipped
+        result["tokens"] = {k: special[k] for k in ("bos_id", "eos_id", "add_bos", "add_bos_from")}
+        result["data"] = {"path": _identity(data), "samples": int(N), "seq_len": int(T), "tokens": int(ids.numel()),
+                          "sha256": data_hash}
         result["model"] = _identity(model)
         if out_dir is not None:
             acts.save(work / awq.ACT_FILE)

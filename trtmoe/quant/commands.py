@@ -48,7 +48,8 @@ def calibrate(model, out, config_path, force, as_json, **options):
                   tokenizer=Path(c["tokenizer"]) if c["tokenizer"] else None, text_field=c["field"], force=force,
                   add_bos=c["add_bos"], notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t),
                   rounding=c["rounding"], sensitivity=c["sensitivity"], device=c["device"],
-                  max_gram_in=c["max_gram_in"], max_input_tokens=c["max_input_tokens"], target=c["target"])
+                  max_gram_in=c["max_gram_in"], max_input_tokens=c["max_input_tokens"], target=c["target"],
+                  runner=c["runner"])
     if as_json:
         click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats")}, indent=1))
         return
@@ -93,9 +94,15 @@ def _render_coverage(res: dict, console, err_console) -> None:
             err_console.print(f"[yellow]warning:[/] layer {l}: {len(fs)} of {E} experts saw fewer than {thr} "
                               f"calibration tokens (expert (tokens): {shown}{more}); {also}")
     s = res["sensitivity"]
-    console.print(f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices "
-                  f"(fc, proj) in "
-                  f"{s['cost_forward_passes']:.1f} forward-pass equivalents")
+    what = f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices (fc, proj)"
+    measured = s.get("cost_seconds")
+    if measured:  # the layer-streamed runner measures its phases
+        cpu, wall = measured["cpu_seconds"], measured["wall_seconds"]
+        parts = ", ".join(f"{k} {wall[k]:.1f}" for k in wall)
+        console.print(f"{what}: {sum(wall.values()):.1f} s wall ({parts}), {sum(cpu.values()):.1f} CPU-s on "
+                      f"{measured['device']}; {s['cost_forward_passes']:.1f}× its own forward pass over the same tokens")
+    else:
+        console.print(f"{what} in {s['cost_forward_passes']:.1f} forward-pass equivalents")
 
 
 def _routing_table(r: dict, E: int, layers, title: str, per_expert: bool):

@@ -544,17 +544,35 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
     """ΔKL estimates of every expert matrix of layer ``l`` from its saved activations. A key of
     ``formats`` ending in ``STACKED`` scores that format as TensorRT-LLM's stacked layout rounds it."""
     c = eng.cfg
+    parts = [_load(f, lambda d: _check_acts(d, c.hidden_size, c.top_k)) for f in files]
+    h, g, idx, w = (torch.cat([p[n] for p in parts]) for n in ("h", "g", "idx", "w"))
+    del parts
+    return score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, min_tokens, estimate_tokens,
+                               T, N, share, floor, progress)
+
+
+def expert_activation(base, hh: torch.Tensor) -> torch.Tensor:
+    """The expert's intermediate activation from its fc output ``hh`` = [up; gate] (bias included):
+    silu(gate)·up, or the bank's own ``activation`` (a transformers experts module's gating)."""
+    act = getattr(base, "activation", None)
+    if act is not None:
+        return act(hh)
+    up, gate = hh.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, min_tokens, estimate_tokens, T, N,
+                        share, floor, progress=None) -> dict:
+    """``_score_layer`` on the layer's MoE inputs ``h``, output gradients ``g`` [tokens, H], routed experts
+    ``idx`` and routing weights ``w`` [tokens, k] (every calibration token, in order)."""
+    c = eng.cfg
     E, k = c.num_experts, c.top_k
     base: FloatExperts = eng.layers[l].experts
     dev = eng.device
-    parts = [_load(f, lambda d: _check_acts(d, c.hidden_size, k)) for f in files]
     # Scored in float32 whatever the activation dtype (on CUDA bf16/fp16 rounding of y_q - y would swamp
     # an int8 matrix's error); the inputs are the ones the forward pass saw.
-    h = torch.cat([p["h"] for p in parts]).to(dev).float()  # [tokens, H]
-    g = torch.cat([p["g"] for p in parts]).to(dev).float()
-    idx = torch.cat([p["idx"] for p in parts]).to(dev)
-    w = torch.cat([p["w"] for p in parts]).to(dev)
-    del parts
+    h, g, idx, w = h.to(dev).float(), g.to(dev).float(), idx.to(dev), w.to(dev).float()
+    fc_bias = getattr(base, "fc_bias", None)
     n_tok = h.shape[0]
     seq_of = torch.arange(n_tok, device=dev) // T
     rounding.add_layer(l, base, h, idx)
@@ -594,8 +612,8 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
             x, gt = h[rows], g[rows]
             fc_w, proj_w = base.fc[e].float(), base.proj[e].float()
             hh = x @ fc_w.t()
-            up, gate = hh.chunk(2, dim=-1)
-            a = F.silu(gate) * up
+            bias = None if fc_bias is None else fc_bias[e].to(dev).float()
+            a = expert_activation(base, hh if bias is None else hh + bias)
             r = gt @ proj_w  # projᵀ g: g·(proj Δa) = r·Δa, and g·proj(a) = r·a
             gy = (r.double() * a.double()).sum(-1)
             # Once per row: fc and projᵀg (one expert pass); per format 2IH + IH (one pass).
@@ -604,8 +622,8 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
                 est_passes += len(rows) * (1 + len(formats))
             for (f, m), (fmt, pk) in packed.items():
                 if m == "fc":
-                    uq, gq = fmt.linear(x, pk).chunk(2, dim=-1)
-                    d = (r * (F.silu(gq) * uq - a)).sum(-1).double()
+                    hq = fmt.linear(x, pk)
+                    d = (r * (expert_activation(base, hq if bias is None else hq + bias) - a)).sum(-1).double()
                 else:
                     # g·(proj_q(a) − proj(a)) with the reference term from r; the two dot products are
                     # taken in float64 so that an int8 matrix's small difference survives.

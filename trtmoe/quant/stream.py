@@ -1,0 +1,868 @@
+"""Layer-streamed calibration through transformers' own modelling code (``calibrate --runner stream``).
+
+The model is built from its config.json by transformers on the meta device (no memory), and only the
+embedding, the final norm and the output head are loaded for the whole run. Each decoder layer is
+loaded when it runs, from the safetensors shards (just its tensors, through transformers' own
+checkpoint conversion, so the fused 3-D ``*Experts`` layout is what it computes with), and dropped
+again afterwards: the weights resident at any time are one decoder layer's plus the embedding and
+head, whatever the depth. Any MoE that transformers implements runs this way; the seam calibration
+reads is the ``*Experts`` module every transformers 5 MoE has (``gate_up_proj`` / ``down_proj``
+3-D parameters, concatenated or interleaved gate/up, transposed or not, with or without biases,
+called as ``forward(hidden_states, top_k_index, top_k_weights)``).
+
+The run, per calibration batch of ``batch_size`` sequences:
+
+1. Boundaries: the model's own forward runs with every decoder layer replaced by a stand-in that
+   records what the layer is called with (attention masks, position embeddings: each architecture's
+   own) and passes the hidden states through. That gives each layer's call arguments and the
+   embedding output.
+2. Forward, layer by layer from the bottom: each layer's output over every batch, written to the
+   workspace (``stream/x-LLL.pt``, the layer-boundary activations; one in memory at a time). The top
+   gives the logits, the Fisher probe (``sensitivity._probe``, seeded per batch as the whole-model path
+   seeds it) and the gradient at the final hidden state.
+3. Backward, layer by layer from the top: each layer is recomputed from its stored input with the
+   gradient recorded, the incoming gradient is backpropagated through it, and the MoE layer's
+   ``*Experts`` module is observed on the way (its inputs, routed experts and routing weights, and the
+   gradient at its output: exactly what the whole-model path records at the MoE output). The layer's
+   expert matrices are then scored (``sensitivity.score_layer_tensors``) while its weights are still
+   resident, and the gradient at its input is passed down.
+
+The result equals the whole-model Fisher measurement within float rounding: the same per-token
+quantities, computed by the same scoring code, from the same probe.
+
+Resumable per layer: a rerun with the same key continues after the last boundary written (forward) or
+the last layer scored (backward); scored layers restore their rounding state as the whole-model path
+does.
+
+Memory: ``memory_plan`` states what the run needs (one layer's weights in the compute dtype and their
+copy as read, the embedding and head, the boundary activations, one batch's logits) before anything
+is loaded, and ``calibrate`` refuses a run that does not fit in the memory available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InputError
+from ..hf.safetensors_io import SafetensorsFile
+from ..runtime.alloc import give_back_freed_memory
+from .calib_schema import build_result
+from .plan import MATRICES, format_obj
+from .sensitivity import (ESTIMATE_SHARE, ESTIMATE_TOKENS, PROBES, RTN, STACKED, Progress, _check_layer, _load,
+                          _probe, _save,
+                          _stacked_block, _under_observed, score_layer_tensors)
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_FLOAT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _transformers():
+    """transformers' config, model and checkpoint-conversion entry points (an optional dependency)."""
+    try:
+        import transformers
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+    except ImportError as e:  # pragma: no cover - transformers is installed wherever tests run
+        raise InputError(f"the layer-streamed runner runs transformers' modelling code, which cannot be "
+                         f"imported ({e})", hint="pip install 'transformers>=5,<6', or use --runner engine") from None
+    return transformers, get_model_conversion_mapping, convert_and_load_state_dict_in_model, LoadStateDictConfig
+
+
+# ---- the experts seam -------------------------------------------------------------------------------
+
+
+def find_experts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None] | None:
+    """A decoder layer's routed ``*Experts`` module (3-D ``gate_up_proj`` and ``down_proj``) and its
+    router (the sibling named ``gate`` or ``router``); None for a dense layer."""
+    for _, mod in layer.named_modules():
+        gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3:
+            parent = next((p for _, p in layer.named_modules() if any(c is mod for c in p.children())), None)
+            router = None
+            if parent is not None:
+                router = getattr(parent, "gate", None) or getattr(parent, "router", None)
+                router = router if isinstance(router, torch.nn.Module) else None
+            return mod, router
+    return None
+
+
+@dataclass
+class ExpertLayout:
+    """How a transformers experts module stores its matrices: ``gate_up_proj`` [E, 2I, H] (or [E, H, 2I]
+    when ``transposed``) with gate and up concatenated (gate first) or interleaved, ``down_proj``
+    [E, H, I] (or [E, I, H]), and optional biases."""
+
+    transposed: bool
+    concatenated: bool
+    bias: bool
+    standard: bool  # silu(gate)·up, no bias: the engine's own expert arithmetic
+
+    @classmethod
+    def of(cls, mod: torch.nn.Module, hidden: int) -> "ExpertLayout":
+        if not getattr(mod, "has_gate", True):
+            raise InputError(f"{type(mod).__name__}: experts without a gate projection are not supported by "
+                             "calibration (it scores gated experts: fc = [up; gate], proj = down)")
+        gu = mod.gate_up_proj
+        transposed = bool(getattr(mod, "is_transposed", gu.shape[-1] != hidden and gu.shape[1] == hidden))
+        concatenated = bool(getattr(mod, "is_concatenated", True))
+        bias = bool(getattr(mod, "has_bias", getattr(mod, "gate_up_proj_bias", None) is not None))
+        gate_fn = getattr(type(mod), "_apply_gate", None)
+        default_gate = gate_fn is None or gate_fn.__name__ == "_default_apply_gate"
+        silu = type(getattr(mod, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+        return cls(transposed, concatenated, bias, default_gate and silu and concatenated and not bias)
+
+
+class HFExperts:
+    """One MoE layer's routed experts, taken from a transformers experts module into the layout the
+    engine and the quantizers use: ``fc`` [E, 2I, H] = per expert [up; gate], ``proj`` [E, H, I], with the
+    fc and proj biases (``fc_bias`` [E, 2I] in the same row order, ``proj_bias`` [E, H]) and, when the
+    module's gating is not silu(gate)·up, ``activation`` (the module's own gating on [up; gate]).
+
+    The usual layout (gate and up concatenated, not transposed) is reordered in place in the module's
+    own parameter, so that the layer's experts are not held twice: the module must not run afterwards."""
+
+    def __init__(self, mod: torch.nn.Module, layout: ExpertLayout, fmt: str):
+        self.fmt, self.layout, self._mod = fmt, layout, mod
+        with torch.no_grad():
+            gu, dn = mod.gate_up_proj.data, mod.down_proj.data
+            if layout.transposed:
+                gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+            if layout.concatenated and not layout.transposed:
+                n = gu.shape[1] // 2
+                gate = gu[:, :n].clone()
+                gu[:, :n] = gu[:, n:]
+                gu[:, n:] = gate
+                del gate
+                self.fc = gu
+            else:
+                self.fc = self._to_up_gate(gu, 1, layout.concatenated)
+            self.proj = dn.contiguous()
+            self.fc_bias = self.proj_bias = None
+            if layout.bias:
+                self.fc_bias = self._to_up_gate(mod.gate_up_proj_bias.detach(), 1, layout.concatenated).float()
+                self.proj_bias = mod.down_proj_bias.detach().float().clone()
+        if not layout.standard:
+            self.activation = self._module_gate
+
+    @staticmethod
+    def _to_up_gate(t: torch.Tensor, dim: int, concatenated: bool) -> torch.Tensor:
+        n = t.shape[dim] // 2
+        if concatenated:
+            gate, up = t.narrow(dim, 0, n), t.narrow(dim, n, n)
+        else:
+            idx = torch.arange(t.shape[dim], device=t.device)
+            gate, up = t.index_select(dim, idx[0::2]), t.index_select(dim, idx[1::2])
+        return torch.cat([up, gate], dim).contiguous()
+
+    def _module_gate(self, hh: torch.Tensor) -> torch.Tensor:
+        up, gate = hh.chunk(2, dim=-1)
+        if self.layout.concatenated:
+            native = torch.cat([gate, up], -1)
+        else:
+            native = torch.stack([gate, up], -1).flatten(-2)
+        return self._mod._apply_gate(native)
+
+    def row_major(self, e: int) -> dict[str, torch.Tensor]:
+        return {"fc": self.fc[e].contiguous(), "proj": self.proj[e].contiguous()}
+
+    def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        hh = x @ self.fc[e].t()
+        if self.fc_bias is not None:
+            hh = hh + self.fc_bias[e].to(hh.dtype)
+        if self.layout.standard:
+            up, gate = hh.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            a = self.activation(hh)
+        y = a @ self.proj[e].t()
+        return y if self.proj_bias is None else y + self.proj_bias[e].to(y.dtype)
+
+    def format_of(self, e: int) -> str:
+        return self.fmt
+
+
+class _CastEmbedding(torch.nn.Module):
+    """The input embedding kept in the checkpoint dtype, its rows cast to the compute dtype when looked up
+    (the same values as casting the whole table, without holding it twice)."""
+
+    def __init__(self, inner: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+        self.weight = getattr(inner, "weight", None)
+
+    def forward(self, ids):
+        return self.inner(ids).to(self.dtype)
+
+
+# ---- the model, one layer at a time ------------------------------------------------------------------
+
+
+class _Boundary(torch.nn.Module):
+    """Stands in for decoder layer ``index``: records the call's arguments and passes the hidden states on."""
+
+    def __init__(self, index: int, record: dict):
+        super().__init__()
+        self.index, self.record = index, record
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.record[self.index] = (args, kwargs)
+        if self.index == 0:
+            self.record["x0"] = hidden_states
+        return hidden_states
+
+
+@dataclass
+class StreamCfg:
+    """What calibration reads of a model's shape (the embedded engine's ``cfg`` fields it uses)."""
+
+    family: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate_size: int
+    moe_layers: list[bool]
+    vocab_size: int
+
+
+@dataclass
+class _Layer:
+    experts: HFExperts | None = None
+
+
+@dataclass
+class _Shim:
+    """The engine attributes the scoring code reads: cfg, dtype, device, layers[l].experts."""
+
+    cfg: StreamCfg
+    dtype: torch.dtype
+    device: torch.device
+    layers: dict = field(default_factory=dict)
+
+
+def _shard_index(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"model.safetensors.index.json is not a valid index ({e})", where=str(index)) from None
+        return {k: model_dir / v for k, v in wm.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise InputError("no *.safetensors weights", where=str(model_dir))
+    out = {}
+    for f in files:
+        with SafetensorsFile(f) as s:
+            for k in s.tensors:
+                out[k] = f
+    return out
+
+
+class StreamedModel:
+    """A transformers causal LM whose decoder layers are loaded one at a time (see the module docstring).
+
+    ``device``: where layers run; ``compute_dtype``: what they compute in (default: float32 on CPU,
+    as the embedded engine computes there, and the checkpoint dtype on CUDA)."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", compute_dtype: torch.dtype | None = None):
+        tf, get_mapping, self._load_fn, self._LoadCfg = _transformers()
+        self.dir = Path(model_dir)
+        self.device = torch.device(device)
+        try:
+            config = tf.AutoConfig.from_pretrained(str(self.dir))
+        except (ValueError, KeyError, OSError) as e:
+            raise InputError(f"transformers cannot read this model's config ({e})", where=str(self.dir)) from None
+        self.config = config
+        self.files = _shard_index(self.dir)
+        self.ckpt_dtype = self._checkpoint_dtype()
+        self.compute_dtype = compute_dtype or (torch.float32 if self.device.type == "cpu" else self.ckpt_dtype)
+        with torch.device("meta"):
+            try:
+                model = tf.AutoModelForCausalLM.from_config(config, dtype=self.ckpt_dtype)
+            except ValueError as e:
+                raise InputError(f"transformers has no causal-LM class for model_type "
+                                 f"{getattr(config, 'model_type', '?')!r} ({e})", where=str(self.dir)) from None
+        body = getattr(model, "model", None)
+        layers = getattr(body, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head") or not hasattr(body, "norm"):
+            raise InputError(f"{type(model).__name__}: the layer-streamed runner needs model.layers, model.norm and "
+                             "lm_head (a decoder-only causal LM)", where=str(self.dir))
+        self.model, self.body, self.layers = model, body, layers
+        self.mapping = get_mapping(model)
+        self.meta_layers = list(layers)
+        # Each layer's tensors as declared (dtype), restored on the meta device when the layer is dropped,
+        # so that every load converts the checkpoint's tensors the same way.
+        self._declared = [{n: t.dtype for n, t in list(lay.named_parameters()) + list(lay.named_buffers())}
+                          for lay in layers]
+        self.record: dict = {}
+        for i in range(len(layers)):
+            layers[i] = _Boundary(i, self.record)
+        self.layer_keys: dict[int, list[str]] = {i: [] for i in range(len(layers))}
+        other = []
+        for k in self.files:
+            m = _LAYER_KEY.search(k)
+            if m and int(m.group(1)) in self.layer_keys and "mtp" not in k:
+                self.layer_keys[int(m.group(1))].append(k)
+            elif not m:
+                other.append(k)
+        self.seam = {}
+        for i, lay in enumerate(self.meta_layers):
+            found = find_experts(lay)
+            if found is not None:
+                self.seam[i] = (found, ExpertLayout.of(found[0], config.get_text_config().hidden_size))
+        if not self.seam:
+            raise InputError(f"{type(model).__name__} has no routed-experts module (3-D gate_up_proj/down_proj) in "
+                             "any decoder layer: not a mixture-of-experts model", where=str(self.dir))
+        self._load(other)
+        self._materialize_rest()
+        self.cfg = self._cfg()
+
+    # -- loading
+    def _infos(self, keys: list[str]) -> dict:
+        """The safetensors header entries (dtype, shape, bytes) of ``keys``."""
+        by_file: dict[Path, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.files[k], []).append(k)
+        out = {}
+        for f, ks in by_file.items():
+            with SafetensorsFile(f) as s:
+                for k in ks:
+                    if k not in s.tensors:
+                        raise InputError(f"the index names {k!r} in {f.name}, which does not hold it", where=str(f))
+                    out[k] = s.tensors[k]
+        return out
+
+    def _checkpoint_dtype(self) -> torch.dtype:
+        for k, info in self._infos([k for k in self.files if k.endswith("weight")][:64]).items():
+            if info.dtype in (torch.bfloat16, torch.float16, torch.float32):
+                return info.dtype
+        return torch.float32
+
+    def read_bytes(self, keys: list[str]) -> int:
+        """Bytes of the named checkpoint tensors as stored."""
+        return sum(i.nbytes for i in self._infos(keys).values())
+
+    def _load(self, keys: list[str]) -> None:
+        """Read ``keys`` from the shards and load them into the model through transformers' checkpoint
+        conversion (in the compute dtype, on the device)."""
+        tf = _transformers()[0]
+        sd = {}
+        by_file: dict[Path, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.files[k], []).append(k)
+        for f, ks in by_file.items():  # read with pread, not mapped: no file pages held in this process
+            with SafetensorsFile(f) as s:
+                for k in ks:
+                    sd[k] = s.read(k)
+        bars = tf.utils.logging.is_progress_bar_enabled()
+        tf.utils.logging.disable_progress_bar()
+        try:
+            info = self._load_fn(self.model, sd, self._LoadCfg(weight_mapping=self.mapping, dtype=self.compute_dtype))
+        finally:
+            if bars:
+                tf.utils.logging.enable_progress_bar()
+        info = info[0] if isinstance(info, tuple) else info
+        errors = list(getattr(info, "error_msgs", []) or []) + list((getattr(info, "conversion_errors", {}) or {}).values())
+        if errors or getattr(info, "mismatched_keys", None):
+            raise InputError(f"loading the checkpoint's tensors failed: {(errors or list(info.mismatched_keys))[0]}",
+                             where=str(self.dir))
+
+    def _materialize_rest(self) -> None:
+        """After the non-layer tensors are loaded: tie the head to the embedding when the checkpoint has
+        none, rebuild computed buffers (rotary tables) and move everything but the layers to the device."""
+        model, body = self.model, self.body
+        head = model.lm_head
+        if head.weight.is_meta:
+            emb = body.get_input_embeddings() if hasattr(body, "get_input_embeddings") else body.embed_tokens
+            if getattr(self.config.get_text_config(), "tie_word_embeddings", False) and not emb.weight.is_meta:
+                head.weight = emb.weight
+            else:
+                raise InputError("the checkpoint has no output head weight (lm_head) and the config does not tie it "
+                                 "to the embedding", where=str(self.dir))
+        for name, mod in list(body.named_children()):
+            if name == "layers":
+                continue
+            if any(b.is_meta for b in mod.buffers()) and not any(True for _ in mod.parameters()):
+                try:
+                    with torch.device(self.device):
+                        new = type(mod)(config=getattr(mod, "config", self.config.get_text_config()))
+                except Exception as e:  # noqa: BLE001 - any failure is one refusal naming the module
+                    raise InputError(f"cannot rebuild {type(mod).__name__} outside transformers' loader ({e})",
+                                     where=str(self.dir)) from None
+                setattr(body, name, new)
+        missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                   if t.is_meta and not _LAYER_KEY.search(n)]
+        if missing:
+            raise InputError(f"the checkpoint has no tensor for {missing[0]}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""), where=str(self.dir))
+        emb = body.get_input_embeddings()
+        keep = {id(emb), id(head)}  # the two large tables stay in the checkpoint dtype
+        for name, mod in body.named_children():
+            if name != "layers":
+                self._place(mod, cast=id(mod) not in keep)
+        self._place(head, cast=False)
+        if self.compute_dtype != self.ckpt_dtype and emb.weight.dtype != self.compute_dtype:
+            body.set_input_embeddings(_CastEmbedding(emb, self.compute_dtype))
+        model.requires_grad_(False)
+        model.eval()
+
+    def _place(self, mod: torch.nn.Module, cast: bool = True) -> None:
+        """Move ``mod`` to the device, its tensors stored in the checkpoint dtype cast to the compute dtype
+        (on CPU everything floating computes in float32; tensors transformers keeps in float32, such as
+        some routers, stay so), one tensor at a time."""
+        cdt = self.compute_dtype
+        for t in list(mod.parameters()) + list(mod.buffers()):
+            dt = t.dtype
+            if cast and t.is_floating_point() and dt != cdt and (dt == self.ckpt_dtype or cdt == torch.float32):
+                dt = cdt
+            if t.device != self.device or dt != t.dtype:
+                t.data = t.data.to(self.device, dt)
+
+    def _cfg(self) -> StreamCfg:
+        tc = self.config.get_text_config()
+        (mod, _), layout = next(iter(self.seam.values()))
+        gu = mod.gate_up_proj
+        E = gu.shape[0]
+        two_i = gu.shape[2] if layout.transposed else gu.shape[1]
+        k = int(getattr(tc, "num_experts_per_tok", 0) or getattr(tc, "top_k", 0) or getattr(tc, "moe_topk", 0))
+        if k < 1:
+            raise InputError("the config names no experts per token (num_experts_per_tok)", where=str(self.dir))
+        L = len(self.meta_layers)
+        return StreamCfg(family=str(getattr(tc, "model_type", "unknown")), num_layers=L, num_experts=int(E), top_k=k,
+                         hidden_size=int(tc.hidden_size), expert_intermediate_size=int(two_i // 2),
+                         moe_layers=[i in self.seam for i in range(L)], vocab_size=int(tc.vocab_size))
+
+    def layer_param_bytes(self, i: int, dtype: torch.dtype) -> int:
+        return sum(p.numel() for p in self.meta_layers[i].parameters()) * torch.empty((), dtype=dtype).element_size()
+
+    def resident_param_bytes(self) -> int:
+        seen, total = set(), 0
+        for n, p in self.model.named_parameters():
+            if not _LAYER_KEY.search(n) and id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
+    @contextlib.contextmanager
+    def layer(self, i: int):
+        """Decoder layer ``i`` with its weights loaded (dropped again on exit)."""
+        lay = self.meta_layers[i]
+        stub = self.layers[i]
+        self.layers[i] = lay
+        try:
+            self._load(self.layer_keys[i])
+        finally:
+            self.layers[i] = stub
+        left = [n for n, t in list(lay.named_parameters()) + list(lay.named_buffers()) if t.is_meta]
+        if left:
+            self._drop(i)
+            raise InputError(f"decoder layer {i}: the checkpoint has no tensor for {left[0]}", where=str(self.dir))
+        self._place(lay)
+        lay.requires_grad_(False)
+        lay.eval()
+        try:
+            yield lay
+        finally:
+            self._drop(i)
+
+    def _drop(self, i: int) -> None:
+        """Layer ``i`` back on the meta device in its declared dtypes; the freed memory returned to the system."""
+        lay, declared = self.meta_layers[i], self._declared[i]
+        for prefix, sub in lay.named_modules():
+            for table in (sub._parameters, sub._buffers):
+                for n, t in list(table.items()):
+                    if t is None:
+                        continue
+                    meta = torch.empty(t.shape, dtype=declared.get(f"{prefix}.{n}" if prefix else n, t.dtype),
+                                       device="meta")
+                    table[n] = torch.nn.Parameter(meta, requires_grad=False) if table is sub._parameters else meta
+        give_back_freed_memory()
+
+    # -- running
+    def boundaries(self, ids: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The embedding output and every decoder layer's call arguments for ``ids`` [B, T]."""
+        self.record.clear()
+        with torch.no_grad():
+            self.body(input_ids=ids.to(self.device), use_cache=False)
+        calls = [self.record[i] for i in range(len(self.layers))]
+        return self.record["x0"], calls
+
+    def head(self, x: torch.Tensor, rows: int = 16384) -> torch.Tensor:
+        """Logits of the final hidden states ``x``: the final norm, then the output head in the compute
+        dtype, its weight cast ``rows`` vocabulary rows at a time when it is stored in another dtype."""
+        h = self.body.norm(x)
+        lin = self.model.lm_head
+        w, bias = lin.weight, getattr(lin, "bias", None)
+        if w.dtype == h.dtype:
+            return lin(h)
+        out = torch.cat([h @ w[i:i + rows].to(h.dtype).t() for i in range(0, w.shape[0], rows)], -1)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+        """The causal LM's logits, run layer by layer (what the calibration forward computes)."""
+        xs, calls = [], []
+        for b in ids.split(batch_size):
+            x0, c = self.boundaries(b)
+            xs.append(x0)
+            calls.append(c)
+        for i in range(len(self.meta_layers)):
+            with self.layer(i) as lay:
+                xs = [_hidden(lay(x, *calls[b][i][0], **calls[b][i][1])) for b, x in enumerate(xs)]
+        return torch.cat([self.head(x).float() for x in xs])
+
+
+def _hidden(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+# ---- calibration -----------------------------------------------------------------------------------
+
+
+def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: int) -> dict:
+    """Bytes the streamed calibration needs at its peak, by part, and what is available."""
+    cb = torch.empty((), dtype=sm.compute_dtype).element_size()
+    c = sm.cfg
+    tc = sm.config.get_text_config()
+    layer = max(sm.layer_param_bytes(i, sm.compute_dtype) + sm.read_bytes(sm.layer_keys[i])
+                for i in range(c.num_layers))
+    E, I, H = c.num_experts, c.expert_intermediate_size, c.hidden_size
+    bank = E * I * H * 4  # the experts' [up; gate] reordering (half of fc in float32) while they are scored
+    resident = sm.resident_param_bytes()
+    acts = 6 * n_tokens * H * 4  # two boundaries, two gradients, the MoE inputs and output gradients
+    heads = int(getattr(tc, "num_attention_heads", 1) or 1)
+    batch = batch_tokens * c.vocab_size * 4 * 3 + 4 * batch_tokens * seq_len * heads * 4
+    parts = {"layer": layer, "scored_experts": bank, "embedding_and_head": resident, "activations": acts,
+             "batch": batch}
+    return {"parts": parts, "total": sum(parts.values()), "available": available_memory(sm.device)}
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process may still use: MemAvailable (host) or the device's free memory (CUDA)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class _Clock:
+    """Measured seconds per phase: wall time, this process's CPU time and, on CUDA, device-synchronised wall time."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        w, c = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.wall[phase] = self.wall.get(phase, 0.0) + time.perf_counter() - w
+            self.cpu[phase] = self.cpu.get(phase, 0.0) + time.process_time() - c
+
+
+class _Observer:
+    """Hooks on one MoE layer's experts module and router: per call the inputs, routed experts and
+    weights, the gradient at the experts' output (when it has one), and the router's entropy sum."""
+
+    def __init__(self, experts: torch.nn.Module, router: torch.nn.Module | None, E: int):
+        self.E = E
+        self.calls: list[dict] = []
+        names = list(inspect.signature(experts.forward).parameters)
+        self._names = [n for n in names if n not in ("self", "args", "kwargs")]
+        self.handles = [experts.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        experts.register_forward_hook(self._post)]
+        if router is not None:
+            self.handles.append(router.register_forward_hook(self._router))
+        self._entropy = 0.0
+
+    def _pre(self, mod, args, kwargs):
+        vals = list(args) + [kwargs[n] for n in self._names[len(args):] if n in kwargs]
+        h, idx, w = vals[0], vals[1], vals[2]
+        self.calls.append({"h": h.detach().reshape(-1, h.shape[-1]).clone(), "idx": idx.detach().reshape(h.numel() // h.shape[-1], -1).clone(),
+                           "w": w.detach().float().reshape(h.numel() // h.shape[-1], -1).clone()})
+
+    def _post(self, mod, args, out):
+        rec = self.calls[-1]
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g, rec=rec: rec.__setitem__("g", g.detach().reshape(-1, g.shape[-1]).clone()))
+
+    def _router(self, mod, args, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        if isinstance(logits, torch.Tensor) and logits.shape[-1] == self.E:
+            with torch.no_grad():
+                p = logits.detach().float().reshape(-1, self.E).softmax(-1)
+                self._entropy += float((-(p * p.clamp_min(1e-30).log()).sum(-1)).sum())
+
+    def take_entropy(self) -> float:
+        e, self._entropy = self._entropy, 0.0
+        return e
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens: int = 16, batch_size: int = 8,
+                   progress: Callable[[str, int, int], None] | None = None, work: Path, key: str = "",
+                   probe: str = "gaussian", seed: int = 0, rounding=None, estimate_tokens: int = ESTIMATE_TOKENS,
+                   notes: list[str] | None = None) -> dict:
+    """The Fisher measurement of ``sensitivity.fisher_measure``, layer-streamed (see the module docstring);
+    returns the calib.json dict with the measured cost per phase."""
+    if probe not in PROBES:
+        raise InputError(f"unknown probe {probe!r}", hint="use " + " or ".join(PROBES))
+    notes = notes if notes is not None else []
+    rounding = rounding or RTN()
+    c = sm.cfg
+    L, E, k = c.num_layers, c.num_experts, c.top_k
+    moe_layers = [l for l in range(L) if c.moe_layers[l]]
+    for l in moe_layers:
+        if not sm.seam[l][1].standard and getattr(rounding, "name", "rtn") != "rtn":
+            raise InputError(f"{type(sm.seam[l][0][0]).__name__}: experts whose gating is not silu(gate)·up without "
+                             f"biases are scored with --rounding rtn only (the activation-aware searches model "
+                             f"silu-gated experts)", hint="use --rounding rtn")
+    clock = _Clock(sm.device)
+    state = Progress(Path(work), f"{key}|stream|estimate {estimate_tokens}/{ESTIMATE_SHARE}")
+    sdir = Path(work) / "stream"
+    stamp = sdir / "key.json"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("key") != key:
+        shutil.rmtree(sdir)
+    sdir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps({"key": key}))
+    xf = lambda l: sdir / f"x-{l:03d}.safetensors"  # noqa: E731 - input of layer l (l >= 1)
+    gf = lambda l: sdir / f"g-{l:03d}.safetensors"  # noqa: E731 - gradient at the input of layer l (l = L: the top)
+    N, T = ids.shape
+    batches = list(ids.split(batch_size))
+    tick_total = 2 * L + 1
+    step = [0]
+
+    def check_batches(d) -> None:
+        """A boundary file: one [batch, T, H] tensor per calibration batch, nothing else."""
+        if not (isinstance(d, list) and len(d) == len(batches) and all(
+                isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == len(b) and t.shape[1] == T
+                and t.is_floating_point() for t, b in zip(d, batches))):
+            raise ValueError("not one activation tensor per calibration batch")
+
+    def tick():
+        step[0] += 1
+        if progress:
+            progress("sensitivity", step[0], tick_total)
+
+    with clock("boundaries"):
+        x0, calls = [], []
+        for b in batches:
+            x, cl = sm.boundaries(b)
+            x0.append(x.to(sm.compute_dtype))
+            calls.append(cl)
+    done_g = [l for l in range(L + 1) if gf(l).is_file()]
+    resume_g = min(done_g) if done_g else None
+    if resume_g is not None:
+        notes.append(f"sensitivity resumed from an interrupted run: layers {resume_g}..{L - 1} were already done")
+    # 2. forward, bottom up (skipped when the backward pass has begun).
+    if resume_g is None:
+        start = max([l for l in range(1, L + 1) if xf(l).is_file()], default=0)
+        xs = x0 if start == 0 else _load(xf(start), check_batches)
+        step[0] += start
+        for l in range(start, L):
+            with clock("io"):
+                cm = sm.layer(l)
+                lay = cm.__enter__()
+            try:
+                with clock("forward"), torch.no_grad():
+                    xs = [_hidden(lay(x, *calls[b][l][0], **calls[b][l][1])) for b, x in enumerate(xs)]
+            finally:
+                cm.__exit__(None, None, None)
+            with clock("io"):
+                _save(xs, xf(l + 1))
+            tick()
+        gs = []
+        for b, x in enumerate(xs):
+            with torch.enable_grad():
+                xl = x.detach().requires_grad_()
+                with clock("forward"):
+                    logits = sm.head(xl)
+                with clock("backward"):
+                    v = _probe(logits, probe, torch.Generator().manual_seed(seed * 1_000_003 + b))
+                    logits.backward(v)
+            gs.append(xl.grad.detach())
+            del logits, v
+        with clock("io"):
+            _save(gs, gf(L))
+        resume_g = L
+    else:
+        step[0] += L
+    tick()
+    gs = _load(gf(resume_g), check_batches)
+    # 3. backward and scoring, top down.
+    counts = torch.zeros(L, E, dtype=torch.int64)
+    mass = torch.zeros(L, E, dtype=torch.float64)
+    entropy = torch.zeros(L, dtype=torch.float64)
+    keys = tuple(formats)
+    shares = getattr(rounding, "shares_prequant", lambda fmt: False)
+    ckpt = sm.ckpt_dtype
+    keys = keys + tuple(f + STACKED for f in formats if shares(format_obj(f, ckpt)))
+    shim = _Shim(c, ckpt, sm.device)
+    zeros = lambda: {f: torch.zeros(L, E, dtype=torch.float64) for f in keys}  # noqa: E731
+    measured, per_seq, estimated = ({m: zeros() for m in MATRICES} for _ in range(3))
+    floor = 0.25 * k / E
+    scored = est = 0.0
+    for l in range(L - 1, -1, -1):
+        lf = state.layer_file(l)
+        if l >= resume_g:  # done by an earlier run: its results only
+            if l in moe_layers:
+                res = _load(lf, lambda d: _check_layer(d, keys, E))
+                if hasattr(rounding, "restore_layer"):
+                    rounding.restore_layer(l, res.get("rounding_state"))
+                _take(res, l, counts, mass, entropy, measured, per_seq, estimated, keys)
+                scored += res["expert_passes"]
+                est += res.get("estimate_passes", 0.0)
+            tick()
+            continue
+        with clock("io"):
+            xs = x0 if l == 0 else _load(xf(l), check_batches)
+            cm = sm.layer(l)
+            lay = cm.__enter__()
+        try:
+            obs = None
+            if l in moe_layers:
+                (mod, router), layout = sm.seam[l]
+                obs = _Observer(mod, router, E)
+            new_g = []
+            with clock("backward"):
+                for b, x in enumerate(xs):
+                    with torch.enable_grad():
+                        xi = x.detach().requires_grad_()
+                        y = _hidden(lay(xi, *calls[b][l][0], **calls[b][l][1]))
+                        y.backward(gs[b].to(y.dtype))
+                    new_g.append(xi.grad.detach())
+                    del y, xi
+            if obs is not None:
+                obs.close()
+                h = torch.cat([r["h"] for r in obs.calls])
+                g = torch.cat([r["g"] for r in obs.calls])
+                idx = torch.cat([r["idx"] for r in obs.calls])
+                w = torch.cat([r["w"] for r in obs.calls])
+                ent = obs.take_entropy()
+                del obs
+                with clock("scoring"):
+                    counts[l] = torch.bincount(idx.reshape(-1).cpu(), minlength=E)
+                    mass[l] = torch.zeros(E, dtype=torch.float64).index_add_(0, idx.reshape(-1).cpu(),
+                                                                             w.reshape(-1).cpu().double())
+                    entropy[l] = ent
+                    shim.layers[l] = _Layer(HFExperts(mod, layout, _FLOAT_NAME.get(ckpt, "fp32")))
+                cm.__exit__(None, None, None)
+                cm = None
+                with clock("scoring"):
+                    share = counts[l].double() / (N * T * k)
+                    res = score_layer_tensors(shim, l, h, g, idx, w, keys, rounding, counts[l], mass[l], min_tokens,
+                                              estimate_tokens, T, N, share, floor)
+                    shim.layers.pop(l)
+                    _release_weights(rounding, l)
+                res["routing"] = {"counts": counts[l].clone(), "weight_mass": mass[l].clone(), "entropy_sum": ent}
+                with clock("io"):
+                    _save(res, lf)
+                _take(res, l, counts, mass, entropy, measured, per_seq, estimated, keys)
+                scored += res["expert_passes"]
+                est += res.get("estimate_passes", 0.0)
+                del h, g, idx, w
+        finally:
+            if cm is not None:
+                cm.__exit__(None, None, None)
+        with clock("io"):
+            gs = new_g
+            _save(gs, gf(l))
+            gf(l + 1).unlink(missing_ok=True)
+            if l >= 1:
+                xf(l).unlink(missing_ok=True)
+        tick()
+    shutil.rmtree(sdir, ignore_errors=True)
+    shutil.rmtree(state.acts, ignore_errors=True)
+    scores = {"measured": measured, "per_seq": per_seq, "estimated": estimated, "floor": floor}
+    sens, flagged = _under_observed(scores, counts, moe_layers, keys, min_tokens, E)
+    cost = {"wall_seconds": dict(clock.wall), "cpu_seconds": dict(clock.cpu),
+            "device": str(sm.device), "resumed": resume_g is not None and resume_g < L}
+    return _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens, cost)
+
+
+def _release_weights(rounding, layer: int) -> None:
+    """Drop the references a scored layer's activation statistics hold to its float ``fc`` weights (for
+    rebuilding ``proj`` inputs while it was scored), so that the layer's weights are freed; a statistic
+    without one is what a resumed run restores and what ``convert`` supplies the weight to."""
+    stats = getattr(getattr(rounding, "acts", None), "stats", None) or {}
+    for (l, _, _), st in stats.items():
+        ref = getattr(st, "inputs", None)
+        if l == layer and ref is not None and ref.fc is not None:
+            ref.fc = None
+    stacked = getattr(rounding, "_stacked", None)
+    if stacked is not None and hasattr(stacked, "_evict"):
+        stacked._evict(-1)
+
+
+def _take(res, l, counts, mass, entropy, measured, per_seq, estimated, keys) -> None:
+    r = res["routing"]
+    counts[l], mass[l], entropy[l] = r["counts"], r["weight_mass"], r["entropy_sum"]
+    for m in MATRICES:
+        for f in keys:
+            measured[m][f][l] = res["measured"][m][f]
+            per_seq[m][f][l] = res["per_seq"][m][f]
+            estimated[m][f][l] = res["estimated"][m][f]
+
+
+def _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens, cost) -> dict:
+    measured, estimated, per_seq = scores["measured"], scores["estimated"], scores["per_seq"]
+    stacked = [f[:-len(STACKED)] for f in keys if f.endswith(STACKED)]
+    formats = [f for f in keys if not f.endswith(STACKED)]
+    as_lists = lambda d: {f: d[f].tolist() for f in formats}  # noqa: E731
+    fwd = cost["wall_seconds"].get("forward", 0.0) + cost["wall_seconds"].get("boundaries", 0.0)
+    total = sum(cost["wall_seconds"].values())
+    sensitivity = {
+        "method": "fisher",
+        "probe": probe,
+        "runner": "stream",
+        "metric": "mean KL(p_ref || p_quant) per calibration token, nats (second-order Fisher estimate)",
+        "delta_kl": {f: (sens["fc"][f] + sens["proj"][f]).tolist() for f in formats},
+        "expert_delta_kl": "fc + proj",
+        "matrices": {m: {"delta_kl": as_lists(sens[m]), "measured": as_lists(measured[m]),
+                         "estimated": as_lists(estimated[m]), "sequence_delta_kl": as_lists(per_seq[m])}
+                     for m in MATRICES},
+        "floor_share": scores["floor"],
+        **({"stacked": _stacked_block(stacked, sens, measured, estimated)} if stacked else {}),
+        # Measured: the whole calibration's wall time over that of its own forward pass (the same tokens,
+        # layer by layer, weights loaded in between not counted).
+        "cost_forward_passes": total / fwd if fwd > 0 else 0.0,
+        "cost_seconds": cost,
+    }
+    stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
+    return build_result(shim, formats, stats, N * T, min_tokens, flagged, sensitivity)
