@@ -101,8 +101,7 @@ def layer_input_amax(bank: FloatExperts, x_all: torch.Tensor, routed: torch.Tens
         rows = (routed == e).any(-1)
         if not bool(rows.any()):
             continue
-        up, gate = bank.fc_out(e, x_all[rows]).chunk(2, dim=-1)
-        a = (F.silu(gate) * up).abs().amax(0).float()
+        a = expert_activation(bank, bank.fc_out(e, x_all[rows])).abs().amax(0).float()
         proj = a if proj is None else torch.maximum(proj, a)
     if proj is None:
         proj = torch.zeros(bank.proj.shape[-1], dtype=torch.float32)

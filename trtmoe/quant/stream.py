@@ -179,10 +179,13 @@ class HFExperts:
     def row_major(self, e: int) -> dict[str, torch.Tensor]:
         return {"fc": self.fc[e].contiguous(), "proj": self.proj[e].contiguous()}
 
+    def fc_out(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s [up; gate] pre-activations of ``x`` (bias included), in ``x``'s dtype."""
+        hh = x @ self.fc[e].t().to(x.dtype)
+        return hh if self.fc_bias is None else hh + self.fc_bias[e].to(hh.dtype)
+
     def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        hh = x @ self.fc[e].t()
-        if self.fc_bias is not None:
-            hh = hh + self.fc_bias[e].to(hh.dtype)
+        hh = self.fc_out(e, x)
         if self.layout.standard:
             up, gate = hh.chunk(2, dim=-1)
             a = F.silu(gate) * up
