@@ -76,6 +76,9 @@ def main() -> int:
     ap.add_argument("--eval-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--ladder", default="fp8,nvfp4", help="quantized formats both searches choose from")
+    ap.add_argument("--also", default="w4a8_awq",
+                    help="formats trtmoe's per-layer plan may also use in an extra column (ones AutoQuantize "
+                         "cannot run here; '' for none)")
     ap.add_argument("--budgets", default="5,6")
     ap.add_argument("--methods", default="gradient", help="AutoQuantize methods: gradient,kl_div")
     ap.add_argument("--fixtures", default=",".join(FIXTURES))
@@ -83,6 +86,7 @@ def main() -> int:
                                                                 "/work/venvs/modelopt/bin/python"))
     args = ap.parse_args()
     ladder = args.ladder.split(",")
+    also = [f for f in args.also.split(",") if f and f not in ladder]
     budgets = [float(b) for b in args.budgets.split(",")]
     mo_ok = Path(args.modelopt_python).exists()
     work = Path(tempfile.mkdtemp(prefix="bench_autoquant_"))
@@ -137,21 +141,24 @@ def main() -> int:
                 print(f"  uniform {n:<13} {uniform[n][1]:6.3f} bits  KL {uniform[n][0]:.5f}", flush=True)
             t0 = time.perf_counter()
             calib = calibrate(model, calib_txt, work / f"calib_{fx}", samples=args.calib_samples,
-                              seq_len=args.seq_len, formats=tuple(ladder), force=True, rounding="rtn")
-            print(f"  trtmoe calibration over {ladder}: {time.perf_counter() - t0:.1f} s", flush=True)
+                              seq_len=args.seq_len, formats=tuple(ladder + also), force=True, rounding="rtn")
+            print(f"  trtmoe calibration over {ladder + also}: {time.perf_counter() - t0:.1f} s", flush=True)
             ids_path = work / f"ids_{fx}.safetensors"
             save_file({"ids": cal.contiguous()}, ids_path)
             for b in budgets:
                 res = {}
-                for gran in ("layer", "expert"):
-                    plan = make_plan(calib, "graded", budget_bpw=b, granularity=gran, formats=["float", *ladder],
+                for gran, key, fs in (("layer", "layer", ladder), ("expert", "expert", ladder),
+                                      ("layer", "layer_also", ladder + also)):
+                    if key == "layer_also" and not also:
+                        continue
+                    plan = make_plan(calib, "graded", budget_bpw=b, granularity=gran, formats=["float", *fs],
                                      dtype=eng.dtype, I_loc=c.expert_intermediate_size)
                     fc = {l: [flt if f in ("float", "fp16", "bf16") else f for f in plan.formats[l]] for l in layers}
                     pf = plan.proj_formats or plan.formats
                     proj = {l: [flt if f in ("float", "fp16", "bf16") else f for f in pf[l]] for l in layers}
-                    res[gran] = evaluate(fc, proj)
+                    res[key] = evaluate(fc, proj)
                     if gran == "layer":
-                        res["layer_formats"] = [fc[l][0] for l in layers]
+                        res[key + "_formats"] = [fc[l][0] for l in layers]
                 for m in args.methods.split(",") if mo_ok else []:
                     out = work / f"aq_{fx}_{b}_{m}.json"
                     t0 = time.perf_counter()
@@ -177,8 +184,9 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     print("\n| fixture | budget | trtmoe per-layer bits | KL | AutoQuantize method | bits | KL | trtmoe/AQ "
-          "| best uniform in set (KL) | trtmoe/uniform | trtmoe per-expert KL | best uniform any format (KL) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| best uniform in set (KL) | trtmoe/uniform | trtmoe per-expert KL | best uniform any format (KL) "
+          f"| trtmoe per-layer +{','.join(also) or '-'} KL (formats) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for fx, b, res, bs, bsv, ba, bav in rows:
         tkl, tbits = res["layer"]
         for m in args.methods.split(","):
@@ -188,11 +196,14 @@ def main() -> int:
             else:
                 aq = f"{m} | – | {got or 'not run'} | –"
             uni = f"{bs} ({bsv[0]:.5f}) | {tkl / bsv[0]:.2f}x" if bs else "none fits | –"
+            extra = (f"{res['layer_also'][0]:.5f} ({','.join(res['layer_also_formats'])})"
+                     if "layer_also" in res else "–")
+            best = f"{ba} ({bav[0]:.5f})" if ba else "none fits"
             print(f"| {fx} | {b:.1f} | {tbits:.2f} | {tkl:.5f} | {aq} | {uni} | {res['expert'][0]:.5f} "
-                  f"({res['expert'][1]:.2f} b) | {ba} ({bav[0]:.5f}) |" if ba else " |")
+                  f"({res['expert'][1]:.2f} b) | {best} | {extra} |")
         print(f"|   | | trtmoe layers: {','.join(res['layer_formats'])} | | AQ layers: "
               + "; ".join(f"{m}: {','.join(res.get(m + '_formats', []))}" for m in args.methods.split(","))
-              + " | | | | | | | |")
+              + " | | | | | | | | |")
     return 0
 
 
