@@ -41,6 +41,7 @@ from safetensors.torch import save_file  # noqa: E402
 from bench_formats import FIXTURES, MODELOPT_CFG, expert_bytes, moe_inputs  # noqa: E402
 from trtmoe.checkpoint.writer import convert  # noqa: E402
 from trtmoe.data import load_texts, write_split_text  # noqa: E402
+from trtmoe.quant.awq import expert_inputs, search_w4a8  # noqa: E402
 from trtmoe.quant.calibrate import calibrate, kl_per_token, token_batches  # noqa: E402
 from trtmoe.quant.formats import FORMATS, QUANTIZED  # noqa: E402
 from trtmoe.quant.policies import make_plan  # noqa: E402
@@ -52,14 +53,14 @@ from trtmoe.runtime.load import load_tokenizer  # noqa: E402
 FROM_MODELOPT = {cfg: name for name, cfg in MODELOPT_CFG.items()}
 
 
-def bank(base, fc_names: list[str], proj_names: list[str], amax, dtype, cache) -> PackedExperts:
+def bank(base, fc_names: list[str], proj_names: list[str], amax, dtype, cache, extra=None) -> PackedExperts:
     """Experts of one layer with expert e's fc in ``fc_names[e]`` and proj in ``proj_names[e]``
     (float names keep the model's weights); quantized matrices are cached per (expert, kind, format)."""
     shards = []
     for e, (fn, pn) in enumerate(zip(fc_names, proj_names)):
         mats = []
         for kind, n in (("fc", fn), ("proj", pn)):
-            fmt = FORMATS[n]
+            fmt = (extra or {}).get(n) or FORMATS[n]
             key = (e, kind, n)
             if key not in cache:
                 w = base.row_major(e)[kind]
@@ -79,6 +80,9 @@ def main() -> int:
     ap.add_argument("--also", default="w4a8_awq",
                     help="formats trtmoe's per-layer plan may also use in an extra column (ones AutoQuantize "
                          "cannot run here; '' for none)")
+    ap.add_argument("--search", default="w4a8_awq",
+                    help="also a uniform plan of this W4A8 format with each expert matrix's pre-quant scale and "
+                         "clip searched on its routed calibration tokens (awq.search_w4a8); '' for none")
     ap.add_argument("--budgets", default="5,6")
     ap.add_argument("--methods", default="gradient", help="AutoQuantize methods: gradient,kl_div")
     ap.add_argument("--fixtures", default=",".join(FIXTURES))
@@ -86,11 +90,12 @@ def main() -> int:
                                                                 "/work/venvs/modelopt/bin/python"))
     args = ap.parse_args()
     ladder = args.ladder.split(",")
+    methods = [m for m in args.methods.split(",") if m]
     also = [f for f in args.also.split(",") if f and f not in ladder]
     budgets = [float(b) for b in args.budgets.split(",")]
     mo_ok = Path(args.modelopt_python).exists()
     work = Path(tempfile.mkdtemp(prefix="bench_autoquant_"))
-    rows = []
+    rows, searched_rows = [], []
     try:
         calib_txt, held_txt = work / "calib.txt", work / "heldout.txt"
         write_split_text("calib", calib_txt, max_bytes=64 * args.calib_samples * args.seq_len)
@@ -115,10 +120,11 @@ def main() -> int:
                 ref = [eng.logits(b).float().log_softmax(-1) for b in held.split(8)]
             cache = {l: {} for l in layers}
 
-            def evaluate(fc: dict, proj: dict) -> tuple[float, float]:
-                """Held-out KL of per-layer/per-expert format lists, and their average bits."""
+            def evaluate(fc: dict, proj: dict, extra=None) -> tuple[float, float]:
+                """Held-out KL of per-layer/per-expert format lists, and their average bits (``extra``:
+                cache keys naming prepared packed tensors, with their format)."""
                 for l in layers:
-                    eng.layers[l].experts = bank(bases[l], fc[l], proj[l], amax[l], eng.dtype, cache[l])
+                    eng.layers[l].experts = bank(bases[l], fc[l], proj[l], amax[l], eng.dtype, cache[l], extra)
                 kl, count = 0.0, 0
                 try:
                     with torch.inference_mode():
@@ -129,8 +135,9 @@ def main() -> int:
                     for l in layers:
                         eng.layers[l].experts = bases[l]
                 I, H = c.expert_intermediate_size, c.hidden_size
-                nbytes = sum(FORMATS[f].weight_bytes(2 * I, H, 1) for l in layers for f in fc[l]) + \
-                    sum(FORMATS[f].weight_bytes(H, I, 1) for l in layers for f in proj[l])
+                cls = lambda f: (extra or {}).get(f) or FORMATS[f]  # noqa: E731
+                nbytes = sum(cls(f).weight_bytes(2 * I, H, 1) for l in layers for f in fc[l]) + \
+                    sum(cls(f).weight_bytes(H, I, 1) for l in layers for f in proj[l])
                 return kl / count, 8 * nbytes / (float_bytes / 2)
 
             print(f"\n{fx}: {len(layers)} MoE layers x {E} experts, calib {tuple(cal.shape)}, "
@@ -139,6 +146,27 @@ def main() -> int:
             for n in [flt, *QUANTIZED]:
                 uniform[n] = evaluate({l: [n] * E for l in layers}, {l: [n] * E for l in layers})
                 print(f"  uniform {n:<13} {uniform[n][1]:6.3f} bits  KL {uniform[n][0]:.5f}", flush=True)
+            if args.search:
+                t0 = time.perf_counter()
+                fmt, searched = FORMATS[args.search], {}
+                for l in layers:
+                    x_all, routed = inputs[l]
+                    for e in range(E):
+                        w = bases[l].row_major(e)
+                        xs = dict(zip(("fc", "proj"), expert_inputs(w["fc"].float(), x_all[(routed == e).any(-1)].float())))
+                        for kind in ("fc", "proj"):
+                            if xs[kind].shape[0]:
+                                cache[l][(e, kind, "searched")] = search_w4a8(
+                                    fmt, w[kind], xs[kind], dtype=eng.dtype, input_amax=amax[l][kind])[0]
+                            else:  # an expert no calibration token reached: plain rounding
+                                cache[l][(e, kind, "searched")] = fmt.quantize(w[kind], dtype=eng.dtype,
+                                                                               input_amax=amax[l][kind])
+                kl_s = evaluate({l: ["searched"] * E for l in layers}, {l: ["searched"] * E for l in layers},
+                                {"searched": fmt})
+                print(f"  uniform {args.search} with search_w4a8: KL {kl_s[0]:.5f} (plain rounding "
+                      f"{uniform[args.search][0]:.5f}, {kl_s[0] / uniform[args.search][0]:.3f}x; "
+                      f"{time.perf_counter() - t0:.0f} s)", flush=True)
+                searched_rows.append((fx, uniform[args.search][0], kl_s[0]))
             t0 = time.perf_counter()
             calib = calibrate(model, calib_txt, work / f"calib_{fx}", samples=args.calib_samples,
                               seq_len=args.seq_len, formats=tuple(ladder + also), force=True, rounding="rtn")
@@ -159,7 +187,7 @@ def main() -> int:
                     res[key] = evaluate(fc, proj)
                     if gran == "layer":
                         res[key + "_formats"] = [fc[l][0] for l in layers]
-                for m in args.methods.split(",") if mo_ok else []:
+                for m in methods if mo_ok else []:
                     out = work / f"aq_{fx}_{b}_{m}.json"
                     t0 = time.perf_counter()
                     proc = subprocess.run([args.modelopt_python, str(ROOT / "tests" / "reference" / "modelopt_autoquantize.py"),
@@ -189,7 +217,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for fx, b, res, bs, bsv, ba, bav in rows:
         tkl, tbits = res["layer"]
-        for m in args.methods.split(","):
+        for m in methods or ["none"]:
             got = res.get(m)
             if isinstance(got, tuple):
                 aq = f"{m} | {got[1]:.2f} | {got[0]:.5f} | {tkl / got[0]:.2f}x"
@@ -202,8 +230,11 @@ def main() -> int:
             print(f"| {fx} | {b:.1f} | {tbits:.2f} | {tkl:.5f} | {aq} | {uni} | {res['expert'][0]:.5f} "
                   f"({res['expert'][1]:.2f} b) | {best} | {extra} |")
         print(f"|   | | trtmoe layers: {','.join(res['layer_formats'])} | | AQ layers: "
-              + "; ".join(f"{m}: {','.join(res.get(m + '_formats', []))}" for m in args.methods.split(","))
+              + "; ".join(f"{m}: {','.join(res.get(m + '_formats', []))}" for m in methods)
               + " | | | | | | | | |")
+    for fx, rtn, srch in searched_rows:
+        print(f"uniform {args.search} on {fx}: held-out KL plain rounding {rtn:.5f}, search_w4a8 {srch:.5f} "
+              f"({srch / rtn:.3f}x)")
     return 0
 
 
