@@ -11,7 +11,10 @@ with ``--methods``), and its per-layer choice is read back. Both plans, and ever
 bits fit the budget, are then run by the SAME evaluator: the embedded engine with each MoE layer's
 experts quantized by trtmoe's format classes (input scales from the layer input amax measured on
 the calibration windows), mean KL(float || quantized) per held-out token. trtmoe's per-expert plan at
-the same budget is shown too (AutoQuantize groups all experts of a layer into one decision).
+the same budget is shown too (AutoQuantize groups all experts of a layer into one decision), and a
+per-layer plan that may also use ``--also`` (default w4a8_awq, which ModelOpt 0.47's W4A8 config cannot
+quantize in transformers' fused experts). ``--search`` adds uniform w4a8_awq with every expert matrix's
+pre-quant scale and clip searched on its routed calibration tokens (``trtmoe.quant.awq.search_w4a8``).
 
     python scripts/bench_autoquant.py [--budgets 5,6] [--ladder fp8,nvfp4] [--methods gradient]
 """
