@@ -23,6 +23,12 @@
    the uniform plans of that rounding are added in both forms too; ``--max-gram-in N`` makes
    calibration store the Gram matrix only of matrices with at most N inputs and rebuild the others'
    from the stored MoE-layer inputs when they are rounded (0: every matrix, as on a real model).
+   ``--fused-formats all`` (or a comma list) adds the fused-MoE formats, taken from their classes
+   (every quantized format without a TensorRT-LLM 1.2 engine path: FP8, FP8-block, NVFP4, MXFP4,
+   W4A8-AWQ, ...): calibrated beside the others (activation quantization included), a uniform plan
+   of each (round to nearest; static input scales from the calibrated input amax) and a series
+   family "+fused" (float and those formats, graded per matrix, expert and layer, frequency and
+   random at equal bytes).
    Ratios are quoted against uniform RTN int4_g128 and against the best uniform int4 of the same
    rounding arm; on a model no 128-group divides (calibration skips int4_g128) the headline baseline
    is uniform RTN int4_g64 instead.
@@ -69,6 +75,8 @@ from trtmoe.quant import awq  # noqa: E402
 from trtmoe.quant.allocate import Unit, allocate  # noqa: E402
 from trtmoe.errors import InputError  # noqa: E402
 from trtmoe.quant.calibrate import calibrate, load_calib, token_batches  # noqa: E402
+from trtmoe.quant.formats import FORMATS as FORMAT_CLASSES, QUANTIZED  # noqa: E402
+from trtmoe.quant.planning import _with_input_amax  # noqa: E402
 from trtmoe.quant.plan import MATRICES, QuantPlan  # noqa: E402
 from trtmoe.quant.policies import make_plan, matrix_cost_bits, placement, predicted_delta_kl  # noqa: E402
 from trtmoe.report.quality import Reference  # noqa: E402
@@ -79,6 +87,8 @@ BUDGETS = (4.125, 4.25, 4.5, 5.0, 6.0, 8.0)
 FORMATS = ["float", "int8", "int4_g64", "int4_g128"]
 CALIB_FORMATS = ("int8", "int4", "int4_g128", "int4_g64")  # FORMATS' quantized ones plus per-channel int4
 INT4_KINDS = ("int4", "int4_g128", "int4_g64")
+# The fused-MoE formats (TensorRT-LLM's PyTorch backend), from their classes: no engine path.
+FUSED_FORMATS = tuple(n for n in QUANTIZED if not FORMAT_CLASSES[n].engine_path)
 # The headline baseline: uniform RTN int4_g128, or, on a model no 128-group divides (calibration skips
 # that format), int4_g64. main() sets it from the calibration; ratios and targets are quoted against it.
 HEAD = "int4_g128"
@@ -198,6 +208,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--with-int4", action=argparse.BooleanOptionalAction, default=True,
                     help="also the series whose candidates include int4 per-channel (default: on)")
+    ap.add_argument("--fused-formats", default="",
+                    help="also the fused-MoE formats: 'all' (" + ", ".join(FUSED_FORMATS) + ") or a comma list "
+                         "of them; calibrated, uniform baselines and a '+fused' series family (default: none)")
     ap.add_argument("--reuse-calib", action="store_true", help="reuse WORKDIR/calib/calib.json if present")
     ap.add_argument("--keep", action="store_true", help="keep every quantized checkpoint")
     ap.add_argument("--threads", type=int, default=1)
@@ -207,6 +220,10 @@ def main(argv=None) -> int:
                     help="error-feedback roundings: store the input Gram matrix of matrices with at most this "
                          "many inputs, rebuild the others' from the stored MoE inputs (0: rebuild every one)")
     args = ap.parse_args(argv)
+    fused = list(FUSED_FORMATS) if args.fused_formats == "all" else [f for f in args.fused_formats.split(",") if f]
+    if any(f not in FUSED_FORMATS for f in fused):
+        ap.error(f"--fused-formats: choose from {', '.join(FUSED_FORMATS)} (or 'all'), got {args.fused_formats!r}")
+    calib_formats = CALIB_FORMATS + tuple(fused)
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     model, work = args.model, args.workdir
@@ -232,7 +249,7 @@ def main(argv=None) -> int:
             calib = load_calib(cdir)
         except InputError as e:  # an older layout: measure again
             log(f"calibration in {cdir} not reused: {e.render()}")
-    if calib is not None and set(calib["formats"]) | set(calib.get("skipped_formats") or {}) >= set(CALIB_FORMATS) \
+    if calib is not None and set(calib["formats"]) | set(calib.get("skipped_formats") or {}) >= set(calib_formats) \
             and calib.get("rounding") == args.rounding \
             and (args.rounding not in awq.ERROR_FEEDBACK or bool(calib.get("activations", {}).get("gram_from_inputs"))
                  == (args.max_gram_in < _largest_input(model))) \
@@ -241,10 +258,10 @@ def main(argv=None) -> int:
     else:
         t0 = time.perf_counter()
         calib = calibrate(model, calib_txt, cdir, samples=args.calib_samples, seq_len=args.calib_seq_len,
-                          formats=CALIB_FORMATS, force=True, rounding=args.rounding,
+                          formats=calib_formats, force=True, rounding=args.rounding,
                           max_gram_in=args.max_gram_in)
         calib["seconds"] = time.perf_counter() - t0  # wall time is reported here, never stored in calib.json
-        log(f"calibration: {calib['data']['tokens']} tokens, {len(CALIB_FORMATS)} formats × fc, proj, "
+        log(f"calibration: {calib['data']['tokens']} tokens, {len(calib_formats)} formats × fc, proj, "
             f"{calib['sensitivity']['cost_forward_passes']:.1f} forward-pass equivalents, "
             f"{time.perf_counter() - t0:.1f} s")
     global HEAD, FORMATS, INT4_KINDS
@@ -253,6 +270,7 @@ def main(argv=None) -> int:
         log(f"  {f} skipped by calibration ({why}): left out of every plan and baseline")
     FORMATS = [f for f in FORMATS if f == "float" or f in measured]
     INT4_KINDS = tuple(f for f in INT4_KINDS if f in measured)
+    fused = [f for f in fused if f in measured]
     HEAD = "int4_g128" if "int4_g128" in measured else "int4_g64"
     if HEAD != "int4_g128":
         log(f"  headline baseline: uniform RTN {HEAD} (int4_g128 does not apply to this model)")
@@ -270,7 +288,7 @@ def main(argv=None) -> int:
     mats = calib["sensitivity"]["matrices"]
     log("  proj's share of ΔKL (proj holds 1/3 of an expert's weights): " + ", ".join(
         f"{f} {100 * total(mats['proj']['delta_kl'][f]) / max(total(calib['sensitivity']['delta_kl'][f]), 1e-30):.0f}%"
-        for f in CALIB_FORMATS if f in measured))
+        for f in calib_formats if f in measured))
 
     # ---- reference ----------------------------------------------------------------------------------------
     ck_fp = work / "ckpt_fp"
@@ -293,7 +311,7 @@ def main(argv=None) -> int:
         torch.float16 if calib["dtype"] == "float16" else torch.float32)
 
     def do(policy_label, plan, budget=None, seed=None, keep=False, additive=False, rounding=None):
-        plan = awq.attach(plan, rounding or args.rounding, cdir, calib)
+        plan = _with_input_amax(awq.attach(plan, rounding or args.rounding, cdir, calib), calib)
         name = policy_label.replace(" ", "_").replace("(", "").replace(")", "") + (
             f"_{budget}" if budget is not None else "") + (f"_s{seed}" if seed is not None else "")
         ev, cev = run_plan(model, work, name, plan, ref, cref if additive else None, keep or args.keep)
@@ -321,13 +339,16 @@ def main(argv=None) -> int:
         for f in INT4_KINDS:
             do(f"uniform {args.rounding} {f}", uni(f), rounding=args.rounding)
             do(f"uniform {args.rounding} {f} (matrix)", uni(f, "matrix"), rounding=args.rounding)
+    for f in fused:  # the fused-MoE formats: round to nearest, static input scales from the calibration
+        do(f"uniform {f}", uni(f), rounding="rtn")
     do("frequency tiers", make_plan(calib, "frequency", dtype=dtype))
 
     # ---- budgets ------------------------------------------------------------------------------------------
     # Each candidate set is a series family: graded per expert matrix (the embedded default) and per
     # expert, graded per layer (main set only), frequency and random at equal bytes at matrix and expert
     # granularity. A budget below a set's cheapest plan is recorded as infeasible.
-    families = [("", FORMATS)] + ([(" +int4", FORMATS + ["int4"])] if args.with_int4 else [])
+    families = [("", FORMATS)] + ([(" +int4", FORMATS + ["int4"])] if args.with_int4 else []) + (
+        [(" +fused", ["float", *fused])] if fused else [])
     infeasible = []
     for b in budgets:
         for suffix, fs in families:
@@ -339,9 +360,9 @@ def main(argv=None) -> int:
             for gran in ("matrix", "expert"):
                 do(f"graded{suffix} ({gran})", make_plan(calib, "graded", budget_bpw=b, granularity=gran,
                                                          formats=fs, dtype=dtype), b, keep=b == 4.5, additive=True)
-            if not suffix:
-                do("graded (layer)", make_plan(calib, "graded", budget_bpw=b, granularity="layer", formats=fs,
-                                               dtype=dtype), b, keep=b == 4.5)
+            if suffix in ("", " +fused"):  # the fused-MoE formats' target is per layer too
+                do(f"graded{suffix} (layer)", make_plan(calib, "graded", budget_bpw=b, granularity="layer",
+                                                        formats=fs, dtype=dtype), b, keep=b == 4.5)
             for gran in ("matrix", "expert"):
                 do(f"frequency-bytes{suffix} ({gran})", make_plan(calib, "frequency-bytes", budget_bpw=b,
                                                                   granularity=gran, formats=fs, dtype=dtype), b)
@@ -365,7 +386,8 @@ def main(argv=None) -> int:
         log(f"  layer {l}: EP max/mean load {v['before']:.3f} -> {v['after']:.3f}")
 
     # ---- table and targets ------------------------------------------------------------------------------------
-    targets = check_targets(rows, budgets, (alloc, alloc_m), place, tuple(sfx for sfx, _ in families))
+    targets = check_targets(rows, budgets, (alloc, alloc_m), place,
+                            tuple(sfx for sfx, _ in families if sfx != " +fused"))  # the int4 issue's targets
     print_table(rows)
     print_ratios(rows)
     log("\nadditivity (graded plans; calibration text): predicted ΣΔKL vs measured KL, and the predicted ratio "

@@ -1416,3 +1416,85 @@ def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None
     if act is not None:
         meta["activations"] = {"path": str(act.resolve()), "sha256": sha256_file(act)}
     return replace(plan, meta=meta)
+
+
+# ---- activation-aware search for INT4 weights under FP8 activations (W4A8 AWQ) --------------------
+W4A8_ALPHAS = 20
+W4A8_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+W4A8_MAX_ROWS = 1024
+
+
+def w4a8_output_error(fmt: QuantFormat, packed: dict[str, Tensor], x: Tensor, y_ref: Tensor) -> float:
+    """Mean squared error of the kernel's output (``fmt.linear``: pre-quant scale, FP8 inputs under the
+    static input scale, the INT4-then-FP8 weight) against the float product ``y_ref``."""
+    return float((fmt.linear(x, packed) - y_ref).pow(2).mean())
+
+
+def _w4a8_clip(fmt: QuantFormat, wt: Tensor, xq: Tensor, ratios) -> Tensor:
+    """Per output row and input group, the clipped amax (a ratio of the group's amax) whose INT4
+    rounding gives the smallest error on that group's share of the output, ``xq`` being the inputs
+    as the kernel sees them (pre-scaled, FP8-rounded)."""
+    g = fmt.group_size
+    out_f, in_f = wt.shape
+    best = torch.empty(out_f, in_f // g)
+    for gi in range(in_f // g):
+        wg, xg = wt[:, gi * g:(gi + 1) * g], xq[:, gi * g:(gi + 1) * g]
+        amax = wg.abs().amax(dim=1).clamp(min=1e-12)
+        err_best = torch.full((out_f,), float("inf"))
+        for r in ratios:
+            c = (amax * r).unsqueeze(1)
+            s = c / 7.0
+            q = (wg.clamp(-c, c) / s).round().clamp(-8, 7) * s
+            err = (xg @ (wg - q).T).pow(2).sum(0)
+            better = err < err_best
+            err_best = torch.where(better, err, err_best)
+            best[:, gi] = torch.where(better, c.squeeze(1), best[:, gi])
+    return best
+
+
+def search_w4a8(fmt: QuantFormat, w: Tensor, x: Tensor, *, dtype: torch.dtype, input_amax: Tensor | None = None,
+                alphas: int = W4A8_ALPHAS, clip_ratios=W4A8_CLIP_RATIOS, max_rows: int = W4A8_MAX_ROWS
+                ) -> tuple[dict[str, Tensor], dict]:
+    """AWQ for a W4A8 matrix ``w`` ``[out, in]`` on its inputs ``x`` ``[N, in]``: the pre-quant scale
+    ``s = mean|x|^a / sqrt(max * min)`` over a grid of ``a`` (the inputs are multiplied by ``1/s``,
+    the weight's columns by ``s``), then a clip per output row and group, each candidate measured as
+    the kernel runs it (inputs pre-scaled, then FP8 under the input scale of ``input_amax``: a
+    per-input-channel amax, so the scale follows the pre-quant scale; the inputs' own amax when not
+    given). Returns the packed tensors with the smallest output error (plain rounding when nothing
+    beats it) and ``{"alpha", "clipped", "rtn_error", "error"}``."""
+    if fmt.activation != "fp8" or not hasattr(fmt, "group_size") or not fmt.needs_input_amax:
+        raise InputError(f"{fmt.name}: search_w4a8 needs a W4A8 format (int4 groups, FP8 inputs)")
+    if w.dim() != 2 or x.dim() != 2 or x.shape[-1] != w.shape[-1]:
+        raise InputError(f"search_w4a8: weight [out, in] and inputs [N, in] expected, got "
+                         f"{tuple(w.shape)} and {tuple(x.shape)}")
+    x = _sample(x.float(), max_rows) if x.shape[0] > max_rows else x.float()
+    amax = (x.abs().amax(dim=0) if input_amax is None else input_amax.float().reshape(-1)).to(dtype)
+    if amax.numel() != w.shape[-1]:
+        raise InputError(f"search_w4a8: input_amax must hold one value per input channel ({w.shape[-1]})")
+    y_ref = x @ w.float().T
+    packed = fmt.quantize(w, dtype=dtype, input_amax=amax)
+    rtn_err = err = w4a8_output_error(fmt, packed, x, y_ref)
+    info = {"alpha": 0.0, "clipped": False, "rtn_error": rtn_err}
+    act = x.abs().mean(dim=0).clamp(min=1e-8)
+    for i in range(1, alphas):
+        s = act.pow(i / alphas)
+        s = s / (s.max() * s.min()).sqrt()
+        pq = (1.0 / s).to(dtype)
+        if not bool((pq.float() > 0).all()) or not bool(torch.isfinite(pq.float()).all()):
+            continue
+        cand = fmt.quantize(w, dtype=dtype, input_amax=amax, pre_quant_scale=pq)
+        e = w4a8_output_error(fmt, cand, x, y_ref)
+        if e < err:
+            packed, err, info["alpha"] = cand, e, i / alphas
+    if clip_ratios:
+        pq = packed["pre_quant_scale"].float()
+        wt = w.to(dtype).float() / pq
+        c = _w4a8_clip(fmt, wt, fmt.quantize_input(x, packed), clip_ratios)
+        lim = c.repeat_interleave(fmt.group_size, dim=1)
+        cand = fmt.quantize((torch.maximum(torch.minimum(wt, lim), -lim) * pq).to(dtype), dtype=dtype,
+                            input_amax=amax, pre_quant_scale=packed["pre_quant_scale"])
+        e = w4a8_output_error(fmt, cand, x, y_ref)
+        if e < err:
+            packed, err, info["clipped"] = cand, e, True
+    info["error"] = err
+    return packed, info
