@@ -245,10 +245,10 @@ def test_every_output_file_is_fsynced_before_the_swap(synthetic, tmp_path, monke
         synced.add(os.path.realpath(f"/proc/self/fd/{fd}"))
         return real_fsync(fd)
 
-    def swap(tmp, out):
+    def swap(tmp, out, **kw):
         at_swap["files"] = {os.path.realpath(p) for p in tmp.rglob("*")}
         at_swap["synced"] = set(synced)
-        return real_swap(tmp, out)
+        return real_swap(tmp, out, **kw)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(atomic, "_swap_into_place", swap)

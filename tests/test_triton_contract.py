@@ -233,9 +233,12 @@ def test_nv_trt_llm_metric_families(moved):
         m = parse_prometheus(urllib.request.urlopen(moved["server"].endpoints.metrics, timeout=10).read().decode())
         labels_ok = all({lab.get(key) for lab, _ in m.get(fam, [])} == values for fam, (key, values) in families.items())
         steps = [v for lab, v in m.get("nv_trt_llm_general_metrics", []) if lab.get("general_type") == "iteration_counter"]
-        return m if labels_ok and steps and steps[0] >= 5 else None
+        used = [v for lab, v in m.get("nv_trt_llm_kv_cache_block_metrics", [])
+                if lab.get("kv_cache_block_type") == "used"]
+        # ... and published after the request ended (a snapshot taken while it ran holds its blocks)
+        return m if labels_ok and steps and steps[0] >= 5 and used == [0.0] else None
 
-    m = wait_until(published, 10, "the nv_trt_llm_* metric families after a 6-token request")
+    m = wait_until(published, 10, "the nv_trt_llm_* metric families, idle, after a 6-token request")
     got = {}
     for fam, (key, values) in families.items():
         samples = m.get(fam, [])
