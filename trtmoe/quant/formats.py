@@ -802,13 +802,12 @@ class FP8BlockFormat(FusedMoEFormat):
 
 
 @dataclass(frozen=True)
-class NVFP4Format(FusedMoEFormat):
-    """NVFP4: E2M1 weights in blocks of 16 inputs, an E4M3 scale per block (``weight_scale`` ``[out,
-    in/16]``) and a float32 global ``weight_scale_2 = amax / (6 * 448)``; ``weight`` uint8 ``[out,
-    in/2]``. With ``activation`` "nvfp4" the inputs are NVFP4 too under the static
-    ``input_scale = amax / (6 * 448)`` (W4A4, ModelOpt ``NVFP4``); without, W4A16 (``W4A16_NVFP4``)."""
+class _BlockFP4Format(FusedMoEFormat):
+    """E2M1 weights two per byte with one 8-bit scale per ``block`` inputs (NVFP4, MXFP4); a format
+    with a float32 global scale per matrix counts it in ``global_scale_bytes``."""
 
     block: int = 16
+    global_scale_bytes: int = 0
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
         if in_features % self.block:
@@ -822,8 +821,19 @@ class NVFP4Format(FusedMoEFormat):
         problem = self.shape_problem(out_features, in_features)
         if problem:
             raise UnsupportedError(problem)
-        return n * (out_features * in_features // 2 + out_features * in_features // self.block + 4) \
-            + self._input_scale_bytes()
+        return n * (out_features * in_features // 2 + out_features * in_features // self.block
+                    + self.global_scale_bytes) + self._input_scale_bytes()
+
+
+@dataclass(frozen=True)
+class NVFP4Format(_BlockFP4Format):
+    """NVFP4: E2M1 weights in blocks of 16 inputs, an E4M3 scale per block (``weight_scale`` ``[out,
+    in/16]``) and a float32 global ``weight_scale_2 = amax / (6 * 448)``; ``weight`` uint8 ``[out,
+    in/2]``. With ``activation`` "nvfp4" the inputs are NVFP4 too under the static
+    ``input_scale = amax / (6 * 448)`` (W4A4, ModelOpt ``NVFP4``); without, W4A16 (``W4A16_NVFP4``)."""
+
+    block: int = 16
+    global_scale_bytes: int = 4  # weight_scale_2
 
     def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
         wd = self._prepare(w, dtype)
@@ -850,26 +860,12 @@ class NVFP4Format(FusedMoEFormat):
 
 
 @dataclass(frozen=True)
-class MXFP4Format(FusedMoEFormat):
+class MXFP4Format(_BlockFP4Format):
     """MXFP4 (OCP MX): E2M1 weights in blocks of 32 inputs with a power-of-two E8M0 scale per block
     (``weight_scale`` uint8 ``[out, in/32]``, biased by 127); ``weight`` uint8 ``[out, in/2]``.
     Weight-only (W4A16; ModelOpt ``mxfp4``, TensorRT-LLM ``W4A16_MXFP4``)."""
 
     block: int = 32
-
-    def shape_problem(self, out_features: int, in_features: int) -> str | None:
-        if in_features % self.block:
-            return (f"{self.name}: in_features (dim -1) = {in_features} is not a multiple of the block "
-                    f"size {self.block}")
-        return None
-
-    def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
-                     scale_dtype_bytes: int = 2) -> int:
-        self._check_dims(out_features, in_features, n)
-        problem = self.shape_problem(out_features, in_features)
-        if problem:
-            raise UnsupportedError(problem)
-        return n * (out_features * in_features // 2 + out_features * in_features // self.block)
 
     def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
         wd = self._prepare(w, dtype)
