@@ -29,6 +29,7 @@ import argparse
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 
 PRESETS = {  # trtmoe format name -> ModelOpt preset config
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
                 m(input_ids=torch.tensor([row]))
 
     for out, base_fmt, layer_formats in jobs:
+        t0 = time.monotonic()
         # A fresh model per job: quantization replaces its modules in place.
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
         mtq.quantize(model, layer_config(mtq, base_fmt, layer_formats), forward_loop)
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
             export_hf_checkpoint(model, export_dir=str(out))
         (out / "description.json").write_text(json.dumps(describe(out), indent=1, sort_keys=True))
         del model
+        print(f"{out.name}: exported in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return 0
 
 if __name__ == "__main__":

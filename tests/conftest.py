@@ -144,12 +144,16 @@ def modelopt_python_path() -> Path:
     return shared if not local.exists() and shared.exists() else local
 
 
+MODELOPT_FIND = ("import importlib.util, sys; "
+                 "m = [n for n in ('modelopt', 'transformers', 'torch', 'safetensors') if not importlib.util.find_spec(n)]; "
+                 "print(', '.join(m)); sys.exit(1 if m else 0)")
 _MODELOPT_PROBLEM: list[str | None] = []
 
 
 def modelopt_problem() -> str | None:
     """Why the ModelOpt environment cannot run the oracle scripts (None: it can), checked once per run:
-    its interpreter must exist and import ModelOpt's exporter and transformers."""
+    its interpreter must exist and have ModelOpt, transformers, torch and safetensors installed (found,
+    not imported: importing ModelOpt takes half a minute, which the oracle processes pay anyway)."""
     if not _MODELOPT_PROBLEM:
         exe = modelopt_python_path()
         why = None
@@ -157,10 +161,10 @@ def modelopt_problem() -> str | None:
             why = f"{exe} is not there (make it with scripts/modelopt_env.sh or set TRTMOE_MODELOPT_PYTHON)"
         else:
             try:
-                p = subprocess.run([str(exe), "-c", "import modelopt.torch.export, transformers"],
-                                   capture_output=True, text=True, timeout=600, cwd=tempfile.gettempdir())
+                p = subprocess.run([str(exe), "-c", MODELOPT_FIND], capture_output=True, text=True, timeout=120,
+                                   cwd=tempfile.gettempdir())
                 if p.returncode:
-                    why = f"ModelOpt does not import with {exe}: {p.stderr.strip()[-200:]}"
+                    why = f"{exe} lacks {p.stdout.strip() or p.stderr.strip()[-200:]}"
             except (OSError, subprocess.TimeoutExpired) as e:
                 why = f"{exe} is unusable: {e}"
         _MODELOPT_PROBLEM.append(why)
