@@ -5,8 +5,10 @@ Runs in ModelOpt's own environment (``scripts/modelopt_env.sh`` makes it), never
 trtmoe's conformance tests call it as a subprocess and compare the checkpoint ``trtmoe convert
 --target trtllm-pytorch`` writes for the same model against this one.
 
-    /work/venvs/modelopt/bin/python scripts/modelopt_export.py MODEL_DIR OUT_DIR --format fp8 \\
+    .venv-modelopt/bin/python scripts/modelopt_export.py MODEL_DIR OUT_DIR --format fp8 \\
         --calib-ids ids.json [--layer-format 0=fp8 --layer-format 1=nvfp4]
+    .venv-modelopt/bin/python scripts/modelopt_export.py MODEL_DIR OUT_DIR --calib-ids ids.json \\
+        --job fp8 fp8 --job nvfp4 nvfp4 --job graded bf16 0=fp8 1=nvfp4 2=bf16
 
 ``--format`` picks one of ModelOpt's preset configs for every quantized module; ``--layer-format L=F``
 (repeatable) gives decoder layer L's routed experts their own preset instead, as ModelOpt's
@@ -14,6 +16,11 @@ AutoQuantize does when it settles a per-layer choice (its export writes MIXED_PR
 layer not named keeps ``--format`` (``bf16``: left unquantized). Calibration runs the model on the
 token ids in ``--calib-ids`` (a JSON list of lists). After the export, ``OUT_DIR/description.json``
 lists every tensor (name, safetensors dtype, shape) and the quantization config files.
+
+``--job NAME FORMAT [L=F ...]`` (repeatable, instead of ``--format``/``--layer-format``) makes several
+exports in one process, which pays ModelOpt's import once: each job reloads the model from
+MODEL_DIR, quantizes it with its own config and exports to ``OUT_DIR/NAME`` exactly as a separate
+run with ``--format FORMAT --layer-format L=F ...`` would.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 
 PRESETS = {  # trtmoe format name -> ModelOpt preset config
@@ -78,15 +86,46 @@ def layer_config(mtq, base_fmt: str, layer_formats: dict[int, str]) -> dict:
     return cfg
 
 
+def parse_jobs(ap: argparse.ArgumentParser, args) -> list[tuple[Path, str, dict[int, str]]]:
+    """(output directory, base format, per-layer formats) for every export asked for."""
+    choices = {*PRESETS, "bf16"}
+
+    def layers(specs: list[str]) -> dict[int, str]:
+        out = {}
+        for s in specs:
+            layer, sep, fmt = s.partition("=")
+            if not sep or not layer.isdigit() or fmt not in choices:
+                ap.error(f"layer format {s!r}: expected L=FORMAT with FORMAT one of {sorted(choices)}")
+            out[int(layer)] = fmt
+        return out
+
+    if not args.job:
+        return [(Path(args.out), args.format, layers(args.layer_format))]
+    if args.layer_format:
+        ap.error("--layer-format goes inside --job NAME FORMAT [L=F ...] when --job is given")
+    jobs, names = [], set()
+    for name, *rest in args.job:
+        if not rest or rest[0] not in choices:
+            ap.error(f"--job {name}: expected NAME FORMAT [L=F ...] with FORMAT one of {sorted(choices)}")
+        if name in names or "/" in name or name in (".", ".."):
+            ap.error(f"--job {name}: job names must be distinct folder names")
+        names.add(name)
+        jobs.append((Path(args.out) / name, rest[0], layers(rest[1:])))
+    return jobs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--format", default="fp8", choices=[*PRESETS, "bf16"])
     ap.add_argument("--layer-format", action="append", default=[], help="L=FORMAT (repeatable)")
+    ap.add_argument("--job", action="append", nargs="+", default=[], metavar="ARG",
+                    help="NAME FORMAT [L=F ...]: one export into OUT/NAME, FORMAT everywhere, layer L's experts in F (repeatable)")
     ap.add_argument("--calib-ids", required=True, help="JSON list of token-id lists")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
+    jobs = parse_jobs(ap, args)
 
     import torch
     import modelopt.torch.opt  # noqa: F401  (import order: opt before quantization avoids a cycle)
@@ -94,8 +133,6 @@ def main(argv=None) -> int:
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoModelForCausalLM
 
-    layer_formats = {int(k): v for k, v in (s.split("=", 1) for s in args.layer_format)}
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     ids = json.loads(Path(args.calib_ids).read_text())
 
     def forward_loop(m):
@@ -103,13 +140,17 @@ def main(argv=None) -> int:
             for row in ids:
                 m(input_ids=torch.tensor([row]))
 
-    mtq.quantize(model, layer_config(mtq, args.format, layer_formats), forward_loop)
-    out = Path(args.out)
-    with torch.inference_mode():
-        export_hf_checkpoint(model, export_dir=str(out))
-    (out / "description.json").write_text(json.dumps(describe(out), indent=1, sort_keys=True))
+    for out, base_fmt, layer_formats in jobs:
+        t0 = time.monotonic()
+        # A fresh model per job: quantization replaces its modules in place.
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+        mtq.quantize(model, layer_config(mtq, base_fmt, layer_formats), forward_loop)
+        with torch.inference_mode():
+            export_hf_checkpoint(model, export_dir=str(out))
+        (out / "description.json").write_text(json.dumps(describe(out), indent=1, sort_keys=True))
+        del model
+        print(f"{out.name}: exported in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

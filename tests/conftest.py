@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -127,15 +128,63 @@ def require_fixture(path: Path) -> Path:
     return path
 
 
+MODELOPT_LOCAL = REPO_ROOT / ".venv-modelopt"  # scripts/modelopt_env.sh's default (git-ignored)
+MODELOPT_SHARED = Path("/work/venvs/modelopt")  # a machine-wide one, used when the local one is absent
+
+
+def modelopt_python_path() -> Path:
+    """Where the optional ModelOpt environment's interpreter is: $TRTMOE_MODELOPT_PYTHON, else the
+    repo-local ``.venv-modelopt`` that scripts/modelopt_env.sh makes, else /work/venvs/modelopt when
+    only that one exists."""
+    env = os.environ.get("TRTMOE_MODELOPT_PYTHON")
+    if env:
+        return Path(env)
+    local = MODELOPT_LOCAL / "bin" / "python"
+    shared = MODELOPT_SHARED / "bin" / "python"
+    return shared if not local.exists() and shared.exists() else local
+
+
+MODELOPT_FIND = ("import importlib.util, sys; "
+                 "m = [n for n in ('modelopt', 'transformers', 'torch', 'safetensors') if not importlib.util.find_spec(n)]; "
+                 "print(', '.join(m)); sys.exit(1 if m else 0)")
+_MODELOPT_PROBLEM: list[str | None] = []
+
+
+def modelopt_problem() -> str | None:
+    """Why the ModelOpt environment cannot run the oracle scripts (None: it can), checked once per run:
+    its interpreter must exist and have ModelOpt, transformers, torch and safetensors installed (found,
+    not imported: importing ModelOpt takes half a minute, which the oracle processes pay anyway)."""
+    if not _MODELOPT_PROBLEM:
+        exe = modelopt_python_path()
+        why = None
+        if not os.access(exe, os.X_OK):
+            why = f"{exe} is not there (make it with scripts/modelopt_env.sh or set TRTMOE_MODELOPT_PYTHON)"
+        else:
+            try:
+                p = subprocess.run([str(exe), "-c", MODELOPT_FIND], capture_output=True, text=True, timeout=120,
+                                   cwd=tempfile.gettempdir())
+                if p.returncode:
+                    why = f"{exe} lacks {p.stdout.strip() or p.stderr.strip()[-200:]}"
+            except (OSError, subprocess.TimeoutExpired) as e:
+                why = f"{exe} is unusable: {e}"
+        _MODELOPT_PROBLEM.append(why)
+    return _MODELOPT_PROBLEM[0]
+
+
 def modelopt_python() -> str:
-    """The interpreter of the optional ModelOpt environment ($TRTMOE_MODELOPT_PYTHON, default
-    /work/venvs/modelopt/bin/python). ModelOpt is no dependency of trtmoe, so a missing one always
-    skips (.ci/allowed-skips lists this reason)."""
-    exe = os.environ.get("TRTMOE_MODELOPT_PYTHON", "/work/venvs/modelopt/bin/python")
-    if not os.access(exe, os.X_OK):
-        pytest.skip(f"needs the optional ModelOpt environment: {exe} is not there (set TRTMOE_MODELOPT_PYTHON)",
-                    allow_module_level=True)
-    return exe
+    """The interpreter of the optional ModelOpt environment (modelopt_python_path()). ModelOpt is no
+    dependency of trtmoe, so a missing or broken one always skips the caller (.ci/allowed-skips lists
+    this reason); called at module level it skips the whole module."""
+    why = modelopt_problem()
+    if why:
+        pytest.skip(f"needs the optional ModelOpt environment: {why}", allow_module_level=True)
+    return str(modelopt_python_path())
+
+
+@pytest.fixture(scope="session")
+def modelopt_py() -> str:
+    """modelopt_python() as a fixture: only the tests that ask for it pay the environment check."""
+    return modelopt_python()
 
 
 def wait_settled(read: Callable[[], Any], quiet_s: float = 1.0, timeout_s: float = 30.0, what: str = "",

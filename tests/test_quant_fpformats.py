@@ -4,7 +4,6 @@ skipped with the reason when that environment is absent)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from trtmoe.quant.formats import (FORMATS, e2m1_codes, e2m1_values, e4m3_round, 
                                   pack_nibbles, unpack_nibbles)
 
 NEW = ("fp8", "fp8_block", "fp8_block_wo", "nvfp4", "nvfp4_w4a16", "mxfp4", "w4a8_awq")
-MODELOPT_PY = os.environ.get("TRTMOE_MODELOPT_PYTHON", "/work/venvs/modelopt/bin/python")
 ORACLE = Path(__file__).parent / "reference" / "modelopt_formats_oracle.py"
 
 
@@ -178,10 +176,11 @@ def test_int8_reports_its_modelopt_form():
 # ---- ModelOpt as the oracle ---------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not Path(MODELOPT_PY).exists(),
-                    reason=f"ModelOpt's environment is absent ({MODELOPT_PY}; set TRTMOE_MODELOPT_PYTHON)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_packed_tensors_equal_modelopt(tmp_path, dtype):
+ORACLE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def oracle_inputs(dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The weights (float32), and what the oracle reads: them in ``dtype`` with input amaxes and inputs."""
     g = torch.Generator().manual_seed(7)
     mats = {"a": torch.randn(256, 384, generator=g) * 0.05, "b": torch.randn(96, 256, generator=g) * 3,
             "c": torch.randn(130, 200, generator=g)[:, :192] * 0.01}
@@ -191,11 +190,26 @@ def test_packed_tensors_equal_modelopt(tmp_path, dtype):
         t[n] = w.to(dtype).contiguous()
         t[f"{n}.input_amax"] = torch.tensor(float(w.abs().max()) * 40).to(dtype).float()  # as the model dtype holds it
         t[f"{n}.x"] = (torch.randn(7, w.shape[1], generator=g) * float(w.abs().max()) * 10).to(dtype)
-    save_file(t, tmp_path / "in.safetensors")
-    proc = subprocess.run([MODELOPT_PY, str(ORACLE), str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")],
-                          capture_output=True, text=True, timeout=600)
+    return mats, t
+
+
+@pytest.fixture(scope="module")
+def modelopt_oracle(modelopt_py, tmp_path_factory) -> dict[torch.dtype, dict[str, torch.Tensor]]:
+    """ModelOpt's tensors for every dtype in ORACLE_DTYPES, made by one ModelOpt process."""
+    d = tmp_path_factory.mktemp("oracle")
+    argv = [modelopt_py, str(ORACLE)]
+    for i, dtype in enumerate(ORACLE_DTYPES):
+        save_file(oracle_inputs(dtype)[1], d / f"in{i}.safetensors")
+        argv += [str(d / f"in{i}.safetensors"), str(d / f"out{i}.safetensors")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    ref = load_file(tmp_path / "out.safetensors")
+    return {dtype: load_file(d / f"out{i}.safetensors") for i, dtype in enumerate(ORACLE_DTYPES)}
+
+
+@pytest.mark.parametrize("dtype", ORACLE_DTYPES)
+def test_packed_tensors_equal_modelopt(modelopt_oracle, dtype):
+    mats, t = oracle_inputs(dtype)
+    ref = modelopt_oracle[dtype]
     checked = 0
     for n, w in mats.items():
         for fname in ("fp8", "fp8_block_wo", "nvfp4", "mxfp4", "w4a8_awq"):

@@ -1,8 +1,10 @@
 """trtmoe's unified-HF export against NVIDIA ModelOpt 0.47's own export of the same tiny model.
 
-ModelOpt runs in its own environment (scripts/modelopt_env.sh makes it; TRTMOE_MODELOPT_PYTHON names its
-interpreter, default /work/venvs/modelopt/bin/python) through scripts/modelopt_export.py; these tests skip
-with the reason when it is absent. For each uniform format ModelOpt exports on CPU and each architecture:
+ModelOpt runs in its own environment (scripts/modelopt_env.sh makes it; tests/conftest.py's
+modelopt_python_path() says where it is looked for, TRTMOE_MODELOPT_PYTHON overrides) through
+scripts/modelopt_export.py, one process per architecture making every export this module compares
+against (ModelOpt's import dominates a single export); these tests skip with the reason when it is
+absent. For each uniform format ModelOpt exports on CPU and each architecture:
 the same tensor names, dtypes and shapes, the same hf_quant_config.json and config.json
 quantization_config, weights and weight scales bit-identical (dequantized weights equal), and input
 scales within one rounding step of the model dtype (the activations come from two transformers
@@ -13,10 +15,8 @@ same per-layer choice.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,28 +28,18 @@ from trtmoe.checkpoint.verify import verify_artifact
 from trtmoe.hf.reader import HFCheckpoint
 
 REPO = Path(__file__).resolve().parents[1]
-MODELOPT_PYTHON = os.environ.get("TRTMOE_MODELOPT_PYTHON", "/work/venvs/modelopt/bin/python")
-
-
-def _modelopt_problem() -> str | None:
-    if not Path(MODELOPT_PYTHON).is_file():
-        return f"ModelOpt environment not found at {MODELOPT_PYTHON} (make it with scripts/modelopt_env.sh)"
-    try:
-        p = subprocess.run([MODELOPT_PYTHON, "-c", "import modelopt.torch.export, transformers"],
-                           capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"ModelOpt environment unusable: {e}"
-    return None if p.returncode == 0 else f"ModelOpt does not import there: {p.stderr.strip()[-200:]}"
-
-
-_PROBLEM = _modelopt_problem()
-pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
-
 ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
 FORMATS = ("fp8", "nvfp4", "int8", "fp8_block_wo", "mxfp4")
 # Expert FFN 64 so every format's block (16, 32) divides every input width.
 WIDTH = {"mixtral": {"intermediate_size": 64}, "qwen3_moe": {"moe_intermediate_size": 64},
          "qwen2_moe": {"moe_intermediate_size": 64}}
+GRADED = {0: "fp8", 1: "nvfp4", 2: "bf16"}  # routed experts per MoE layer, the rest unquantized
+SINGLE = {0: "fp8"}  # one format in one layer
+# Every ModelOpt export the tests below compare against, per architecture: job name -> (base format,
+# per-layer expert formats). One ModelOpt process per architecture makes all of them.
+JOBS = {a: {**{f: (f, {}) for f in FORMATS},
+            **({"graded": ("bf16", GRADED)} if a in ("mixtral", "qwen3_moe") else {}),
+            **({"single": ("bf16", SINGLE)} if a == "mixtral" else {})} for a in ARCHS}
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +56,28 @@ def models(tiny_model):
     return {a: tiny_model(a, dtype="bfloat16", **WIDTH[a]) for a in ARCHS}
 
 
-def modelopt_export(model: Path, out: Path, ids_path: Path, fmt: str, layer_formats: dict[int, str] = None) -> Path:
-    argv = [MODELOPT_PYTHON, str(REPO / "scripts" / "modelopt_export.py"), str(model), str(out), "--format", fmt,
-            "--calib-ids", str(ids_path)]
-    for l, f in (layer_formats or {}).items():
-        argv += ["--layer-format", f"{l}={f}"]
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd="/tmp")
-    assert p.returncode == 0, p.stderr[-2000:]
-    return out
+@pytest.fixture(scope="module")
+def modelopt_refs(modelopt_py, models, calib_ids, tmp_path_factory):
+    """``ref(arch, job)``: the folder ModelOpt exported job ``JOBS[arch][job]`` to. The first request for
+    an architecture runs one ModelOpt process that makes all of that architecture's exports (a failed
+    one fails every test of the architecture with ModelOpt's error)."""
+    _, ids_path = calib_ids
+    done: dict[str, tuple[Path, str | None]] = {}
+
+    def ref(arch: str, job: str) -> Path:
+        if arch not in done:
+            out = tmp_path_factory.mktemp(f"modelopt_{arch}")
+            argv = [modelopt_py, str(REPO / "scripts" / "modelopt_export.py"), str(models[arch]), str(out),
+                    "--calib-ids", str(ids_path)]
+            for name, (fmt, layers) in JOBS[arch].items():
+                argv += ["--job", name, fmt, *(f"{l}={f}" for l, f in layers.items())]
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd="/tmp")
+            done[arch] = (out, None if p.returncode == 0 else p.stderr[-2000:])
+        out, err = done[arch]
+        assert err is None, err
+        return out / job
+
+    return ref
 
 
 def tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -97,10 +101,10 @@ def moe_layers(model: Path) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_uniform_export_matches_modelopt(arch, fmt, models, calib_ids, tmp_path):
-    ids, ids_path = calib_ids
+def test_uniform_export_matches_modelopt(arch, fmt, models, calib_ids, modelopt_refs, tmp_path):
+    ids, _ = calib_ids
     model = models[arch]
-    ref = modelopt_export(model, tmp_path / "modelopt", ids_path, fmt)
+    ref = modelopt_refs(arch, fmt)
     amax = U.measure_input_amax(model, ids) if U.FORMATS[fmt].activations else None
     ours = tmp_path / "trtmoe"
     U.write_unified_checkpoint(model, ours, U.UnifiedPlan.uniform(fmt, moe_layers(model)), input_amax=amax,
@@ -132,15 +136,14 @@ def test_uniform_export_matches_modelopt(arch, fmt, models, calib_ids, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ("mixtral", "qwen3_moe"))
-def test_graded_quantized_layers_match_modelopt(arch, models, calib_ids, tmp_path):
+def test_graded_quantized_layers_match_modelopt(arch, models, calib_ids, modelopt_refs, tmp_path):
     """Routed experts per MoE layer (fp8, nvfp4, left bf16), the rest unquantized: ModelOpt writes
     MIXED_PRECISION with one quantized_layers entry per layer's experts block."""
-    ids, ids_path = calib_ids
+    ids, _ = calib_ids
     model = models[arch]
-    choice = {0: "fp8", 1: "nvfp4", 2: "bf16"}
-    ref = modelopt_export(model, tmp_path / "modelopt", ids_path, "bf16", choice)
+    ref = modelopt_refs(arch, "graded")
     ours = tmp_path / "trtmoe"
-    U.write_unified_checkpoint(model, ours, U.UnifiedPlan(choice), input_amax=U.measure_input_amax(model, ids))
+    U.write_unified_checkpoint(model, ours, U.UnifiedPlan(GRADED), input_amax=U.measure_input_amax(model, ids))
     qa = json.loads((ours / "hf_quant_config.json").read_text())
     assert qa == json.loads((ref / "hf_quant_config.json").read_text())
     assert qa["quantization"]["quant_algo"] == "MIXED_PRECISION"
@@ -152,13 +155,13 @@ def test_graded_quantized_layers_match_modelopt(arch, models, calib_ids, tmp_pat
 
 
 @pytest.mark.slow
-def test_single_quantized_layer_lists_the_rest_as_modelopt_does(models, calib_ids, tmp_path):
+def test_single_quantized_layer_lists_the_rest_as_modelopt_does(models, calib_ids, modelopt_refs, tmp_path):
     """One format in one layer: a uniform quant_algo whose exclude_modules collapse the unquantized
     subtrees (``model.layers.1*``) exactly as ModelOpt writes them."""
-    ids, ids_path = calib_ids
+    ids, _ = calib_ids
     model = models["mixtral"]
-    ref = modelopt_export(model, tmp_path / "modelopt", ids_path, "bf16", {0: "fp8"})
+    ref = modelopt_refs("mixtral", "single")
     ours = tmp_path / "trtmoe"
-    U.write_unified_checkpoint(model, ours, U.UnifiedPlan({0: "fp8"}), input_amax=U.measure_input_amax(model, ids))
+    U.write_unified_checkpoint(model, ours, U.UnifiedPlan(SINGLE), input_amax=U.measure_input_amax(model, ids))
     assert (json.loads((ours / "hf_quant_config.json").read_text())
             == json.loads((ref / "hf_quant_config.json").read_text()))

@@ -1,7 +1,7 @@
 """Run in ModelOpt's own environment (never imported by trtmoe): quantize the weights of an input
 safetensors file with ModelOpt's quantizers and exporter rules, and write their packed tensors.
 
-Usage: python modelopt_formats_oracle.py IN.safetensors OUT.safetensors
+Usage: python modelopt_formats_oracle.py IN.safetensors OUT.safetensors [IN2 OUT2 ...]  (pairs, one process)
 
 IN holds float weights ``<name>`` ([out, in], any float dtype) and, for formats with a static input
 scale, ``<name>.input_amax`` (a scalar). OUT gets ``<name>.<fmt>.<suffix>`` for every format below,
@@ -77,4 +77,8 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    pairs = sys.argv[1:]
+    if not pairs or len(pairs) % 2:
+        sys.exit("usage: modelopt_formats_oracle.py IN.safetensors OUT.safetensors [IN2 OUT2 ...]")
+    for i in range(0, len(pairs), 2):
+        main(pairs[i], pairs[i + 1])
