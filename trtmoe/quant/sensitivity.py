@@ -500,13 +500,23 @@ def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entr
             "under_observed_estimate": scores["estimate"] * 3 * I * H / fwd}
     cost_total = sum(cost.values())
     stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
+    formats, sensitivity = fisher_sensitivity(formats, scores, sens, probe)
+    # Everything counted, the reference pass included (see the module docstring).
+    sensitivity.update(cost_forward_passes=cost_total, cost_breakdown=cost)
+    return build_result(eng, formats, stats, tokens, min_tokens, flagged, sensitivity)
+
+
+def fisher_sensitivity(keys, scores: dict, sens: dict, probe: str, runner: str | None = None) -> tuple[list, dict]:
+    """The formats measured (``keys`` less the stacked variants) and calib.json's ``sensitivity`` block of a
+    Fisher measurement, before its cost figures; ``runner`` names a runner other than the engine's."""
     measured, estimated, per_seq = scores["measured"], scores["estimated"], scores["per_seq"]
-    stacked = [f[:-len(STACKED)] for f in formats if f.endswith(STACKED)]
-    formats = [f for f in formats if not f.endswith(STACKED)]
+    stacked = [f[:-len(STACKED)] for f in keys if f.endswith(STACKED)]
+    formats = [f for f in keys if not f.endswith(STACKED)]
     as_lists = lambda d: {f: d[f].tolist() for f in formats}  # noqa: E731
-    sensitivity = {
+    return formats, {
         "method": "fisher",
         "probe": probe,
+        **({"runner": runner} if runner else {}),
         "metric": "mean KL(p_ref || p_quant) per calibration token, nats (second-order Fisher estimate)",
         "delta_kl": {f: (sens["fc"][f] + sens["proj"][f]).tolist() for f in formats},
         "expert_delta_kl": "fc + proj",
@@ -515,11 +525,7 @@ def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entr
                      for m in MATRICES},
         "floor_share": scores["floor"],
         **({"stacked": _stacked_block(stacked, sens, measured, estimated)} if stacked else {}),
-        # Everything counted, the reference pass included (see the module docstring).
-        "cost_forward_passes": cost_total,
-        "cost_breakdown": cost,
     }
-    return build_result(eng, formats, stats, tokens, min_tokens, flagged, sensitivity)
 
 
 def _stacked_block(stacked: list[str], sens, measured, estimated) -> dict:

@@ -62,8 +62,7 @@ from ..runtime.alloc import give_back_freed_memory
 from .calib_schema import build_result
 from .plan import MATRICES, format_obj
 from .sensitivity import (ESTIMATE_SHARE, ESTIMATE_TOKENS, PROBES, RTN, STACKED, Progress, _check_layer, _load,
-                          _probe, _save,
-                          _stacked_block, _under_observed, score_layer_tensors)
+                          _probe, _save, _under_observed, fisher_sensitivity, score_layer_tensors)
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FLOAT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -844,28 +843,11 @@ def _take(res, l, counts, mass, entropy, measured, per_seq, estimated, keys) -> 
 
 
 def _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens, cost) -> dict:
-    measured, estimated, per_seq = scores["measured"], scores["estimated"], scores["per_seq"]
-    stacked = [f[:-len(STACKED)] for f in keys if f.endswith(STACKED)]
-    formats = [f for f in keys if not f.endswith(STACKED)]
-    as_lists = lambda d: {f: d[f].tolist() for f in formats}  # noqa: E731
     fwd = cost["wall_seconds"].get("forward", 0.0) + cost["wall_seconds"].get("boundaries", 0.0)
     total = sum(cost["wall_seconds"].values())
-    sensitivity = {
-        "method": "fisher",
-        "probe": probe,
-        "runner": "stream",
-        "metric": "mean KL(p_ref || p_quant) per calibration token, nats (second-order Fisher estimate)",
-        "delta_kl": {f: (sens["fc"][f] + sens["proj"][f]).tolist() for f in formats},
-        "expert_delta_kl": "fc + proj",
-        "matrices": {m: {"delta_kl": as_lists(sens[m]), "measured": as_lists(measured[m]),
-                         "estimated": as_lists(estimated[m]), "sequence_delta_kl": as_lists(per_seq[m])}
-                     for m in MATRICES},
-        "floor_share": scores["floor"],
-        **({"stacked": _stacked_block(stacked, sens, measured, estimated)} if stacked else {}),
-        # Measured: the whole calibration's wall time over that of its own forward pass (the same tokens,
-        # layer by layer, weights loaded in between not counted).
-        "cost_forward_passes": total / fwd if fwd > 0 else 0.0,
-        "cost_seconds": cost,
-    }
+    formats, sensitivity = fisher_sensitivity(keys, scores, sens, probe, runner="stream")
+    # Measured: the whole calibration's wall time over that of its own forward pass (the same tokens,
+    # layer by layer, weights loaded in between not counted).
+    sensitivity.update(cost_forward_passes=total / fwd if fwd > 0 else 0.0, cost_seconds=cost)
     stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
     return build_result(shim, formats, stats, N * T, min_tokens, flagged, sensitivity)
