@@ -499,7 +499,13 @@ def front():
         def do_POST(self):
             if self.headers.get("Transfer-Encoding") == "chunked":
                 data = b""
-                while (n := int(self.rfile.readline().strip(), 16)):
+                while True:
+                    line = self.rfile.readline()
+                    if not line:  # the front cut the body off at its limit: nothing arrives to answer
+                        return
+                    n = int(line.strip(), 16)
+                    if not n:
+                        break
                     data += self.rfile.read(n)
                     self.rfile.readline()
                 self.rfile.readline()
