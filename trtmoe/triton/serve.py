@@ -5,8 +5,10 @@ Two installations are supported:
 * **pytriton** (CPU machines): the Triton 2.51 binary shipped in the ``nvidia-pytriton`` wheel, with
   its Python backend. The backend folder is assembled in a private workspace (the backend library,
   ``triton_python_backend_utils.py`` and the stub built for this interpreter's Python version); the
-  wheel's files are not modified. The Python models run in *this* environment: ``PYTHONPATH`` holds
-  this interpreter's ``sys.path`` (so torch, transformers and trtmoe import), ``LD_LIBRARY_PATH``
+  wheel's files are not modified. The Python models run in *this* environment's installation: the
+  stub's interpreter runs isolated (it ignores ``PYTHONPATH``, which is still set to this
+  interpreter's ``sys.path`` for anything else the server starts), so torch, transformers and trtmoe
+  import from this interpreter's site-packages (``pip install -e .`` counts). ``LD_LIBRARY_PATH``
   puts this interpreter's ``libpython`` ahead of any system copy (the stub links ``libpython3.X.so``
   by name) plus the wheel's bundled libraries, and ``PATH`` starts with this interpreter's bin dir.
 * **system** (the NGC ``tritonserver:<yy.mm>-trtllm-python-py3`` container): ``tritonserver`` from
