@@ -22,14 +22,13 @@ from trtmoe.checkpoint.atomic import atomic_directory, foreign_entry, remove_tre
 from trtmoe.checkpoint.manifest import write_manifest
 from trtmoe.checkpoint.verify import verify_artifact
 from trtmoe.cli import main
-from trtmoe.data import write_split_text
 from trtmoe.errors import CheckpointError, InputError, VerifyError
 from trtmoe.hf.tree_file import read_tree, write_tree
 from trtmoe.quant.calibrate import calibrate, load_calib
 from trtmoe.quant.sensitivity import Progress
 
 from conftest import tiny_mixtral_engine
-from test_quant_pipeline import make_tokenizer
+from test_sensitivity import small  # noqa: F401 - the tiny calibration set-up (model, tokenizer, text)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REPO = Path(__file__).resolve().parents[1]
@@ -138,15 +137,6 @@ def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     return p.pid
-
-
-@pytest.fixture(scope="module")
-def small(tiny_model, tmp_path_factory):
-    model = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=2, seed=5)
-    tok = make_tokenizer(tmp_path_factory.mktemp("tok"))
-    text = tmp_path_factory.mktemp("txt") / "calib.txt"
-    write_split_text("calib", text, max_bytes=8_000)
-    return model, tok, text
 
 
 def _calibrate(small, out, **kw):
