@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
 # MoEs transformers implements and the embedded engine does not: calibrated through transformers'
 # own modelling code (``calibrate --runner stream``), converted by the unified-HF export only.
-TRANSFORMERS_ONLY = ("deepseek_v3", "gpt_oss", "olmoe")
+TRANSFORMERS_ONLY = ("deepseek_v3", "gpt_oss", "olmoe", "glm4_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
@@ -159,6 +159,26 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     },
+    # GLM-4.5's shape: partial rotary (half the head), q/k/v biases, a dense first layer, sigmoid
+    # grouped top-k with a correction bias and renormalised weights, one shared expert.
+    "glm4_moe": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-5,
+    },
     # Field set of deepseek-ai/deepseek-moe-16b-base's config.json, shrunk.
     "deepseek_v1": {
         **_COMMON,
@@ -243,6 +263,7 @@ def _hf_classes(arch: str):
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     }[arch]
 
 
