@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
 # MoEs transformers implements and the embedded engine does not: calibrated through transformers'
 # own modelling code (``calibrate --runner stream``), converted by the unified-HF export only.
-TRANSFORMERS_ONLY = ("deepseek_v3", "gpt_oss", "olmoe", "glm4_moe")
+TRANSFORMERS_ONLY = ("deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
@@ -159,6 +159,27 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     },
+    # DeepSeek-V2-Lite's shape: MLA without a query LoRA (q_lora_rank null), softmax greedy top-k
+    # without renormalisation, two shared experts, a dense first layer.
+    "deepseek_v2": {
+        **_COMMON,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "n_shared_experts": 2,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 1.0,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "topk_method": "greedy",
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": False,
+        "rms_norm_eps": 1e-6,
+    },
     # GLM-4.5's shape: partial rotary (half the head), q/k/v biases, a dense first layer, sigmoid
     # grouped top-k with a correction bias and renormalised weights, one shared expert.
     "glm4_moe": {
@@ -260,6 +281,7 @@ def _hf_classes(arch: str):
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phimoe": (transformers.PhimoeConfig, transformers.PhimoeForCausalLM),
+        "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),

@@ -86,7 +86,7 @@ def _tiny(tiny_model, arch, tokdir, root: Path) -> Path:
     return model
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "qwen3_moe"])
 def test_any_transformers_moe_calibrates_layer_streamed(arch, tiny_model, tokdir, text, tmp_path):
     import transformers
 
