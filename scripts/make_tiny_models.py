@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
 # MoEs transformers implements and the embedded engine does not: calibrated through transformers'
 # own modelling code (``calibrate --runner stream``), converted by the unified-HF export only.
-TRANSFORMERS_ONLY = ("deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe")
+TRANSFORMERS_ONLY = ("deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "llama4_text")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
@@ -180,6 +180,23 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "rms_norm_eps": 1e-6,
     },
+    # Llama-4's text model (Maverick's interleaving): MoE every second layer, one routed expert per token
+    # whose input is scaled by a sigmoid router weight, a shared expert, layers without RoPE, q/k L2 norm.
+    "llama4_text": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 4,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "intermediate_size": 48,
+        "intermediate_size_mlp": 128,
+        "interleave_moe_layer_step": 2,
+        "no_rope_layer_interval": 2,
+        "attention_chunk_size": 8192,
+        "use_qk_norm": True,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
     # GLM-4.5's shape: partial rotary (half the head), q/k/v biases, a dense first layer, sigmoid
     # grouped top-k with a correction bias and renormalised weights, one shared expert.
     "glm4_moe": {
@@ -286,6 +303,7 @@ def _hf_classes(arch: str):
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
         "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+        "llama4_text": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM),
     }[arch]
 
 

@@ -15,7 +15,7 @@ from trtmoe.data import load_texts, write_split_text
 from trtmoe.errors import InputError, UnsupportedError
 from trtmoe.quant.calibrate import calibrate, token_batches
 from trtmoe.quant.policies import make_plan
-from trtmoe.quant.stream import StreamedModel, find_experts
+from trtmoe.quant.stream import StreamedModel, adapt_seams, find_experts
 from trtmoe.runtime.load import load_tokenizer
 
 from test_quant_pipeline import cli, make_tokenizer
@@ -86,7 +86,8 @@ def _tiny(tiny_model, arch, tokdir, root: Path) -> Path:
     return model
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "llama4_text",
+                                  "qwen3_moe"])
 def test_any_transformers_moe_calibrates_layer_streamed(arch, tiny_model, tokdir, text, tmp_path):
     import transformers
 
@@ -97,6 +98,13 @@ def test_any_transformers_moe_calibrates_layer_streamed(arch, tiny_model, tokdir
     ids = token_batches(load_texts(text), tok, samples, seq_len)
     # The whole model, as transformers runs it, with the routed experts counted at the experts seam.
     full = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = full(ids).logits
+    # Llama-4's experts take every token with router-scaled inputs: the seam is given to them (the
+    # adapted model must compute the same logits as transformers' own, checked here) before counting.
+    if adapt_seams(full):
+        with torch.no_grad():
+            assert float((full(ids).logits - ref).abs().max()) < 1e-5 * float(ref.abs().max())
     E = None
     counts: dict[int, torch.Tensor] = {}
     for i, lay in enumerate(full.model.layers):
@@ -106,7 +114,7 @@ def test_any_transformers_moe_calibrates_layer_streamed(arch, tiny_model, tokdir
             found[0].register_forward_pre_hook(
                 lambda m, a, i=i: counts.__setitem__(i, counts.get(i, 0) + torch.bincount(a[1].reshape(-1), minlength=E)))
     with torch.no_grad():
-        ref = full(ids).logits
+        full(ids)
     got = StreamedModel(model).logits(ids, batch_size=3)
     assert float((got - ref).abs().max()) < 1e-4 * float(ref.abs().max())
 
@@ -145,6 +153,10 @@ def test_streamed_runner_refusals(tiny_model, tokdir, text, tmp_path):
         calibrate(model, text, None, samples=2, seq_len=16, rounding="awq")
     with pytest.raises(InputError, match="unknown runner"):
         calibrate(model, text, None, samples=2, seq_len=16, runner="fast")
+    # Llama-4's router scales the expert's input: exact at the seam only with one expert per token.
+    two = tiny_model("llama4_text", num_experts_per_tok=2)
+    with pytest.raises(InputError, match="one expert per token only"):
+        StreamedModel(two)
 
 
 class _Stop(Exception):

@@ -49,6 +49,7 @@ import os
 import re
 import shutil
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -82,6 +83,74 @@ def _transformers():
 
 
 # ---- the experts seam -------------------------------------------------------------------------------
+
+
+class SeamExperts(torch.nn.Module):
+    """Routed experts called at the seam, ``forward(hidden_states, top_k_index, top_k_weights)``, for a
+    model whose own experts module takes every token for every expert (Llama-4). It holds that module's
+    parameters under their own names (``gate_up_proj`` [E, H, 2I] with gate first, ``down_proj``
+    [E, I, H]), so the checkpoint loads into it unchanged."""
+
+    is_transposed = True
+    is_concatenated = True
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.gate_up_proj = inner.gate_up_proj
+        self.down_proj = inner.down_proj
+        self.act_fn = inner.act_fn
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            rows, slot = (top_k_index == e).nonzero(as_tuple=True)
+            gate, up = (hidden_states[rows] @ self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = (up * self.act_fn(gate)) @ self.down_proj[e]
+            out.index_add_(0, rows, y * top_k_weights[rows, slot, None].to(y.dtype))
+        return out
+
+
+def _scaled_input_router(router: torch.nn.Module, x: torch.Tensor):
+    """Llama-4's routing restated with the logits first: top-k of the logits, the chosen logits through
+    a sigmoid (computed in float32, returned in the logits' dtype) as the experts' weights."""
+    logits = F.linear(x, router.weight, router.bias)
+    top, idx = torch.topk(logits, router.top_k, dim=1)
+    return logits, torch.sigmoid(top.float()).to(logits.dtype), idx
+
+
+def _scaled_input_moe(moe: torch.nn.Module, hidden_states: torch.Tensor):
+    """Llama-4's MoE block at the seam: the router's weight scales the expert's *input* (one expert
+    per token), so the seam receives the scaled input with unit weight; the shared expert sees the
+    unscaled input. Returns what Llama-4's block returns: (output, router logits)."""
+    x = hidden_states.reshape(-1, moe.hidden_dim)
+    logits, w, idx = moe.router(x)
+    routed = moe.experts(x * w, idx, torch.ones_like(w))
+    return moe.shared_expert(x) + routed, logits
+
+
+def adapt_seams(model: torch.nn.Module) -> int:
+    """Give every MoE block whose experts take all tokens with router-scaled inputs (Llama-4: a ``router``
+    with ``top_k`` and an experts module called with the hidden states alone) the experts seam, in place
+    and with the same parameter names; returns how many blocks were adapted. Exact for one expert per
+    token (Llama-4's configuration); more is refused, since each chosen expert would see another input."""
+    n = 0
+    for mod in list(model.modules()):
+        experts, router = getattr(mod, "experts", None), getattr(mod, "router", None)
+        if experts is None or router is None or isinstance(experts, SeamExperts):
+            continue
+        gu = getattr(experts, "gate_up_proj", None)
+        params = [p for p in inspect.signature(experts.forward).parameters if p not in ("self", "args", "kwargs")]
+        if not (isinstance(gu, torch.Tensor) and gu.dim() == 3 and len(params) == 1 and hasattr(router, "top_k")
+                and hasattr(mod, "shared_expert") and hasattr(mod, "hidden_dim")):
+            continue
+        if int(router.top_k) != 1:
+            raise InputError(f"{type(mod).__name__}: experts whose input is scaled by the router weight are "
+                             f"calibrated with one expert per token only (this model routes {router.top_k})")
+        mod.experts = SeamExperts(experts)
+        router.forward = types.MethodType(_scaled_input_router, router)
+        mod.forward = types.MethodType(_scaled_input_moe, mod)
+        n += 1
+    return n
 
 
 def find_experts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None] | None:
@@ -305,6 +374,7 @@ class StreamedModel:
         if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head") or not hasattr(body, "norm"):
             raise InputError(f"{type(model).__name__}: the layer-streamed runner needs model.layers, model.norm and "
                              "lm_head (a decoder-only causal LM)", where=str(self.dir))
+        adapt_seams(model)
         self.model, self.body, self.layers = model, body, layers
         self.mapping = get_mapping(model)
         self.meta_layers = list(layers)
