@@ -105,6 +105,9 @@ PUBLISHED = {
     "Qwen3-235B-A22B": ("235", "22"),
     "deepseek-moe-16b-base": ("16.4", "2.8"),
     "Phi-3.5-MoE-instruct": ("41.9", "6.6"),
+    # Outside the registry: counted from transformers' model built from the config (report/inspect_hf.py).
+    "DeepSeek-V3": ("671", "37"),
+    "OLMoE-1B-7B-0924": ("6.9", "1.3"),
 }
 
 
@@ -160,3 +163,34 @@ def test_counts_equal_transformers_module(tiny_model, tmp_path, arch, kw):
     bare = config_only(tiny_model(arch, **kw), tmp_path / "bare")
     p = inspect_model(str(bare))["parameters"]
     assert (p["total"], p["activated"]) == _hf_counts(tiny_model(arch, **kw))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_transformers_count_agrees_with_the_registry(tiny_model, tmp_path, arch):
+    """The count of a MoE outside the registry (transformers' meta model, experts found at the seam) gives
+    the registry's figures on the architectures both can count."""
+    from trtmoe.report.inspect_hf import describe_transformers_moe
+
+    bare = config_only(tiny_model(arch), tmp_path / "bare")
+    want, got = inspect_model(str(bare)), describe_transformers_moe(bare)
+    for key in ("total", "active_per_token", "activated"):
+        assert got["parameters"][key] == want["parameters"][key], key
+    assert got["moe_layers"] == want["moe_layers"]
+    for key in ("num_experts", "top_k", "hidden_size", "expert_intermediate_size", "vocab_size"):
+        assert got["config"][key] == want["config"][key], key
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "glm4_moe", "llama4_text", "gpt_oss"])
+def test_inspect_outside_the_registry(tiny_model, tmp_path, arch):
+    src = tiny_model(arch)
+    code, out = run("inspect", src, "--json")
+    assert code == 0, out
+    rep = json.loads(out)
+    p, c = rep["parameters"], rep["config"]
+    assert sum(d["total"] for d in p["components"].values()) == p["total"]
+    assert p["components"]["routed experts"]["active_per_token"] * c["num_experts"] == \
+        p["components"]["routed experts"]["total"] * c["top_k"]
+    assert rep["moe_layers"] and rep["weights_present"] and "registry" in rep["notes"][0]
+    # A parallel layout needs the registry's rules: one line, exit 2, no traceback.
+    code, out = run("inspect", src, "--moe-ep", "2")
+    assert code == 2 and "unified-HF" in out and "Traceback" not in out

@@ -244,6 +244,10 @@ def _render_inspect(rep: dict) -> None:
     lay = rep["layout"]
     if not lay["ok"]:  # the command ends with the problems as its one error line
         return
+    if "ranks" not in rep:  # outside the registry: no per-rank plan (see report/inspect_hf.py)
+        for n in rep["notes"]:
+            console.print(f"  [yellow]note:[/] {n}")
+        return
     experts = "" if rep.get("expert_format", "float") == "float" else f", experts {rep['expert_format']}"
     t = Table(title=f"Weights per rank ({rep['dtype']}{experts}, tp={lay['tp']} pp={lay['pp']} "
                     f"moe_tp={lay['moe_tp']} moe_ep={lay['moe_ep']})", title_justify="left")

@@ -55,10 +55,11 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
 
 
-def validate_hf_config(cfg: Any, path: str | Path = "config.json") -> dict:
+def validate_hf_config(cfg: Any, path: str | Path = "config.json", *, registry: bool = True) -> dict:
     """Return ``cfg`` when it is a config the adapters can read exactly; else raise
     ``CheckpointError`` (wrong type or value) or ``UnsupportedError`` (a fact no target honours),
-    naming the file and key."""
+    naming the file and key. ``registry=False``: a config outside the registry (read by transformers'
+    own model), checked for its values only: no architecture refusal, no registry-specific rules."""
     where = str(path)
 
     def bad(key: str, what: str, hint: str | None = None) -> CheckpointError:
@@ -75,13 +76,13 @@ def validate_hf_config(cfg: Any, path: str | Path = "config.json") -> dict:
     if archs and len(set(archs)) > 1:
         raise bad("architectures", f"names {len(set(archs))} different architectures {archs!r}; a checkpoint "
                   "holds one")
-    if archs and not any(a in _SUPPORTED for a in archs):
+    if registry and archs and not any(a in _SUPPORTED for a in archs):
         # Said first: a value check below (a sliding window, a token id) would send the user to fix a
         # key when no value makes this checkpoint convertible.
         raise UnsupportedError(f"architecture {archs[0]!r} is not supported", where=where,
                                hint="supported: " + ", ".join(supported_architectures()))
     mtype = cfg.get("model_type")
-    if archs and isinstance(mtype, str) and _MODEL_TYPES.get(archs[0], mtype) != mtype:
+    if registry and archs and isinstance(mtype, str) and _MODEL_TYPES.get(archs[0], mtype) != mtype:
         raise bad("model_type", f"= {mtype!r} contradicts architectures {archs!r} (which Hugging Face "
                   f"writes with model_type {_MODEL_TYPES[archs[0]]!r})")
     for key, low in _INT_FIELDS.items():
@@ -121,7 +122,8 @@ def validate_hf_config(cfg: Any, path: str | Path = "config.json") -> dict:
         raise bad("mlp_only_layers", f"= {only!r} names layers outside 0..{layers - 1}")
     _check_token_ids(cfg, bad)
     _check_rope(cfg, bad)
-    _check_sliding_window(cfg, where)
+    if registry:
+        _check_sliding_window(cfg, where)
     return cfg
 
 

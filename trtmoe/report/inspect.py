@@ -18,6 +18,7 @@ from ..model.params import count_params
 from ..parallel.mapping import Mapping
 from ..quant.plan import FLOAT, expert_shape_problem
 from ..quant.policies import expert_cost_bits
+from .inspect_hf import describe_transformers_moe, layout_problem, outside_registry
 
 EXPERT_ROLES = ("expert_fc", "expert_proj")
 
@@ -46,6 +47,8 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
     """Parameter accounting and per-rank weight bytes (routed experts in ``fmt`` when given: what the
     engine holds); with ``target="tensorrt-llm"`` the support-table cell of that layout and format.
     Layout and cell problems are reported, not raised."""
+    if outside_registry(resolve_model_path(model, config_only=True)):
+        return _inspect_transformers_moe(model, tp, pp, moe_tp, moe_ep)
     path, m, source_bytes = _describe(model)
     pc = count_params(m)
     tdtype = parse_dtype(m.source_dtype if dtype == "auto" and m.source_dtype in DTYPE_STR.values()
@@ -125,6 +128,18 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
                              "what_works": support.what_works(trtllm_version, m.family)}
     report["notes"] = _notes(m)
     return report
+
+
+def _inspect_transformers_moe(model: str, tp: int, pp: int, moe_tp: int | None, moe_ep: int | None) -> dict:
+    """A MoE outside the registry, counted from transformers' model built from its config (inspect_hf)."""
+    rep = describe_transformers_moe(resolve_model_path(model, config_only=True))
+    why = layout_problem(rep, tp, pp, moe_tp, moe_ep)
+    rep["layout"] = {"tp": tp, "pp": pp, "moe_tp": moe_tp, "moe_ep": moe_ep, "ok": why is None,
+                     "problems": [why] if why else []}
+    rep["notes"] = ["outside trtmoe's registry: counted from transformers' model; calibrated layer-streamed "
+                    "(calibrate --runner stream) and exported as a unified-HF checkpoint (--target trtllm-pytorch, "
+                    "vllm, sglang), not by the TensorRT-LLM 1.2 or embedded targets"]
+    return rep
 
 
 def _notes(m) -> list[str]:
