@@ -148,8 +148,31 @@ def test_convert_repo_serve_for_vllm_and_trtllm(qwen3):
     assert run_cli("verify", d / "repo").returncode == 0
     p = run_cli("serve", d / "repo", "--print-command")
     assert p.returncode == 0, p.stderr
-    assert f"trtllm-serve {(d / 'fp8').absolute()} --backend pytorch" in p.stdout
+    assert f"trtllm-serve {(d / 'fp8').absolute()} --host 0.0.0.0 --backend pytorch" in p.stdout
     assert "vllm serve" in p.stdout and "sglang.launch_server" in p.stdout
+    # Every option printed is one the engines' own command lines define (restated from
+    # tensorrt_llm/commands/serve.py, vLLM's and SGLang's server arguments, and TensorRT-LLM's
+    # triton_backend/scripts/launch_triton_server.py), and the llmapi backend's model.py comes with
+    # the helpers.py it imports.
+    known = {
+        "trtllm-serve": {"--host", "--port", "--backend", "--tp_size", "--pp_size", "--ep_size", "--max_batch_size",
+                         "--max_num_tokens", "--max_seq_len", "--kv_cache_free_gpu_memory_fraction"},
+        "vllm": {"--quantization", "--tensor-parallel-size", "--enable-expert-parallel", "--max-num-seqs",
+                 "--max-model-len", "--gpu-memory-utilization", "--port", "--host"},
+        "sglang.launch_server": {"--model-path", "--host", "--quantization", "--tp", "--ep-size",
+                                 "--max-running-requests", "--context-length", "--mem-fraction-static", "--port"},
+        "launch_triton_server.py": {"--model_repo", "--http_port", "--grpc_port", "--world_size"},
+    }
+    seen = set()
+    for line in p.stdout.splitlines():
+        for name, opts in known.items():
+            if name in line:
+                seen.add(name)
+                tail = line[line.index(name):]
+                used = {w.split("=")[0] for w in tail.split() if w.startswith("--")}
+                assert used <= opts, (name, used - opts)
+    assert seen == set(known), seen
+    assert "helpers.py" in p.stdout and "--depth 1 --branch v$(python3" in p.stdout
     p = run_cli("build", d / "fp8", "-o", d / "engine")
     assert p.returncode == 2 and "no build step" in p.stderr and not (d / "engine").exists()
     # An edited shard fails verify.

@@ -227,8 +227,9 @@ instance_group [ {{ count: 1 kind: KIND_MODEL }} ]
 def write_llmapi_repository(checkpoint: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
                             build: dict | None = None, force: bool = False) -> dict:
     """A Triton repository in upstream's llmapi layout for a verified unified-HF checkpoint: one
-    ``tensorrt_llm`` model (``config.pbtxt``, ``1/model.yaml``); ``1/model.py`` is upstream's, copied from
-    TensorRT-LLM's container on the GPU host (``trtmoe serve --print-command`` shows how)."""
+    ``tensorrt_llm`` model (``config.pbtxt``, ``1/model.yaml``); ``1/model.py`` and the ``helpers.py`` it
+    imports are upstream's, taken on the GPU host from the TensorRT-LLM tag matching the container's
+    tensorrt_llm (``trtmoe serve --print-command`` shows how)."""
     ck = Path(checkpoint)
     info = verify_artifact(ck)
     if info["kind"] != U.KIND:
@@ -243,8 +244,8 @@ def write_llmapi_repository(checkpoint: str | Path, out: str | Path, *, tp: int 
                                   contract="TensorRT-LLM triton_backend llmapi (PyTorch backend)",
                                   checkpoint=str(ck.absolute()), checkpoint_manifest_target=man.get("target"),
                                   engine=man.get("engine"), mapping={"tp": tp, "pp": pp, "ep": ep},
-                                  model_py="triton_backend/all_models/llmapi/tensorrt_llm/1/model.py from the "
-                                           "TensorRT-LLM release's container")
+                                  model_py="triton_backend/all_models/llmapi/tensorrt_llm/1/model.py and helpers.py "
+                                           "from the TensorRT-LLM tag matching the container's tensorrt_llm")
     return manifest
 
 
@@ -255,7 +256,7 @@ def gpu_commands(checkpoint: str | Path, *, tp: int = 1, ep: int = 1, port: int 
     b = {**DEFAULT_BUILD, **(build or {})}
     ck = shlex.quote(str(Path(checkpoint).absolute()))
     cmds = {
-        "trtllm-serve": (f"trtllm-serve {ck} --backend pytorch --tp_size {tp} --ep_size {ep} "
+        "trtllm-serve": (f"trtllm-serve {ck} --host 0.0.0.0 --backend pytorch --tp_size {tp} --ep_size {ep} "
                          f"--max_batch_size {b['max_batch_size']} --max_num_tokens {b['max_num_tokens']} "
                          f"--max_seq_len {b['max_seq_len']} --kv_cache_free_gpu_memory_fraction "
                          f"{b['free_gpu_memory_fraction']} --port {port}"),
@@ -263,7 +264,7 @@ def gpu_commands(checkpoint: str | Path, *, tp: int = 1, ep: int = 1, port: int 
                  f"{' --enable-expert-parallel' if ep > 1 else ''} --max-num-seqs {b['max_batch_size']} "
                  f"--max-model-len {b['max_seq_len']} --gpu-memory-utilization {b['free_gpu_memory_fraction']} "
                  f"--port {port}"),
-        "sglang": (f"python -m sglang.launch_server --model-path {ck} --quantization modelopt_mixed --tp {tp}"
+        "sglang": (f"python -m sglang.launch_server --model-path {ck} --host 0.0.0.0 --quantization modelopt_mixed --tp {tp}"
                    f"{f' --ep-size {ep}' if ep > 1 else ''} --max-running-requests {b['max_batch_size']} "
                    f"--context-length {b['max_seq_len']} --mem-fraction-static {b['free_gpu_memory_fraction']} "
                    f"--port {port}"),
@@ -273,7 +274,15 @@ def gpu_commands(checkpoint: str | Path, *, tp: int = 1, ep: int = 1, port: int 
         cmds["vllm"] = cmds["vllm"].replace(" --quantization modelopt_mixed", "")
         cmds["sglang"] = cmds["sglang"].replace(" --quantization modelopt_mixed", "")
     if repo is not None:
+        # Upstream's llmapi backend (model.py and the helpers.py it imports) is taken from the TensorRT-LLM
+        # tag matching the container's tensorrt_llm, and started with its launch script (run from the
+        # clone's parent, which passes --disable-auto-complete-config: config.pbtxt carries the settings).
         r = shlex.quote(str(Path(repo).absolute()))
-        cmds["triton"] = (f"cp /app/tensorrt_llm/triton_backend/all_models/llmapi/tensorrt_llm/1/model.py "
-                          f"{r}/tensorrt_llm/1/ && tritonserver --model-repository {r} --http-port {port}")
+        src = "TensorRT-LLM/triton_backend/all_models/llmapi/tensorrt_llm/1"
+        cmds["triton"] = ("git clone --depth 1 --branch "
+                          "v$(python3 -c 'import tensorrt_llm; print(tensorrt_llm.__version__)') "
+                          "https://github.com/NVIDIA/TensorRT-LLM.git && "
+                          f"cp {src}/model.py {src}/helpers.py {r}/tensorrt_llm/1/ && "
+                          f"python3 TensorRT-LLM/triton_backend/scripts/launch_triton_server.py --model_repo={r} "
+                          f"--http_port {port}")
     return cmds
