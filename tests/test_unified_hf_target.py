@@ -145,6 +145,19 @@ def test_convert_repo_serve_for_vllm_and_trtllm(qwen3):
     assert y["tensor_parallel_size"] == 1 and y["moe_expert_parallel_size"] == 1
     assert y["triton_config"] == {"max_batch_size": 0, "decoupled": True}
     assert "free_gpu_memory_fraction" in y["kv_cache_config"]
+    # config.pbtxt parses as Triton's ModelConfig, takes the inputs upstream's llmapi guide sends, and says
+    # what model.yaml's triton_config says (upstream's launch script disables auto-complete).
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    pb = text_format.Parse((d / "repo" / "tensorrt_llm" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    names = {i.name for i in pb.input}
+    assert {"text_input", "streaming", "sampling_param_max_tokens", "sampling_param_exclude_input_from_output",
+            "sampling_param_return_perf_metrics"} <= names
+    assert [i.name for i in pb.input if not i.optional] == ["text_input"]
+    assert {"text_output", "finish_reason", "kv_cache_hit_rate"} <= {o.name for o in pb.output}
+    assert pb.model_transaction_policy.decoupled == y["triton_config"]["decoupled"]
+    assert pb.max_batch_size == y["triton_config"]["max_batch_size"]
     assert run_cli("verify", d / "repo").returncode == 0
     p = run_cli("serve", d / "repo", "--print-command")
     assert p.returncode == 0, p.stderr

@@ -204,24 +204,44 @@ def model_yaml(checkpoint: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
     return "\n".join(lines) + "\n"
 
 
-_CONFIG_PBTXT = """name: "tensorrt_llm"
-backend: "python"
-max_batch_size: 0
-model_transaction_policy {{ decoupled: {decoupled} }}
-input [
-  {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }},
-  {{ name: "streaming" data_type: TYPE_BOOL dims: [ 1 ] optional: true }},
-  {{ name: "sampling_param_max_tokens" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
-  {{ name: "sampling_param_temperature" data_type: TYPE_FP32 dims: [ 1 ] optional: true }},
-  {{ name: "sampling_param_top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
-  {{ name: "sampling_param_top_p" data_type: TYPE_FP32 dims: [ 1 ] optional: true }}
-]
-output [
-  {{ name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }},
-  {{ name: "finish_reason" data_type: TYPE_STRING dims: [ -1 ] }}
-]
-instance_group [ {{ count: 1 kind: KIND_MODEL }} ]
-"""
+# The llmapi model's inputs and outputs (name, Triton type, dims, optional), restated from upstream's
+# triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt (its multimodal and LoRA inputs left out: a
+# trtmoe checkpoint has neither). Every output model.py may send is declared: Triton refuses an undeclared one.
+LLMAPI_INPUTS = (
+    ("text_input", "TYPE_STRING", "-1", False), ("streaming", "TYPE_BOOL", "1", True),
+    ("sampling_param_best_of", "TYPE_INT32", "1", True), ("sampling_param_temperature", "TYPE_FP32", "1", True),
+    ("sampling_param_top_k", "TYPE_INT32", "1", True), ("sampling_param_top_p", "TYPE_FP32", "1", True),
+    ("sampling_param_frequency_penalty", "TYPE_FP32", "1", True),
+    ("sampling_param_presence_penalty", "TYPE_FP32", "1", True),
+    ("sampling_param_max_tokens", "TYPE_INT32", "1", True), ("sampling_param_stop", "TYPE_STRING", "-1", True),
+    ("sampling_param_seed", "TYPE_UINT64", "1", True),
+    ("sampling_param_exclude_input_from_output", "TYPE_BOOL", "1", True),
+    ("sampling_param_return_perf_metrics", "TYPE_BOOL", "1", True),
+    ("return_finish_reason", "TYPE_BOOL", "1", True), ("return_stop_reason", "TYPE_BOOL", "1", True),
+    ("return_cumulative_logprob", "TYPE_BOOL", "1", True), ("stop", "TYPE_BOOL", "1", True),
+)
+LLMAPI_OUTPUTS = (
+    ("text_output", "TYPE_STRING", "-1"), ("finish_reason", "TYPE_STRING", "-1"), ("stop_reason", "TYPE_STRING", "-1"),
+    ("cumulative_logprob", "TYPE_FP32", "-1"), ("kv_cache_reused_block", "TYPE_INT32", "-1"),
+    ("kv_cache_missed_block", "TYPE_INT32", "-1"), ("kv_cache_alloc_new_blocks", "TYPE_INT32", "-1"),
+    ("kv_cache_alloc_total_blocks", "TYPE_INT32", "-1"), ("kv_cache_hit_rate", "TYPE_FP32", "-1"),
+    ("arrival_time_ns", "TYPE_INT64", "1"), ("first_scheduled_time_ns", "TYPE_INT64", "1"),
+    ("first_token_time_ns", "TYPE_INT64", "1"), ("last_token_time_ns", "TYPE_INT64", "1"),
+    ("acceptance_rate", "TYPE_FP32", "1"), ("total_accepted_draft_tokens", "TYPE_INT32", "1"),
+    ("total_draft_tokens", "TYPE_INT32", "1"),
+)
+
+
+def llmapi_config_pbtxt(decoupled: bool) -> str:
+    """``tensorrt_llm/config.pbtxt`` for upstream's llmapi model.py. Batch size and decoupling are written
+    here as well as in model.yaml's ``triton_config``: upstream's launch script starts Triton with
+    ``--disable-auto-complete-config``, so model.py cannot set them from model.yaml there."""
+    ins = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ {d} ]{" optional: true" if o else ""} }}'
+                      for n, t, d, o in LLMAPI_INPUTS)
+    outs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ {d} ] }}' for n, t, d in LLMAPI_OUTPUTS)
+    return (f'name: "tensorrt_llm"\nbackend: "python"\nmax_batch_size: 0\n'
+            f"model_transaction_policy {{ decoupled: {str(decoupled).lower()} }}\n"
+            f"input [\n{ins}\n]\noutput [\n{outs}\n]\ninstance_group [ {{ count: 1 kind: KIND_CPU }} ]\n")
 
 
 def write_llmapi_repository(checkpoint: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -238,7 +258,7 @@ def write_llmapi_repository(checkpoint: str | Path, out: str | Path, *, tp: int 
     man = read_manifest(ck)
     with atomic_directory(out, force=force, inputs=(ck,)) as tmp:
         (tmp / "tensorrt_llm" / "1").mkdir(parents=True)
-        (tmp / "tensorrt_llm" / "config.pbtxt").write_text(_CONFIG_PBTXT.format(decoupled="true"))
+        (tmp / "tensorrt_llm" / "config.pbtxt").write_text(llmapi_config_pbtxt(True))
         (tmp / "tensorrt_llm" / "1" / "model.yaml").write_text(model_yaml(ck, tp=tp, pp=pp, ep=ep, build=build))
         manifest = write_manifest(tmp, kind=REPO_KIND, file_hashes={}, name=REPOSITORY_MANIFEST, layout="llmapi",
                                   contract="TensorRT-LLM triton_backend llmapi (PyTorch backend)",
