@@ -305,3 +305,105 @@ def test_modelopt_export_loads_to_the_same_logits_as_trtmoes(arch, job, modelopt
     else:  # the two calibrations' input scales differ by a bf16 rounding step: take ModelOpt's
         b = logits(load_unified_engine(_with_input_scales(ours, theirs, tmp_path / "same_scales"), device="cpu"), ids)
     assert torch.equal(a, b), float((a - b).abs().max())
+
+
+# ---- the llmapi repository on CPU ----------------------------------------------------------------
+
+FIXTURE = REPO / "tests" / "fixtures" / "trained_mixtral"
+
+
+@pytest.fixture(scope="module")
+def llmapi_repo(tmp_path_factory):
+    """trtmoe's unified-HF export of the trained Mixtral fixture (MXFP4 experts and attention) and the
+    llmapi repository ``trtmoe repo`` writes for it (upstream's layout: config.pbtxt and model.yaml)."""
+    if not (FIXTURE / "model.safetensors").is_file():
+        pytest.skip("the trained Mixtral fixture is not checked out")
+    from trtmoe.build.unified_hf import write_llmapi_repository
+
+    root = tmp_path_factory.mktemp("llmapi_unified")
+    ck = root / "ck"
+    U.write_unified_checkpoint(FIXTURE, ck, U.UnifiedPlan.uniform("mxfp4", moe_layers(FIXTURE)))
+    write_llmapi_repository(ck, root / "repo", build={"max_batch_size": 4, "max_seq_len": 256})
+    return ck, root / "repo"
+
+
+def test_llmapi_repository_runs_the_embedded_engine_in_process(llmapi_repo, tmp_path):
+    pytest.importorskip("tritonclient.grpc")
+    from google.protobuf import json_format
+
+    from trtmoe.build.unified_hf import _CONFIG_PBTXT
+    from trtmoe.runtime.load import load_tokenizer
+    from trtmoe.triton.repository import parse_model_config, validate_repository
+    from trtmoe.triton.served import load_served_engine
+    from trtmoe.triton.unified_repo import embedded_repository, needs_embedded_engine
+
+    ck, repo = llmapi_repo
+    assert needs_embedded_engine(repo)
+    made = embedded_repository(repo, tmp_path / "work")
+    validate_repository(made.path)
+    text = (made.path / "tensorrt_llm" / "config.pbtxt").read_text()
+    cfg = parse_model_config(text, where="config.pbtxt")
+    # The same contract: every input and output of the llmapi config trtmoe writes for the GPU host.
+    upstream = parse_model_config(_CONFIG_PBTXT.format(decoupled="true"), where="upstream")
+    assert {i.name for i in upstream.input} <= {i.name for i in cfg.input}
+    assert {o.name for o in upstream.output} <= {o.name for o in cfg.output}
+    assert cfg.model_transaction_policy.decoupled  # model.yaml's triton_config.decoupled
+    assert (made.settings.max_batch_size, made.settings.max_seq_len) == (4, 256)  # model.yaml's limits
+    served = load_served_engine(json_format.MessageToDict(cfg, preserving_proto_field_name=True),
+                                str(made.path / "tensorrt_llm"))
+    assert isinstance(served.engine.layers[0].wqkv, QuantLinear)
+    tok = load_tokenizer(ck)
+    p = SamplingParams(max_new_tokens=10, end_id=tok.eos_id)
+    prompt = tok.encode("def main(")
+    assert served.engine.generate(prompt, p) == load_unified_engine(ck, device="cpu").generate(prompt, p)
+    # What the repository was written from is left as it was.
+    assert not (repo / "tensorrt_llm" / "1" / "model.py").exists()
+
+
+def _installed_trtmoe_loads_unified() -> bool:
+    """Whether the trtmoe a Triton Python-backend stub imports (this interpreter's installation, not
+    PYTHONPATH) has the unified-HF loader."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
+                        "print(u.find_spec('trtmoe.runtime.unified_load') is not None)"],
+                       capture_output=True, text=True, env=env, cwd="/tmp", timeout=120)
+    return p.stdout.strip() == "True"
+
+
+@pytest.mark.server
+def test_llmapi_repository_served_on_cpu_answers_through_the_llmapi_contract(llmapi_repo, tmp_path):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    pytest.importorskip("pytriton")
+    if not _installed_trtmoe_loads_unified():
+        pytest.skip("the Triton Python-backend stub imports the installed trtmoe, which has no unified-HF loader")
+    import numpy as np
+
+    from trtmoe.runtime.load import load_tokenizer
+    from trtmoe.triton.serve import serve_repository
+    from trtmoe.triton.unified_repo import embedded_repository
+
+    ck, repo = llmapi_repo
+    made = embedded_repository(repo, tmp_path / "work", torch_num_threads=1)
+    server = serve_repository(made.path, http_port=0, grpc_port=0, metrics_port=0, timeout_s=240)
+    try:
+        tok = load_tokenizer(ck)
+        want = tok.decode(load_unified_engine(ck, device="cpu").generate(
+            tok.encode("def main("), SamplingParams(max_new_tokens=12, end_id=tok.eos_id)))
+
+        def t(name, arr, dtype):
+            x = grpcclient.InferInput(name, list(arr.shape), dtype)
+            x.set_data_from_numpy(arr)
+            return x
+
+        inputs = [t("text_input", np.array([b"def main("], dtype=object), "BYTES"),
+                  t("sampling_param_max_tokens", np.array([12], dtype=np.int32), "INT32"),
+                  t("streaming", np.array([False]), "BOOL")]
+        from conftest import grpc_stream
+
+        out, err = grpc_stream(server.endpoints.grpc, "tensorrt_llm", inputs, 120, None)
+        assert err is None, err
+        assert out[-1].as_numpy("text_output")[0].decode() == want
+    finally:
+        server.stop()

@@ -327,6 +327,15 @@ def checkpoint_config(ck: UnifiedCheckpoint) -> CheckpointConfig:
                             raw={"quant_algo": ck.algo}, **_spec_fields(ck.spec))
 
 
+def unified_model_config(path: str | Path) -> CheckpointConfig:
+    """``checkpoint_config`` of the checkpoint at ``path`` (its quantization config checked too)."""
+    ck = UnifiedCheckpoint(path)
+    try:
+        return checkpoint_config(ck)
+    finally:
+        ck.close()
+
+
 class _Loader:
     """Reads one layer's (or the globals') engine tensors through the registry's rules."""
 
@@ -472,4 +481,4 @@ def _fill(eng: EmbeddedEngine, ck: UnifiedCheckpoint, cfg: CheckpointConfig) -> 
 
 
 __all__ = ["ENGINE_FORMATS", "QuantLinear", "SplitExperts", "UnifiedCheckpoint", "checkpoint_config",
-           "fuse_gate_up", "is_unified_checkpoint", "load_unified_engine"]
+           "fuse_gate_up", "is_unified_checkpoint", "load_unified_engine", "unified_model_config"]
