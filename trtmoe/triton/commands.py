@@ -120,7 +120,8 @@ def _unified_repo(ckpt: Path, out_dir: Path, config_path, force: bool, as_json: 
                f"moe_expert_parallel_size {ep}")
     click.echo("  model.py       upstream's, from the TensorRT-LLM container on the GPU host:")
     click.echo("  " + gpu_commands(ckpt, tp=tp, ep=ep, build=build, repo=out_dir)["triton"])
-    click.echo(f"next: trtmoe serve {out_dir} --print-command  (the trtllm-serve, vLLM and SGLang command lines)")
+    click.echo(f"next: trtmoe serve {out_dir}  (here, without upstream's model.py: the embedded engine on CPU; "
+               "--print-command for the trtllm-serve, vLLM and SGLang command lines)")
 
 
 def _unified_print_command(repo: Path) -> bool:
