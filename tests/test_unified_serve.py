@@ -42,7 +42,13 @@ from trtmoe.runtime.unified_load import QuantLinear, SplitExperts, load_unified_
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH = {"mixtral": {"intermediate_size": 64}, "qwen3_moe": {"moe_intermediate_size": 64},
-         "qwen2_moe": {"moe_intermediate_size": 64}}
+         "qwen2_moe": {"moe_intermediate_size": 64}, "deepseek_v1": {"moe_intermediate_size": 64},
+         "phimoe": {"intermediate_size": 64}}
+# Every weight-only format on the three architectures TensorRT-LLM's PyTorch backend runs; W8A16 on the
+# other two the registry knows (DeepSeek-MoE v1: dense layer and shared experts; Phi-3.5-MoE: LayerNorm,
+# biases, sparse-mixer routing, LongRoPE).
+WEIGHT_ONLY = [(a, f) for a in ("mixtral", "qwen3_moe", "qwen2_moe") for f in ("bf16", "int8", "mxfp4", "fp8_block_wo")] \
+    + [("deepseek_v1", "int8"), ("phimoe", "int8")]
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +106,7 @@ def dequantized_copy(ck: Path, out: Path) -> Path:
 
 # ---- trtmoe's own export -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "mxfp4", "fp8_block_wo"])
+@pytest.mark.parametrize("arch,fmt", WEIGHT_ONLY)
 def test_weight_only_export_runs_its_dequantized_weights_exactly(arch, fmt, tiny_model, ids, tmp_path):
     model = tiny_model(arch, dtype="bfloat16", **WIDTH[arch])
     ck = tmp_path / "unified"
