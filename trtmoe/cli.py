@@ -447,11 +447,17 @@ def verify(directory, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p, seed, device, cpu_activations,
         as_json):
-    """Generate text from a TensorRT-LLM checkpoint (or embedded engine dir) with the embedded engine.
+    """Generate text from a checkpoint with the embedded engine.
+
+    CHECKPOINT is a TensorRT-LLM checkpoint (`trtmoe convert`), an embedded engine dir, or a
+    unified-HF checkpoint (`trtmoe convert --target trtllm-pytorch`, or ModelOpt's own export): each
+    quantized linear runs its format's kernel from the packed bytes, activations quantized with the
+    checkpoint's input scales.
 
     \b
     Example:
       trtmoe run ckpt/ --tokenizer tests/fixtures/trained_mixtral -p "def main(" -n 40
+      trtmoe run unified/ -p "def main(" -n 40     # tokenizer copied in by convert
     """
     from .runtime.engine import SamplingParams, decode_summary
     from .runtime.load import load_engine, load_tokenizer

@@ -1,7 +1,7 @@
 """Run in ModelOpt's own environment (never imported by trtmoe): ModelOpt 0.47's AutoQuantize
 (``mtq.auto_quantize``) of an HF MoE model's routed experts, and the per-layer formats it chose.
 
-Usage: python modelopt_autoquantize.py MODEL_DIR IDS.safetensors EXPERT_BITS FORMATS METHOD OUT.json
+Usage: python modelopt_autoquantize.py MODEL_DIR IDS.safetensors EXPERT_BITS FORMATS METHOD OUT.json [EXPORT_DIR]
 
 IDS.safetensors holds ``ids`` [windows, tokens] (int64), the calibration windows: batches of 8 are
 both the calibration data and the scoring data. FORMATS is a comma list of ModelOpt config names
@@ -12,7 +12,9 @@ counts every linear weight, disabled ones at 16 bits, so EXPERT_BITS (average bi
 experts' weights, trtmoe's budget) is turned into the whole-model figure
 (experts * EXPERT_BITS + others * 16) / (experts + others). OUT.json: {"expert_bits", "bits" (the
 whole-model constraint), "method", "layers": {MoE layer index: chosen ModelOpt config name or
-"NONE"}, "groups": {search group: recipe}, "best", "seconds"}.
+"NONE"}, "groups": {search group: recipe}, "best", "seconds"}. With EXPORT_DIR, the searched model is
+also exported there by ModelOpt's ``export_hf_checkpoint`` (a unified-HF checkpoint, MIXED_PRECISION
+when the layers differ).
 """
 
 import json
@@ -48,7 +50,8 @@ def _block_op(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits,
 tensor_quant.dynamic_block_quantize_op = _block_op
 
 
-def main(model_dir: str, ids_path: str, bits: str, formats: str, method: str, out: str) -> None:
+def main(model_dir: str, ids_path: str, bits: str, formats: str, method: str, out: str,
+         export_dir: str | None = None) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
     model.eval()
@@ -87,7 +90,12 @@ def main(model_dir: str, ids_path: str, bits: str, formats: str, method: str, ou
                    "best": {k: (v if isinstance(v, (int, float, bool, str)) else str(v))
                             for k, v in state["best"].items() if k != "recipe"},
                    "seconds": time.time() - t0}, f, indent=1)
+    if export_dir:
+        from modelopt.torch.export import export_hf_checkpoint
+
+        with torch.inference_mode():
+            export_hf_checkpoint(model, export_dir=export_dir)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:7])
+    main(*sys.argv[1:8])

@@ -9,11 +9,12 @@ from pathlib import Path
 
 from ..errors import InputError
 from .engine import EmbeddedEngine
+from .unified_load import is_unified_checkpoint, load_unified_engine
 
 
 def checkpoint_dir_of(path: str | Path) -> tuple[Path, dict]:
-    """Resolve an embedded engine directory to its checkpoint; a checkpoint dir resolves to itself.
-    Returns (checkpoint_dir, build_config)."""
+    """Resolve an embedded engine directory to its checkpoint; a checkpoint dir (TensorRT-LLM or
+    unified-HF) resolves to itself. Returns (checkpoint_dir, build_config)."""
     p = Path(path)
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
@@ -31,17 +32,17 @@ def checkpoint_dir_of(path: str | Path) -> tuple[Path, dict]:
 
 def load_engine(path: str | Path, device: str | None = None, pack_experts: bool = True,
                 cpu_activations: str | None = None) -> EmbeddedEngine:
-    """The embedded engine for a checkpoint or embedded engine dir. ``pack_experts=False``: routed experts
-    in the checkpoint's own layout, quantized ones on their formats' reference path (see
+    """The embedded engine for a checkpoint (TensorRT-LLM, or unified-HF: ``trtmoe.runtime.unified_load``)
+    or embedded engine dir. ``pack_experts=False``: routed experts in the checkpoint's own layout, quantized ones on their formats' reference path (see
     ``EmbeddedEngine.from_checkpoint``), for measurements that must not depend on the CPU's kernels.
     ``cpu_activations`` overrides what an engine dir records (a checkpoint dir: float32)."""
     ck, build = checkpoint_dir_of(path)
     if device is None and build.get("device") not in (None, "auto"):
         device = build["device"]
     # An engine built before cpu_matmul was recorded runs with the default.
-    return EmbeddedEngine.from_checkpoint(ck, device=device, max_seq_len=build.get("max_seq_len"),
-                                          cpu_matmul=build.get("cpu_matmul", "auto"), pack_experts=pack_experts,
-                                          cpu_activations=cpu_activations or build.get("cpu_activations", "float32"))
+    load = load_unified_engine if is_unified_checkpoint(ck) else EmbeddedEngine.from_checkpoint
+    return load(ck, device=device, max_seq_len=build.get("max_seq_len"), cpu_matmul=build.get("cpu_matmul", "auto"),
+                pack_experts=pack_experts, cpu_activations=cpu_activations or build.get("cpu_activations", "float32"))
 
 
 @dataclass

@@ -8,7 +8,9 @@ options, calls one library function and renders its result. Errors are ``trtmoe.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -118,7 +120,8 @@ def _unified_repo(ckpt: Path, out_dir: Path, config_path, force: bool, as_json: 
                f"moe_expert_parallel_size {ep}")
     click.echo("  model.py       upstream's, from the TensorRT-LLM container on the GPU host:")
     click.echo("  " + gpu_commands(ckpt, tp=tp, ep=ep, build=build, repo=out_dir)["triton"])
-    click.echo(f"next: trtmoe serve {out_dir} --print-command  (the trtllm-serve, vLLM and SGLang command lines)")
+    click.echo(f"next: trtmoe serve {out_dir}  (here, without upstream's model.py: the embedded engine on CPU; "
+               "--print-command for the trtllm-serve, vLLM and SGLang command lines)")
 
 
 def _unified_print_command(repo: Path) -> bool:
@@ -136,6 +139,8 @@ def _unified_print_command(repo: Path) -> bool:
     mp = man.get("mapping") or {}
     for name, cmd in gpu_commands(man["checkpoint"], tp=mp.get("tp", 1), ep=mp.get("ep", 1), repo=repo).items():
         click.echo(f"# {name}\n{cmd}")
+    click.echo(f"# this host, without upstream's model.py beside model.yaml: the embedded engine (CPU)\n"
+               f"trtmoe serve {repo}")
     return True
 
 
@@ -151,7 +156,9 @@ def serve_command(repo, config_path, log_file, print_command, **options):
 
     Uses the NGC container's tritonserver (mpirun with one rank per engine rank for TensorRT
     engines) or, on CPU machines, the Triton binary of the nvidia-pytriton wheel with its Python
-    backend running in this Python environment.
+    backend running in this Python environment. An llmapi repository of a unified-HF checkpoint
+    (`trtmoe repo <checkpoint>`) without upstream's model.py beside its model.yaml is served by the
+    embedded engine on CPU, through the same llmapi inputs and outputs.
 
     \b
     Options merge command line > the `serve:` section of -c CONFIG > defaults.
@@ -162,12 +169,35 @@ def serve_command(repo, config_path, log_file, print_command, **options):
       trtmoe serve repo/ -c build_configs/tiny-cpu.yaml
       trtmoe generate "def main(" --url 127.0.0.1:8001
     """
+    from .unified_repo import embedded_repository, needs_embedded_engine
+
+    if print_command and _unified_print_command(repo):
+        return
+    work = None
+    if needs_embedded_engine(repo):
+        # A unified-HF checkpoint's llmapi repository without upstream's model.py: the embedded engine
+        # serves it on CPU through the same contract, from a repository made for it.
+        work = Path(tempfile.mkdtemp(prefix="trtmoe-llmapi-cpu-"))
+        try:
+            made = embedded_repository(repo, work)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        click.echo(f"{repo}: no model.py beside model.yaml, so the embedded engine serves its checkpoint on this "
+                   f"host (repository {made.path})", err=True)
+        repo = made.path
+    try:
+        _serve(repo, config_path, log_file, print_command, options)
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _serve(repo, config_path, log_file, print_command, options):
     from . import cpu_binding
     from .serve import (Endpoints, build_launch_command, decode_binding, find_tritonserver, read_repository_manifest,
                         run_until_signalled, serve_repository, server_environment)
 
-    if print_command and _unified_print_command(repo):
-        return
     o = cfgmod.resolve(config_path, cfgmod.from_cli(options, "serve"))["serve"]
     host, http_port, grpc_port, metrics_port = o["host"], o["http_port"], o["grpc_port"], o["metrics_port"]
     world_size, server, timeout_s, log_verbose = o["world_size"], o["server"], float(o["timeout_s"]), o["log_verbose"]

@@ -8,7 +8,7 @@ Two layouts are accepted:
 * **Embedded engine dir** (``trtmoe build --backend embedded``): ``config.json`` with
   ``"backend": "embedded"``, ``"checkpoint"`` (a path relative to the engine dir, or absolute) and
   ``build_config``; the checkpoint is a TensorRT-LLM checkpoint dir (``config.json`` +
-  ``rank{N}.safetensors``).
+  ``rank{N}.safetensors``), or a unified-HF checkpoint (``trtmoe.runtime.unified_load``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ..errors import InputError
 from ..matmul import CPU_ACTIVATIONS, CPU_MATMUL_MODES
 from ..parallel.mapping import Mapping
 from ..runtime.checkpoint_reader import CheckpointConfig, parse_config
+from ..runtime.unified_load import is_unified_checkpoint, unified_model_config
 
 EMBEDDED = "embedded"
 TENSORRT_LLM = "tensorrtllm"
@@ -179,8 +180,13 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
             raise InputError("missing field checkpoint", where=where)
         ck_dir = (root / ck).resolve()
         ck_cfg = _load_json(ck_dir / "config.json")
-        model = _read_model(ck_cfg, str(ck_dir / "config.json"))
-        ranks = tuple(f"rank{r}.safetensors" for r in model.mapping.ranks())
+        if is_unified_checkpoint(ck_dir):  # one set of Hugging Face-named shards, no rank files
+            model = unified_model_config(ck_dir)
+            ranks = ()
+            ck_cfg = {"max_position_embeddings": model.max_position_embeddings}
+        else:
+            model = _read_model(ck_cfg, str(ck_dir / "config.json"))
+            ranks = tuple(f"rank{r}.safetensors" for r in model.mapping.ranks())
         missing = [r for r in ranks if not (ck_dir / r).is_file()]
         if missing:
             raise InputError(f"checkpoint is missing {', '.join(missing)}", where=str(ck_dir))

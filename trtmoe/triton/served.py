@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..runtime.engine import EmbeddedEngine
+from ..runtime.unified_load import is_unified_checkpoint, load_unified_engine
 from . import cpu_binding
 from .engine_dir import read_engine_dir
 from .llm_request import EngineLimits
@@ -68,9 +69,9 @@ def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
         engine_dir = os.path.join(repo_root, engine_dir)
     info = read_engine_dir(engine_dir)
     device = model_param(config, "device", "auto")
-    engine = EmbeddedEngine.from_checkpoint(str(info.checkpoint_dir), device=None if device == "auto" else device,
-                                            max_seq_len=info.max_seq_len, cpu_matmul=info.cpu_matmul,
-                                            cpu_activations=info.cpu_activations)
+    load = load_unified_engine if is_unified_checkpoint(info.checkpoint_dir) else EmbeddedEngine.from_checkpoint
+    engine = load(str(info.checkpoint_dir), device=None if device == "auto" else device,
+                  max_seq_len=info.max_seq_len, cpu_matmul=info.cpu_matmul, cpu_activations=info.cpu_activations)
     max_input = min(int(model_param(config, "max_input_len", str(info.max_input_len))), info.max_input_len)
     max_seq = min(int(model_param(config, "max_seq_len", str(info.max_seq_len))), info.max_seq_len,
                   int(getattr(engine, "max_seq_len", info.max_seq_len)))

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Exported unified-HF checkpoints measured by loading them: held-out KL, same top-1 and bytes.
+
+For each trained fixture (tests/fixtures/trained_mixtral, trained_qwen3_moe) and each budget (average
+stored bits per routed-expert weight, scales counted, as ModelOpt's ``effective_bits`` counts them):
+
+* trtmoe's graded per-layer plan: ``trtmoe calibrate`` measures each expert matrix's ΔKL in FP8 and
+  NVFP4 on the calibration windows, the allocator spends the budget per MoE layer
+  (``build.unified_hf.plan_from_calibration``, the plan ``convert --target vllm --budget`` makes), and
+  the checkpoint is written by ``checkpoint.unified_hf.write_unified_checkpoint`` with the calibration's
+  input amax;
+* ModelOpt 0.47 AutoQuantize's plan (tests/reference/modelopt_autoquantize.py, gradient method, in its
+  own environment; skipped when absent) over the same formats on the same calibration windows:
+  its per-layer choice written by the same writer with the same input amax ("AQ plan, trtmoe export"),
+  and the searched model exported by ModelOpt itself ("AQ, ModelOpt export");
+* uniform FP8 and NVFP4 experts, and the unquantized export (bf16), for scale.
+
+Every checkpoint is then loaded by the embedded engine from its packed bytes
+(``trtmoe.runtime.unified_load``: each linear on its format's kernel, activations quantized with the
+checkpoint's input scales) and run on the held-out windows against the source model (loaded the same
+way): mean KL(source || checkpoint) per token, the share of positions with the same top-1, the
+checkpoint's bytes on disk and its routed experts' stored bits per weight.
+
+    python scripts/bench_unified.py [--budgets 5,6] [--calib-samples 16] [--eval-samples 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from trtmoe.build.unified_hf import calib_input_amax, plan_from_calibration  # noqa: E402
+from trtmoe.checkpoint import unified_hf as U  # noqa: E402
+from trtmoe.data import load_texts, write_split_text  # noqa: E402
+from trtmoe.hf.reader import HFCheckpoint  # noqa: E402
+from trtmoe.quant.calibrate import calibrate, kl_per_token, token_batches  # noqa: E402
+from trtmoe.runtime.load import load_tokenizer  # noqa: E402
+from trtmoe.runtime.unified_load import load_unified_engine  # noqa: E402
+
+FIXTURES = ("trained_mixtral", "trained_qwen3_moe")
+MODELOPT_CFG = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG"}
+FROM_MODELOPT = {v: k for k, v in MODELOPT_CFG.items()}
+
+
+def checkpoint_facts(ck: Path) -> tuple[int, float]:
+    """(bytes of the safetensors files, stored bits per routed-expert weight: every tensor of the
+    experts, scales and input scales included, over the experts' weight count)."""
+    total = sum(f.stat().st_size for f in ck.glob("*.safetensors"))
+    nbytes, weights = 0, 0
+    for f in ck.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                if ".experts." not in k:
+                    continue
+                sl = fh.get_slice(k)
+                shape, dt = sl.get_shape(), sl.get_dtype()
+                n = 1
+                for s in shape:
+                    n *= s
+                nbytes += n * {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I8": 1}[dt]
+                if k.endswith(".weight"):
+                    # packed E2M1 holds two weights per byte
+                    weights += n * (2 if dt == "U8" else 1)
+    return total, 8 * nbytes / max(weights, 1)
+
+
+def evaluate(ck: Path, held: torch.Tensor, ref: list[torch.Tensor]) -> tuple[float, float]:
+    eng = load_unified_engine(ck, device="cpu")
+    kl, same, count = 0.0, 0, 0
+    with torch.inference_mode():
+        for lp, b in zip(ref, held.split(8)):
+            lg = eng.logits(b).float()
+            kl += float(kl_per_token(lp, lg).sum())
+            same += int((lg.argmax(-1) == lp.argmax(-1)).sum())
+            count += lp.shape[0] * lp.shape[1]
+    return kl / count, same / count
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calib-samples", type=int, default=16)
+    ap.add_argument("--eval-samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--budgets", default="5,6")
+    ap.add_argument("--fixtures", default=",".join(FIXTURES))
+    ap.add_argument("--method", default="gradient", help="AutoQuantize method (gradient or kl_div)")
+    ap.add_argument("--engine", default="vllm-0.33", help="support cell the graded plan follows (per-layer mixed "
+                                                          "FP8/NVFP4 experts)")
+    ap.add_argument("--sm", type=int, default=100)
+    ap.add_argument("--modelopt-python", default=os.environ.get("TRTMOE_MODELOPT_PYTHON",
+                                                                "/work/venvs/modelopt/bin/python"))
+    ap.add_argument("--keep", default=None, help="keep the checkpoints in this directory")
+    args = ap.parse_args()
+    budgets = [float(b) for b in args.budgets.split(",")]
+    ladder = list(MODELOPT_CFG)
+    mo_ok = Path(args.modelopt_python).exists()
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_unified_"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    try:
+        calib_txt, held_txt = work / "calib.txt", work / "heldout.txt"
+        write_split_text("calib", calib_txt, max_bytes=64 * args.calib_samples * args.seq_len)
+        write_split_text("heldout", held_txt, max_bytes=64 * args.eval_samples * args.seq_len)
+        for fx in args.fixtures.split(","):
+            model = ROOT / "tests" / "fixtures" / fx
+            tok = load_tokenizer(model)
+            cal = token_batches(load_texts(calib_txt), tok, args.calib_samples, args.seq_len)
+            held = token_batches(load_texts(held_txt), tok, args.eval_samples, args.seq_len)
+            src = load_unified_engine(model, device="cpu")  # the source model itself, the same loader
+            with torch.inference_mode():
+                ref = [src.logits(b).float().log_softmax(-1) for b in held.split(8)]
+            del src
+            with HFCheckpoint(model) as hf:
+                layers = [l for l, m in enumerate(hf.model.moe_layers) if m]
+            print(f"\n{fx}: MoE layers {layers}, calib {tuple(cal.shape)}, held-out {tuple(held.shape)}", flush=True)
+            t0 = time.perf_counter()
+            calib_dir = work / f"calib_{fx}"
+            calibrate(model, calib_txt, calib_dir, samples=args.calib_samples, seq_len=args.seq_len,
+                      formats=tuple(ladder), force=True, rounding="rtn")
+            print(f"  calibration over {ladder}: {time.perf_counter() - t0:.0f} s", flush=True)
+            amax = calib_input_amax(model, calib_dir)
+
+            def measure(name: str, budget, plan: U.UnifiedPlan | None = None, ck: Path | None = None, note=""):
+                if ck is None:
+                    ck = work / f"{fx}_{name.replace(' ', '_').replace(',', '')}_{budget}"
+                    U.write_unified_checkpoint(model, ck, plan, input_amax=amax, force=True)
+                kl, top1 = evaluate(ck, held, ref)
+                nbytes, bits = checkpoint_facts(ck)
+                rows.append((fx, budget, name, bits, nbytes, kl, top1, note))
+                print(f"  {name:<26} budget {budget}: experts {bits:.3f} bits, {nbytes} B, KL {kl:.5f}, "
+                      f"same top-1 {top1:.4f} {note}", flush=True)
+
+            measure("bf16", "-", U.UnifiedPlan.uniform("bf16", layers))
+            for f in ladder:
+                measure(f"uniform {f}", "-", U.UnifiedPlan({l: f for l in layers}))
+            ids_path = work / f"ids_{fx}.safetensors"
+            save_file({"ids": cal.contiguous()}, ids_path)
+            for b in budgets:
+                plan, _ = plan_from_calibration(model, calib_dir, b, engine=args.engine, sm=args.sm, formats=ladder)
+                measure("trtmoe graded", b, plan, note=",".join(plan.expert_formats[l] for l in layers))
+                if not mo_ok:
+                    continue
+                out_json = work / f"aq_{fx}_{b}.json"
+                mo_dir = work / f"aq_{fx}_{b}_modelopt"
+                shutil.rmtree(mo_dir, ignore_errors=True)
+                t0 = time.perf_counter()
+                p = subprocess.run([args.modelopt_python, str(ROOT / "tests" / "reference" / "modelopt_autoquantize.py"),
+                                    str(model), str(ids_path), str(b), ",".join(MODELOPT_CFG[n] for n in ladder),
+                                    args.method, str(out_json), str(mo_dir)], capture_output=True, text=True,
+                                   timeout=3600, cwd="/tmp")
+                secs = time.perf_counter() - t0
+                if p.returncode != 0 and not out_json.is_file():
+                    print(f"  AutoQuantize failed: {(p.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
+                    continue
+                chosen = json.loads(out_json.read_text())["layers"]
+                names = {l: FROM_MODELOPT.get(chosen.get(str(l), ""), "bf16") for l in layers}
+                measure("AQ plan, trtmoe export", b, U.UnifiedPlan(dict(names)),
+                        note=",".join(names[l] for l in layers) + f" ({secs:.0f} s search+export)")
+                if p.returncode == 0 and (mo_dir / "hf_quant_config.json").is_file():
+                    measure("AQ, ModelOpt export", b, ck=mo_dir, note=",".join(names[l] for l in layers))
+                else:
+                    print(f"  ModelOpt export of the AutoQuantize model failed: "
+                          f"{(p.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print("\n| fixture | budget (expert bits) | checkpoint | expert bits stored | bytes | held-out KL | same top-1 "
+          "| layers / note |")
+    print("|---|---|---|---|---|---|---|---|")
+    for fx, b, name, bits, nbytes, kl, top1, note in rows:
+        print(f"| {fx} | {b} | {name} | {bits:.3f} | {nbytes:,} | {kl:.5f} | {top1:.4f} | {note} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
