@@ -245,7 +245,9 @@ class QuantFormat:
         return {k: PackedSpec(tuple(shape), dt, k in shared)
                 for k, (shape, dt) in self._tensor_shapes(out_features, in_features, dtype).items()}
 
-    def _tensor_shapes(self, out_f: int, in_f: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def _tensor_shapes(self, out_f: int, in_f: int, dtype: torch.dtype
+                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor ``quantize`` returns for one valid ``[out_f, in_f]`` matrix."""
         raise NotImplementedError
 
     def linear(self, x: Tensor, packed: dict[str, Tensor], matmul: Matmul = torch.matmul) -> Tensor:
