@@ -6,7 +6,7 @@ the line count, and the files a reader opens to follow one routed-expert tensor 
 to the engine's kernel; with ``--mentions``, the package files whose code (comments and docstrings
 aside) mentions any of the given words (e.g. the files an architecture's names appear in); with
 ``--replay A..B``, the package files and lines a commit range of the tree's repository touches (e.g.
-re-adding an architecture that a scratch branch removed).
+the commit that adds back an architecture a previous commit removed).
 
 The imports are read by the same code that ``tests/test_imports.py`` enforces the layers with.
 
