@@ -74,6 +74,7 @@ from trtmoe.data import write_split_text  # noqa: E402
 from trtmoe.quant import awq  # noqa: E402
 from trtmoe.quant.allocate import Unit, allocate  # noqa: E402
 from trtmoe.errors import InputError  # noqa: E402
+from trtmoe.parallel.mapping import Mapping  # noqa: E402
 from trtmoe.quant.calibrate import calibrate, load_calib, token_batches  # noqa: E402
 from trtmoe.quant.formats import FORMATS as FORMAT_CLASSES, QUANTIZED  # noqa: E402
 from trtmoe.quant.planning import _with_input_amax  # noqa: E402
@@ -166,7 +167,7 @@ def time_allocator(formats=FORMATS, n_layers: int = 64, n_experts: int = 48,
 
 def placement_check(model: Path, calib: dict, work: Path, ids: torch.Tensor) -> dict:
     """Logits of a balanced-placement tp=2 moe_ep=2 float32 checkpoint against the identity placement."""
-    perms, rep = placement(calib, 2)
+    perms, rep = placement(calib, Mapping.create(tp=2, moe_ep=2))
     plan = QuantPlan({}, granularity="layer", permutations=perms, meta={"policy": "none"})
     a, b = work / "place_identity", work / "place_balanced"
     for d in (a, b):

@@ -1,15 +1,25 @@
 #!/usr/bin/env python3
 """Structure report of a trtmoe tree: module import cycles (function-level imports included), package
 cycle groups (modules collapsed to their package), how many trtmoe imports sit inside functions, the
-10 longest functions, the 10 largest classes (lines and methods), the 10 longest parameter lists and
-the line count; with ``--mentions``, the package files whose code (comments and docstrings aside)
-mentions any of the given words (e.g. the files an architecture's names appear in).
+10 longest functions, the 10 largest classes (lines and methods), the 10 longest parameter lists,
+the line count, and the files a reader opens to follow one routed-expert tensor from the HF source
+to the engine's kernel; with ``--mentions``, the package files whose code (comments and docstrings
+aside) mentions any of the given words (e.g. the files an architecture's names appear in); with
+``--replay A..B``, the package files and lines a commit range of the tree's repository touches (e.g.
+the commit that adds back an architecture a previous commit removed).
 
 The imports are read by the same code that ``tests/test_imports.py`` enforces the layers with.
 
     python scripts/structure_report.py .            # this tree
     python scripts/structure_report.py /path/to/an/older/worktree
     python scripts/structure_report.py . --mentions phimoe phi3 sparse_mixer longrope
+    python scripts/structure_report.py . --replay phi-replay~1..phi-replay
+
+Following one expert tensor: each step names the functions that handle the tensor there (found by
+qualified name anywhere in the package, so a function that moves is still found); a step's files are
+the modules defining those functions and the trtmoe modules of every name their bodies use (through
+the module's imports). Calls through an object (``fmt.quantize(...)``) are not resolved statically:
+the step lists the function that implements them itself where it matters.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import ast
 import importlib.util
 import io
+import subprocess
 import sys
 import tokenize
 from pathlib import Path
@@ -100,6 +111,86 @@ def code_text(source: str) -> str:
     return " ".join(out).lower()
 
 
+# Following one routed-expert tensor: (step, functions that handle it there, as Class.method or function).
+EXPERT_PATH = (
+    ("checkpoint reading", ("HFCheckpoint.role", "RankLayout.expert_matrix")),
+    ("plan", ("QuantPlan.slot_matrix_format", "RankLayout._experts", "RankLayout._per_expert")),
+    ("format", ("RankLayout._quantized", "GroupInt4Format.quantize", "RankLayout._stacked_packed")),
+    ("writer", ("write_rank",)),
+    ("engine kernel", ("load_expert_bank", "PackedExperts._shard_forward", "kernel_for")),
+)
+
+
+def _definitions(mods: dict[str, Path]) -> dict[str, list[tuple[str, ast.AST]]]:
+    """qualified name (``Class.method`` or ``function``) -> [(module, node)] over the package."""
+    out: dict[str, list[tuple[str, ast.AST]]] = {}
+    for m, p in mods.items():
+        tree = ast.parse(p.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.setdefault(node.name, []).append((m, node))
+            elif isinstance(node, ast.ClassDef):
+                for b in node.body:
+                    if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        out.setdefault(f"{node.name}.{b.name}", []).append((m, b))
+    return out
+
+
+def _bound_names(module: str, path: Path, mods: dict[str, Path]) -> dict[str, str]:
+    """Names a module binds by importing from trtmoe -> the trtmoe module they come from (the module
+    itself for ``from ..quant import awq``)."""
+    is_pkg = path.name == "__init__.py"
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_pkg else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            for a in node.names:
+                full = f"{src}.{a.name}"
+                out[a.asname or a.name] = full if full in mods else src
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("trtmoe"):
+                    out[a.asname or a.name.split(".")[0]] = a.name if a.asname else "trtmoe"
+    return {k: v for k, v in out.items() if v in mods}
+
+
+# Modules every other one uses (the error hierarchy, the console): not counted as files to open.
+_INFRASTRUCTURE = ("trtmoe.errors", "trtmoe.console")
+
+
+def expert_path(mods: dict[str, Path], root: Path) -> list[tuple[str, list[str], list[str]]]:
+    """(step, functions found, files) along EXPERT_PATH; ``root`` holds trtmoe/."""
+    defs = _definitions(mods)
+    bound = {m: _bound_names(m, p, mods) for m, p in mods.items()}
+    rel = {m: str(p.relative_to(root)) for m, p in mods.items()}
+    out = []
+    for step, names in EXPERT_PATH:
+        found, files = [], set()
+        for name in names:
+            for m, node in defs.get(name, []):
+                found.append(f"{m}.{name}")
+                files.add(m)
+                used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                files.update(bound[m][u] for u in used if u in bound[m])
+        out.append((step, found, sorted(rel[f] for f in files if f not in _INFRASTRUCTURE)))
+    return out
+
+
+def replay(tree: Path, commits: str) -> list[tuple[str, int, int]]:
+    """(package file, lines added, lines removed) that ``git diff A..B`` touches under trtmoe/."""
+    r = subprocess.run(["git", "-C", str(tree), "diff", "--numstat", commits, "--", "trtmoe"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"git diff {commits}: {r.stderr.strip()}")
+    rows = [line.split("\t") for line in r.stdout.splitlines() if line.strip()]
+    return [(path, int(a), int(d)) for a, d, path in rows]
+
+
 def _n_params(f: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     a = f.args
     names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
@@ -112,6 +203,9 @@ def main() -> None:
     ap.add_argument("--mentions", nargs="+", metavar="WORD",
                     help="also list the package files whose code (comments and docstrings aside) mentions any "
                          "WORD (case-insensitive), with the number of mentions")
+    ap.add_argument("--replay", metavar="A..B",
+                    help="also count the package files and lines that this commit range of the tree's git "
+                         "repository touches (e.g. a branch that re-adds an architecture)")
     args = ap.parse_args()
     rules = _import_reader()
     pkg = args.tree.resolve() / "trtmoe"
@@ -154,6 +248,12 @@ def main() -> None:
     for n, name in sorted(params, reverse=True)[:10]:
         print(f"  {n:4d} {name}")
     print("lines in trtmoe/:", sum(len(p.read_text().splitlines()) for p in mods.values()))
+    path = expert_path(mods, pkg.parent)
+    every = sorted({f for _, _, files in path for f in files})
+    print(f"files a reader opens to follow one routed-expert tensor (HF source -> engine kernel): {len(every)}")
+    for step, found, files in path:
+        print(f"  {step}: {', '.join(found) or 'no function found'}")
+        print(f"    {len(files)} files: {', '.join(files)}")
     if args.mentions:
         words = [w.lower() for w in args.mentions]
         hits = []
@@ -165,6 +265,12 @@ def main() -> None:
         print(f"package files whose code mentions {' / '.join(args.mentions)}: {len(hits)}")
         for h, n in hits:
             print(f"  {n:4d} {h}")
+    if args.replay:
+        rows = replay(args.tree, args.replay)
+        print(f"package files touched by {args.replay}: {len(rows)}, lines +{sum(r[1] for r in rows)} "
+              f"-{sum(r[2] for r in rows)}")
+        for f, a, d in rows:
+            print(f"  +{a:<4d} -{d:<4d} {f}")
 
 
 if __name__ == "__main__":

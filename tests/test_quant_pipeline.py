@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from trtmoe.checkpoint.writer import convert
 from trtmoe.cli import main
 from trtmoe.hf.safetensors_io import SafetensorsFile
+from trtmoe.parallel.mapping import Mapping
 from trtmoe.quant.calibrate import measure
 from trtmoe.quant.formats import FORMATS
 from trtmoe.quant.plan import QuantPlan, format_obj
@@ -481,7 +482,7 @@ def test_placement_and_formats_round_trip_through_the_checkpoint(skewed, tmp_pat
     from trtmoe.quant.policies import placement
 
     plan = make_plan(cal, "graded", budget_bpw=10.0, formats=["float", "int8", "int4"], dtype=torch.float32)
-    plan = plan.placed(placement(cal, 2)[0])
+    plan = plan.placed(placement(cal, Mapping.create(tp=2, moe_ep=2))[0])
     ck = convert(skewed, tmp_path / "ck", tp=2, moe_ep=2, quant=plan).out_dir
     assert placement_of(ck) == {l: p for l, p in plan.permutations.items()}
     assert expert_format_grid(ck) == plan.formats

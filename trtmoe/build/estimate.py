@@ -2,7 +2,8 @@
 
 Weights come from the checkpoint's rank files: each file's size, except that float Linear weights
 which ``trtllm-build`` will quantize itself (weight-only ``W8A16`` / ``W4A16``, per layer for
-``MIXED_PRECISION``) are counted at 8 or 4 bits plus one per-output-channel scale in the model dtype.
+``MIXED_PRECISION``) are counted at the stored size of the format that algorithm names
+(``quant.formats.builder_format``: 8 or 4 bits plus one per-output-channel scale in the model dtype).
 
 KV cache holds ``max_batch_size`` sequences of ``max_seq_len`` tokens:
 
@@ -22,12 +23,12 @@ from dataclasses import asdict, dataclass, field
 
 from ..console import fmt_bytes
 from ..hf.safetensors_io import SafetensorsFile
+from ..quant.formats import builder_format
 from .preflight import CheckpointFacts
 
 # TensorRT-LLM's own default exclusions when a checkpoint's exclude_modules is null.
 DEFAULT_EXCLUDES = ["*lm_head", "*router", "*vocab_embedding", "*position_embedding", "*block_embedding",
                     "*shared_expert_gate"]
-_WEIGHT_ONLY_BITS = {"W8A16": 8, "W4A16": 4}
 KV_FORMULA = ("2 × layers_on_rank × kv_heads_per_rank × head_size × bytes_per_element × max_batch_size "
               "× max_beam_width × ceil(max_seq_len / tokens_per_block) × tokens_per_block")
 EMBEDDED_KV_FORMULA = ("2 × num_layers × num_kv_heads × head_size × bytes_per_element × max_batch_size "
@@ -106,13 +107,12 @@ def rank_weight_bytes(facts: CheckpointFacts, rank: int) -> tuple[int, int, list
             module = name[: -len(".weight")]
             if module.endswith(("vocab_embedding", "position_embedding")):
                 continue  # embeddings are lookups, never weight-only GEMMs
-            bits = _WEIGHT_ONLY_BITS.get(_layer_quant_algo(facts, module) or "")
-            if bits is None:
-                continue
-            numel = math.prod(info.shape)
-            channels = math.prod(info.shape[:-1])  # one scale per output row (and per expert)
-            scale_bytes = channels * facts.dtype_bytes
-            est += numel * bits // 8 + scale_bytes - info.nbytes
+            fmt = builder_format(_layer_quant_algo(facts, module))
+            if fmt is None or fmt.shape_problem(*info.shape[-2:]):
+                continue  # not quantized by the build (or a matrix the build cannot quantize: counted as stored)
+            # [..., out, in]: leading dims stack experts; one scale per output row of each
+            stacked = fmt.weight_bytes(info.shape[-2], info.shape[-1], math.prod(info.shape[:-2]), facts.dtype_bytes)
+            est += stacked - info.nbytes
             quantized.append(name)
     return file_bytes, est, quantized
 

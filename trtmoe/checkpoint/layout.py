@@ -22,11 +22,10 @@ from ..model.description import ModelSpec
 from ..model.params import role_shapes
 from ..parallel.mapping import Mapping
 from ..quant import awq
-from ..quant.formats import FORMATS, PerChannelIntFormat
+from ..quant.formats import FORMATS
 from ..quant.plan import format_obj
 from .schema import MAPPING_KEYS, schema_for
 
-_SHAPE_CACHE: dict = {}
 _CHUNK = 16 << 20  # source bytes read per step when a tensor must be cast or column-sliced
 
 # A producer writes exactly the declared bytes of one tensor, chunk by chunk, via ``emit``. A chunk
@@ -295,7 +294,7 @@ class RankLayout:
         # W4A16 layer stores each expert matrix clamped to its searched per-row clip, so that the
         # amax / 8 quantization trtllm-build does lands on the clipped scale.
         clip_fmt = FORMATS.get(kind) if self.rounding is not None else None
-        if isinstance(clip_fmt, PerChannelIntFormat) and awq.applies(clip_fmt):
+        if clip_fmt is not None and clip_fmt.quantized_by_builder and awq.applies(clip_fmt):
             return self._clipped_float(p, l, orig, t, I_loc, rules, clip_fmt)
         specs = []
         for rule in rules:
@@ -335,21 +334,13 @@ class RankLayout:
         return [(mod, (len(rule.roles) * I_loc, H) if rule.axis == 0 else (H, I_loc))
                 for mod, rule in self._expert_rules.items()]
 
-    def _packed_shapes(self, fmt_name: str, out_f: int, in_f: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        key = (fmt_name, out_f, in_f, self.dtype)  # scales are stored in the model dtype
-        if key not in _SHAPE_CACHE:
-            packed = format_obj(fmt_name, self.dtype).quantize(torch.ones(out_f, in_f, dtype=self.dtype),
-                                                               dtype=self.dtype, input_amax=1.0)
-            _SHAPE_CACHE[key] = {k: (tuple(v.shape), v.dtype) for k, v in packed.items()}
-        return _SHAPE_CACHE[key]
-
     def _stacked_packed(self, p: str, l: int, orig: list[int], t: int, I_loc: int, fmt_name: str):
         """One format for the whole layer, stacked [E_loc, ...] per packed tensor (AWQ-style layout)."""
         fmt = format_obj(fmt_name, self.dtype)
         specs = []
         for mod, (out_f, in_f) in self._expert_matrix_shapes(I_loc):
-            for key, (shape, dtype) in self._packed_shapes(fmt_name, out_f, in_f).items():
-                shared = key in fmt._shared_keys()  # one tensor shared by every expert (pre-quant / input scale)
+            for key, (shape, dtype, shared) in fmt.packed_specs(out_f, in_f, self.dtype).items():
+                # a shared tensor (pre-quant or input scale) is one for every expert of the layer
 
                 def produce(emit, mod=mod, key=key, shared=shared):
                     if key == "prequant_scaling_factor" and self.rounding is not None:  # the layer's searched one
@@ -374,7 +365,7 @@ class RankLayout:
             for mod, (out_f, in_f) in self._expert_matrix_shapes(I_loc):
                 name = self.plan.slot_matrix_format(l, slot, mod, self.m.num_experts)
                 fmt = format_obj(name, self.dtype)
-                for key, (shape, dtype) in self._packed_shapes(name, out_f, in_f).items():
+                for key, (shape, dtype, _) in fmt.packed_specs(out_f, in_f, self.dtype).items():
                     def produce(emit, mod=mod, key=key, e=e, fmt=fmt):
                         emit(self._quantized(fmt, l, e, t, I_loc, mod)[key])
 

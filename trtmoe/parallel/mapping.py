@@ -7,9 +7,12 @@ a TP group); moe_tp_rank = tp_rank // moe_ep; each EP rank holds a contiguous bl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence, TypeVar
 
 from ..errors import LayoutError
 from ..model.description import ModelSpec
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -134,10 +137,22 @@ class Mapping:
         reach past ``vocab_size``: those rows are the padding)."""
         return self.tp_range(self.padded_vocab(vocab_size), tp_rank)
 
-    def ep_experts(self, num_experts: int, rank: int) -> range:
+    def ep_slot_range(self, num_experts: int, moe_ep_rank: int) -> range:
+        """The expert slots expert-parallel rank ``moe_ep_rank`` holds: a contiguous block of
+        ``experts_per_rank`` slots (a plan's placement says which original expert sits in a slot)."""
         per = self.experts_per_rank(num_experts)
-        r = self.moe_ep_rank(rank)
-        return range(r * per, (r + 1) * per)
+        return range(moe_ep_rank * per, (moe_ep_rank + 1) * per)
+
+    def ep_experts(self, num_experts: int, rank: int) -> range:
+        """The expert slots global rank ``rank`` holds."""
+        return self.ep_slot_range(num_experts, self.moe_ep_rank(rank))
+
+    def ep_groups(self, per_slot: Sequence[T]) -> list[list[T]]:
+        """``per_slot`` (one item per expert slot, e.g. a placement or per-expert loads) cut into the
+        blocks each expert-parallel rank holds, in EP-rank order."""
+        if len(per_slot) % self.moe_ep_size:
+            raise LayoutError(f"{len(per_slot)} experts do not divide over moe_ep={self.moe_ep_size}")
+        return [list(per_slot[s] for s in self.ep_slot_range(len(per_slot), r)) for r in range(self.moe_ep_size)]
 
     def is_first_pp_rank(self, rank: int) -> bool:
         return self.pp_rank(rank) == 0

@@ -24,7 +24,7 @@ Numerics shared by the integer formats:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ from trtmoe.errors import InputError, UnsupportedError
 
 __all__ = [
     "QuantFormat",
+    "PackedSpec",
     "FloatFormat",
     "PerChannelIntFormat",
     "GroupInt4Format",
@@ -40,6 +41,7 @@ __all__ = [
     "GROUP_SIZE",
     "TRTLLM_GROUP_SIZES",
     "get_format",
+    "builder_format",
     "float_format_for",
     "pack_int4",
     "unpack_int4",
@@ -143,6 +145,15 @@ def _check_x(x: Tensor, in_features: int, name: str) -> None:
 # formats
 
 
+class PackedSpec(NamedTuple):
+    """One tensor ``quantize`` returns for a single ``[out, in]`` matrix: its shape and dtype, and
+    whether a stack of experts shares it (one tensor for all, not one per expert)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shared: bool = False
+
+
 @dataclass(frozen=True)
 class QuantFormat:
     """A weight storage format. Subclasses implement the numerics; this base fixes the API."""
@@ -164,6 +175,10 @@ class QuantFormat:
     # True when trtmoe writes the packed bytes itself (the file holds this format's tensors); False
     # for the per-channel formats ``trtllm-build`` quantizes from float weights.
     packed_at_conversion = False
+    # True for the weight-only formats ``trtllm-build`` applies itself to the float weights of a layer
+    # whose ``quant_algo`` names it (the checkpoint holds float weights; a searched clip can only be
+    # applied by clamping them).
+    quantized_by_builder = False
     # A format TensorRT-LLM 1.2's engine path builds (trtllm-build); the fused-MoE formats are served by
     # the PyTorch backend from a ModelOpt unified-HF checkpoint instead.
     engine_path = True
@@ -214,6 +229,25 @@ class QuantFormat:
 
     def dequantize(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> Tensor:
         """The effective weight ``[..., out, in]`` in ``dtype``, from the packed tensors."""
+        raise NotImplementedError
+
+    def packed_specs(self, out_features: int, in_features: int, dtype: torch.dtype) -> dict[str, PackedSpec]:
+        """What ``quantize`` returns for one ``[out, in]`` matrix of a ``dtype`` model, without
+        quantizing: each tensor's shape and dtype, keyed and ordered as ``quantize`` keys them (the
+        checkpoint layout plans file entries from it). A matrix this format cannot store raises
+        :class:`UnsupportedError`, as ``quantize`` would."""
+        _check_model_dtype(dtype)
+        self._check_dims(out_features, in_features)
+        problem = self.shape_problem(out_features, in_features)
+        if problem:
+            raise UnsupportedError(problem)
+        shared = self._shared_keys()
+        return {k: PackedSpec(tuple(shape), dt, k in shared)
+                for k, (shape, dt) in self._tensor_shapes(out_features, in_features, dtype).items()}
+
+    def _tensor_shapes(self, out_f: int, in_f: int, dtype: torch.dtype
+                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor ``quantize`` returns for one valid ``[out_f, in_f]`` matrix."""
         raise NotImplementedError
 
     def linear(self, x: Tensor, packed: dict[str, Tensor], matmul: Matmul = torch.matmul) -> Tensor:
@@ -269,6 +303,9 @@ class FloatFormat(QuantFormat):
         _need(packed, ("weight",), self.name)
         return packed["weight"].to(dtype)
 
+    def _tensor_shapes(self, out_f, in_f, dtype):
+        return {"weight": ((out_f, in_f), self.dtype)}
+
     def modelopt_tensors(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> dict[str, Tensor]:
         _need(packed, ("weight",), self.name)
         return {"weight": packed["weight"]}
@@ -290,6 +327,7 @@ class PerChannelIntFormat(QuantFormat):
     """
 
     bits: int = 8
+    quantized_by_builder = True
 
     @property
     def _qrange(self) -> int:
@@ -328,6 +366,9 @@ class PerChannelIntFormat(QuantFormat):
         q = q.to(torch.int8).transpose(-1, -2)  # → [..., in, out]
         weight = q.contiguous() if self.bits == 8 else pack_int4(q, dim=-1)
         return {"weight": weight, "per_channel_scale": scale.to(dtype).contiguous()}
+
+    def _tensor_shapes(self, out_f, in_f, dtype):
+        return {"weight": ((in_f, out_f * self.bits // 8), torch.int8), "per_channel_scale": ((out_f,), dtype)}
 
     def _codes_in_out(self, packed: dict[str, Tensor]) -> Tensor:
         """int8 codes ``[..., in, out]``."""
@@ -442,6 +483,11 @@ class GroupInt4Format(QuantFormat):
             "weights_scaling_factor": scale.to(dtype).contiguous(),
             "prequant_scaling_factor": torch.ones(1, in_f, dtype=dtype),
         }
+
+    def _tensor_shapes(self, out_f, in_f, dtype):
+        return {"weight": ((out_f // 2, in_f), torch.int8),
+                "weights_scaling_factor": ((out_f, in_f // self.group_size), dtype),
+                "prequant_scaling_factor": ((1, in_f), dtype)}
 
     def _codes(self, packed: dict[str, Tensor]) -> Tensor:
         """int8 codes ``[..., out, in]``."""
@@ -658,6 +704,10 @@ class FusedMoEFormat(QuantFormat):
     def _input_scale_bytes(self) -> int:
         return 4 if self.needs_input_amax else 0
 
+    def _input_scale_shape(self) -> dict:
+        """The ``input_scale`` entry of ``_tensor_shapes`` (a float32 scalar) when the format has one."""
+        return {"input_scale": ((), torch.float32)} if self.needs_input_amax else {}
+
     # -- activations --------------------------------------------------------------------------------
     def quantize_input(self, x: Tensor, packed: dict[str, Tensor]) -> Tensor:
         """``x`` (float32 ``[..., N, in]``) as the kernel sees it: quantized by ``activation`` and
@@ -758,6 +808,10 @@ class FP8Format(FusedMoEFormat):
         return {"weight": q.contiguous(), "weight_scale": scale.contiguous(),
                 **self._input_scale(input_amax, E4M3_MAX, dtype)}
 
+    def _tensor_shapes(self, out_f, in_f, dtype):
+        return {"weight": ((out_f, in_f), torch.float8_e4m3fn), "weight_scale": ((), torch.float32),
+                **self._input_scale_shape()}
+
     def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
         _need(packed, ("weight", "weight_scale"), self.name)
         q = packed["weight"]
@@ -788,6 +842,11 @@ class FP8BlockFormat(FusedMoEFormat):
         full = _expand_2d(scale, b, b, wd.shape[-2], wd.shape[-1])
         q = (wd / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
+
+    def _tensor_shapes(self, out_f, in_f, dtype):
+        b = self.block
+        return {"weight": ((out_f, in_f), torch.float8_e4m3fn),
+                "weight_scale": ((-(-out_f // b), -(-in_f // b)), torch.float32)}
 
     def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
         _need(packed, ("weight", "weight_scale"), self.name)
@@ -845,6 +904,11 @@ class NVFP4Format(_BlockFP4Format):
         return {"weight": pack_nibbles(codes), "weight_scale": bs.to(torch.float8_e4m3fn).contiguous(),
                 "weight_scale_2": gs.contiguous(), **self._input_scale(input_amax, E2M1_MAX * E4M3_MAX, dtype)}
 
+    def _tensor_shapes(self, out_f, in_f, dtype):
+        return {"weight": ((out_f, in_f // 2), torch.uint8),
+                "weight_scale": ((out_f, in_f // self.block), torch.float8_e4m3fn),
+                "weight_scale_2": ((), torch.float32), **self._input_scale_shape()}
+
     def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
         _need(packed, ("weight", "weight_scale", "weight_scale_2"), self.name)
         wq, bs = packed["weight"], packed["weight_scale"]
@@ -873,6 +937,9 @@ class MXFP4Format(_BlockFP4Format):
         e = e8m0_exponents(g.abs().amax(dim=-1))
         codes = e2m1_codes(g / torch.exp2(e).unsqueeze(-1), ties="down").flatten(-2)
         return {"weight": pack_nibbles(codes), "weight_scale": (e + 127).to(torch.uint8).contiguous()}
+
+    def _tensor_shapes(self, out_f, in_f, dtype):
+        return {"weight": ((out_f, in_f // 2), torch.uint8), "weight_scale": ((out_f, in_f // self.block), torch.uint8)}
 
     def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
         _need(packed, ("weight", "weight_scale"), self.name)
@@ -940,6 +1007,12 @@ class W4A8AwqFormat(FusedMoEFormat):
         packed = pack_int4(codes, dim=-2).view(torch.uint8)
         return {"weight": packed, "weight_scale": scale.contiguous(), "weight_scale_2": s2.contiguous(),
                 "pre_quant_scale": pq.contiguous(), **self._input_scale(input_amax, E4M3_MAX, dtype, pq)}
+
+    def _tensor_shapes(self, out_f, in_f, dtype):
+        return {"weight": ((out_f // 2, in_f), torch.uint8),
+                "weight_scale": ((out_f, in_f // self.group_size), torch.float32),
+                "weight_scale_2": ((), torch.float32), "pre_quant_scale": ((in_f,), dtype),
+                **self._input_scale_shape()}
 
     def _dequant_f32(self, packed: dict[str, Tensor]) -> Tensor:
         """The effective weight on the pre-scaled inputs (without ``pre_quant_scale``)."""
@@ -1015,6 +1088,12 @@ def get_format(name: str) -> QuantFormat:
         raise UnsupportedError(
             f"unknown quantization format {name!r}",
             hint=f"known formats: {', '.join(FORMATS)}") from None
+
+
+def builder_format(quant_algo: str | None) -> QuantFormat | None:
+    """The weight-only format ``trtllm-build`` applies to a float layer whose ``quant_algo`` is
+    ``quant_algo`` (``W8A16`` -> int8, ``W4A16`` -> int4); None for any other algorithm."""
+    return next((f for f in FORMATS.values() if f.quantized_by_builder and f.trtllm_quant_algo == quant_algo), None)
 
 
 def float_format_for(dtype: torch.dtype) -> QuantFormat:

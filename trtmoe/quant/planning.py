@@ -90,7 +90,7 @@ def plan_from_config(model, cfg: dict):
     if calib is not None:
         plan = replace(plan, meta={**plan.meta, "calib": calib_identity})
     if q["placement"] == "balanced":
-        plan = plan.placed(*placement(calib, mapping.moe_ep_size))
+        plan = plan.placed(*placement(calib, mapping))
     plan = _with_input_amax(plan, measured)
     return attach_rounding(plan, q["rounding"], q["calib"], measured, asked=asked)
 

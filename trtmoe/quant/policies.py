@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import InputError
+from ..parallel.mapping import Mapping
 from .allocate import Unit, allocate, feasible_bpw_range
 from .calib_schema import check_calib
 from .formats import FORMATS
@@ -314,12 +315,12 @@ def predicted_delta_kl(plan: QuantPlan, calib: dict) -> float:
 
 
 # ---- expert placement for EP ---------------------------------------------------------------------
-def balanced_permutation(load: list[float], ep: int) -> list[int]:
-    """A permutation (slot -> original expert) whose contiguous EP ranges (E/ep slots each) have
+def balanced_permutation(load: list[float], mapping: Mapping) -> list[int]:
+    """A permutation (slot -> original expert) whose EP blocks (``mapping.ep_slot_range``) have
     loads as equal as possible: longest-processing-time assignment with equal group sizes, then
     pairwise swaps while they lower the maximum group load."""
-    E = len(load)
-    per = E // ep
+    E, ep = len(load), mapping.moe_ep_size
+    per = mapping.experts_per_rank(E)
     groups: list[list[int]] = [[] for _ in range(ep)]
     sums = [0.0] * ep
     for e in sorted(range(E), key=lambda e: -load[e]):
@@ -350,14 +351,14 @@ def balanced_permutation(load: list[float], ep: int) -> list[int]:
     return [e for g in groups for e in g]
 
 
-def rank_loads(load: list[float], perm: list[int], ep: int) -> list[float]:
-    per = len(load) // ep
-    return [sum(load[perm[s]] for s in range(r * per, (r + 1) * per)) for r in range(ep)]
+def rank_loads(load: list[float], perm: list[int], mapping: Mapping) -> list[float]:
+    """The load each EP rank carries when slot ``s`` holds original expert ``perm[s]``."""
+    return [sum(load[e] for e in group) for group in mapping.ep_groups(perm)]
 
 
-def placement(calib: dict, ep: int) -> tuple[dict[int, list[int]], dict]:
+def placement(calib: dict, mapping: Mapping) -> tuple[dict[int, list[int]], dict]:
     """Balanced per-layer permutations and the max/mean EP-rank load before and after."""
-    E = calib["num_experts"]
+    E, ep = calib["num_experts"], mapping.moe_ep_size
     if E % ep:
         raise InputError(f"num_experts={E} is not divisible by moe_ep={ep}")
     counts = calib["routing"]["counts"]
@@ -365,8 +366,8 @@ def placement(calib: dict, ep: int) -> tuple[dict[int, list[int]], dict]:
     for l in calib["moe_layers"]:
         load = [float(x) for x in counts[l]]
         ident = list(range(E))
-        perm = balanced_permutation(load, ep)
-        before, after = rank_loads(load, ident, ep), rank_loads(load, perm, ep)
+        perm = balanced_permutation(load, mapping)
+        before, after = rank_loads(load, ident, mapping), rank_loads(load, perm, mapping)
         mean = sum(load) / ep if sum(load) else 1.0
         if max(after) >= max(before):
             perm, after = ident, before  # never make it worse

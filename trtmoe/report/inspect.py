@@ -82,7 +82,7 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
             # The split made the shape: say so, and which moe_tp keep it whole enough.
             ok = [t for t in range(1, mapping.tp_size + 1) if mapping.tp_size % t == 0 and I % t == 0
                   and not expert_shape_problem(fmt, m.hidden_size, I // t)]
-            why += (f" (caused by moe_tp={mapping.moe_tp_size}: the expert FFN {I} is {I // mapping.moe_tp_size} "
+            why += (f" (caused by moe_tp={mapping.moe_tp_size}: the expert FFN {I} is {mapping.expert_ffn_per_rank(I)} "
                     f"per rank; moe_tp that fit {fmt}: {', '.join(map(str, ok))})")
         if why:
             problems.append(why)

@@ -209,9 +209,7 @@ def kv_bytes_per_token(m: ModelSpec, kv_element_bytes: int, mapping: Mapping | N
 
 def _ep_groups(mapping: Mapping, E: int, perm: list[int] | None) -> list[list[int]]:
     """Original experts held by each EP rank under ``perm`` (slot -> expert; None = contiguous)."""
-    per = mapping.experts_per_rank(E)
-    perm = perm or list(range(E))
-    return [perm[r * per:(r + 1) * per] for r in range(mapping.moe_ep_size)]
+    return mapping.ep_groups(perm or list(range(E)))
 
 
 _BUSIEST: dict = {}
@@ -395,7 +393,7 @@ def _placements(m: ModelSpec, mapping: Mapping, dtype: torch.dtype, routings: di
     placements: dict[str, dict[int, list[int]] | None] = {"contiguous": None}
     if calib is not None and ep > 1:
         counts = calib["routing"]["counts"]
-        placements["balanced"] = {l: balanced_permutation([float(c) for c in counts[l]], ep) for l in probs}
+        placements["balanced"] = {l: balanced_permutation([float(c) for c in counts[l]], mapping) for l in probs}
     if experts.placement:
         placements["plan"] = experts.placement
     out = {"moe_ep": ep, "routing": "measured" if calib is not None else "uniform", "placements": {}}
