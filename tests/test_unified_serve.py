@@ -336,7 +336,7 @@ def test_llmapi_repository_runs_the_embedded_engine_in_process(llmapi_repo, tmp_
     pytest.importorskip("tritonclient.grpc")
     from google.protobuf import json_format
 
-    from trtmoe.build.unified_hf import _CONFIG_PBTXT
+    from trtmoe.build.unified_hf import llmapi_config_pbtxt
     from trtmoe.runtime.load import load_tokenizer
     from trtmoe.triton.repository import parse_model_config, validate_repository
     from trtmoe.triton.served import load_served_engine
@@ -349,7 +349,7 @@ def test_llmapi_repository_runs_the_embedded_engine_in_process(llmapi_repo, tmp_
     text = (made.path / "tensorrt_llm" / "config.pbtxt").read_text()
     cfg = parse_model_config(text, where="config.pbtxt")
     # The same contract: every input and output of the llmapi config trtmoe writes for the GPU host.
-    upstream = parse_model_config(_CONFIG_PBTXT.format(decoupled="true"), where="upstream")
+    upstream = parse_model_config(llmapi_config_pbtxt(True), where="upstream")
     assert {i.name for i in upstream.input} <= {i.name for i in cfg.input}
     assert {o.name for o in upstream.output} <= {o.name for o in cfg.output}
     assert cfg.model_transaction_policy.decoupled  # model.yaml's triton_config.decoupled
