@@ -9,8 +9,9 @@ from collections import defaultdict
 
 from .. import DEFAULT_TRTLLM_VERSION
 from ..checkpoint import support
+from ..checkpoint import unified_support as unified
 from ..checkpoint.layout import DTYPE_STR, packed_at_conversion, rank_specs
-from ..errors import CheckpointError, LayoutError
+from ..errors import CheckpointError, LayoutError, UnsupportedError
 from ..hf.adapters import describe
 from ..hf.reader import HFCheckpoint, parse_dtype, read_json, resolve_model_path
 from ..hf.validate import validate_hf_config
@@ -40,13 +41,64 @@ def _describe(model: str):
     return path, m, None
 
 
+UNIFIED_TARGETS = tuple(unified.DEFAULT_ENGINE)  # trtllm-pytorch, vllm, sglang
+
+
+def unified_report(family: str, fmt: str | None, target: str | None, sm: int, engine: str | None = None) -> dict:
+    """What the unified-HF support table says about an architecture: per engine release, the formats it
+    takes on SM ``sm``; with a unified-HF ``target``, the cell of ``fmt`` (routed experts, uniform) there,
+    a refusal naming the cell and what works (``support``, as the TensorRT-LLM engine-path check reports)."""
+    out: dict = {"sm": sm, "engines": {e: unified.what_works(e, family, sm) for e in unified.ENGINES}}
+    if target in UNIFIED_TARGETS:
+        engine = engine or unified.DEFAULT_ENGINE[target]
+        f = "bf16" if fmt in (None, FLOAT, "fp16", "bf16", "fp32") else fmt
+        label = unified.ENGINES.get(engine, (engine, None))[0]
+        if f not in unified.FORMATS:
+            v = unified.Verdict(refusals=[f"{label} x {unified.ARCH_LABEL[family]} x {f}: refused: format {f!r} has "
+                                          "no unified-HF (ModelOpt) form"],
+                                works=unified.what_works(engine, family, sm))
+        else:
+            v = unified.check(engine, family, {f}, sm)
+        out["support"] = {"release": engine, "engine_label": label, **v.to_dict(), "what_works": v.works}
+    return out
+
+
+def _named_family_report(model: str, fmt: str | None, target: str | None, sm: int, engine: str | None) -> dict | None:
+    """The report of an architecture trtmoe exports to unified-HF by tensor name only (DeepSeek-V3, gpt-oss,
+    OLMoE): no parameter accounting or rank layout (no adapter describes it), the support table's cells."""
+    path = resolve_model_path(model, config_only=True)
+    try:
+        cfg = read_json(path / "config.json")
+    except Exception:
+        return None
+    family = {"olmoe": "olmoe", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}.get(cfg.get("model_type"))
+    if family is None:
+        return None
+    u = unified_report(family, fmt, target, sm, engine)
+    rep = {"model": str(path), "architecture": (cfg.get("architectures") or [family])[0], "family": family,
+           "partial": "only the unified-HF export describes this architecture (convert --target trtllm-pytorch, "
+                      "vllm or sglang); no parameter accounting or rank layout",
+           "layout": {"ok": True, "problems": []}, "unified_hf": u, "notes": []}
+    if "support" in u:
+        rep["support"] = u["support"]
+    return rep
+
+
 def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = None, moe_ep: int | None = None,
                   dtype: str = "auto", fmt: str | None = None, target: str | None = None,
-                  trtllm_version: str = "1.2") -> dict:
+                  trtllm_version: str = "1.2", sm: int = 90, engine: str | None = None) -> dict:
     """Parameter accounting and per-rank weight bytes (routed experts in ``fmt`` when given: what the
-    engine holds); with ``target="tensorrt-llm"`` the support-table cell of that layout and format.
+    engine holds); with ``target="tensorrt-llm"`` the support-table cell of that layout and format; with a
+    unified-HF target (``trtllm-pytorch``, ``vllm``, ``sglang``) the unified support table's cell on SM
+    ``sm`` (release ``engine``). Every report lists the unified-HF formats each engine takes.
     Layout and cell problems are reported, not raised."""
-    path, m, source_bytes = _describe(model)
+    try:
+        path, m, source_bytes = _describe(model)
+    except UnsupportedError:
+        rep = _named_family_report(model, fmt, target, sm, engine)
+        if rep is None:
+            raise
+        return rep
     pc = count_params(m)
     tdtype = parse_dtype(m.source_dtype if dtype == "auto" and m.source_dtype in DTYPE_STR.values()
                          else ("float32" if dtype == "auto" else dtype))
@@ -123,6 +175,11 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
                           shared_expert_size=m.shared_expert_intermediate_size)
         report["support"] = {"release": trtllm_version, **v.to_dict(),
                              "what_works": support.what_works(trtllm_version, m.family)}
+    if m.family in unified.FAMILIES:
+        u = unified_report(m.family, fmt, target, sm, engine)
+        report["unified_hf"] = u
+        if "support" in u:
+            report["support"] = u["support"]
     report["notes"] = _notes(m)
     return report
 
