@@ -52,6 +52,10 @@ TARGETS = ("trtllm-pytorch", "vllm", "sglang")
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the exporter whose layout this restates
 SHARD_BYTES = 5 << 30  # like ModelOpt / save_pretrained's default shard size
 
+# Tensors written in float32 whatever the model dtype: DeepSeek-V3's routing correction bias, a float32
+# buffer in transformers' model (ModelOpt's export writes it so) that the engines read in float32.
+FLOAT32_TENSORS = (".e_score_correction_bias",)
+
 # Files copied from the source model when present (tokenizer, chat template, generation defaults).
 COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
@@ -622,6 +626,8 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
             if name not in linear_names:  # norms, biases, 1-D tensors: copied in the model dtype
                 info = ck.info(name)
                 keep = info.dtype if not info.dtype.is_floating_point else dtype
+                if name.endswith(FLOAT32_TENSORS):
+                    keep = torch.float32
                 entries.append((None, [(name, keep, tuple(info.shape))]))
         entries.sort(key=lambda e: e[1][0][0])
         shards = _shards(entries, shard_bytes)
