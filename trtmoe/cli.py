@@ -326,9 +326,10 @@ def _render_support(rep: dict) -> None:
 @click.option("--layer-format", "layer_formats", multiple=True, metavar="KEY=FORMAT",
               help="Unified-HF targets: '*=FMT' quantizes every linear but routers/embeddings/lm_head (as ModelOpt's "
                    "presets do); 'L=FMT' MoE layer L's routed experts; 'attention=FMT', 'shared=FMT', 'dense=FMT'. "
-                   "Formats: bf16, fp8, fp8_block_wo, nvfp4, mxfp4, int8. Repeatable.")
+                   "Formats: bf16, fp8, fp8_block_wo, nvfp4, nvfp4_w4a16, mxfp4, int8, w4a8_awq. Repeatable.")
 @click.option("--calib-ids", type=click.Path(path_type=Path), default=None,
-              help="Unified-HF targets: JSON list of token-id lists the input amax of FP8/NVFP4 layers is measured on.")
+              help="Unified-HF targets: JSON list of token-id lists the input amax of FP8/NVFP4/W4A8-AWQ layers is "
+                   "measured on.")
 @click.option("--engine", "engine_release", default=None,
               help="Unified-HF targets: engine release of the support cell (trtllm-1.2.1, trtllm-1.4, vllm-0.33, "
                    "sglang-0.5) [default: the target's first].")
