@@ -2,7 +2,7 @@
 check it against the support table, and deploy it (Triton's llmapi ``model.yaml``, or the engines' own
 command lines).
 
-The checkpoint writer and its numerics are ``checkpoint/unified_hf.py``; the table is
+The checkpoint writer is ``checkpoint/unified_hf.py`` (the numerics: ``quant/formats.py``); the table is
 ``checkpoint/unified_support.py``. Deploy facts restated from TensorRT-LLM's
 ``triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml`` (keys are ``LLM()`` arguments plus a
 ``triton_config`` block) and ``config.pbtxt`` (inputs ``text_input`` / ``sampling_param_*`` /
@@ -89,6 +89,8 @@ def plan_from_calibration(model: str | Path, calib_dir: str | Path, budget_bpw: 
     calib = load_calib(calib_dir)
     with U.SourceModel(model) as src:
         family, dtype = src.family, _model_dtype(src)
+    if not S.cell(engine, family, "bf16", "uniform", sm).ok:  # the engine has no model class for it at all
+        S.check(engine, family, {"bf16"}, sm).raise_if_refused(where=str(model))
     known = [f for f in calib["formats"] if f in U.FORMATS]
     uniform = ("float", *[f for f in known if S.cell(engine, family, f, "uniform", sm).ok])
     mixed = tuple(f for f in ("float", *known) if S.cell(engine, family, "bf16" if f == "float" else f, "mixed", sm).ok)

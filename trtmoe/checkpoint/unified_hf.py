@@ -18,11 +18,14 @@ tensor by ``tests/test_unified_hf_conformance.py`` against ModelOpt run in its o
   ``model-0000i-of-0000N.safetensors`` shards with ``model.safetensors.index.json``; tokenizer and
   generation config files are copied; ``manifest.json`` records the sha256 of every file.
 
-The formats' numerics (scale rules, rounding, packing) are restated here from ModelOpt's exporter
-(``modelopt/torch/export/quant_utils.py``, ``qtensor/nvfp4_tensor.py``, ``qtensor/mxfp4_tensor.py``,
-``qtensor/fp8_tensor.py``) in the unified-HF tensor convention (``weight`` ``[out, in]``): this module is
-the adapter between trtmoe's plan and that convention. Memory stays bounded: one linear (one expert's
-matrix) is read, quantized and written at a time, straight into its shard.
+The formats' numerics (scale rules, rounding, packing) and their ModelOpt tensors live in one place,
+the format classes of ``trtmoe/quant/formats.py`` (``modelopt_export``, ``modelopt_tensor_specs``,
+``modelopt_dequantize``), which the embedded engine runs too; this module maps trtmoe's plan onto
+modules, names the tensors and writes the files. DeepSeek-V3, gpt-oss and OLMoE, which trtmoe's
+architecture adapters do not describe, are read by their Hugging Face tensor names (:class:`SourceModel`,
+:func:`classify_by_name`); gpt-oss's experts keep its release's stacked layout (MXFP4 as ``*_blocks`` /
+``*_scales``). Memory stays bounded: one linear (one expert's matrix, or one gpt-oss expert stack) is
+read, quantized and written at a time, straight into its shard.
 """
 
 from __future__ import annotations
@@ -69,8 +72,7 @@ class UnifiedFormat:
     """One storage format of a linear in the unified-HF checkpoint: a format of ``trtmoe.quant.formats``
     (which owns the numerics, the tensors and their specs) plus what this checkpoint layout adds.
 
-    ``quant_algo`` is ModelOpt's name (None: unquantized); ``block`` the group/block size; ``activations``
-    says whether an ``input_scale`` (a calibrated input amax) is needed. ``fused_amax`` says which
+    ``quant_algo`` is ModelOpt's name (None: unquantized); ``activations`` says whether an ``input_scale`` (a calibrated input amax) is needed. ``fused_amax`` says which
     linears an engine fuses (q/k/v; gate/up) share the weight amax behind their per-tensor scale:
     "experts" (a routed expert's gate and up only), "all" (every fused group) or "" (none needed).
     """
@@ -85,17 +87,8 @@ class UnifiedFormat:
         return self.fmt.modelopt_quant_algo
 
     @property
-    def block(self) -> int | None:
-        return getattr(self.fmt, "block", None) or getattr(self.fmt, "group_size", None)
-
-    @property
     def activations(self) -> bool:
         return self.fmt.needs_input_amax
-
-    def bits_per_weight(self, out_f: int = 256, in_f: int = 256) -> float:
-        """Stored bits per weight of an ``[out, in]`` matrix, scales counted."""
-        return 8.0 * sum(math.prod(s) * dt.itemsize for _, dt, s in self.fmt.modelopt_tensor_specs(
-            out_f, in_f, torch.bfloat16)) / (out_f * in_f)
 
     def layer_config(self) -> dict:
         """The ``quantized_layers`` entry (and the uniform ``quantization`` keys) for this format."""

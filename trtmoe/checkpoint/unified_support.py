@@ -211,7 +211,10 @@ def what_works(engine: str, family: str, sm: int) -> str:
     s += ("; MIXED_PRECISION of " + ", ".join(mixed)) if mixed else "; no MIXED_PRECISION"
     alt = [e for e in ENGINES if e != engine and any(cell(e, family, f, "mixed", sm).status == SUPPORTED
                                                      for f in FORMATS)]
-    if not mixed and alt:
+    takes = [e for e in ENGINES if e != engine and any(cell(e, family, f, "uniform", sm).ok for f in FORMATS)]
+    if not uni and takes:
+        s = f"nothing (the architecture loads on {', '.join(ENGINES[e][0] for e in takes)})"
+    elif not mixed and alt:
         s += f" (per-layer plans: {', '.join(ENGINES[e][0] for e in alt)})"
     return s
 
