@@ -9,7 +9,11 @@ the same tensor names, dtypes and shapes, the same hf_quant_config.json and conf
 quantization_config, weights and weight scales bit-identical (dequantized weights equal), and input
 scales within one rounding step of the model dtype (the activations come from two transformers
 releases). A graded checkpoint's MIXED_PRECISION quantized_layers equals what ModelOpt writes for the
-same per-layer choice.
+same per-layer choice. OLMoE (which the TensorRT-LLM engine path never had) is compared the same way for
+the formats below; DeepSeek-V3's routed experts, shared experts and dense MLPs too, apart from its MLA
+projections, which ModelOpt's FP8 preset quantizes and trtmoe keeps in the model dtype (no support cell
+quantizes them). ModelOpt's W4A8_AWQ preset fails on transformers' fused experts (Mixtral, Qwen3-MoE), so
+W4A8-AWQ is checked against the loaders' rules in test_unified_hf_loaders.py instead.
 """
 
 from __future__ import annotations
@@ -25,19 +29,23 @@ from safetensors import safe_open
 
 from trtmoe.checkpoint import unified_hf as U
 from trtmoe.checkpoint.verify import verify_artifact
-from trtmoe.hf.reader import HFCheckpoint
 
 REPO = Path(__file__).resolve().parents[1]
-ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
-FORMATS = ("fp8", "nvfp4", "int8", "fp8_block_wo", "mxfp4")
+ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
+FORMATS = ("fp8", "nvfp4", "int8", "fp8_block_wo", "mxfp4", "nvfp4_w4a16")
+FORMATS_OF = {**{a: FORMATS for a in ("mixtral", "qwen3_moe", "qwen2_moe")}, "olmoe": ("fp8", "nvfp4_w4a16"),
+              "deepseek_v3": ()}
+UNIFORM = [(a, f) for a in ARCHS for f in FORMATS_OF[a]]
 # Expert FFN 64 so every format's block (16, 32) divides every input width.
 WIDTH = {"mixtral": {"intermediate_size": 64}, "qwen3_moe": {"moe_intermediate_size": 64},
-         "qwen2_moe": {"moe_intermediate_size": 64}}
+         "qwen2_moe": {"moe_intermediate_size": 64}, "olmoe": {"intermediate_size": 64},
+         "deepseek_v3": {"moe_intermediate_size": 64}}
 GRADED = {0: "fp8", 1: "nvfp4", 2: "bf16"}  # routed experts per MoE layer, the rest unquantized
 SINGLE = {0: "fp8"}  # one format in one layer
 # Every ModelOpt export the tests below compare against, per architecture: job name -> (base format,
 # per-layer expert formats). One ModelOpt process per architecture makes all of them.
-JOBS = {a: {**{f: (f, {}) for f in FORMATS},
+JOBS = {a: {**{f: (f, {}) for f in FORMATS_OF[a]},
+            **({"fp8": ("fp8", {})} if a == "deepseek_v3" else {}),
             **({"graded": ("bf16", GRADED)} if a in ("mixtral", "qwen3_moe") else {}),
             **({"single": ("bf16", SINGLE)} if a == "mixtral" else {})} for a in ARCHS}
 
@@ -94,13 +102,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def moe_layers(model: Path) -> list[int]:
-    with HFCheckpoint(model) as ck:
-        return [l for l, m in enumerate(ck.model.moe_layers) if m]
+    with U.SourceModel(model) as src:
+        return sorted({m.layer for m in src.modules() if m.kind == "expert"})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("arch,fmt", UNIFORM)
 def test_uniform_export_matches_modelopt(arch, fmt, models, calib_ids, modelopt_refs, tmp_path):
     ids, _ = calib_ids
     model = models[arch]
@@ -165,3 +172,34 @@ def test_single_quantized_layer_lists_the_rest_as_modelopt_does(models, calib_id
     U.write_unified_checkpoint(model, ours, U.UnifiedPlan(SINGLE), input_amax=U.measure_input_amax(model, ids))
     assert (json.loads((ours / "hf_quant_config.json").read_text())
             == json.loads((ref / "hf_quant_config.json").read_text()))
+
+
+@pytest.mark.slow
+def test_deepseek_v3_experts_match_modelopt(models, calib_ids, modelopt_refs, tmp_path):
+    """DeepSeek-V3 in FP8: every tensor ModelOpt writes outside the MLA projections (routed experts per
+    expert, shared experts, the first layer's dense MLP, the routers with their float32 correction bias,
+    norms) has the same name, dtype, shape and bytes; the MLA projections stay bf16 in trtmoe's export."""
+    ids, _ = calib_ids
+    model = models["deepseek_v3"]
+    ref = modelopt_refs("deepseek_v3", "fp8")
+    ours = tmp_path / "trtmoe"
+    U.write_unified_checkpoint(model, ours, U.UnifiedPlan.uniform("fp8", moe_layers(model)),
+                               input_amax=U.measure_input_amax(model, ids))
+    verify_artifact(ours)
+    a, b = tensors(ours), tensors(ref)
+    mla = [k for k in a if ".self_attn." in k and k.endswith("_proj.weight")]
+    assert mla and all(a[k].dtype == torch.bfloat16 for k in mla)
+    assert {k for k in b if ".self_attn." not in k} == {k for k in a if ".self_attn." not in k}
+    compared = 0
+    for k in sorted(k for k in a if ".self_attn." not in k):
+        assert (a[k].dtype, tuple(a[k].shape)) == (b[k].dtype, tuple(b[k].shape)), k
+        if k.endswith("input_scale"):
+            # Activations two transformers releases compute (layer 2's pass two MLA attentions first): within
+            # a few bf16 rounding steps.
+            assert torch.allclose(a[k], b[k], rtol=2 ** -5, atol=0), (k, a[k].item(), b[k].item())
+        else:
+            assert torch.equal(bits(a[k]), bits(b[k])), k
+            compared += 1
+    assert compared > 100
+    assert any(k.endswith("mlp.shared_experts.gate_proj.weight_scale") for k in a)
+    assert a["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32

@@ -34,6 +34,14 @@ EXPECT = {
               "weight_scale_2": ("F32", lambda o, i: []), "input_scale": ("F32", lambda o, i: [])},
     "W8A16": {"weight": ("I8", lambda o, i: [o, i]), "weight_scale": ("F32", lambda o, i: [o])},
     "mxfp4": {"weight": ("U8", lambda o, i: [o, i // 2]), "weight_scale": ("U8", lambda o, i: [o, i // 32])},
+    "W4A16_NVFP4": {"weight": ("U8", lambda o, i: [o, i // 2]), "weight_scale": ("F8_E4M3", lambda o, i: [o, i // 16]),
+                    "weight_scale_2": ("F32", lambda o, i: [])},
+    # TensorRT-LLM WInt4AFP8FusedMoEMethod (ModelOpt "vanilla" checkpoints): two INT4 codes of adjacent output
+    # rows per byte [(N/2), K]; per-group weight_scale [N, K/128]; per-tensor weight_scale_2 and input_scale;
+    # per-channel pre_quant_scale [K].
+    "W4A8_AWQ": {"weight": ("U8", lambda o, i: [o // 2, i]), "weight_scale": ("F32", lambda o, i: [o, i // 128]),
+                 "weight_scale_2": ("F32", lambda o, i: []), "pre_quant_scale": ("BF16", lambda o, i: [i]),
+                 "input_scale": ("F32", lambda o, i: [])},
 }
 
 
@@ -88,12 +96,13 @@ def check_loadable(ckpt: Path, source: Path) -> dict[str, str | None]:
     for f in sorted(ckpt.glob("model-*.safetensors")):
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
-                if k.endswith(("weight_scale", "weight_scale_2", "input_scale")) and ".experts." in k:
+                if k.endswith(("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")) and ".experts." in k:
                     t[k] = fh.get_tensor(k)
     for k, v in t.items():
         for a, b in ((".w1.", ".w3."), (".gate_proj.", ".up_proj.")):
-            if a in k and (chosen[k.rsplit(".", 1)[0]] in ("FP8", "NVFP4")) and (
-                    k.endswith("weight_scale") and chosen[k.rsplit(".", 1)[0]] == "FP8" or k.endswith("weight_scale_2")):
+            algo = chosen[k.rsplit(".", 1)[0]]
+            if a in k and algo in ("FP8", "NVFP4", "W4A16_NVFP4", "W4A8_AWQ") and (
+                    k.endswith("weight_scale") and algo == "FP8" or k.endswith(("weight_scale_2", "pre_quant_scale"))):
                 assert torch.equal(v, t[k.replace(a, b)]), k
         if k.endswith("input_scale"):  # one input scale per layer's experts and projection kind
             e = k.split(".experts.")[1].split(".")[0]
@@ -110,7 +119,7 @@ def ids():
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int8", "mxfp4", "nvfp4_w4a16"])
 def test_uniform_checkpoint_reads_as_the_loaders_read_it(arch, fmt, tiny_model, ids, tmp_path):
     width = {"intermediate_size": 64} if arch == "mixtral" else {"moe_intermediate_size": 64}
     model = tiny_model(arch, dtype="bfloat16", **width)
@@ -136,3 +145,58 @@ def test_graded_checkpoint_gives_each_layer_its_own_method(tiny_model, ids, tmp_
     assert {a for m, a in chosen.items() if ".self_attn." in m} == {"FP8"}
     q = json.loads((tmp_path / "ck" / "hf_quant_config.json").read_text())["quantization"]
     assert q["quant_algo"] == "MIXED_PRECISION" and "model.layers.0.mlp.experts" in q["quantized_layers"]
+
+
+def test_w4a8_awq_checkpoint_reads_as_tensorrt_llm_reads_it(tiny_model, ids, tmp_path):
+    """W4A8-AWQ (ModelOpt's W4A8_AWQ_BETA_CFG cannot export transformers' fused experts, so no oracle runs):
+    TensorRT-LLM's WInt4AFP8FusedMoEMethod rules restated. Per expert it stacks w3 and w1 codes, unpacks each
+    byte of ``weight`` [(N/2), K] into output rows 2j (low nibble) and 2j+1 (high), divides the per-group
+    ``weight_scale`` by the larger ``weight_scale_2`` of w1/w3 (the kernel's FP8 weight), multiplies inputs
+    by ``pre_quant_scale / input_scale`` (the max over w1/w3 and over experts) and the GEMM by ``alpha =
+    weight_scale_2 * input_scale``."""
+    model = tiny_model("mixtral", dtype="bfloat16", hidden_size=128, intermediate_size=128, seed=3)
+    from trtmoe.hf.reader import HFCheckpoint
+
+    with HFCheckpoint(model) as ck:
+        moe = [l for l, m in enumerate(ck.model.moe_layers) if m]
+    amax = U.measure_input_amax(model, ids)
+    # The routed experts (what the fused MoE runs in W4A8); attention stays bf16.
+    U.write_unified_checkpoint(model, tmp_path / "ck", U.UnifiedPlan({l: "w4a8_awq" for l in moe}), input_amax=amax)
+    chosen = check_loadable(tmp_path / "ck", model)
+    assert {a for m, a in chosen.items() if ".experts." in m} == {"W4A8_AWQ"}
+    q = json.loads((tmp_path / "ck" / "hf_quant_config.json").read_text())["quantization"]
+    assert (q["group_size"], q["has_zero_point"], q["pre_quant_scale"]) == (128, False, True)
+    qc = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
+    assert "config_groups" not in qc  # ModelOpt describes only FP8 / NVFP4 / W4A16_NVFP4 that way
+    t, src = {}, {}
+    for f in sorted((tmp_path / "ck").glob("model-*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            t.update({k: fh.get_tensor(k) for k in fh.keys()})
+    with safe_open(str(next(model.glob("*.safetensors"))), "pt") as fh:
+        src = {k: fh.get_tensor(k) for k in fh.keys()}
+    for l in moe:
+        p = f"model.layers.{l}.block_sparse_moe.experts"
+        in_scales = {t[f"{p}.{e}.{w}.input_scale"].item() for e in range(4) for w in ("w1", "w3")}
+        assert len(in_scales) == 1  # the loader takes the max: all equal loses nothing
+        assert in_scales.pop() == pytest.approx(amax[f"{p}.0.w1"] / 448, rel=1e-6)
+        for e in range(4):
+            w1, w3 = f"{p}.{e}.w1", f"{p}.{e}.w3"
+            ws2 = torch.max(t[w1 + ".weight_scale_2"], t[w3 + ".weight_scale_2"])
+            assert torch.equal(t[w1 + ".weight_scale_2"], ws2) and torch.equal(t[w3 + ".weight_scale_2"], ws2)
+            for name in (w1, w3, f"{p}.{e}.w2"):
+                packed = t[name + ".weight"].view(torch.int8)
+                lo, hi = (packed << 4) >> 4, packed >> 4  # sign-extended nibbles
+                codes = torch.stack((lo, hi), dim=1).flatten(0, 1).float()  # rows 2j, 2j+1
+                scale = t[name + ".weight_scale"].repeat_interleave(128, dim=1)
+                w = src[name + ".weight"].float()
+                assert torch.equal(t[name + ".pre_quant_scale"], torch.ones(w.shape[1], dtype=torch.bfloat16))
+                # The INT4 codes and group scales give the weight back within half a step per group ...
+                assert bool(((codes * scale - w).abs() <= scale / 2 + 1e-8).all()), name
+                # ... the per-group scale over weight_scale_2 fits FP8's range, so the kernel's FP8 weight
+                # (codes * weight_scale / weight_scale_2) never saturates.
+                s2 = t[name + ".weight_scale_2"]
+                assert float((codes.abs() * scale / s2).max()) <= 448.0
+                assert float(s2) == pytest.approx(w.abs().max().item() / 448 if name.endswith("w2") else
+                                                  max(src[w1 + ".weight"].float().abs().max().item(),
+                                                      src[w3 + ".weight"].float().abs().max().item()) / 448,
+                                                  rel=1e-6)

@@ -16,6 +16,7 @@ import yaml
 from trtmoe import cli
 from trtmoe.checkpoint import unified_hf as U
 from trtmoe.checkpoint import unified_support as S
+from trtmoe.quant import formats as QF
 from trtmoe.errors import UnsupportedError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,17 +78,17 @@ def test_cli_names_the_targets_the_writer_has():
 
 def test_e2m1_rounding_rules():
     x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.75, 0.0])
-    v = U._e2m1_value(U._e2m1_codes_nearest_even(x))  # NVFP4: ties to the even code
+    v = QF.e2m1_values(QF.e2m1_codes(x))  # NVFP4: ties to the even code
     assert v.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0, 0.0]
-    m = U._e2m1_codes_down_on_tie(x)  # MXFP4: ties down, zero stored as -0
-    assert U._e2m1_value(m).tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, 0.0]
+    m = QF.e2m1_codes(x, ties="down")  # MXFP4: ties down, zero stored as -0
+    assert QF.e2m1_values(m).tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, 0.0]
     assert int(m[-1]) == 8
 
 
 def test_nibble_order_low_first():
-    packed = U._pack_nibbles(torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8))
+    packed = QF.pack_nibbles(torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8))
     assert packed.tolist() == [[0x21, 0x43]]
-    assert U._unpack_nibbles(packed).tolist() == [[1, 2, 3, 4]]
+    assert QF.unpack_nibbles(packed).tolist() == [[1, 2, 3, 4]]
 
 
 @pytest.mark.parametrize("fmt,rel", [("fp8", 2 ** -3), ("int8", 2 ** -7), ("fp8_block_wo", 2 ** -3),

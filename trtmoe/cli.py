@@ -155,13 +155,21 @@ def moves_options(f):
 @layout_options
 @click.option("--format", "fmt", type=click.Choice(["float", *QUANTIZED_NAMES]), default=None,
               help="Routed-expert format for the bytes per rank [default: float, the weight dtype].")
-@click.option("--target", type=click.Choice(["embedded", "tensorrt-llm"]), default=None,
-              help="tensorrt-llm: also show whether TensorRT-LLM builds this layout and format (support table).")
+@click.option("--target", type=click.Choice(["embedded", "tensorrt-llm", *UNIFIED_TARGETS]), default=None,
+              help="tensorrt-llm: also show whether TensorRT-LLM builds this layout and format (support table); "
+                   "trtllm-pytorch / vllm / sglang: whether that engine loads the unified-HF export of the routed "
+                   "experts in --format on --sm (the unified-HF support table, shown for every engine anyway).")
+@click.option("--sm", "sm", type=click.Choice(["89", "90", "100"]), default="90", show_default=True,
+              help="GPU generation of the unified-HF support cells.")
+@click.option("--engine", "engine_release", default=None,
+              help="Unified-HF --target: engine release of the cell (trtllm-1.2.1, trtllm-1.4, vllm-0.33, sglang-0.5) "
+                   "[default: the target's first].")
 @click.option("--trtllm-version", type=click.Choice(cfgmod.SCHEMA["convert"]["trtllm_version"].choices),
               default=None, help="TensorRT-LLM release line for --target [default: 1.2].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @moves_options
-def inspect(model, config_path, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtllm_version, as_json, **moves):
+def inspect(model, config_path, tp, pp, moe_tp, moe_ep, dtype, fmt, target, sm, engine_release, trtllm_version, as_json,
+            **moves):
     """Show what MODEL costs and really activates per token, and bytes per rank for a layout.
 
     MODEL is a local HF directory or a hub id already in the local cache. Only config.json is needed:
@@ -175,7 +183,8 @@ def inspect(model, config_path, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtl
     Exit status (the report is printed first):
       0  the layout fits the model (and, with --target tensorrt-llm, TensorRT-LLM builds it)
       2  bad input, or a layout the model does not divide into
-      3  --target tensorrt-llm: TensorRT-LLM's support table refuses this layout and format
+      3  --target tensorrt-llm: TensorRT-LLM's support table refuses this layout and format;
+         --target trtllm-pytorch / vllm / sglang: the unified-HF support table refuses the format
 
     \b
     Examples:
@@ -184,6 +193,7 @@ def inspect(model, config_path, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtl
       trtmoe inspect ./model --calib calib/ --batch 1,8,32,128 --context 4096 --gpu H200 --moe-ep 2
       trtmoe inspect ./model --plan ckpt/ --batch 1,32 --gpu 2000    # the checkpoint's formats, 2000 GB/s
       trtmoe inspect MODEL -c build_configs/mixtral-8x7b-ep8.yaml --target tensorrt-llm || echo "not buildable"
+      trtmoe inspect ./gpt-oss-20b --target trtllm-pytorch --format mxfp4 --sm 90   # unified-HF cell
     """
     from .report.inspect import inspect_model
 
@@ -193,9 +203,10 @@ def inspect(model, config_path, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtl
     if target is None and config_path is not None:
         target = (cfgmod.load_yaml(config_path).get("build") or {}).get("backend")
     rep = inspect_model(model, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"], dtype=cv["dtype"],
-                        fmt=fmt, target=target, trtllm_version=cv["trtllm_version"])
+                        fmt=fmt, target=target, trtllm_version=cv["trtllm_version"], sm=int(sm),
+                        engine=engine_release)
     wants_moves = any(moves[k] is not None for k in ("batch", "calib", "plan", "gpu", "context"))
-    if wants_moves and rep["layout"]["ok"]:
+    if wants_moves and rep["layout"]["ok"] and "ranks" in rep:
         from .report.moves import moves_report
 
         rep["moves"] = moves_report(model, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"],
@@ -212,8 +223,20 @@ def inspect(model, config_path, tp, pp, moe_tp, moe_ep, dtype, fmt, target, trtl
         raise LayoutError("layout check failed: " + "; ".join(rep["layout"]["problems"]))
     sup = rep.get("support")
     if sup is not None and not sup["ok"]:
+        if target in UNIFIED_TARGETS:
+            raise NotBuildable(f"{sup['engine_label']} does not load this unified-HF export: " + "; ".join(sup["refusals"]),
+                               hint=f"what works there: {sup['what_works']}")
         raise NotBuildable(f"TensorRT-LLM {sup['release']} does not build this layout and format: "
                            + "; ".join(sup["refusals"]), hint=f"it builds {sup['what_works']}")
+
+
+def _render_unified(rep: dict) -> None:
+    u = rep.get("unified_hf")
+    if not u:
+        return
+    console.print(f"  unified-HF export (convert --target trtllm-pytorch|vllm|sglang), SM{u['sm']}:")
+    for engine, works in u["engines"].items():
+        console.print(f"    {engine}: {rich_escape(works)}")
 
 
 def _render_inspect(rep: dict) -> None:
@@ -245,6 +268,8 @@ def _render_inspect(rep: dict) -> None:
     if not lay["ok"]:  # the command ends with the problems as its one error line
         return
     if "ranks" not in rep:  # outside the registry: no per-rank plan (see report/inspect_hf.py)
+        _render_unified(rep)
+        _render_support(rep)
         for n in rep["notes"]:
             console.print(f"  [yellow]note:[/] {n}")
         return
@@ -266,16 +291,22 @@ def _render_inspect(rep: dict) -> None:
                       "ckpt file: the rank file, whose weight-only per-channel experts stay float for the "
                       "engine builder to quantize")
     console.print("  layout checks: [green]ok[/] (heads, kv heads, experts % moe_ep, FFN % moe_tp)")
+    _render_unified(rep)
+    _render_support(rep)
+    for n in rep["notes"]:
+        console.print(f"  [yellow]note:[/] {n}")
+
+
+def _render_support(rep: dict) -> None:
     sup = rep.get("support")
     if sup:
         state = "[green]builds[/]" if sup["ok"] else "[red]does not build[/]"
-        console.print(f"  TensorRT-LLM {sup['release']}: {state}; it builds {rich_escape(sup['what_works'])}")
+        name = sup.get("engine_label") or f"TensorRT-LLM {sup['release']}"
+        console.print(f"  {name}: {state}; it builds {rich_escape(sup['what_works'])}")
         for line in sup["refusals"]:
             console.print(f"  [red]no:[/] {rich_escape(line)}")
         for line in sup["cautions"]:
             console.print(f"  [yellow]unlisted:[/] {rich_escape(line)}")
-    for n in rep["notes"]:
-        console.print(f"  [yellow]note:[/] {n}")
 
 
 # ---- convert ---------------------------------------------------------------------------------------
@@ -295,9 +326,10 @@ def _render_inspect(rep: dict) -> None:
 @click.option("--layer-format", "layer_formats", multiple=True, metavar="KEY=FORMAT",
               help="Unified-HF targets: '*=FMT' quantizes every linear but routers/embeddings/lm_head (as ModelOpt's "
                    "presets do); 'L=FMT' MoE layer L's routed experts; 'attention=FMT', 'shared=FMT', 'dense=FMT'. "
-                   "Formats: bf16, fp8, fp8_block_wo, nvfp4, mxfp4, int8. Repeatable.")
+                   "Formats: bf16, fp8, fp8_block_wo, nvfp4, nvfp4_w4a16, mxfp4, int8, w4a8_awq. Repeatable.")
 @click.option("--calib-ids", type=click.Path(path_type=Path), default=None,
-              help="Unified-HF targets: JSON list of token-id lists the input amax of FP8/NVFP4 layers is measured on.")
+              help="Unified-HF targets: JSON list of token-id lists the input amax of FP8/NVFP4/W4A8-AWQ layers is "
+                   "measured on.")
 @click.option("--engine", "engine_release", default=None,
               help="Unified-HF targets: engine release of the support cell (trtllm-1.2.1, trtllm-1.4, vllm-0.33, "
                    "sglang-0.5) [default: the target's first].")

@@ -2,7 +2,7 @@
 check it against the support table, and deploy it (Triton's llmapi ``model.yaml``, or the engines' own
 command lines).
 
-The checkpoint writer and its numerics are ``checkpoint/unified_hf.py``; the table is
+The checkpoint writer is ``checkpoint/unified_hf.py`` (the numerics: ``quant/formats.py``); the table is
 ``checkpoint/unified_support.py``. Deploy facts restated from TensorRT-LLM's
 ``triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml`` (keys are ``LLM()`` arguments plus a
 ``triton_config`` block) and ``config.pbtxt`` (inputs ``text_input`` / ``sampling_param_*`` /
@@ -25,7 +25,7 @@ from ..checkpoint.atomic import atomic_directory
 from ..checkpoint.manifest import REPOSITORY_MANIFEST, read_manifest, write_manifest
 from ..checkpoint.verify import verify_artifact
 from ..errors import InputError
-from ..hf.reader import HFCheckpoint, parse_dtype
+from ..hf.reader import parse_dtype
 from ..quant.calibrate import load_calib
 from ..quant.policies import make_target_plan
 
@@ -53,10 +53,20 @@ def parse_layer_formats(specs: tuple[str, ...] | list[str]) -> tuple[str | None,
     return uniform, experts, other
 
 
+def moe_layers(model: str | Path) -> list[int]:
+    """The decoder layers that hold routed experts."""
+    with U.SourceModel(model) as src:
+        return sorted({m.layer for m in src.modules() if m.kind == "expert"})
+
+
+def _model_dtype(src: "U.SourceModel") -> torch.dtype:
+    name = src.hf_config.get("torch_dtype") or src.hf_config.get("dtype") or "bfloat16"
+    return parse_dtype(name if name in ("float32", "float16", "bfloat16") else "bfloat16")
+
+
 def build_plan(model: str | Path, specs) -> U.UnifiedPlan:
     uniform, experts, other = parse_layer_formats(specs)
-    with HFCheckpoint(model) as ck:
-        moe = [l for l, m in enumerate(ck.model.moe_layers) if m]
+    moe = moe_layers(model)
     bad = sorted(set(experts) - set(moe))
     if bad:
         raise InputError(f"--layer-format names layers {bad} that have no routed experts", hint=f"MoE layers: {moe}")
@@ -77,16 +87,17 @@ def plan_from_calibration(model: str | Path, calib_dir: str | Path, budget_bpw: 
     layer and matrix kind). Attention, shared experts and dense MLPs stay bf16 (their own decisions
     through ``--layer-format attention=...``)."""
     calib = load_calib(calib_dir)
-    with HFCheckpoint(model) as ck:
-        spec, family = ck.model, ck.adapter.family
+    with U.SourceModel(model) as src:
+        family, dtype = src.family, _model_dtype(src)
+    if not S.cell(engine, family, "bf16", "uniform", sm).ok:  # the engine has no model class for it at all
+        S.check(engine, family, {"bf16"}, sm).raise_if_refused(where=str(model))
     known = [f for f in calib["formats"] if f in U.FORMATS]
     uniform = ("float", *[f for f in known if S.cell(engine, family, f, "uniform", sm).ok])
     mixed = tuple(f for f in ("float", *known) if S.cell(engine, family, "bf16" if f == "float" else f, "mixed", sm).ok)
     if len(mixed) < 2:
         mixed = ()
-    dname = spec.source_dtype if spec.source_dtype in ("float32", "float16", "bfloat16") else "bfloat16"
     qp = make_target_plan(calib, "graded", budget_bpw=budget_bpw, uniform=uniform, mixed=mixed,
-                          dtype=parse_dtype(dname), formats=formats,
+                          dtype=dtype, formats=formats,
                           target=f"{S.ARCH_LABEL[family]} on {S.ENGINES[engine][0]} SM{sm}")
     expert_formats = {}
     for l, fs in qp.formats.items():
@@ -102,18 +113,17 @@ def calib_input_amax(model: str | Path, calib: dict | str | Path) -> dict[str, f
     layer, ``fc`` = gate/up input, ``proj`` = down input; per-channel lists reduce to their max)."""
     if not isinstance(calib, dict):
         calib = load_calib(calib)
-    with HFCheckpoint(model) as ck:
-        spec, ad = ck.model, ck.adapter
+    with U.SourceModel(model) as src:
+        mods, dtype = src.modules(), _model_dtype(src)
+    kind_of = {"gate": "fc", "up": "fc", "gate_up": "fc", "down": "proj"}
     amax: dict[str, float] = {}
-    roles = {"fc": ("expert_gate", "expert_up"), "proj": ("expert_down",)}
-    dtype = parse_dtype(spec.source_dtype if spec.source_dtype in ("float32", "float16", "bfloat16") else "bfloat16")
-    for l, kinds in (calib.get("input_amax") or {}).items():
-        for kind, v in kinds.items():
-            # Rounded to the model dtype: the largest |input| a run in that dtype sees (as ModelOpt measures it).
-            value = float(torch.tensor(max(v) if isinstance(v, list) else float(v)).to(dtype))
-            for role in roles.get(kind, ()):
-                for e in range(spec.num_experts):
-                    amax[ad.name(role, int(l), e)[: -len(".weight")]] = value
+    measured = calib.get("input_amax") or {}
+    for m in mods:
+        v = (measured.get(str(m.layer)) or {}).get(kind_of.get(m.expert_role or "", ""))
+        if m.kind != "expert" or v is None:
+            continue
+        # Rounded to the model dtype: the largest |input| a run in that dtype sees (as ModelOpt measures it).
+        amax[m.name] = float(torch.tensor(max(v) if isinstance(v, list) else float(v)).to(dtype))
     return amax
 
 
@@ -148,8 +158,8 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
         plan = build_plan(model, layer_formats)
         if calib is not None:
             calib_amax = calib_input_amax(model, calib)
-    with HFCheckpoint(model) as ck:
-        family = ck.adapter.family
+    with U.SourceModel(model) as src:
+        family = src.family
     verdict = S.check(engine, family, plan.used(), sm)
     verdict.raise_if_refused(where=str(model))
     amax = None
@@ -289,7 +299,8 @@ def gpu_commands(checkpoint: str | Path, *, tp: int = 1, ep: int = 1, port: int 
                    f"--context-length {b['max_seq_len']} --mem-fraction-static {b['free_gpu_memory_fraction']} "
                    f"--port {port}"),
     }
-    q = json.loads((Path(checkpoint) / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+    hq = Path(checkpoint) / "hf_quant_config.json"  # absent for gpt-oss (config.json describes its MXFP4)
+    q = json.loads(hq.read_text())["quantization"]["quant_algo"] if hq.is_file() else None
     if q != "MIXED_PRECISION":  # one format: vLLM / SGLang read it from the checkpoint's quantization_config
         cmds["vllm"] = cmds["vllm"].replace(" --quantization modelopt_mixed", "")
         cmds["sglang"] = cmds["sglang"].replace(" --quantization modelopt_mixed", "")

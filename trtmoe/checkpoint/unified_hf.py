@@ -18,11 +18,14 @@ tensor by ``tests/test_unified_hf_conformance.py`` against ModelOpt run in its o
   ``model-0000i-of-0000N.safetensors`` shards with ``model.safetensors.index.json``; tokenizer and
   generation config files are copied; ``manifest.json`` records the sha256 of every file.
 
-The formats' numerics (scale rules, rounding, packing) are restated here from ModelOpt's exporter
-(``modelopt/torch/export/quant_utils.py``, ``qtensor/nvfp4_tensor.py``, ``qtensor/mxfp4_tensor.py``,
-``qtensor/fp8_tensor.py``) in the unified-HF tensor convention (``weight`` ``[out, in]``): this module is
-the adapter between trtmoe's plan and that convention. Memory stays bounded: one linear (one expert's
-matrix) is read, quantized and written at a time, straight into its shard.
+The formats' numerics (scale rules, rounding, packing) and their ModelOpt tensors live in one place,
+the format classes of ``trtmoe/quant/formats.py`` (``modelopt_export``, ``modelopt_tensor_specs``,
+``modelopt_dequantize``), which the embedded engine runs too; this module maps trtmoe's plan onto
+modules, names the tensors and writes the files. DeepSeek-V3, gpt-oss and OLMoE, which trtmoe's
+architecture adapters do not describe, are read by their Hugging Face tensor names (:class:`SourceModel`,
+:func:`classify_by_name`); gpt-oss's experts keep its release's stacked layout (MXFP4 as ``*_blocks`` /
+``*_scales``). Memory stays bounded: one linear (one expert's matrix, or one gpt-oss expert stack) is
+read, quantized and written at a time, straight into its shard.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ import torch
 from torch import Tensor
 
 from .. import __version__
-from ..errors import InputError, UnsupportedError
+from ..errors import CheckpointError, InputError, UnsupportedError
 from ..hf.reader import HFCheckpoint
-from ..hf.safetensors_io import StreamingWriter
+from ..hf.safetensors_io import SafetensorsFile, StreamingWriter
+from ..quant import formats as QF
+from ..quant.formats import QuantFormat
 from .atomic import atomic_directory
 from .manifest import write_manifest
 
@@ -50,11 +55,9 @@ TARGETS = ("trtllm-pytorch", "vllm", "sglang")
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the exporter whose layout this restates
 SHARD_BYTES = 5 << 30  # like ModelOpt / save_pretrained's default shard size
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-# E2M1 magnitudes by code (bit 3 is the sign) and the midpoints between neighbours.
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+# Tensors written in float32 whatever the model dtype: DeepSeek-V3's routing correction bias, a float32
+# buffer in transformers' model (ModelOpt's export writes it so) that the engines read in float32.
+FLOAT32_TENSORS = (".e_score_correction_bias",)
 
 # Files copied from the source model when present (tokenizer, chat template, generation defaults).
 COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -62,84 +65,38 @@ COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
                 "chat_template.json")
 
 
-# ---- formats -------------------------------------------------------------------------------------
-
-def _e2m1_codes_nearest_even(x: Tensor) -> Tensor:
-    """NVFP4's E2M1 rounding (ModelOpt ``NVFP4QTensor._cast_fp4``): nearest value, a tie goes to the
-    even code (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2, 3.5 -> 4, 5 -> 4); beyond
-    6 saturates. Returns uint8 codes with the sign in bit 3."""
-    a = x.abs()
-    bounds = E2M1_BOUNDS.to(x.device)
-    code = torch.searchsorted(bounds, a.contiguous())  # bounds strictly below |x|
-    # A value exactly on an odd-numbered midpoint (0.75, 1.75, 3.5) rounds up to the even code.
-    code = code + (a.unsqueeze(-1) == bounds[[1, 3, 5]]).any(-1).to(code.dtype)
-    return (code.to(torch.uint8) | ((x < 0).to(torch.uint8) << 3))
-
-
-def _e2m1_codes_down_on_tie(x: Tensor) -> Tensor:
-    """MXFP4's E2M1 rounding (ModelOpt ``MXFP4QTensor.quantize``): the code counts the midpoints strictly
-    below |x|, so every tie goes to the smaller magnitude; the sign bit is set for x <= 0 (zero is
-    stored as -0, code 8, as ModelOpt writes it)."""
-    code = (x.abs().unsqueeze(-1) > E2M1_BOUNDS.to(x.device)).sum(-1).to(torch.uint8)
-    return code | ((x <= 0).to(torch.uint8) << 3)
-
-
-def _pack_nibbles(codes: Tensor) -> Tensor:
-    """Two 4-bit codes per byte along the last dim: element 2j in the low nibble, 2j+1 in the high."""
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
-
-
-def _unpack_nibbles(packed: Tensor) -> Tensor:
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-
-
-def _e2m1_value(codes: Tensor) -> Tensor:
-    mag = E2M1_VALUES.to(codes.device)[(codes & 0x07).long()]
-    return torch.where((codes & 0x08) > 0, -mag, mag)
-
+# ---- formats ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class UnifiedFormat:
-    """One storage format of a linear in the unified-HF checkpoint.
+    """One storage format of a linear in the unified-HF checkpoint: a format of ``trtmoe.quant.formats``
+    (which owns the numerics, the tensors and their specs) plus what this checkpoint layout adds.
 
-    ``quant_algo`` is ModelOpt's name (None: unquantized); ``block`` the group/block size written as
-    ``group_size``; ``activations`` says whether an ``input_scale`` (a calibrated input amax) is needed.
+    ``quant_algo`` is ModelOpt's name (None: unquantized); ``activations`` says whether an ``input_scale`` (a calibrated input amax) is needed. ``fused_amax`` says which
+    linears an engine fuses (q/k/v; gate/up) share the weight amax behind their per-tensor scale:
+    "experts" (a routed expert's gate and up only), "all" (every fused group) or "" (none needed).
     """
 
     name: str
-    quant_algo: str | None
+    fmt: QuantFormat
     label: str
-    block: int | None = None
-    activations: bool = False
-    scale_suffixes: tuple[str, ...] = ()
-    bits_per_weight: float = 16.0  # stored bits per weight, scales counted (per-tensor scales ignored)
-    # Which linears that an engine fuses (q/k/v; gate/up) share the weight amax behind their global scale:
-    # "experts" (a routed expert's gate and up only), "all" (every fused group), or "" (none needed).
     fused_amax: str = ""
+
+    @property
+    def quant_algo(self) -> str | None:
+        return self.fmt.modelopt_quant_algo
+
+    @property
+    def activations(self) -> bool:
+        return self.fmt.needs_input_amax
 
     def layer_config(self) -> dict:
         """The ``quantized_layers`` entry (and the uniform ``quantization`` keys) for this format."""
-        d = {"quant_algo": self.quant_algo}
-        if self.quant_algo in ("NVFP4", "W4A16_NVFP4"):
-            d["group_size"] = self.block
-        return d
-
-    def config_group(self) -> dict | None:
-        """The ``config.json`` ``quantization_config`` group ModelOpt writes for this format (None: none)."""
-        if self.quant_algo == "FP8":
-            spec = {"dynamic": False, "num_bits": 8, "type": "float"}
-            return {"input_activations": dict(spec), "weights": dict(spec)}
-        if self.quant_algo == "NVFP4":
-            spec = {"dynamic": False, "group_size": 16, "num_bits": 4, "type": "float"}
-            return {"input_activations": dict(spec), "weights": dict(spec)}
-        return None
+        return self.fmt.modelopt_layer_config() or {"quant_algo": None}
 
     def shape_problem(self, out_f: int, in_f: int) -> str | None:
-        if self.name in ("nvfp4", "mxfp4") and in_f % self.block:
-            return f"{self.label} needs in_features divisible by {self.block}, got {in_f}"
-        return None
+        return self.fmt.shape_problem(out_f, in_f)
 
-    # -- numerics (ModelOpt's, restated) ------------------------------------------------------------
     def shares_amax(self, kind: str) -> bool:
         """Whether a fused group of linears of ``kind`` gets one weight amax (ModelOpt syncs them at export)."""
         return self.fused_amax == "all" or (self.fused_amax == "experts" and kind == "expert")
@@ -147,123 +104,33 @@ class UnifiedFormat:
     def quantize(self, w: Tensor, input_amax: float | None = None, weight_amax: Tensor | None = None
                  ) -> dict[str, Tensor]:
         """The unified-HF tensors of one linear ``w [out, in]`` (in the model dtype): suffix -> tensor.
-        ``weight_amax`` replaces ``w``'s own amax behind the global scale (a fused group's shared one);"""
-        if self.quant_algo is None:
-            return {"weight": w.contiguous()}
-        problem = self.shape_problem(*w.shape)
-        if problem:
-            raise UnsupportedError(problem)
-        wf = w.float()
-        amax = w.abs().amax().float() if weight_amax is None else weight_amax.float()
-        out = getattr(self, "_q_" + self.name)(w, wf, amax)
-        if self.activations:
-            if input_amax is None:
-                raise UnsupportedError(f"{self.label} quantizes activations and needs a calibrated input amax",
-                                       hint="pass calibration token ids (convert --calib-ids) so the inputs are measured")
-            out["input_scale"] = torch.tensor(float(input_amax), dtype=torch.float32) / self._input_bound()
-        return out
-
-    def _input_bound(self) -> float:
-        return E4M3_MAX if self.quant_algo == "FP8" else E2M1_MAX * E4M3_MAX
-
-    def _q_int8(self, w: Tensor, wf: Tensor, amax: Tensor) -> dict[str, Tensor]:
-        scale = w.abs().amax(dim=-1).float() / 127.0  # per output channel
-        q = (wf / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
-        return {"weight": q, "weight_scale": scale}
-
-    def _q_fp8(self, w: Tensor, wf: Tensor, amax: Tensor) -> dict[str, Tensor]:
-        scale = amax / E4M3_MAX
-        # ModelOpt's exporter divides the model-dtype weight, so the quotient is rounded to that dtype
-        # before E4M3 (two roundings; a float32 quotient rounds ~3% of the codes differently).
-        q = (wf / scale).to(w.dtype)
-        return {"weight": q.to(torch.float8_e4m3fn), "weight_scale": scale}
-
-    def _q_fp8_block_wo(self, w: Tensor, wf: Tensor, amax: Tensor) -> dict[str, Tensor]:
-        b = self.block
-        out_f, in_f = w.shape
-        po, pi = -out_f % b, -in_f % b
-        padded = torch.nn.functional.pad(wf, (0, pi, 0, po))
-        blocks = padded.unflatten(0, (-1, b)).unflatten(-1, (-1, b))  # [no, b, ni, b]
-        scale = blocks.abs().amax(dim=(1, 3)) / E4M3_MAX  # [no, ni]
-        if scale.numel() == 1:  # one block: its scale is the (possibly shared) tensor amax's
-            scale = (amax / E4M3_MAX).reshape(1, 1)
-        full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)
-        q = (padded / full).to(torch.float8_e4m3fn)[:out_f, :in_f].contiguous()
-        return {"weight": q, "weight_scale": scale.squeeze()}
-
-    def _q_nvfp4(self, w: Tensor, wf: Tensor, amax: Tensor) -> dict[str, Tensor]:
-        g = self.block
-        scale_2 = amax / (E2M1_MAX * E4M3_MAX)
-        blocks = wf.unflatten(-1, (-1, g))
-        block_scale = blocks.abs().amax(-1) / (E2M1_MAX * scale_2)
-        block_scale[block_scale == 0] = 1.0
-        block_scale = block_scale.clamp(min=2 ** -9, max=E4M3_MAX).to(torch.float8_e4m3fn)
-        scaled = blocks / (block_scale.float() * scale_2).unsqueeze(-1)
-        codes = _e2m1_codes_nearest_even(scaled.flatten(-2))
-        return {"weight": _pack_nibbles(codes), "weight_scale": block_scale, "weight_scale_2": scale_2}
-
-    def _q_mxfp4(self, w: Tensor, wf: Tensor, amax: Tensor) -> dict[str, Tensor]:
-        g = self.block
-        blocks = wf.unflatten(-1, (-1, g))
-        amax = blocks.abs().amax(-1, keepdim=True)
-        exp = torch.ceil(torch.maximum(torch.log2(amax / E2M1_MAX), torch.tensor(-127.0)))
-        codes = _e2m1_codes_down_on_tie((blocks / torch.exp2(exp)).flatten(-2))
-        return {"weight": _pack_nibbles(codes), "weight_scale": (exp.squeeze(-1) + 127).to(torch.uint8)}
+        ``weight_amax`` replaces ``w``'s own amax behind the per-tensor scale (a fused group's shared one)."""
+        if self.activations and input_amax is None:
+            raise UnsupportedError(f"{self.label} quantizes activations and needs a calibrated input amax",
+                                   hint="pass calibration token ids (convert --calib-ids) so the inputs are measured")
+        return self.fmt.modelopt_export(w, dtype=w.dtype, input_amax=input_amax, weight_amax=weight_amax)
 
     def dequantize(self, t: dict[str, Tensor]) -> Tensor:
         """The effective float32 weight ``[out, in]`` of a linear's unified-HF tensors."""
-        w = t["weight"]
-        if self.quant_algo is None:
-            return w.float()
-        if self.name == "int8":
-            return w.float() * t["weight_scale"].float()[:, None]
-        if self.name == "fp8":
-            return w.float() * t["weight_scale"].float()
-        if self.name == "fp8_block_wo":
-            b = self.block
-            s = t["weight_scale"].float().reshape(math.ceil(w.shape[0] / b), math.ceil(w.shape[1] / b))
-            full = s.repeat_interleave(b, 0).repeat_interleave(b, 1)[:w.shape[0], :w.shape[1]]
-            return w.float() * full
-        v = _e2m1_value(_unpack_nibbles(w)).unflatten(-1, (-1, self.block))
-        if self.name == "nvfp4":
-            s = t["weight_scale"].float() * t["weight_scale_2"].float()
-        else:  # mxfp4
-            s = torch.exp2(t["weight_scale"].float() - 127)
-        return (v * s.unsqueeze(-1)).flatten(-2)
+        return self.fmt.modelopt_dequantize(t)
 
     def tensor_specs(self, name: str, out_f: int, in_f: int, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple]]:
         """(tensor name, dtype, shape) of each tensor one linear ``name`` (module prefix) is written as."""
-        if self.quant_algo is None:
-            return [(f"{name}.weight", dtype, (out_f, in_f))]
-        n = self.name
-        if n == "int8":
-            specs = [("weight", torch.int8, (out_f, in_f)), ("weight_scale", torch.float32, (out_f,))]
-        elif n == "fp8":
-            specs = [("weight", torch.float8_e4m3fn, (out_f, in_f)), ("weight_scale", torch.float32, ())]
-        elif n == "fp8_block_wo":
-            s = tuple(d for d in (math.ceil(out_f / self.block), math.ceil(in_f / self.block)) if d != 1)
-            specs = [("weight", torch.float8_e4m3fn, (out_f, in_f)), ("weight_scale", torch.float32, s)]
-        elif n == "nvfp4":
-            specs = [("weight", torch.uint8, (out_f, in_f // 2)),
-                     ("weight_scale", torch.float8_e4m3fn, (out_f, in_f // self.block)),
-                     ("weight_scale_2", torch.float32, ())]
-        else:  # mxfp4
-            specs = [("weight", torch.uint8, (out_f, in_f // 2)), ("weight_scale", torch.uint8, (out_f, in_f // self.block))]
-        if self.activations:
-            specs.append(("input_scale", torch.float32, ()))
-        return [(f"{name}.{s}", dt, shape) for s, dt, shape in specs]
+        return [(f"{name}.{s}", dt, tuple(shape)) for s, dt, shape in self.fmt.modelopt_tensor_specs(out_f, in_f, dtype)]
 
 
+# trtmoe format name -> its unified-HF form (the numerics are the quant/formats.py format's).
 FORMATS: dict[str, UnifiedFormat] = {f.name: f for f in (
-    UnifiedFormat("bf16", None, "BF16 (unquantized)"),
-    UnifiedFormat("fp8", "FP8", "FP8 per-tensor (W8A8)", activations=True, bits_per_weight=8.0,
-                  fused_amax="experts"),
-    UnifiedFormat("fp8_block_wo", "fp8_pb_wo", "FP8 128x128 blocks, weight-only", block=128, bits_per_weight=8.0,
+    UnifiedFormat("bf16", QF.get_format("bf16"), "BF16 (unquantized)"),
+    UnifiedFormat("fp8", QF.get_format("fp8"), "FP8 per-tensor (W8A8)", fused_amax="experts"),
+    UnifiedFormat("fp8_block_wo", QF.get_format("fp8_block_wo"), "FP8 128x128 blocks, weight-only", fused_amax="all"),
+    UnifiedFormat("nvfp4", QF.get_format("nvfp4"), "NVFP4 (W4A4, E4M3 scales per 16)", fused_amax="all"),
+    UnifiedFormat("nvfp4_w4a16", QF.get_format("nvfp4_w4a16"), "NVFP4 weight-only (W4A16, E4M3 scales per 16)",
                   fused_amax="all"),
-    UnifiedFormat("nvfp4", "NVFP4", "NVFP4 (W4A4, E4M3 scales per 16)", block=16, activations=True,
-                  bits_per_weight=4.5, fused_amax="all"),
-    UnifiedFormat("mxfp4", "mxfp4", "MXFP4 (W4A16, E8M0 scales per 32)", block=32, bits_per_weight=4.25),
-    UnifiedFormat("int8", "W8A16", "INT8 per-channel weight-only (W8A16)", bits_per_weight=8.0),
+    UnifiedFormat("mxfp4", QF.get_format("mxfp4"), "MXFP4 (W4A16, E8M0 scales per 32)"),
+    UnifiedFormat("int8", QF.get_format("int8"), "INT8 per-channel weight-only (W8A16)"),
+    UnifiedFormat("w4a8_awq", QF.get_format("w4a8_awq"), "INT4 g128 weights, FP8 activations (W4A8 AWQ)",
+                  fused_amax="all"),
 )}
 # trtmoe's float format names all mean "leave it unquantized" here.
 FLOAT_ALIASES = ("bf16", "fp16", "float", "float16", "bfloat16", "fp32")
@@ -284,18 +151,115 @@ def format_for_algo(quant_algo: str | None, group_size: int | None = None) -> Un
     raise UnsupportedError(f"quant_algo {quant_algo!r} is not one trtmoe reads")
 
 
+def config_group(layer: dict) -> dict:
+    """The ``config.json`` ``quantization_config`` group ModelOpt writes for a ``quantized_layers`` entry
+    (compressed-tensors style: what the weights and inputs are); ``{"quant_algo": ...}`` alone for a
+    format it has no description of, as ModelOpt 0.47 writes it."""
+    algo, gs = layer["quant_algo"], layer.get("group_size")
+    fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+    if algo == "FP8":
+        return {"input_activations": dict(fp8), "weights": dict(fp8)}
+    if algo == "NVFP4":
+        spec = {"dynamic": False, "group_size": gs or 16, "num_bits": 4, "type": "float"}
+        return {"input_activations": dict(spec), "weights": dict(spec)}
+    if algo == "W4A16_NVFP4":
+        return {"weights": {"dynamic": False, "group_size": gs or 16, "num_bits": 4, "type": "float"}}
+    if algo == "W4A8_AWQ":
+        return {"input_activations": {**fp8, "group_size": gs or 128},
+                "weights": {"dynamic": False, "group_size": gs or 128, "num_bits": 4, "type": "float"}}
+    if algo == "W8A16":
+        return {"weights": {"dynamic": False, "num_bits": 8, "type": "int"}}
+    return {"quant_algo": algo}
+
+
+# The quant_algos whose uniform checkpoints ModelOpt describes with one config group for every Linear.
+UNIFORM_CONFIG_GROUPS = ("FP8", "NVFP4", "W4A16_NVFP4")
+
+
 # ---- which module is what ------------------------------------------------------------------------
+
+# Architectures whose checkpoints are read by tensor name here (transformers has them; the TensorRT-LLM
+# engine path, and so trtmoe's architecture adapters, never had them): config.json model_type -> family.
+NAMED_FAMILIES = {"olmoe": "olmoe", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
+
+
+class SourceModel:
+    """The Hugging Face MoE checkpoint being exported: tensors by name, its family and config.
+
+    The architectures trtmoe's adapters describe are read through :class:`HFCheckpoint` (validated, with
+    quantized source weights dequantized); DeepSeek-V3, gpt-oss and OLMoE (``NAMED_FAMILIES``) by their
+    tensor names, straight from the safetensors files."""
+
+    def __init__(self, model: str | Path):
+        cfg_path = Path(model) / "config.json"
+        try:
+            model_type = json.loads(cfg_path.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None  # HFCheckpoint says what is wrong with it
+        self._ck: HFCheckpoint | None = None
+        self._files: dict[Path, SafetensorsFile] = {}
+        if model_type in NAMED_FAMILIES:
+            self.path = Path(model).resolve()
+            self.family = NAMED_FAMILIES[model_type]
+            self.hf_config = json.loads(cfg_path.read_text())
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError("no *.safetensors weights", where=str(self.path))
+            self.location: dict[str, Path] = {}
+            for f in files:
+                self._files[f] = SafetensorsFile(f)
+                for name in self._files[f].tensors:
+                    self.location[name] = f
+            if any(n.endswith("_blocks") for n in self.location):
+                self.close()
+                raise UnsupportedError(f"{self.path.name} stores its experts in MXFP4 already (*_blocks / *_scales)",
+                                       where=str(self.path), hint="export from the BF16 release of the model")
+        else:
+            self._ck = HFCheckpoint(model)
+            self.path, self.family, self.hf_config = self._ck.path, self._ck.adapter.family, self._ck.hf_config
+            self.location = self._ck.location
+
+    def info(self, name: str):
+        return self._ck.info(name) if self._ck else self._files[self.location[name]].tensors[name]
+
+    def read(self, name: str) -> Tensor:
+        return self._ck.read(name) if self._ck else self._files[self.location[name]].read(name)
+
+    def modules(self) -> list["Module"]:
+        return classify(self._ck) if self._ck else classify_by_name(self)
+
+    def close(self) -> None:
+        if self._ck:
+            self._ck.close()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 @dataclass(frozen=True)
 class Module:
-    """One linear of the source checkpoint (``name`` without ``.weight``)."""
+    """One linear of the source checkpoint (``name`` without ``.weight``), or, with ``stacked``, one
+    ``[E, in, out]`` tensor holding a matrix per expert (gpt-oss's ``experts.gate_up_proj`` /
+    ``experts.down_proj``; ``shape`` is then one expert's ``(out, in)``)."""
 
     name: str
-    kind: str  # "expert", "attention", "shared", "dense", "excluded"
+    kind: str  # "expert", "attention", "mla", "shared", "dense", "excluded"
     layer: int | None
     shape: tuple[int, int]
-    expert_role: str | None = None  # "gate" / "up" / "down" for routed experts
+    expert_role: str | None = None  # "gate" / "up" / "down" for routed experts ("gate_up" stacked)
     group: str | None = None  # the quantized_layers prefix of a routed expert: "...layers.{l}.<moe>.experts"
+    stacked: int = 0  # number of experts stacked in the tensor (0: a plain linear)
+
+    @property
+    def tensor(self) -> str:
+        """The source tensor's name."""
+        return self.name if self.stacked else self.name + ".weight"
 
     @property
     def fusion(self) -> str | None:
@@ -349,6 +313,45 @@ def classify(ck: HFCheckpoint) -> list[Module]:
     return mods
 
 
+_NAMED_EXPERT = re.compile(r"^(.*\.layers\.(\d+)\.mlp\.experts)\.\d+\.(gate|up|down)_proj\.weight$")
+_STACKED_EXPERT = re.compile(r"^.*\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"\.mlp\.(gate|router)\.weight$")
+
+
+def classify_by_name(src: SourceModel) -> list[Module]:
+    """The linears of a DeepSeek-V3 / gpt-oss / OLMoE checkpoint by their Hugging Face names: routed
+    experts (``mlp.experts.{e}.{gate,up,down}_proj``, or gpt-oss's stacked ``mlp.experts.gate_up_proj``
+    ``[E, H, 2I]`` / ``down_proj`` ``[E, I, H]``), routers (``mlp.gate`` / ``mlp.router``: kept),
+    DeepSeek-V3's shared experts (``mlp.shared_experts``), dense MLPs of its first layers, attention
+    (DeepSeek-V3's MLA projections: kind ``mla``, kept in the model dtype)."""
+    mods = []
+    for name in sorted(src.location):
+        info = src.info(name)
+        m = _LAYER.search(name)
+        layer = int(m.group(1)) if m else None
+        st = _STACKED_EXPERT.match(name)
+        if st and len(info.shape) == 3:
+            e, i, o = info.shape
+            role = "gate_up" if st.group(2) == "gate_up_proj" else "down"
+            mods.append(Module(name, "expert", layer, (o, i), role, name.rsplit(".", 1)[0], stacked=e))
+            continue
+        if not name.endswith(".weight") or len(info.shape) != 2:
+            continue
+        mod, shape = name[: -len(".weight")], tuple(info.shape)
+        ex = _NAMED_EXPERT.match(name)
+        if ex:
+            mods.append(Module(mod, "expert", int(ex.group(2)), shape, ex.group(3), ex.group(1)))
+        elif _ROUTER.search(name) or layer is None:
+            mods.append(Module(mod, "excluded", layer, shape))
+        elif ".self_attn." in name:
+            mods.append(Module(mod, "mla" if src.family == "deepseek_v3" else "attention", layer, shape))
+        elif ".shared_expert" in name:
+            mods.append(Module(mod, "shared", layer, shape))
+        else:
+            mods.append(Module(mod, "dense", layer, shape))
+    return mods
+
+
 # ---- the plan ------------------------------------------------------------------------------------
 
 @dataclass
@@ -367,7 +370,7 @@ class UnifiedPlan:
         return cls({l: f for l in moe_layers}, {"attention": f, "shared": f, "dense": f}, {"policy": "uniform"})
 
     def format_of(self, m: Module) -> UnifiedFormat:
-        if m.kind == "excluded":
+        if m.kind in ("excluded", "mla"):
             return FORMATS["bf16"]
         if m.kind == "expert":
             return get_format(self.expert_formats.get(m.layer, "bf16"))
@@ -403,24 +406,21 @@ def quant_configs(mods: list[Module], plan: UnifiedPlan) -> tuple[dict, dict]:
           "ignore": q.get("exclude_modules", [])}
     if q["quant_algo"] == "MIXED_PRECISION":
         qc["quantized_layers"] = q["quantized_layers"]
-        groups: list[tuple[dict, list[str]]] = []
-        for prefix, entry in q["quantized_layers"].items():
-            g = format_for_algo(entry["quant_algo"]).config_group()
-            if g is None:
-                continue
-            for known, targets in groups:
-                if known == g:
-                    targets.append(prefix)
-                    break
-            else:
-                groups.append((g, [prefix]))
-        if groups:
-            qc["config_groups"] = {f"group_{i}": {**g, "targets": t} for i, (g, t) in enumerate(groups)}
-    else:
-        g = format_for_algo(q["quant_algo"]).config_group() if q["quant_algo"] else None
-        if g is not None:
-            qc["config_groups"] = {"group_0": {**g, "targets": ["Linear"]}}
+        # One group per distinct layer entry, numbered in the model's module order, targets sorted.
+        groups: dict[str, list[str]] = {}
+        for prefix in sorted(q["quantized_layers"], key=_module_order):
+            entry = q["quantized_layers"][prefix]
+            groups.setdefault(json.dumps(entry, sort_keys=True), []).append(prefix)
+        qc["config_groups"] = {f"group_{i}": {**config_group(json.loads(k)), "targets": sorted(t)}
+                               for i, (k, t) in enumerate(groups.items())}
+    elif q["quant_algo"] in UNIFORM_CONFIG_GROUPS:
+        qc["config_groups"] = {"group_0": {**config_group(q), "targets": ["Linear"]}}
     return hf_quant, qc
+
+
+def _module_order(name: str) -> list:
+    """A module name's sort key in model order (``layers.2`` before ``layers.10``)."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
 def _collapse(excluded: Iterable[str], everything: Iterable[str]) -> list[str]:
@@ -456,9 +456,8 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
     (per expert). Holds the whole model: for the checkpoints a single host can run in transformers."""
     from transformers import AutoModelForCausalLM  # optional heavy dependency, only for this measurement
 
-    ck = HFCheckpoint(model_dir)
-    mods = classify(ck)
-    ck.close()
+    with SourceModel(model_dir) as ck:
+        mods = ck.modules()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
     amax: dict[str, float] = {}
 
@@ -529,6 +528,60 @@ def _shards(entries: list[tuple[Module, list[tuple[str, torch.dtype, tuple]]]], 
     return shards
 
 
+# gpt-oss's release describes its MXFP4 experts in config.json (Hugging Face's ``mxfp4`` method), and its
+# loaders (TensorRT-LLM modeling_gpt_oss.py, vLLM mxfp4.py) read them from there: these modules stay BF16.
+GPT_OSS_MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def _module_specs(m: Module, f: UnifiedFormat, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple]]:
+    """The tensors module ``m`` is written as in format ``f``. A stacked gpt-oss expert tensor keeps its
+    release's names: BF16 ``[E, in, out]`` as is, MXFP4 as ``{name}_blocks`` uint8 ``[E, out, in/32, 16]``
+    (the format's packed bytes, 16 per block) and ``{name}_scales`` uint8 ``[E, out, in/32]``."""
+    if not m.stacked:
+        return f.tensor_specs(m.name, *m.shape, dtype)
+    (out_f, in_f), e = m.shape, m.stacked
+    if f.quant_algo is None:
+        return [(m.name, dtype, (e, in_f, out_f))]
+    specs = dict((s, (dt, shape)) for s, dt, shape in f.fmt.modelopt_tensor_specs(out_f, in_f, dtype))
+    if f.name != "mxfp4" or set(specs) != {"weight", "weight_scale"}:
+        raise UnsupportedError(f"{m.name}: gpt-oss's experts are read as BF16 or MXFP4 only, not {f.label}",
+                               hint="export gpt-oss with '*=mxfp4' or unquantized")
+    nb = specs["weight_scale"][1][-1]
+    return [(m.name + "_blocks", torch.uint8, (e, out_f, nb, in_f // 2 // nb)),
+            (m.name + "_scales", torch.uint8, (e, out_f, nb))]
+
+
+def _module_tensors(m: Module, f: UnifiedFormat, src: Tensor, input_amax: float | None,
+                    weight_amax: Tensor | None) -> dict[str, Tensor]:
+    """Full tensor name -> tensor for module ``m`` (``src``: its source tensor in the model dtype)."""
+    if not m.stacked:
+        return {f"{m.name}.{k}": t for k, t in f.quantize(src, input_amax, weight_amax).items()}
+    if f.quant_algo is None:
+        return {m.name: src}
+    per = [f.quantize(src[e].transpose(0, 1).contiguous()) for e in range(m.stacked)]  # each [out, in]
+    return {m.name + "_blocks": torch.stack([p["weight"] for p in per]),
+            m.name + "_scales": torch.stack([p["weight_scale"] for p in per])}
+
+
+def _check_family_rules(family: str, mods: list[Module], plan: UnifiedPlan) -> None:
+    """What an architecture's loaders read regardless of the format cell: DeepSeek-V3's MLA projections
+    stay in the model dtype; gpt-oss takes one expert format (BF16 or MXFP4) and BF16 elsewhere."""
+    if family == "deepseek_v3" and plan.meta.get("policy") != "uniform":
+        attn = get_format(plan.other_formats.get("attention", "bf16"))
+        if attn.quant_algo:
+            raise UnsupportedError(f"DeepSeek-V3 x attention (MLA) x {attn.label}: refused: its MLA projections stay "
+                                   "in the model dtype (no support cell quantizes them)",
+                                   hint="quantize the routed experts, shared experts and dense MLPs only")
+    if family == "gpt_oss":
+        expert = {plan.format_of(m).name for m in mods if m.kind == "expert"}
+        other = {plan.format_of(m).name for m in mods if m.kind != "expert"}
+        if len(expert) > 1 or other - {"bf16"}:
+            raise UnsupportedError("gpt-oss x per-layer / non-expert formats: refused: its loaders take one expert "
+                                   "format for the whole model (BF16 or MXFP4) and BF16 attention",
+                                   hint="export gpt-oss with '*=mxfp4' (experts only) or unquantized")
+
+
 def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPlan, *, target: str = "trtllm-pytorch",
                              input_amax: dict[str, float] | None = None, force: bool = False,
                              shard_bytes: int = SHARD_BYTES, dtype: torch.dtype | None = None,
@@ -542,11 +595,14 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
     if target not in TARGETS:
         raise InputError(f"unknown unified-HF target {target!r}", hint="one of " + ", ".join(TARGETS))
     input_amax = input_amax or {}
-    ck = HFCheckpoint(model)
+    ck = SourceModel(model)
     try:
-        mods = classify(ck)
-        linear_names = {m.name + ".weight" for m in mods}
-        src_dtype = ck.info(mods[0].name + ".weight").dtype if mods else torch.bfloat16
+        mods = ck.modules()
+        if plan.meta.get("policy") == "uniform" and ck.family == "gpt_oss":  # '*=F' means the experts there
+            plan = UnifiedPlan(plan.expert_formats, {}, plan.meta)
+        _check_family_rules(ck.family, mods, plan)
+        linear_names = {m.tensor for m in mods}
+        src_dtype = ck.info(mods[0].tensor).dtype if mods else torch.bfloat16
         dtype = dtype or src_dtype
         entries = []
         for m in mods:
@@ -558,18 +614,30 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
                 raise UnsupportedError(f"{m.name}: {f.label} needs the input amax of this linear, which was not measured",
                                        hint="pass calibration token ids (convert --calib-ids FILE) so the inputs are "
                                             "measured, or a weight-only format")
-            entries.append((m, f.tensor_specs(m.name, *m.shape, dtype)))
+            entries.append((m, _module_specs(m, f, dtype)))
         for name in sorted(ck.location):
             if name not in linear_names:  # norms, biases, 1-D tensors: copied in the model dtype
                 info = ck.info(name)
                 keep = info.dtype if not info.dtype.is_floating_point else dtype
+                if name.endswith(FLOAT32_TENSORS):
+                    keep = torch.float32
                 entries.append((None, [(name, keep, tuple(info.shape))]))
         entries.sort(key=lambda e: e[1][0][0])
         shards = _shards(entries, shard_bytes)
         total = sum(math.prod(s) * dt.itemsize for _, specs in entries for _, dt, s in specs)
-        hf_quant, qc = quant_configs(mods, plan)
         cfg = json.loads((ck.path / "config.json").read_text())
-        cfg["quantization_config"] = qc
+        if ck.family == "gpt_oss":
+            # No hf_quant_config.json: the loaders would take it over config.json's own description.
+            mxfp4 = any(plan.format_of(m).quant_algo for m in mods)
+            hf_quant = None
+            quant_algo = "W4A16_MXFP4" if mxfp4 else None
+            cfg.pop("quantization_config", None)
+            if mxfp4:
+                cfg["quantization_config"] = json.loads(json.dumps(GPT_OSS_MXFP4_CONFIG))
+        else:
+            hf_quant, qc = quant_configs(mods, plan)
+            quant_algo = hf_quant["quantization"]["quant_algo"]
+            cfg["quantization_config"] = qc
         by_fusion: dict[str, list[Module]] = {}
         for m in mods:
             if m.fusion:
@@ -580,7 +648,7 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
             """The largest |w| over a fused group (read member by member; the last group is cached)."""
             if key not in amax_cache:
                 amax_cache.clear()
-                amax_cache[key] = torch.stack([ck.read(m.name + ".weight").to(dtype).abs().amax().float()
+                amax_cache[key] = torch.stack([ck.read(m.tensor).to(dtype).abs().amax().float()
                                                for m in by_fusion[key]]).amax()
             return amax_cache[key]
 
@@ -600,14 +668,13 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
                             w.write(ck.read(name).to(dt))
                             continue
                         f = plan.format_of(mod)
-                        src = ck.read(mod.name + ".weight").to(dtype)
+                        src = ck.read(mod.tensor).to(dtype)
                         shared = None
                         if f.quant_algo and mod.fusion and f.shares_amax(mod.kind):
                             shared = fused_amax(mod.fusion)
-                        packed = f.quantize(src, input_amax.get(mod.name), shared)
+                        packed = _module_tensors(mod, f, src, input_amax.get(mod.name), shared)
                         for tname, dt, shape in ss:
-                            t = packed[tname[len(mod.name) + 1:]]
-                            w.write(t.to(dt).reshape(shape).contiguous())
+                            w.write(packed[tname].to(dt).reshape(shape).contiguous())
                         done += sum(math.prod(s) * dt.itemsize for _, dt, s in ss)
                         if progress:
                             progress(done, total)
@@ -619,18 +686,20 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4, sort_keys=True) + "\n")
+            if hf_quant is not None:
+                (tmp / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4, sort_keys=True) + "\n")
             for fn in COPIED_FILES:
                 if (ck.path / fn).is_file():
                     shutil.copyfile(ck.path / fn, tmp / fn)
             manifest = write_manifest(
                 tmp, kind=KIND, file_hashes=hashes, target=target, source=str(ck.path),
-                architecture=ck.adapter.family, trtmoe_version=__version__,
+                architecture=ck.family, trtmoe_version=__version__,
                 plan={"expert_formats": {str(k): v for k, v in sorted(plan.expert_formats.items())},
                       "other_formats": dict(plan.other_formats), **plan.meta},
-                quant_algo=hf_quant["quantization"]["quant_algo"], **(extra_manifest or {}))
+                quant_algo=quant_algo, **(extra_manifest or {}))
         files = sorted(hashes)
-        return UnifiedResult(Path(out), total, files, hf_quant, plan, manifest)
+        return UnifiedResult(Path(out), total, files, hf_quant or {"quantization": {"quant_algo": quant_algo}},
+                             plan, manifest)
     finally:
         ck.close()
 
@@ -639,7 +708,11 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
 
 def read_layer_formats(ckpt: str | Path) -> dict[str, UnifiedFormat]:
     """Module prefix -> format, from a unified-HF checkpoint's ``hf_quant_config.json``
-    (``{"*": fmt}`` for a uniform one)."""
+    (``{"*": fmt}`` for a uniform one). A gpt-oss checkpoint (no ``hf_quant_config.json``) says MXFP4
+    experts in its ``config.json``."""
+    if not (Path(ckpt) / "hf_quant_config.json").is_file():
+        qc = json.loads((Path(ckpt) / "config.json").read_text()).get("quantization_config") or {}
+        return {"*": FORMATS["mxfp4" if qc.get("quant_method") == "mxfp4" else "bf16"]}
     q = json.loads((Path(ckpt) / "hf_quant_config.json").read_text())["quantization"]
     if q.get("quant_algo") == "MIXED_PRECISION":
         return {p: format_for_algo(e["quant_algo"]) for p, e in q["quantized_layers"].items()}

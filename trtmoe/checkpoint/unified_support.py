@@ -12,10 +12,12 @@ refusal names the cell and what would work there. ``docs/deploy-gpu.md`` holds :
 Facts restated (as of 2026-12) from: TensorRT-LLM ``tensorrt_llm/_torch/modules/fused_moe/
 MOE_DEVELOPER_GUIDE.md`` (capability matrix), ``fused_moe/quantization.py``, ``fused_moe/
 fused_moe_marlin.py``, ``_torch/model_config.py`` (``load_hf_quant_config``), ``_torch/models/
-modeling_{mixtral,qwen2_moe,qwen3_moe}.py`` and PRs #15485 (per-layer MoE formats for Qwen3-MoE/GLM,
-open) and #18393 (DeepSeek-V3 W4A8 MIXED_PRECISION); vLLM ``vllm/model_executor/layers/quantization/
-modelopt.py`` (``modelopt``, ``modelopt_fp4``, ``modelopt_mixed`` from PR #35047); SGLang
-``python/sglang/srt/layers/quantization/modelopt_quant.py`` (``modelopt_mixed``, PR #37752).
+modeling_{mixtral,qwen2_moe,qwen3_moe,deepseekv3,gpt_oss}.py`` (no OLMoE class there) and PRs #15485
+(per-layer MoE formats for Qwen3-MoE/GLM, open) and #18393 (DeepSeek-V3 W4A8 MIXED_PRECISION); vLLM
+``vllm/model_executor/layers/quantization/modelopt.py`` (``modelopt``, ``modelopt_fp4``, ``modelopt_mixed``
+from PR #35047), ``quantization/mxfp4.py`` and ``models/{olmoe,deepseek_v2,gpt_oss}.py``; SGLang
+``python/sglang/srt/layers/quantization/modelopt_quant.py`` (``modelopt_mixed``, PR #37752, which routes
+W4A16_NVFP4 experts to Marlin) and ``srt/models/gpt_oss.py``.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ ENGINES = {  # key -> (label, target it belongs to)
     "sglang-0.5": ("SGLang 0.5", "sglang"),
 }
 DEFAULT_ENGINE = {"trtllm-pytorch": "trtllm-1.2.1", "vllm": "vllm-0.33", "sglang": "sglang-0.5"}
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe", "deepseek_v3", "gpt_oss", "olmoe")
 ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
-              "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE"}
-FORMATS = ("bf16", "fp8", "fp8_block_wo", "nvfp4", "mxfp4", "int8")
-FORMAT_LABEL = {"bf16": "BF16", "fp8": "FP8", "fp8_block_wo": "FP8-block WO", "nvfp4": "NVFP4", "mxfp4": "MXFP4",
-                "int8": "W8A16"}
+              "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE", "deepseek_v3": "DeepSeek-V3",
+              "gpt_oss": "gpt-oss", "olmoe": "OLMoE"}
+FORMATS = ("bf16", "fp8", "fp8_block_wo", "nvfp4", "nvfp4_w4a16", "mxfp4", "int8", "w4a8_awq")
+FORMAT_LABEL = {"bf16": "BF16", "fp8": "FP8", "fp8_block_wo": "FP8-block WO", "nvfp4": "NVFP4",
+                "nvfp4_w4a16": "NVFP4 W4A16", "mxfp4": "MXFP4", "int8": "W8A16", "w4a8_awq": "W4A8-AWQ"}
 LAYOUTS = ("uniform", "mixed")
 SMS = (89, 90, 100)
 
@@ -49,6 +52,15 @@ _TRT_CONFIG = "tensorrt_llm/_torch/model_config.py"
 _TRT_MODELS = "tensorrt_llm/_torch/models/"
 _VLLM = "vllm/model_executor/layers/quantization/modelopt.py"
 _SGL = "python/sglang/srt/layers/quantization/modelopt_quant.py"
+_TRT_GPT_OSS = "tensorrt_llm/_torch/models/modeling_gpt_oss.py"
+_TRT_DSV3 = "tensorrt_llm/_torch/models/modeling_deepseekv3.py"
+_VLLM_GPT_OSS = "vllm/model_executor/models/gpt_oss.py"
+_VLLM_MXFP4 = "vllm/model_executor/layers/quantization/mxfp4.py"
+_SGL_GPT_OSS = "python/sglang/srt/models/gpt_oss.py"
+_MODEL_FILES = {  # where each engine's model class for an architecture lives (None: it has none)
+    "vllm": {"olmoe": "vllm/model_executor/models/olmoe.py", "deepseek_v3": "vllm/model_executor/models/deepseek_v2.py"},
+    "sglang": {"olmoe": "python/sglang/srt/models/olmoe.py", "deepseek_v3": "python/sglang/srt/models/deepseek_v2.py"},
+}
 
 
 @dataclass(frozen=True)
@@ -79,14 +91,30 @@ def _trtllm_kernel(fmt: str, sm: int) -> Cell:
             return Cell(SUPPORTED, "", _TRT_GUIDE)
         return Cell(UNLISTED, "below SM100 NVFP4 experts run through the Marlin MoE as W4A16 (activations stay "
                               "bf16, the checkpoint's input scales are unused)", _TRT_MARLIN)
+    if fmt == "nvfp4_w4a16":
+        if sm < 100:
+            return Cell(SUPPORTED, "", _TRT_MARLIN)  # W4A16_NVFP4 experts run through the Marlin MoE on SM89-99
+        return Cell(UNLISTED, "the capability matrix lists W4A16 NVFP4 as the Marlin MoE path for SM89-99; on SM100 "
+                              "the loader's W4A16_NVFP4 route is not listed", _TRT_GUIDE)
     if fmt == "mxfp4":
         if sm < 90:
             return Cell(REFUSED, "W4A16 MXFP4 MoE kernels exist for SM90 (Cutlass/Triton) and SM100", _TRT_GUIDE)
         return Cell(SUPPORTED, "", _TRT_GUIDE)
+    if fmt == "w4a8_awq":
+        if sm in (89, 90):
+            return Cell(SUPPORTED, "", _TRT_QUANT)  # WInt4AFP8FusedMoEMethod: SM89 and SM90
+        return Cell(REFUSED, f"the W4A8 AWQ fused MoE (WInt4AFP8FusedMoEMethod) runs on SM89 and SM90 only "
+                             f"(unsupported on SM{sm})", _TRT_QUANT)
     raise KeyError(fmt)
 
 
-def _trtllm_mixed(engine: str, family: str) -> Cell:
+def _trtllm_mixed(engine: str, family: str, fmt: str) -> Cell:
+    if family == "deepseek_v3":
+        if engine != "trtllm-1.2.1" and fmt in ("bf16", "fp8", "w4a8_awq"):
+            return Cell(UNLISTED, "DeepSeek-V3's per-layer W4A8 AWQ / FP8 MoE (MIXED_PRECISION) is wired by PR #18393, "
+                                  "after 1.2.1; other mixes are not", _TRT_DSV3)
+        return Cell(REFUSED, "DeepSeek-V3 reads MIXED_PRECISION only as per-layer W4A8 AWQ / FP8 (PR #18393, after "
+                             "1.2.1)", _TRT_DSV3)
     why = ("per-layer MoE formats (MIXED_PRECISION) are wired model by model: DeepSeek-V3's W4A8 in PR #18393; "
            "for Qwen3-MoE and GLM PR #15485 is open (the loader calls MIXED_PRECISION ambiguous for a fused MoE); "
            f"{ARCH_LABEL[family]}'s model class does not pass a per-layer quant config to its MoE")
@@ -104,25 +132,52 @@ def _serving_kernel(engine: str, fmt: str, sm: int) -> Cell:
         if sm >= 100:
             return Cell(SUPPORTED, "", src)
         return Cell(UNLISTED, "below SM100 NVFP4 MoE weights run through Marlin as W4A16 (input scales unused)", src)
+    if fmt == "nvfp4_w4a16" and engine.startswith("sglang"):
+        return Cell(SUPPORTED, "", src)  # modelopt_mixed routes W4A16_NVFP4 experts to the Marlin MoE (PR #37752)
     return Cell(UNLISTED, f"the ModelOpt loader is documented for FP8 / NVFP4 (and their MIXED_PRECISION); "
                           f"quant_algo {FORMAT_LABEL[fmt]} through it is not verified", src)
+
+
+def _gpt_oss(engine: str, fmt: str, layout: str, sm: int) -> Cell:
+    """gpt-oss's experts are read in the layout its own release uses: BF16 ``gate_up_proj`` / ``down_proj``
+    (transposed, gate/up interleaved, with biases) or MXFP4 ``*_blocks`` / ``*_scales`` (HF
+    ``quant_method: mxfp4``); the model classes read no ModelOpt expert tensors."""
+    trt = engine.startswith("trtllm")
+    src = _TRT_GPT_OSS if trt else (_VLLM_GPT_OSS if engine.startswith("vllm") else _SGL_GPT_OSS)
+    if layout == "mixed":
+        return Cell(REFUSED, "gpt-oss's loader takes one expert format for the whole model (BF16 or MXFP4)", src)
+    if fmt == "bf16":
+        return Cell(SUPPORTED, "", src)
+    if fmt != "mxfp4":
+        return Cell(REFUSED, f"gpt-oss's loader reads its experts as BF16 or as MXFP4 _blocks/_scales only, not "
+                             f"as {FORMAT_LABEL[fmt]}", src)
+    if trt:
+        return _trtllm_kernel(fmt, sm)
+    if sm < 90:
+        return Cell(UNLISTED, "below SM90 MXFP4 experts run through a Marlin W4A16 fallback", _VLLM_MXFP4)
+    return Cell(SUPPORTED, "", _VLLM_MXFP4 if engine.startswith("vllm") else _SGL_GPT_OSS)
 
 
 def cell(engine: str, family: str, fmt: str, layout: str, sm: int) -> Cell:
     """One cell of the table (KeyError for an unknown engine, family, format, layout or GPU)."""
     if engine not in ENGINES or family not in FAMILIES or fmt not in FORMATS or layout not in LAYOUTS or sm not in SMS:
         raise KeyError((engine, family, fmt, layout, sm))
+    if family == "gpt_oss":
+        return _gpt_oss(engine, fmt, layout, sm)
     if engine.startswith("trtllm"):
-        if family in ("deepseek_v1", "phimoe"):
+        if family in ("deepseek_v1", "phimoe", "olmoe"):
             return Cell(REFUSED, f"the PyTorch backend has no {ARCH_LABEL[family]} model class", _TRT_MODELS)
         if layout == "mixed":
-            return _trtllm_mixed(engine, family)
+            return _trtllm_mixed(engine, family, fmt)
         return _trtllm_kernel(fmt, sm)
     if family in ("deepseek_v1", "phimoe"):
         return Cell(UNLISTED, f"{ARCH_LABEL[family]} has a model class but no ModelOpt-quantized checkpoint is "
                               "listed for it", _VLLM if engine.startswith("vllm") else _SGL)
     c = _serving_kernel(engine, fmt, sm)
-    if layout == "mixed" and c.status == SUPPORTED and fmt not in ("bf16", "fp8", "nvfp4"):
+    model_file = _MODEL_FILES[ENGINES[engine][1]].get(family)
+    if model_file:  # the architecture's model class maps the experts' ModelOpt tensors through FusedMoE
+        c = Cell(c.status, c.reason, f"{model_file}, {c.source}")
+    if layout == "mixed" and c.status == SUPPORTED and fmt not in ("bf16", "fp8", "nvfp4", "nvfp4_w4a16"):
         return Cell(UNLISTED, "modelopt_mixed maps FP8 and NVFP4 layers", c.source)
     return c
 
@@ -156,7 +211,10 @@ def what_works(engine: str, family: str, sm: int) -> str:
     s += ("; MIXED_PRECISION of " + ", ".join(mixed)) if mixed else "; no MIXED_PRECISION"
     alt = [e for e in ENGINES if e != engine and any(cell(e, family, f, "mixed", sm).status == SUPPORTED
                                                      for f in FORMATS)]
-    if not mixed and alt:
+    takes = [e for e in ENGINES if e != engine and any(cell(e, family, f, "uniform", sm).ok for f in FORMATS)]
+    if not uni and takes:
+        s = f"nothing (the architecture loads on {', '.join(ENGINES[e][0] for e in takes)})"
+    elif not mixed and alt:
         s += f" (per-layer plans: {', '.join(ENGINES[e][0] for e in alt)})"
     return s
 

@@ -208,6 +208,24 @@ class QuantFormat:
         them out (suffixes ``weight``, ``weight_scale``, ...). The dequantized weight is unchanged."""
         raise UnsupportedError(f"{self.name}: ModelOpt has no export form for this format")
 
+    def modelopt_tensor_specs(self, out_features: int, in_features: int, dtype: torch.dtype
+                              ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(suffix, dtype, shape) of each tensor ModelOpt's unified-HF export writes for one ``[out, in]``
+        matrix stored in this format, in its order (``dtype``: the model dtype)."""
+        raise UnsupportedError(f"{self.name}: ModelOpt has no export form for this format")
+
+    def modelopt_export(self, w: Tensor, *, dtype: torch.dtype, input_amax: Tensor | float | None = None,
+                        weight_amax: Tensor | None = None) -> dict[str, Tensor]:
+        """One ``[out, in]`` matrix as ModelOpt's unified-HF exporter computes it: the tensors of
+        :meth:`modelopt_tensor_specs` (shapes as the file stores them). ``weight_amax`` replaces the
+        matrix's own amax behind a per-tensor (global) weight scale: ModelOpt gives the linears an engine
+        fuses (a routed expert's gate and up; q/k/v) one such scale, from their largest amax."""
+        return self.modelopt_tensors(self.quantize(w, dtype=dtype, input_amax=input_amax), dtype=dtype)
+
+    def modelopt_dequantize(self, tensors: dict[str, Tensor]) -> Tensor:
+        """The effective float32 weight ``[out, in]`` of one matrix's unified-HF tensors."""
+        raise UnsupportedError(f"{self.name}: ModelOpt has no export form for this format")
+
     def bits_per_weight(self, out_features: int, in_features: int,
                         scale_dtype_bytes: int = 2, *, n: int = 1) -> float:
         """Stored bits per weight of an ``[n, out, in]`` stack, scales counted."""
@@ -310,6 +328,20 @@ class FloatFormat(QuantFormat):
         _need(packed, ("weight",), self.name)
         return {"weight": packed["weight"]}
 
+    def modelopt_tensor_specs(self, out_features: int, in_features: int, dtype: torch.dtype):
+        return [("weight", dtype, (out_features, in_features))]
+
+    def modelopt_export(self, w: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None
+                        ) -> dict[str, Tensor]:
+        """An unquantized linear keeps the model dtype in a unified-HF checkpoint."""
+        _check_model_dtype(dtype)
+        _check_weight(w, self.name)
+        return {"weight": w.to(dtype).contiguous()}
+
+    def modelopt_dequantize(self, tensors: dict[str, Tensor]) -> Tensor:
+        _need(tensors, ("weight",), self.name)
+        return tensors["weight"].float()
+
     def linear(self, x: Tensor, packed: dict[str, Tensor], matmul: Matmul = torch.matmul) -> Tensor:
         _need(packed, ("weight",), self.name)
         w = packed["weight"]
@@ -397,6 +429,32 @@ class PerChannelIntFormat(QuantFormat):
         q = self._codes_in_out(packed)
         return {"weight": q.transpose(-1, -2).contiguous(),
                 "weight_scale": packed["per_channel_scale"].float().contiguous()}
+
+    def modelopt_tensor_specs(self, out_features: int, in_features: int, dtype: torch.dtype):
+        if self.bits != 8:
+            return super().modelopt_tensor_specs(out_features, in_features, dtype)
+        return [("weight", torch.int8, (out_features, in_features)), ("weight_scale", torch.float32, (out_features,))]
+
+    def modelopt_export(self, w: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None
+                        ) -> dict[str, Tensor]:
+        """W8A16 as ModelOpt's ``INT8_WEIGHT_ONLY_CFG`` export computes it (its own quantizer, not
+        TensorRT-LLM's): ``weight_scale`` = row amax / 127 in float32, codes = the model-dtype weight over
+        it rounded half to even, clamped to [-128, 127]."""
+        if self.bits != 8:
+            return super().modelopt_export(w, dtype=dtype)
+        _check_model_dtype(dtype)
+        _check_weight(w, self.name)
+        wd = w.to(dtype)
+        _check_amax(wd.abs().amax(), self.name, dtype)
+        scale = wd.abs().amax(dim=-1).float() / 127.0
+        q = (wd.float() / scale.unsqueeze(-1)).round().clamp(-128, 127).to(torch.int8)
+        return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
+
+    def modelopt_dequantize(self, tensors: dict[str, Tensor]) -> Tensor:
+        if self.bits != 8:
+            return super().modelopt_dequantize(tensors)
+        _need(tensors, ("weight", "weight_scale"), self.name)
+        return tensors["weight"].float() * tensors["weight_scale"].float().unsqueeze(-1)
 
     def dequantize(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> Tensor:
         q = self._codes_in_out(packed)
@@ -698,6 +756,23 @@ class FusedMoEFormat(QuantFormat):
     def modelopt_tensors(self, packed: dict[str, Tensor], *, dtype: torch.dtype) -> dict[str, Tensor]:
         return dict(packed)  # stored in ModelOpt's form already
 
+    def modelopt_export(self, w: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None
+                        ) -> dict[str, Tensor]:
+        packed = self.quantize(w, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax)
+        return {s: packed[s].reshape(shape) for s, _, shape in self.modelopt_tensor_specs(*w.shape[-2:], dtype)}
+
+    def modelopt_dequantize(self, tensors: dict[str, Tensor]) -> Tensor:
+        return self.dequantize(tensors, dtype=torch.float32)
+
+    def _input_scale_spec(self) -> list:
+        return [("input_scale", torch.float32, ())] if self.needs_input_amax else []
+
+    def _global_amax(self, wd: Tensor, weight_amax: Tensor | None) -> Tensor:
+        """The amax behind the per-tensor weight scale: the matrix's own, or a fused group's."""
+        if weight_amax is None:
+            return wd.abs().amax(dim=(-2, -1))
+        return torch.as_tensor(weight_amax, dtype=torch.float32).detach().cpu()
+
     def _shared_keys(self) -> frozenset[str]:
         return frozenset({"input_scale"})
 
@@ -799,9 +874,13 @@ class FP8Format(FusedMoEFormat):
         self._check_dims(out_features, in_features, n)
         return n * (out_features * in_features + 4) + self._input_scale_bytes()
 
-    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
+    def modelopt_tensor_specs(self, out_features: int, in_features: int, dtype: torch.dtype):
+        return [("weight", torch.float8_e4m3fn, (out_features, in_features)), ("weight_scale", torch.float32, ()),
+                *self._input_scale_spec()]
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None) -> dict[str, Tensor]:
         wd = self._prepare(w, dtype)
-        scale = _nonzero(wd.abs().amax(dim=(-2, -1)) / E4M3_MAX)
+        scale = _nonzero(self._global_amax(wd, weight_amax) / E4M3_MAX)
         # The quotient is rounded to the model dtype before E4M3, as ModelOpt's exporter computes it (a
         # model-dtype weight divided by a float32 scalar scale yields the model dtype).
         q = (wd / _lead(scale, wd.dim())).to(dtype).float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -835,10 +914,25 @@ class FP8BlockFormat(FusedMoEFormat):
         blocks = -(-out_features // self.block) * -(-in_features // self.block)
         return n * (out_features * in_features + 4 * blocks)
 
-    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
+    def modelopt_tensor_specs(self, out_features: int, in_features: int, dtype: torch.dtype):
+        # ModelOpt squeezes the block-scale grid: a grid dimension of one block is dropped.
+        grid = tuple(d for d in (-(-out_features // self.block), -(-in_features // self.block)) if d != 1)
+        return [("weight", torch.float8_e4m3fn, (out_features, in_features)), ("weight_scale", torch.float32, grid)]
+
+    def modelopt_dequantize(self, tensors: dict[str, Tensor]) -> Tensor:
+        _need(tensors, ("weight", "weight_scale"), self.name)
+        q = tensors["weight"]
+        grid = (-(-q.shape[-2] // self.block), -(-q.shape[-1] // self.block))
+        return self._dequant_f32({**tensors, "weight_scale": tensors["weight_scale"].reshape(grid)})
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None) -> dict[str, Tensor]:
+        """``weight_amax`` (a fused group's) sets the scale of a matrix that is a single block."""
         wd = self._prepare(w, dtype)
         b = self.block
-        scale = _nonzero(_block_amax_2d(wd, b, b) / E4M3_MAX)
+        amax = _block_amax_2d(wd, b, b)
+        if weight_amax is not None and amax.shape[-2:] == (1, 1):
+            amax = self._global_amax(wd, weight_amax).reshape(amax.shape)
+        scale = _nonzero(amax / E4M3_MAX)
         full = _expand_2d(scale, b, b, wd.shape[-2], wd.shape[-1])
         q = (wd / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
@@ -894,9 +988,14 @@ class NVFP4Format(_BlockFP4Format):
     block: int = 16
     global_scale_bytes: int = 4  # weight_scale_2
 
-    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
+    def modelopt_tensor_specs(self, out_features: int, in_features: int, dtype: torch.dtype):
+        return [("weight", torch.uint8, (out_features, in_features // 2)),
+                ("weight_scale", torch.float8_e4m3fn, (out_features, in_features // self.block)),
+                ("weight_scale_2", torch.float32, ()), *self._input_scale_spec()]
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None) -> dict[str, Tensor]:
         wd = self._prepare(w, dtype)
-        gs = _nonzero(wd.abs().amax(dim=(-2, -1)) / (E2M1_MAX * E4M3_MAX))
+        gs = _nonzero(self._global_amax(wd, weight_amax) / (E2M1_MAX * E4M3_MAX))
         g = _blocks(wd, self.block)
         gsl = _lead(gs, g.dim())
         bs = _nvfp4_block_scales(g.abs().amax(dim=-1), gsl.squeeze(-1))
@@ -931,7 +1030,12 @@ class MXFP4Format(_BlockFP4Format):
 
     block: int = 32
 
-    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None) -> dict[str, Tensor]:
+    def modelopt_tensor_specs(self, out_features: int, in_features: int, dtype: torch.dtype):
+        return [("weight", torch.uint8, (out_features, in_features // 2)),
+                ("weight_scale", torch.uint8, (out_features, in_features // self.block))]
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None) -> dict[str, Tensor]:
+        """Every scale is per block: ``weight_amax`` has nothing to set."""
         wd = self._prepare(w, dtype)
         g = _blocks(wd, self.block)
         e = e8m0_exponents(g.abs().amax(dim=-1))
@@ -990,10 +1094,21 @@ class W4A8AwqFormat(FusedMoEFormat):
         per = out_features * in_features // 2 + 4 * out_features * (in_features // self.group_size) + 4
         return n * per + 4 + in_features * scale_dtype_bytes
 
-    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None,
+    def modelopt_tensor_specs(self, out_features: int, in_features: int, dtype: torch.dtype):
+        return [("weight", torch.uint8, (out_features // 2, in_features)),
+                ("weight_scale", torch.float32, (out_features, in_features // self.group_size)),
+                ("weight_scale_2", torch.float32, ()), ("pre_quant_scale", dtype, (in_features,)),
+                *self._input_scale_spec()]
+
+    def modelopt_layer_config(self) -> dict | None:
+        # ModelOpt's hf_quant_config entry for W4A8_AWQ also says the INT4 is symmetric and pre-scaled.
+        return {**super().modelopt_layer_config(), "has_zero_point": False, "pre_quant_scale": True}
+
+    def quantize(self, w: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None,
                  pre_quant_scale: Tensor | None = None) -> dict[str, Tensor]:
         """``pre_quant_scale`` (``[in]``, AWQ's smoothing) divides the weight's input columns and
-        multiplies the inputs; ``input_amax`` per input channel lets the input scale follow it."""
+        multiplies the inputs; ``input_amax`` per input channel lets the input scale follow it.
+        ``weight_amax`` (of the pre-scaled weight of a fused group) sets ``weight_scale_2``."""
         wd = self._prepare(w, dtype)
         in_f = wd.shape[-1]
         pq = torch.ones(in_f, dtype=dtype) if pre_quant_scale is None else pre_quant_scale.reshape(-1).to(dtype)
@@ -1003,7 +1118,7 @@ class W4A8AwqFormat(FusedMoEFormat):
         g = _blocks(wt, self.group_size)
         scale = _nonzero(g.abs().amax(dim=-1) / 7.0)
         codes = (g / scale.unsqueeze(-1)).round().clamp(-8, 7).to(torch.int8).flatten(-2)
-        s2 = _nonzero(wt.abs().amax(dim=(-2, -1)) / E4M3_MAX)
+        s2 = _nonzero(self._global_amax(wt, weight_amax) / E4M3_MAX)
         packed = pack_int4(codes, dim=-2).view(torch.uint8)
         return {"weight": packed, "weight_scale": scale.contiguous(), "weight_scale_2": s2.contiguous(),
                 "pre_quant_scale": pq.contiguous(), **self._input_scale(input_amax, E4M3_MAX, dtype, pq)}

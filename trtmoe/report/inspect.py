@@ -9,6 +9,7 @@ from collections import defaultdict
 
 from .. import DEFAULT_TRTLLM_VERSION
 from ..checkpoint import support
+from ..checkpoint import unified_support as unified
 from ..checkpoint.layout import DTYPE_STR, packed_at_conversion, rank_specs
 from ..errors import CheckpointError, LayoutError
 from ..hf.adapters import describe
@@ -41,14 +42,38 @@ def _describe(model: str):
     return path, m, None
 
 
+UNIFIED_TARGETS = tuple(unified.DEFAULT_ENGINE)  # trtllm-pytorch, vllm, sglang
+
+
+def unified_report(family: str, fmt: str | None, target: str | None, sm: int, engine: str | None = None) -> dict:
+    """What the unified-HF support table says about an architecture: per engine release, the formats it
+    takes on SM ``sm``; with a unified-HF ``target``, the cell of ``fmt`` (routed experts, uniform) there,
+    a refusal naming the cell and what works (``support``, as the TensorRT-LLM engine-path check reports)."""
+    out: dict = {"sm": sm, "engines": {e: unified.what_works(e, family, sm) for e in unified.ENGINES}}
+    if target in UNIFIED_TARGETS:
+        engine = engine or unified.DEFAULT_ENGINE[target]
+        f = "bf16" if fmt in (None, FLOAT, "fp16", "bf16", "fp32") else fmt
+        label = unified.ENGINES.get(engine, (engine, None))[0]
+        if f not in unified.FORMATS:
+            v = unified.Verdict(refusals=[f"{label} x {unified.ARCH_LABEL[family]} x {f}: refused: format {f!r} has "
+                                          "no unified-HF (ModelOpt) form"],
+                                works=unified.what_works(engine, family, sm))
+        else:
+            v = unified.check(engine, family, {f}, sm)
+        out["support"] = {"release": engine, "engine_label": label, **v.to_dict(), "what_works": v.works}
+    return out
+
+
 def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = None, moe_ep: int | None = None,
                   dtype: str = "auto", fmt: str | None = None, target: str | None = None,
-                  trtllm_version: str = "1.2") -> dict:
+                  trtllm_version: str = "1.2", sm: int = 90, engine: str | None = None) -> dict:
     """Parameter accounting and per-rank weight bytes (routed experts in ``fmt`` when given: what the
-    engine holds); with ``target="tensorrt-llm"`` the support-table cell of that layout and format.
+    engine holds); with ``target="tensorrt-llm"`` the support-table cell of that layout and format; with a
+    unified-HF target (``trtllm-pytorch``, ``vllm``, ``sglang``) the unified support table's cell on SM
+    ``sm`` (release ``engine``). Every report lists the unified-HF formats each engine takes.
     Layout and cell problems are reported, not raised."""
     if outside_registry(resolve_model_path(model, config_only=True)):
-        return _inspect_transformers_moe(model, tp, pp, moe_tp, moe_ep)
+        return _inspect_transformers_moe(model, tp, pp, moe_tp, moe_ep, fmt, target, sm, engine)
     path, m, source_bytes = _describe(model)
     pc = count_params(m)
     tdtype = parse_dtype(m.source_dtype if dtype == "auto" and m.source_dtype in DTYPE_STR.values()
@@ -126,13 +151,25 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
                           shared_expert_size=m.shared_expert_intermediate_size)
         report["support"] = {"release": trtllm_version, **v.to_dict(),
                              "what_works": support.what_works(trtllm_version, m.family)}
+    if m.family in unified.FAMILIES:
+        u = unified_report(m.family, fmt, target, sm, engine)
+        report["unified_hf"] = u
+        if "support" in u:
+            report["support"] = u["support"]
     report["notes"] = _notes(m)
     return report
 
 
-def _inspect_transformers_moe(model: str, tp: int, pp: int, moe_tp: int | None, moe_ep: int | None) -> dict:
-    """A MoE outside the registry, counted from transformers' model built from its config (inspect_hf)."""
+def _inspect_transformers_moe(model: str, tp: int, pp: int, moe_tp: int | None, moe_ep: int | None, fmt: str | None,
+                              target: str | None, sm: int, engine: str | None) -> dict:
+    """A MoE outside the registry, counted from transformers' model built from its config (inspect_hf), with
+    the unified-HF support table's cells when the exporter reads its tensors by name (DeepSeek-V3, gpt-oss,
+    OLMoE)."""
     rep = describe_transformers_moe(resolve_model_path(model, config_only=True))
+    if rep["family"] in unified.ARCH_LABEL:
+        rep["unified_hf"] = unified_report(rep["family"], fmt, target, sm, engine)
+        if "support" in rep["unified_hf"]:
+            rep["support"] = rep["unified_hf"]["support"]
     why = layout_problem(rep, tp, pp, moe_tp, moe_ep)
     rep["layout"] = {"tp": tp, "pp": pp, "moe_tp": moe_tp, "moe_ep": moe_ep, "ok": why is None,
                      "problems": [why] if why else []}

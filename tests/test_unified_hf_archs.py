@@ -1,0 +1,186 @@
+"""The unified-HF export of the architectures TensorRT-LLM's engine path never had: DeepSeek-V3, gpt-oss,
+OLMoE (tiny seeded models from transformers' own classes, scripts/make_tiny_models.py).
+
+What the engines' loaders read is restated here from their sources: TensorRT-LLM
+``_torch/models/modeling_gpt_oss.py`` (gpt-oss experts as BF16 ``gate_up_proj`` ``[E, H, 2I]`` with gate and
+up interleaved along the last dim, or MXFP4 ``gate_up_proj_blocks`` ``[E, 2I, H/32, 16]`` /
+``gate_up_proj_scales`` ``[E, 2I, H/32]`` whose rows interleave gate and up), ``modeling_deepseekv3.py``
+(routed experts per expert, ``shared_experts``, ``mlp.gate.e_score_correction_bias``) and Hugging Face
+transformers' MXFP4 dequantizer (``integrations/mxfp4.convert_moe_packed_tensors``), used as the
+independent reading of the ``_blocks`` / ``_scales`` bytes. ModelOpt's byte-for-byte comparison of OLMoE
+and DeepSeek-V3 lives in test_unified_hf_conformance.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from trtmoe.checkpoint import unified_hf as U
+from trtmoe.checkpoint.verify import verify_artifact
+from trtmoe.errors import UnsupportedError
+from trtmoe.quant import formats as QF
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "trtmoe.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, cwd=cwd, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tiny_model):
+    return tiny_model("gpt_oss", dtype="bfloat16", intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tiny_model):
+    return tiny_model("deepseek_v3", dtype="bfloat16", moe_intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def olmoe(tiny_model):
+    return tiny_model("olmoe", dtype="bfloat16", intermediate_size=64)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe"])
+def test_modules_are_found_by_their_hf_names(arch, request):
+    model = request.getfixturevalue(arch)
+    with U.SourceModel(model) as src:
+        assert src.family == arch
+        mods = src.modules()
+    kinds = {m.name: m.kind for m in mods}
+    experts = [m for m in mods if m.kind == "expert"]
+    assert sorted({m.layer for m in experts}) == ([1, 2] if arch == "deepseek_v3" else [0, 1, 2])
+    assert kinds["lm_head"] == "excluded" and kinds["model.embed_tokens"] == "excluded"
+    if arch == "gpt_oss":  # stacked [E, in, out] tensors, one module each
+        assert {(m.name.rsplit(".", 1)[1], m.stacked, m.shape) for m in experts} == {
+            ("gate_up_proj", 4, (128, 64)), ("down_proj", 4, (64, 64))}
+        assert kinds["model.layers.0.mlp.router"] == "excluded"
+    else:
+        assert kinds["model.layers.1.mlp.gate"] == "excluded"
+        assert {m.expert_role for m in experts} == {"gate", "up", "down"}
+    if arch == "deepseek_v3":
+        assert kinds["model.layers.1.self_attn.kv_b_proj"] == "mla"
+        assert kinds["model.layers.1.mlp.shared_experts.up_proj"] == "shared"
+        assert kinds["model.layers.0.mlp.gate_proj"] == "dense"
+
+
+def test_gpt_oss_mxfp4_is_written_as_its_release_and_loaders_read_it(gpt_oss, tmp_path):
+    out = tmp_path / "ck"
+    r = U.write_unified_checkpoint(gpt_oss, out, U.UnifiedPlan.uniform("mxfp4", [0, 1, 2]))
+    verify_artifact(out)
+    assert r.manifest["quant_algo"] == "W4A16_MXFP4"
+    assert not (out / "hf_quant_config.json").exists()  # the loaders would take it over config.json
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    assert "model.layers.*.self_attn" in cfg["quantization_config"]["modules_to_not_convert"]
+    assert U.read_layer_formats(out) == {"*": U.FORMATS["mxfp4"]}
+    a, src = tensors(out), tensors(gpt_oss)
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    for l in range(3):
+        p = f"model.layers.{l}.mlp.experts."
+        for proj in ("gate_up_proj", "down_proj"):
+            w = src[p + proj]  # [E, in, out]
+            e, i, o = w.shape
+            blocks, scales = a[p + proj + "_blocks"], a[p + proj + "_scales"]
+            assert (blocks.dtype, tuple(blocks.shape)) == (torch.uint8, (e, o, i // 32, 16))
+            assert (scales.dtype, tuple(scales.shape)) == (torch.uint8, (e, o, i // 32))
+            assert p + proj not in a
+            # transformers' own dequantizer of the release format reads the bytes back as [E, in, out] ...
+            deq = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.float32)
+            assert tuple(deq.shape) == (e, i, o)
+            # ... equal to the mxfp4 format's rule (the embedded engine's) on the same bytes ...
+            mine = torch.stack([QF.FORMATS["mxfp4"].dequantize({"weight": blocks[x].flatten(-2),
+                                                               "weight_scale": scales[x]}, dtype=torch.float32)
+                                for x in range(e)]).transpose(1, 2)
+            assert torch.equal(deq, mine)
+            # ... and within one E2M1 step (at most 1 x the block's power of two) of the source weight.
+            step = torch.exp2(scales.float() - 127).repeat_interleave(32, -1).transpose(1, 2)
+            assert bool(((deq - w.float()).abs() <= step).all())
+        # TensorRT-LLM deinterleaves the rows of the fused gate_up blocks: even rows gate, odd rows up, the
+        # same order as the BF16 release's columns.
+        bu, su = a[p + "gate_up_proj_blocks"], a[p + "gate_up_proj_scales"]
+        full = convert_moe_packed_tensors(bu.clone(), su.clone(), dtype=torch.float32)
+        for half in (0, 1):
+            rows = convert_moe_packed_tensors(bu[:, half::2].clone(), su[:, half::2].clone(), dtype=torch.float32)
+            assert torch.equal(rows, full[:, :, half::2])
+        for keep in ("gate_up_proj_bias", "down_proj_bias"):
+            assert torch.equal(a[p + keep], src[p + keep])
+    for k in ("model.layers.1.self_attn.sinks", "model.layers.1.mlp.router.weight", "model.layers.1.mlp.router.bias",
+              "model.layers.1.self_attn.q_proj.weight"):
+        assert torch.equal(a[k], src[k]), k
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe"])
+def test_unquantized_export_runs_in_transformers_as_the_source(arch, request, tmp_path):
+    """Every tensor under the name transformers reads: the BF16 export gives the source's logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = request.getfixturevalue(arch)
+    out = tmp_path / "ck"
+    U.write_unified_checkpoint(model, out, U.UnifiedPlan({}, {}, {"policy": "per-layer"}))
+    ids = torch.tensor([[3, 17, 5, 42, 9, 11, 2, 8]])
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).eval()(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16).eval()(ids).logits
+    assert torch.equal(a, b)
+
+
+def test_deepseek_v3_keeps_mla_and_router_and_quantizes_experts_shared_dense(deepseek_v3, tmp_path):
+    out = tmp_path / "ck"
+    U.write_unified_checkpoint(deepseek_v3, out, U.UnifiedPlan.uniform("nvfp4_w4a16", [1, 2]))
+    q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "W4A16_NVFP4" and q["group_size"] == 16
+    assert "model.layers.1.self_attn*" in q["exclude_modules"] and "model.layers.1.mlp.gate" in q["exclude_modules"]
+    a = tensors(out)
+    for k in ("model.layers.1.mlp.experts.3.up_proj", "model.layers.1.mlp.shared_experts.down_proj",
+              "model.layers.0.mlp.gate_proj"):
+        assert a[k + ".weight"].dtype == torch.uint8 and a[k + ".weight_scale"].dtype == torch.float8_e4m3fn, k
+        assert k + ".input_scale" not in a  # weight-only
+    for k in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert a[f"model.layers.1.self_attn.{k}.weight"].dtype == torch.bfloat16
+    assert a["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    # A fused gate/up pair shares its global scale (TensorRT-LLM fuses w1/w3 into one GEMM).
+    assert torch.equal(a["model.layers.2.mlp.experts.5.gate_proj.weight_scale_2"],
+                       a["model.layers.2.mlp.experts.5.up_proj.weight_scale_2"])
+    with pytest.raises(UnsupportedError, match="MLA"):
+        U.write_unified_checkpoint(deepseek_v3, tmp_path / "mla", U.UnifiedPlan({1: "nvfp4_w4a16"}, {"attention": "fp8"}))
+    assert not (tmp_path / "mla").exists()
+
+
+def test_cli_refusals_name_the_cell_and_what_works(gpt_oss, olmoe, tmp_path):
+    p = run_cli("convert", gpt_oss, "-o", tmp_path / "g", "--target", "trtllm-pytorch", "--layer-format", "*=nvfp4_w4a16")
+    assert p.returncode == 2, p.stderr
+    assert "TensorRT-LLM 1.2.1 (PyTorch backend) x gpt-oss x NVFP4 W4A16 x uniform x SM90: refused" in p.stderr
+    assert "modeling_gpt_oss.py" in p.stderr and "uniform BF16, MXFP4" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "g").exists()
+    p = run_cli("convert", olmoe, "-o", tmp_path / "o", "--target", "trtllm-pytorch", "--layer-format", "*=nvfp4_w4a16")
+    assert p.returncode == 2 and "no OLMoE model class" in p.stderr, p.stderr
+    p = run_cli("convert", olmoe, "-o", tmp_path / "o", "--target", "sglang", "--layer-format", "*=nvfp4_w4a16")
+    assert p.returncode == 0, p.stderr
+    verify_artifact(tmp_path / "o")
+    p = run_cli("inspect", olmoe, "--target", "trtllm-pytorch", "--format", "fp8")
+    assert p.returncode == 3, p.stderr
+    assert "x OLMoE x FP8 x uniform x SM90: refused" in p.stderr
+    p = run_cli("inspect", gpt_oss, "--target", "vllm", "--format", "mxfp4", "--json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["support"]["ok"] and rep["unified_hf"]["engines"]["trtllm-1.2.1"].startswith("uniform BF16, MXFP4")
