@@ -362,7 +362,7 @@ class RankLayout:
                         emit(self._quantized(fmt, l, e, t, I_loc, mod, shared=True)[key])
 
                 full = shape if shared else (len(orig), *shape)
-                specs.append(TensorSpec(f"{p}mlp.{mod}.{key}", full, dtype, produce, f"expert_{mod}"))
+                specs.append(TensorSpec(expert_tensor(p, mod, key), full, dtype, produce, f"expert_{mod}"))
         return specs
 
     def _per_expert(self, p: str, l: int, slots, orig: list[int], t: int, I_loc: int):
@@ -378,9 +378,16 @@ class RankLayout:
                     def produce(emit, mod=mod, key=key, e=e, fmt=fmt):
                         emit(self._quantized(fmt, l, e, t, I_loc, mod)[key])
 
-                    specs.append(TensorSpec(f"{p}mlp.experts.{slot}.{mod}.{key}", shape, dtype, produce,
+                    specs.append(TensorSpec(expert_tensor(p, mod, key, slot), shape, dtype, produce,
                                             f"expert_{mod}"))
         return specs
+
+
+def expert_tensor(layer_prefix: str, mod: str, key: str = "", slot: int | None = None) -> str:
+    """The rank-file name of a routed-expert tensor ``key`` of matrix ``mod`` ("fc" or "proj"): the
+    layer's stack ``mlp.{mod}.{key}`` or, with ``slot``, the per-expert variant's
+    ``mlp.experts.{slot}.{mod}.{key}`` (``key`` "": the prefix every such tensor starts with)."""
+    return f"{layer_prefix}mlp.{mod}.{key}" if slot is None else f"{layer_prefix}mlp.experts.{slot}.{mod}.{key}"
 
 
 def packed_at_conversion(fmt_name: str) -> bool:

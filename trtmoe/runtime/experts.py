@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.layout import packed_at_conversion
+from ..checkpoint.layout import expert_tensor, packed_at_conversion
 from ..errors import CheckpointError, InputError
 from ..hf.adapters import expert_rules
 from ..matmul import Packed, matmul_for, mm_t, packs, uses_onednn
@@ -484,32 +484,30 @@ def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
         return FloatExperts(fc.to(device, cdt), proj.to(device, cdt), str(dt).replace("torch.", ""), cpu_matmul,
                             pack)
     mp = cfg.mapping
-    E_loc = cfg.num_experts // mp.moe_ep_size
     shards: list[list[PackedShard]] = [[] for _ in range(cfg.num_experts)]
     mv = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
     for ep in range(mp.moe_ep_size):
         for t in range(mp.moe_tp_size):
             r = mp.tp_rank_for(t, ep)
             f = files.file(mp.rank(r, pp_rank))
-            for i in range(E_loc):
-                slot = ep * E_loc + i
+            for i, slot in enumerate(mp.ep_experts(cfg.num_experts, r)):
                 fmts = {"fc": format_obj(fc_names[slot], dt), "proj": format_obj(proj_names[slot], dt)}
                 if gran in ("expert", "matrix"):
                     parts = {}
                     for mod in ("fc", "proj"):
-                        prefix = f"{pre}mlp.experts.{slot}.{mod}."
+                        prefix = expert_tensor(pre, mod, slot=slot)
                         parts[mod] = {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
                 elif packed_at_conversion(fc_names[slot]):
                     parts = {}
                     for mod in ("fc", "proj"):
-                        prefix = f"{pre}mlp.{mod}."
+                        prefix = expert_tensor(pre, mod)
                         stack = {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
                         parts[mod] = fmts[mod].expert(stack, i)
                 else:
                     # Float weights with a weight-only quant_algo: quantize each rank shard as
                     # trtllm-build would, then run from the packed bytes.
-                    fc = f.read(f"{pre}mlp.fc.weight")[i]
-                    proj = f.read(f"{pre}mlp.proj.weight")[i]
+                    rules = expert_rules(cfg)
+                    fc, proj = (f.read(pre + rules[mod].name)[i] for mod in ("fc", "proj"))
                     parts = {"fc": fmts["fc"].quantize(fc, dtype=dt), "proj": fmts["proj"].quantize(proj, dtype=dt)}
                 shards[slot].append(PackedShard(fmts["fc"], mv(parts["fc"]), fmts["proj"], mv(parts["proj"])))
     # On CPU a serving engine ("auto", packed experts) runs what it can in the CPU kernels.
