@@ -39,6 +39,9 @@ from .routers import RouterOverride, router_for
 from .routing_stats import RoutingStats, decode_summary
 from .sampling import SamplingParams, Sequence
 
+# How an engine holds its weight matrices (``EmbeddedEngine(weights=...)``).
+WEIGHT_MODES = ("compute", "checkpoint")
+
 __all__ = ["BeamSequence", "EmbeddedEngine", "RouterOverride", "SamplingParams", "Sequence", "decode_summary"]
 
 
@@ -47,7 +50,7 @@ class EmbeddedEngine(Batching):
 
     def __init__(self, cfg: CheckpointConfig, device: torch.device, path: Path | None = None,
                  compute_dtype: torch.dtype | None = None, cpu_matmul: str = "auto", pack_experts: bool = True,
-                 cpu_activations: str = "float32"):
+                 cpu_activations: str = "float32", weights: str = "compute"):
         self.cfg = cfg
         self.device = device
         self.path = path
@@ -67,6 +70,13 @@ class EmbeddedEngine(Batching):
         if compute_dtype is None:
             compute_dtype = cfg.dtype if device.type == "cuda" or cpu_activations == "model" else torch.float32
         self.compute_dtype = compute_dtype
+        # The dtype the embedding and weight matrices are held in: the compute dtype ("compute": products
+        # run packed for oneDNN on CPU, at up to 2-3x a 16-bit checkpoint's memory in float32) or the
+        # checkpoint's ("checkpoint": each product converts its weight a block at a time, see
+        # trtmoe.runtime.upcast). Norms, biases and routers are held as with "compute" either way.
+        if weights not in WEIGHT_MODES:
+            raise InputError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
+        self.weight_dtype = cfg.dtype if weights == "checkpoint" else compute_dtype
         if device.type == "cpu":
             hold_freed_memory()  # the activations' memory is reused, not faulted in again (runtime/alloc.py)
         self.layers: list[Layer] = []
@@ -99,7 +109,7 @@ class EmbeddedEngine(Batching):
     def from_checkpoint(cls, ckpt_dir: str | Path, device: str | torch.device | None = None,
                         max_seq_len: int | None = None, compute_dtype: torch.dtype | None = None,
                         cpu_matmul: str = "auto", pack_experts: bool = True,
-                        cpu_activations: str = "float32") -> "EmbeddedEngine":
+                        cpu_activations: str = "float32", weights: str = "compute") -> "EmbeddedEngine":
         """Load a TensorRT-LLM checkpoint directory (config.json + rank*.safetensors).
 
         ``device``: None = CUDA when present, else CPU. ``compute_dtype``: activation dtype, by
@@ -109,12 +119,14 @@ class EmbeddedEngine(Batching):
         INT8 / INT4 ones of a 16-bit model only in PyTorch's CPU weight-only kernels' layouts, see
         trtmoe.runtime.qkernels) and runs quantized experts on their formats' reference path.
         ``cpu_activations``: "float32" (the default on CPU) or "model" (the checkpoint's dtype, as on
-        CUDA; ignored where ``compute_dtype`` is given)."""
+        CUDA; ignored where ``compute_dtype`` is given). ``weights``: "compute" holds every weight matrix
+        in the compute dtype, "checkpoint" in the checkpoint's (the memory of the checkpoint; see
+        trtmoe.runtime.upcast)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         cfg = load_config(ckpt_dir)
-        eng = cls(cfg, device, Path(ckpt_dir), compute_dtype, cpu_matmul, pack_experts, cpu_activations)
+        eng = cls(cfg, device, Path(ckpt_dir), compute_dtype, cpu_matmul, pack_experts, cpu_activations, weights)
         if max_seq_len:
             eng.max_seq_len = max_seq_len
         files = RankFiles(ckpt_dir, cfg)
@@ -127,7 +139,8 @@ class EmbeddedEngine(Batching):
         return eng
 
     def _load(self, files: RankFiles):
-        w = load_weights(files, self.cfg, self.device, self.compute_dtype, self.cpu_matmul, self.pack_experts)
+        w = load_weights(files, self.cfg, self.device, self.compute_dtype, self.cpu_matmul, self.pack_experts,
+                         self.weight_dtype)
         self.embedding, self.final_norm, self.final_norm_b = w.embedding, w.final_norm, w.final_norm_b
         self.lm_head, self.lm_head_b, self.layers = w.lm_head, w.lm_head_b, w.layers
         for l, nbytes in w.expert_bytes.items():
@@ -185,7 +198,7 @@ class EmbeddedEngine(Batching):
         ``all_positions`` (with ``last``): rows whose logits at every position up to their ``last``
         are also wanted; each key's value is set to those, [last + 1, V] float32. ``decode``: this is a
         decode step over rows whose caches hold that many tokens in all after it (``decode_traffic``)."""
-        x = self.embedding[ids] if hidden is None else hidden
+        x = self._embed(ids) if hidden is None else hidden
         plan = cache_plan(self._kv, seqs, pos, ids.shape[1]) if seqs is not None else None
         lengths = rope_lengths  # each cached sequence's tokens after this forward (padding excluded)
         if seqs is not None and lengths is None:
@@ -214,6 +227,10 @@ class EmbeddedEngine(Batching):
                 all_positions[b] = self._head(x[b, : last[b] + 1])
             x = x[torch.arange(x.shape[0], device=x.device), torch.tensor(last, device=x.device)][:, None]
         return self._head(x)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding[ids]
+        return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head: hidden states [..., H] -> float32 logits [..., V]."""
@@ -263,5 +280,5 @@ class EmbeddedEngine(Batching):
         B, T = ids.shape
         pos = torch.arange(T, device=self.device).expand(B, T)
         with torch.inference_mode(False), torch.enable_grad():
-            x = self.embedding[ids].detach().requires_grad_()
+            x = self._embed(ids).detach().requires_grad_()
             return self._forward(ids, pos, None, hidden=x)

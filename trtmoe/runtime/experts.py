@@ -23,6 +23,7 @@ from ..model.params import count_params
 from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
 from .qkernels import kernel_for
+from .upcast import upcast_mm
 
 
 # Row blocks up to this size (a decode step, a short prompt) may run stacked: a packed bank's busy
@@ -105,10 +106,14 @@ class FloatExperts(ExpertBank):
     are then not available."""
 
     def __init__(self, fc: torch.Tensor, proj: torch.Tensor, fmt: str, cpu_matmul: str = "blas",
-                 pack: bool = False):
+                 pack: bool = False, compute_dtype: torch.dtype | None = None):
         self.fmt = fmt
         self._dims = (fc.shape[1], proj.shape[1])  # the fc and proj output widths, 2I and H
-        self._onednn = uses_onednn(cpu_matmul, fc[0])
+        # Activations of another dtype than the weights (held as the checkpoint stores them): every
+        # product converts its weight a block at a time (trtmoe.runtime.upcast), nothing is packed.
+        self._upcast = compute_dtype is not None and compute_dtype != fc.dtype
+        pack = pack and not self._upcast
+        self._onednn = uses_onednn(cpu_matmul, fc[0]) and not self._upcast
         self.matmul = matmul_for(cpu_matmul)  # what a quantized stand-in for one of its matrices runs
         # Per matrix kind: the plain [E, out, in] view (None when packed) and each expert's operand
         # (its transposed plain weight, or its Packed weight).
@@ -147,7 +152,9 @@ class FloatExperts(ExpertBank):
         if isinstance(m, Packed):
             return m(x, out)
         if x.dim() != 2:
-            return x @ m
+            return x @ (m.to(x.dtype) if self._upcast else m)
+        if self._upcast:
+            return upcast_mm(x, m, out)
         return mm_t(x, m, self._onednn, out=out)
 
     def fc_out(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -475,14 +482,17 @@ def nonexpert_step_bytes(cfg) -> tuple[int, int]:
 
 def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
                      compute_dtype: torch.dtype | None = None, cpu_matmul: str = "blas",
-                     pack: bool = False) -> ExpertBank:
+                     pack: bool = False, weight_dtype: torch.dtype | None = None) -> ExpertBank:
+    """The routed experts of ``layer``. Float experts are held in ``weight_dtype`` (default: the
+    compute dtype) and multiply activations of ``compute_dtype`` (default: the checkpoint's)."""
     gran, fc_names, proj_names = slot_formats(cfg, layer)
     dt = cfg.dtype
     if gran == "layer" and fc_names[0] == FLOAT:
         fc, proj = _float_fc_proj(files, cfg, pre, pp_rank)
         cdt = compute_dtype or dt
-        return FloatExperts(fc.to(device, cdt), proj.to(device, cdt), str(dt).replace("torch.", ""), cpu_matmul,
-                            pack)
+        wdt = weight_dtype or cdt
+        return FloatExperts(fc.to(device, wdt), proj.to(device, wdt), str(dt).replace("torch.", ""), cpu_matmul,
+                            pack, cdt)
     mp = cfg.mapping
     shards: list[list[PackedShard]] = [[] for _ in range(cfg.num_experts)]
     mv = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731

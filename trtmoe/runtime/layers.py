@@ -16,6 +16,7 @@ from ..matmul import Dense, dense
 from .attention import attention_for
 from .checkpoint_reader import RankFiles, whole
 from .experts import ExpertBank, expert_bytes, load_expert_bank
+from .upcast import Upcast
 
 
 @dataclass
@@ -51,15 +52,21 @@ def _role(rule) -> str:
 
 
 def load_weights(files: RankFiles, cfg, device: torch.device, compute_dtype: torch.dtype, cpu_matmul: str,
-                 pack_experts: bool) -> Weights:
-    """Every weight of the checkpoint ``files`` (config ``cfg``) on ``device``: vectors and matrices in
-    ``compute_dtype``, routers in float32, routed experts as ``load_expert_bank`` holds them."""
+                 pack_experts: bool, weight_dtype: torch.dtype | None = None) -> Weights:
+    """Every weight of the checkpoint ``files`` (config ``cfg``) on ``device``: vectors (norms, biases)
+    in ``compute_dtype``, the embedding and weight matrices in ``weight_dtype`` (default: the compute
+    dtype; another one is multiplied through ``trtmoe.runtime.upcast``), routers in float32, routed
+    experts as ``load_expert_bank`` holds them."""
     mp = cfg.mapping
+    wdt = weight_dtype or compute_dtype
     to = lambda t: None if t is None else t.to(device, compute_dtype)  # noqa: E731
-    lin = lambda t: dense(to(t), cpu_matmul)  # noqa: E731
+    if wdt == compute_dtype:
+        lin = lambda t: dense(to(t), cpu_matmul)  # noqa: E731
+    else:
+        lin = lambda t: None if t is None else Upcast(t.to(device, wdt))  # noqa: E731
     g = {_role(r): whole(files, r, "", 0) for r in global_rules(cfg, FIRST)}
     g.update({_role(r): whole(files, r, "", mp.pp_size - 1) for r in global_rules(cfg, LAST)})
-    out = Weights(embedding=to(g["embed"]), final_norm=to(g["final_norm"]), final_norm_b=to(g.get("final_norm_bias")),
+    out = Weights(embedding=g["embed"].to(device, wdt), final_norm=to(g["final_norm"]), final_norm_b=to(g.get("final_norm_bias")),
                   lm_head=lin(g["lm_head"]), lm_head_b=to(g.get("lm_head_bias")))
     for l in range(cfg.num_layers):
         p, j = mp.layer_owner(cfg.num_layers, l)
@@ -70,7 +77,7 @@ def load_weights(files: RankFiles, cfg, device: torch.device, compute_dtype: tor
                     input_norm_b=to(t.get("input_norm_bias")), post_norm_b=to(t.get("post_norm_bias")))
         if cfg.moe_layers[l]:
             lay.router = dense(t["router"].float().to(device), cpu_matmul)
-            lay.experts = load_expert_bank(files, cfg, l, pre, p, device, compute_dtype, cpu_matmul, pack_experts)
+            lay.experts = load_expert_bank(files, cfg, l, pre, p, device, compute_dtype, cpu_matmul, pack_experts, wdt)
             out.expert_bytes[l] = expert_bytes(cfg, l)
             lay.shared_fc = lin(t.get("shared_up"))  # [up; gate]
             lay.shared_proj = lin(t.get("shared_down"))
