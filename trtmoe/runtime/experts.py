@@ -23,7 +23,7 @@ from ..model.params import count_params
 from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
 from .qkernels import kernel_for
-from .upcast import upcast_mm
+from .upcast import upcast_linear
 
 
 # Row blocks up to this size (a decode step, a short prompt) may run stacked: a packed bank's busy
@@ -103,7 +103,11 @@ class FloatExperts(ExpertBank):
     With ``pack`` (and "auto"), a matrix of at least ``PACK_MIN_ELEMS`` elements (fc and proj each
     decide) is held only in oneDNN's packed layout and every product with it runs there (see
     ``trtmoe.matmul``); ``packed`` says so, and the plain ``fc`` / ``proj`` (which calibration reads)
-    are then not available."""
+    are then not available.
+
+    With a ``compute_dtype`` other than the weights' (an engine that holds its weights in the
+    checkpoint's 16-bit dtype and computes in float32), the matrices stay as stored, row-major, and
+    every product converts a block of rows at a time (``trtmoe.runtime.upcast``)."""
 
     def __init__(self, fc: torch.Tensor, proj: torch.Tensor, fmt: str, cpu_matmul: str = "blas",
                  pack: bool = False, compute_dtype: torch.dtype | None = None):
@@ -120,7 +124,10 @@ class FloatExperts(ExpertBank):
         self._plain: list[torch.Tensor | None] = []
         self._mats: list[list] = []
         for w in (fc, proj):
-            if pack and packs(cpu_matmul, w[0]):
+            if self._upcast:  # row-major as stored: a product converts a block of rows at a time
+                self._plain.append(w)
+                self._mats.append(list(w.unbind(0)))
+            elif pack and packs(cpu_matmul, w[0]):
                 self._plain.append(None)
                 self._mats.append([Packed(w[e]) for e in range(w.shape[0])])
             else:
@@ -151,10 +158,10 @@ class FloatExperts(ExpertBank):
         m = self._mats[i][e]
         if isinstance(m, Packed):
             return m(x, out)
-        if x.dim() != 2:
-            return x @ (m.to(x.dtype) if self._upcast else m)
         if self._upcast:
-            return upcast_mm(x, m, out)
+            return upcast_linear(x, m, out)
+        if x.dim() != 2:
+            return x @ m
         return mm_t(x, m, self._onednn, out=out)
 
     def fc_out(self, e: int, x: torch.Tensor) -> torch.Tensor:

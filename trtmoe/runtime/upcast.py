@@ -17,36 +17,30 @@ import torch.nn.functional as F
 BLOCK_ELEMS = 1 << 20
 
 
+def upcast_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [..., in] @ ``w`` [out, in] ``.T`` in ``x``'s dtype, ``w`` converted a block of rows at a
+    time; into ``out`` [M, out] when given (``x`` then 2-D)."""
+    rows = max(1, BLOCK_ELEMS // max(1, w.shape[-1]))
+    n = w.shape[0]
+    if n <= rows:
+        y = F.linear(x, w.to(x.dtype))
+        return y if out is None else out.copy_(y)
+    if out is None:
+        return torch.cat([F.linear(x, w[a:a + rows].to(x.dtype)) for a in range(0, n, rows)], -1)
+    for a in range(0, n, rows):
+        out[:, a:a + rows] = F.linear(x, w[a:a + rows].to(x.dtype))
+    return out
+
+
 class Upcast:
     """A weight ``w`` [out, in] kept in its own dtype: ``self(x)`` is ``x @ w.T`` in ``x``'s dtype.
     ``packed`` is None (the ``trtmoe.matmul.Dense`` interface: nothing is held twice)."""
 
-    __slots__ = ("w", "packed", "_rows")
+    __slots__ = ("w", "packed")
 
     def __init__(self, w: torch.Tensor):
         self.w = w
         self.packed = None
-        self._rows = max(1, BLOCK_ELEMS // max(1, w.shape[-1]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.w
-        if x.dtype == w.dtype:
-            return F.linear(x, w)
-        n = w.shape[0]
-        if n <= self._rows:
-            return F.linear(x, w.to(x.dtype))
-        return torch.cat([F.linear(x, w[a:a + self._rows].to(x.dtype)) for a in range(0, n, self._rows)], -1)
-
-
-def upcast_mm(x: torch.Tensor, w_t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [M, K] @ ``w_t`` [K, N] (a routed expert's transposed weight, held in a narrower dtype),
-    into ``out`` when given, converting ``w_t`` a block of columns at a time."""
-    K, N = w_t.shape
-    cols = max(1, BLOCK_ELEMS // max(1, K))
-    if cols >= N:
-        return torch.mm(x, w_t.to(x.dtype)) if out is None else torch.mm(x, w_t.to(x.dtype), out=out)
-    if out is None:
-        return torch.cat([torch.mm(x, w_t[:, a:a + cols].to(x.dtype)) for a in range(0, N, cols)], -1)
-    for a in range(0, N, cols):
-        out[:, a:a + cols] = torch.mm(x, w_t[:, a:a + cols].to(x.dtype))
-    return out
+        return F.linear(x, self.w) if x.dtype == self.w.dtype else upcast_linear(x, self.w)
