@@ -126,3 +126,24 @@ def test_attention_kinds_come_from_the_registry(ckpt, monkeypatch):
     assert torch.equal(eng.logits(IDS), base) and len(calls) == eng.num_layers
     with pytest.raises(UnsupportedError, match="attention kind 'mla' is not supported.*runs gqa"):
         attention.attention_for(SimpleNamespace(attention_kind="mla"), {}, None, None)
+
+
+@pytest.mark.parametrize("asked", [None, "compute"])
+def test_the_served_engine_holds_what_the_repository_says(ckpt, tmp_path, asked):
+    from trtmoe.cli import TrtmoeGroup
+    from trtmoe.build import commands as build_commands
+    from trtmoe.triton.repository import generate_repository, validate_repository
+    from trtmoe.triton.served import load_served_engine
+
+    group = TrtmoeGroup(commands={"build": build_commands.build})
+    engine = tmp_path / "engine"
+    r = CliRunner().invoke(group, ["build", str(ckpt), "-o", str(engine), "--max-input-len", "64",
+                                   "--max-seq-len", "128"])
+    assert r.exit_code == 0, r.output
+    kw = {} if asked is None else {"weights": asked}
+    repo = generate_repository(engine, tmp_path / "repo", tokenizer_dir=FIXTURE, torch_num_threads=1, **kw).path
+    params = validate_repository(repo)["tensorrt_llm"].parameters
+    config = {"parameters": {k: {"string_value": v.string_value} for k, v in params.items()}}
+    served = load_served_engine(config, str(repo / "tensorrt_llm"))
+    want = torch.float32 if asked == "compute" else torch.bfloat16
+    assert served.engine.weight_dtype == want and served.engine.layers[0].attn.wqkv.w.dtype == want
