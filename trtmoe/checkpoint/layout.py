@@ -160,7 +160,7 @@ class RankLayout:
         if mp.is_first_pp_rank(self.rank):
             out.extend(self._spec("", rule, None) for rule in global_rules(m, FIRST))
         for j, l in enumerate(mp.pp_layers(m.num_layers, self.pp_rank)):
-            p = f"transformer.layers.{j}."
+            p = layer_prefix(j)
             rules = layer_rules(m, l)
             experts = [rule for rule in rules if rule.shard == MOE_TP]
             for rule in rules:
@@ -383,11 +383,18 @@ class RankLayout:
         return specs
 
 
-def expert_tensor(layer_prefix: str, mod: str, key: str = "", slot: int | None = None) -> str:
-    """The rank-file name of a routed-expert tensor ``key`` of matrix ``mod`` ("fc" or "proj"): the
-    layer's stack ``mlp.{mod}.{key}`` or, with ``slot``, the per-expert variant's
-    ``mlp.experts.{slot}.{mod}.{key}`` (``key`` "": the prefix every such tensor starts with)."""
-    return f"{layer_prefix}mlp.{mod}.{key}" if slot is None else f"{layer_prefix}mlp.experts.{slot}.{mod}.{key}"
+def layer_prefix(local_layer: int) -> str:
+    """The prefix of a decoder layer's tensors in its PP stage's rank files (``local_layer``: its index
+    within the stage); layer rules' names follow it."""
+    return f"transformer.layers.{local_layer}."
+
+
+def expert_tensor(prefix: str, mod: str, key: str = "", slot: int | None = None) -> str:
+    """The rank-file name of a routed-expert tensor ``key`` of matrix ``mod`` ("fc" or "proj") of the
+    layer whose ``layer_prefix`` is ``prefix``: the layer's stack ``mlp.{mod}.{key}`` or, with
+    ``slot``, the per-expert variant's ``mlp.experts.{slot}.{mod}.{key}`` (``key`` "": the prefix
+    every such tensor starts with)."""
+    return f"{prefix}mlp.{mod}.{key}" if slot is None else f"{prefix}mlp.experts.{slot}.{mod}.{key}"
 
 
 def packed_at_conversion(fmt_name: str) -> bool:

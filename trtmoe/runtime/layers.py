@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checkpoint.layout import layer_prefix
 from ..hf.adapters import FIRST, LAST, MOE_TP, global_rules, layer_rules
 from ..matmul import Dense, dense
 from .attention import attention_for
@@ -70,7 +71,7 @@ def load_weights(files: RankFiles, cfg, device: torch.device, compute_dtype: tor
                   lm_head=lin(g["lm_head"]), lm_head_b=to(g.get("lm_head_bias")))
     for l in range(cfg.num_layers):
         p, j = mp.layer_owner(cfg.num_layers, l)
-        pre = f"transformer.layers.{j}."
+        pre = layer_prefix(j)
         # Tensors the target model has but the source did not are zeros: nothing to add.
         t = {_role(r): whole(files, r, pre, p) for r in layer_rules(cfg, l) if r.shard != MOE_TP and not r.zeros(cfg)}
         lay = Layer(input_norm=to(t["input_norm"]), post_norm=to(t["post_norm"]), attn=attention_for(cfg, t, to, lin),
