@@ -12,6 +12,12 @@ The tensors are read through the architecture registry's rules, applied in rever
 Prefill + decode with a pooled KV cache (one tensor per layer, a slot per live sequence, so a
 batched decode step over sequences of different lengths writes and reads every sequence's keys
 with one indexed op per layer), greedy or sampled generation, CPU by default or CUDA.
+
+The parts live in their own modules: weights (``layers``), attention kinds (``attention``), router
+kinds (``routers``), the MoE layer (``moe``), expert banks (``experts``, ``qkernels``, ``upcast``),
+the KV cache (``kvcache``), rotary tables and norms (``rope``, ``norms``), sampling (``sampling``),
+batching and beam requests (``batching``, ``beam_request``, ``beam``) and the routing statistics
+(``routing_stats``). This module holds the engine and re-exports the public names.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class Rotary:
 
         LongRoPE picks the short or long factors per sequence: long once the sequence (``lengths``,
         its tokens so far including this forward's; ``n_pos`` for every row when not given) is
-        longer than original_max_position_embeddings, so a row never depends on its batch."""
+        longer than original_max_position_embeddings, so a row never depends on its batch. A table
+        that must grow grows ahead of need, up to ``limit`` (the engine's max_seq_len)."""
         lr = self.longrope
         if lr is None:
             return self._rows(False, pos, dtype, n_pos, limit)
