@@ -689,6 +689,37 @@ def prepare_tokenizer(path: Path, info: EngineInfo, *, trust_remote_code: bool) 
     return warnings
 
 
+def _write_model(src: Path, dst: Path, model: str, values: dict[str, str], info: EngineInfo):
+    """One model's folder from its template ``src``: the filled config.pbtxt (returned parsed) and
+    its Python files."""
+    text = fill_template((src / "config.pbtxt").read_text(), values, where=str(src / "config.pbtxt"))
+    config = parse_model_config(text, where=f"{model}/config.pbtxt")
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.pbtxt").write_text(text)
+    (dst / "1").mkdir(exist_ok=True)
+    model_py = src / "1" / "model.py"
+    # The C++ backend serves a TensorRT engine; the Python model is for the embedded one only.
+    if model_py.is_file() and not (model == "tensorrt_llm" and info.backend == TENSORRT_LLM):
+        shutil.copyfile(model_py, dst / "1" / "model.py")
+    if model in CANCEL_SENDERS:  # they import no trtmoe: the sender's module goes beside them
+        shutil.copyfile(cancel_channel.__file__, dst / "1" / CANCEL_MODULE)
+    return config
+
+
+def _file_hashes(root: Path, tok_sub: str) -> dict[str, str]:
+    """sha256 of every file under ``root`` by relative path; a file outside the tokenizer folder with an
+    unfilled ``${...}`` placeholder raises."""
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(root).as_posix()
+            # Tokenizer files are data (a vocabulary may hold "${"); everything else must be filled.
+            if not rel.startswith(tok_sub + "/") and "${" in p.read_text(errors="replace"):
+                raise TrtmoeError("unresolved ${...} placeholder left", where=rel)
+            files[rel] = sha256_file(p)
+    return files
+
+
 def _llmapi_settings(info: EngineInfo, req: RepositorySettings) -> RepositorySettings:
     """Check ``req`` against the llmapi layout and fill in its thread default."""
     if info.backend != EMBEDDED:
@@ -774,28 +805,9 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, settings: R
         copy_tokenizer(tok_src, tmp / tok_sub)
         warnings += prepare_tokenizer(tmp / tok_sub, info, trust_remote_code=False)
         for model in models:
-            src = tpl / model
-            text = fill_template((src / "config.pbtxt").read_text(), values, where=str(src / "config.pbtxt"))
-            configs[model] = parse_model_config(text, where=f"{model}/config.pbtxt")
-            dst = tmp / model
-            dst.mkdir(parents=True, exist_ok=True)
-            (dst / "config.pbtxt").write_text(text)
-            (dst / "1").mkdir(exist_ok=True)
-            model_py = src / "1" / "model.py"
-            # The C++ backend serves a TensorRT engine; the Python model is for the embedded one only.
-            if model_py.is_file() and not (model == "tensorrt_llm" and info.backend == TENSORRT_LLM):
-                shutil.copyfile(model_py, dst / "1" / "model.py")
-            if model in CANCEL_SENDERS:  # they import no trtmoe: the sender's module goes beside them
-                shutil.copyfile(cancel_channel.__file__, dst / "1" / CANCEL_MODULE)
+            configs[model] = _write_model(tpl / model, tmp / model, model, values, info)
         check_repository_configs(configs)
-        files = {}
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file():
-                rel = p.relative_to(tmp).as_posix()
-                # Tokenizer files are data (a vocabulary may hold "${"); everything else must be filled.
-                if not rel.startswith(tok_sub + "/") and "${" in p.read_text(errors="replace"):
-                    raise TrtmoeError("unresolved ${...} placeholder left", where=rel)
-                files[rel] = sha256_file(p)
+        files = _file_hashes(tmp, tok_sub)
         engine = info.to_json()
         for key in ("path", "checkpoint_dir"):  # no absolute paths: the repository may move with its engine
             if engine.get(key):
