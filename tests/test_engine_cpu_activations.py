@@ -49,7 +49,7 @@ def test_model_activations_hold_bfloat16_weights_packed(ckpt):
     assert f32.compute_dtype == torch.float32 and b16.compute_dtype == torch.bfloat16
     assert b16._kv.dtype == torch.bfloat16  # the KV cache, allocated as sequences arrive
     lay = b16.layers[0]
-    assert lay.wqkv.w.dtype == torch.bfloat16 and lay.wqkv.packed is not None and b16.lm_head.packed is not None
+    assert lay.attn.wqkv.w.dtype == torch.bfloat16 and lay.attn.wqkv.packed is not None and b16.lm_head.packed is not None
     assert lay.experts.packed  # every bfloat16 expert matrix, whatever its size
     a, b = f32.logits(IDS), b16.logits(IDS)
     assert b.dtype == torch.float32 and not torch.equal(a, b)

@@ -93,11 +93,11 @@ def test_queued_records_stay_bounded_and_complete(engine):
             most = (0, 0)
             for _ in range(149):
                 eng.step(seqs)
-                most = (max(most[0], len(eng._pending)), max(most[1], eng._pending_elems))
+                most = (max(most[0], len(eng._routing.pending)), max(most[1], eng._routing.pending_elems))
             peak[B] = most
-        assert peak[1][0] == eng._PENDING_BLOCKS - 1  # 149 one-token steps: flushed at 64 blocks
+        assert peak[1][0] == eng._routing.PENDING_BLOCKS - 1  # 149 one-token steps: flushed at 64 blocks
         per_block = L * 32 * E  # router logits of a 32-token step
-        assert peak[32] == (eng._PENDING_ELEMS // per_block - 1, eng._PENDING_ELEMS - per_block)
+        assert peak[32] == (eng._routing.PENDING_ELEMS // per_block - 1, eng._routing.PENDING_ELEMS - per_block)
         _check(eng.routing_stats(), exp)
     finally:
         eng.layer_hook = None

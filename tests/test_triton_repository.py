@@ -609,3 +609,32 @@ def test_decode_cores_are_for_the_embedded_engine(setup, tmp_path):
     eng = write_trt_engine(setup["root"] / "trt-cores", setup["ckpt"])
     with pytest.raises(InputError, match="embedded engine only"):
         generate_repository(eng, tmp_path / "repo", tokenizer_dir=setup["tok"], decode_cores="auto")
+
+
+def test_typed_settings_write_what_the_same_flat_options_write(setup, tmp_path):
+    from trtmoe.triton.repository import Limits, Placement, RepositorySettings, Scheduling, TokenizerSettings
+
+    typed = RepositorySettings(limits=Limits(max_batch_size=4), scheduling=Scheduling(streaming=True, stream_interval=2),
+                               tokenizer=TokenizerSettings(tokenizer_dir=setup["tok"]),
+                               placement=Placement(torch_num_threads=1, weights="compute"))
+    a = generate_repository(setup["engine"], tmp_path / "typed", typed)
+    b = generate_repository(setup["engine"], tmp_path / "flat", tokenizer_dir=setup["tok"], max_batch_size=4,
+                            streaming=True, stream_interval=2, torch_num_threads=1, weights="compute")
+    assert a.settings == b.settings and a.files == b.files
+    assert (a.settings.max_batch_size, a.settings.stream_interval, a.settings.weights) == (4, 2, "compute")
+    params = {k: v.string_value for k, v in validate_repository(a.path)["tensorrt_llm"].parameters.items()}
+    assert params["weights"] == "compute" and params["stream_interval"] == "2"
+    # Flat options replace single settings of a typed one; the rest stay.
+    c = generate_repository(setup["engine"], tmp_path / "both", typed, max_batch_size=2)
+    assert (c.settings.max_batch_size, c.settings.stream_interval) == (2, 2)
+    assert RepositorySettings.from_options(**typed.options()) == typed
+
+
+def test_unknown_or_misplaced_settings_are_rejected(setup, tmp_path):
+    from trtmoe.triton.repository import RepositorySettings
+
+    with pytest.raises(InputError, match="unknown repository setting 'max_batch'"):
+        RepositorySettings.from_options(max_batch=4)
+    with pytest.raises(InputError, match="weights must be one of checkpoint, compute"):
+        generate_repository(setup["engine"], tmp_path / "repo", tokenizer_dir=setup["tok"], weights="float64")
+    assert not (tmp_path / "repo").exists()

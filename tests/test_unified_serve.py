@@ -113,7 +113,7 @@ def test_weight_only_export_runs_its_dequantized_weights_exactly(arch, fmt, tiny
     U.write_unified_checkpoint(model, ck, U.UnifiedPlan.uniform(fmt, moe_layers(model)), shard_bytes=60_000)
     eng = load_engine(ck, "cpu")  # dispatches on the checkpoint kind
     quantized = fmt != "bf16"
-    assert isinstance(eng.layers[0].wqkv, QuantLinear) == quantized
+    assert isinstance(eng.layers[0].attn.wqkv, QuantLinear) == quantized
     assert isinstance(eng.layers[-1].experts, (PackedExperts, SplitExperts)) == quantized
     ref_dir = tmp_path / "ref_trtllm"
     convert(dequantized_copy(ck, tmp_path / "dequantized"), ref_dir)
@@ -150,8 +150,8 @@ def _reference_engine(model: Path, tmp_path: Path, plan: U.UnifiedPlan, amax: di
     for l, lay in enumerate(eng.layers):
         qkv = group([ad.name(r, l) for r in ("q", "k", "v")], "attention")
         o = group([ad.name("o", l)], "attention")
-        lay.wqkv = qkv or lay.wqkv
-        lay.wo = o or lay.wo
+        lay.attn.wqkv = qkv or lay.attn.wqkv
+        lay.attn.wo = o or lay.attn.wo
         if lay.experts is None:
             continue
         names = {r: ad.name(f"expert_{r}", l, 0)[:-7] for r in ("gate", "up", "down")}
@@ -356,7 +356,7 @@ def test_llmapi_repository_runs_the_embedded_engine_in_process(llmapi_repo, tmp_
     assert (made.settings.max_batch_size, made.settings.max_seq_len) == (4, 256)  # model.yaml's limits
     served = load_served_engine(json_format.MessageToDict(cfg, preserving_proto_field_name=True),
                                 str(made.path / "tensorrt_llm"))
-    assert isinstance(served.engine.layers[0].wqkv, QuantLinear)
+    assert isinstance(served.engine.layers[0].attn.wqkv, QuantLinear)
     tok = load_tokenizer(ck)
     p = SamplingParams(max_new_tokens=10, end_id=tok.eos_id)
     prompt = tok.encode("def main(")

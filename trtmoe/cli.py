@@ -476,9 +476,13 @@ def verify(directory, as_json):
               help="On CPU, compute in float32 or in the checkpoint's dtype (model: bfloat16 weights packed for "
                    "oneDNN where the CPU has native bfloat16; half the memory, faster at real widths) "
                    "[default: what the engine dir records; float32 for a checkpoint]")
+@click.option("--weights", type=click.Choice(["checkpoint", "compute"]), default="checkpoint", show_default=True,
+              help="How the engine holds its weight matrices: in the checkpoint's dtype (its memory; each product "
+                   "converts a block of the weight at a time) or converted to the compute dtype (float32 on CPU, "
+                   "packed for oneDNN: up to 2-3x a 16-bit checkpoint's memory)")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p, seed, device, cpu_activations,
-        as_json):
+        weights, as_json):
     """Generate text from a checkpoint with the embedded engine.
 
     CHECKPOINT is a TensorRT-LLM checkpoint (`trtmoe convert`), an embedded engine dir, or a
@@ -494,7 +498,8 @@ def run(checkpoint, prompt, tokenizer, max_new_tokens, temperature, top_k, top_p
     from .runtime.engine import SamplingParams, decode_summary
     from .runtime.load import load_engine, load_tokenizer
 
-    eng = load_engine(checkpoint, None if device == "auto" else device, cpu_activations=cpu_activations)
+    eng = load_engine(checkpoint, None if device == "auto" else device, cpu_activations=cpu_activations,
+                      weights=weights)
     tok = load_tokenizer(tokenizer or checkpoint)
     results = []
     for text in prompt:

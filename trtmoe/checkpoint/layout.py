@@ -159,7 +159,7 @@ class RankLayout:
         if mp.is_first_pp_rank(self.rank):
             out.extend(self._spec("", rule, None) for rule in global_rules(m, FIRST))
         for j, l in enumerate(mp.pp_layers(m.num_layers, self.pp_rank)):
-            p = f"transformer.layers.{j}."
+            p = layer_prefix(j)
             rules = layer_rules(m, l)
             experts = [rule for rule in rules if rule.shard == MOE_TP]
             for rule in rules:
@@ -353,7 +353,7 @@ class RankLayout:
                         emit(self._quantized(fmt, l, e, t, I_loc, mod, shared=True)[key])
 
                 full = shape if shared else (len(orig), *shape)
-                specs.append(TensorSpec(f"{p}mlp.{mod}.{key}", full, dtype, produce, f"expert_{mod}"))
+                specs.append(TensorSpec(expert_tensor(p, mod, key), full, dtype, produce, f"expert_{mod}"))
         return specs
 
     def _per_expert(self, p: str, l: int, slots, orig: list[int], t: int, I_loc: int):
@@ -369,9 +369,23 @@ class RankLayout:
                     def produce(emit, mod=mod, key=key, e=e, fmt=fmt):
                         emit(self._quantized(fmt, l, e, t, I_loc, mod)[key])
 
-                    specs.append(TensorSpec(f"{p}mlp.experts.{slot}.{mod}.{key}", shape, dtype, produce,
+                    specs.append(TensorSpec(expert_tensor(p, mod, key, slot), shape, dtype, produce,
                                             f"expert_{mod}"))
         return specs
+
+
+def layer_prefix(local_layer: int) -> str:
+    """The prefix of a decoder layer's tensors in its PP stage's rank files (``local_layer``: its index
+    within the stage); layer rules' names follow it."""
+    return f"transformer.layers.{local_layer}."
+
+
+def expert_tensor(prefix: str, mod: str, key: str = "", slot: int | None = None) -> str:
+    """The rank-file name of a routed-expert tensor ``key`` of matrix ``mod`` ("fc" or "proj") of the
+    layer whose ``layer_prefix`` is ``prefix``: the layer's stack ``mlp.{mod}.{key}`` or, with
+    ``slot``, the per-expert variant's ``mlp.experts.{slot}.{mod}.{key}`` (``key`` "": the prefix
+    every such tensor starts with)."""
+    return f"{prefix}mlp.{mod}.{key}" if slot is None else f"{prefix}mlp.experts.{slot}.{mod}.{key}"
 
 
 def packed_at_conversion(fmt_name: str) -> bool:

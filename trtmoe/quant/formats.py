@@ -182,6 +182,9 @@ class QuantFormat:
     # A format TensorRT-LLM 1.2's engine path builds (trtllm-build); the fused-MoE formats are served by
     # the PyTorch backend from a ModelOpt unified-HF checkpoint instead.
     engine_path = True
+    # The embedded engine's CPU kernel layout for this format's matrices (trtmoe.runtime.qkernels names
+    # them); None: the format's reference ``linear`` runs it.
+    engine_kernel = None
 
     @property
     def modelopt_quant_algo(self) -> str | None:
@@ -306,6 +309,7 @@ class FloatFormat(QuantFormat):
     """Unquantized storage in a float dtype (the format's own dtype, whatever ``dtype`` says)."""
 
     dtype: torch.dtype = torch.float16
+    engine_kernel = "float"
 
     def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
                      scale_dtype_bytes: int = 2) -> int:
@@ -360,6 +364,7 @@ class PerChannelIntFormat(QuantFormat):
 
     bits: int = 8
     quantized_by_builder = True
+    engine_kernel = "per_channel_int"
 
     @property
     def _qrange(self) -> int:
@@ -483,6 +488,7 @@ class GroupInt4Format(QuantFormat):
 
     group_size: int = GROUP_SIZE
     packed_at_conversion = True
+    engine_kernel = "group_int4"
 
     def __post_init__(self):
         if self.group_size not in TRTLLM_GROUP_SIZES:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.layout import packed_at_conversion
+from ..checkpoint.layout import expert_tensor, packed_at_conversion
 from ..errors import CheckpointError, InputError
 from ..hf.adapters import expert_rules
 from ..matmul import Packed, matmul_for, mm_t, packs, uses_onednn
@@ -23,6 +23,7 @@ from ..model.params import count_params
 from ..quant.plan import FLOAT, format_obj
 from .checkpoint_reader import unshard
 from .qkernels import kernel_for
+from .upcast import upcast_linear
 
 
 # Row blocks up to this size (a decode step, a short prompt) may run stacked: a packed bank's busy
@@ -102,20 +103,31 @@ class FloatExperts(ExpertBank):
     With ``pack`` (and "auto"), a matrix of at least ``PACK_MIN_ELEMS`` elements (fc and proj each
     decide) is held only in oneDNN's packed layout and every product with it runs there (see
     ``trtmoe.matmul``); ``packed`` says so, and the plain ``fc`` / ``proj`` (which calibration reads)
-    are then not available."""
+    are then not available.
+
+    With a ``compute_dtype`` other than the weights' (an engine that holds its weights in the
+    checkpoint's 16-bit dtype and computes in float32), the matrices stay as stored, row-major, and
+    every product converts a block of rows at a time (``trtmoe.runtime.upcast``)."""
 
     def __init__(self, fc: torch.Tensor, proj: torch.Tensor, fmt: str, cpu_matmul: str = "blas",
-                 pack: bool = False):
+                 pack: bool = False, compute_dtype: torch.dtype | None = None):
         self.fmt = fmt
         self._dims = (fc.shape[1], proj.shape[1])  # the fc and proj output widths, 2I and H
-        self._onednn = uses_onednn(cpu_matmul, fc[0])
+        # Activations of another dtype than the weights (held as the checkpoint stores them): every
+        # product converts its weight a block at a time (trtmoe.runtime.upcast), nothing is packed.
+        self._upcast = compute_dtype is not None and compute_dtype != fc.dtype
+        pack = pack and not self._upcast
+        self._onednn = uses_onednn(cpu_matmul, fc[0]) and not self._upcast
         self.matmul = matmul_for(cpu_matmul)  # what a quantized stand-in for one of its matrices runs
         # Per matrix kind: the plain [E, out, in] view (None when packed) and each expert's operand
         # (its transposed plain weight, or its Packed weight).
         self._plain: list[torch.Tensor | None] = []
         self._mats: list[list] = []
         for w in (fc, proj):
-            if pack and packs(cpu_matmul, w[0]):
+            if self._upcast:  # row-major as stored: a product converts a block of rows at a time
+                self._plain.append(w)
+                self._mats.append(list(w.unbind(0)))
+            elif pack and packs(cpu_matmul, w[0]):
                 self._plain.append(None)
                 self._mats.append([Packed(w[e]) for e in range(w.shape[0])])
             else:
@@ -146,6 +158,8 @@ class FloatExperts(ExpertBank):
         m = self._mats[i][e]
         if isinstance(m, Packed):
             return m(x, out)
+        if self._upcast:
+            return upcast_linear(x, m, out)
         if x.dim() != 2:
             return x @ m
         return mm_t(x, m, self._onednn, out=out)
@@ -475,41 +489,42 @@ def nonexpert_step_bytes(cfg) -> tuple[int, int]:
 
 def load_expert_bank(files, cfg, layer: int, pre: str, pp_rank: int, device,
                      compute_dtype: torch.dtype | None = None, cpu_matmul: str = "blas",
-                     pack: bool = False) -> ExpertBank:
+                     pack: bool = False, weight_dtype: torch.dtype | None = None) -> ExpertBank:
+    """The routed experts of ``layer``. Float experts are held in ``weight_dtype`` (default: the
+    compute dtype) and multiply activations of ``compute_dtype`` (default: the checkpoint's)."""
     gran, fc_names, proj_names = slot_formats(cfg, layer)
     dt = cfg.dtype
     if gran == "layer" and fc_names[0] == FLOAT:
         fc, proj = _float_fc_proj(files, cfg, pre, pp_rank)
         cdt = compute_dtype or dt
-        return FloatExperts(fc.to(device, cdt), proj.to(device, cdt), str(dt).replace("torch.", ""), cpu_matmul,
-                            pack)
+        wdt = weight_dtype or cdt
+        return FloatExperts(fc.to(device, wdt), proj.to(device, wdt), str(dt).replace("torch.", ""), cpu_matmul,
+                            pack, cdt)
     mp = cfg.mapping
-    E_loc = cfg.num_experts // mp.moe_ep_size
     shards: list[list[PackedShard]] = [[] for _ in range(cfg.num_experts)]
     mv = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
     for ep in range(mp.moe_ep_size):
         for t in range(mp.moe_tp_size):
             r = mp.tp_rank_for(t, ep)
             f = files.file(mp.rank(r, pp_rank))
-            for i in range(E_loc):
-                slot = ep * E_loc + i
+            for i, slot in enumerate(mp.ep_experts(cfg.num_experts, r)):
                 fmts = {"fc": format_obj(fc_names[slot], dt), "proj": format_obj(proj_names[slot], dt)}
                 if gran in ("expert", "matrix"):
                     parts = {}
                     for mod in ("fc", "proj"):
-                        prefix = f"{pre}mlp.experts.{slot}.{mod}."
+                        prefix = expert_tensor(pre, mod, slot=slot)
                         parts[mod] = {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
                 elif packed_at_conversion(fc_names[slot]):
                     parts = {}
                     for mod in ("fc", "proj"):
-                        prefix = f"{pre}mlp.{mod}."
+                        prefix = expert_tensor(pre, mod)
                         stack = {n[len(prefix):]: f.read(n) for n in f.tensors if n.startswith(prefix)}
                         parts[mod] = fmts[mod].expert(stack, i)
                 else:
                     # Float weights with a weight-only quant_algo: quantize each rank shard as
                     # trtllm-build would, then run from the packed bytes.
-                    fc = f.read(f"{pre}mlp.fc.weight")[i]
-                    proj = f.read(f"{pre}mlp.proj.weight")[i]
+                    rules = expert_rules(cfg)
+                    fc, proj = (f.read(pre + rules[mod].name)[i] for mod in ("fc", "proj"))
                     parts = {"fc": fmts["fc"].quantize(fc, dtype=dt), "proj": fmts["proj"].quantize(proj, dtype=dt)}
                 shards[slot].append(PackedShard(fmts["fc"], mv(parts["fc"]), fmts["proj"], mv(parts["proj"])))
     # On CPU a serving engine ("auto", packed experts) runs what it can in the CPU kernels.

@@ -31,18 +31,21 @@ def checkpoint_dir_of(path: str | Path) -> tuple[Path, dict]:
 
 
 def load_engine(path: str | Path, device: str | None = None, pack_experts: bool = True,
-                cpu_activations: str | None = None) -> EmbeddedEngine:
+                cpu_activations: str | None = None, weights: str = "checkpoint") -> EmbeddedEngine:
     """The embedded engine for a checkpoint (TensorRT-LLM, or unified-HF: ``trtmoe.runtime.unified_load``)
-    or embedded engine dir. ``pack_experts=False``: routed experts in the checkpoint's own layout, quantized ones on their formats' reference path (see
-    ``EmbeddedEngine.from_checkpoint``), for measurements that must not depend on the CPU's kernels.
-    ``cpu_activations`` overrides what an engine dir records (a checkpoint dir: float32)."""
+    or embedded engine dir. ``pack_experts=False``: routed experts in the checkpoint's own layout,
+    quantized ones on their formats' reference path (see ``EmbeddedEngine.from_checkpoint``), for measurements that must not depend on the CPU's kernels.
+    ``cpu_activations`` overrides what an engine dir records (a checkpoint dir: float32). ``weights``:
+    weight matrices held in the checkpoint's dtype ("checkpoint") or the compute dtype ("compute"), see
+    ``EmbeddedEngine.from_checkpoint``."""
     ck, build = checkpoint_dir_of(path)
     if device is None and build.get("device") not in (None, "auto"):
         device = build["device"]
     # An engine built before cpu_matmul was recorded runs with the default.
     load = load_unified_engine if is_unified_checkpoint(ck) else EmbeddedEngine.from_checkpoint
     return load(ck, device=device, max_seq_len=build.get("max_seq_len"), cpu_matmul=build.get("cpu_matmul", "auto"),
-                pack_experts=pack_experts, cpu_activations=cpu_activations or build.get("cpu_activations", "float32"))
+                pack_experts=pack_experts, cpu_activations=cpu_activations or build.get("cpu_activations", "float32"),
+                weights=weights)
 
 
 @dataclass

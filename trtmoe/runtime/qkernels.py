@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ..matmul import Packed, mm_t, onednn_bf16_available, onednn_linear, packs, uses_onednn
-from ..quant.formats import FloatFormat, GroupInt4Format, PerChannelIntFormat, unpack_int4
+from ..quant.formats import unpack_int4
 
 # Model dtypes whose activations the kernels take (a float32 model's quantized experts keep the
 # reference path: the kernels' float32 variants were slower than it).
@@ -124,41 +124,52 @@ def _int4_kernel(codes_out_in: Tensor, scales_groups_out: Tensor, group: int, pr
     return IntKernel(4, w, sz, group, pre_scale, dtype, N, K)
 
 
+def _float_kernel(fmt, packed: dict[str, Tensor], dtype: torch.dtype, compute_dtype: torch.dtype):
+    return FloatKernel(packed["weight"], compute_dtype)
+
+
+def _per_channel_kernel(fmt, packed: dict[str, Tensor], dtype: torch.dtype, compute_dtype: torch.dtype):
+    wq, scale = packed["weight"], packed["per_channel_scale"]
+    if wq.dim() != 2 or wq.dtype != torch.int8 or scale.dtype != dtype:
+        return None
+    if fmt.bits == 8:
+        K, N = wq.shape
+        if not _int8_ok(N, K):
+            return None
+        return IntKernel(8, wq.t().contiguous(), scale.contiguous(), 0, None, dtype, N, K)
+    codes = unpack_int4(wq, dim=-1).t()  # [out, in]
+    N, K = codes.shape
+    g = _int4_group(N, K, None)
+    if g is None:
+        return None
+    return _int4_kernel(codes, scale[None].expand(K // g, N), g, None, dtype)
+
+
+def _group_int4_kernel(fmt, packed: dict[str, Tensor], dtype: torch.dtype, compute_dtype: torch.dtype):
+    wq, s, pq = packed["weight"], packed["weights_scaling_factor"], packed["prequant_scaling_factor"]
+    if wq.dim() != 2 or s.dtype != dtype:
+        return None
+    codes = unpack_int4(wq, dim=-2)  # [out, in]
+    N, K = codes.shape
+    if _int4_group(N, K, fmt.group_size) is None or s.shape != (N, K // fmt.group_size):
+        return None
+    pre = pq.reshape(-1)
+    pre = None if bool((pre == 1).all()) else pre.float()  # the reference multiplies in float32 too
+    return _int4_kernel(codes, s.t(), fmt.group_size, pre, dtype)
+
+
+# The kernel builders by the layout a format names (``QuantFormat.engine_kernel``).
+KERNELS = {"float": _float_kernel, "per_channel_int": _per_channel_kernel, "group_int4": _group_int4_kernel}
+
+
 def kernel_for(fmt, packed: dict[str, Tensor], dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32):
     """The matrix ``packed`` (one expert's, in ``fmt``, for a model of ``dtype`` computed in
     ``compute_dtype``) in a kernel's layout, or None when no kernel runs it (the caller keeps the
     reference path)."""
-    if dtype not in KERNEL_DTYPES or not available():
+    build = KERNELS.get(fmt.engine_kernel)
+    if build is None or dtype not in KERNEL_DTYPES or not available():
         return None
-    if isinstance(fmt, FloatFormat):
-        return FloatKernel(packed["weight"], compute_dtype)
-    if isinstance(fmt, PerChannelIntFormat):
-        wq, scale = packed["weight"], packed["per_channel_scale"]
-        if wq.dim() != 2 or wq.dtype != torch.int8 or scale.dtype != dtype:
-            return None
-        if fmt.bits == 8:
-            K, N = wq.shape
-            if not _int8_ok(N, K):
-                return None
-            return IntKernel(8, wq.t().contiguous(), scale.contiguous(), 0, None, dtype, N, K)
-        codes = unpack_int4(wq, dim=-1).t()  # [out, in]
-        N, K = codes.shape
-        g = _int4_group(N, K, None)
-        if g is None:
-            return None
-        return _int4_kernel(codes, scale[None].expand(K // g, N), g, None, dtype)
-    if isinstance(fmt, GroupInt4Format):
-        wq, s, pq = packed["weight"], packed["weights_scaling_factor"], packed["prequant_scaling_factor"]
-        if wq.dim() != 2 or s.dtype != dtype:
-            return None
-        codes = unpack_int4(wq, dim=-2)  # [out, in]
-        N, K = codes.shape
-        if _int4_group(N, K, fmt.group_size) is None or s.shape != (N, K // fmt.group_size):
-            return None
-        pre = pq.reshape(-1)
-        pre = None if bool((pre == 1).all()) else pre.float()  # the reference multiplies in float32 too
-        return _int4_kernel(codes, s.t(), fmt.group_size, pre, dtype)
-    return None
+    return build(fmt, packed, dtype, compute_dtype)
 
 
 @functools.cache

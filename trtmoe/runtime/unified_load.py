@@ -54,7 +54,9 @@ from ..parallel.mapping import Mapping
 from ..quant.formats import FORMATS, FP8BlockFormat, FusedMoEFormat, PerChannelIntFormat, QuantFormat, float_format_for
 from .alloc import give_back_freed_memory
 from .checkpoint_reader import CheckpointConfig
-from .engine import EmbeddedEngine, _Layer
+from .attention import attention_for
+from .engine import EmbeddedEngine
+from .layers import Layer
 from .experts import ExpertBank, FloatExperts, PackedExperts, PackedShard
 
 # ModelOpt's quant_algo -> the engine format (trtmoe.quant.formats) that runs it.
@@ -415,16 +417,17 @@ class _Loader:
 
 def load_unified_engine(path: str | Path, device: str | torch.device | None = None, max_seq_len: int | None = None,
                         compute_dtype: torch.dtype | None = None, cpu_matmul: str = "auto", pack_experts: bool = True,
-                        cpu_activations: str = "float32") -> EmbeddedEngine:
+                        cpu_activations: str = "float32", weights: str = "compute") -> EmbeddedEngine:
     """The embedded engine running a unified-HF checkpoint directory (arguments as
-    ``EmbeddedEngine.from_checkpoint``)."""
+    ``EmbeddedEngine.from_checkpoint``; its float linears are held in the compute dtype whatever
+    ``weights`` says, its quantized ones as their packed bytes)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     ck = UnifiedCheckpoint(path)
     try:
         cfg = checkpoint_config(ck)
-        eng = EmbeddedEngine(cfg, device, Path(path), compute_dtype, cpu_matmul, pack_experts, cpu_activations)
+        eng = EmbeddedEngine(cfg, device, Path(path), compute_dtype, cpu_matmul, pack_experts, cpu_activations, weights)
         if max_seq_len:
             eng.max_seq_len = max_seq_len
         _fill(eng, ck, cfg)
@@ -461,12 +464,14 @@ def _fill(eng: EmbeddedEngine, ck: UnifiedCheckpoint, cfg: CheckpointConfig) -> 
             if r.zeros(cfg):  # a tensor the TensorRT-LLM model has and this model lacks: nothing to add
                 continue
             t[r.name] = ld.tensor(r, l)
-        lay = _Layer(input_norm=ld.vec(t["input_layernorm.weight"]), post_norm=ld.vec(t["post_layernorm.weight"]),
-                     wqkv=ld.linear(t["attention.qkv.weight"]), wo=ld.linear(t["attention.dense.weight"]),
-                     input_norm_b=ld.vec(t.get("input_layernorm.bias")), post_norm_b=ld.vec(t.get("post_layernorm.bias")),
-                     bqkv=ld.vec(t.get("attention.qkv.bias")), bo=ld.vec(t.get("attention.dense.bias")),
-                     q_norm=ld.vec(t.get("attention.q_layernorm.weight")),
-                     k_norm=ld.vec(t.get("attention.k_layernorm.weight")))
+        same = lambda v: v  # noqa: E731 - the tensors below are already what the engine computes with
+        attn = attention_for(cfg, {"q": ld.linear(t["attention.qkv.weight"]), "o": ld.linear(t["attention.dense.weight"]),
+                                   "q_bias": ld.vec(t.get("attention.qkv.bias")), "o_bias": ld.vec(t.get("attention.dense.bias")),
+                                   "q_norm": ld.vec(t.get("attention.q_layernorm.weight")),
+                                   "k_norm": ld.vec(t.get("attention.k_layernorm.weight"))}, same, same)
+        lay = Layer(input_norm=ld.vec(t["input_layernorm.weight"]), post_norm=ld.vec(t["post_layernorm.weight"]),
+                    attn=attn, input_norm_b=ld.vec(t.get("input_layernorm.bias")),
+                    post_norm_b=ld.vec(t.get("post_layernorm.bias")))
         if cfg.moe_layers[l]:
             lay.router = dense(t["mlp.router.weight"].float().to(eng.device), eng.cpu_matmul)
             lay.experts, nbytes = ld.experts(l)

@@ -53,13 +53,13 @@ def repo_command(engine_dir, out_dir, config_path, force, as_json, **options):
       trtmoe repo engine/ -o repo/ -c build_configs/tiny-cpu.yaml
       trtmoe serve repo/
     """
-    from .repository import generate_repository
+    from .repository import RepositorySettings, generate_repository
 
     if _is_unified_checkpoint(engine_dir):
         return _unified_repo(engine_dir, out_dir, config_path, force, as_json, options)
     kw = dict(cfgmod.resolve(config_path, cfgmod.from_cli(options, "repo"))["repo"])
     kw["tokenizer_dir"] = kw.pop("tokenizer")
-    r = generate_repository(engine_dir, out_dir, force=force, **kw)
+    r = generate_repository(engine_dir, out_dir, RepositorySettings.from_options(**kw), force=force)
     if as_json:
         _echo_json({"path": str(r.path), "engine": r.engine.to_json(), "settings": r.settings.__dict__,
                     "launch_world_size": r.launch_world_size, "models": r.models, "warnings": r.warnings})

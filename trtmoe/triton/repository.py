@@ -42,7 +42,7 @@ import json
 import os
 import shutil
 import string
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,8 @@ LLMAPI_CONTRACT = "TensorRT-LLM 1.2.x triton_backend llmapi"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".npz")
 _MAX_TOKENIZER_FILE = 64 << 20
 
+ENGINE_WEIGHTS = ("checkpoint", "compute")  # the embedded engine's weight modes (EmbeddedEngine WEIGHT_MODES)
+
 _DTYPE_TO_TRITON = {"float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "float32": "TYPE_FP32"}
 
 
@@ -91,8 +93,106 @@ def templates_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Lengths in tokens, batch in requests; None: the engine's build_config (never more than it)."""
+
+    max_batch_size: int | None = None
+    max_beam_width: int | None = None  # must equal the engine's
+    max_input_len: int | None = None
+    max_seq_len: int | None = None
+    world_size: int | None = None  # must equal the engine's launch world size
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """How requests are queued, batched and answered."""
+
+    streaming: bool = False  # decoupled tensorrt_llm / BLS / ensemble
+    exclude_input_in_output: bool = False  # the default for requests that do not send it
+    max_queue_delay_microseconds: int = 0
+    max_queue_size: int = 0
+    stream_interval: int | None = None  # embedded engine: tokens per streamed response; None / 0 = auto
+
+
+@dataclass(frozen=True)
+class Instances:
+    """Python model instances of the ensemble layout."""
+
+    preprocessing_instance_count: int = 1
+    postprocessing_instance_count: int = 1
+    bls_instance_count: int = 1
+
+
+@dataclass(frozen=True)
+class TokenizerSettings:
+    tokenizer_dir: str | Path | None = None  # None: found beside the engine or its checkpoint
+    trust_remote_code: bool = False  # always refused; named so that asking for it gets a clear error
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the engine runs and what it may use there."""
+
+    device: str | None = None  # embedded engine: auto, cpu, cuda, cuda:N
+    torch_num_threads: int = 0  # embedded engine; 0: chosen from the cores
+    decode_cores: str | None = None  # embedded engine: "auto", "none" or a core list (trtmoe.triton.cpu_binding)
+    kv_cache_free_gpu_mem_fraction: float | None = None  # TensorRT engines only
+    engine_path: str | None = None  # TensorRT-LLM engines: gpt_model_path where served
+    weights: str = "checkpoint"  # embedded engine: its weight matrices' dtype (EmbeddedEngine.from_checkpoint)
+
+
+_GROUPS = {"limits": Limits, "scheduling": Scheduling, "instances": Instances, "tokenizer": TokenizerSettings,
+           "placement": Placement}
+
+
+@dataclass(frozen=True)
+class RepositorySettings:
+    """What a repository is asked to be (``generate_repository``), grouped; ``resolve_settings`` checks
+    it against the engine and fills the defaults into a ``RepoSettings``. ``layout``: one of
+    ``LAYOUTS``; ``templates``: the model_repo template folder (default: ``templates_dir()``)."""
+
+    limits: Limits = field(default_factory=Limits)
+    scheduling: Scheduling = field(default_factory=Scheduling)
+    instances: Instances = field(default_factory=Instances)
+    tokenizer: TokenizerSettings = field(default_factory=TokenizerSettings)
+    placement: Placement = field(default_factory=Placement)
+    layout: str = "inflight"
+    templates: str | Path | None = None
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "RepositorySettings":
+        """From flat option names (the ``repo:`` config section's and ``trtmoe repo``'s, with
+        ``tokenizer_dir`` for the tokenizer folder)."""
+        return cls().with_options(**options)
+
+    def with_options(self, **options: Any) -> "RepositorySettings":
+        """A copy with the flat-named options replaced; an unknown name raises InputError."""
+        groups: dict[str, dict[str, Any]] = {}
+        top: dict[str, Any] = {}
+        for name, value in options.items():
+            where = next((g for g, c in _GROUPS.items() if name in c.__dataclass_fields__), None)
+            if where is not None:
+                groups.setdefault(where, {})[name] = value
+            elif name in ("layout", "templates"):
+                top[name] = value
+            else:
+                raise InputError(f"unknown repository setting {name!r}")
+        return replace(self, **top, **{g: replace(getattr(self, g), **kv) for g, kv in groups.items()})
+
+    def options(self) -> dict[str, Any]:
+        """Every setting by its flat name."""
+        out = {"layout": self.layout, "templates": self.templates}
+        for g in _GROUPS:
+            out.update(asdict(getattr(self, g)))
+        return out
+
+
+@dataclass(frozen=True)
 class RepoSettings:
-    """Resolved repository settings (CLI > defaults, checked against the engine). Lengths in tokens."""
+    """Resolved repository settings (``RepositorySettings`` checked against the engine, its defaults
+    filled in): what the templates and the manifest receive. Lengths in tokens."""
 
     max_batch_size: int
     max_beam_width: int
@@ -115,6 +215,7 @@ class RepoSettings:
     decode_cores: str | None = None  # embedded engine: the decode thread's cores (trtmoe.triton.cpu_binding)
     stream_interval: int = 0  # embedded engine: tokens per streamed response, 0 = auto
     engine_path: str | None = None  # TensorRT-LLM engines: gpt_model_path where served; None = the engine's path
+    weights: str = "checkpoint"  # embedded engine: "checkpoint" or "compute" (EmbeddedEngine.from_checkpoint)
 
     @property
     def decoupled(self) -> bool:
@@ -141,11 +242,14 @@ def _contradiction(field_name: str, requested: Any, engine_value: Any, cfg: Path
                       where=str(cfg), hint=why)
 
 
-def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max_beam_width: int | None = None,
-                     max_input_len: int | None = None, max_seq_len: int | None = None, world_size: int | None = None,
-                     streaming: bool = False, kv_cache_free_gpu_mem_fraction: float | None = None,
-                     device: str | None = None, **rest: Any) -> RepoSettings:
+def resolve_settings(info: EngineInfo, settings: RepositorySettings | None = None) -> RepoSettings:
     """Merge requested settings with the engine's limits; raise InputError naming a contradicting field."""
+    rest = (settings or RepositorySettings()).options()
+    for name in ("tokenizer_dir", "layout", "templates"):  # not settings of the models
+        rest.pop(name)
+    max_batch_size, max_beam_width, max_input_len, max_seq_len, world_size, streaming = (rest.pop(k) for k in (
+        "max_batch_size", "max_beam_width", "max_input_len", "max_seq_len", "world_size", "streaming"))
+    kv_cache_free_gpu_mem_fraction, device = rest.pop("kv_cache_free_gpu_mem_fraction"), rest.pop("device")
     cfg = info.path / "config.json"
     for name, value in dict(max_batch_size=max_batch_size, max_beam_width=max_beam_width,
                             max_input_len=max_input_len, max_seq_len=max_seq_len, world_size=world_size).items():
@@ -205,6 +309,10 @@ def resolve_settings(info: EngineInfo, *, max_batch_size: int | None = None, max
                              f"core(s) {format_cores(cores)}: the threads would take turns on them",
                              hint="give as many cores as threads, or fewer threads")
     rest["decode_cores"] = None if cores is None else (cores if cores == AUTO_CORES else format_cores(cores))
+    if rest.get("weights") not in ENGINE_WEIGHTS:
+        raise InputError(f"weights must be one of {', '.join(ENGINE_WEIGHTS)}, got {rest.get('weights')!r}")
+    if info.backend == TENSORRT_LLM and rest["weights"] != "checkpoint":
+        raise InputError("weights applies to the embedded engine only; a TensorRT engine holds what it was built with")
     engine_path = rest.get("engine_path")
     if engine_path is not None and info.backend == EMBEDDED:
         raise InputError("engine_path applies to TensorRT-LLM engines only; an embedded repository refers to its "
@@ -272,7 +380,7 @@ def backend_parameters(info: EngineInfo, s: RepoSettings, repo: Path | None = No
                 "max_input_len": s.max_input_len, "max_seq_len": s.max_seq_len,
                 "exclude_input_in_output": _bool(s.exclude_input_in_output), "enable_metrics": "true",
                 "metrics_interval_s": "0.5", "max_waiting_requests": s.max_queue_size,
-                "stream_interval": s.stream_interval,
+                "stream_interval": s.stream_interval, "weights": s.weights,
                 # Streamed responses never end inside a character (see trtmoe.triton.textstream).
                 "tokenizer_dir": tokenizer_dir, "trust_remote_code": _bool(s.trust_remote_code)}
     return {
@@ -581,20 +689,67 @@ def prepare_tokenizer(path: Path, info: EngineInfo, *, trust_remote_code: bool) 
     return warnings
 
 
+def _write_model(src: Path, dst: Path, model: str, values: dict[str, str], info: EngineInfo):
+    """One model's folder from its template ``src``: the filled config.pbtxt (returned parsed) and
+    its Python files."""
+    text = fill_template((src / "config.pbtxt").read_text(), values, where=str(src / "config.pbtxt"))
+    config = parse_model_config(text, where=f"{model}/config.pbtxt")
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.pbtxt").write_text(text)
+    (dst / "1").mkdir(exist_ok=True)
+    model_py = src / "1" / "model.py"
+    # The C++ backend serves a TensorRT engine; the Python model is for the embedded one only.
+    if model_py.is_file() and not (model == "tensorrt_llm" and info.backend == TENSORRT_LLM):
+        shutil.copyfile(model_py, dst / "1" / "model.py")
+    if model in CANCEL_SENDERS:  # they import no trtmoe: the sender's module goes beside them
+        shutil.copyfile(cancel_channel.__file__, dst / "1" / CANCEL_MODULE)
+    return config
+
+
+def _file_hashes(root: Path, tok_sub: str) -> dict[str, str]:
+    """sha256 of every file under ``root`` by relative path; a file outside the tokenizer folder with an
+    unfilled ``${...}`` placeholder raises."""
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(root).as_posix()
+            # Tokenizer files are data (a vocabulary may hold "${"); everything else must be filled.
+            if not rel.startswith(tok_sub + "/") and "${" in p.read_text(errors="replace"):
+                raise TrtmoeError("unresolved ${...} placeholder left", where=rel)
+            files[rel] = sha256_file(p)
+    return files
+
+
+def _llmapi_settings(info: EngineInfo, req: RepositorySettings) -> RepositorySettings:
+    """Check ``req`` against the llmapi layout and fill in its thread default."""
+    if info.backend != EMBEDDED:
+        raise InputError("the llmapi layout serves the embedded engine; a TensorRT-LLM engine is served by the "
+                         "default layout (the tensorrtllm backend behind the ensemble)", where=str(info.path))
+    sch = req.scheduling
+    unused = [name for name, value, default in (
+        ("preprocessing_instance_count", req.instances.preprocessing_instance_count, 1),
+        ("postprocessing_instance_count", req.instances.postprocessing_instance_count, 1),
+        ("bls_instance_count", req.instances.bls_instance_count, 1),
+        ("exclude_input_in_output", sch.exclude_input_in_output, False),
+        ("max_queue_delay_microseconds", sch.max_queue_delay_microseconds, 0)) if value != default]
+    if unused:
+        raise InputError(f"{', '.join(unused)} do(es) not apply to the llmapi layout: it has no pre/post/BLS "
+                         "models, no dynamic batcher, and its text_output never holds the prompt",
+                         hint="drop them, or use the default layout")
+    pl = req.placement
+    if not pl.torch_num_threads and not isinstance(parse_cores(pl.decode_cores), list):
+        # No pre/post/BLS processes; tritonserver's own threads still carry every response (one
+        # core's worth kept for them, as for two Python instances).
+        return replace(req, placement=replace(pl, torch_num_threads=default_torch_threads(2)))
+    return req
+
+
 # ---------------------------------------------------------------- the generator
-def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
-                        max_batch_size: int | None = None, max_beam_width: int | None = None,
-                        max_input_len: int | None = None, max_seq_len: int | None = None,
-                        world_size: int | None = None, streaming: bool = False, exclude_input_in_output: bool = False,
-                        max_queue_delay_microseconds: int = 0, max_queue_size: int = 0,
-                        preprocessing_instance_count: int = 1, postprocessing_instance_count: int = 1,
-                        bls_instance_count: int = 1, kv_cache_free_gpu_mem_fraction: float | None = None,
-                        trust_remote_code: bool = False, add_special_tokens: bool = True,
-                        skip_special_tokens: bool = True, device: str | None = None, torch_num_threads: int = 0,
-                        decode_cores: str | None = None, stream_interval: int | None = None,
-                        engine_path: str | None = None, force: bool = False,
-                        templates: str | Path | None = None, layout: str = "inflight") -> RepositoryResult:
-    """Write a Triton model repository for ``engine_dir`` at ``out_dir``.
+def generate_repository(engine_dir: str | Path, out_dir: str | Path, settings: RepositorySettings | None = None, *,
+                        force: bool = False, **options: Any) -> RepositoryResult:
+    """Write a Triton model repository for ``engine_dir`` at ``out_dir`` as ``settings`` asks (default:
+    every default); ``options``, flat setting names (``RepositorySettings.with_options``), replace
+    single settings of it. ``force`` replaces an existing ``out_dir``.
 
     ``tokenizer_dir`` defaults to a tokenizer found beside the engine or its checkpoint. Limits
     (``max_batch_size``, ``max_input_len``, ``max_seq_len``: requests/tokens) default to the engine's
@@ -612,9 +767,13 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
     TensorRT-LLM 1.2's llmapi model (text in, text out, tokenizer in the same process; not batched,
     decoupled with ``streaming``) instead of the ensemble and its four models. Raises InputError.
     """
+    req = settings or RepositorySettings()
+    if options:
+        req = req.with_options(**options)
+    layout = req.layout
     if layout not in LAYOUTS:
         raise InputError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if trust_remote_code:
+    if req.tokenizer.trust_remote_code:
         raise InputError("--trust-remote-code is refused: trtmoe never runs code from a tokenizer or model folder",
                          hint="use a tokenizer folder with tokenizer.json (or a SentencePiece model that "
                               "transformers converts without remote code)")
@@ -625,72 +784,30 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
         except TrtmoeError as e:
             raise InputError(f"the engine's manifest is not valid: {e.what}", where=e.where) from None
     llmapi = layout == "llmapi"
-    if llmapi and info.backend != EMBEDDED:
-        raise InputError("the llmapi layout serves the embedded engine; a TensorRT-LLM engine is served by the "
-                         "default layout (the tensorrtllm backend behind the ensemble)", where=str(info.path))
     if llmapi:
-        unused = [name for name, value, default in (
-            ("preprocessing_instance_count", preprocessing_instance_count, 1),
-            ("postprocessing_instance_count", postprocessing_instance_count, 1),
-            ("bls_instance_count", bls_instance_count, 1), ("exclude_input_in_output", exclude_input_in_output, False),
-            ("max_queue_delay_microseconds", max_queue_delay_microseconds, 0)) if value != default]
-        if unused:
-            raise InputError(f"{', '.join(unused)} do(es) not apply to the llmapi layout: it has no pre/post/BLS "
-                             "models, no dynamic batcher, and its text_output never holds the prompt",
-                             hint="drop them, or use the default layout")
-        if not torch_num_threads and not isinstance(parse_cores(decode_cores), list):
-            # No pre/post/BLS processes; tritonserver's own threads still carry every response (one
-            # core's worth kept for them, as for two Python instances).
-            torch_num_threads = default_torch_threads(2)
-    settings = resolve_settings(
-        info, max_batch_size=max_batch_size, max_beam_width=max_beam_width, max_input_len=max_input_len,
-        max_seq_len=max_seq_len, world_size=world_size, streaming=streaming,
-        kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction, device=device,
-        exclude_input_in_output=exclude_input_in_output, max_queue_delay_microseconds=max_queue_delay_microseconds,
-        max_queue_size=max_queue_size, preprocessing_instance_count=preprocessing_instance_count,
-        postprocessing_instance_count=postprocessing_instance_count, bls_instance_count=bls_instance_count,
-        trust_remote_code=trust_remote_code, add_special_tokens=add_special_tokens,
-        skip_special_tokens=skip_special_tokens, torch_num_threads=torch_num_threads, decode_cores=decode_cores,
-        stream_interval=stream_interval, engine_path=engine_path)
+        req = _llmapi_settings(info, req)
+    resolved = resolve_settings(info, req)
+    tokenizer_dir = req.tokenizer.tokenizer_dir
     tok_src = Path(tokenizer_dir).expanduser().resolve() if tokenizer_dir else find_tokenizer(info)
     if tok_src is None:
         raise InputError("no tokenizer found beside the engine or its checkpoint", where=str(info.path),
                          hint="pass --tokenizer DIR (a Hugging Face tokenizer folder)")
-    tpl = Path(templates) if templates else templates_dir()
+    tpl = Path(req.templates) if req.templates else templates_dir()
     models, tok_sub, contract = (LLMAPI_MODELS, LLMAPI_TOKENIZER_SUBDIR, LLMAPI_CONTRACT) if llmapi else (
         MODELS, TOKENIZER_SUBDIR, TRTLLM_CONTRACT)
     if llmapi:
         tpl = tpl / "llmapi"
     out = Path(out_dir).expanduser().absolute()
-    values = template_values(info, settings, out, tok_sub)
+    values = template_values(info, resolved, out, tok_sub)
     warnings: list[str] = []
     configs = {}
     with atomic_directory(out, force=force, inputs=(info.path, tok_src), outside=(info.path,)) as tmp:
         copy_tokenizer(tok_src, tmp / tok_sub)
         warnings += prepare_tokenizer(tmp / tok_sub, info, trust_remote_code=False)
         for model in models:
-            src = tpl / model
-            text = fill_template((src / "config.pbtxt").read_text(), values, where=str(src / "config.pbtxt"))
-            configs[model] = parse_model_config(text, where=f"{model}/config.pbtxt")
-            dst = tmp / model
-            dst.mkdir(parents=True, exist_ok=True)
-            (dst / "config.pbtxt").write_text(text)
-            (dst / "1").mkdir(exist_ok=True)
-            model_py = src / "1" / "model.py"
-            # The C++ backend serves a TensorRT engine; the Python model is for the embedded one only.
-            if model_py.is_file() and not (model == "tensorrt_llm" and info.backend == TENSORRT_LLM):
-                shutil.copyfile(model_py, dst / "1" / "model.py")
-            if model in CANCEL_SENDERS:  # they import no trtmoe: the sender's module goes beside them
-                shutil.copyfile(cancel_channel.__file__, dst / "1" / CANCEL_MODULE)
+            configs[model] = _write_model(tpl / model, tmp / model, model, values, info)
         check_repository_configs(configs)
-        files = {}
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file():
-                rel = p.relative_to(tmp).as_posix()
-                # Tokenizer files are data (a vocabulary may hold "${"); everything else must be filled.
-                if not rel.startswith(tok_sub + "/") and "${" in p.read_text(errors="replace"):
-                    raise TrtmoeError("unresolved ${...} placeholder left", where=rel)
-                files[rel] = sha256_file(p)
+        files = _file_hashes(tmp, tok_sub)
         engine = info.to_json()
         for key in ("path", "checkpoint_dir"):  # no absolute paths: the repository may move with its engine
             if engine.get(key):
@@ -698,9 +815,9 @@ def generate_repository(engine_dir: str | Path, out_dir: str | Path, *, tokenize
         # The artifact manifest every trtmoe output has (`trtmoe verify` rechecks its hashes).
         write_manifest(tmp, kind="triton-repository", file_hashes=files, name=MANIFEST, contract=contract,
                        engine=engine, layout=layout,
-                       settings=asdict(settings), launch_world_size=info.launch_world_size, models=list(models),
+                       settings=asdict(resolved), launch_world_size=info.launch_world_size, models=list(models),
                        tokenizer_source=os.path.relpath(tok_src, out), warnings=warnings)
-    return RepositoryResult(path=out, engine=info, settings=settings, models=list(models),
+    return RepositoryResult(path=out, engine=info, settings=resolved, models=list(models),
                             tokenizer_dir=out / tok_sub, launch_world_size=info.launch_world_size,
                             files=files, warnings=warnings, layout=layout)
 

@@ -71,7 +71,8 @@ def load_served_engine(config: dict, model_dir: str) -> ServedEngine:
     device = model_param(config, "device", "auto")
     load = load_unified_engine if is_unified_checkpoint(info.checkpoint_dir) else EmbeddedEngine.from_checkpoint
     engine = load(str(info.checkpoint_dir), device=None if device == "auto" else device,
-                  max_seq_len=info.max_seq_len, cpu_matmul=info.cpu_matmul, cpu_activations=info.cpu_activations)
+                  max_seq_len=info.max_seq_len, cpu_matmul=info.cpu_matmul, cpu_activations=info.cpu_activations,
+                  weights=model_param(config, "weights", "checkpoint"))
     max_input = min(int(model_param(config, "max_input_len", str(info.max_input_len))), info.max_input_len)
     max_seq = min(int(model_param(config, "max_seq_len", str(info.max_seq_len))), info.max_seq_len,
                   int(getattr(engine, "max_seq_len", info.max_seq_len)))
