@@ -35,27 +35,26 @@ def calibrate(model, out, config_path, force, as_json, **options):
       trtmoe calibrate tests/fixtures/trained_mixtral --data calib.txt -o calib/
       trtmoe convert tests/fixtures/trained_mixtral -o ckpt/ --calib calib/ --budget 4.5
     """
+    from .calibrate import CalibrationSettings
     from .calibrate import calibrate as run
 
     c = cfgmod.resolve(config_path, cfgmod.from_cli(options, "calibrate"))["calibrate"]
     if c["data"] is None:
         raise InputError("no calibration text: pass --data PATH (or calibrate.data in the YAML config)")
+    settings = CalibrationSettings.from_config(c)
     notes: list[str] = []
     with progress("calibrate") as prog:
         task = prog.add_task("measuring sensitivity", total=None)
-        res = run(model, Path(c["data"]), out, samples=c["samples"], seq_len=c["seq_len"],
-                  formats=tuple(DEFAULT_FORMATS if c["formats"] is None else c["formats"]), min_tokens=c["min_tokens"],
-                  tokenizer=Path(c["tokenizer"]) if c["tokenizer"] else None, text_field=c["field"], force=force,
-                  add_bos=c["add_bos"], notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t),
-                  rounding=c["rounding"], sensitivity=c["sensitivity"], device=c["device"],
-                  max_gram_in=c["max_gram_in"], max_input_tokens=c["max_input_tokens"], target=c["target"],
-                  runner=c["runner"])
+        res = run(model, Path(c["data"]), out, settings, force=force, notes=notes,
+                  progress=lambda what, d, t: prog.update(task, completed=d, total=t))
     if as_json:
-        click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats")}, indent=1))
+        click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats", "cost")}, indent=1))
         return
     for n in notes:
         err_console.print(f"note: {n}")
     _render_coverage(res, console, err_console)
+    if res.get("cost"):
+        _render_cost(res["cost"], console)
 
 
 # Layers with under-observed experts that get a warning line each; more get one summary line.
@@ -94,15 +93,58 @@ def _render_coverage(res: dict, console, err_console) -> None:
             err_console.print(f"[yellow]warning:[/] layer {l}: {len(fs)} of {E} experts saw fewer than {thr} "
                               f"calibration tokens (expert (tokens): {shown}{more}); {also}")
     s = res["sensitivity"]
-    what = f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices (fc, proj)"
-    measured = s.get("cost_seconds")
-    if measured:  # the layer-streamed runner measures its phases
-        cpu, wall = measured["cpu_seconds"], measured["wall_seconds"]
-        parts = ", ".join(f"{k} {wall[k]:.1f}" for k in wall)
-        console.print(f"{what}: {sum(wall.values()):.1f} s wall ({parts}), {sum(cpu.values()):.1f} CPU-s on "
-                      f"{measured['device']}; {s['cost_forward_passes']:.1f}× its own forward pass over the same tokens")
+    console.print(f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices "
+                  "(fc, proj)")
+
+
+# What each phase of calib.cost.json holds, for the table.
+_PHASES = {
+    "data": "reading and tokenizing the calibration text",
+    "io": "model and checkpoint files, progress and artifact files",
+    "boundaries": "each layer's call arguments (the model's own forward, layers stood in for)",
+    "forward": "forward passes",
+    "backward": "backward passes (the Fisher probe's gradient)",
+    "statistics": "activation statistics the searches use",
+    "searches": "quantizing every candidate (AWQ / GPTQ searches included)",
+    "scoring": "ΔKL of every expert matrix and format",
+}
+
+
+def cost_summary(cost: dict) -> str:
+    """One line: what the calibration took and its ratio to one forward over the same tokens."""
+    unit = cost["unit"]
+    tot, fwd = cost["total"], cost.get("forward")
+    took = (f"{tot['cpu_seconds']:.1f} CPU-s ({tot['wall_seconds']:.1f} s wall)" if unit == "cpu_seconds"
+            else f"{tot['wall_seconds']:.1f} s on {cost['device']} ({tot['cpu_seconds']:.1f} CPU-s)")
+    line = f"calibration took {took}"
+    if cost.get("ratio_to_forward") is not None:
+        line += (f" = {cost['ratio_to_forward']:.1f}× one forward over the same {cost['tokens']} tokens "
+                 f"({fwd[unit]:.2f} {'CPU-s' if unit == 'cpu_seconds' else 's'}"
+                 f"{', timed apart' if not fwd.get('in_total') else ''})")
     else:
-        console.print(f"{what} in {s['cost_forward_passes']:.1f} forward-pass equivalents")
+        line += " (no forward over the calibration tokens ran in this process: it resumed after it)"
+    if cost.get("resumed"):
+        line += "; resumed: this process's part only"
+    return line
+
+
+def _render_cost(cost: dict, console) -> None:
+    """The measured cost line and a table of the phases (calib.cost.json)."""
+    from rich.table import Table
+
+    unit = cost["unit"]
+    console.print(cost_summary(cost))
+    t = Table(title=f"Calibration phases ({cost['runner']} runner, {cost['method']}, {cost['rounding']} rounding, "
+                    f"{cost['device']}, {cost['torch_threads']} torch threads)", title_justify="left")
+    for h in ("phase", "wall s", "CPU s", "share %", "what"):
+        t.add_column(h, justify="left" if h in ("phase", "what") else "right")
+    total = cost["total"][unit] or 1.0
+    for name, p in cost["phases"].items():
+        t.add_row(name, f"{p['wall_seconds']:.2f}", f"{p['cpu_seconds']:.2f}", f"{100 * p[unit] / total:.1f}",
+                  _PHASES.get(name, ""))
+    tot = cost["total"]
+    t.add_row("total", f"{tot['wall_seconds']:.2f}", f"{tot['cpu_seconds']:.2f}", "100.0", "")
+    console.print(t)
 
 
 def _routing_table(r: dict, E: int, layers, title: str, per_expert: bool):
