@@ -51,6 +51,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
                      help="Weight dtype; auto keeps the source dtype."),
         "trtllm_version": Key(str, DEFAULT_TRTLLM_VERSION, choices=("1.2", "1.2.0", "1.2.1"),
                               help="Target TensorRT-LLM release line."),
+        "device": Key(str, "auto", choices=("auto", "cpu", "cuda"),
+                      help="Where the embedded and tensorrt-llm targets' INT4 searches (awq scale and clip, gptq "
+                           "codes) run: cpu, cuda (an error when no CUDA device is present), or auto (cuda when "
+                           "one is)."),
     },
     "quantize": {
         # Same names as trtmoe.quant.policies.POLICIES.

@@ -317,6 +317,48 @@ def cost_record(clock: PhaseClock, forward: dict | None, *, runner: str, method:
             "phases": phases, "forward": forward, "ratio_to_forward": ratio, "resumed": clock.resumed}
 
 
+# The phases of calib.cost.json, in the order a calibration runs them, and what each one holds.
+COST_PHASES = {
+    "data": "reading and tokenizing the calibration text",
+    "io": "model and checkpoint files, progress and artifact files",
+    "boundaries": "each layer's call arguments (the model's own forward, layers stood in for)",
+    "forward": "forward passes",
+    "backward": "backward passes (the Fisher probe's gradient)",
+    "statistics": "activation statistics the searches use",
+    "searches": "quantizing every candidate (AWQ / GPTQ searches included)",
+    "scoring": "ΔKL of every expert matrix and format",
+}
+
+
+def phase_order(phases: dict) -> list[tuple[str, dict]]:
+    """``phases`` (calib.cost.json's) in the order a calibration runs them (``COST_PHASES``), others last."""
+    rank = {k: i for i, k in enumerate(COST_PHASES)}
+    return sorted(phases.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))
+
+
+def seconds(x: float) -> str:
+    """Seconds to print: one decimal from a second on, three significant digits below."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
+def cost_summary(cost: dict) -> str:
+    """One line: what the calibration took and its ratio to one forward over the same tokens."""
+    unit = cost["unit"]
+    tot, fwd = cost["total"], cost.get("forward")
+    took = (f"{seconds(tot['cpu_seconds'])} CPU-s ({seconds(tot['wall_seconds'])} s wall)" if unit == "cpu_seconds"
+            else f"{seconds(tot['wall_seconds'])} s on {cost['device']} ({seconds(tot['cpu_seconds'])} CPU-s)")
+    line = f"calibration took {took}"
+    if cost.get("ratio_to_forward") is not None:
+        line += (f" = {cost['ratio_to_forward']:.1f}× one forward over the same {cost['tokens']} tokens "
+                 f"({seconds(fwd[unit])} {'CPU-s' if unit == 'cpu_seconds' else 's'}"
+                 f"{', timed apart' if not fwd.get('in_total') else ''})")
+    else:
+        line += " (no forward over the calibration tokens ran in this process: it resumed after it)"
+    if cost.get("resumed"):
+        line += "; resumed: this process's part only"
+    return line
+
+
 def load_cost(path: str | Path) -> dict | None:
     """The calib.cost.json beside ``path``'s calib.json (``path``: the file or its directory); None when
     the calibration has none (written before it was recorded), InputError when it is not a cost record."""

@@ -97,40 +97,13 @@ def _render_coverage(res: dict, console, err_console) -> None:
                   "(fc, proj)")
 
 
-# What each phase of calib.cost.json holds, for the table.
-_PHASES = {
-    "data": "reading and tokenizing the calibration text",
-    "io": "model and checkpoint files, progress and artifact files",
-    "boundaries": "each layer's call arguments (the model's own forward, layers stood in for)",
-    "forward": "forward passes",
-    "backward": "backward passes (the Fisher probe's gradient)",
-    "statistics": "activation statistics the searches use",
-    "searches": "quantizing every candidate (AWQ / GPTQ searches included)",
-    "scoring": "ΔKL of every expert matrix and format",
-}
-
-
-def cost_summary(cost: dict) -> str:
-    """One line: what the calibration took and its ratio to one forward over the same tokens."""
-    unit = cost["unit"]
-    tot, fwd = cost["total"], cost.get("forward")
-    took = (f"{tot['cpu_seconds']:.1f} CPU-s ({tot['wall_seconds']:.1f} s wall)" if unit == "cpu_seconds"
-            else f"{tot['wall_seconds']:.1f} s on {cost['device']} ({tot['cpu_seconds']:.1f} CPU-s)")
-    line = f"calibration took {took}"
-    if cost.get("ratio_to_forward") is not None:
-        line += (f" = {cost['ratio_to_forward']:.1f}× one forward over the same {cost['tokens']} tokens "
-                 f"({fwd[unit]:.2f} {'CPU-s' if unit == 'cpu_seconds' else 's'}"
-                 f"{', timed apart' if not fwd.get('in_total') else ''})")
-    else:
-        line += " (no forward over the calibration tokens ran in this process: it resumed after it)"
-    if cost.get("resumed"):
-        line += "; resumed: this process's part only"
-    return line
 
 
 def _render_cost(cost: dict, console) -> None:
     """The measured cost line and a table of the phases (calib.cost.json)."""
     from rich.table import Table
+
+    from .calibrate import COST_PHASES, cost_summary, phase_order, seconds
 
     unit = cost["unit"]
     console.print(cost_summary(cost))
@@ -139,11 +112,11 @@ def _render_cost(cost: dict, console) -> None:
     for h in ("phase", "wall s", "CPU s", "share %", "what"):
         t.add_column(h, justify="left" if h in ("phase", "what") else "right")
     total = cost["total"][unit] or 1.0
-    for name, p in cost["phases"].items():
-        t.add_row(name, f"{p['wall_seconds']:.2f}", f"{p['cpu_seconds']:.2f}", f"{100 * p[unit] / total:.1f}",
-                  _PHASES.get(name, ""))
+    for name, p in phase_order(cost["phases"]):
+        t.add_row(name, seconds(p["wall_seconds"]), seconds(p["cpu_seconds"]), f"{100 * p[unit] / total:.1f}",
+                  COST_PHASES.get(name, ""))
     tot = cost["total"]
-    t.add_row("total", f"{tot['wall_seconds']:.2f}", f"{tot['cpu_seconds']:.2f}", "100.0", "")
+    t.add_row("total", seconds(tot["wall_seconds"]), seconds(tot["cpu_seconds"]), "100.0", "")
     console.print(t)
 
 
