@@ -39,6 +39,15 @@ def small(tiny_model, tmp_path_factory):
 SMALL = dict(samples=4, seq_len=16, batch_size=2, formats=("int8", "int4"))
 
 
+@pytest.fixture(scope="module")
+def written(small, tmp_path_factory):
+    """A calibration written by ``calibrate`` (rtn, int8), to read its cost record from."""
+    model, tok, text = small
+    out = tmp_path_factory.mktemp("written") / "calib"
+    calibrate(model, text, out, tokenizer=tok, rounding="rtn", **{**SMALL, "formats": ("int8",)})
+    return out
+
+
 def _spin(seconds: float) -> None:
     end = time.process_time() + seconds
     while time.process_time() < end:
@@ -241,3 +250,20 @@ def test_the_report_shows_the_measured_cost_when_the_calibration_recorded_it(sma
     page = res.paths["html"].read_text()
     assert res.report["calibration"]["cost"] is None
     assert "multiply-accumulates (the quantization searches not counted" in page
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda c: c.pop("phases"),
+    lambda c: c["phases"].__setitem__("forward", {"wall_seconds": "soon", "cpu_seconds": 1.0}),
+    lambda c: c["total"].__setitem__("cpu_seconds", -1.0),
+    lambda c: c.__setitem__("unit", "hours"),
+    lambda c: c.__setitem__("forward", {"wall_seconds": 1.0}),
+    lambda c: c.__setitem__("ratio_to_forward", "fast"),
+    lambda c: c.__setitem__("tokens", True),
+])
+def test_a_malformed_cost_record_is_refused(written, tmp_path, mutate):
+    cost = load_cost(written)
+    mutate(cost)
+    (tmp_path / COST_FILE).write_text(json.dumps(cost))
+    with pytest.raises(InputError, match="not a calibration cost record"):
+        load_cost(tmp_path)

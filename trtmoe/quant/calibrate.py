@@ -370,10 +370,43 @@ def load_cost(path: str | Path) -> dict | None:
         cost = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise InputError(f"{COST_FILE} is not readable JSON ({e})", where=str(f)) from None
-    if not (isinstance(cost, dict) and cost.get("kind") == "calibration-cost"
-            and isinstance(cost.get("phases"), dict) and isinstance(cost.get("total"), dict)):
-        raise InputError(f"{COST_FILE} is not a calibration cost record", where=str(f))
+    problem = _cost_problem(cost)
+    if problem:
+        raise InputError(f"{COST_FILE} is not a calibration cost record ({problem})", where=str(f),
+                         hint="recalibrate, or remove the file (the calibration itself is calib.json)")
     return cost
+
+
+def _cost_problem(cost) -> str | None:
+    """What makes ``cost`` other than a ``cost_record`` (None when it is one)."""
+    if not isinstance(cost, dict) or cost.get("kind") != "calibration-cost":
+        return "its kind is not calibration-cost"
+
+    def seconds_pair(d) -> bool:
+        return isinstance(d, dict) and all(
+            isinstance(d.get(k), (int, float)) and not isinstance(d.get(k), bool) and math.isfinite(d[k]) and d[k] >= 0
+            for k in ("wall_seconds", "cpu_seconds"))
+
+    if cost.get("unit") not in ("wall_seconds", "cpu_seconds"):
+        return f"unit {cost.get('unit')!r}"
+    for k in ("runner", "method", "rounding", "device"):
+        if not isinstance(cost.get(k), str):
+            return f"{k} is not a string"
+    for k in ("tokens", "torch_threads"):
+        if not isinstance(cost.get(k), int) or isinstance(cost.get(k), bool):
+            return f"{k} is not an integer"
+    if not seconds_pair(cost.get("total")):
+        return "total is not wall and CPU seconds"
+    phases = cost.get("phases")
+    if not isinstance(phases, dict) or not all(isinstance(k, str) and seconds_pair(v) for k, v in phases.items()):
+        return "phases are not wall and CPU seconds by name"
+    fwd = cost.get("forward")
+    if fwd is not None and not (seconds_pair(fwd) and isinstance(fwd.get("in_total"), bool)):
+        return "forward is not wall and CPU seconds"
+    ratio = cost.get("ratio_to_forward")
+    if ratio is not None and (not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not math.isfinite(ratio)):
+        return "ratio_to_forward is not a number"
+    return None
 
 
 RUNNERS = ("auto", "engine", "stream")

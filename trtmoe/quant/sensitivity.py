@@ -37,13 +37,14 @@ and 1/``ESTIMATE_SHARE`` of the layer's routed assignments in all), scaled by a 
 the exact method does; the larger value is kept. The estimate is a floor for experts whose own tokens
 are too few to rank, so a few dozen tokens suffice for it.
 
-Cost, counted in forward-pass equivalents (multiply-accumulates of the reference forward over the
-calibration set): 1 forward, 1 backward (activation gradients only: the same matmuls once more, plus
+Model work, counted in forward-pass equivalents (multiply-accumulates of the reference forward over the
+calibration set; calib.json's ``cost_forward_passes``): 1 forward, 1 backward (activation gradients only: the same matmuls once more, plus
 attention's second pair), and per routed token-assignment one expert pass once (fc, and projᵀg, which
 also gives the reference term g·proj(a) = (projᵀg)·a) plus one expert pass per candidate format (fc_q:
 2IH, proj_q: IH): about 2 + φ·(1 + F) with φ the routed experts' share of the forward's
 multiply-accumulates — independent of the number of experts. No full-vocabulary tensor outlives its
-batch.
+batch. That count leaves the quantization searches out; what a calibration really takes is measured
+per phase (``PhaseClock``) and written apart from calib.json (calibrate.py's ``cost_record``).
 
 Streaming and resumption: phase 1 runs the batches (forward + backward) and writes each MoE layer's
 inputs, routing and output gradients per batch into ``work/acts`` (activation dtype); phase 2 scores
@@ -578,7 +579,8 @@ def _under_observed(scores: dict, counts, moe_layers, formats, min_tokens: int, 
 
 def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entropy, N: int, T: int, probe,
                    min_tokens: int) -> dict:
-    """The calib.json dict of a Fisher measurement, with its cost in forward-pass equivalents."""
+    """The calib.json dict of a Fisher measurement, with its model work in forward-pass equivalents (a
+    multiply-accumulate count, deterministic; the measured seconds are recorded apart)."""
     c = eng.cfg
     I, H = c.expert_intermediate_size, c.hidden_size
     tokens = N * T
