@@ -68,9 +68,10 @@ def test_nested_phases_are_counted_once():
             time.sleep(0.02)
     whole = time.perf_counter() - w0
     assert list(clock.phases()) == ["outer", "inner"]
-    assert clock.wall["inner"] >= 0.1 and clock.cpu["inner"] >= 0.05
-    assert 0.07 <= clock.wall["outer"] < 0.1 + 0.05  # the inner phase's sleep is not counted again
-    assert clock.wall["outer"] + clock.wall["inner"] == pytest.approx(whole, abs=0.01)
+    assert clock.wall["inner"] >= 0.1 and clock.cpu["inner"] >= 0.05 and clock.wall["outer"] >= 0.07
+    # Counted once: the phases fit in the time the whole took (counting the inner phase in the outer
+    # one too would exceed it by the inner phase's 0.1 s at least).
+    assert clock.wall["outer"] + clock.wall["inner"] <= whole
 
 
 def test_a_timed_rounding_counts_its_quantization_as_searches_and_is_otherwise_the_same():

@@ -634,7 +634,7 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
             raise InputError(f"{type(sm.seam[l][0][0]).__name__}: experts whose gating is not silu(gate)·up without "
                              f"biases are scored with --rounding rtn only (the activation-aware searches model "
                              f"silu-gated experts)", hint="use --rounding rtn")
-    clock = clock if clock is not None else PhaseClock(sm.device)
+    clock = clock if clock is not None else PhaseClock()  # nobody reads it: no device synchronisation
     rounding = clock.timed(rounding)
     state = Progress(Path(work), f"{key}|stream|estimate {estimate_tokens}/{ESTIMATE_SHARE}")
     sdir = Path(work) / "stream"
