@@ -125,9 +125,10 @@ if kind == "calibrate":
     res = calibrate(model, text, None, runner="stream", notes=notes, samples=opts["samples"], seq_len=opts["seq_len"],
                     formats=tuple(opts["formats"]), rounding=opts["rounding"], batch_size=opts["batch_size"],
                     device=opts["device"], min_tokens=1)
-    cost = res["sensitivity"]["cost_seconds"]
-    out = {"phases_cpu": cost["cpu_seconds"], "phases_wall": cost["wall_seconds"],
-           "ratio_own_forward": res["sensitivity"]["cost_forward_passes"], "tokens": res["data"]["tokens"],
+    cost = res["cost"]
+    out = {"phases_cpu": {k: p["cpu_seconds"] for k, p in cost["phases"].items()},
+           "phases_wall": {k: p["wall_seconds"] for k, p in cost["phases"].items()},
+           "ratio_own_forward": cost["ratio_to_forward"], "tokens": res["data"]["tokens"],
            "memory_note": [n for n in notes if "layer-streamed" in n]}
 else:
     import transformers
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         ph = c["phases_cpu"]
         fb = ph.get("forward", 0) + ph.get("backward", 0) + ph.get("boundaries", 0)
         tf = f.get("forward_cpu")
-        cells = (r["width"], r["layers"], f"{r['weights_gib']:.2f}", f"{fb:.1f}", f"{ph.get('scoring', 0):.1f}",
+        cells = (r["width"], r["layers"], f"{r['weights_gib']:.2f}", f"{fb:.1f}",
+                 f"{ph.get('scoring', 0) + ph.get('searches', 0) + ph.get('statistics', 0):.1f}",
                  f"{ph.get('io', 0):.1f}", f"{c['cpu_total']:.1f}", f"{c['peak_rss_gib']:.2f}",
                  "-" if tf is None else f"{tf:.1f}", "-" if tf is None else f"{f['peak_rss_gib']:.2f}",
                  "-" if tf is None else f"{c['cpu_total'] / tf:.1f}")

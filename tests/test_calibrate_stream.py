@@ -4,7 +4,9 @@ against a whole-model transformers run of the same model."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -74,9 +76,13 @@ def test_streamed_calibration_equals_the_whole_model_path_on_the_trained_fixture
             moved = sum(pick(a, *c) != pick(b, *c) for c in cells)
             assert moved <= 2, (budget, moved, len(cells))
             assert abs(a.meta["predicted_delta_kl"] / b.meta["predicted_delta_kl"] - 1) < 0.02
-    cost = stream["sensitivity"]["cost_seconds"]
-    assert {"forward", "backward", "scoring", "io"} <= set(cost["cpu_seconds"])
-    assert stream["sensitivity"]["cost_forward_passes"] > 1.0
+    cost = stream["cost"]
+    assert {"boundaries", "forward", "backward", "scoring", "io"} <= set(cost["phases"])
+    if rounding != "rtn":
+        assert {"statistics", "searches"} <= set(cost["phases"])
+    # The ratio is to the run's own layer-streamed forward, which is part of its total.
+    assert cost["forward"]["in_total"] and cost["ratio_to_forward"] > 1.0
+    assert "cost_seconds" not in stream["sensitivity"] and "cost_forward_passes" not in stream["sensitivity"]
 
 
 def _tiny(tiny_model, arch, tokdir, root: Path) -> Path:
@@ -204,10 +210,15 @@ def test_calibrate_command_runs_the_stream_and_prints_what_it_measured(tiny_mode
     r = cli("calibrate", model, "--data", text, "--tokenizer", tokdir, "--samples", 2, "--seq-len", 16,
             "--formats", "int8", "--rounding", "rtn", "-o", tmp_path / "c")
     assert "layer-streamed calibration on cpu" in r.output
-    assert "its own forward pass over the same tokens" in r.output
+    out = " ".join(r.output.split())
+    assert re.search(r"calibration took [\d.]+ CPU-s \([\d.]+ s wall\) = [\d.]+× one forward over the same 32 "
+                     r"tokens", out), out
+    assert "Calibration phases (stream runner, fisher, rtn rounding, cpu" in out
     calib = json.loads((tmp_path / "c" / "calib.json").read_text())
     assert calib["architecture"] == "olmoe" and calib["sensitivity"]["runner"] == "stream"
-    assert set(calib["sensitivity"]["cost_seconds"]["cpu_seconds"]) >= {"forward", "backward", "scoring"}
+    cost = json.loads((tmp_path / "c" / "calib.cost.json").read_text())
+    assert set(cost["phases"]) >= {"forward", "backward", "scoring"} and cost["runner"] == "stream"
+    assert cost["calib_sha256"] == hashlib.sha256((tmp_path / "c" / "calib.json").read_bytes()).hexdigest()
     r = cli("calibrate", model, "--data", text, "--tokenizer", tokdir, "--samples", 2, "--seq-len", 16,
             "--sensitivity", "exact", "-o", tmp_path / "d", expect=None)
     assert r.exit_code != 0 and "fisher" in r.output and "Traceback" not in r.output

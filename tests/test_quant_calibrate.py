@@ -71,8 +71,8 @@ def test_killed_calibration_leaves_its_scratch_beside_the_output_and_the_next_ru
     assert not out.exists()
     cli(*_args(model, text, tokdir, out))
     assert not list(tmp_path.glob(".calib*")), "the killed run's scratch checkpoint is still there"
-    assert sorted(p.name for p in out.iterdir()) == ["activations.safetensors", "calib.json", "manifest.json",
-                                                     "moe-inputs", "recipes"]
+    assert sorted(p.name for p in out.iterdir()) == ["activations.safetensors", "calib.cost.json", "calib.json",
+                                                     "manifest.json", "moe-inputs", "recipes"]
 
 
 def test_killed_outputless_calibration_is_cleaned_by_the_next_one(model, text, tokdir, tmp_path):
@@ -98,16 +98,19 @@ def test_calibration_is_an_artifact_with_deterministic_bytes(model, text, tokdir
     assert "already exists" in res.output
     cli(*_args(model, text, tokdir, b), "--force")
     assert (a / "calib.json").read_bytes() == (b / "calib.json").read_bytes()
-    assert (a / "manifest.json").read_bytes() == (b / "manifest.json").read_bytes()
+    # The measured seconds live in calib.cost.json alone: the manifests differ in its hash only.
+    man_a, man_b = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
+    assert man_a["files"].pop("calib.cost.json") != man_b["files"].pop("calib.cost.json")
+    assert man_a == man_b
     cal = json.loads((a / "calib.json").read_text())
-    assert "seconds" not in cal
+    assert "seconds" not in json.dumps(cal)
     assert cal["model"] == str(Path(model).resolve()) and cal["data"]["path"] == str(Path(text).resolve())
     assert verify_artifact(a)["kind"] == "calibration"
     man = read_manifest(a)
     # The MoE layers' stored inputs, which the activation statistics are rebuilt from, and the int4
     # recipes the searches chose (convert applies them) are hashed too.
     assert man["kind"] == "calibration" and set(man["files"]) == {
-        "calib.json", "activations.safetensors", *(f"moe-inputs/{l}.safetensors" for l in cal["moe_layers"]),
+        "calib.json", "calib.cost.json", "activations.safetensors", *(f"moe-inputs/{l}.safetensors" for l in cal["moe_layers"]),
         *(f"recipes/{l}.safetensors" for l in cal["moe_layers"])}
     assert "model.safetensors" in man["source"]["files"]
     (a / "calib.json").write_text((a / "calib.json").read_text().replace('"version": 2', '"version": 2 '))

@@ -352,20 +352,25 @@ def convert(model, out, config_path, target, layer_formats, calib_ids, engine_re
       trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5 --granularity expert
       trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5 --target tensorrt-llm  # per layer
       trtmoe convert ./model -o ckpt/ --policy uniform --format int8
+      trtmoe convert ./model -o ckpt/ --calib calib/ --budget 4.5 --device cuda
       trtmoe convert ./qwen3-moe -o hf-fp8/ --target trtllm-pytorch --layer-format '*=fp8' --calib-ids ids.json
       trtmoe convert ./qwen3-moe -o hf-mix/ --target vllm --layer-format 0=nvfp4 --layer-format 1=fp8 \\
           --calib-ids ids.json --sm 100
     """
     if target in UNIFIED_TARGETS:
+        if options.get("device") not in (None, "auto"):
+            raise click.UsageError(f"--device applies to the embedded and tensorrt-llm targets, not --target {target}")
         q = cfgmod.resolve(config_path, cfgmod.from_cli(options, "convert", "quantize"))["quantize"]
         return _convert_unified(model, out, target, layer_formats, calib_ids, engine_release, int(sm), force, as_json,
                                 q)
     if layer_formats or calib_ids or engine_release:
         raise click.UsageError("--layer-format, --calib-ids and --engine apply to --target trtllm-pytorch, vllm, sglang")
     from .checkpoint.writer import convert as do_convert
+    from .checkpoint.writer import search_device
 
     cfg = cfgmod.resolve(config_path, {**cfgmod.from_cli(options, "convert", "quantize"), "build": {"backend": target}})
     cv = cfg["convert"]
+    search_device(cv["device"])  # before any planning: a --device the machine lacks is refused at once
     calib = cfg["quantize"]["calib"]
     from .quant.planning import plan_from_config
     plan = plan_from_config(model, cfg)
@@ -374,7 +379,7 @@ def convert(model, out, config_path, target, layer_formats, calib_ids, engine_re
         res = do_convert(model, out, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"],
                          dtype=cv["dtype"], trtllm_version=cv["trtllm_version"], force=force,
                          resolved_config=cfg, quant=plan, inputs=(calib,) if calib else (),
-                         target=cfg["build"]["backend"],
+                         target=cfg["build"]["backend"], device=cv["device"],
                          progress=lambda d, t: prog.update(task, completed=d, total=t))
     summary = {"output": str(res.out_dir), "mapping": res.mapping.describe(), "dtype": res.dtype,
                "bytes": res.bytes_written, "files": res.files,

@@ -51,6 +51,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
                      help="Weight dtype; auto keeps the source dtype."),
         "trtllm_version": Key(str, DEFAULT_TRTLLM_VERSION, choices=("1.2", "1.2.0", "1.2.1"),
                               help="Target TensorRT-LLM release line."),
+        "device": Key(str, "auto", choices=("auto", "cpu", "cuda"),
+                      help="Where the embedded and tensorrt-llm targets' INT4 searches (awq scale and clip, gptq "
+                           "codes) run: cpu, cuda (an error when no CUDA device is present), or auto (cuda when "
+                           "one is)."),
     },
     "quantize": {
         # Same names as trtmoe.quant.policies.POLICIES.
@@ -257,8 +261,9 @@ SCHEMA: dict[str, dict[str, Key]] = {
                       help="tensorrt-llm also scores the group-wise int4 formats as TensorRT-LLM's stacked MoE "
                            "layout writes them (under awq / awq_gptq: one pre-quant scale per MoE layer and "
                            "matrix kind), which `convert --target tensorrt-llm` then plans on (fisher only; "
-                           "more scoring: 6.3 instead of 5.1 forward-pass equivalents on the trained Mixtral "
-                           "fixture)."),
+                           "more scoring and searching: the Fisher model work counted in multiply-accumulates "
+                           "grows from 5.1 to 6.3 forward passes on the trained Mixtral fixture, searches "
+                           "not counted; calib.cost.json has the measured seconds)."),
         # Defaults equal trtmoe.quant.awq.MAX_GRAM_IN / MAX_INPUT_TOKENS (a test keeps them so; this
         # module stays free of torch).
         "max_gram_in": Key(int, 0, minimum=0, metavar="N",

@@ -105,8 +105,12 @@ def trtllm_config(m: ModelSpec, mapping: Mapping, dtype: torch.dtype, *, version
 class RankLayout:
     """Tensor specs of one rank. ``src`` is an HFCheckpoint (or None for pure accounting)."""
 
-    def __init__(self, m: ModelSpec, mapping: Mapping, rank: int, dtype: torch.dtype, src=None, plan=None):
+    def __init__(self, m: ModelSpec, mapping: Mapping, rank: int, dtype: torch.dtype, src=None, plan=None,
+                 device: torch.device | str = "cpu"):
         self.m, self.mp, self.rank, self.dtype, self.src = m, mapping, rank, dtype, src
+        # Where the plan's INT4 searches are to run (``convert --device``); the rounding below does not
+        # take a device yet, so they run on the CPU.
+        self.device = torch.device(device)
         self.tp_rank = mapping.tp_rank(rank)
         self.pp_rank = mapping.pp_rank(rank)
         self.plan = plan  # optional trtmoe.quant.plan.QuantPlan

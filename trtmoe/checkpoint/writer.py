@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from .. import DEFAULT_TRTLLM_VERSION
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InputError
 from ..hf.reader import HFCheckpoint, all_finite_bytes, parse_dtype, range_nonfinite_error
 from ..hf.safetensors_io import SourceRange, StreamingWriter, iter_chunks, pread_into
 from ..parallel.mapping import Mapping
@@ -542,7 +542,7 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
             moe_ep: int | None = None, dtype: str = "auto", trtllm_version: str = DEFAULT_TRTLLM_VERSION,
             force: bool = False, resolved_config: dict | None = None,
             progress: Callable[[int, int], None] | None = None, quant=None,
-            inputs: tuple[str | Path, ...] = (), target: str | None = None) -> ConvertResult:
+            inputs: tuple[str | Path, ...] = (), target: str | None = None, device: str = "cpu") -> ConvertResult:
     """Convert ``model`` (HF dir or cached hub id) into a TensorRT-LLM checkpoint at ``out_dir``.
 
     ``progress(done_bytes, total_bytes)`` is called as rank bytes are written. ``quant`` is an
@@ -550,8 +550,10 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
     written unless the whole conversion succeeds, and ``out_dir`` may not be or hold the model or any
     other path in ``inputs`` (a calibration directory, say). With ``target="tensorrt-llm"`` a checkpoint
     that TensorRT-LLM's release line cannot build (see ``trtmoe.checkpoint.support``) is refused before
-    anything is written; the cells NVIDIA does not list come back as ``cautions``.
+    anything is written; the cells NVIDIA does not list come back as ``cautions``. ``device``
+    ("cpu", "cuda" or "auto", see ``search_device``) is where the plan's INT4 searches are to run.
     """
+    dev = search_device(device)
     with HFCheckpoint(model) as src:
         mapping = Mapping.create(tp, pp, moe_tp, moe_ep)
         mapping.validate(src.model)
@@ -568,7 +570,7 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
             verdict = check_checkpoint_config(cfg, None, trtllm_version)
             verdict.raise_if_refused(stage="convert")
             cautions = verdict.cautions
-        layouts = [RankLayout(src.model, mapping, r, tdtype, src, quant) for r in mapping.ranks()]
+        layouts = [RankLayout(src.model, mapping, r, tdtype, src, quant, device=dev) for r in mapping.ranks()]
         all_specs = [lay.specs() for lay in layouts]
         total = sum(s.nbytes for specs in all_specs for s in specs)
         done = [0]
@@ -624,6 +626,19 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
         result.bytes_written = total
         result.recipes = _recipe_counts(layouts)
         return result
+
+
+def search_device(device: str | torch.device | None) -> torch.device:
+    """The device ``convert``'s INT4 searches run on: "cpu", "cuda" / "cuda:N" (InputError when no CUDA
+    device is present) or "auto" / None (CUDA when present, else the CPU)."""
+    name = "auto" if device is None else str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "cpu" and name != "cuda" and not name.startswith("cuda:"):
+        raise InputError(f"unknown device {name!r}", hint="use cpu, cuda or auto")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {name}: no CUDA device is available", hint="use --device cpu or auto")
+    return torch.device(name)
 
 
 def _recipe_counts(layouts: list[RankLayout]) -> dict[str, int] | None:

@@ -33,7 +33,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -57,12 +57,64 @@ from .calib_schema import (CALIB_VERSION, NonFinite, _expert_bpw, build_result, 
                            check_calib, non_finite_path, parse_calib_json)
 from .formats import FORMATS
 from .plan import FLOAT, MATRICES, expert_shape_problem, format_obj
-from .sensitivity import (DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, Progress, amax_json, check_float_banks,
-                          fisher_measure, layer_input_amax, owned_marker)
+from .sensitivity import (DEFAULT_SENSITIVITY, SENSITIVITY_METHODS, PhaseClock, Progress, amax_json,
+                          check_float_banks, fisher_measure, layer_input_amax, owned_marker)
 from .stream import StreamedModel, memory_plan, stream_measure
 
 DEFAULT_FORMATS = ENGINE_PATH_NAMES
 _FLOAT_NAMES = ("fp16", "bf16", "fp32")
+# The measured cost of a calibration (seconds per phase, the ratio to one forward over the same tokens),
+# beside calib.json and hashed by the manifest; calib.json itself holds nothing measured in seconds, so
+# that the same inputs give the same bytes.
+COST_FILE = "calib.cost.json"
+COST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What ``calibrate`` measures and how: the ``trtmoe calibrate`` options (``from_config`` builds them
+    from the command line and YAML config). Each field is described in ``calibrate``'s docstring."""
+
+    samples: int = 32
+    seq_len: int = 128
+    formats: tuple[str, ...] = DEFAULT_FORMATS
+    min_tokens: int = 16
+    batch_size: int = 8
+    tokenizer: str | Path | None = None
+    text_field: str = "text"
+    add_bos: bool | None = None
+    rounding: str = awq.DEFAULT_ROUNDING
+    sensitivity: str = DEFAULT_SENSITIVITY
+    device: str = "cpu"
+    probe: str = "gaussian"
+    max_gram_in: int = awq.MAX_GRAM_IN
+    max_input_tokens: int = awq.MAX_INPUT_TOKENS
+    target: str = "embedded"
+    runner: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.formats, tuple):  # a list from a config: kept hashable and immutable
+            object.__setattr__(self, "formats", tuple(self.formats))
+
+    @classmethod
+    def from_config(cls, section: dict) -> "CalibrationSettings":
+        """The settings of a resolved ``calibrate`` config section (``trtmoe.config``: the command line
+        over the YAML config over the defaults); keys it leaves out keep their defaults."""
+        names = {f.name for f in fields(cls)}
+        given = {("text_field" if k == "field" else k): v for k, v in section.items() if k != "data"}
+        unknown = set(given) - names
+        if unknown:
+            raise InputError(f"unknown calibration setting(s): {', '.join(sorted(unknown))}")
+        if given.get("formats") is None:
+            given.pop("formats", None)
+        if given.get("tokenizer"):
+            given["tokenizer"] = Path(given["tokenizer"])
+        return cls(**given)
+
+    @property
+    def gram(self) -> dict:
+        """The error-feedback roundings' storage limits, as the activation statistics take them."""
+        return {"max_gram_in": self.max_gram_in, "max_input_tokens": self.max_input_tokens}
 
 
 def token_batches(texts: list[str], tokenizer, samples: int, seq_len: int) -> torch.Tensor:
@@ -113,28 +165,31 @@ class _MatrixSwapped(ExpertBank):
         return fc if fc == proj else f"fc:{fc},proj:{proj}"
 
 
-def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = None, *, samples: int = 32,
-              seq_len: int = 128, formats: tuple[str, ...] = DEFAULT_FORMATS, min_tokens: int = 16,
-              batch_size: int = 8, tokenizer: str | Path | None = None,
-              progress: Callable[[str, int, int], None] | None = None, text_field: str = "text",
-              force: bool = False, add_bos: bool | None = None, notes: list[str] | None = None,
-              rounding: str = awq.DEFAULT_ROUNDING, sensitivity: str = DEFAULT_SENSITIVITY,
-              device: str = "cpu", probe: str = "gaussian", max_gram_in: int = awq.MAX_GRAM_IN,
-              max_input_tokens: int = awq.MAX_INPUT_TOKENS, target: str = "embedded", runner: str = "auto") -> dict:
+def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = None,
+              settings: CalibrationSettings | None = None, *, progress: Callable[[str, int, int], None] | None = None,
+              notes: list[str] | None = None, force: bool = False, **options) -> dict:
     """Measure routing statistics and per-(layer, expert, matrix, format) ΔKL on calibration text.
 
     ``model`` is an HF MoE directory (converted to a scratch single-rank checkpoint in its own dtype);
-    ``data`` a text file, directory or JSONL. With ``out_dir`` the result is written atomically as a
-    calibration artifact (calib.json + manifest.json; ``force`` replaces an existing one); the scratch
-    checkpoint lives in the output's hidden partial sibling (or, without ``out_dir``, a pid-marked
-    directory in the system temp dir), so a killed run's leftovers are removed by the next run.
-    ``add_bos`` overrides the tokenizer's own choice. Formats whose packing the model's shapes do not
-    allow are skipped; each skip, and which BOS/EOS were used, is appended to ``notes`` and recorded
-    in calib.json. ``rounding`` is how the int4 formats are rounded when their ΔKL is measured (the
-    routed-token activation statistics awq needs are always collected, into activations.safetensors).
-    ``sensitivity``: "fisher" (one forward and backward pass, see sensitivity.py; resumable: a killed or
-    interrupted run to the same output continues from its per-batch and per-layer progress) or "exact"
-    (end-to-end ΔKL per matrix and format, the oracle). ``device``: "cpu" or "cuda".
+    ``data`` a text file, directory or JSONL. ``settings`` (a ``CalibrationSettings``; ``options`` name
+    single fields of it, over ``settings`` or the defaults) say what is measured and how, below. With
+    ``out_dir`` the result is written atomically as a calibration artifact (calib.json, calib.cost.json
+    and manifest.json; ``force`` replaces an existing one); the scratch checkpoint lives in the output's
+    hidden partial sibling (or, without ``out_dir``, a pid-marked directory in the system temp dir), so a
+    killed run's leftovers are removed by the next run. Formats whose packing the model's shapes do not
+    allow are skipped; each skip, and which BOS/EOS were used, is appended to ``notes`` and recorded in
+    calib.json.
+
+    Settings: ``samples`` windows of ``seq_len`` tokens, cut from ``data`` (JSONL: its ``text_field``)
+    tokenized by ``tokenizer`` (default: the model's); ``add_bos`` overrides the tokenizer's own choice.
+    ``formats``: the candidate formats; ``min_tokens``: experts routed fewer tokens are flagged and their
+    ΔKL also estimated; ``batch_size``: sequences per forward. ``rounding`` is how the int4 formats are
+    rounded when their ΔKL is measured (the routed-token activation statistics awq needs are always
+    collected, into activations.safetensors).
+    ``sensitivity``: "fisher" (one forward and backward pass, see sensitivity.py, with the random
+    ``probe`` "gaussian" or "sample"; resumable: a killed or interrupted run to the same output continues
+    from its per-batch and per-layer progress) or "exact" (end-to-end ΔKL per matrix and format, the
+    oracle). ``device``: "cpu" or "cuda".
     Under the error-feedback roundings (gptq, awq_gptq) each expert matrix with at most ``max_gram_in``
     inputs has its input Gram matrix stored; for the larger ones the MoE layers' input rows (at most
     ``max_input_tokens`` per layer) are stored in ``moe-inputs/`` and the Gram matrix is rebuilt from
@@ -148,69 +203,210 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     whole model; "stream" runs transformers' own modelling code one decoder layer at a time (stream.py:
     any transformers MoE, memory independent of depth, Fisher only); "auto" the engine for the
     architectures it implements and the stream for the others.
-    Returns the calib.json dict."""
 
-    _check_options(sensitivity, device, formats, min_tokens, max_gram_in, max_input_tokens, target)
-    runner = resolve_runner(model, runner, sensitivity)
+    Returns the calib.json dict, with the measured cost (what calib.cost.json holds: seconds per phase
+    and the ratio to one forward pass over the same tokens, see ``cost_record``) under ``"cost"``."""
+
+    s = replace(settings if settings is not None else CalibrationSettings(), **options)
+    _check_options(s.sensitivity, s.device, s.formats, s.min_tokens, s.max_gram_in, s.max_input_tokens, s.target)
+    runner = resolve_runner(model, s.runner, s.sensitivity)
     # Windows past the model's context would measure positions the model was never defined for;
     # they are refused rather than clipped, so that --seq-len always means what it says.
     context = model_context(model) if runner == "engine" else _config_context(model)
-    if seq_len > context:
-        raise InputError(f"--seq-len {seq_len} is longer than the model's context (max_position_embeddings "
+    if s.seq_len > context:
+        raise InputError(f"--seq-len {s.seq_len} is longer than the model's context (max_position_embeddings "
                          f"{context})", hint=f"choose --seq-len {context} or less")
     notes = notes if notes is not None else []
-    texts = load_texts(data, field=text_field)
-    tok_dir = find_tokenizer_dir(tokenizer or model)
-    tok = load_tokenizer(tok_dir)
-    special = _special_tokens(tok, tok_dir, add_bos)
-    tok.add_bos = special["add_bos"]
+    clock = PhaseClock(s.device)
+    with clock("data"):
+        texts = load_texts(data, field=s.text_field)
+        tok_dir = find_tokenizer_dir(s.tokenizer or model)
+        tok = load_tokenizer(tok_dir)
+        special = _special_tokens(tok, tok_dir, s.add_bos)
+        tok.add_bos = special["add_bos"]
+        ids = token_batches(texts, tok, s.samples, s.seq_len)
     notes.append(special["note"])
-    ids = token_batches(texts, tok, samples, seq_len)
     data_hash = hashlib.sha256(ids.numpy().tobytes()).hexdigest()
     if runner == "stream":
-        return _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, formats=formats,
-                                   min_tokens=min_tokens, batch_size=batch_size, tokenizer=tokenizer, progress=progress,
-                                   force=force, rounding=rounding, device=device, probe=probe, gram={
-                                       "max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens},
-                                   target=target)
-    with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None], notes=notes) as work:
+        return _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, s, progress=progress,
+                                   force=force, clock=clock)
+    inputs = [p for p in (model, data, s.tokenizer) if p is not None]
+    with _workspace(out_dir, force, inputs=inputs, notes=notes) as work:
         ck = work / "scratch-checkpoint"
-        if ck.exists():
-            shutil.rmtree(ck)
-        convert(model, ck)
-        source = json.loads((ck / "manifest.json").read_text()).get("source")
-        eng = EmbeddedEngine.from_checkpoint(ck, device=device, pack_experts=False)
-        usable, skipped = applicable_formats(formats, eng.cfg.hidden_size, eng.cfg.expert_intermediate_size)
+        with clock("io"):
+            if ck.exists():
+                shutil.rmtree(ck)
+            convert(model, ck)
+            source = json.loads((ck / "manifest.json").read_text()).get("source")
+            eng = EmbeddedEngine.from_checkpoint(ck, device=s.device, pack_experts=False)
+        usable, skipped = applicable_formats(s.formats, eng.cfg.hidden_size, eng.cfg.expert_intermediate_size)
         for f, why in skipped.items():
             notes.append(f"{f} skipped: {why}")
         if not usable:
             raise InputError("none of the candidate formats can store this model's experts: "
                              + "; ".join(skipped.values()), hint="choose --formats int8,int4")
         acts = awq.ActivationStats(inputs_dir=work / awq.INPUTS_DIR)  # MoE inputs stream there per layer
-        gram = {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens}
-        if sensitivity == "exact":
-            result = measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
-                             progress=progress, rounding=rounding, activations=acts, **gram)
+        if s.sensitivity == "exact":
+            result = measure(eng, ids, formats=usable, min_tokens=s.min_tokens, batch_size=s.batch_size,
+                             progress=progress, rounding=s.rounding, activations=acts, clock=clock, **s.gram)
             result["sensitivity"]["method"] = "exact"
         else:
             # Resumable progress is keyed by everything the measurement depends on.
-            key = [CALIB_VERSION, source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
-                   str(device), max_input_tokens] + ([max_gram_in] if rounding in awq.ERROR_FEEDBACK else []) \
-                + (["stacked"] if target == "tensorrt-llm" else [])
-            result = _fisher(eng, ids, usable, work, acts, key, min_tokens=min_tokens, batch_size=batch_size,
-                             progress=progress, rounding=rounding, probe=probe, notes=notes, gram=gram,
-                             stacked=target == "tensorrt-llm")
+            key = [CALIB_VERSION, source, data_hash, list(usable), s.min_tokens, s.batch_size, s.rounding, s.probe,
+                   str(s.device), s.max_input_tokens] + ([s.max_gram_in] if s.rounding in awq.ERROR_FEEDBACK else []) \
+                + (["stacked"] if s.target == "tensorrt-llm" else [])
+            result = _fisher(eng, ids, usable, work, acts, key, min_tokens=s.min_tokens, batch_size=s.batch_size,
+                             progress=progress, rounding=s.rounding, probe=s.probe, notes=notes, gram=s.gram,
+                             stacked=s.target == "tensorrt-llm", clock=clock)
+        # One forward of the same engine over the same tokens, timed apart: what the cost is a multiple of.
+        forward = engine_forward_seconds(eng, ids, s.batch_size)
         del eng
-        shutil.rmtree(ck)
+        with clock("io"):
+            shutil.rmtree(ck)
         result["skipped_formats"] = skipped
         result["tokens"] = {k: special[k] for k in ("bos_id", "eos_id", "add_bos", "add_bos_from")}
         result["data"] = {"path": _identity(data), "samples": int(ids.shape[0]), "seq_len": int(ids.shape[1]),
                           "tokens": int(ids.numel()), "sha256": data_hash}
         result["model"] = _identity(model)
-        if out_dir is not None:
-            acts.save(work / awq.ACT_FILE)
-            write_calibration(work, result, source=source)
+        what = ("one forward of the embedded engine over the same tokens, timed after the calibration "
+                "(not part of its total)")
+        result = _finish(work if out_dir is not None else None, result, acts, clock, source=source, runner="engine",
+                         settings=s, forward={**forward, "what": what, "in_total": False})
     return result
+
+
+def engine_forward_seconds(eng: EmbeddedEngine, ids: torch.Tensor, batch_size: int) -> dict[str, float]:
+    """Wall and CPU seconds of one forward of ``eng`` over ``ids`` (``batch_size`` sequences at a time), the
+    logits computed and dropped; the engine's routing statistics are reset afterwards."""
+    clock = PhaseClock(eng.device)
+    with torch.inference_mode(), clock("forward"):
+        for b in ids.split(batch_size):
+            eng.logits(b)
+    eng.reset_routing_stats()
+    return clock.phases()["forward"]
+
+
+def _finish(work: Path | None, result: dict, acts: "awq.ActivationStats", clock: PhaseClock, *, source,
+            runner: str, settings: CalibrationSettings, forward: dict | None) -> dict:
+    """Write the artifact into ``work`` (None: nothing to write), the time it takes counted as I/O; returns
+    ``result`` with the cost record under "cost"."""
+    if work is not None:
+        with clock("io"):
+            acts.save(work / awq.ACT_FILE)
+    cost = cost_record(clock, forward, runner=runner, method=result["sensitivity"].get("method", "exact"),
+                       rounding=settings.rounding, tokens=int(result["data"]["tokens"]))
+    if work is not None:
+        cost = write_calibration(work, result, source=source, cost=cost)
+    return {**result, "cost": cost}
+
+
+def cost_record(clock: PhaseClock, forward: dict | None, *, runner: str, method: str, rounding: str,
+                tokens: int) -> dict:
+    """calib.cost.json: the measured seconds of each phase of a calibration (``clock``), their total, one
+    forward pass over the same ``tokens`` (``forward``: wall and CPU seconds, what it was, whether the total
+    includes it) and the total's ratio to it. The ratio is taken in CPU seconds on a CPU (every thread of
+    the process counted) and in device-synchronised wall seconds on CUDA (``unit``); None when no forward
+    was measured (a streamed run resumed after its forward pass)."""
+    unit = "wall_seconds" if clock.device.type == "cuda" else "cpu_seconds"
+    phases = clock.phases()
+    total = {k: sum(p[k] for p in phases.values()) for k in ("wall_seconds", "cpu_seconds")}
+    ratio = total[unit] / forward[unit] if forward and forward[unit] > 0 else None
+    return {"tool": "trtmoe", "kind": "calibration-cost", "version": COST_VERSION, "runner": runner,
+            "method": method, "rounding": rounding, "device": str(clock.device),
+            "torch_threads": torch.get_num_threads(), "tokens": tokens, "unit": unit, "total": total,
+            "phases": phases, "forward": forward, "ratio_to_forward": ratio, "resumed": clock.resumed}
+
+
+# The phases of calib.cost.json, in the order a calibration runs them, and what each one holds.
+COST_PHASES = {
+    "data": "reading and tokenizing the calibration text",
+    "io": "model and checkpoint files, progress and artifact files",
+    "boundaries": "each layer's call arguments (the model's own forward, layers stood in for)",
+    "forward": "forward passes",
+    "backward": "backward passes (the Fisher probe's gradient)",
+    "statistics": "activation statistics the searches use",
+    "searches": "quantizing every candidate (AWQ / GPTQ searches included)",
+    "scoring": "ΔKL of every expert matrix and format",
+}
+
+
+def phase_order(phases: dict) -> list[tuple[str, dict]]:
+    """``phases`` (calib.cost.json's) in the order a calibration runs them (``COST_PHASES``), others last."""
+    rank = {k: i for i, k in enumerate(COST_PHASES)}
+    return sorted(phases.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))
+
+
+def seconds(x: float) -> str:
+    """Seconds to print: one decimal from a second on, three significant digits below."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
+def cost_summary(cost: dict) -> str:
+    """One line: what the calibration took and its ratio to one forward over the same tokens."""
+    unit = cost["unit"]
+    tot, fwd = cost["total"], cost.get("forward")
+    took = (f"{seconds(tot['cpu_seconds'])} CPU-s ({seconds(tot['wall_seconds'])} s wall)" if unit == "cpu_seconds"
+            else f"{seconds(tot['wall_seconds'])} s on {cost['device']} ({seconds(tot['cpu_seconds'])} CPU-s)")
+    line = f"calibration took {took}"
+    if cost.get("ratio_to_forward") is not None:
+        line += (f" = {cost['ratio_to_forward']:.1f}× one forward over the same {cost['tokens']} tokens "
+                 f"({seconds(fwd[unit])} {'CPU-s' if unit == 'cpu_seconds' else 's'}"
+                 f"{', timed apart' if not fwd.get('in_total') else ''})")
+    else:
+        line += " (no forward over the calibration tokens ran in this process: it resumed after it)"
+    if cost.get("resumed"):
+        line += "; resumed: this process's part only"
+    return line
+
+
+def load_cost(path: str | Path) -> dict | None:
+    """The calib.cost.json beside ``path``'s calib.json (``path``: the file or its directory); None when
+    the calibration has none (written before it was recorded), InputError when it is not a cost record."""
+    p = Path(path)
+    f = (p if p.is_dir() else p.parent) / COST_FILE
+    if not f.is_file():
+        return None
+    try:
+        cost = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise InputError(f"{COST_FILE} is not readable JSON ({e})", where=str(f)) from None
+    problem = _cost_problem(cost)
+    if problem:
+        raise InputError(f"{COST_FILE} is not a calibration cost record ({problem})", where=str(f),
+                         hint="recalibrate, or remove the file (the calibration itself is calib.json)")
+    return cost
+
+
+def _cost_problem(cost) -> str | None:
+    """What makes ``cost`` other than a ``cost_record`` (None when it is one)."""
+    if not isinstance(cost, dict) or cost.get("kind") != "calibration-cost":
+        return "its kind is not calibration-cost"
+
+    def seconds_pair(d) -> bool:
+        return isinstance(d, dict) and all(
+            isinstance(d.get(k), (int, float)) and not isinstance(d.get(k), bool) and math.isfinite(d[k]) and d[k] >= 0
+            for k in ("wall_seconds", "cpu_seconds"))
+
+    if cost.get("unit") not in ("wall_seconds", "cpu_seconds"):
+        return f"unit {cost.get('unit')!r}"
+    for k in ("runner", "method", "rounding", "device"):
+        if not isinstance(cost.get(k), str):
+            return f"{k} is not a string"
+    for k in ("tokens", "torch_threads"):
+        if not isinstance(cost.get(k), int) or isinstance(cost.get(k), bool):
+            return f"{k} is not an integer"
+    if not seconds_pair(cost.get("total")):
+        return "total is not wall and CPU seconds"
+    phases = cost.get("phases")
+    if not isinstance(phases, dict) or not all(isinstance(k, str) and seconds_pair(v) for k, v in phases.items()):
+        return "phases are not wall and CPU seconds by name"
+    fwd = cost.get("forward")
+    if fwd is not None and not (seconds_pair(fwd) and isinstance(fwd.get("in_total"), bool)):
+        return "forward is not wall and CPU seconds"
+    ratio = cost.get("ratio_to_forward")
+    if ratio is not None and (not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not math.isfinite(ratio)):
+        return "ratio_to_forward is not a number"
+    return None
 
 
 RUNNERS = ("auto", "engine", "stream")
@@ -247,22 +443,23 @@ def _config_context(model: str | Path) -> int:
     return n or 1 << 30
 
 
-def _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, *, formats, min_tokens, batch_size,
-                        tokenizer, progress, force, rounding, device, probe, gram, target) -> dict:
+def _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, s: CalibrationSettings, *, progress,
+                        force, clock: PhaseClock) -> dict:
     """``calibrate`` through transformers' modelling code, one decoder layer at a time (stream.py)."""
-    if rounding not in awq.ROUNDINGS:
-        raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
+    if s.rounding not in awq.ROUNDINGS:
+        raise InputError(f"unknown rounding {s.rounding!r}", hint=awq.ROUNDING_HINT)
     mdir = resolve_model_path(model)
-    sm = StreamedModel(mdir, device=device)
+    with clock("io"):
+        sm = StreamedModel(mdir, device=s.device)
     c = sm.cfg
-    usable, skipped = applicable_formats(formats, c.hidden_size, c.expert_intermediate_size)
+    usable, skipped = applicable_formats(s.formats, c.hidden_size, c.expert_intermediate_size)
     for f, why in skipped.items():
         notes.append(f"{f} skipped: {why}")
     if not usable:
         raise InputError("none of the candidate formats can store this model's experts: "
                          + "; ".join(skipped.values()), hint="choose --formats int8,int4")
     N, T = ids.shape
-    plan = memory_plan(sm, N * T, min(batch_size, N) * T, T)
+    plan = memory_plan(sm, N * T, min(s.batch_size, N) * T, T)
     parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.2f}" for k, v in plan["parts"].items())
     notes.append(f"layer-streamed calibration on {sm.device} in {str(sm.compute_dtype).replace('torch.', '')}: "
                  f"needs about {plan['total'] / 2**30:.2f} GiB at its peak ({parts} GiB; independent of the number "
@@ -271,30 +468,39 @@ def _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, *,
         raise InputError(f"layer-streamed calibration needs about {plan['total'] / 2**30:.2f} GiB ({parts} GiB) and "
                          f"{plan['available'] / 2**30:.2f} GiB is available",
                          hint="use fewer --samples or a smaller batch, or a device with more memory")
-    source = {"name": mdir.name, "architecture": (getattr(sm.config, "architectures", None) or ["?"])[0],
-              "files": {f.name: sha256_file(f) for f in sorted(set(sm.files.values()))}}
-    with _workspace(out_dir, force, inputs=[p for p in (model, data, tokenizer) if p is not None], notes=notes) as work:
+    with clock("io"):
+        source = {"name": mdir.name, "architecture": (getattr(sm.config, "architectures", None) or ["?"])[0],
+                  "files": {f.name: sha256_file(f) for f in sorted(set(sm.files.values()))}}
+    inputs = [p for p in (model, data, s.tokenizer) if p is not None]
+    with _workspace(out_dir, force, inputs=inputs, notes=notes) as work:
         acts = awq.ActivationStats(inputs_dir=work / awq.INPUTS_DIR)
-        key = [CALIB_VERSION, "stream", source, data_hash, list(usable), min_tokens, batch_size, rounding, probe,
-               str(device), gram["max_input_tokens"], str(sm.compute_dtype)] \
-            + ([gram["max_gram_in"]] if rounding in awq.ERROR_FEEDBACK else []) \
-            + (["stacked"] if target == "tensorrt-llm" else [])
+        key = [CALIB_VERSION, "stream", source, data_hash, list(usable), s.min_tokens, s.batch_size, s.rounding,
+               s.probe, str(s.device), s.max_input_tokens, str(sm.compute_dtype)] \
+            + ([s.max_gram_in] if s.rounding in awq.ERROR_FEEDBACK else []) \
+            + (["stacked"] if s.target == "tensorrt-llm" else [])
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
-        result = stream_measure(sm, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
-                                progress=progress, work=work / _PROGRESS, key=digest, probe=probe,
-                                rounding=_AwqRounding(acts, rounding, stacked=target == "tensorrt-llm", **gram),
-                                notes=notes)
+        result = stream_measure(sm, ids, formats=usable, min_tokens=s.min_tokens, batch_size=s.batch_size,
+                                progress=progress, work=work / _PROGRESS, key=digest, probe=s.probe,
+                                rounding=_AwqRounding(acts, s.rounding, stacked=s.target == "tensorrt-llm", **s.gram),
+                                notes=notes, clock=clock)
         shutil.rmtree(work / _PROGRESS, ignore_errors=True)
-        result["rounding"] = rounding
-        result["activations"] = acts.summary(gram["max_input_tokens"])
+        result["rounding"] = s.rounding
+        result["activations"] = acts.summary(s.max_input_tokens)
         result["skipped_formats"] = skipped
         result["tokens"] = {k: special[k] for k in ("bos_id", "eos_id", "add_bos", "add_bos_from")}
         result["data"] = {"path": _identity(data), "samples": int(N), "seq_len": int(T), "tokens": int(ids.numel()),
                           "sha256": data_hash}
         result["model"] = _identity(model)
-        if out_dir is not None:
-            acts.save(work / awq.ACT_FILE)
-            write_calibration(work, result, source=source)
+        # The layer-streamed forward over the calibration tokens is the run's own first pass (its
+        # boundaries and forward phases); a run resumed after it has none.
+        ran = [clock.phases()[p] for p in ("boundaries", "forward") if p in clock.wall]
+        forward = None
+        if "forward" in clock.wall and not clock.resumed:
+            forward = {k: sum(p[k] for p in ran) for k in ("wall_seconds", "cpu_seconds")}
+            forward.update(what="the run's own layer-streamed forward over the same tokens (its boundaries and "
+                                "forward phases; part of the total)", in_total=True)
+        result = _finish(work if out_dir is not None else None, result, acts, clock, source=source, runner="stream",
+                         settings=s, forward=forward)
     return result
 
 
@@ -328,32 +534,37 @@ def _check_options(sensitivity: str, device: str, formats, min_tokens: int, max_
 
 def _fisher(eng: EmbeddedEngine, ids: torch.Tensor, usable, work: Path, acts: "awq.ActivationStats", key: list, *,
             min_tokens: int, batch_size: int, progress, rounding: str, probe: str, notes: list[str],
-            gram: dict, stacked: bool = False) -> dict:
+            gram: dict, stacked: bool = False, clock: PhaseClock | None = None) -> dict:
     """The Fisher measurement of ``calibrate`` (its progress in the workspace, resumed when ``key``
-    matches), with the rounding and activation statistics recorded."""
+    matches), with the rounding and activation statistics recorded; ``clock`` receives its phases' seconds."""
     if rounding not in awq.ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     result = fisher_measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
                             progress=progress, work=work / _PROGRESS, key=digest, probe=probe,
-                            rounding=_AwqRounding(acts, rounding, stacked=stacked, **gram), notes=notes)
+                            rounding=_AwqRounding(acts, rounding, stacked=stacked, **gram), notes=notes, clock=clock)
     shutil.rmtree(work / _PROGRESS, ignore_errors=True)
     result["rounding"] = rounding
     result["activations"] = acts.summary(gram["max_input_tokens"])
     return result
 
 
-def write_calibration(out: Path, result: dict, *, source: dict | None = None) -> None:
-    """calib.json (deterministic bytes) and the manifest that ``verify`` checks, into ``out``. A
-    result holding a NaN or infinite number is refused (nothing is written)."""
+def write_calibration(out: Path, result: dict, *, source: dict | None = None, cost: dict | None = None) -> dict | None:
+    """calib.json (deterministic bytes), the measured ``cost`` (``cost_record``) as calib.cost.json tied to
+    calib.json by its sha256, and the manifest that ``verify`` checks, into ``out``; returns the cost
+    record as written. A result holding a NaN or infinite number is refused (nothing is written)."""
     bad = non_finite_path(result)
     if bad:
         raise InputError(f"the calibration came out non-finite at {bad} (NaN or infinite); nothing was written",
                          hint="check the model's weights and the calibration text")
 
     dump_json(result, out / "calib.json")
+    if cost is not None:
+        cost = {**cost, "calib_sha256": sha256_file(out / "calib.json")}
+        dump_json(cost, out / COST_FILE)
     write_manifest(out, kind="calibration", file_hashes={}, source=source, model=result.get("model"),
                    data=result.get("data"))
+    return cost
 
 
 def _identity(p: str | Path) -> str:
@@ -549,23 +760,28 @@ def _special_tokens(tok, tok_dir: Path, add_bos: bool | None) -> dict:
 def measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats=DEFAULT_FORMATS, min_tokens: int = 16,
             batch_size: int = 8, progress=None, rounding: str = awq.DEFAULT_ROUNDING,
             activations: "awq.ActivationStats | None" = None, max_gram_in: int = awq.MAX_GRAM_IN,
-            max_input_tokens: int = awq.MAX_INPUT_TOKENS) -> dict:
+            max_input_tokens: int = awq.MAX_INPUT_TOKENS, clock: PhaseClock | None = None) -> dict:
     """Routing statistics and sensitivities with a loaded engine (tp=1 float checkpoint).
 
     Returns the calib.json dict (``version`` = CALIB_VERSION). ΔKL values are mean KL per calibration
     token, in nats: ``sensitivity.matrices[m].delta_kl[f][l][e]`` per matrix m ∈ {fc, proj}, and
     ``sensitivity.delta_kl[f][l][e]`` = fc + proj per expert. The int4 formats are quantized with
     ``rounding`` (awq: from each matrix's routed-token statistics, gathered into ``activations``;
-    ``max_gram_in`` and ``max_input_tokens``: see ``calibrate``)."""
+    ``max_gram_in`` and ``max_input_tokens``: see ``calibrate``). ``clock`` receives the seconds of the
+    reference pass ("forward") and of the per-matrix measurement ("scoring", searches and statistics
+    included)."""
     if rounding not in awq.ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
     acts = activations if activations is not None else awq.ActivationStats()
     c = eng.cfg
     moe_layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
     check_float_banks(eng, moe_layers)
-    ref = _reference_pass(eng, ids, moe_layers, batch_size)
-    exact = _exact_delta_kl(eng, ref, moe_layers, formats, rounding, acts, batch_size, progress,
-                            {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens})
+    clock = clock if clock is not None else PhaseClock()  # nobody reads it: no device synchronisation
+    with clock("forward"):
+        ref = _reference_pass(eng, ids, moe_layers, batch_size)
+    with clock("scoring"):
+        exact = _exact_delta_kl(eng, ref, moe_layers, formats, rounding, acts, batch_size, progress,
+                                {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens})
     eng.reset_routing_stats()  # the measurement passes are not calibration statistics
     filled = _fill_under_observed(exact, ref, moe_layers, formats, min_tokens, c.num_experts, c.top_k)
     return _exact_result(eng, ref, exact, filled, moe_layers, formats, rounding, acts, min_tokens,

@@ -30,32 +30,34 @@ def calibrate(model, out, config_path, force, as_json, **options):
     """Measure routing statistics and sensitivity (ΔKL per format of each expert's fc and proj) on
     calibration text.
 
+    OUTPUT gets calib.json (the same inputs give the same bytes) and calib.cost.json: the seconds each
+    phase took and the total's ratio to one forward pass over the same tokens, which is also printed.
+
     \b
     Example:
       trtmoe calibrate tests/fixtures/trained_mixtral --data calib.txt -o calib/
       trtmoe convert tests/fixtures/trained_mixtral -o ckpt/ --calib calib/ --budget 4.5
     """
+    from .calibrate import CalibrationSettings
     from .calibrate import calibrate as run
 
     c = cfgmod.resolve(config_path, cfgmod.from_cli(options, "calibrate"))["calibrate"]
     if c["data"] is None:
         raise InputError("no calibration text: pass --data PATH (or calibrate.data in the YAML config)")
+    settings = CalibrationSettings.from_config(c)
     notes: list[str] = []
     with progress("calibrate") as prog:
         task = prog.add_task("measuring sensitivity", total=None)
-        res = run(model, Path(c["data"]), out, samples=c["samples"], seq_len=c["seq_len"],
-                  formats=tuple(DEFAULT_FORMATS if c["formats"] is None else c["formats"]), min_tokens=c["min_tokens"],
-                  tokenizer=Path(c["tokenizer"]) if c["tokenizer"] else None, text_field=c["field"], force=force,
-                  add_bos=c["add_bos"], notes=notes, progress=lambda what, d, t: prog.update(task, completed=d, total=t),
-                  rounding=c["rounding"], sensitivity=c["sensitivity"], device=c["device"],
-                  max_gram_in=c["max_gram_in"], max_input_tokens=c["max_input_tokens"], target=c["target"],
-                  runner=c["runner"])
+        res = run(model, Path(c["data"]), out, settings, force=force, notes=notes,
+                  progress=lambda what, d, t: prog.update(task, completed=d, total=t))
     if as_json:
-        click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats")}, indent=1))
+        click.echo(json.dumps({k: res[k] for k in ("routing", "data", "tokens", "skipped_formats", "cost")}, indent=1))
         return
     for n in notes:
         err_console.print(f"note: {n}")
     _render_coverage(res, console, err_console)
+    if res.get("cost"):
+        _render_cost(res["cost"], console)
 
 
 # Layers with under-observed experts that get a warning line each; more get one summary line.
@@ -94,15 +96,31 @@ def _render_coverage(res: dict, console, err_console) -> None:
             err_console.print(f"[yellow]warning:[/] layer {l}: {len(fs)} of {E} experts saw fewer than {thr} "
                               f"calibration tokens (expert (tokens): {shown}{more}); {also}")
     s = res["sensitivity"]
-    what = f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices (fc, proj)"
-    measured = s.get("cost_seconds")
-    if measured:  # the layer-streamed runner measures its phases
-        cpu, wall = measured["cpu_seconds"], measured["wall_seconds"]
-        parts = ", ".join(f"{k} {wall[k]:.1f}" for k in wall)
-        console.print(f"{what}: {sum(wall.values()):.1f} s wall ({parts}), {sum(cpu.values()):.1f} CPU-s on "
-                      f"{measured['device']}; {s['cost_forward_passes']:.1f}× its own forward pass over the same tokens")
-    else:
-        console.print(f"{what} in {s['cost_forward_passes']:.1f} forward-pass equivalents")
+    console.print(f"sensitivity ({s.get('method', 'exact')}) for {len(res['formats'])} formats × 2 expert matrices "
+                  "(fc, proj)")
+
+
+
+
+def _render_cost(cost: dict, console) -> None:
+    """The measured cost line and a table of the phases (calib.cost.json)."""
+    from rich.table import Table
+
+    from .calibrate import COST_PHASES, cost_summary, phase_order, seconds
+
+    unit = cost["unit"]
+    console.print(cost_summary(cost))
+    t = Table(title=f"Calibration phases ({cost['runner']} runner, {cost['method']}, {cost['rounding']} rounding, "
+                    f"{cost['device']}, {cost['torch_threads']} torch threads)", title_justify="left")
+    for h in ("phase", "wall s", "CPU s", "share %", "what"):
+        t.add_column(h, justify="left" if h in ("phase", "what") else "right")
+    total = cost["total"][unit] or 1.0
+    for name, p in phase_order(cost["phases"]):
+        t.add_row(name, seconds(p["wall_seconds"]), seconds(p["cpu_seconds"]), f"{100 * p[unit] / total:.1f}",
+                  COST_PHASES.get(name, ""))
+    tot = cost["total"]
+    t.add_row("total", seconds(tot["wall_seconds"]), seconds(tot["cpu_seconds"]), "100.0", "")
+    console.print(t)
 
 
 def _routing_table(r: dict, E: int, layers, title: str, per_expert: bool):

@@ -37,13 +37,14 @@ and 1/``ESTIMATE_SHARE`` of the layer's routed assignments in all), scaled by a 
 the exact method does; the larger value is kept. The estimate is a floor for experts whose own tokens
 are too few to rank, so a few dozen tokens suffice for it.
 
-Cost, counted in forward-pass equivalents (multiply-accumulates of the reference forward over the
-calibration set): 1 forward, 1 backward (activation gradients only: the same matmuls once more, plus
+Model work, counted in forward-pass equivalents (multiply-accumulates of the reference forward over the
+calibration set; calib.json's ``cost_forward_passes``): 1 forward, 1 backward (activation gradients only: the same matmuls once more, plus
 attention's second pair), and per routed token-assignment one expert pass once (fc, and projᵀg, which
 also gives the reference term g·proj(a) = (projᵀg)·a) plus one expert pass per candidate format (fc_q:
 2IH, proj_q: IH): about 2 + φ·(1 + F) with φ the routed experts' share of the forward's
 multiply-accumulates — independent of the number of experts. No full-vocabulary tensor outlives its
-batch.
+batch. That count leaves the quantization searches out; what a calibration really takes is measured
+per phase (``PhaseClock``) and written apart from calib.json (calibrate.py's ``cost_record``).
 
 Streaming and resumption: phase 1 runs the batches (forward + backward) and writes each MoE layer's
 inputs, routing and output gradients per batch into ``work/acts`` (activation dtype); phase 2 scores
@@ -57,11 +58,13 @@ read back (structure, shapes, finite values); progress is reused only under this
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -136,6 +139,79 @@ class RTN:
     def restore_layer(self, layer: int, state) -> None:
         if state and "input_amax" in state:
             self.input_amax[layer] = state["input_amax"]
+
+
+class PhaseClock:
+    """Measured seconds per phase of a calibration: wall time and this process's CPU time (every thread),
+    on CUDA device-synchronised at each phase boundary. Phases nest: time spent in an inner phase is
+    counted there only, so the phases add up to the whole."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.resumed = False  # set by a runner that continued an interrupted run's progress
+        self._stack: list[list] = []  # [phase, wall at (re)start, cpu at (re)start]
+
+    def _now(self) -> tuple[float, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter(), time.process_time()
+
+    def _add(self, phase: str, wall: float, cpu: float) -> None:
+        self.wall[phase] = self.wall.get(phase, 0.0) + wall
+        self.cpu[phase] = self.cpu.get(phase, 0.0) + cpu
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        w, c = self._now()
+        if self._stack:  # the enclosing phase pauses
+            outer = self._stack[-1]
+            self._add(outer[0], w - outer[1], c - outer[2])
+        self._stack.append([phase, w, c])
+        try:
+            yield
+        finally:
+            w, c = self._now()
+            _, w0, c0 = self._stack.pop()
+            self._add(phase, w - w0, c - c0)
+            if self._stack:
+                self._stack[-1][1:] = [w, c]
+
+    def phases(self) -> dict[str, dict[str, float]]:
+        """Per phase, in the order first entered: {"wall_seconds": s, "cpu_seconds": s}."""
+        return {k: {"wall_seconds": self.wall[k], "cpu_seconds": self.cpu[k]} for k in self.wall}
+
+    def timed(self, rounding):
+        """``rounding`` (see ``RTN``) with its statistics collection and its quantization (the AWQ / GPTQ
+        searches included) timed as the phases "statistics" and "searches"."""
+        return _TimedRounding(rounding, self)
+
+
+class _TimedRounding:
+    """A rounding whose ``add_layer`` and ``quantize`` calls are timed; everything else is the rounding's."""
+
+    def __init__(self, inner, clock: PhaseClock):
+        self._inner, self._clock = inner, clock
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def add_layer(self, *args, **kwargs):
+        with self._clock("statistics"):
+            return self._inner.add_layer(*args, **kwargs)
+
+    def quantize(self, *args, **kwargs):
+        with self._clock("searches"):
+            return self._inner.quantize(*args, **kwargs)
+
+    def quantize_stacked(self, *args, **kwargs):
+        with self._clock("searches"):
+            return self._inner.quantize_stacked(*args, **kwargs)
+
+    def layer_state(self, layer):
+        with self._clock("io"):  # the layer's searched recipes are written out here
+            return self._inner.layer_state(layer)
 
 
 def forward_macs(cfg, seq_len: int) -> dict:
@@ -276,15 +352,18 @@ def check_float_banks(eng: EmbeddedEngine, moe_layers: list[int]) -> None:
 def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_tokens: int = 16, batch_size: int = 8,
                    progress: Callable[[str, int, int], None] | None = None, work: Path | None = None,
                    key: str = "", probe: str = "gaussian", seed: int = 0, rounding=None,
-                   estimate_tokens: int = ESTIMATE_TOKENS, notes: list[str] | None = None) -> dict:
+                   estimate_tokens: int = ESTIMATE_TOKENS, notes: list[str] | None = None,
+                   clock: PhaseClock | None = None) -> dict:
     """Routing statistics and Fisher-estimated ΔKL per (layer, expert, matrix, format), in the layout
     of ``calibrate.measure`` (calib.json). ``work`` holds the resumable progress (a temporary
     directory when None); ``key`` identifies the inputs it belongs to. ``rounding`` quantizes the
     matrices (default round-to-nearest; see ``RTN`` for the interface). What was resumed from
-    earlier progress is appended to ``notes``."""
+    earlier progress is appended to ``notes``. ``clock`` receives the measured seconds per phase
+    (forward, backward, statistics, searches, scoring, io)."""
     if probe not in PROBES:
         raise InputError(f"unknown probe {probe!r}", hint="use " + " or ".join(PROBES))
-    rounding = rounding or RTN()
+    clock = clock if clock is not None else PhaseClock()  # nobody reads it: no device synchronisation
+    rounding = clock.timed(rounding or RTN())
     c = eng.cfg
     moe_layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
     check_float_banks(eng, moe_layers)
@@ -297,7 +376,7 @@ def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_token
                     # Layer files scored under other estimate settings are not resumed from.
                     state=Progress(Path(work), f"{key}|estimate {estimate_tokens}/{ESTIMATE_SHARE}"), seed=seed,
                     rounding=rounding, estimate_tokens=estimate_tokens, moe_layers=moe_layers,
-                    notes=notes if notes is not None else [])
+                    notes=notes if notes is not None else [], clock=clock)
         # Each MoE layer's input amax per matrix kind, what the static input scales are made from.
         result["input_amax"] = amax_json(getattr(rounding, "input_amax", {}))
         return result
@@ -307,22 +386,24 @@ def fisher_measure(eng: EmbeddedEngine, ids: torch.Tensor, *, formats, min_token
 
 
 def _run(eng, ids, *, formats, min_tokens, batch_size, progress, state: Progress, probe, seed, rounding,
-         estimate_tokens, moe_layers, notes) -> dict:
+         estimate_tokens, moe_layers, notes, clock: PhaseClock) -> dict:
     c = eng.cfg
     batches = list(ids.split(batch_size))
     tick = _Ticker(progress, len(batches) + len(moe_layers) * c.num_experts)
     resumed = [sum(state.batch_file(b).is_file() for b in range(len(batches))),
                sum(state.layer_file(l).is_file() for l in moe_layers)]
     if any(resumed):
+        clock.resumed = True
         notes.append(f"sensitivity resumed from an interrupted run: {resumed[0]} of {len(batches)} batches and "
                      f"{resumed[1]} of {len(moe_layers)} MoE layers were already done")
-    _forward_backward(eng, batches, moe_layers, state, probe, seed, tick)
-    counts, mass, entropy = _routing_totals(state, len(batches), c.num_layers, c.num_experts)
+    _forward_backward(eng, batches, moe_layers, state, probe, seed, tick, clock)
+    with clock("io"):
+        counts, mass, entropy = _routing_totals(state, len(batches), c.num_layers, c.num_experts)
     N, T = ids.shape
     shares = getattr(rounding, "shares_prequant", lambda fmt: False)
     keys = tuple(formats) + tuple(f + STACKED for f in formats if shares(format_obj(f, eng.dtype)))
     scores = _score_layers(eng, moe_layers, keys, rounding, state, len(batches), counts, mass, min_tokens,
-                           estimate_tokens, N, T, tick)
+                           estimate_tokens, N, T, tick, clock)
     sens, flagged = _under_observed(scores, counts, moe_layers, keys, min_tokens, c.num_experts)
     return _fisher_result(eng, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens)
 
@@ -342,7 +423,8 @@ class _Ticker:
             self.progress("sensitivity", step, self.total)
 
 
-def _forward_backward(eng, batches, moe_layers, state: Progress, probe, seed, tick: _Ticker) -> None:
+def _forward_backward(eng, batches, moe_layers, state: Progress, probe, seed, tick: _Ticker,
+                      clock: PhaseClock) -> None:
     """Phase 1: forward + backward per batch; each MoE layer's h, routing and output gradient, and the
     batch's routing statistics, saved to the progress directory (batches already saved are skipped)."""
     for b, batch in enumerate(batches):
@@ -359,21 +441,24 @@ def _forward_backward(eng, batches, moe_layers, state: Progress, probe, seed, ti
 
         eng.moe_hook = hook
         try:
-            logits = eng.logits_with_grad(batch)
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + b)
-            v = _probe(logits, probe, gen)
-            with torch.enable_grad():
-                logits.backward(v)  # the gradient of Σ v·logits, without forming the product
+            with clock("forward"):
+                logits = eng.logits_with_grad(batch)
+            with clock("backward"):
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + b)
+                v = _probe(logits, probe, gen)
+                with torch.enable_grad():
+                    logits.backward(v)  # the gradient of Σ v·logits, without forming the product
         finally:
             eng.moe_hook = None
         del logits, v
-        for l in moe_layers:
-            r = cap[l]
-            _save({"h": r["h"].cpu(), "g": r["g"].cpu(), "idx": r["idx"].cpu(), "w": r["w"].cpu()},
-                  state.act_file(l, b))
-        st = eng.routing_stats()
-        _save({"counts": st["counts"], "entropy_sum": st["entropy_sum"], "weight_mass": st["weight_mass"],
-               "tokens": st["tokens"]}, state.batch_file(b))
+        with clock("io"):
+            for l in moe_layers:
+                r = cap[l]
+                _save({"h": r["h"].cpu(), "g": r["g"].cpu(), "idx": r["idx"].cpu(), "w": r["w"].cpu()},
+                      state.act_file(l, b))
+            st = eng.routing_stats()
+            _save({"counts": st["counts"], "entropy_sum": st["entropy_sum"], "weight_mass": st["weight_mass"],
+                   "tokens": st["tokens"]}, state.batch_file(b))
         tick.advance()
     eng.reset_routing_stats()
 
@@ -392,7 +477,7 @@ def _routing_totals(state: Progress, n_batches: int, L: int, E: int):
 
 
 def _score_layers(eng, moe_layers, formats, rounding, state: Progress, n_batches: int, counts, mass, min_tokens,
-                  estimate_tokens, N: int, T: int, tick: _Ticker) -> dict:
+                  estimate_tokens, N: int, T: int, tick: _Ticker, clock: PhaseClock) -> dict:
     """Phase 2: score one MoE layer at a time (layers already scored are read back, and the rounding's
     per-layer state restored). Returns measured / per-sequence / estimated ΔKL per matrix and format
     [L, E], and the token-assignment expert passes the scoring cost."""
@@ -411,12 +496,17 @@ def _score_layers(eng, moe_layers, formats, rounding, state: Progress, n_batches
         lf_existed = lf.is_file()
         if not lf_existed:
             step = tick.step
-            _save(_score_layer(eng, l, [state.act_file(l, b) for b in range(n_batches)], formats, rounding,
-                               counts[l], mass[l], min_tokens, estimate_tokens, T, N, share[l], floor,
-                               progress=(lambda e: tick.show(step + e)) if tick.progress else None), lf)
-            for b in range(n_batches):
-                state.act_file(l, b).unlink(missing_ok=True)
-        res = _load(lf, lambda d: _check_layer(d, formats, E))
+            scored_layer = _score_layer(eng, l, [state.act_file(l, b) for b in range(n_batches)], formats, rounding,
+                                        counts[l], mass[l], min_tokens, estimate_tokens, T, N, share[l], floor,
+                                        progress=(lambda e: tick.show(step + e)) if tick.progress else None,
+                                        clock=clock)
+            with clock("io"):
+                _save(scored_layer, lf)
+                for b in range(n_batches):
+                    state.act_file(l, b).unlink(missing_ok=True)
+            del scored_layer
+        with clock("io"):
+            res = _load(lf, lambda d: _check_layer(d, formats, E))
         if lf_existed and hasattr(rounding, "restore_layer"):
             try:
                 rounding.restore_layer(l, res.get("rounding_state"))
@@ -489,7 +579,8 @@ def _under_observed(scores: dict, counts, moe_layers, formats, min_tokens: int, 
 
 def _fisher_result(eng, formats, scores: dict, sens, flagged, counts, mass, entropy, N: int, T: int, probe,
                    min_tokens: int) -> dict:
-    """The calib.json dict of a Fisher measurement, with its cost in forward-pass equivalents."""
+    """The calib.json dict of a Fisher measurement, with its model work in forward-pass equivalents (a
+    multiply-accumulate count, deterministic; the measured seconds are recorded apart)."""
     c = eng.cfg
     I, H = c.expert_intermediate_size, c.hidden_size
     tokens = N * T
@@ -545,15 +636,18 @@ def _stacked_block(stacked: list[str], sens, measured, estimated) -> dict:
 
 
 def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, estimate_tokens, T, N, share,
-                 floor, progress=None) -> dict:
+                 floor, progress=None, clock: PhaseClock | None = None) -> dict:
     """ΔKL estimates of every expert matrix of layer ``l`` from its saved activations. A key of
     ``formats`` ending in ``STACKED`` scores that format as TensorRT-LLM's stacked layout rounds it."""
     c = eng.cfg
-    parts = [_load(f, lambda d: _check_acts(d, c.hidden_size, c.top_k)) for f in files]
-    h, g, idx, w = (torch.cat([p[n] for p in parts]) for n in ("h", "g", "idx", "w"))
-    del parts
-    return score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, min_tokens, estimate_tokens,
-                               T, N, share, floor, progress)
+    clock = clock if clock is not None else PhaseClock()
+    with clock("io"):
+        parts = [_load(f, lambda d: _check_acts(d, c.hidden_size, c.top_k)) for f in files]
+        h, g, idx, w = (torch.cat([p[n] for p in parts]) for n in ("h", "g", "idx", "w"))
+        del parts
+    with clock("scoring"):
+        return score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, min_tokens,
+                                   estimate_tokens, T, N, share, floor, progress)
 
 
 def expert_activation(base, hh: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,6 @@ import math
 import os
 import re
 import shutil
-import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,8 +61,8 @@ from ..hf.safetensors_io import SafetensorsFile
 from ..runtime.alloc import give_back_freed_memory
 from .calib_schema import build_result
 from .plan import MATRICES, format_obj
-from .sensitivity import (ESTIMATE_SHARE, ESTIMATE_TOKENS, PROBES, RTN, STACKED, Progress, _check_layer, _load,
-                          _probe, _save, _under_observed, fisher_sensitivity, score_layer_tensors)
+from .sensitivity import (ESTIMATE_SHARE, ESTIMATE_TOKENS, PROBES, RTN, STACKED, PhaseClock, Progress, _check_layer,
+                          _load, _probe, _save, _under_observed, fisher_sensitivity, score_layer_tensors)
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FLOAT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -643,28 +642,6 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-class _Clock:
-    """Measured seconds per phase: wall time, this process's CPU time and, on CUDA, device-synchronised wall time."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.wall: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        w, c = time.perf_counter(), time.process_time()
-        try:
-            yield
-        finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.wall[phase] = self.wall.get(phase, 0.0) + time.perf_counter() - w
-            self.cpu[phase] = self.cpu.get(phase, 0.0) + time.process_time() - c
-
-
 class _Observer:
     """Hooks on one MoE layer's experts module and router: per call the inputs, routed experts and
     weights, the gradient at the experts' output (when it has one), and the router's entropy sum."""
@@ -710,9 +687,11 @@ class _Observer:
 def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens: int = 16, batch_size: int = 8,
                    progress: Callable[[str, int, int], None] | None = None, work: Path, key: str = "",
                    probe: str = "gaussian", seed: int = 0, rounding=None, estimate_tokens: int = ESTIMATE_TOKENS,
-                   notes: list[str] | None = None) -> dict:
+                   notes: list[str] | None = None, clock: PhaseClock | None = None) -> dict:
     """The Fisher measurement of ``sensitivity.fisher_measure``, layer-streamed (see the module docstring);
-    returns the calib.json dict with the measured cost per phase."""
+    returns the calib.json dict. ``clock`` receives the measured seconds per phase: ``boundaries`` and
+    ``forward`` (together the layer-streamed forward over the calibration tokens), ``backward``,
+    ``statistics``, ``searches``, ``scoring`` and ``io`` (loading layers, the boundary files)."""
     if probe not in PROBES:
         raise InputError(f"unknown probe {probe!r}", hint="use " + " or ".join(PROBES))
     notes = notes if notes is not None else []
@@ -725,7 +704,8 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
             raise InputError(f"{type(sm.seam[l][0][0]).__name__}: experts whose gating is not silu(gate)·up without "
                              f"biases are scored with --rounding rtn only (the activation-aware searches model "
                              f"silu-gated experts)", hint="use --rounding rtn")
-    clock = _Clock(sm.device)
+    clock = clock if clock is not None else PhaseClock()  # nobody reads it: no device synchronisation
+    rounding = clock.timed(rounding)
     state = Progress(Path(work), f"{key}|stream|estimate {estimate_tokens}/{ESTIMATE_SHARE}")
     sdir = Path(work) / "stream"
     stamp = sdir / "key.json"
@@ -761,10 +741,12 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
     done_g = [l for l in range(L + 1) if gf(l).is_file()]
     resume_g = min(done_g) if done_g else None
     if resume_g is not None:
+        clock.resumed = True
         notes.append(f"sensitivity resumed from an interrupted run: layers {resume_g}..{L - 1} were already done")
     # 2. forward, bottom up (skipped when the backward pass has begun).
     if resume_g is None:
         start = max([l for l in range(1, L + 1) if xf(l).is_file()], default=0)
+        clock.resumed = clock.resumed or start > 0
         xs = x0 if start == 0 else _load(xf(start), check_batches)
         step[0] += start
         for l in range(start, L):
@@ -883,9 +865,7 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
     shutil.rmtree(state.acts, ignore_errors=True)
     scores = {"measured": measured, "per_seq": per_seq, "estimated": estimated, "floor": floor}
     sens, flagged = _under_observed(scores, counts, moe_layers, keys, min_tokens, E)
-    cost = {"wall_seconds": dict(clock.wall), "cpu_seconds": dict(clock.cpu),
-            "device": str(sm.device), "resumed": resume_g is not None and resume_g < L}
-    return _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens, cost)
+    return _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens)
 
 
 def _release_weights(rounding, layer: int) -> None:
@@ -912,12 +892,8 @@ def _take(res, l, counts, mass, entropy, measured, per_seq, estimated, keys) -> 
             estimated[m][f][l] = res["estimated"][m][f]
 
 
-def _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens, cost) -> dict:
-    fwd = cost["wall_seconds"].get("forward", 0.0) + cost["wall_seconds"].get("boundaries", 0.0)
-    total = sum(cost["wall_seconds"].values())
+def _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens) -> dict:
+    # The measured cost is no part of calib.json (same inputs, same bytes): calibrate writes it apart.
     formats, sensitivity = fisher_sensitivity(keys, scores, sens, probe, runner="stream")
-    # Measured: the whole calibration's wall time over that of its own forward pass (the same tokens,
-    # layer by layer, weights loaded in between not counted).
-    sensitivity.update(cost_forward_passes=total / fwd if fwd > 0 else 0.0, cost_seconds=cost)
     stats = {"counts": counts, "weight_mass": mass, "entropy_sum": entropy}
     return build_result(shim, formats, stats, N * T, min_tokens, flagged, sensitivity)

@@ -13,7 +13,7 @@ import torch
 
 from ..checkpoint.atomic import check_output_spares_inputs
 from ..errors import InputError
-from ..quant.calibrate import load_calib
+from ..quant.calibrate import load_calib, load_cost
 from ..runtime.checkpoint_reader import load_config
 from ..runtime.load import checkpoint_dir_of, load_engine, load_tokenizer
 from .html import build_report, render
@@ -113,7 +113,7 @@ def write_report(ref: str | Path, out: str | Path, *, quants=(), calib=None, dat
         "sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}
     reference = {"checkpoint": str(ref), "footprint": refp.footprint, "seconds": refp.seconds} if refp else None
     rep = build_report(calib=cal, reference=reference, evaluations=evals, bench=bench, heldout=heldout,
-                       warnings=warnings, moves=moves, what_ifs=wi)
+                       warnings=warnings, moves=moves, what_ifs=wi, calib_cost=load_cost(calib) if calib else None)
     return ReportResult(rep, render(rep, out), evals, heldout, warnings)
 
 

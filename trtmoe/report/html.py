@@ -15,6 +15,7 @@ import json
 import math
 from pathlib import Path
 
+from ..quant.calibrate import cost_summary, phase_order, seconds
 from ..quant.formats import BY_BITS, FORMATS, QUANTIZED
 
 __all__ = ["build_report", "render", "curve_from_bench", "curve_from_evaluations", "FORMAT_COLORS"]
@@ -50,7 +51,21 @@ def _lowest_bit_format(calib: dict) -> str:
     return min(calib["formats"], key=lambda f: bpw[f])
 
 
-def _calib_summary(calib: dict) -> dict:
+def _cost_sentence(cal: dict) -> str:
+    """What the calibration cost: the measured figure when calib.cost.json recorded one, else the
+    multiply-accumulate estimate calib.json keeps (which leaves the quantization searches out)."""
+    cost = cal.get("cost")
+    if cost:
+        phases = ", ".join(f"{k} {seconds(v[cost['unit']])}" for k, v in phase_order(cost["phases"]))
+        unit = "CPU-s" if cost["unit"] == "cpu_seconds" else "s"
+        return html.escape(f"{cost['summary'][0].upper()}{cost['summary'][1:]} (by phase, {unit}: {phases}).")
+    if cal.get("cost_forward_passes"):
+        return (f"Sensitivity cost estimated at {cal['cost_forward_passes']:.1f} forward passes of "
+                "multiply-accumulates (the quantization searches not counted; no measured cost was recorded).")
+    return "No cost was recorded."
+
+
+def _calib_summary(calib: dict, cost: dict | None = None) -> dict:
     r = calib["routing"]
     low = _lowest_bit_format(calib)
     layers = calib["moe_layers"]
@@ -69,6 +84,11 @@ def _calib_summary(calib: dict) -> dict:
         "sensitivity_all": calib["sensitivity"]["delta_kl"],
         "sensitivity_matrices": {m: d["delta_kl"][low] for m, d in calib["sensitivity"]["matrices"].items()},
         "cost_forward_passes": calib["sensitivity"].get("cost_forward_passes"),
+        # What the calibration measured (calib.cost.json), when it recorded it.
+        "cost": None if cost is None else {
+            "summary": cost_summary(cost), "unit": cost["unit"], "device": cost["device"],
+            "total": cost["total"], "forward": cost.get("forward"), "ratio_to_forward": cost.get("ratio_to_forward"),
+            "phases": cost["phases"]},
     }
 
 
@@ -129,11 +149,12 @@ def curve_from_evaluations(evals: list[dict]) -> dict[str, list[dict]]:
 
 def build_report(*, calib: dict | None, reference: dict | None, evaluations: list[dict],
                  bench: dict | None = None, heldout: dict | None = None, warnings: list[str] | None = None,
-                 moves: dict | None = None, what_ifs: dict | None = None) -> dict:
-    """The report as a JSON-serialisable dict (what ``report.json`` holds)."""
+                 moves: dict | None = None, what_ifs: dict | None = None, calib_cost: dict | None = None) -> dict:
+    """The report as a JSON-serialisable dict (what ``report.json`` holds); ``calib_cost`` is the
+    calibration's calib.cost.json, when it has one."""
     return {
         "version": 1,
-        "calibration": _calib_summary(calib) if calib else None,
+        "calibration": _calib_summary(calib, calib_cost) if calib else None,
         "reference": reference,
         "heldout": heldout,
         "evaluations": evaluations,
@@ -619,8 +640,8 @@ def _page(rep: dict, pngs: dict[str, bytes | None]) -> str:
         parts.append("<h2>Calibration</h2>")
         d = cal.get("data") or {}
         parts.append(f"<p class='note'>{cal['tokens']} calibration tokens ({d.get('samples', '?')} × "
-                     f"{d.get('seq_len', '?')}) from <code>{esc(str(d.get('path', '?')))}</code>; "
-                     f"sensitivity cost {cal.get('cost_forward_passes') or 0:.1f} forward-pass equivalents. "
+                     f"{d.get('seq_len', '?')}) from <code>{esc(str(d.get('path', '?')))}</code>. "
+                     f"{_cost_sentence(cal)} "
                      "ΔKL is measured per expert matrix (fc = [up; gate], proj = down), each quantized alone; "
                      "an expert's ΔKL is fc + proj, which is what expert- and layer-granularity plans "
                      "allocate with.</p>")
