@@ -59,7 +59,17 @@ def olmoe(tiny_model):
     return tiny_model("olmoe", dtype="bfloat16", intermediate_size=64)
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe"])
+@pytest.fixture(scope="module")
+def deepseek_v2(tiny_model):
+    return tiny_model("deepseek_v2", dtype="bfloat16", moe_intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def glm4_moe(tiny_model):
+    return tiny_model("glm4_moe", dtype="bfloat16", moe_intermediate_size=64)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe", "deepseek_v2", "glm4_moe"])
 def test_modules_are_found_by_their_hf_names(arch, request):
     model = request.getfixturevalue(arch)
     with U.SourceModel(model) as src:
@@ -67,7 +77,8 @@ def test_modules_are_found_by_their_hf_names(arch, request):
         mods = src.modules()
     kinds = {m.name: m.kind for m in mods}
     experts = [m for m in mods if m.kind == "expert"]
-    assert sorted({m.layer for m in experts}) == ([1, 2] if arch == "deepseek_v3" else [0, 1, 2])
+    first_dense = arch in ("deepseek_v3", "deepseek_v2", "glm4_moe")
+    assert sorted({m.layer for m in experts}) == ([1, 2] if first_dense else [0, 1, 2])
     assert kinds["lm_head"] == "excluded" and kinds["model.embed_tokens"] == "excluded"
     if arch == "gpt_oss":  # stacked [E, in, out] tensors, one module each
         assert {(m.name.rsplit(".", 1)[1], m.stacked, m.shape) for m in experts} == {
@@ -76,8 +87,11 @@ def test_modules_are_found_by_their_hf_names(arch, request):
     else:
         assert kinds["model.layers.1.mlp.gate"] == "excluded"
         assert {m.expert_role for m in experts} == {"gate", "up", "down"}
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "deepseek_v2"):
         assert kinds["model.layers.1.self_attn.kv_b_proj"] == "mla"
+    if arch == "glm4_moe":  # grouped-query attention with biases: an ordinary attention module
+        assert kinds["model.layers.1.self_attn.q_proj"] == "attention"
+    if first_dense:
         assert kinds["model.layers.1.mlp.shared_experts.up_proj"] == "shared"
         assert kinds["model.layers.0.mlp.gate_proj"] == "dense"
 
@@ -129,7 +143,7 @@ def test_gpt_oss_mxfp4_is_written_as_its_release_and_loaders_read_it(gpt_oss, tm
         assert torch.equal(a[k], src[k]), k
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe", "deepseek_v2", "glm4_moe"])
 def test_unquantized_export_runs_in_transformers_as_the_source(arch, request, tmp_path):
     """Every tensor under the name transformers reads: the BF16 export gives the source's logits."""
     from transformers import AutoModelForCausalLM
@@ -184,3 +198,35 @@ def test_cli_refusals_name_the_cell_and_what_works(gpt_oss, olmoe, tmp_path):
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert rep["support"]["ok"] and rep["unified_hf"]["engines"]["trtllm-1.2.1"].startswith("uniform BF16, MXFP4")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "glm4_moe"])
+def test_fp8_export_of_the_experts_is_what_the_format_writes(arch, request, tmp_path):
+    """Routed and shared experts and dense MLPs in FP8-block weight-only: each expert's tensors are the
+    format's own quantization of the source weight, the rest of the model unchanged; the cells name the
+    model file each engine reads it with."""
+    from trtmoe.checkpoint import unified_support as S
+    from trtmoe.quant.formats import get_format
+
+    model = request.getfixturevalue(arch)
+    out = tmp_path / "ck"
+    U.write_unified_checkpoint(model, out, U.UnifiedPlan.uniform("fp8_block_wo", [1, 2]))
+    verify_artifact(out)
+    name = "model.layers.2.mlp.experts.3.down_proj"
+    with U.SourceModel(model) as src:
+        w = src.read(name + ".weight")
+    got = {}
+    for f in out.glob("model-*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            got.update({k: st.get_tensor(k) for k in st.keys() if k.startswith(name + ".")})
+    want = get_format("fp8_block_wo").modelopt_export(w, dtype=torch.bfloat16)
+    assert set(got) == {f"{name}.{k}" for k in want} and got[name + ".weight"].dtype == torch.float8_e4m3fn
+    for k, v in want.items():
+        assert torch.equal(got[f"{name}.{k}"].float(), v.float()), k
+    cfg = json.loads((out / "hf_quant_config.json").read_text())
+    assert "model.layers.1.mlp.gate" in " ".join(cfg["quantization"]["exclude_modules"])
+    for engine in ("vllm-0.33", "sglang-0.5"):
+        c = S.cell(engine, arch, "fp8", "uniform", 90)
+        assert c.ok and ("deepseek_v2.py" if arch == "deepseek_v2" else "glm4_moe.py") in c.source
+    trt = S.cell("trtllm-1.2.1", arch, "fp8", "uniform", 90)
+    assert trt.ok == (arch == "glm4_moe")

@@ -180,7 +180,10 @@ UNIFORM_CONFIG_GROUPS = ("FP8", "NVFP4", "W4A16_NVFP4")
 
 # Architectures whose checkpoints are read by tensor name here (transformers has them; the TensorRT-LLM
 # engine path, and so trtmoe's architecture adapters, never had them): config.json model_type -> family.
-NAMED_FAMILIES = {"olmoe": "olmoe", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
+NAMED_FAMILIES = {"olmoe": "olmoe", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
+                  "glm4_moe": "glm4_moe"}
+# Families whose attention is multi-head latent attention (its projections stay in the model dtype).
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 class SourceModel:
@@ -344,7 +347,7 @@ def classify_by_name(src: SourceModel) -> list[Module]:
         elif _ROUTER.search(name) or layer is None:
             mods.append(Module(mod, "excluded", layer, shape))
         elif ".self_attn." in name:
-            mods.append(Module(mod, "mla" if src.family == "deepseek_v3" else "attention", layer, shape))
+            mods.append(Module(mod, "mla" if src.family in MLA_FAMILIES else "attention", layer, shape))
         elif ".shared_expert" in name:
             mods.append(Module(mod, "shared", layer, shape))
         else:
@@ -567,10 +570,11 @@ def _module_tensors(m: Module, f: UnifiedFormat, src: Tensor, input_amax: float 
 def _check_family_rules(family: str, mods: list[Module], plan: UnifiedPlan) -> None:
     """What an architecture's loaders read regardless of the format cell: DeepSeek-V3's MLA projections
     stay in the model dtype; gpt-oss takes one expert format (BF16 or MXFP4) and BF16 elsewhere."""
-    if family == "deepseek_v3" and plan.meta.get("policy") != "uniform":
+    if family in MLA_FAMILIES and plan.meta.get("policy") != "uniform":
         attn = get_format(plan.other_formats.get("attention", "bf16"))
         if attn.quant_algo:
-            raise UnsupportedError(f"DeepSeek-V3 x attention (MLA) x {attn.label}: refused: its MLA projections stay "
+            name = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}[family]
+            raise UnsupportedError(f"{name} x attention (MLA) x {attn.label}: refused: its MLA projections stay "
                                    "in the model dtype (no support cell quantizes them)",
                                    hint="quantize the routed experts, shared experts and dense MLPs only")
     if family == "gpt_oss":

@@ -12,10 +12,10 @@ refusal names the cell and what would work there. ``docs/deploy-gpu.md`` holds :
 Facts restated (as of 2026-12) from: TensorRT-LLM ``tensorrt_llm/_torch/modules/fused_moe/
 MOE_DEVELOPER_GUIDE.md`` (capability matrix), ``fused_moe/quantization.py``, ``fused_moe/
 fused_moe_marlin.py``, ``_torch/model_config.py`` (``load_hf_quant_config``), ``_torch/models/
-modeling_{mixtral,qwen2_moe,qwen3_moe,deepseekv3,gpt_oss}.py`` (no OLMoE class there) and PRs #15485
+modeling_{mixtral,qwen2_moe,qwen3_moe,deepseekv3,gpt_oss,glm}.py`` (no OLMoE or DeepSeek-V2 class there) and PRs #15485
 (per-layer MoE formats for Qwen3-MoE/GLM, open) and #18393 (DeepSeek-V3 W4A8 MIXED_PRECISION); vLLM
 ``vllm/model_executor/layers/quantization/modelopt.py`` (``modelopt``, ``modelopt_fp4``, ``modelopt_mixed``
-from PR #35047), ``quantization/mxfp4.py`` and ``models/{olmoe,deepseek_v2,gpt_oss}.py``; SGLang
+from PR #35047), ``quantization/mxfp4.py`` and ``models/{olmoe,deepseek_v2,gpt_oss,glm4_moe}.py``; SGLang
 ``python/sglang/srt/layers/quantization/modelopt_quant.py`` (``modelopt_mixed``, PR #37752, which routes
 W4A16_NVFP4 experts to Marlin) and ``srt/models/gpt_oss.py``.
 """
@@ -35,10 +35,11 @@ ENGINES = {  # key -> (label, target it belongs to)
     "sglang-0.5": ("SGLang 0.5", "sglang"),
 }
 DEFAULT_ENGINE = {"trtllm-pytorch": "trtllm-1.2.1", "vllm": "vllm-0.33", "sglang": "sglang-0.5"}
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe", "deepseek_v3", "gpt_oss", "olmoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
+            "olmoe", "glm4_moe")
 ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
-              "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE", "deepseek_v3": "DeepSeek-V3",
-              "gpt_oss": "gpt-oss", "olmoe": "OLMoE"}
+              "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE", "deepseek_v2": "DeepSeek-V2",
+              "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss", "olmoe": "OLMoE", "glm4_moe": "GLM-4.5"}
 FORMATS = ("bf16", "fp8", "fp8_block_wo", "nvfp4", "nvfp4_w4a16", "mxfp4", "int8", "w4a8_awq")
 FORMAT_LABEL = {"bf16": "BF16", "fp8": "FP8", "fp8_block_wo": "FP8-block WO", "nvfp4": "NVFP4",
                 "nvfp4_w4a16": "NVFP4 W4A16", "mxfp4": "MXFP4", "int8": "W8A16", "w4a8_awq": "W4A8-AWQ"}
@@ -58,8 +59,15 @@ _VLLM_GPT_OSS = "vllm/model_executor/models/gpt_oss.py"
 _VLLM_MXFP4 = "vllm/model_executor/layers/quantization/mxfp4.py"
 _SGL_GPT_OSS = "python/sglang/srt/models/gpt_oss.py"
 _MODEL_FILES = {  # where each engine's model class for an architecture lives (None: it has none)
-    "vllm": {"olmoe": "vllm/model_executor/models/olmoe.py", "deepseek_v3": "vllm/model_executor/models/deepseek_v2.py"},
-    "sglang": {"olmoe": "python/sglang/srt/models/olmoe.py", "deepseek_v3": "python/sglang/srt/models/deepseek_v2.py"},
+    "vllm": {"olmoe": "vllm/model_executor/models/olmoe.py", "deepseek_v3": "vllm/model_executor/models/deepseek_v2.py",
+             "deepseek_v2": "vllm/model_executor/models/deepseek_v2.py",
+             "glm4_moe": "vllm/model_executor/models/glm4_moe.py"},
+    "sglang": {"olmoe": "python/sglang/srt/models/olmoe.py", "deepseek_v3": "python/sglang/srt/models/deepseek_v2.py",
+               "deepseek_v2": "python/sglang/srt/models/deepseek_v2.py",
+               "glm4_moe": "python/sglang/srt/models/glm4_moe.py"},
+    # TensorRT-LLM's PyTorch backend (registered with register_auto_model); None: no class.
+    "trtllm-pytorch": {"glm4_moe": "tensorrt_llm/_torch/models/modeling_glm.py", "deepseek_v1": None, "phimoe": None,
+                       "olmoe": None, "deepseek_v2": None},
 }
 
 
@@ -118,7 +126,7 @@ def _trtllm_mixed(engine: str, family: str, fmt: str) -> Cell:
     why = ("per-layer MoE formats (MIXED_PRECISION) are wired model by model: DeepSeek-V3's W4A8 in PR #18393; "
            "for Qwen3-MoE and GLM PR #15485 is open (the loader calls MIXED_PRECISION ambiguous for a fused MoE); "
            f"{ARCH_LABEL[family]}'s model class does not pass a per-layer quant config to its MoE")
-    return Cell(REFUSED, why, _TRT_MODELS + f"modeling_{family}.py")
+    return Cell(REFUSED, why, _MODEL_FILES["trtllm-pytorch"].get(family) or _TRT_MODELS + f"modeling_{family}.py")
 
 
 def _serving_kernel(engine: str, fmt: str, sm: int) -> Cell:
@@ -165,11 +173,16 @@ def cell(engine: str, family: str, fmt: str, layout: str, sm: int) -> Cell:
     if family == "gpt_oss":
         return _gpt_oss(engine, fmt, layout, sm)
     if engine.startswith("trtllm"):
+        if family == "deepseek_v2":  # modeling_deepseekv3.py registers DeepseekV3ForCausalLM / V32 only
+            return Cell(REFUSED, "the PyTorch backend registers no DeepseekV2ForCausalLM (its DeepSeek class is "
+                                 "registered for DeepseekV3ForCausalLM and DeepseekV32ForCausalLM)", _TRT_DSV3)
         if family in ("deepseek_v1", "phimoe", "olmoe"):
             return Cell(REFUSED, f"the PyTorch backend has no {ARCH_LABEL[family]} model class", _TRT_MODELS)
         if layout == "mixed":
             return _trtllm_mixed(engine, family, fmt)
-        return _trtllm_kernel(fmt, sm)
+        c = _trtllm_kernel(fmt, sm)
+        model_file = _MODEL_FILES["trtllm-pytorch"].get(family)
+        return Cell(c.status, c.reason, f"{model_file}, {c.source}") if model_file else c
     if family in ("deepseek_v1", "phimoe"):
         return Cell(UNLISTED, f"{ARCH_LABEL[family]} has a model class but no ModelOpt-quantized checkpoint is "
                               "listed for it", _VLLM if engine.startswith("vllm") else _SGL)
