@@ -171,9 +171,11 @@ def _reference_engine(model: Path, tmp_path: Path, plan: U.UnifiedPlan, amax: di
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("plan", ["fp8", "nvfp4", "graded"])
+@pytest.mark.parametrize("plan", ["fp8", "nvfp4", "w4a8_awq", "graded"])
 def test_activation_formats_equal_the_engines_own_quantization(arch, plan, tiny_model, ids, tmp_path):
-    model = tiny_model(arch, dtype="bfloat16", **WIDTH[arch])
+    # W4A8-AWQ groups 128 input channels: its model is 128 wide (hidden and expert FFN).
+    wide = {"hidden_size": 128, "head_dim": 32, next(iter(WIDTH[arch])): 128} if plan == "w4a8_awq" else {}
+    model = tiny_model(arch, dtype="bfloat16", **{**WIDTH[arch], **wide})
     layers = moe_layers(model)
     up = (U.UnifiedPlan({layers[0]: "nvfp4", layers[1]: "fp8", layers[2]: "bf16"}, {"attention": "fp8"})
           if plan == "graded" else U.UnifiedPlan.uniform(plan, layers))

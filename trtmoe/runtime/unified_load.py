@@ -67,6 +67,7 @@ ENGINE_FORMATS = {
     "mxfp4": "mxfp4",
     "fp8_pb_wo": "fp8_block_wo",
     "W8A16": "int8",
+    "W4A8_AWQ": "w4a8_awq",
 }
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tensor suffixes each format's linear is stored with (besides ``weight``), as ModelOpt writes them.
@@ -77,6 +78,7 @@ _SUFFIXES = {
     "mxfp4": ("weight_scale",),
     "fp8_block_wo": ("weight_scale",),
     "int8": ("weight_scale",),
+    "w4a8_awq": ("weight_scale", "weight_scale_2", "pre_quant_scale", "input_scale"),
 }
 
 
@@ -210,7 +212,7 @@ class UnifiedCheckpoint:
                 raise CheckpointError(f"{module} is {algo} but has no {s}", where=str(self.path))
             t[s] = self.read(f"{module}.{s}")
         for extra in ("pre_quant_scale", "weight_zero_point", "k_scale", "v_scale", "output_scale"):
-            if self.has(f"{module}.{extra}"):
+            if extra not in _SUFFIXES[name] and self.has(f"{module}.{extra}"):
                 raise UnsupportedError(f"{module}.{extra}: {algo} with {extra} is not run by the embedded engine",
                                        where=str(self.path))
         return FORMATS[name], _engine_tensors(name, t, module)
@@ -304,7 +306,7 @@ def fuse_gate_up(fmt: QuantFormat, up: dict[str, torch.Tensor], gate: dict[str, 
     out = {}
     for k, a in up.items():
         b = gate[k]
-        if a.dim() == 0:
+        if a.dim() == 0 or k == "pre_quant_scale":  # per-tensor, or per input channel: one for both
             if not torch.equal(a, b):
                 return None
             out[k] = a
