@@ -78,7 +78,7 @@ from ..hf.hashing import sha256_file
 from ..hf.safetensors_io import SafetensorsFile, write_file
 from ..matmul import linear
 from . import gptq
-from .formats import FORMATS, GroupInt4Format, PerChannelIntFormat, QuantFormat, pack_int4
+from .formats import FORMATS, QuantFormat, pack_int4
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,13 @@ MATRIX_KINDS = ("fc", "proj")
 
 def applies(fmt: QuantFormat) -> bool:
     """Whether activation-aware rounding changes anything for ``fmt`` (the int4 formats)."""
-    return isinstance(fmt, GroupInt4Format) or (isinstance(fmt, PerChannelIntFormat) and fmt.bits == 4)
+    return fmt.int4_search is not None
+
+
+def _grouped(fmt: QuantFormat) -> bool:
+    """Whether ``fmt``'s INT4 search is the group-wise one (pre-quant scale, per-group clip); the
+    searches below are only reached for formats that ``applies`` to."""
+    return fmt.int4_search == "group"
 
 
 def kept_in_float(rounding: str) -> str:
@@ -133,14 +139,14 @@ def kept_in_float(rounding: str) -> str:
 def loses_codes(fmt: QuantFormat, rounding: str) -> bool:
     """Whether ``fmt`` in the layer layout (float weights for per-channel int4) drops the error-feedback
     codes ``rounding`` chooses."""
-    return isinstance(fmt, PerChannelIntFormat) and applies(fmt) and rounding in ERROR_FEEDBACK
+    return fmt.int4_search == "channel" and rounding in ERROR_FEEDBACK
 
 
 def shares_prequant(fmt: QuantFormat, rounding: str) -> bool:
     """Whether TensorRT-LLM's stacked layout (one pre-quant scale per MoE layer and matrix kind, searched
     on all of the layer's experts) rounds ``fmt`` differently from the embedded engine's per-matrix
     scale under ``rounding``: the group-wise int4 formats under awq and awq_gptq."""
-    return isinstance(fmt, GroupInt4Format) and rounding in ("awq", "awq_gptq")
+    return fmt.int4_search == "group" and rounding in ("awq", "awq_gptq")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -863,7 +869,7 @@ def transformed_weight(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: 
         wd = _in_dtype(wd / recipe.pq.float(), dtype)
     if recipe.clip is not None:
         c = recipe.clip.float()
-        if isinstance(fmt, GroupInt4Format):
+        if _grouped(fmt):
             g = fmt.group_size
             wg = wd.reshape(wd.shape[0], -1, g)
             lim = torch.minimum(wg.abs().amax(-1), c).unsqueeze(-1)
@@ -891,7 +897,7 @@ def apply(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe | None
 
 def _pack_codes(fmt: QuantFormat, q: Tensor) -> Tensor:
     """int8 codes [out, in] packed the way ``fmt.quantize`` packs its own."""
-    if isinstance(fmt, GroupInt4Format):
+    if _grouped(fmt):
         return pack_int4(q, dim=-2)
     return pack_int4(q.transpose(-1, -2).contiguous(), dim=-1)
 
@@ -900,7 +906,7 @@ def _format_scales(fmt: QuantFormat, wt: Tensor, dtype: torch.dtype) -> tuple[Te
     """Per element [out, in] of ``wt`` (float32 holding model-dtype values): the float32 scale the
     format rounds codes against and the model-dtype scale it stores (what a code dequantizes with)."""
     out_f, in_f = wt.shape
-    if isinstance(fmt, GroupInt4Format):
+    if _grouped(fmt):
         g = fmt.group_size
         scale = wt.reshape(out_f, in_f // g, g).abs().amax(-1) / 7.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -917,7 +923,7 @@ def _dequant_codes(fmt: QuantFormat, wt: Tensor, q: Tensor, dtype: torch.dtype) 
 
 
 def _fake(fmt: QuantFormat, wt: Tensor, dtype: torch.dtype, clip: Tensor | None) -> Tensor:
-    if isinstance(fmt, GroupInt4Format):
+    if _grouped(fmt):
         return _fake_group(wt, fmt.group_size, dtype, clip)
     return _fake_channel(wt, dtype, clip)
 
@@ -1013,7 +1019,7 @@ def _scale_candidates(act: Tensor, wstat: Tensor, dtype: torch.dtype) -> list[Te
     return out
 
 
-def search_prequant(fmt: GroupInt4Format, ws: list[Tensor], stats: list[MatrixStats], dtype: torch.dtype
+def search_prequant(fmt: QuantFormat, ws: list[Tensor], stats: list[MatrixStats], dtype: torch.dtype
                     ) -> Tensor | None:
     """The pre-quant scale (model dtype, [in]) shared by the matrices ``ws`` that minimizes their summed
     routed-token output error under round-to-nearest (None when no scale does better than none). Each
@@ -1161,7 +1167,7 @@ def _codes_for(fmt, w, dtype, stats, base, own_scale, store, layer, rid, choice)
 def _awq_recipe(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats,
                 pq: Tensor | None | str) -> Recipe | None:
     wd = _in_dtype(w, dtype)
-    if isinstance(fmt, PerChannelIntFormat):
+    if not _grouped(fmt):
         clip = _clip_channel(wd, stats.rows, dtype)
         return None if clip is None else Recipe(None, clip)
     if isinstance(pq, str):
@@ -1264,7 +1270,7 @@ class CheckpointRounding:
         wd = _in_dtype(w, self.dtype)
 
         def search() -> Recipe | None:
-            if isinstance(fmt, PerChannelIntFormat):
+            if not _grouped(fmt):
                 clip = _clip_channel(wd, st.rows, self.dtype)
                 return None if clip is None else Recipe(None, clip)
             pq = self._prequant(fmt, layer, mod, full, experts if shared else [expert], shared)
