@@ -193,6 +193,14 @@ class MatrixStats:
             return self.inputs.gram(self.source == "layer")
         return None
 
+    def gram_rows(self, max_rows: int) -> Tensor | None:
+        """The rows X [n, in] that ``gram_matrix`` = XᵀX is rebuilt from (every routed token the layer's
+        stored MoE inputs hold), when there are at most ``max_rows`` of them; None otherwise, or when
+        the Gram matrix is stored. With fewer rows than inputs, ‖X Dᵀ‖² costs less than tr(D H Dᵀ)."""
+        if self.gram is not None or self.inputs is None or not self.inputs.gram_rebuilt:
+            return None
+        return self.inputs.layer_inputs.gram_rows(self.inputs, self.source == "layer", max_rows)
+
     def with_fc(self, fc: "Tensor | Callable[[], Tensor]") -> "MatrixStats":
         """These statistics with the float ``fc`` weight [2I, H] of their expert (a tensor or a function
         returning it), which a ``proj`` matrix's rows and Gram matrix are rebuilt with; unchanged when
@@ -337,6 +345,23 @@ class LayerInputs:
         _remember(key, x)
         return x
 
+    def gram_rows(self, ref: InputRef, all_rows: bool, max_rows: int) -> Tensor | None:
+        """The rows ``gram`` sums over (``ref``'s matrix inputs, in the activation dtype), or None when
+        there are more than ``max_rows``."""
+        x_all, routed = self._tensors()
+        n = x_all.shape[0] if all_rows else int(routed.eq(ref.expert).any(-1).sum())
+        if n > max_rows:
+            return None
+        key = ("gram_rows", self._uid, ref.expert, ref.mod, ref.cols, all_rows)
+        with _LOCK:
+            if key in _GRAM:
+                return _GRAM[key]
+        x, fc = self._matrix_inputs(ref, all_rows)
+        y = x if fc is None else expert_inputs(fc, x)[1]
+        y = y if ref.cols is None else y[:, ref.cols[0]:ref.cols[1]].contiguous()
+        _remember(key, y)
+        return y
+
     def gram(self, ref: InputRef, all_rows: bool) -> Tensor:
         """X^T X (float32, accumulated in float64) of ``ref``'s matrix over the routed rows (every row
         with ``all_rows``: the expert saw too few tokens, calibration used the layer's)."""
@@ -368,7 +393,7 @@ _LOCK = threading.RLock()
 _UIDS = itertools.count()
 _RESIDENT: list = []  # the file-backed LayerInputs whose rows are in memory (at most one)
 _GRAM: dict = {}  # the last rebuilt Gram matrices and row samples (an expert's formats reuse them)
-_GRAMS_KEPT = 4  # an expert's fc and proj, rows and Gram: calibration rounds them in turn per format
+_GRAMS_KEPT = 6  # an expert's fc and proj, rows, Gram and Gram rows: calibration rounds them in turn per format
 
 
 def _resident(li: LayerInputs) -> None:
@@ -795,17 +820,21 @@ def _in_dtype(w: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _fake_group(wd: Tensor, g: int, dtype: torch.dtype, clip: Tensor | None = None) -> Tensor:
     """What GroupInt4Format stores for ``wd`` (float32 holding model-dtype values) clamped to ±clip
-    per (row, group), dequantized the way its ``linear`` does."""
+    per (row, group), dequantized the way its ``linear`` does. (The searches call this for every
+    candidate: it works in place on one weight-sized buffer, the same operations element by element.)"""
     out_f, in_f = wd.shape
     wg = wd.reshape(out_f, in_f // g, g)
     amax = wg.abs().amax(-1)
     if clip is not None:
         amax = torch.minimum(amax, clip)
-        wg = torch.maximum(torch.minimum(wg, amax.unsqueeze(-1)), -amax.unsqueeze(-1))
+        lim = amax.unsqueeze(-1)
+        q = torch.minimum(wg, lim)
+        q = torch.maximum(q, -lim, out=q)
     scale = amax / 7.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (wg / scale.unsqueeze(-1)).round().clamp(-8, 7)
-    return (q.to(dtype) * scale.to(dtype).unsqueeze(-1)).float().reshape(out_f, in_f)
+    q = torch.div(wg, scale.unsqueeze(-1)) if clip is None else q.div_(scale.unsqueeze(-1))
+    q = q.round_().clamp_(-8, 7).to(dtype)
+    return q.mul_(scale.to(dtype).unsqueeze(-1)).float().reshape(out_f, in_f)
 
 
 def _fake_channel(wd: Tensor, dtype: torch.dtype, clip: Tensor | None = None) -> Tensor:
@@ -817,9 +846,8 @@ def _fake_channel(wd: Tensor, dtype: torch.dtype, clip: Tensor | None = None) ->
     scale = amax / 8.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = wd / safe.unsqueeze(-1)
-    q = (q.abs() + 0.5).floor() * q.sign()
-    q = q.clamp(-8, 7)
-    return (q.to(dtype) * scale.to(dtype).unsqueeze(-1)).float()
+    q = (q.abs() + 0.5).floor_().mul_(q.sign()).clamp_(-8, 7).to(dtype)
+    return q.mul_(scale.to(dtype).unsqueeze(-1)).float()
 
 
 def _scaled_input(x: Tensor, pq: Tensor | None) -> Tensor:
@@ -959,10 +987,16 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         return Recipe(pq, clip, gptq.codes(wt, qs, ds, gptq.factor(h), dtype), base.clip)
     y = None if gram is not None else linear(stats.rows.float(), wd)
 
+    # Fewer routed tokens than half the inputs: the error from the rows themselves (n·in·out instead
+    # of in²·out multiply-adds; the same sum up to float rounding).
+    xg = stats.gram_rows(w.shape[-1] // 2) if gram is not None else None
+
     def objective(pq: Tensor | None):
         """(Gram matrix of the input the kernel sees, error of a dequantized candidate)."""
         if gram is not None:  # every routed token; the input scaled by pq as the kernel does
             h = gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())
+            if xg is not None:
+                return h, lambda deq: _rows_err(xg, wd, deq, pq)
             return h, lambda deq: _gram_err(h, wd, deq, pq)
         x = stats.rows  # the sampled rows
         return gptq.gram(_scaled_input(x, pq)), lambda deq: _err(x, wd, deq, pq, y)
@@ -986,6 +1020,13 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     if on_choice is not None:
         on_choice(won)
     return best
+
+
+def _rows_err(x: Tensor, wd: Tensor, deq: Tensor, pq: Tensor | None) -> float:
+    """``_gram_err`` from the rows ``x`` [n, in] whose Gram matrix ``h`` is: ‖(x·pq) Dᵀ‖² (float64)."""
+    d = (wd if pq is None else wd / pq.float()) - deq
+    xs = x.double() if pq is None else x.double() * pq.double()
+    return float((xs @ d.double().t()).pow(2).sum())
 
 
 def _gram_err(h: Tensor, wd: Tensor, deq: Tensor, pq: Tensor | None) -> float:
@@ -1109,7 +1150,8 @@ def recipe_for(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         inter = w.shape[0] // 2 if mod == "fc" else w.shape[-1]  # the whole matrix: shard 0 of 1
         rid = recipe_id(fmt.name, expert, mod, (0, inter), False, dtype)
         base, choice = _stored_or_searched(store, layer, rid, weight_fingerprint(w, dtype),
-                                           lambda: _awq_recipe(fmt, w, dtype, stats, pq), tuple(w.shape))
+                                           lambda: _awq_recipe(fmt, w, dtype, stats, pq), tuple(w.shape),
+                                           lambda dt: weight_fingerprint(w, dt))
         if rounding != "awq_gptq":
             return base
         return _codes_for(fmt, w, dtype, stats, base, True, store, layer, rid, choice)
@@ -1136,15 +1178,36 @@ def _fits(got: tuple, shape: tuple[int, ...]) -> bool:
 
 
 def _stored_or_searched(store: "RecipeStore | None", layer: int, rid: str, fp: str,
-                        search: Callable[[], "Recipe | None"],
-                        shape: tuple[int, ...]) -> "tuple[Recipe | None, int | None]":
+                        search: Callable[[], "Recipe | None"], shape: tuple[int, ...],
+                        fingerprint_in: "Callable[[torch.dtype], str] | None" = None
+                        ) -> "tuple[Recipe | None, int | None]":
     """The base recipe (scale and clip) stored for ``rid`` on this weight (of ``shape``), with the
     error-feedback choice stored with it (None: not known), or ``search()``'s, kept in ``store`` when
-    it records (calibration). A stored entry that does not fit the matrix is searched again."""
+    it records (calibration). A stored entry that does not fit the matrix is searched again.
+
+    With ``fingerprint_in`` (the fingerprint of the same weight(s) in a given dtype), an entry
+    searched in another model dtype (``carried_dtypes``; an fp32 calibration of a checkpoint converted
+    to bf16) on the same weight is used too: its scale and clip rounded into this recipe's dtype (the
+    dtype ``rid`` names), and its error-feedback choice kept. Only a store that is read (convert), not
+    one that records (calibration), is asked for them. The searches pick transforms by the
+    output error in the dtype they ran in; the transform itself is a set of values any dtype can hold,
+    and the codes are chosen again (``with_codes``) in the dtype the checkpoint stores."""
     got = store.get(layer, rid, fp) if store is not None else None
+    carried_from = None
+    if got is None and store is not None and store.out_dir is None and fingerprint_in is not None:
+        own = rid.rsplit("|", 1)[-1]
+        for other in carried_dtypes:
+            if str(other) == own:
+                continue
+            alt = store.get(layer, rid.rsplit("|", 1)[0] + f"|{other}", fingerprint_in(other))
+            if alt is not None:
+                dt = getattr(torch, own.removeprefix("torch."))
+                got = tuple(None if t is None else t.to(dt) for t in alt[:2]) + (alt[2],)
+                carried_from = other
+                break
     if got is not None and not _fits(got, shape):
-        log.warning("stored int4 recipe %s of layer %d does not fit its %s matrix: searched again",
-                    rid, layer, "x".join(map(str, shape)))
+        log.warning("stored int4 recipe %s of layer %d%s does not fit its %s matrix: searched again", rid, layer,
+                    "" if carried_from is None else f" (searched in {carried_from})", "x".join(map(str, shape)))
         got = None
     if got is not None:
         pq, clip, choice = got
@@ -1153,6 +1216,10 @@ def _stored_or_searched(store: "RecipeStore | None", layer: int, rid: str, fp: s
     if store is not None and store.out_dir is not None:
         store.keep(layer, rid, fp, rec.pq if rec is not None else None, rec.clip if rec is not None else None)
     return rec, None
+
+
+# Model dtypes whose stored recipes carry over to a checkpoint written in another one.
+carried_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _codes_for(fmt, w, dtype, stats, base, own_scale, store, layer, rid, choice):
@@ -1287,7 +1354,7 @@ class CheckpointRounding:
         else:
             searched = []
             rec, choice = _stored_or_searched(store, layer, rid, fp, lambda: searched.append(1) or search(),
-                                              tuple(w.shape))
+                                              tuple(w.shape), lambda dt: weight_fingerprint(w, dt))
             if self.rounding in ERROR_FEEDBACK:
                 searched += [1] if choice is None else []
                 rec = _codes_for(fmt, w, self.dtype, st, rec, not shared, store, layer, rid, choice)
@@ -1311,7 +1378,8 @@ class CheckpointRounding:
                 fp = _fingerprint_of([weight_fingerprint(w, self.dtype) for w in ws])
                 rec, _ = _stored_or_searched(self.stats.recipes, layer, prequant_id(fmt.name, mod, self.dtype), fp,
                                              lambda: (lambda pq: None if pq is None else Recipe(pq))(search()),
-                                             tuple(ws[0].shape))
+                                             tuple(ws[0].shape),
+                                             lambda dt: _fingerprint_of([weight_fingerprint(w, dt) for w in ws]))
                 self._pq[pkey] = None if rec is None else rec.pq
             else:
                 self._pq[pkey] = search()
