@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounding", default="rtn")
     ap.add_argument("--formats", default="int8,int4_g128")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts per layer instead of the width's own (top-k kept): a cheaper run "
+                         "whose search cost scales with the experts and whose forward does not")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--baseline-max-gib", type=float, default=6.0,
                     help="skip the whole-model transformers forward above this many GiB of bf16 weights")
@@ -199,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for width in a.widths.split(","):
-            w = WIDTHS[width]
+            if a.experts:
+                WIDTHS[width] = {**WIDTHS[width], "experts": a.experts}
             for L in layers:
                 mdir = make_model(width, L, work / f"{width}-{L}")
                 gib = sum(f.stat().st_size for f in mdir.glob("*.safetensors")) / 2**30
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(f"{a.tokens} calibration tokens, rounding {a.rounding}, formats {a.formats}, {a.threads} thread(s), "
-          f"device {a.device}")
+          f"device {a.device}" + (f", {a.experts} experts per layer" if a.experts else ""))
     hdr = ("width", "L", "GiB", "fwd+bwd", "scoring", "io", "cal CPU-s", "cal RSS", "tf fwd CPU-s", "tf RSS", "×fwd")
     print(" | ".join(f"{h:>11}" for h in hdr))
     for r in rows:

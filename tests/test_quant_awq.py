@@ -557,19 +557,21 @@ def test_a_bf16_convert_of_an_fp32_calibration_takes_its_recipes(searched_fp32, 
     with monkeypatch.context() as m:
         m.setattr(awq.RecipeStore, "get", lambda *a, **k: None)
         before = json.loads(cli("convert", model, "-o", tmp_path / "searched", "--calib", cal, *args,
-                                "--dtype", "bfloat16", "--json").output)["recipes"]
+                                "--dtype", "bfloat16", "--json").stdout)["recipes"]
     awq._RECIPES.clear()
     with monkeypatch.context() as m:
         _no_search(m)
         after = json.loads(cli("convert", model, "-o", tmp_path / "carried", "--calib", cal, *args,
-                               "--dtype", "bfloat16", "--json").output)["recipes"]
+                               "--dtype", "bfloat16", "--json").stdout)["recipes"]
     n = before["searched"]
     assert n > 0 and after == {"stored": n, "searched": 0, "reused": 0}
     chosen = []
     for l in range(L):
         f = SafetensorsFile(cal / awq.RECIPES_DIR / f"{l}.safetensors")
         try:
-            chosen += [f.read(name) for name in f.tensors if name.endswith(".pq")]
+            index = json.loads(f.metadata["entries"])
+            chosen += [f.read(f"{i}.pq") for i, (rid, _, has_pq, _, _) in enumerate(index)
+                       if has_pq and rid.endswith("|torch.float32")]
         finally:
             f.close()
     assert chosen and all(t.dtype == torch.float32 for t in chosen)
@@ -642,3 +644,18 @@ def test_a_stored_recipe_that_does_not_fit_its_matrix_is_searched_again(tmp_path
     fresh = awq.Recipe(torch.ones(16), None)
     rec, _ = awq._stored_or_searched(store, 0, rid, "fp", lambda: searched.append(1) or fresh, (8, 16))
     assert (rec is not fresh and not searched) if fits else (rec is fresh and searched)
+
+
+def test_clip_search_from_few_rows_is_the_gram_search():
+    """With fewer sampled rows than a group has inputs the clip search measures each group's error
+    through the rows instead of the group's Gram matrix: the same clips as the Gram matrix gives (the
+    same rows four times over, which takes the Gram path, scales every error by four)."""
+    g = torch.Generator().manual_seed(3)
+    wd = awq._in_dtype(torch.randn(64, 256, generator=g) * 0.05, torch.bfloat16)
+    x = (torch.randn(40, 256, generator=g) * torch.linspace(0.1, 3.0, 256)).to(torch.bfloat16)
+    pq = (torch.rand(256, generator=g) + 0.5).to(torch.bfloat16)
+    wt = awq._in_dtype(wd / pq.float(), torch.bfloat16)
+    few = awq._clip_group(wt, wd, x, pq, 128, torch.bfloat16)
+    many = awq._clip_group(wt, wd, x.repeat(4, 1), pq, 128, torch.bfloat16)
+    assert few is not None and torch.equal(few, many)
+    assert bool((few < wt.reshape(64, 2, 128).abs().amax(-1)).any())  # something was clipped

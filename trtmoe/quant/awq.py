@@ -648,6 +648,7 @@ class RecipeStore:
         self._mem: dict[int, dict[str, list]] = {}
         self._files: dict[int, tuple[Path, str]] = {}  # layer -> (file, sha256)
         self._read: dict[int, dict[str, list]] = {}
+        self._aliases: dict[tuple[int, str], list[str]] = {}  # (layer, rid) -> the names kept beside it
         self._lock = threading.Lock()
 
     @classmethod
@@ -662,18 +663,27 @@ class RecipeStore:
             out._files.clear()  # unreadable record: searched again
         return out
 
-    def keep(self, layer: int, rid: str, fingerprint: str, pq: Tensor | None, clip: Tensor | None) -> None:
+    def keep(self, layer: int, rid: str, fingerprint: str, pq: Tensor | None, clip: Tensor | None,
+             aliases: "list[tuple[str, str, torch.dtype]]" = ()) -> None:
+        """Keep (pq, clip) searched for ``rid`` on a weight with this fingerprint, and under each
+        alias (name, fingerprint of the weight in ``dtype``, ``dtype``) the same values rounded into
+        that dtype (``keep_choice`` records the choice for them all)."""
         with self._lock:
-            self._mem.setdefault(layer, {})[rid] = [
-                fingerprint, None if pq is None else pq.detach().cpu().contiguous(),
-                None if clip is None else clip.detach().cpu().contiguous(), None]
+            mem = self._mem.setdefault(layer, {})
+            mem[rid] = [fingerprint, None if pq is None else pq.detach().cpu().contiguous(),
+                        None if clip is None else clip.detach().cpu().contiguous(), None]
+            for name, fp, dt in aliases:
+                mem[name] = [fp, None if pq is None else pq.detach().cpu().to(dt).contiguous(),
+                             None if clip is None else _in_dtype(clip.detach().cpu(), dt).contiguous(), None]
+            self._aliases[(layer, rid)] = [name for name, _, _ in aliases]
 
     def keep_choice(self, layer: int, rid: str, choice: int) -> None:
-        """Which of ``with_codes``' candidates won for the kept entry ``rid``."""
+        """Which of ``with_codes``' candidates won for the kept entry ``rid`` (and its aliases)."""
         with self._lock:
-            ent = (self._mem.get(layer) or {}).get(rid)
-            if ent is not None:
-                ent[3] = int(choice)
+            for name in [rid, *self._aliases.get((layer, rid), ())]:
+                ent = (self._mem.get(layer) or {}).get(name)
+                if ent is not None:
+                    ent[3] = int(choice)
 
     def get(self, layer: int, rid: str, fingerprint: str) -> tuple[Tensor | None, Tensor | None, int | None] | None:
         """(pq, clip, choice) stored for ``rid`` on a weight with this fingerprint, or None (search)."""
@@ -732,6 +742,8 @@ class RecipeStore:
     def _write(self, layer: int, path: Path) -> None:
         with self._lock:
             ents = sorted(self._mem.pop(layer, {}).items())
+            for key in [k for k in self._aliases if k[0] == layer]:
+                del self._aliases[key]
         items, index = [], []
         for i, (rid, (fp, pq, clip, choice)) in enumerate(ents):
             index.append([rid, fp, pq is not None, clip is not None, choice])
@@ -1091,13 +1103,22 @@ def _clip_group(wt: Tensor, wd: Tensor, x: Tensor, pq: Tensor | None, g: int, dt
     out_f, in_f = wt.shape
     G = in_f // g
     xg = xs.reshape(-1, G, g)
-    gram = torch.einsum("ngk,ngl->gkl", xg, xg)  # [G, g, g]
+    # Each group's error d Xᵀ X dᵀ: through the group's g × g Gram matrix, or, with fewer rows than
+    # the group has inputs, through the rows themselves (n·g instead of g² multiply-adds per weight).
+    few = xg.shape[0] < g
+    if few:
+        xg = xg.permute(1, 0, 2).contiguous()  # [G, n, g]
+    else:
+        gram = torch.einsum("ngk,ngl->gkl", xg, xg)  # [G, g, g]
     amax = wt.reshape(out_f, G, g).abs().amax(-1)
     best_err = best_clip = None
     for r in CLIP_GRID:
         clip = _in_dtype(amax * r, dtype)
         d = (wt - _fake_group(wt, g, dtype, clip)).reshape(out_f, G, g)
-        e = torch.einsum("ogk,gkl,ogl->og", d, gram, d)
+        if few:
+            e = torch.bmm(xg, d.permute(1, 2, 0)).pow_(2).sum(1).t()  # [G, n, out] -> [out, G]
+        else:
+            e = torch.einsum("ogk,gkl,ogl->og", d, gram, d)
         if best_err is None:
             best_err, best_clip = e, clip
         else:
@@ -1185,40 +1206,33 @@ def _stored_or_searched(store: "RecipeStore | None", layer: int, rid: str, fp: s
     error-feedback choice stored with it (None: not known), or ``search()``'s, kept in ``store`` when
     it records (calibration). A stored entry that does not fit the matrix is searched again.
 
-    With ``fingerprint_in`` (the fingerprint of the same weight(s) in a given dtype), an entry
-    searched in another model dtype (``carried_dtypes``; an fp32 calibration of a checkpoint converted
-    to bf16) on the same weight is used too: its scale and clip rounded into this recipe's dtype (the
-    dtype ``rid`` names), and its error-feedback choice kept. Only a store that is read (convert), not
-    one that records (calibration), is asked for them. The searches pick transforms by the
-    output error in the dtype they ran in; the transform itself is a set of values any dtype can hold,
-    and the codes are chosen again (``with_codes``) in the dtype the checkpoint stores."""
+    ``fingerprint_in(dtype)`` (the fingerprint of the same weight(s) in another model dtype) makes a
+    recording store also keep the search's result under the names and fingerprints it has in the
+    other ``carried_dtypes``, its values rounded into each (``RecipeStore.keep``'s aliases): a
+    checkpoint written in another dtype than the calibration computed in (a float32 calibration, a
+    bfloat16 checkpoint of the same weights) takes the calibration's transform and error-feedback
+    choice instead of searching again. The searches pick a transform by the output error in the dtype
+    they ran in; the transform is a set of values any of these dtypes holds, and the codes are chosen
+    again (``with_codes``) in the dtype the checkpoint stores."""
     got = store.get(layer, rid, fp) if store is not None else None
-    carried_from = None
-    if got is None and store is not None and store.out_dir is None and fingerprint_in is not None:
-        own = rid.rsplit("|", 1)[-1]
-        for other in carried_dtypes:
-            if str(other) == own:
-                continue
-            alt = store.get(layer, rid.rsplit("|", 1)[0] + f"|{other}", fingerprint_in(other))
-            if alt is not None:
-                dt = getattr(torch, own.removeprefix("torch."))
-                got = tuple(None if t is None else t.to(dt) for t in alt[:2]) + (alt[2],)
-                carried_from = other
-                break
     if got is not None and not _fits(got, shape):
-        log.warning("stored int4 recipe %s of layer %d%s does not fit its %s matrix: searched again", rid, layer,
-                    "" if carried_from is None else f" (searched in {carried_from})", "x".join(map(str, shape)))
+        log.warning("stored int4 recipe %s of layer %d does not fit its %s matrix: searched again",
+                    rid, layer, "x".join(map(str, shape)))
         got = None
     if got is not None:
         pq, clip, choice = got
         return (None if pq is None and clip is None else Recipe(pq, clip)), choice
     rec = search()
     if store is not None and store.out_dir is not None:
-        store.keep(layer, rid, fp, rec.pq if rec is not None else None, rec.clip if rec is not None else None)
+        head, own = rid.rsplit("|", 1)
+        aliases = [] if fingerprint_in is None else [
+            (f"{head}|{dt}", fingerprint_in(dt), dt) for dt in carried_dtypes if str(dt) != own]
+        store.keep(layer, rid, fp, rec.pq if rec is not None else None, rec.clip if rec is not None else None,
+                   aliases)
     return rec, None
 
 
-# Model dtypes whose stored recipes carry over to a checkpoint written in another one.
+# Model dtypes a calibration's recipes are also kept for (see _stored_or_searched).
 carried_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
 
