@@ -15,9 +15,15 @@ reporting CPU seconds, peak RSS (the child's ru_maxrss), the ratio of calibratio
 the extrapolation to the full depth (a straight line through the measured depths: per-layer slope and
 fixed part). Each child runs on ``--threads`` threads (1 by default: CPU seconds on one thread).
 
+``--one-expert`` instead times the int4 rounding searches alone on one expert of the width (random
+bf16 weights, statistics from ``collect_layer`` over ``--tokens`` random hidden states routed top-k of
+the width's experts, so each expert gets as many routed rows as in the real model): CPU seconds of
+``awq.quantize`` for fc and proj per rounding, round to nearest being the baseline.
+
 Usage::
 
     python scripts/bench_scale.py --widths qwen3 --layers 1,2,4 --tokens 512 --rounding rtn
+    python scripts/bench_scale.py --widths qwen3 --one-expert --experts-timed 3 --tokens 512
     python scripts/bench_scale.py --widths mixtral --layers 1,2 --tokens 64   # ~3 GB of bf16 per layer
 """
 
@@ -173,6 +179,40 @@ def _line(xs: list[int], ys: list[float], at: int) -> float | None:
     return my + b * (at - mx)
 
 
+def one_expert(width: str, tokens: int, fmt_name: str, roundings: list[str], experts: int, threads: int) -> None:
+    """CPU seconds of the int4 rounding searches per expert (fc + proj) at ``width``."""
+    import time
+
+    import torch
+
+    from trtmoe.quant import awq
+    from trtmoe.quant.formats import FORMATS
+
+    torch.set_num_threads(threads)
+    w = WIDTHS[width]
+    H, I, E, k = w["hidden"], w["ffn"], w["experts"], w["top_k"]
+    g = torch.Generator().manual_seed(0)
+    fc = (torch.randn(experts, 2 * I, H, generator=g) * H ** -0.5).to(torch.bfloat16)
+    proj = (torch.randn(experts, H, I, generator=g) * I ** -0.5).to(torch.bfloat16)
+    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16).float()
+    routed = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    st = awq.collect_layer(fc.float(), proj.float(), x, routed, gram=True, layer=0)
+    fmt = FORMATS[fmt_name]
+    rows = [st[(e, "fc")].count for e in range(experts)]
+    print(f"{width}: {experts} expert(s) of {E}, fc {2 * I}x{H}, proj {H}x{I}, {fmt_name}, {tokens} tokens top-{k} "
+          f"(routed rows {min(rows)}-{max(rows)}), {threads} thread(s)")
+    print(f"{'rounding':>10} | {'CPU-s/expert':>12} | {'x rtn':>6}")
+    base = None
+    for r in roundings:
+        c0 = time.process_time()
+        for e in range(experts):
+            for m, wm in (("fc", fc[e]), ("proj", proj[e])):
+                awq.quantize(fmt, wm, dtype=torch.bfloat16, stats=st[(e, m)].with_fc(fc[e].float()), rounding=r)
+        cpu = (time.process_time() - c0) / experts
+        base = cpu if r == "rtn" else base
+        print(f"{r:>10} | {cpu:>12.2f} | {'-' if not base else f'{cpu / base:.0f}':>6}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--widths", default="qwen3", help="comma separated: qwen3, mixtral")
@@ -183,12 +223,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounding", default="rtn")
     ap.add_argument("--formats", default="int8,int4_g128")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="routed experts per layer instead of the width's own (top-k kept): a cheaper run "
+                         "whose search cost scales with the experts and whose forward does not")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--baseline-max-gib", type=float, default=6.0,
                     help="skip the whole-model transformers forward above this many GiB of bf16 weights")
+    ap.add_argument("--one-expert", action="store_true",
+                    help="time the int4 rounding searches on single experts of the width instead (see above)")
+    ap.add_argument("--experts-timed", type=int, default=2, help="--one-expert: experts timed (averaged)")
     ap.add_argument("--work", type=Path, default=None, help="where the random models go (default: a temp dir)")
     ap.add_argument("--timeout", type=int, default=3600)
     a = ap.parse_args(argv)
+    if a.one_expert:
+        fmt = next((f for f in a.formats.split(",") if f.startswith("int4")), "int4_g128")
+        for width in a.widths.split(","):
+            one_expert(width, a.tokens, fmt, ["rtn", "awq", "awq_gptq"], a.experts_timed, a.threads)
+        return 0
     from trtmoe.data import write_split_text
 
     work = a.work or Path(tempfile.mkdtemp(prefix="trtmoe-bench-scale-"))
@@ -200,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for width in a.widths.split(","):
-            w = WIDTHS[width]
+            if a.experts:
+                WIDTHS[width] = {**WIDTHS[width], "experts": a.experts}
             for L in layers:
                 mdir = make_model(width, L, work / f"{width}-{L}")
                 gib = sum(f.stat().st_size for f in mdir.glob("*.safetensors")) / 2**30
@@ -215,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(f"{a.tokens} calibration tokens, rounding {a.rounding}, formats {a.formats}, {a.threads} thread(s), "
-          f"device {a.device}")
+          f"device {a.device}" + (f", {a.experts} experts per layer" if a.experts else ""))
     hdr = ("width", "L", "GiB", "fwd+bwd", "scoring", "io", "cal CPU-s", "cal RSS", "tf fwd CPU-s", "tf RSS", "×fwd")
     print(" | ".join(f"{h:>11}" for h in hdr))
     for r in rows:

@@ -71,8 +71,8 @@ def _awq_plan(plan: QuantPlan, calib_dir) -> QuantPlan:
     return plan
 
 
-def _tokenized_model(tiny_model, tmp, seed: int):
-    """A 4-expert bf16 Mixtral (both group sizes fit) with the trained fixture's tokenizer, and
+def _tokenized_model(tiny_model, tmp, seed: int, dtype: str = "bfloat16"):
+    """A 4-expert Mixtral (bf16 unless ``dtype`` says otherwise) (both group sizes fit) with the trained fixture's tokenizer, and
     calibration text beside it: what ``calibrate`` needs."""
     import shutil
 
@@ -81,7 +81,7 @@ def _tokenized_model(tiny_model, tmp, seed: int):
     from trtmoe.data import write_split_text
 
     src = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=L, seed=seed, hidden_size=128,
-                     intermediate_size=128, head_dim=32, dtype="bfloat16", vocab_size=2048)
+                     intermediate_size=128, head_dim=32, dtype=dtype, vocab_size=2048)
     model = shutil.copytree(src, tmp / "m")
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
@@ -489,7 +489,7 @@ def _no_search(monkeypatch):
     the test if it runs."""
     def refuse(*a, **k):
         raise AssertionError("searched although calibration stored the recipe and its choice")
-    for name in ("search_prequant", "_clip_group", "_clip_channel", "_err", "_gram_err"):
+    for name in ("search_prequant", "_clip_group", "_clip_channel", "_err", "_gram_err", "_rows_err"):
         monkeypatch.setattr(awq, name, refuse)
 
 
@@ -529,6 +529,57 @@ def test_convert_takes_calibrations_recipes_instead_of_searching_and_writes_the_
         assert n == L * 4 * 2  # the 4-expert model
     human = cli("convert", model, "-o", tmp_path / "stored", "--calib", cal, *args, "--force").output
     assert f"int4 transforms: 0 from the calibration, 0 searched now, {n} reused" in human
+
+
+@pytest.fixture(scope="module")
+def searched_fp32(tiny_model, tmp_path_factory):
+    """``searched`` for a float32 model: its recipes are searched (and keyed) in float32."""
+    from trtmoe.quant.calibrate import calibrate
+
+    tmp = tmp_path_factory.mktemp("recipes32")
+    model, text = _tokenized_model(tiny_model, tmp, seed=6, dtype="float32")
+    calibrate(model, text, tmp / "cal", samples=4, seq_len=32, formats=("int8",) + INT4, target="tensorrt-llm")
+    return model, tmp / "cal"
+
+
+@pytest.mark.parametrize("args", [
+    ("--policy", "uniform", "--format", "int4_g128", "--target", "tensorrt-llm"),
+    ("--budget", "4.4", "--granularity", "matrix"),
+], ids=["tensorrt-llm-shared-scale", "embedded-per-matrix"])
+def test_a_bf16_convert_of_an_fp32_calibration_takes_its_recipes(searched_fp32, tmp_path, monkeypatch, args):
+    """A float32 calibration's recipes carry over to a bfloat16 checkpoint of the same weights: no
+    search and no candidate evaluation runs (without them every int4 matrix is searched again), and
+    every pre-quant scale written is a float32 one the calibration chose, rounded to bfloat16."""
+    model, cal = searched_fp32
+    meta = json.loads(SafetensorsFile(cal / awq.ACT_FILE).metadata["recipes"])
+    assert meta["layers"]
+    awq._RECIPES.clear()
+    with monkeypatch.context() as m:
+        m.setattr(awq.RecipeStore, "get", lambda *a, **k: None)
+        before = json.loads(cli("convert", model, "-o", tmp_path / "searched", "--calib", cal, *args,
+                                "--dtype", "bfloat16", "--json").stdout)["recipes"]
+    awq._RECIPES.clear()
+    with monkeypatch.context() as m:
+        _no_search(m)
+        after = json.loads(cli("convert", model, "-o", tmp_path / "carried", "--calib", cal, *args,
+                               "--dtype", "bfloat16", "--json").stdout)["recipes"]
+    n = before["searched"]
+    assert n > 0 and after == {"stored": n, "searched": 0, "reused": 0}
+    chosen = []
+    for l in range(L):
+        f = SafetensorsFile(cal / awq.RECIPES_DIR / f"{l}.safetensors")
+        try:
+            index = json.loads(f.metadata["entries"])
+            chosen += [f.read(f"{i}.pq") for i, (rid, _, has_pq, _, _) in enumerate(index)
+                       if has_pq and rid.endswith("|torch.float32")]
+        finally:
+            f.close()
+    assert chosen and all(t.dtype == torch.float32 for t in chosen)
+    written = [t for name, t in _read(tmp_path / "carried", "").items() if name.endswith("prequant_scaling_factor")]
+    assert written and all(t.dtype == torch.bfloat16 for t in written)
+    for t in written:
+        if not bool((t == 1).all()):  # ones: no scale searched for that matrix
+            assert any(torch.equal(t.reshape(-1), pq.to(torch.bfloat16)) for pq in chosen)
 
 
 def test_stale_or_damaged_recipes_are_searched_again(searched, tmp_path, monkeypatch):
@@ -593,3 +644,18 @@ def test_a_stored_recipe_that_does_not_fit_its_matrix_is_searched_again(tmp_path
     fresh = awq.Recipe(torch.ones(16), None)
     rec, _ = awq._stored_or_searched(store, 0, rid, "fp", lambda: searched.append(1) or fresh, (8, 16))
     assert (rec is not fresh and not searched) if fits else (rec is fresh and searched)
+
+
+def test_clip_search_from_few_rows_is_the_gram_search():
+    """With fewer sampled rows than a group has inputs the clip search measures each group's error
+    through the rows instead of the group's Gram matrix: the same clips as the Gram matrix gives (the
+    same rows four times over, which takes the Gram path, scales every error by four)."""
+    g = torch.Generator().manual_seed(3)
+    wd = awq._in_dtype(torch.randn(64, 256, generator=g) * 0.05, torch.bfloat16)
+    x = (torch.randn(40, 256, generator=g) * torch.linspace(0.1, 3.0, 256)).to(torch.bfloat16)
+    pq = (torch.rand(256, generator=g) + 0.5).to(torch.bfloat16)
+    wt = awq._in_dtype(wd / pq.float(), torch.bfloat16)
+    few = awq._clip_group(wt, wd, x, pq, 128, torch.bfloat16)
+    many = awq._clip_group(wt, wd, x.repeat(4, 1), pq, 128, torch.bfloat16)
+    assert few is not None and torch.equal(few, many)
+    assert bool((few < wt.reshape(64, 2, 128).abs().amax(-1)).any())  # something was clipped

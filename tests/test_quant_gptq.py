@@ -488,3 +488,62 @@ def test_missing_or_damaged_inputs_are_one_error_naming_the_file(model, cal_inpu
             assert "Traceback" not in res.output
         res = run(d, "rtn", f"rtn-{damage}")
         assert res.exit_code == 0, res.output
+
+
+# ---------------------------------------------------------------------------------------------
+# a stack of matrices at once, and the error from the rows when they are fewer than the inputs
+
+
+def test_stacked_factors_and_codes_are_the_per_matrix_ones():
+    """``factor_many`` / ``codes_many`` on a stack (a layer's experts, one of them with a dead input
+    channel and one whose Gram matrix needs extra dampening) give exactly the factors and codes of
+    ``factor`` / ``codes`` one matrix at a time; ``take`` reuses one factor for several matrices."""
+    B, out_f, in_f = 5, 48, 256
+    w = torch.stack([_matrix(out_f, in_f, 10 + b) for b in range(B)]).float()
+    xs = [_correlated(300, in_f, b, mix_seed=b).float() for b in range(B)]
+    hs = torch.stack([gptq.gram(x) for x in xs])
+    hs[1, 7, :] = 0
+    hs[1, :, 7] = 0  # an input no token uses
+    hs[3] = torch.ones(in_f, in_f)  # rank one: not positive definite with the default dampening alone
+    fmt = FORMATS["int4_g64"]
+    qs, ds = map(torch.stack, zip(*(awq._format_scales(fmt, w[b], DT) for b in range(B))))
+    f = gptq.factor_many(hs)
+    for b in range(B):
+        one = gptq.factor(hs[b])
+        assert torch.equal(one.perm, f.perm[b]) and torch.equal(one.hinv, f.hinv[b])
+    q = gptq.codes_many(w, qs, ds, f, DT, block=64)
+    for b in range(B):
+        assert torch.equal(q[b], gptq.codes(w[b], qs[b], ds[b], hs[b], DT, block=64))
+    shared = gptq.codes_many(w[:3], qs[:3], ds[:3], gptq.take(f, [2, 2, 2]), DT)
+    for b in range(3):
+        assert torch.equal(shared[b], gptq.codes(w[b], qs[b], ds[b], hs[2], DT))
+
+
+def test_error_from_few_rows_is_the_gram_error_and_picks_the_same_codes(monkeypatch):
+    """A matrix whose Gram matrix is rebuilt from fewer routed rows than half its inputs has its
+    candidates' errors computed from those rows: the same value as from the Gram matrix (float64
+    sums of the same products, up to the Gram's float32 rounding), and the same recipe."""
+    in_f, out_f = 256, 64
+    fc = torch.stack([_matrix(2 * in_f, 128, 20 + e) for e in range(2)]).float()
+    proj = torch.stack([_matrix(128, in_f, 30 + e) for e in range(2)]).float()
+    x = _correlated(200, 128, 5, mix_seed=3).float()
+    routed = torch.zeros(200, 1, dtype=torch.long)
+    routed[::4] = 1  # expert 1: 50 of the 200 tokens, fewer than half proj's 256 inputs
+    st = awq.collect_layer(fc, proj, x, routed, gram=True, max_gram_in=0, layer=0)
+    s = st[(1, "proj")].with_fc(fc[1])
+    rows = s.gram_rows(in_f // 2)
+    assert rows is not None and rows.shape == (50, in_f)
+    assert s.gram_rows(49) is None and st[(0, "proj")].with_fc(fc[0]).gram_rows(in_f // 2) is None
+    assert torch.allclose(gptq.gram(rows), s.gram_matrix(), rtol=0, atol=0)
+    w = proj[1].to(DT)
+    wd = awq._in_dtype(w, DT)
+    fmt = FORMATS["int4_g128"]
+    pq = (torch.rand(in_f, generator=torch.Generator().manual_seed(1)) + 0.5).to(DT)
+    deq = awq._fake(fmt, awq._in_dtype(wd / pq.float(), DT), DT, None)
+    h = s.gram_matrix() * torch.outer(pq.float(), pq.float())
+    assert awq._rows_err(rows, wd, deq, pq) == pytest.approx(awq._gram_err(h, wd, deq, pq), rel=1e-5)
+    base = awq.recipe_for(fmt, w, DT, s, rounding="awq")
+    fast = awq.with_codes(fmt, w, DT, s, base, own_scale=True)
+    monkeypatch.setattr(awq.MatrixStats, "gram_rows", lambda self, n: None)
+    slow = awq.with_codes(fmt, w, DT, s, base, own_scale=True)
+    assert torch.equal(fast.codes, slow.codes) and fast.pq is slow.pq and fast.clip is slow.clip

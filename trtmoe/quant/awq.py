@@ -78,7 +78,7 @@ from ..hf.hashing import sha256_file
 from ..hf.safetensors_io import SafetensorsFile, write_file
 from ..matmul import linear
 from . import gptq
-from .formats import FORMATS, GroupInt4Format, PerChannelIntFormat, QuantFormat, pack_int4
+from .formats import FORMATS, QuantFormat, pack_int4
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,13 @@ MATRIX_KINDS = ("fc", "proj")
 
 def applies(fmt: QuantFormat) -> bool:
     """Whether activation-aware rounding changes anything for ``fmt`` (the int4 formats)."""
-    return isinstance(fmt, GroupInt4Format) or (isinstance(fmt, PerChannelIntFormat) and fmt.bits == 4)
+    return fmt.int4_search is not None
+
+
+def _grouped(fmt: QuantFormat) -> bool:
+    """Whether ``fmt``'s INT4 search is the group-wise one (pre-quant scale, per-group clip); the
+    searches below are only reached for formats that ``applies`` to."""
+    return fmt.int4_search == "group"
 
 
 def kept_in_float(rounding: str) -> str:
@@ -133,14 +139,14 @@ def kept_in_float(rounding: str) -> str:
 def loses_codes(fmt: QuantFormat, rounding: str) -> bool:
     """Whether ``fmt`` in the layer layout (float weights for per-channel int4) drops the error-feedback
     codes ``rounding`` chooses."""
-    return isinstance(fmt, PerChannelIntFormat) and applies(fmt) and rounding in ERROR_FEEDBACK
+    return fmt.int4_search == "channel" and rounding in ERROR_FEEDBACK
 
 
 def shares_prequant(fmt: QuantFormat, rounding: str) -> bool:
     """Whether TensorRT-LLM's stacked layout (one pre-quant scale per MoE layer and matrix kind, searched
     on all of the layer's experts) rounds ``fmt`` differently from the embedded engine's per-matrix
     scale under ``rounding``: the group-wise int4 formats under awq and awq_gptq."""
-    return isinstance(fmt, GroupInt4Format) and rounding in ("awq", "awq_gptq")
+    return fmt.int4_search == "group" and rounding in ("awq", "awq_gptq")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +192,14 @@ class MatrixStats:
         if self.inputs is not None and self.inputs.gram_rebuilt:
             return self.inputs.gram(self.source == "layer")
         return None
+
+    def gram_rows(self, max_rows: int) -> Tensor | None:
+        """The rows X [n, in] that ``gram_matrix`` = XᵀX is rebuilt from (every routed token the layer's
+        stored MoE inputs hold), when there are at most ``max_rows`` of them; None otherwise, or when
+        the Gram matrix is stored. With fewer rows than inputs, ‖X Dᵀ‖² costs less than tr(D H Dᵀ)."""
+        if self.gram is not None or self.inputs is None or not self.inputs.gram_rebuilt:
+            return None
+        return self.inputs.layer_inputs.gram_rows(self.inputs, self.source == "layer", max_rows)
 
     def with_fc(self, fc: "Tensor | Callable[[], Tensor]") -> "MatrixStats":
         """These statistics with the float ``fc`` weight [2I, H] of their expert (a tensor or a function
@@ -331,6 +345,23 @@ class LayerInputs:
         _remember(key, x)
         return x
 
+    def gram_rows(self, ref: InputRef, all_rows: bool, max_rows: int) -> Tensor | None:
+        """The rows ``gram`` sums over (``ref``'s matrix inputs, in the activation dtype), or None when
+        there are more than ``max_rows``."""
+        x_all, routed = self._tensors()
+        n = x_all.shape[0] if all_rows else int(routed.eq(ref.expert).any(-1).sum())
+        if n > max_rows:
+            return None
+        key = ("gram_rows", self._uid, ref.expert, ref.mod, ref.cols, all_rows)
+        with _LOCK:
+            if key in _GRAM:
+                return _GRAM[key]
+        x, fc = self._matrix_inputs(ref, all_rows)
+        y = x if fc is None else expert_inputs(fc, x)[1]
+        y = y if ref.cols is None else y[:, ref.cols[0]:ref.cols[1]].contiguous()
+        _remember(key, y)
+        return y
+
     def gram(self, ref: InputRef, all_rows: bool) -> Tensor:
         """X^T X (float32, accumulated in float64) of ``ref``'s matrix over the routed rows (every row
         with ``all_rows``: the expert saw too few tokens, calibration used the layer's)."""
@@ -362,7 +393,7 @@ _LOCK = threading.RLock()
 _UIDS = itertools.count()
 _RESIDENT: list = []  # the file-backed LayerInputs whose rows are in memory (at most one)
 _GRAM: dict = {}  # the last rebuilt Gram matrices and row samples (an expert's formats reuse them)
-_GRAMS_KEPT = 4  # an expert's fc and proj, rows and Gram: calibration rounds them in turn per format
+_GRAMS_KEPT = 6  # an expert's fc and proj, rows, Gram and Gram rows: calibration rounds them in turn per format
 
 
 def _resident(li: LayerInputs) -> None:
@@ -617,6 +648,7 @@ class RecipeStore:
         self._mem: dict[int, dict[str, list]] = {}
         self._files: dict[int, tuple[Path, str]] = {}  # layer -> (file, sha256)
         self._read: dict[int, dict[str, list]] = {}
+        self._aliases: dict[tuple[int, str], list[str]] = {}  # (layer, rid) -> the names kept beside it
         self._lock = threading.Lock()
 
     @classmethod
@@ -631,18 +663,27 @@ class RecipeStore:
             out._files.clear()  # unreadable record: searched again
         return out
 
-    def keep(self, layer: int, rid: str, fingerprint: str, pq: Tensor | None, clip: Tensor | None) -> None:
+    def keep(self, layer: int, rid: str, fingerprint: str, pq: Tensor | None, clip: Tensor | None,
+             aliases: "list[tuple[str, str, torch.dtype]]" = ()) -> None:
+        """Keep (pq, clip) searched for ``rid`` on a weight with this fingerprint, and under each
+        alias (name, fingerprint of the weight in ``dtype``, ``dtype``) the same values rounded into
+        that dtype (``keep_choice`` records the choice for them all)."""
         with self._lock:
-            self._mem.setdefault(layer, {})[rid] = [
-                fingerprint, None if pq is None else pq.detach().cpu().contiguous(),
-                None if clip is None else clip.detach().cpu().contiguous(), None]
+            mem = self._mem.setdefault(layer, {})
+            mem[rid] = [fingerprint, None if pq is None else pq.detach().cpu().contiguous(),
+                        None if clip is None else clip.detach().cpu().contiguous(), None]
+            for name, fp, dt in aliases:
+                mem[name] = [fp, None if pq is None else pq.detach().cpu().to(dt).contiguous(),
+                             None if clip is None else _in_dtype(clip.detach().cpu(), dt).contiguous(), None]
+            self._aliases[(layer, rid)] = [name for name, _, _ in aliases]
 
     def keep_choice(self, layer: int, rid: str, choice: int) -> None:
-        """Which of ``with_codes``' candidates won for the kept entry ``rid``."""
+        """Which of ``with_codes``' candidates won for the kept entry ``rid`` (and its aliases)."""
         with self._lock:
-            ent = (self._mem.get(layer) or {}).get(rid)
-            if ent is not None:
-                ent[3] = int(choice)
+            for name in [rid, *self._aliases.get((layer, rid), ())]:
+                ent = (self._mem.get(layer) or {}).get(name)
+                if ent is not None:
+                    ent[3] = int(choice)
 
     def get(self, layer: int, rid: str, fingerprint: str) -> tuple[Tensor | None, Tensor | None, int | None] | None:
         """(pq, clip, choice) stored for ``rid`` on a weight with this fingerprint, or None (search)."""
@@ -701,6 +742,8 @@ class RecipeStore:
     def _write(self, layer: int, path: Path) -> None:
         with self._lock:
             ents = sorted(self._mem.pop(layer, {}).items())
+            for key in [k for k in self._aliases if k[0] == layer]:
+                del self._aliases[key]
         items, index = [], []
         for i, (rid, (fp, pq, clip, choice)) in enumerate(ents):
             index.append([rid, fp, pq is not None, clip is not None, choice])
@@ -789,17 +832,21 @@ def _in_dtype(w: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _fake_group(wd: Tensor, g: int, dtype: torch.dtype, clip: Tensor | None = None) -> Tensor:
     """What GroupInt4Format stores for ``wd`` (float32 holding model-dtype values) clamped to ±clip
-    per (row, group), dequantized the way its ``linear`` does."""
+    per (row, group), dequantized the way its ``linear`` does. (The searches call this for every
+    candidate: it works in place on one weight-sized buffer, the same operations element by element.)"""
     out_f, in_f = wd.shape
     wg = wd.reshape(out_f, in_f // g, g)
     amax = wg.abs().amax(-1)
     if clip is not None:
         amax = torch.minimum(amax, clip)
-        wg = torch.maximum(torch.minimum(wg, amax.unsqueeze(-1)), -amax.unsqueeze(-1))
+        lim = amax.unsqueeze(-1)
+        q = torch.minimum(wg, lim)
+        q = torch.maximum(q, -lim, out=q)
     scale = amax / 7.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (wg / scale.unsqueeze(-1)).round().clamp(-8, 7)
-    return (q.to(dtype) * scale.to(dtype).unsqueeze(-1)).float().reshape(out_f, in_f)
+    q = torch.div(wg, scale.unsqueeze(-1)) if clip is None else q.div_(scale.unsqueeze(-1))
+    q = q.round_().clamp_(-8, 7).to(dtype)
+    return q.mul_(scale.to(dtype).unsqueeze(-1)).float().reshape(out_f, in_f)
 
 
 def _fake_channel(wd: Tensor, dtype: torch.dtype, clip: Tensor | None = None) -> Tensor:
@@ -811,9 +858,8 @@ def _fake_channel(wd: Tensor, dtype: torch.dtype, clip: Tensor | None = None) ->
     scale = amax / 8.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = wd / safe.unsqueeze(-1)
-    q = (q.abs() + 0.5).floor() * q.sign()
-    q = q.clamp(-8, 7)
-    return (q.to(dtype) * scale.to(dtype).unsqueeze(-1)).float()
+    q = (q.abs() + 0.5).floor_().mul_(q.sign()).clamp_(-8, 7).to(dtype)
+    return q.mul_(scale.to(dtype).unsqueeze(-1)).float()
 
 
 def _scaled_input(x: Tensor, pq: Tensor | None) -> Tensor:
@@ -863,7 +909,7 @@ def transformed_weight(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: 
         wd = _in_dtype(wd / recipe.pq.float(), dtype)
     if recipe.clip is not None:
         c = recipe.clip.float()
-        if isinstance(fmt, GroupInt4Format):
+        if _grouped(fmt):
             g = fmt.group_size
             wg = wd.reshape(wd.shape[0], -1, g)
             lim = torch.minimum(wg.abs().amax(-1), c).unsqueeze(-1)
@@ -891,7 +937,7 @@ def apply(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe | None
 
 def _pack_codes(fmt: QuantFormat, q: Tensor) -> Tensor:
     """int8 codes [out, in] packed the way ``fmt.quantize`` packs its own."""
-    if isinstance(fmt, GroupInt4Format):
+    if _grouped(fmt):
         return pack_int4(q, dim=-2)
     return pack_int4(q.transpose(-1, -2).contiguous(), dim=-1)
 
@@ -900,7 +946,7 @@ def _format_scales(fmt: QuantFormat, wt: Tensor, dtype: torch.dtype) -> tuple[Te
     """Per element [out, in] of ``wt`` (float32 holding model-dtype values): the float32 scale the
     format rounds codes against and the model-dtype scale it stores (what a code dequantizes with)."""
     out_f, in_f = wt.shape
-    if isinstance(fmt, GroupInt4Format):
+    if _grouped(fmt):
         g = fmt.group_size
         scale = wt.reshape(out_f, in_f // g, g).abs().amax(-1) / 7.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -917,7 +963,7 @@ def _dequant_codes(fmt: QuantFormat, wt: Tensor, q: Tensor, dtype: torch.dtype) 
 
 
 def _fake(fmt: QuantFormat, wt: Tensor, dtype: torch.dtype, clip: Tensor | None) -> Tensor:
-    if isinstance(fmt, GroupInt4Format):
+    if _grouped(fmt):
         return _fake_group(wt, fmt.group_size, dtype, clip)
     return _fake_channel(wt, dtype, clip)
 
@@ -953,10 +999,16 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         return Recipe(pq, clip, gptq.codes(wt, qs, ds, gptq.factor(h), dtype), base.clip)
     y = None if gram is not None else linear(stats.rows.float(), wd)
 
+    # Fewer routed tokens than half the inputs: the error from the rows themselves (n·in·out instead
+    # of in²·out multiply-adds; the same sum up to float rounding).
+    xg = stats.gram_rows(w.shape[-1] // 2) if gram is not None else None
+
     def objective(pq: Tensor | None):
         """(Gram matrix of the input the kernel sees, error of a dequantized candidate)."""
         if gram is not None:  # every routed token; the input scaled by pq as the kernel does
             h = gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())
+            if xg is not None:
+                return h, lambda deq: _rows_err(xg, wd, deq, pq)
             return h, lambda deq: _gram_err(h, wd, deq, pq)
         x = stats.rows  # the sampled rows
         return gptq.gram(_scaled_input(x, pq)), lambda deq: _err(x, wd, deq, pq, y)
@@ -980,6 +1032,13 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     if on_choice is not None:
         on_choice(won)
     return best
+
+
+def _rows_err(x: Tensor, wd: Tensor, deq: Tensor, pq: Tensor | None) -> float:
+    """``_gram_err`` from the rows ``x`` [n, in] whose Gram matrix ``h`` is: ‖(x·pq) Dᵀ‖² (float64)."""
+    d = (wd if pq is None else wd / pq.float()) - deq
+    xs = x.double() if pq is None else x.double() * pq.double()
+    return float((xs @ d.double().t()).pow(2).sum())
 
 
 def _gram_err(h: Tensor, wd: Tensor, deq: Tensor, pq: Tensor | None) -> float:
@@ -1013,7 +1072,7 @@ def _scale_candidates(act: Tensor, wstat: Tensor, dtype: torch.dtype) -> list[Te
     return out
 
 
-def search_prequant(fmt: GroupInt4Format, ws: list[Tensor], stats: list[MatrixStats], dtype: torch.dtype
+def search_prequant(fmt: QuantFormat, ws: list[Tensor], stats: list[MatrixStats], dtype: torch.dtype
                     ) -> Tensor | None:
     """The pre-quant scale (model dtype, [in]) shared by the matrices ``ws`` that minimizes their summed
     routed-token output error under round-to-nearest (None when no scale does better than none). Each
@@ -1044,13 +1103,22 @@ def _clip_group(wt: Tensor, wd: Tensor, x: Tensor, pq: Tensor | None, g: int, dt
     out_f, in_f = wt.shape
     G = in_f // g
     xg = xs.reshape(-1, G, g)
-    gram = torch.einsum("ngk,ngl->gkl", xg, xg)  # [G, g, g]
+    # Each group's error d Xᵀ X dᵀ: through the group's g × g Gram matrix, or, with fewer rows than
+    # the group has inputs, through the rows themselves (n·g instead of g² multiply-adds per weight).
+    few = xg.shape[0] < g
+    if few:
+        xg = xg.permute(1, 0, 2).contiguous()  # [G, n, g]
+    else:
+        gram = torch.einsum("ngk,ngl->gkl", xg, xg)  # [G, g, g]
     amax = wt.reshape(out_f, G, g).abs().amax(-1)
     best_err = best_clip = None
     for r in CLIP_GRID:
         clip = _in_dtype(amax * r, dtype)
         d = (wt - _fake_group(wt, g, dtype, clip)).reshape(out_f, G, g)
-        e = torch.einsum("ogk,gkl,ogl->og", d, gram, d)
+        if few:
+            e = torch.bmm(xg, d.permute(1, 2, 0)).pow_(2).sum(1).t()  # [G, n, out] -> [out, G]
+        else:
+            e = torch.einsum("ogk,gkl,ogl->og", d, gram, d)
         if best_err is None:
             best_err, best_clip = e, clip
         else:
@@ -1103,7 +1171,8 @@ def recipe_for(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         inter = w.shape[0] // 2 if mod == "fc" else w.shape[-1]  # the whole matrix: shard 0 of 1
         rid = recipe_id(fmt.name, expert, mod, (0, inter), False, dtype)
         base, choice = _stored_or_searched(store, layer, rid, weight_fingerprint(w, dtype),
-                                           lambda: _awq_recipe(fmt, w, dtype, stats, pq), tuple(w.shape))
+                                           lambda: _awq_recipe(fmt, w, dtype, stats, pq), tuple(w.shape),
+                                           lambda dt: weight_fingerprint(w, dt))
         if rounding != "awq_gptq":
             return base
         return _codes_for(fmt, w, dtype, stats, base, True, store, layer, rid, choice)
@@ -1130,11 +1199,21 @@ def _fits(got: tuple, shape: tuple[int, ...]) -> bool:
 
 
 def _stored_or_searched(store: "RecipeStore | None", layer: int, rid: str, fp: str,
-                        search: Callable[[], "Recipe | None"],
-                        shape: tuple[int, ...]) -> "tuple[Recipe | None, int | None]":
+                        search: Callable[[], "Recipe | None"], shape: tuple[int, ...],
+                        fingerprint_in: "Callable[[torch.dtype], str] | None" = None
+                        ) -> "tuple[Recipe | None, int | None]":
     """The base recipe (scale and clip) stored for ``rid`` on this weight (of ``shape``), with the
     error-feedback choice stored with it (None: not known), or ``search()``'s, kept in ``store`` when
-    it records (calibration). A stored entry that does not fit the matrix is searched again."""
+    it records (calibration). A stored entry that does not fit the matrix is searched again.
+
+    ``fingerprint_in(dtype)`` (the fingerprint of the same weight(s) in another model dtype) makes a
+    recording store also keep the search's result under the names and fingerprints it has in the
+    other ``carried_dtypes``, its values rounded into each (``RecipeStore.keep``'s aliases): a
+    checkpoint written in another dtype than the calibration computed in (a float32 calibration, a
+    bfloat16 checkpoint of the same weights) takes the calibration's transform and error-feedback
+    choice instead of searching again. The searches pick a transform by the output error in the dtype
+    they ran in; the transform is a set of values any of these dtypes holds, and the codes are chosen
+    again (``with_codes``) in the dtype the checkpoint stores."""
     got = store.get(layer, rid, fp) if store is not None else None
     if got is not None and not _fits(got, shape):
         log.warning("stored int4 recipe %s of layer %d does not fit its %s matrix: searched again",
@@ -1145,8 +1224,16 @@ def _stored_or_searched(store: "RecipeStore | None", layer: int, rid: str, fp: s
         return (None if pq is None and clip is None else Recipe(pq, clip)), choice
     rec = search()
     if store is not None and store.out_dir is not None:
-        store.keep(layer, rid, fp, rec.pq if rec is not None else None, rec.clip if rec is not None else None)
+        head, own = rid.rsplit("|", 1)
+        aliases = [] if fingerprint_in is None else [
+            (f"{head}|{dt}", fingerprint_in(dt), dt) for dt in carried_dtypes if str(dt) != own]
+        store.keep(layer, rid, fp, rec.pq if rec is not None else None, rec.clip if rec is not None else None,
+                   aliases)
     return rec, None
+
+
+# Model dtypes a calibration's recipes are also kept for (see _stored_or_searched).
+carried_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _codes_for(fmt, w, dtype, stats, base, own_scale, store, layer, rid, choice):
@@ -1161,7 +1248,7 @@ def _codes_for(fmt, w, dtype, stats, base, own_scale, store, layer, rid, choice)
 def _awq_recipe(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats,
                 pq: Tensor | None | str) -> Recipe | None:
     wd = _in_dtype(w, dtype)
-    if isinstance(fmt, PerChannelIntFormat):
+    if not _grouped(fmt):
         clip = _clip_channel(wd, stats.rows, dtype)
         return None if clip is None else Recipe(None, clip)
     if isinstance(pq, str):
@@ -1264,7 +1351,7 @@ class CheckpointRounding:
         wd = _in_dtype(w, self.dtype)
 
         def search() -> Recipe | None:
-            if isinstance(fmt, PerChannelIntFormat):
+            if not _grouped(fmt):
                 clip = _clip_channel(wd, st.rows, self.dtype)
                 return None if clip is None else Recipe(None, clip)
             pq = self._prequant(fmt, layer, mod, full, experts if shared else [expert], shared)
@@ -1281,7 +1368,7 @@ class CheckpointRounding:
         else:
             searched = []
             rec, choice = _stored_or_searched(store, layer, rid, fp, lambda: searched.append(1) or search(),
-                                              tuple(w.shape))
+                                              tuple(w.shape), lambda dt: weight_fingerprint(w, dt))
             if self.rounding in ERROR_FEEDBACK:
                 searched += [1] if choice is None else []
                 rec = _codes_for(fmt, w, self.dtype, st, rec, not shared, store, layer, rid, choice)
@@ -1305,7 +1392,8 @@ class CheckpointRounding:
                 fp = _fingerprint_of([weight_fingerprint(w, self.dtype) for w in ws])
                 rec, _ = _stored_or_searched(self.stats.recipes, layer, prequant_id(fmt.name, mod, self.dtype), fp,
                                              lambda: (lambda pq: None if pq is None else Recipe(pq))(search()),
-                                             tuple(ws[0].shape))
+                                             tuple(ws[0].shape),
+                                             lambda dt: _fingerprint_of([weight_fingerprint(w, dt) for w in ws]))
                 self._pq[pkey] = None if rec is None else rec.pq
             else:
                 self._pq[pkey] = search()

@@ -187,6 +187,13 @@ class QuantFormat:
     engine_kernel = None
 
     @property
+    def int4_search(self) -> str | None:
+        """Which activation-aware INT4 search (``trtmoe.quant.awq``) applies to this format: "group"
+        (group-wise INT4 with a pre-quant scale and a per-(row, group) clip), "channel" (per-channel INT4:
+        a per-row clip only), or None (no INT4 weights, the search changes nothing)."""
+        return None
+
+    @property
     def modelopt_quant_algo(self) -> str | None:
         """The ``quant_algo`` ModelOpt's unified-HF ``hf_quant_config.json`` names this format by (None
         where ModelOpt has no name for it)."""
@@ -367,6 +374,10 @@ class PerChannelIntFormat(QuantFormat):
     engine_kernel = "per_channel_int"
 
     @property
+    def int4_search(self) -> str | None:  # type: ignore[override]
+        return "channel" if self.bits == 4 else None
+
+    @property
     def _qrange(self) -> int:
         # TensorRT-LLM divides amax by 128 / 8, not 127 / 7 (cutlass_preprocessors.cpp).
         return 1 << (self.bits - 1)
@@ -489,6 +500,7 @@ class GroupInt4Format(QuantFormat):
     group_size: int = GROUP_SIZE
     packed_at_conversion = True
     engine_kernel = "group_int4"
+    int4_search = "group"
 
     def __post_init__(self):
         if self.group_size not in TRTLLM_GROUP_SIZES:
