@@ -185,6 +185,14 @@ class QuantFormat:
     # The embedded engine's CPU kernel layout for this format's matrices (trtmoe.runtime.qkernels names
     # them); None: the format's reference ``linear`` runs it.
     engine_kernel = None
+    # Rows of ``weight`` per scale block along the output dimension (None: scales never span rows), and
+    # the axis of the packed ``weight`` that runs over output features (1: stored ``[in, out]``).
+    out_block = None
+    weight_out_axis = 0
+
+    def quantize_input(self, x: Tensor, packed: dict[str, Tensor]) -> Tensor:
+        """``x`` as this format's kernel sees its inputs: unchanged for the weight-only formats."""
+        return x
 
     @property
     def int4_search(self) -> str | None:
@@ -372,6 +380,7 @@ class PerChannelIntFormat(QuantFormat):
     bits: int = 8
     quantized_by_builder = True
     engine_kernel = "per_channel_int"
+    weight_out_axis = 1
 
     @property
     def int4_search(self) -> str | None:  # type: ignore[override]
@@ -925,6 +934,10 @@ class FP8BlockFormat(FusedMoEFormat):
     ``FP8_BLOCK_SCALES``); without, weight-only (ModelOpt ``fp8_pb_wo``)."""
 
     block: int = FP8_BLOCK
+
+    @property
+    def out_block(self) -> int:
+        return self.block
 
     def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
                      scale_dtype_bytes: int = 2) -> int:

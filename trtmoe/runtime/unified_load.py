@@ -51,7 +51,7 @@ from ..hf.validate import validate_hf_config
 from ..matmul import dense
 from ..model.description import ModelSpec
 from ..parallel.mapping import Mapping
-from ..quant.formats import FORMATS, FP8BlockFormat, FusedMoEFormat, PerChannelIntFormat, QuantFormat, float_format_for
+from ..quant.formats import FORMATS, QuantFormat, float_format_for
 from .alloc import give_back_freed_memory
 from .checkpoint_reader import CheckpointConfig
 from .attention import attention_for
@@ -274,7 +274,7 @@ class QuantLinear:
         xf = x.float()
         ys = []
         for fmt, act, w in self.parts:
-            xq = fmt.quantize_input(xf, act) if isinstance(fmt, FusedMoEFormat) else xf
+            xq = xf if fmt is None else fmt.quantize_input(xf, act)
             ys.append(w(xq))
         y = ys[0] if len(ys) == 1 else torch.cat(ys, -1)
         return y.to(x.dtype)
@@ -301,7 +301,7 @@ def fuse_gate_up(fmt: QuantFormat, up: dict[str, torch.Tensor], gate: dict[str, 
                  up_rows: int) -> dict[str, torch.Tensor] | None:
     """``[up; gate]`` as one matrix of ``fmt`` (engine convention), or None when that would not be
     exactly the two matrices: a per-tensor tensor that differs, or blocks that straddle the seam."""
-    if isinstance(fmt, FP8BlockFormat) and up_rows % fmt.block:
+    if fmt is not None and fmt.out_block and up_rows % fmt.out_block:
         return None
     out = {}
     for k, a in up.items():
@@ -310,8 +310,8 @@ def fuse_gate_up(fmt: QuantFormat, up: dict[str, torch.Tensor], gate: dict[str, 
             if not torch.equal(a, b):
                 return None
             out[k] = a
-        elif isinstance(fmt, PerChannelIntFormat) and k == "weight":  # [in, out]
-            out[k] = torch.cat((a, b), 1)
+        elif k == "weight":  # along the output features ([in, out] for the per-channel INT formats)
+            out[k] = torch.cat((a, b), fmt.weight_out_axis if fmt is not None else 0)
         else:
             out[k] = torch.cat((a, b), 0)
     return out
