@@ -222,3 +222,37 @@ def test_calibrate_command_runs_the_stream_and_prints_what_it_measured(tiny_mode
     r = cli("calibrate", model, "--data", text, "--tokenizer", tokdir, "--samples", 2, "--seq-len", 16,
             "--sensitivity", "exact", "-o", tmp_path / "d", expect=None)
     assert r.exit_code != 0 and "fisher" in r.output and "Traceback" not in r.output
+
+
+def test_streamed_calibration_records_the_input_amax_the_export_needs(tiny_model, tokdir, text, tmp_path):
+    """A streamed calibration over activation-quantizing formats records each MoE layer's input amax
+    (fc: the largest |input| of any routed token, per channel), the same as transformers' own forward
+    shows at the experts seam; a budgeted unified-HF convert then needs no token ids of its own."""
+    import transformers
+
+    model = _tiny(tiny_model, "olmoe", tokdir, tmp_path)
+    samples, seq_len = 4, 24
+    res = calibrate(model, text, tmp_path / "c", samples=samples, seq_len=seq_len, formats=("fp8", "nvfp4"),
+                    rounding="rtn", batch_size=2, runner="stream")
+    tok = load_tokenizer(tokdir)
+    tok.add_bos = True
+    ids = token_batches(load_texts(text), tok, samples, seq_len)
+    full = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    seen: dict[int, torch.Tensor] = {}
+    for i, lay in enumerate(full.model.layers):
+        found = find_experts(lay)
+        if found:
+            found[0].register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(
+                i, torch.maximum(seen.get(i, torch.zeros(a[0].shape[-1])), a[0].reshape(-1, a[0].shape[-1]).abs().amax(0))))
+    with torch.no_grad():
+        full(ids)
+    assert sorted(map(int, res["input_amax"])) == sorted(seen)
+    for l, want in seen.items():
+        got = torch.tensor(res["input_amax"][str(l)]["fc"])
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), l
+        assert (torch.tensor(res["input_amax"][str(l)]["proj"]) > 0).any()
+    r = cli("convert", model, "-o", tmp_path / "u", "--target", "vllm", "--sm", "100", "--calib", tmp_path / "c",
+            "--budget", "6")
+    assert r.exit_code == 0, r.output
+    q = json.loads((tmp_path / "u" / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")

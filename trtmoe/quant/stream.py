@@ -62,7 +62,8 @@ from ..runtime.alloc import give_back_freed_memory
 from .calib_schema import build_result
 from .plan import MATRICES, format_obj
 from .sensitivity import (ESTIMATE_SHARE, ESTIMATE_TOKENS, PROBES, RTN, STACKED, PhaseClock, Progress, _check_layer,
-                          _load, _probe, _save, _under_observed, fisher_sensitivity, score_layer_tensors)
+                          _load, _probe, _save, _under_observed, amax_json, fisher_sensitivity,
+                          score_layer_tensors)
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FLOAT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -865,7 +866,13 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
     shutil.rmtree(state.acts, ignore_errors=True)
     scores = {"measured": measured, "per_seq": per_seq, "estimated": estimated, "floor": floor}
     sens, flagged = _under_observed(scores, counts, moe_layers, keys, min_tokens, E)
-    return _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens)
+    out = _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens)
+    # Each MoE layer's input amax per matrix kind (the rounding measured it while scoring, and restores
+    # it with a resumed layer's results): what the static input scales of FP8 / NVFP4 / W4A8 are made of.
+    amax = getattr(rounding, "input_amax", None)
+    if amax:
+        out["input_amax"] = amax_json(amax)
+    return out
 
 
 def _release_weights(rounding, layer: int) -> None:
