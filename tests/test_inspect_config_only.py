@@ -194,3 +194,16 @@ def test_inspect_outside_the_registry(tiny_model, tmp_path, arch):
     # A parallel layout needs the registry's rules: one line, exit 2, no traceback.
     code, out = run("inspect", src, "--moe-ep", "2")
     assert code == 2 and "unified-HF" in out and "Traceback" not in out
+
+
+def test_inspect_outside_the_registry_refuses_what_it_cannot_build(tiny_model, tmp_path):
+    """The count builds transformers' model on the meta device: an absurd depth is refused at once, a bad
+    value by the config check, both in one line."""
+    src = json.loads((tiny_model("glm4_moe") / "config.json").read_text())
+    for key, value, said in (("num_hidden_layers", 100_000, "at most 512"),
+                             ("num_experts_per_tok", 0, "num_experts_per_tok must be at least 1")):
+        bare = tmp_path / key
+        bare.mkdir()
+        (bare / "config.json").write_text(json.dumps({**src, key: value}))
+        code, out = run("inspect", bare)
+        assert code == 2 and said in out and "Traceback" not in out, out

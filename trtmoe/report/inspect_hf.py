@@ -20,6 +20,9 @@ from ..hf.adapters import supported_architectures
 from ..hf.validate import validate_hf_config
 from ..quant.stream import ExpertLayout, adapt_seams, find_experts
 
+# The deepest model counted from transformers' own modules (building one on the meta device takes about
+# 0.1 s per layer); released MoEs have at most a few hundred layers.
+MAX_LAYERS = 512
 # Components in the order the registry's report lists them.
 ORDER = ("embedding", "lm_head", "lm_head (tied)", "attention", "norms", "routers", "shared experts",
          "routed experts", "dense MLPs", "other")
@@ -53,7 +56,12 @@ def _source_bytes(path: Path) -> int | None:
 def describe_transformers_moe(model_dir: str | Path) -> dict:
     """The ``inspect`` report (parameters and activation) of a MoE transformers implements, from its config."""
     path = Path(model_dir)
-    validate_hf_config(read_json(path / "config.json"), path / "config.json", registry=False)
+    raw = validate_hf_config(read_json(path / "config.json"), path / "config.json", registry=False)
+    layers = (raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw).get("num_hidden_layers")
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise InputError(f"num_hidden_layers = {layers}: this count builds transformers' model from the config, "
+                         f"layer by layer (at most {MAX_LAYERS}; no released MoE has more)",
+                         where=str(path / "config.json"))
     config, model = _meta_model(path)
     tc = config.get_text_config()
     try:
