@@ -17,23 +17,14 @@ from trtmoe import config as cfgmod
 from trtmoe.checkpoint.manifest import read_manifest
 from trtmoe.checkpoint.verify import verify_artifact
 from trtmoe.checkpoint.writer import search_device
-from trtmoe.data import write_split_text
 from trtmoe.errors import InputError
 from trtmoe.quant.calibrate import (COST_FILE, CalibrationSettings, calibrate, cost_summary, load_cost)
 from trtmoe.quant.sensitivity import RTN, PhaseClock
 
-from test_quant_pipeline import cli, make_tokenizer
+from test_quant_pipeline import cli
+from test_sensitivity import small  # noqa: F401 - the tiny calibration set-up, a module fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def small(tiny_model, tmp_path_factory):
-    model = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=2, seed=5)
-    tok = make_tokenizer(tmp_path_factory.mktemp("tok"))
-    text = tmp_path_factory.mktemp("txt") / "calib.txt"
-    write_split_text("calib", text, max_bytes=8_000)
-    return model, tok, text
 
 
 SMALL = dict(samples=4, seq_len=16, batch_size=2, formats=("int8", "int4"))

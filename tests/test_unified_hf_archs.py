@@ -27,16 +27,11 @@ from trtmoe.checkpoint.verify import verify_artifact
 from trtmoe.errors import UnsupportedError
 from trtmoe.quant import formats as QF
 
+from test_unified_hf_conformance import tensors
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                out[k] = fh.get_tensor(k)
-    return out
 
 
 def run_cli(*args, cwd=None):

@@ -89,8 +89,9 @@ def modelopt_refs(modelopt_py, models, calib_ids, tmp_path_factory):
 
 
 def tensors(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors files, by name."""
     out = {}
-    for f in sorted(d.glob("*.safetensors")):
+    for f in sorted(Path(d).glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
                 out[k] = fh.get_tensor(k)

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trtmoe.checkpoint import unified_hf as U
@@ -39,6 +38,8 @@ from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
 from trtmoe.runtime.experts import PackedExperts, PackedShard
 from trtmoe.runtime.load import load_engine
 from trtmoe.runtime.unified_load import QuantLinear, SplitExperts, load_unified_engine
+
+from test_unified_hf_conformance import tensors
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH = {"mixtral": {"intermediate_size": 64}, "qwen3_moe": {"moe_intermediate_size": 64},
@@ -55,15 +56,6 @@ WEIGHT_ONLY = [(a, f) for a in ("mixtral", "qwen3_moe", "qwen2_moe") for f in ("
 def ids() -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(250) for _ in range(32)] for _ in range(4)]
-
-
-def tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(Path(d).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                out[k] = fh.get_tensor(k)
-    return out
 
 
 def moe_layers(model: Path) -> list[int]:
