@@ -124,6 +124,8 @@ def small(tiny_model, tmp_path_factory):
 
 _CHILD = (
     "import os, signal, sys\n"
+    "import torch\n"
+    "torch.set_num_threads(1)  # as the parent's one_torch_thread: the same products, the same bytes\n"
     "from trtmoe.quant.calibrate import calibrate\n"
     "n = [0]\n"
     "def stop(what, d, t):\n"
