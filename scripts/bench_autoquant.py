@@ -41,17 +41,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from safetensors.torch import save_file  # noqa: E402
 
-from bench_formats import FIXTURES, MODELOPT_CFG, expert_bytes, moe_inputs  # noqa: E402
+from bench_formats import (FIXTURES, MODELOPT_CFG, expert_bytes, fixture_windows, moe_inputs,  # noqa: E402
+                           text_splits)
 from trtmoe.checkpoint.writer import convert  # noqa: E402
-from trtmoe.data import load_texts, write_split_text  # noqa: E402
 from trtmoe.quant.awq import expert_inputs, search_w4a8  # noqa: E402
-from trtmoe.quant.calibrate import calibrate, kl_per_token, token_batches  # noqa: E402
+from trtmoe.quant.calibrate import calibrate, kl_per_token  # noqa: E402
 from trtmoe.quant.formats import FORMATS, QUANTIZED  # noqa: E402
 from trtmoe.quant.policies import make_plan  # noqa: E402
 from trtmoe.quant.sensitivity import layer_input_amax  # noqa: E402
 from trtmoe.runtime.engine import EmbeddedEngine  # noqa: E402
 from trtmoe.runtime.experts import PackedExperts, PackedShard  # noqa: E402
-from trtmoe.runtime.load import load_tokenizer  # noqa: E402
 
 FROM_MODELOPT = {cfg: name for name, cfg in MODELOPT_CFG.items()}
 
@@ -100,17 +99,13 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_autoquant_"))
     rows, searched_rows = [], []
     try:
-        calib_txt, held_txt = work / "calib.txt", work / "heldout.txt"
-        write_split_text("calib", calib_txt, max_bytes=64 * args.calib_samples * args.seq_len)
-        write_split_text("heldout", held_txt, max_bytes=64 * args.eval_samples * args.seq_len)
+        splits = text_splits(work, args.calib_samples, args.eval_samples, args.seq_len)
         for fx in args.fixtures.split(","):
             model = ROOT / "tests" / "fixtures" / fx
             ck = work / f"ck_{fx}"
             convert(model, ck)
             eng = EmbeddedEngine.from_checkpoint(ck, device="cpu", pack_experts=False)
-            tok = load_tokenizer(model)
-            cal = token_batches(load_texts(calib_txt), tok, args.calib_samples, args.seq_len)
-            held = token_batches(load_texts(held_txt), tok, args.eval_samples, args.seq_len)
+            tok, cal, held = fixture_windows(model, splits, args.calib_samples, args.eval_samples, args.seq_len)
             c = eng.cfg
             E = c.num_experts
             layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
@@ -171,7 +166,7 @@ def main() -> int:
                       f"{time.perf_counter() - t0:.0f} s)", flush=True)
                 searched_rows.append((fx, uniform[args.search][0], kl_s[0]))
             t0 = time.perf_counter()
-            calib = calibrate(model, calib_txt, work / f"calib_{fx}", samples=args.calib_samples,
+            calib = calibrate(model, splits[0], work / f"calib_{fx}", samples=args.calib_samples,
                               seq_len=args.seq_len, formats=tuple(ladder + also), force=True, rounding="rtn")
             print(f"  trtmoe calibration over {ladder + also}: {time.perf_counter() - t0:.1f} s", flush=True)
             ids_path = work / f"ids_{fx}.safetensors"

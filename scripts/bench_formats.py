@@ -163,6 +163,21 @@ def expert_bytes(fmt, eng) -> int:
     return layers * (fmt.weight_bytes(2 * I, H, E) + fmt.weight_bytes(H, I, E))
 
 
+def text_splits(work: Path, calib_samples: int, eval_samples: int, seq_len: int) -> tuple[Path, Path]:
+    """The corpus's calibration and held-out splits under ``work``, cut to what the windows need."""
+    calib_txt, held_txt = work / "calib.txt", work / "heldout.txt"
+    write_split_text("calib", calib_txt, max_bytes=64 * calib_samples * seq_len)
+    write_split_text("heldout", held_txt, max_bytes=64 * eval_samples * seq_len)
+    return calib_txt, held_txt
+
+
+def fixture_windows(model: Path, splits: tuple[Path, Path], calib_samples: int, eval_samples: int, seq_len: int):
+    """A model's tokenizer and its calibration and held-out windows ([samples, seq_len] token ids)."""
+    tok = load_tokenizer(model)
+    return (tok, token_batches(load_texts(splits[0]), tok, calib_samples, seq_len),
+            token_batches(load_texts(splits[1]), tok, eval_samples, seq_len))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calib-samples", type=int, default=16)
@@ -178,17 +193,13 @@ def main() -> int:
     names = args.formats.split(",")
     work = Path(tempfile.mkdtemp(prefix="bench_formats_"))
     try:
-        calib_txt, held_txt = work / "calib.txt", work / "heldout.txt"
-        write_split_text("calib", calib_txt, max_bytes=64 * args.calib_samples * args.seq_len)
-        write_split_text("heldout", held_txt, max_bytes=64 * args.eval_samples * args.seq_len)
+        splits = text_splits(work, args.calib_samples, args.eval_samples, args.seq_len)
         for fx in args.fixtures.split(","):
             model = ROOT / "tests" / "fixtures" / fx
             ck = work / f"ck_{fx}"
             convert(model, ck)
             eng = EmbeddedEngine.from_checkpoint(ck, device="cpu", pack_experts=False)
-            tok = load_tokenizer(model)
-            cal = token_batches(load_texts(calib_txt), tok, args.calib_samples, args.seq_len)
-            held = token_batches(load_texts(held_txt), tok, args.eval_samples, args.seq_len)
+            tok, cal, held = fixture_windows(model, splits, args.calib_samples, args.eval_samples, args.seq_len)
             c = eng.cfg
             layers = [l for l in range(c.num_layers) if c.moe_layers[l]]
             inputs = moe_inputs(eng, cal, layers)
@@ -242,7 +253,7 @@ def main() -> int:
             # ---- graded plans over the ladder ----------------------------------------------------
             t0 = time.perf_counter()
             ladder = args.ladder.split(",")
-            calib = calibrate(model, calib_txt, work / f"calib_{fx}", samples=args.calib_samples,
+            calib = calibrate(model, splits[0], work / f"calib_{fx}", samples=args.calib_samples,
                               seq_len=args.seq_len, formats=tuple(ladder), force=True, rounding="rtn")
             print(f"calibration over {ladder}: {time.perf_counter() - t0:.1f} s")
             amax = {l: {m: max(v) for m, v in d.items()} for l, d in calib["input_amax"].items()}

@@ -42,16 +42,16 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from bench_formats import fixture_windows, text_splits  # noqa: E402
 from trtmoe.build.unified_hf import calib_input_amax, plan_from_calibration  # noqa: E402
 from trtmoe.checkpoint import unified_hf as U  # noqa: E402
-from trtmoe.data import load_texts, write_split_text  # noqa: E402
 from trtmoe.hf.reader import HFCheckpoint  # noqa: E402
-from trtmoe.quant.calibrate import calibrate, kl_per_token, token_batches  # noqa: E402
-from trtmoe.runtime.load import load_tokenizer  # noqa: E402
+from trtmoe.quant.calibrate import calibrate, kl_per_token  # noqa: E402
 from trtmoe.runtime.unified_load import load_unified_engine  # noqa: E402
 
 FIXTURES = ("trained_mixtral", "trained_qwen3_moe")
@@ -115,14 +115,10 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
-        calib_txt, held_txt = work / "calib.txt", work / "heldout.txt"
-        write_split_text("calib", calib_txt, max_bytes=64 * args.calib_samples * args.seq_len)
-        write_split_text("heldout", held_txt, max_bytes=64 * args.eval_samples * args.seq_len)
+        splits = text_splits(work, args.calib_samples, args.eval_samples, args.seq_len)
         for fx in args.fixtures.split(","):
             model = ROOT / "tests" / "fixtures" / fx
-            tok = load_tokenizer(model)
-            cal = token_batches(load_texts(calib_txt), tok, args.calib_samples, args.seq_len)
-            held = token_batches(load_texts(held_txt), tok, args.eval_samples, args.seq_len)
+            tok, cal, held = fixture_windows(model, splits, args.calib_samples, args.eval_samples, args.seq_len)
             src = load_unified_engine(model, device="cpu")  # the source model itself, the same loader
             with torch.inference_mode():
                 ref = [src.logits(b).float().log_softmax(-1) for b in held.split(8)]
@@ -132,7 +128,7 @@ def main() -> int:
             print(f"\n{fx}: MoE layers {layers}, calib {tuple(cal.shape)}, held-out {tuple(held.shape)}", flush=True)
             t0 = time.perf_counter()
             calib_dir = work / f"calib_{fx}"
-            calibrate(model, calib_txt, calib_dir, samples=args.calib_samples, seq_len=args.seq_len,
+            calibrate(model, splits[0], calib_dir, samples=args.calib_samples, seq_len=args.seq_len,
                       formats=tuple(ladder), force=True, rounding="rtn")
             print(f"  calibration over {ladder}: {time.perf_counter() - t0:.0f} s", flush=True)
             amax = calib_input_amax(model, calib_dir)
