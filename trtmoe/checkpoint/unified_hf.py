@@ -23,9 +23,11 @@ the format classes of ``trtmoe/quant/formats.py`` (``modelopt_export``, ``modelo
 ``modelopt_dequantize``), which the embedded engine runs too; this module maps trtmoe's plan onto
 modules, names the tensors and writes the files. DeepSeek-V3, gpt-oss and OLMoE, which trtmoe's
 architecture adapters do not describe, are read by their Hugging Face tensor names (:class:`SourceModel`,
-:func:`classify_by_name`); gpt-oss's experts keep its release's stacked layout (MXFP4 as ``*_blocks`` /
-``*_scales``). Memory stays bounded: one linear (one expert's matrix, or one gpt-oss expert stack) is
-read, quantized and written at a time, straight into its shard.
+:func:`classify_by_name`), as are GLM-4.5 and Llama-4's text model; gpt-oss's experts keep its release's
+stacked layout (MXFP4 as ``*_blocks`` / ``*_scales``), Llama-4's keep theirs as ModelOpt exports them
+(``feed_forward.experts.gate_up_proj`` ``[E, in, out]`` with ``gate_up_proj_weight_scale`` ... beside it,
+one per-tensor scale per stack). Memory stays bounded: one linear (one expert's matrix, or one expert
+stack) is read, quantized and written at a time, straight into its shard.
 """
 
 from __future__ import annotations
@@ -181,7 +183,15 @@ UNIFORM_CONFIG_GROUPS = ("FP8", "NVFP4", "W4A16_NVFP4")
 # Architectures whose checkpoints are read by tensor name here (transformers has them; the TensorRT-LLM
 # engine path, and so trtmoe's architecture adapters, never had them): config.json model_type -> family.
 NAMED_FAMILIES = {"olmoe": "olmoe", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
-                  "glm4_moe": "glm4_moe"}
+                  "glm4_moe": "glm4_moe", "llama4_text": "llama4_text"}
+# Families whose routed experts are stored as one ``[E, in, out]`` stack per projection, and the layout the
+# quantized stack keeps: gpt-oss's release names (MXFP4 ``*_blocks`` / ``*_scales``), or ModelOpt's
+# Llama-4 form (the stack's own name, its scales beside it as ``{name}_weight_scale`` ...).
+STACK_LAYOUT = {"gpt_oss": "gpt_oss", "llama4_text": "llama4"}
+# Llama-4's stacked experts in the formats ModelOpt 0.47 exports them in a layout the engines read
+# (per-tensor FP8, NVFP4 with or without activations); its INT8 export of the stack fails, and its MXFP4
+# and FP8-block forms scale along other axes than the ones it quantized (no loader reads them).
+LLAMA4_EXPERT_FORMATS = ("bf16", "fp8", "nvfp4", "nvfp4_w4a16")
 # Families whose attention is multi-head latent attention (its projections stay in the model dtype).
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
@@ -258,6 +268,7 @@ class Module:
     expert_role: str | None = None  # "gate" / "up" / "down" for routed experts ("gate_up" stacked)
     group: str | None = None  # the quantized_layers prefix of a routed expert: "...layers.{l}.<moe>.experts"
     stacked: int = 0  # number of experts stacked in the tensor (0: a plain linear)
+    layout: str = ""  # a stack's quantized layout (STACK_LAYOUT): "gpt_oss" or "llama4"
 
     @property
     def tensor(self) -> str:
@@ -317,16 +328,18 @@ def classify(ck: HFCheckpoint) -> list[Module]:
 
 
 _NAMED_EXPERT = re.compile(r"^(.*\.layers\.(\d+)\.mlp\.experts)\.\d+\.(gate|up|down)_proj\.weight$")
-_STACKED_EXPERT = re.compile(r"^.*\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_ROUTER = re.compile(r"\.mlp\.(gate|router)\.weight$")
+_STACKED_EXPERT = re.compile(r"^.*\.layers\.(\d+)\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"\.(?:mlp|feed_forward)\.(gate|router)\.weight$")
 
 
 def classify_by_name(src: SourceModel) -> list[Module]:
-    """The linears of a DeepSeek-V3 / gpt-oss / OLMoE checkpoint by their Hugging Face names: routed
-    experts (``mlp.experts.{e}.{gate,up,down}_proj``, or gpt-oss's stacked ``mlp.experts.gate_up_proj``
-    ``[E, H, 2I]`` / ``down_proj`` ``[E, I, H]``), routers (``mlp.gate`` / ``mlp.router``: kept),
-    DeepSeek-V3's shared experts (``mlp.shared_experts``), dense MLPs of its first layers, attention
-    (DeepSeek-V3's MLA projections: kind ``mla``, kept in the model dtype)."""
+    """The linears of a DeepSeek-V3 / gpt-oss / OLMoE / Llama-4 checkpoint by their Hugging Face names:
+    routed experts (``mlp.experts.{e}.{gate,up,down}_proj``, or the stacked ``experts.gate_up_proj``
+    ``[E, H, 2I]`` / ``down_proj`` ``[E, I, H]`` of gpt-oss's ``mlp`` and Llama-4's ``feed_forward``),
+    routers (``mlp.gate`` / ``mlp.router`` / ``feed_forward.router``: kept), shared experts
+    (``mlp.shared_experts``, ``feed_forward.shared_expert``), dense MLPs (DeepSeek-V3's first layers,
+    Llama-4's interleaved dense ``feed_forward``), attention (DeepSeek-V3's MLA projections: kind ``mla``,
+    kept in the model dtype)."""
     mods = []
     for name in sorted(src.location):
         info = src.info(name)
@@ -336,7 +349,8 @@ def classify_by_name(src: SourceModel) -> list[Module]:
         if st and len(info.shape) == 3:
             e, i, o = info.shape
             role = "gate_up" if st.group(2) == "gate_up_proj" else "down"
-            mods.append(Module(name, "expert", layer, (o, i), role, name.rsplit(".", 1)[0], stacked=e))
+            mods.append(Module(name, "expert", layer, (o, i), role, name.rsplit(".", 1)[0], stacked=e,
+                               layout=STACK_LAYOUT.get(src.family, "gpt_oss")))
             continue
         if not name.endswith(".weight") or len(info.shape) != 2:
             continue
@@ -472,6 +486,18 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
         if isinstance(mod, torch.nn.Linear):
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, args, name=name: bump(name, args[0].detach().abs().amax())))
+        elif type(mod).__name__ == "Llama4TextExperts":
+            # Llama-4's experts take every token for every expert, the router's sigmoid weight already
+            # applied to the input (zero where an expert was not chosen): ModelOpt's quantizers of the
+            # stack see exactly that input and the intermediate it gives.
+            layer = int(_LAYER.search("." + name + ".").group(1))
+
+            def on_llama4(m, args, layer=layer):
+                x = args[0].detach().reshape(m.gate_up_proj.shape[0], -1, m.gate_up_proj.shape[1])
+                bump(("experts_in", layer), x.abs().amax())
+                gate, up = torch.bmm(x, m.gate_up_proj).chunk(2, dim=-1)
+                bump(("experts_mid", layer), (up * m.act_fn(gate)).detach().abs().amax())
+            hooks.append(mod.register_forward_pre_hook(on_llama4))
         elif type(mod).__name__.endswith("Experts") and hasattr(mod, "gate_up_proj"):
             layer = int(_LAYER.search("." + name + ".").group(1))
 
@@ -546,6 +572,8 @@ def _module_specs(m: Module, f: UnifiedFormat, dtype: torch.dtype) -> list[tuple
     (out_f, in_f), e = m.shape, m.stacked
     if f.quant_algo is None:
         return [(m.name, dtype, (e, in_f, out_f))]
+    if m.layout == "llama4":
+        return _llama4_stack_specs(m, f, dtype)
     specs = dict((s, (dt, shape)) for s, dt, shape in f.fmt.modelopt_tensor_specs(out_f, in_f, dtype))
     if f.name != "mxfp4" or set(specs) != {"weight", "weight_scale"}:
         raise UnsupportedError(f"{m.name}: gpt-oss's experts are read as BF16 or MXFP4 only, not {f.label}",
@@ -555,6 +583,53 @@ def _module_specs(m: Module, f: UnifiedFormat, dtype: torch.dtype) -> list[tuple
             (m.name + "_scales", torch.uint8, (e, out_f, nb))]
 
 
+def _llama4_stack_name(m: Module, suffix: str) -> str:
+    """A Llama-4 expert stack's tensor for a format tensor ``suffix``: the packed weight keeps the stack's
+    name (``...experts.gate_up_proj``), the rest join it with ``_`` (``gate_up_proj_weight_scale``)."""
+    return m.name if suffix == "weight" else f"{m.name}_{suffix}"
+
+
+def _llama4_stack_specs(m: Module, f: UnifiedFormat, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple]]:
+    """Llama-4's expert stack as ModelOpt 0.47 exports it: every per-matrix tensor of the format (an
+    ``[out, in]``-oriented one) stacked over the experts in the source's ``[E, in, out]`` orientation (NVFP4:
+    packed bytes ``[E, in/2, out]``, block scales ``[E, in/16, out]``), and one per-tensor scale
+    (``weight_scale`` of FP8, ``weight_scale_2``, ``input_scale``) for the whole stack, gate and up together."""
+    if f.name not in LLAMA4_EXPERT_FORMATS:
+        raise UnsupportedError(f"{m.name}: Llama-4's stacked experts are written as BF16, FP8, NVFP4 or NVFP4 W4A16 "
+                               f"only, not {f.label}",
+                               hint="choose fp8, nvfp4 or nvfp4_w4a16 for Llama-4's routed experts")
+    (out_f, in_f), e = m.shape, m.stacked
+    out = []
+    for s, dt, shape in f.fmt.modelopt_tensor_specs(out_f, in_f, dtype):
+        if len(shape) == 2:
+            shape = (e, shape[1], shape[0])
+        elif len(shape) != 0:
+            raise UnsupportedError(f"{m.name}: {f.label}'s {s} has no stacked Llama-4 form")
+        out.append((_llama4_stack_name(m, s), dt, tuple(shape)))
+    return out
+
+
+def _llama4_stack_tensors(m: Module, f: UnifiedFormat, src: Tensor, input_amax: float | None) -> dict[str, Tensor]:
+    """The tensors of :func:`_llama4_stack_specs`: each expert's ``[out, in]`` matrix quantized by the format
+    with the stack's own amax behind the per-tensor scale, its 2-D tensors transposed back and stacked."""
+    stack_amax = src.abs().amax().float()
+    # ModelOpt divides a stacked FP8 weight by its scale in float32 (the scale broadcast as a 1-element
+    # tensor promotes the quotient), where a single linear's quotient is rounded to the model dtype first.
+    qdtype = torch.float32 if f.name == "fp8" else src.dtype
+    per = [f.fmt.modelopt_export(src[x].transpose(0, 1).contiguous(), dtype=qdtype, input_amax=input_amax,
+                                 weight_amax=stack_amax) for x in range(m.stacked)]
+    out = {}
+    for s in per[0]:
+        name = _llama4_stack_name(m, s)
+        if per[0][s].dim() == 2:
+            out[name] = torch.stack([p[s].transpose(0, 1) for p in per])
+        else:
+            if any(not torch.equal(p[s], per[0][s]) for p in per):
+                raise CheckpointError(f"{m.name}: the experts' {s} differ; one per stack is written")
+            out[name] = per[0][s]
+    return out
+
+
 def _module_tensors(m: Module, f: UnifiedFormat, src: Tensor, input_amax: float | None,
                     weight_amax: Tensor | None) -> dict[str, Tensor]:
     """Full tensor name -> tensor for module ``m`` (``src``: its source tensor in the model dtype)."""
@@ -562,6 +637,8 @@ def _module_tensors(m: Module, f: UnifiedFormat, src: Tensor, input_amax: float 
         return {f"{m.name}.{k}": t for k, t in f.quantize(src, input_amax, weight_amax).items()}
     if f.quant_algo is None:
         return {m.name: src}
+    if m.layout == "llama4":
+        return _llama4_stack_tensors(m, f, src, input_amax)
     per = [f.quantize(src[e].transpose(0, 1).contiguous()) for e in range(m.stacked)]  # each [out, in]
     return {m.name + "_blocks": torch.stack([p["weight"] for p in per]),
             m.name + "_scales": torch.stack([p["weight_scale"] for p in per])}
@@ -577,6 +654,12 @@ def _check_family_rules(family: str, mods: list[Module], plan: UnifiedPlan) -> N
             raise UnsupportedError(f"{name} x attention (MLA) x {attn.label}: refused: its MLA projections stay "
                                    "in the model dtype (no support cell quantizes them)",
                                    hint="quantize the routed experts, shared experts and dense MLPs only")
+    if family == "llama4_text":
+        bad = sorted({plan.format_of(m).name for m in mods if m.kind == "expert"} - set(LLAMA4_EXPERT_FORMATS))
+        if bad:
+            raise UnsupportedError(f"Llama-4 x routed experts x {get_format(bad[0]).label}: refused: its stacked experts "
+                                   "are written as ModelOpt 0.47 writes them, in BF16, FP8, NVFP4 or NVFP4 W4A16",
+                                   hint="choose fp8, nvfp4 or nvfp4_w4a16 for Llama-4's routed experts")
     if family == "gpt_oss":
         expert = {plan.format_of(m).name for m in mods if m.kind == "expert"}
         other = {plan.format_of(m).name for m in mods if m.kind != "expert"}
