@@ -31,23 +31,26 @@ from trtmoe.checkpoint import unified_hf as U
 from trtmoe.checkpoint.verify import verify_artifact
 
 REPO = Path(__file__).resolve().parents[1]
-ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
+ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "llama4_text")
 FORMATS = ("fp8", "nvfp4", "int8", "fp8_block_wo", "mxfp4", "nvfp4_w4a16")
 FORMATS_OF = {**{a: FORMATS for a in ("mixtral", "qwen3_moe", "qwen2_moe")}, "olmoe": ("fp8", "nvfp4_w4a16"),
-              "deepseek_v3": ()}
+              "deepseek_v3": (), "llama4_text": ("fp8", "nvfp4", "nvfp4_w4a16")}
 UNIFORM = [(a, f) for a in ARCHS for f in FORMATS_OF[a]]
 # Expert FFN 64 so every format's block (16, 32) divides every input width.
 WIDTH = {"mixtral": {"intermediate_size": 64}, "qwen3_moe": {"moe_intermediate_size": 64},
          "qwen2_moe": {"moe_intermediate_size": 64}, "olmoe": {"intermediate_size": 64},
-         "deepseek_v3": {"moe_intermediate_size": 64}}
+         "deepseek_v3": {"moe_intermediate_size": 64}, "llama4_text": {"intermediate_size": 64}}
 GRADED = {0: "fp8", 1: "nvfp4", 2: "bf16"}  # routed experts per MoE layer, the rest unquantized
+LLAMA4_GRADED = {1: "fp8", 3: "nvfp4"}  # the tiny Llama-4's MoE layers are 1 and 3
 SINGLE = {0: "fp8"}  # one format in one layer
 # Every ModelOpt export the tests below compare against, per architecture: job name -> (base format,
 # per-layer expert formats). One ModelOpt process per architecture makes all of them.
 JOBS = {a: {**{f: (f, {}) for f in FORMATS_OF[a]},
             **({"fp8": ("fp8", {})} if a == "deepseek_v3" else {}),
             **({"graded": ("bf16", GRADED)} if a in ("mixtral", "qwen3_moe") else {}),
-            **({"single": ("bf16", SINGLE)} if a == "mixtral" else {})} for a in ARCHS}
+            **({"single": ("bf16", SINGLE)} if a == "mixtral" else {}),
+            **({"bf16": ("bf16", {}), "graded": ("bf16", LLAMA4_GRADED)} if a == "llama4_text" else {})}
+        for a in ARCHS}
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +207,37 @@ def test_deepseek_v3_experts_match_modelopt(models, calib_ids, modelopt_refs, tm
     assert compared > 100
     assert any(k.endswith("mlp.shared_experts.gate_proj.weight_scale") for k in a)
     assert a["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["bf16", "graded"])
+def test_llama4_stacked_experts_match_modelopt(job, models, calib_ids, modelopt_refs, tmp_path):
+    """Llama-4's stacked experts unquantized and graded per MoE layer (FP8 in layer 1, NVFP4 in layer 3,
+    the rest bf16): every tensor ModelOpt writes, with the same name, dtype, shape and bytes (input scales
+    within one bf16 rounding step), and the same quant configs (none for the unquantized export)."""
+    ids, _ = calib_ids
+    model = models["llama4_text"]
+    ref = modelopt_refs("llama4_text", job)
+    plan = U.UnifiedPlan(LLAMA4_GRADED) if job == "graded" else U.UnifiedPlan({}, {}, {"policy": "per-layer"})
+    ours = tmp_path / "trtmoe"
+    U.write_unified_checkpoint(model, ours, plan, input_amax=U.measure_input_amax(model, ids) if job == "graded" else None)
+    verify_artifact(ours)
+    a, b = tensors(ours), tensors(ref)
+    assert sorted(a) == sorted(b)
+    for k in sorted(a):
+        assert (a[k].dtype, tuple(a[k].shape)) == (b[k].dtype, tuple(b[k].shape)), k
+        if k.endswith("input_scale"):
+            assert torch.allclose(a[k], b[k], rtol=2 ** -7, atol=0), (k, a[k].item(), b[k].item())
+        else:
+            assert torch.equal(bits(a[k]), bits(b[k])), k
+    if job == "bf16":
+        assert not (ours / "hf_quant_config.json").exists() or \
+            json.loads((ours / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] is None
+        assert not (ref / "hf_quant_config.json").exists()
+        return
+    qa = json.loads((ours / "hf_quant_config.json").read_text())
+    assert qa == json.loads((ref / "hf_quant_config.json").read_text())
+    assert set(qa["quantization"]["quantized_layers"]) == {"model.layers.1.feed_forward.experts",
+                                                          "model.layers.3.feed_forward.experts"}
+    assert (json.loads((ours / "config.json").read_text())["quantization_config"]
+            == json.loads((ref / "config.json").read_text())["quantization_config"])

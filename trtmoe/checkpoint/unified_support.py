@@ -17,7 +17,9 @@ modeling_{mixtral,qwen2_moe,qwen3_moe,deepseekv3,gpt_oss,glm}.py`` (no OLMoE or 
 ``vllm/model_executor/layers/quantization/modelopt.py`` (``modelopt``, ``modelopt_fp4``, ``modelopt_mixed``
 from PR #35047), ``quantization/mxfp4.py`` and ``models/{olmoe,deepseek_v2,gpt_oss,glm4_moe}.py``; SGLang
 ``python/sglang/srt/layers/quantization/modelopt_quant.py`` (``modelopt_mixed``, PR #37752, which routes
-W4A16_NVFP4 experts to Marlin) and ``srt/models/gpt_oss.py``.
+W4A16_NVFP4 experts to Marlin) and ``srt/models/gpt_oss.py``; Llama-4 from TensorRT-LLM ``_torch/models/
+modeling_llama.py`` (``Llama4MoE``: ``FUSED_GATE_UP_PROJ``, router weight applied on the input), vLLM
+``models/llama4.py`` / ``models/mllama4.py`` and ModelOpt 0.47's ``torch/export/unified_export_hf.py``.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ ENGINES = {  # key -> (label, target it belongs to)
 }
 DEFAULT_ENGINE = {"trtllm-pytorch": "trtllm-1.2.1", "vllm": "vllm-0.33", "sglang": "sglang-0.5"}
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-            "olmoe", "glm4_moe")
+            "olmoe", "glm4_moe", "llama4_text")
 ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
               "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE", "deepseek_v2": "DeepSeek-V2",
-              "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss", "olmoe": "OLMoE", "glm4_moe": "GLM-4.5"}
+              "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss", "olmoe": "OLMoE", "glm4_moe": "GLM-4.5",
+              "llama4_text": "Llama-4 (text)"}
 FORMATS = ("bf16", "fp8", "fp8_block_wo", "nvfp4", "nvfp4_w4a16", "mxfp4", "int8", "w4a8_awq")
 FORMAT_LABEL = {"bf16": "BF16", "fp8": "FP8", "fp8_block_wo": "FP8-block WO", "nvfp4": "NVFP4",
                 "nvfp4_w4a16": "NVFP4 W4A16", "mxfp4": "MXFP4", "int8": "W8A16", "w4a8_awq": "W4A8-AWQ"}
@@ -58,6 +61,12 @@ _TRT_DSV3 = "tensorrt_llm/_torch/models/modeling_deepseekv3.py"
 _VLLM_GPT_OSS = "vllm/model_executor/models/gpt_oss.py"
 _VLLM_MXFP4 = "vllm/model_executor/layers/quantization/mxfp4.py"
 _SGL_GPT_OSS = "python/sglang/srt/models/gpt_oss.py"
+_TRT_LLAMA = "tensorrt_llm/_torch/models/modeling_llama.py"
+_VLLM_LLAMA4 = "vllm/model_executor/models/llama4.py"
+_VLLM_MLLAMA4 = "vllm/model_executor/models/mllama4.py"
+_SGL_LLAMA4 = "python/sglang/srt/models/llama4.py"
+# The formats trtmoe writes Llama-4's stacked experts in (checkpoint/unified_hf.py LLAMA4_EXPERT_FORMATS).
+_LLAMA4_WRITTEN = ("bf16", "fp8", "nvfp4", "nvfp4_w4a16")
 _MODEL_FILES = {  # where each engine's model class for an architecture lives (None: it has none)
     "vllm": {"olmoe": "vllm/model_executor/models/olmoe.py", "deepseek_v3": "vllm/model_executor/models/deepseek_v2.py",
              "deepseek_v2": "vllm/model_executor/models/deepseek_v2.py",
@@ -166,12 +175,38 @@ def _gpt_oss(engine: str, fmt: str, layout: str, sm: int) -> Cell:
     return Cell(SUPPORTED, "", _VLLM_MXFP4 if engine.startswith("vllm") else _SGL_GPT_OSS)
 
 
+def _llama4(engine: str, fmt: str, layout: str, sm: int) -> Cell:
+    """Llama-4's text model (``Llama4ForCausalLM``, config ``llama4_text``) with its experts stacked per
+    projection as ModelOpt exports them (``feed_forward.experts.gate_up_proj`` ``[E, in, out]`` and
+    ``gate_up_proj_weight_scale`` ... beside it)."""
+    if fmt not in _LLAMA4_WRITTEN:
+        return Cell(REFUSED, "trtmoe writes Llama-4's stacked experts in BF16, FP8, NVFP4 and NVFP4 W4A16 only (ModelOpt "
+                             "0.47's INT8 export of the stack fails; its MXFP4 and FP8-block forms scale along other "
+                             "axes than the ones quantized)", "modelopt/torch/export/unified_export_hf.py")
+    if engine.startswith("trtllm"):
+        return Cell(REFUSED, "TensorRT-LLM's Llama4ForCausalLM and Llama4ForConditionalGeneration build from "
+                             "config.text_config (the released multimodal Llama4Config); a text-only llama4_text "
+                             "config has none (its fused MoE would read the stacked experts: FUSED_GATE_UP_PROJ in "
+                             "fused_moe/quantization.py)", _TRT_LLAMA)
+    if engine.startswith("sglang"):
+        return Cell(UNLISTED, "SGLang's Llama-4 loader was not restated for ModelOpt's stacked expert tensors",
+                    _SGL_LLAMA4)
+    if fmt == "bf16":
+        return Cell(SUPPORTED, "", _VLLM_LLAMA4)  # fused experts: gate_up split on its last dim, transposed
+    return Cell(UNLISTED, "vLLM renames ModelOpt's stacked Llama-4 expert scales (gate_up_proj_weight_scale, "
+                          "_input_scale -> w13_*) in mllama4.py, for Llama4ForConditionalGeneration; the text-only "
+                          "loader in llama4.py splits every experts.gate_up_proj* tensor along its last dim, which a "
+                          "per-tensor scale has none of", f"{_VLLM_LLAMA4}, {_VLLM_MLLAMA4}")
+
+
 def cell(engine: str, family: str, fmt: str, layout: str, sm: int) -> Cell:
     """One cell of the table (KeyError for an unknown engine, family, format, layout or GPU)."""
     if engine not in ENGINES or family not in FAMILIES or fmt not in FORMATS or layout not in LAYOUTS or sm not in SMS:
         raise KeyError((engine, family, fmt, layout, sm))
     if family == "gpt_oss":
         return _gpt_oss(engine, fmt, layout, sm)
+    if family == "llama4_text":
+        return _llama4(engine, fmt, layout, sm)
     if engine.startswith("trtllm"):
         if family == "deepseek_v2":  # modeling_deepseekv3.py registers DeepseekV3ForCausalLM / V32 only
             return Cell(REFUSED, "the PyTorch backend registers no DeepseekV2ForCausalLM (its DeepSeek class is "
