@@ -1,5 +1,6 @@
 """The unified-HF export of the architectures TensorRT-LLM's engine path never had: DeepSeek-V3, gpt-oss,
-OLMoE (tiny seeded models from transformers' own classes, scripts/make_tiny_models.py).
+OLMoE, GLM-4.5, Llama-4's text model (tiny seeded models from transformers' own classes,
+scripts/make_tiny_models.py).
 
 What the engines' loaders read is restated here from their sources: TensorRT-LLM
 ``_torch/models/modeling_gpt_oss.py`` (gpt-oss experts as BF16 ``gate_up_proj`` ``[E, H, 2I]`` with gate and
@@ -7,8 +8,13 @@ up interleaved along the last dim, or MXFP4 ``gate_up_proj_blocks`` ``[E, 2I, H/
 ``gate_up_proj_scales`` ``[E, 2I, H/32]`` whose rows interleave gate and up), ``modeling_deepseekv3.py``
 (routed experts per expert, ``shared_experts``, ``mlp.gate.e_score_correction_bias``) and Hugging Face
 transformers' MXFP4 dequantizer (``integrations/mxfp4.convert_moe_packed_tensors``), used as the
-independent reading of the ``_blocks`` / ``_scales`` bytes. ModelOpt's byte-for-byte comparison of OLMoE
-and DeepSeek-V3 lives in test_unified_hf_conformance.py.
+independent reading of the ``_blocks`` / ``_scales`` bytes. Llama-4's stacked experts are read back as
+TensorRT-LLM's fused MoE reads them in its ``FUSED_GATE_UP_PROJ`` mode (``_torch/modules/fused_moe/
+quantization.py``: expert ``e``'s ``gate_up_proj[e]``, and for NVFP4 ``gate_up_proj_weight_scale[e]``,
+transposed to ``[2I, ...]`` and split in half along that first dim, gate first; ``down_proj[e]``
+transposed; one ``*_weight_scale`` (FP8) / ``*_weight_scale_2`` (NVFP4) and ``*_input_scale`` for all
+experts). ModelOpt's byte-for-byte comparison of OLMoE, DeepSeek-V3 and Llama-4 lives in
+test_unified_hf_conformance.py.
 """
 
 from __future__ import annotations
@@ -62,6 +68,11 @@ def deepseek_v2(tiny_model):
 @pytest.fixture(scope="module")
 def glm4_moe(tiny_model):
     return tiny_model("glm4_moe", dtype="bfloat16", moe_intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def llama4_text(tiny_model):
+    return tiny_model("llama4_text", dtype="bfloat16", intermediate_size=64)
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe", "deepseek_v2", "glm4_moe"])
@@ -138,7 +149,7 @@ def test_gpt_oss_mxfp4_is_written_as_its_release_and_loaders_read_it(gpt_oss, tm
         assert torch.equal(a[k], src[k]), k
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe", "deepseek_v2", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe", "deepseek_v2", "glm4_moe", "llama4_text"])
 def test_unquantized_export_runs_in_transformers_as_the_source(arch, request, tmp_path):
     """Every tensor under the name transformers reads: the BF16 export gives the source's logits."""
     from transformers import AutoModelForCausalLM
@@ -225,3 +236,135 @@ def test_fp8_export_of_the_experts_is_what_the_format_writes(arch, request, tmp_
         assert c.ok and ("deepseek_v2.py" if arch == "deepseek_v2" else "glm4_moe.py") in c.source
     trt = S.cell("trtllm-1.2.1", arch, "fp8", "uniform", 90)
     assert trt.ok == (arch == "glm4_moe")
+
+
+# ---- Llama-4 ---------------------------------------------------------------------------------------
+
+def test_llama4_modules_are_found_by_their_hf_names(llama4_text):
+    """MoE every second layer (1, 3): each projection's experts one ``[E, in, out]`` stack, the router kept,
+    the shared expert its own decision; layers 0 and 2 hold a dense MLP."""
+    with U.SourceModel(llama4_text) as src:
+        assert src.family == "llama4_text"
+        mods = src.modules()
+    kinds = {m.name: m.kind for m in mods}
+    experts = [m for m in mods if m.kind == "expert"]
+    assert {(m.layer, m.name.rsplit(".", 1)[1], m.stacked, m.shape, m.layout, m.group) for m in experts} == {
+        (l, proj, 4, shape, "llama4", f"model.layers.{l}.feed_forward.experts")
+        for l in (1, 3) for proj, shape in (("gate_up_proj", (128, 64)), ("down_proj", (64, 64)))}
+    assert kinds["model.layers.1.feed_forward.router"] == "excluded"
+    assert kinds["model.layers.1.feed_forward.shared_expert.gate_proj"] == "shared"
+    assert kinds["model.layers.0.feed_forward.gate_proj"] == "dense"
+    assert kinds["model.layers.1.self_attn.q_proj"] == "attention"
+    assert kinds["lm_head"] == "excluded" and kinds["model.embed_tokens"] == "excluded"
+
+
+def _llama4_read_as_trtllm(a: dict, prefix: str, e: int, fmt: str) -> dict[str, torch.Tensor]:
+    """Expert ``e`` of a stack as TensorRT-LLM's FUSED_GATE_UP_PROJ loading takes it: w1 (gate), w3 (up) and
+    w2 (down) as ``[out, in]`` matrices in the format's own tensors, the per-tensor scales shared."""
+    out = {}
+    for proj, names in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
+        w = a[prefix + proj][e].transpose(0, 1)
+        parts = w.chunk(2, dim=0) if len(names) == 2 else (w,)
+        scale = a.get(prefix + proj + "_weight_scale")
+        if fmt.startswith("nvfp4"):
+            blocks = scale[e].transpose(0, 1)
+            bparts = blocks.chunk(2, dim=0) if len(names) == 2 else (blocks,)
+            for n, q, b in zip(names, parts, bparts):
+                out[n] = {"weight": q.contiguous(), "weight_scale": b.contiguous(),
+                          "weight_scale_2": a[prefix + proj + "_weight_scale_2"]}
+        else:
+            for n, q in zip(names, parts):
+                out[n] = {"weight": q.contiguous(), "weight_scale": scale}
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "nvfp4_w4a16"])
+def test_llama4_stacked_experts_read_back_as_the_engines_split_them(fmt, llama4_text, tmp_path):
+    """Each expert's gate, up and down, taken from the stacks the way TensorRT-LLM's fused MoE splits
+    them, dequantize (by the format's rule) to the source's gate / up / down within one step of the format,
+    and the per-tensor scales are the stack's (one amax over every expert, gate and up together)."""
+    out = tmp_path / "ck"
+    ids = [[3, 17, 5, 42, 9, 11, 2, 8] * 4]
+    amax = U.measure_input_amax(llama4_text, ids) if U.FORMATS[fmt].activations else None
+    U.write_unified_checkpoint(llama4_text, out, U.UnifiedPlan({1: fmt, 3: fmt}), input_amax=amax)
+    verify_artifact(out)
+    a, src = tensors(out), tensors(llama4_text)
+    f = QF.FORMATS[fmt]
+    for l in (1, 3):
+        p = f"model.layers.{l}.feed_forward.experts."
+        gu, dn = src[p + "gate_up_proj"].float(), src[p + "down_proj"].float()  # [E, H, 2I], [E, I, H]
+        inter = dn.shape[1]
+        if fmt == "fp8":
+            assert a[p + "gate_up_proj_weight_scale"].shape == ()
+            assert torch.equal(a[p + "gate_up_proj_weight_scale"], gu.abs().amax() / 448)
+        else:
+            assert torch.equal(a[p + "gate_up_proj_weight_scale_2"], gu.abs().amax() / (6 * 448))
+        assert (p + "gate_up_proj_input_scale" in a) == U.FORMATS[fmt].activations
+        if amax:
+            assert a[p + "down_proj_input_scale"].item() == pytest.approx(amax[p + "down_proj"] / 448
+                                                                          / (6 if fmt == "nvfp4" else 1), rel=1e-6)
+        for e in range(gu.shape[0]):
+            want = {"w1": gu[e, :, :inter].T, "w3": gu[e, :, inter:].T, "w2": dn[e].T}
+            for n, t in _llama4_read_as_trtllm(a, p, e, fmt).items():
+                got = f.dequantize(t, dtype=torch.float32)
+                assert got.shape == want[n].shape, (l, e, n)
+                if fmt == "fp8":  # half an E4M3 step (2**-4 relative) of the scale's grid
+                    step = want[n].abs() * 2 ** -4 + t["weight_scale"] * 2 ** -9
+                else:  # half the largest E2M1 step (2) times the block's scale
+                    bs = (t["weight_scale"].float() * t["weight_scale_2"]).repeat_interleave(16, dim=-1)
+                    step = bs * 1.0 + 1e-6
+                assert bool(((got - want[n]).abs() <= step + want[n].abs() * 2 ** -8).all()), (l, e, n)
+
+
+def test_llama4_dequantized_export_runs_in_transformers(llama4_text, tmp_path):
+    """An NVFP4-expert export, dequantized back to bf16 stacks under the source's names, loads in
+    transformers and gives the source's next tokens on most positions (a transposed or mis-split stack
+    would not)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "ck"
+    U.write_unified_checkpoint(llama4_text, out, U.UnifiedPlan({1: "nvfp4_w4a16", 3: "nvfp4_w4a16"}))
+    a = tensors(out)
+    f = QF.FORMATS["nvfp4_w4a16"]
+    state = {}
+    for k, t in a.items():
+        if k.endswith(("_weight_scale", "_weight_scale_2")):
+            continue
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stack = [f.dequantize({"weight": t[e].T.contiguous(), "weight_scale": a[k + "_weight_scale"][e].T.contiguous(),
+                                   "weight_scale_2": a[k + "_weight_scale_2"]}, dtype=torch.float32).T
+                     for e in range(t.shape[0])]
+            state[k] = torch.stack(stack).to(torch.bfloat16).contiguous()
+        else:
+            state[k] = t
+    deq = tmp_path / "deq"
+    deq.mkdir()
+    save_file(state, str(deq / "model.safetensors"), metadata={"format": "pt"})
+    (deq / "config.json").write_text((llama4_text / "config.json").read_text())
+    ids = torch.tensor([[3, 17, 5, 42, 9, 11, 2, 8, 100, 7, 64, 33, 12, 200, 150, 1]])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(str(llama4_text), dtype=torch.bfloat16).eval()(ids).logits.float()
+        got = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.bfloat16).eval()(ids).logits.float()
+    assert not torch.equal(ref, got)  # the experts were quantized
+    cos = torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0)
+    assert cos > 0.99, cos
+    assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= 0.75
+
+
+def test_llama4_refusals_name_the_cell_and_the_formats_written(llama4_text, tmp_path):
+    with pytest.raises(UnsupportedError, match="BF16, FP8, NVFP4 or NVFP4 W4A16"):
+        U.write_unified_checkpoint(llama4_text, tmp_path / "m", U.UnifiedPlan({1: "mxfp4"}))
+    assert not (tmp_path / "m").exists()
+    p = run_cli("convert", llama4_text, "-o", tmp_path / "t", "--target", "trtllm-pytorch", "--layer-format", "*=nvfp4_w4a16")
+    assert p.returncode == 2 and "x Llama-4 (text) x NVFP4 W4A16 x uniform x SM90: refused" in p.stderr, p.stderr
+    assert "text_config" in p.stderr and "modeling_llama.py" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("convert", llama4_text, "-o", tmp_path / "v", "--target", "vllm", "--layer-format", "3=int8")
+    assert p.returncode == 2 and "x Llama-4 (text) x W8A16 x uniform x SM90: refused" in p.stderr, p.stderr
+    p = run_cli("convert", llama4_text, "-o", tmp_path / "v", "--target", "vllm", "--layer-format", "*=nvfp4_w4a16")
+    assert p.returncode == 0, p.stderr
+    verify_artifact(tmp_path / "v")
+    q = json.loads((tmp_path / "v" / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "W4A16_NVFP4"
+    assert q["exclude_modules"] == ["lm_head", "model.embed_tokens", "model.layers.1.feed_forward.router",
+                                    "model.layers.3.feed_forward.router"]
