@@ -368,3 +368,45 @@ def test_llama4_refusals_name_the_cell_and_the_formats_written(llama4_text, tmp_
     assert q["quant_algo"] == "W4A16_NVFP4"
     assert q["exclude_modules"] == ["lm_head", "model.embed_tokens", "model.layers.1.feed_forward.router",
                                     "model.layers.3.feed_forward.router"]
+
+
+def test_llama4_streamed_calibration_gives_the_stacks_input_scales_and_a_graded_plan(tiny_model, tmp_path):
+    """A layer-streamed calibration of the tiny Llama-4 records each MoE layer's expert input amax at the
+    seam (the router-scaled input, and the intermediate) equal to what the export measures in transformers
+    on the same tokens; a budgeted convert for vLLM then writes the stacks' input scales from it."""
+    from test_calibrate_stream import _tiny
+    from test_quant_pipeline import make_tokenizer
+
+    from trtmoe.build.unified_hf import calib_input_amax
+    from trtmoe.data import load_texts, write_split_text
+    from trtmoe.quant.calibrate import calibrate, token_batches
+    from trtmoe.runtime.load import load_tokenizer
+
+    tokdir = make_tokenizer(tmp_path / "tok")
+    text = tmp_path / "calib.txt"
+    write_split_text("calib", text, max_bytes=12_000)
+    model = _tiny(tiny_model, "llama4_text", tokdir, tmp_path)
+    samples, seq_len = 4, 24
+    res = calibrate(model, text, tmp_path / "c", samples=samples, seq_len=seq_len, formats=("fp8", "nvfp4"),
+                    rounding="rtn", batch_size=2, runner="stream")
+    assert sorted(map(int, res["input_amax"])) == [1, 3]
+    tok = load_tokenizer(tokdir)
+    tok.add_bos = True
+    ids = token_batches(load_texts(text), tok, samples, seq_len).tolist()
+    measured = {k: v for k, v in U.measure_input_amax(model, ids).items() if ".experts." in k}
+    from_calib = calib_input_amax(model, res)
+    assert sorted(from_calib) == sorted(measured) == [f"model.layers.{l}.feed_forward.experts.{p}"
+                                                      for l in (1, 3) for p in ("down_proj", "gate_up_proj")]
+    for k in measured:
+        assert from_calib[k] == pytest.approx(measured[k], rel=2 ** -7), k
+    p = run_cli("convert", model, "-o", tmp_path / "u", "--target", "vllm", "--sm", "100", "--calib", tmp_path / "c",
+                "--budget", "6")
+    assert p.returncode == 0, p.stderr
+    verify_artifact(tmp_path / "u")
+    q = json.loads((tmp_path / "u" / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")
+    a = tensors(tmp_path / "u")
+    for k, v in from_calib.items():
+        if k + "_input_scale" in a:
+            div = 448 * (6 if a[k].dtype == torch.uint8 else 1)
+            assert a[k + "_input_scale"].item() == pytest.approx(v / div, rel=1e-6), k
