@@ -131,7 +131,13 @@ def main(argv=None) -> int:
     import modelopt.torch.opt  # noqa: F401  (import order: opt before quantization avoids a cycle)
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
+    import transformers
     from transformers import AutoModelForCausalLM
+
+    # A multimodal Llama-4 (Llama4ForConditionalGeneration) loads as its own class: the causal-LM auto
+    # class would build its text model alone, under other tensor names.
+    arch = (json.loads((Path(args.model) / "config.json").read_text()).get("architectures") or [""])[0]
+    model_class = getattr(transformers, arch) if arch == "Llama4ForConditionalGeneration" else AutoModelForCausalLM
 
     ids = json.loads(Path(args.calib_ids).read_text())
 
@@ -143,7 +149,7 @@ def main(argv=None) -> int:
     for out, base_fmt, layer_formats in jobs:
         t0 = time.monotonic()
         # A fresh model per job: quantization replaces its modules in place.
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+        model = model_class.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
         mtq.quantize(model, layer_config(mtq, base_fmt, layer_formats), forward_loop)
         with torch.inference_mode():
             export_hf_checkpoint(model, export_dir=str(out))

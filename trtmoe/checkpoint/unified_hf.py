@@ -183,11 +183,15 @@ UNIFORM_CONFIG_GROUPS = ("FP8", "NVFP4", "W4A16_NVFP4")
 # Architectures whose checkpoints are read by tensor name here (transformers has them; the TensorRT-LLM
 # engine path, and so trtmoe's architecture adapters, never had them): config.json model_type -> family.
 NAMED_FAMILIES = {"olmoe": "olmoe", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
-                  "glm4_moe": "glm4_moe", "llama4_text": "llama4_text"}
+                  "glm4_moe": "glm4_moe", "llama4_text": "llama4_text", "llama4": "llama4"}
+# Llama-4's released multimodal checkpoints (Llama4ForConditionalGeneration): the text model under
+# ``language_model.``, and these towers, which stay in the model dtype as ModelOpt leaves them.
+UNQUANTIZED_TOWERS = ("vision_model.", "multi_modal_projector.")
 # Families whose routed experts are stored as one ``[E, in, out]`` stack per projection, and the layout the
 # quantized stack keeps: gpt-oss's release names (MXFP4 ``*_blocks`` / ``*_scales``), or ModelOpt's
 # Llama-4 form (the stack's own name, its scales beside it as ``{name}_weight_scale`` ...).
-STACK_LAYOUT = {"gpt_oss": "gpt_oss", "llama4_text": "llama4"}
+STACK_LAYOUT = {"gpt_oss": "gpt_oss", "llama4_text": "llama4", "llama4": "llama4"}
+LLAMA4_FAMILIES = ("llama4_text", "llama4")
 # Llama-4's stacked experts in the formats ModelOpt 0.47 exports them in a layout the engines read
 # (per-tensor FP8, NVFP4 with or without activations); its INT8 export of the stack fails, and its MXFP4
 # and FP8-block forms scale along other axes than the ones it quantized (no loader reads them).
@@ -339,10 +343,14 @@ def classify_by_name(src: SourceModel) -> list[Module]:
     routers (``mlp.gate`` / ``mlp.router`` / ``feed_forward.router``: kept), shared experts
     (``mlp.shared_experts``, ``feed_forward.shared_expert``), dense MLPs (DeepSeek-V3's first layers,
     Llama-4's interleaved dense ``feed_forward``), attention (DeepSeek-V3's MLA projections: kind ``mla``,
-    kept in the model dtype)."""
+    kept in the model dtype). Llama-4's vision tower and projector are kept (kind ``excluded``)."""
     mods = []
     for name in sorted(src.location):
         info = src.info(name)
+        if name.startswith(UNQUANTIZED_TOWERS):
+            if name.endswith(".weight") and len(info.shape) == 2:
+                mods.append(Module(name[: -len(".weight")], "excluded", None, tuple(info.shape)))
+            continue
         m = _LAYER.search(name)
         layer = int(m.group(1)) if m else None
         st = _STACKED_EXPERT.match(name)
@@ -449,7 +457,8 @@ def _collapse(excluded: Iterable[str], everything: Iterable[str]) -> list[str]:
 
     def ancestors(n):
         parts = n.split(".")
-        return [".".join(parts[:i]) for i in range(len(parts) - 1, 1, -1)]  # never "model" itself
+        # Never "model" itself; another top-level module (a multimodal model's vision tower) may collapse.
+        return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if i > 1 or parts[0] != "model"]
 
     out = set()
     for n in excluded:
@@ -471,11 +480,15 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
     per projection (gate/up: the layer's expert input; down: the largest intermediate any expert
     produced), as ModelOpt synchronises them for the fused kernels. Keys are module names as written
     (per expert). Holds the whole model: for the checkpoints a single host can run in transformers."""
-    from transformers import AutoModelForCausalLM  # optional heavy dependency, only for this measurement
+    import transformers  # optional heavy dependency, only for this measurement
 
     with SourceModel(model_dir) as ck:
-        mods = ck.modules()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto").eval()
+        mods, family, arch = ck.modules(), ck.family, (ck.hf_config.get("architectures") or [""])[0]
+    # A multimodal Llama-4 loads as its own class (the causal-LM auto class would build the text model
+    # alone, under other names); the tower is run on the token ids only.
+    cls = getattr(transformers, arch) if family == "llama4" and hasattr(transformers, arch) \
+        else transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(str(model_dir), dtype="auto").eval()
     amax: dict[str, float] = {}
 
     def bump(key, value):
@@ -654,7 +667,7 @@ def _check_family_rules(family: str, mods: list[Module], plan: UnifiedPlan) -> N
             raise UnsupportedError(f"{name} x attention (MLA) x {attn.label}: refused: its MLA projections stay "
                                    "in the model dtype (no support cell quantizes them)",
                                    hint="quantize the routed experts, shared experts and dense MLPs only")
-    if family == "llama4_text":
+    if family in LLAMA4_FAMILIES:
         bad = sorted({plan.format_of(m).name for m in mods if m.kind == "expert"} - set(LLAMA4_EXPERT_FORMATS))
         if bad:
             raise UnsupportedError(f"Llama-4 x routed experts x {get_format(bad[0]).label}: refused: its stacked experts "

@@ -38,11 +38,11 @@ ENGINES = {  # key -> (label, target it belongs to)
 }
 DEFAULT_ENGINE = {"trtllm-pytorch": "trtllm-1.2.1", "vllm": "vllm-0.33", "sglang": "sglang-0.5"}
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-            "olmoe", "glm4_moe", "llama4_text")
+            "olmoe", "glm4_moe", "llama4", "llama4_text")
 ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
               "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE", "deepseek_v2": "DeepSeek-V2",
               "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss", "olmoe": "OLMoE", "glm4_moe": "GLM-4.5",
-              "llama4_text": "Llama-4 (text)"}
+              "llama4": "Llama-4", "llama4_text": "Llama-4 (text only)"}
 FORMATS = ("bf16", "fp8", "fp8_block_wo", "nvfp4", "nvfp4_w4a16", "mxfp4", "int8", "w4a8_awq")
 FORMAT_LABEL = {"bf16": "BF16", "fp8": "FP8", "fp8_block_wo": "FP8-block WO", "nvfp4": "NVFP4",
                 "nvfp4_w4a16": "NVFP4 W4A16", "mxfp4": "MXFP4", "int8": "W8A16", "w4a8_awq": "W4A8-AWQ"}
@@ -175,28 +175,46 @@ def _gpt_oss(engine: str, fmt: str, layout: str, sm: int) -> Cell:
     return Cell(SUPPORTED, "", _VLLM_MXFP4 if engine.startswith("vllm") else _SGL_GPT_OSS)
 
 
-def _llama4(engine: str, fmt: str, layout: str, sm: int) -> Cell:
-    """Llama-4's text model (``Llama4ForCausalLM``, config ``llama4_text``) with its experts stacked per
-    projection as ModelOpt exports them (``feed_forward.experts.gate_up_proj`` ``[E, in, out]`` and
-    ``gate_up_proj_weight_scale`` ... beside it)."""
+def _llama4(engine: str, family: str, fmt: str, layout: str, sm: int) -> Cell:
+    """Llama-4 with its experts stacked per projection as ModelOpt exports them (``feed_forward.experts.
+    gate_up_proj`` ``[E, in, out]`` and ``gate_up_proj_weight_scale`` ... beside it): the released multimodal
+    checkpoints (``Llama4ForConditionalGeneration``, family ``llama4``) and the text model alone
+    (``Llama4ForCausalLM`` with a ``llama4_text`` config, family ``llama4_text``)."""
     if fmt not in _LLAMA4_WRITTEN:
         return Cell(REFUSED, "trtmoe writes Llama-4's stacked experts in BF16, FP8, NVFP4 and NVFP4 W4A16 only (ModelOpt "
                              "0.47's INT8 export of the stack fails; its MXFP4 and FP8-block forms scale along other "
                              "axes than the ones quantized)", "modelopt/torch/export/unified_export_hf.py")
-    if engine.startswith("trtllm"):
-        return Cell(REFUSED, "TensorRT-LLM's Llama4ForCausalLM and Llama4ForConditionalGeneration build from "
-                             "config.text_config (the released multimodal Llama4Config); a text-only llama4_text "
-                             "config has none (its fused MoE would read the stacked experts: FUSED_GATE_UP_PROJ in "
-                             "fused_moe/quantization.py)", _TRT_LLAMA)
     if engine.startswith("sglang"):
         return Cell(UNLISTED, "SGLang's Llama-4 loader was not restated for ModelOpt's stacked expert tensors",
                     _SGL_LLAMA4)
+    if engine.startswith("trtllm"):
+        if family == "llama4_text":
+            return Cell(REFUSED, "TensorRT-LLM's Llama4ForCausalLM and Llama4ForConditionalGeneration build from "
+                                 "config.text_config (the released multimodal Llama4Config); a text-only llama4_text "
+                                 "config has none", _TRT_LLAMA)
+        if layout == "mixed":
+            return Cell(REFUSED, "per-layer MoE formats (MIXED_PRECISION) are wired model by model; Llama4MoE passes "
+                                 "no per-layer quant config to its fused MoE", _TRT_LLAMA)
+        if fmt == "nvfp4_w4a16":
+            return Cell(UNLISTED, "Llama4MoE reads the stacked experts in FUSED_GATE_UP_PROJ mode; the Marlin MoE's "
+                                  "reading of that mode was not restated", f"{_TRT_LLAMA}, {_TRT_MARLIN}")
+        # fused_moe/quantization.py reads gate_up_proj[e] (and NVFP4's block scales) transposed and split in
+        # half, gate first, with one gate_up_proj_weight_scale(_2) / _input_scale for every expert.
+        c = _trtllm_kernel(fmt, sm)
+        return Cell(c.status, c.reason, f"{_TRT_LLAMA}, {_TRT_QUANT}")
     if fmt == "bf16":
         return Cell(SUPPORTED, "", _VLLM_LLAMA4)  # fused experts: gate_up split on its last dim, transposed
-    return Cell(UNLISTED, "vLLM renames ModelOpt's stacked Llama-4 expert scales (gate_up_proj_weight_scale, "
-                          "_input_scale -> w13_*) in mllama4.py, for Llama4ForConditionalGeneration; the text-only "
-                          "loader in llama4.py splits every experts.gate_up_proj* tensor along its last dim, which a "
-                          "per-tensor scale has none of", f"{_VLLM_LLAMA4}, {_VLLM_MLLAMA4}")
+    if family == "llama4_text":
+        return Cell(UNLISTED, "vLLM renames ModelOpt's stacked Llama-4 expert scales (gate_up_proj_weight_scale, "
+                              "_input_scale -> w13_*) in mllama4.py, for Llama4ForConditionalGeneration; the text-only "
+                              "loader in llama4.py splits every experts.gate_up_proj* tensor along its last dim, which "
+                              "a per-tensor scale has none of", f"{_VLLM_LLAMA4}, {_VLLM_MLLAMA4}")
+    if fmt == "fp8" and layout == "uniform":
+        # mllama4.py maps the per-tensor scales to w13_/w2_ scales loaded for every expert; llama4.py splits
+        # and transposes the stacked FP8 weights like BF16 ones.
+        return Cell(SUPPORTED, "", f"{_VLLM_MLLAMA4}, {_VLLM_LLAMA4}, {_VLLM}")
+    return Cell(UNLISTED, "vLLM's Llama-4 loader was restated for BF16 and per-tensor FP8 stacks; NVFP4 block scales "
+                          "of a stack and per-layer formats through it were not", f"{_VLLM_MLLAMA4}, {_VLLM_LLAMA4}")
 
 
 def cell(engine: str, family: str, fmt: str, layout: str, sm: int) -> Cell:
@@ -205,8 +223,8 @@ def cell(engine: str, family: str, fmt: str, layout: str, sm: int) -> Cell:
         raise KeyError((engine, family, fmt, layout, sm))
     if family == "gpt_oss":
         return _gpt_oss(engine, fmt, layout, sm)
-    if family == "llama4_text":
-        return _llama4(engine, fmt, layout, sm)
+    if family in ("llama4", "llama4_text"):
+        return _llama4(engine, family, fmt, layout, sm)
     if engine.startswith("trtllm"):
         if family == "deepseek_v2":  # modeling_deepseekv3.py registers DeepseekV3ForCausalLM / V32 only
             return Cell(REFUSED, "the PyTorch backend registers no DeepseekV2ForCausalLM (its DeepSeek class is "

@@ -136,7 +136,10 @@ def describe_transformers_moe(model_dir: str | Path) -> dict:
     src = _source_bytes(path)
     return {
         "model": str(path), "architecture": (config.architectures or [type(model).__name__])[0],
-        "family": str(getattr(tc, "model_type", "unknown")), "weights_present": src is not None,
+        # The text model's type names the family, except for a multimodal Llama-4, whose engines' cells differ
+        # from its text model's alone (they read the whole checkpoint's config).
+        "family": str(config.model_type if getattr(config, "model_type", None) == "llama4"
+                      else getattr(tc, "model_type", "unknown")), "weights_present": src is not None,
         "registry": False,
         "config": {"num_layers": len(layers), "num_experts": E, "top_k": k, "hidden_size": hidden,
                    "expert_intermediate_size": ffn, "vocab_size": int(tc.vocab_size)},
