@@ -31,10 +31,10 @@ from trtmoe.checkpoint import unified_hf as U
 from trtmoe.checkpoint.verify import verify_artifact
 
 REPO = Path(__file__).resolve().parents[1]
-ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "llama4_text")
+ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "llama4_text", "llama4")
 FORMATS = ("fp8", "nvfp4", "int8", "fp8_block_wo", "mxfp4", "nvfp4_w4a16")
 FORMATS_OF = {**{a: FORMATS for a in ("mixtral", "qwen3_moe", "qwen2_moe")}, "olmoe": ("fp8", "nvfp4_w4a16"),
-              "deepseek_v3": (), "llama4_text": ("fp8", "nvfp4", "nvfp4_w4a16")}
+              "deepseek_v3": (), **{a: ("fp8", "nvfp4", "nvfp4_w4a16") for a in ("llama4_text", "llama4")}}
 UNIFORM = [(a, f) for a in ARCHS for f in FORMATS_OF[a]]
 # Expert FFN 64 so every format's block (16, 32) divides every input width.
 WIDTH = {"mixtral": {"intermediate_size": 64}, "qwen3_moe": {"moe_intermediate_size": 64},
@@ -49,7 +49,7 @@ JOBS = {a: {**{f: (f, {}) for f in FORMATS_OF[a]},
             **({"fp8": ("fp8", {})} if a == "deepseek_v3" else {}),
             **({"graded": ("bf16", GRADED)} if a in ("mixtral", "qwen3_moe") else {}),
             **({"single": ("bf16", SINGLE)} if a == "mixtral" else {}),
-            **({"bf16": ("bf16", {}), "graded": ("bf16", LLAMA4_GRADED)} if a == "llama4_text" else {})}
+            **({"bf16": ("bf16", {}), "graded": ("bf16", LLAMA4_GRADED)} if a.startswith("llama4") else {})}
         for a in ARCHS}
 
 
@@ -62,9 +62,37 @@ def calib_ids(tmp_path_factory) -> tuple[list[list[int]], Path]:
     return ids, path
 
 
+def make_llama4_multimodal(text_model: Path, out: Path) -> Path:
+    """A tiny released-form Llama-4 (Llama4ForConditionalGeneration, model_type ``llama4``): the tiny text
+    model's weights under ``language_model.``, plus a seeded one-layer vision tower and projector."""
+    import transformers
+
+    text = json.loads((Path(text_model) / "config.json").read_text())
+    for k in ("architectures", "transformers_version", "dtype", "torch_dtype", "model_type"):
+        text.pop(k, None)
+    vision = transformers.Llama4VisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vision_output_dim=64,
+        image_size=28, patch_size=14, projector_input_dim=64, projector_output_dim=64, pixel_shuffle_ratio=0.5)
+    cfg = transformers.Llama4Config(text_config=transformers.Llama4TextConfig(**text), vision_config=vision,
+                                    image_token_index=249, boi_token_index=247, eoi_token_index=248)
+    cfg.architectures = ["Llama4ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(cfg)
+    src = transformers.Llama4ForCausalLM.from_pretrained(str(text_model), dtype=torch.float32)
+    model.language_model.load_state_dict(src.state_dict())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(("vision_model.", "multi_modal_projector.")) and p.dim() >= 2:
+                p.normal_(0, 0.05)
+    model.to(torch.bfloat16).save_pretrained(str(out))
+    return Path(out)
+
+
 @pytest.fixture(scope="module")
-def models(tiny_model):
-    return {a: tiny_model(a, dtype="bfloat16", **WIDTH[a]) for a in ARCHS}
+def models(tiny_model, tmp_path_factory):
+    out = {a: tiny_model(a, dtype="bfloat16", **WIDTH[a]) for a in ARCHS if a != "llama4"}
+    out["llama4"] = make_llama4_multimodal(out["llama4_text"], tmp_path_factory.mktemp("tiny-llama4"))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -210,14 +238,16 @@ def test_deepseek_v3_experts_match_modelopt(models, calib_ids, modelopt_refs, tm
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama4_text", "llama4"])
 @pytest.mark.parametrize("job", ["bf16", "graded"])
-def test_llama4_stacked_experts_match_modelopt(job, models, calib_ids, modelopt_refs, tmp_path):
+def test_llama4_stacked_experts_match_modelopt(arch, job, models, calib_ids, modelopt_refs, tmp_path):
     """Llama-4's stacked experts unquantized and graded per MoE layer (FP8 in layer 1, NVFP4 in layer 3,
-    the rest bf16): every tensor ModelOpt writes, with the same name, dtype, shape and bytes (input scales
-    within one bf16 rounding step), and the same quant configs (none for the unquantized export)."""
+    the rest bf16), for the text model alone and the multimodal release (its vision tower and projector
+    kept): every tensor ModelOpt writes, with the same name, dtype, shape and bytes (input scales within
+    one bf16 rounding step), and the same quant configs (none for the unquantized export)."""
     ids, _ = calib_ids
-    model = models["llama4_text"]
-    ref = modelopt_refs("llama4_text", job)
+    model = models[arch]
+    ref = modelopt_refs(arch, job)
     plan = U.UnifiedPlan(LLAMA4_GRADED) if job == "graded" else U.UnifiedPlan({}, {}, {"policy": "per-layer"})
     ours = tmp_path / "trtmoe"
     U.write_unified_checkpoint(model, ours, plan, input_amax=U.measure_input_amax(model, ids) if job == "graded" else None)
@@ -237,7 +267,27 @@ def test_llama4_stacked_experts_match_modelopt(job, models, calib_ids, modelopt_
         return
     qa = json.loads((ours / "hf_quant_config.json").read_text())
     assert qa == json.loads((ref / "hf_quant_config.json").read_text())
-    assert set(qa["quantization"]["quantized_layers"]) == {"model.layers.1.feed_forward.experts",
-                                                          "model.layers.3.feed_forward.experts"}
+    lm = "language_model.model" if arch == "llama4" else "model"
+    assert set(qa["quantization"]["quantized_layers"]) == {f"{lm}.layers.1.feed_forward.experts",
+                                                          f"{lm}.layers.3.feed_forward.experts"}
     assert (json.loads((ours / "config.json").read_text())["quantization_config"]
             == json.loads((ref / "config.json").read_text())["quantization_config"])
+
+
+@pytest.mark.slow
+def test_llama4_multimodal_keeps_its_towers_as_modelopt_does(models, calib_ids, modelopt_refs, tmp_path):
+    """The multimodal release in FP8: the vision tower and projector stay bf16, bit for bit the source's,
+    and are excluded as whole subtrees (``vision_model*``, ``multi_modal_projector*``) as ModelOpt writes."""
+    ids, _ = calib_ids
+    model = models["llama4"]
+    ours = tmp_path / "trtmoe"
+    U.write_unified_checkpoint(model, ours, U.UnifiedPlan.uniform("fp8", moe_layers(model)),
+                               input_amax=U.measure_input_amax(model, ids))
+    q = json.loads((ours / "hf_quant_config.json").read_text())["quantization"]
+    assert q == json.loads((modelopt_refs("llama4", "fp8") / "hf_quant_config.json").read_text())["quantization"]
+    assert {"vision_model*", "multi_modal_projector*", "language_model.lm_head"} <= set(q["exclude_modules"])
+    a, src = tensors(ours), tensors(model)
+    towers = [k for k in src if k.startswith(("vision_model.", "multi_modal_projector."))]
+    assert len(towers) > 10
+    for k in towers:
+        assert a[k].dtype == src[k].dtype and torch.equal(a[k], src[k]), k
