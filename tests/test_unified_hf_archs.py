@@ -33,7 +33,7 @@ from trtmoe.checkpoint.verify import verify_artifact
 from trtmoe.errors import UnsupportedError
 from trtmoe.quant import formats as QF
 
-from test_unified_hf_conformance import tensors
+from test_unified_hf_conformance import make_llama4_multimodal, tensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,6 +73,11 @@ def glm4_moe(tiny_model):
 @pytest.fixture(scope="module")
 def llama4_text(tiny_model):
     return tiny_model("llama4_text", dtype="bfloat16", intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def llama4(llama4_text, tmp_path_factory):
+    return make_llama4_multimodal(llama4_text, tmp_path_factory.mktemp("tiny-llama4"))
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe", "deepseek_v2", "glm4_moe"])
@@ -410,3 +415,38 @@ def test_llama4_streamed_calibration_gives_the_stacks_input_scales_and_a_graded_
         if k + "_input_scale" in a:
             div = 448 * (6 if a[k].dtype == torch.uint8 else 1)
             assert a[k + "_input_scale"].item() == pytest.approx(v / div, rel=1e-6), k
+
+
+def test_llama4_multimodal_exports_its_text_model_and_keeps_the_towers(llama4, tmp_path):
+    """The released form: the same stacks under ``language_model.``, the towers kept; its BF16 export runs
+    in transformers' own class with the source's logits, and TensorRT-LLM's cell (which refuses the
+    text-only form) takes it uniform, naming the model file and the fused-MoE loader."""
+    from transformers import Llama4ForConditionalGeneration
+
+    from trtmoe.checkpoint import unified_support as S
+
+    with U.SourceModel(llama4) as src:
+        assert src.family == "llama4"
+        mods = {m.name: m for m in src.modules()}
+    assert mods["language_model.model.layers.3.feed_forward.experts.gate_up_proj"].layout == "llama4"
+    assert mods["vision_model.model.layers.0.self_attn.q_proj"].kind == "excluded"
+    assert mods["multi_modal_projector.linear_1"].kind == "excluded"
+    out = tmp_path / "bf16"
+    U.write_unified_checkpoint(llama4, out, U.UnifiedPlan({}, {}, {"policy": "per-layer"}))
+    ids = torch.tensor([[3, 17, 5, 42, 9, 11, 2, 8]])
+    with torch.no_grad():
+        a = Llama4ForConditionalGeneration.from_pretrained(str(llama4), dtype=torch.bfloat16).eval()(input_ids=ids).logits
+        b = Llama4ForConditionalGeneration.from_pretrained(str(out), dtype=torch.bfloat16).eval()(input_ids=ids).logits
+    assert torch.equal(a, b)
+    c = S.cell("trtllm-1.2.1", "llama4", "fp8", "uniform", 90)
+    assert c.status == S.SUPPORTED and "modeling_llama.py" in c.source and "quantization.py" in c.source
+    assert not S.cell("trtllm-1.2.1", "llama4_text", "fp8", "uniform", 90).ok
+    assert not S.cell("trtllm-1.4", "llama4", "fp8", "mixed", 90).ok
+    p = run_cli("convert", llama4, "-o", tmp_path / "t", "--target", "trtllm-pytorch", "--layer-format", "*=nvfp4_w4a16")
+    assert p.returncode == 0, p.stderr
+    verify_artifact(tmp_path / "t")
+    q = json.loads((tmp_path / "t" / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "W4A16_NVFP4" and "vision_model*" in q["exclude_modules"]
+    got = tensors(tmp_path / "t")
+    assert got["language_model.model.layers.1.feed_forward.experts.gate_up_proj"].shape == (4, 32, 128)
+    assert got["vision_model.model.layers.0.mlp.fc1.weight"].dtype == torch.bfloat16
