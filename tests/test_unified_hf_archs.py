@@ -362,10 +362,10 @@ def test_llama4_refusals_name_the_cell_and_the_formats_written(llama4_text, tmp_
         U.write_unified_checkpoint(llama4_text, tmp_path / "m", U.UnifiedPlan({1: "mxfp4"}))
     assert not (tmp_path / "m").exists()
     p = run_cli("convert", llama4_text, "-o", tmp_path / "t", "--target", "trtllm-pytorch", "--layer-format", "*=nvfp4_w4a16")
-    assert p.returncode == 2 and "x Llama-4 (text) x NVFP4 W4A16 x uniform x SM90: refused" in p.stderr, p.stderr
+    assert p.returncode == 2 and "x Llama-4 (text only) x NVFP4 W4A16 x uniform x SM90: refused" in p.stderr, p.stderr
     assert "text_config" in p.stderr and "modeling_llama.py" in p.stderr and "Traceback" not in p.stderr
     p = run_cli("convert", llama4_text, "-o", tmp_path / "v", "--target", "vllm", "--layer-format", "3=int8")
-    assert p.returncode == 2 and "x Llama-4 (text) x W8A16 x uniform x SM90: refused" in p.stderr, p.stderr
+    assert p.returncode == 2 and "x Llama-4 (text only) x W8A16 x uniform x SM90: refused" in p.stderr, p.stderr
     p = run_cli("convert", llama4_text, "-o", tmp_path / "v", "--target", "vllm", "--layer-format", "*=nvfp4_w4a16")
     assert p.returncode == 0, p.stderr
     verify_artifact(tmp_path / "v")
