@@ -287,3 +287,52 @@ def test_embedded_engine_runs_the_searched_unified_checkpoint_as_its_own_quantiz
     for l in range(L):
         ref.layers[l].experts = bank(l, drop=True)
     assert not torch.allclose(ref.logits(ids).float(), want, atol=tol, rtol=0)
+
+
+def test_layer_uniform_checkpoint_shares_one_searched_scale_per_layer(w4cal, tmp_path):
+    """The embedded engine's layer-uniform layout stores one pre-quant scale (and input scale) per MoE
+    layer and matrix kind: the layer's searched scale, shared by every expert, each expert's clip
+    searched under it; the experts run exactly those tensors."""
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.quant import awq
+    from trtmoe.quant.plan import QuantPlan
+    from trtmoe.runtime.engine import EmbeddedEngine
+
+    model, cal = w4cal
+    _, amax, acts = _calib_state(cal)
+    plan = QuantPlan({l: ["w4a8_awq"] * E for l in range(L)}, granularity="layer", dtype=DT,
+                     meta={"input_amax": {str(l): {m: v.tolist() for m, v in d.items()} for l, d in amax.items()}})
+    ck = convert(model, tmp_path / "ck", quant=awq.attach(plan, "awq", cal)).out_dir
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu", pack_experts=False)
+    scaled = 0
+    for l in range(L):
+        bank = eng.layers[l].experts
+        ws = [_expert(model, l, e) for e in range(E)]
+        for m in ("fc", "proj"):
+            parts = [getattr(bank.shards[e][0], m) for e in range(E)]
+            pq = parts[0]["pre_quant_scale"]
+            assert all(torch.equal(p["pre_quant_scale"], pq) and torch.equal(p["input_scale"], parts[0]["input_scale"])
+                       for p in parts)
+            scaled += not bool(torch.all(pq == 1))
+            for e in range(E):
+                st = acts.get(l, e, m)
+                if m == "proj":
+                    st = st.with_fc(lambda e=e: ws[e]["fc"])
+                rec = awq.w4a8_recipe(FMT, ws[e][m], st.rows, dtype=DT, input_amax=amax[l][m],
+                                      pre_quant_scale=pq, search_scale=False)
+                want = awq.apply(FMT, ws[e][m], DT, rec, input_amax=amax[l][m])
+                for k in ("weight", "weight_scale", "weight_scale_2"):
+                    assert torch.equal(parts[e][k].reshape(want[k].shape), want[k]), (l, e, m, k)
+    assert scaled > 0
+
+
+def test_unified_engine_dense_linear_applies_the_pre_quant_scale_to_its_inputs():
+    """A W4A8 linear outside the routed experts (a unified-HF checkpoint may quantize attention so) runs
+    as the format's kernel does: inputs times the pre-quant scale, then FP8 under the input scale."""
+    from trtmoe.runtime.unified_load import QuantLinear
+
+    w, x = _case(4, outliers=True)
+    packed, info = search_w4a8(FMT, w, x, dtype=torch.bfloat16)
+    assert info["alpha"] > 0
+    lin = QuantLinear([(FMT, packed)], torch.device("cpu"), "blas")
+    assert torch.allclose(lin(x), FMT.linear(x, packed), rtol=1e-5, atol=1e-5 * float(x.abs().max()))
