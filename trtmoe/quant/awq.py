@@ -1401,7 +1401,7 @@ class CheckpointRounding:
             searched = []
             rec, choice = _stored_or_searched(store, layer, rid, fp, lambda: searched.append(1) or search(),
                                               tuple(w.shape), lambda dt: weight_fingerprint(w, dt))
-            if self.rounding in ERROR_FEEDBACK:
+            if self.rounding in ERROR_FEEDBACK and not _w4a8(fmt):  # (W4A8 has no error-feedback codes)
                 searched += [1] if choice is None else []
                 rec = _codes_for(fmt, w, self.dtype, st, rec, not shared, store, layer, rid, choice)
             self.counts["searched" if searched else "stored"] += 1
