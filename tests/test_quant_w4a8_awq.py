@@ -336,3 +336,24 @@ def test_unified_engine_dense_linear_applies_the_pre_quant_scale_to_its_inputs()
     assert info["alpha"] > 0
     lin = QuantLinear([(FMT, packed)], torch.device("cpu"), "blas")
     assert torch.allclose(lin(x), FMT.linear(x, packed), rtol=1e-5, atol=1e-5 * float(x.abs().max()))
+
+
+def test_stored_w4a8_recipes_count_as_stored_under_error_feedback_rounding(w4cal, monkeypatch):
+    """W4A8 has no error-feedback codes: under awq_gptq a stored recipe is taken as it is, without
+    searching, and counted as the calibration's."""
+    from trtmoe.quant import awq
+
+    model, cal = w4cal
+    _, amax, acts = _calib_state(cal)
+    awq._RECIPES.clear()
+    r = awq.CheckpointRounding(acts, DT, ("count-test",), "awq_gptq", {l: {m: v.tolist() for m, v in d.items()}
+                                                                       for l, d in amax.items()})
+    ws = _expert(model, 0, 1)
+    with monkeypatch.context() as mp:
+        _no_w4a8_search(mp)
+        rec = r.recipe(FMT, 0, 1, "fc", (0, 128), ws["fc"], lambda e: _expert(model, 0, e)["fc"],
+                       matrix=lambda e, m: _expert(model, 0, e)[m])
+    want = _searched(model, cal)[0, 1, "fc"][3]
+    assert (rec is None) == (want is None) and (rec is None or (torch.equal(rec.pq, want.pq) if want.pq is not None
+                                                                else rec.pq is None))
+    assert r.counts == {"stored": 1, "searched": 0, "reused": 0}
