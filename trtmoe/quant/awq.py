@@ -14,6 +14,12 @@ whose output error on those tokens is smallest:
   one; then a clip search per (output row, group): the group's amax shrunk by a ratio in 1.0 … 0.5.
 * Per-channel INT4 (W4A16): TensorRT-LLM's weight-only per-channel path has no pre-quant scale, so
   only the clip search applies (per output row; the row error is exact there).
+* W4A8 AWQ (``w4a8_awq``: INT4 g128 weights, FP8 inputs under a static scale): a pre-quant scale per
+  expert matrix on a 20-point grid of ``mean|x|^a``, then a clip per (row, group) of the pre-scaled
+  weight, each candidate measured as the kernel runs it (inputs pre-scaled, FP8 under the input scale
+  the layer's per-channel input amax gives after the pre-quant scale; ``search_w4a8``). ``fc`` =
+  [up; gate] is one matrix, so w1 and w3 of an expert carry the same pre-quant scale, as TensorRT-LLM's
+  W4A8 fused MoE needs. No error-feedback codes.
 
 Every candidate's error is computed with the exact numerics of the format (weights cast to the model
 dtype, scales rounded into it, codes dequantized in it, the input multiplied by the stored pre-quant
