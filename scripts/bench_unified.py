@@ -13,7 +13,12 @@ stored bits per routed-expert weight, scales counted, as ModelOpt's ``effective_
   own environment; skipped when absent) over the same formats on the same calibration windows:
   its per-layer choice written by the same writer with the same input amax ("AQ plan, trtmoe export"),
   and the searched model exported by ModelOpt itself ("AQ, ModelOpt export");
-* uniform FP8 and NVFP4 experts, and the unquantized export (bf16), for scale.
+* uniform FP8 and NVFP4 experts, and the unquantized export (bf16), for scale;
+* uniform W4A8-AWQ experts rounded to nearest (pre-quant scale one), and with the pre-quant scale and
+  clip that a ``--rounding awq`` calibration over ``w4a8_awq`` searched per expert matrix on the same
+  calibration windows (``trtmoe.quant.awq.search_w4a8``), written by the same writer with that
+  calibration's recipes (``awq.checkpoint_rounding``; what ``convert --target vllm|trtllm-pytorch
+  --calib`` does). ``--no-w4a8`` leaves these out.
 
 Every checkpoint is then loaded by the embedded engine from its packed bytes
 (``trtmoe.runtime.unified_load``: each linear on its format's kernel, activations quantized with the
@@ -21,7 +26,9 @@ checkpoint's input scales) and run on the held-out windows against the source mo
 way): mean KL(source || checkpoint) per token, the share of positions with the same top-1, the
 checkpoint's bytes on disk and its routed experts' stored bits per weight.
 
-    python scripts/bench_unified.py [--budgets 5,6] [--calib-samples 16] [--eval-samples 16]
+    python scripts/bench_unified.py [--budgets 5,6] [--calib-samples 16] [--eval-samples 16] [--no-w4a8]
+
+(``--budgets ''`` measures the uniform rows only.)
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ from bench_formats import fixture_windows, text_splits  # noqa: E402
 from trtmoe.build.unified_hf import calib_input_amax, plan_from_calibration  # noqa: E402
 from trtmoe.checkpoint import unified_hf as U  # noqa: E402
 from trtmoe.hf.reader import HFCheckpoint  # noqa: E402
-from trtmoe.quant.calibrate import calibrate, kl_per_token  # noqa: E402
+from trtmoe.quant import awq  # noqa: E402
+from trtmoe.quant.calibrate import calibrate, kl_per_token, load_calib  # noqa: E402
 from trtmoe.runtime.unified_load import load_unified_engine  # noqa: E402
 
 FIXTURES = ("trained_mixtral", "trained_qwen3_moe")
@@ -107,8 +115,10 @@ def main() -> int:
     ap.add_argument("--modelopt-python", default=os.environ.get("TRTMOE_MODELOPT_PYTHON",
                                                                 "/work/venvs/modelopt/bin/python"))
     ap.add_argument("--keep", default=None, help="keep the checkpoints in this directory")
+    ap.add_argument("--no-w4a8", dest="w4a8", action="store_false",
+                    help="leave out the uniform W4A8-AWQ rows (rounded to nearest, and searched)")
     args = ap.parse_args()
-    budgets = [float(b) for b in args.budgets.split(",")]
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     ladder = list(MODELOPT_CFG)
     mo_ok = Path(args.modelopt_python).exists()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_unified_"))
@@ -133,10 +143,11 @@ def main() -> int:
             print(f"  calibration over {ladder}: {time.perf_counter() - t0:.0f} s", flush=True)
             amax = calib_input_amax(model, calib_dir)
 
-            def measure(name: str, budget, plan: U.UnifiedPlan | None = None, ck: Path | None = None, note=""):
+            def measure(name: str, budget, plan: U.UnifiedPlan | None = None, ck: Path | None = None, note="",
+                        rounding=None):
                 if ck is None:
                     ck = work / f"{fx}_{name.replace(' ', '_').replace(',', '')}_{budget}"
-                    U.write_unified_checkpoint(model, ck, plan, input_amax=amax, force=True)
+                    U.write_unified_checkpoint(model, ck, plan, input_amax=amax, force=True, rounding=rounding)
                 kl, top1 = evaluate(ck, held, ref)
                 nbytes, bits = checkpoint_facts(ck)
                 rows.append((fx, budget, name, bits, nbytes, kl, top1, note))
@@ -146,6 +157,18 @@ def main() -> int:
             measure("bf16", "-", U.UnifiedPlan.uniform("bf16", layers))
             for f in ladder:
                 measure(f"uniform {f}", "-", U.UnifiedPlan({l: f for l in layers}))
+            if args.w4a8:
+                w4 = U.UnifiedPlan({l: "w4a8_awq" for l in layers})
+                measure("uniform w4a8_awq, rtn", "-", w4)
+                t0 = time.perf_counter()
+                w4_dir = work / f"calib_w4a8_{fx}"
+                calibrate(model, splits[0], w4_dir, samples=args.calib_samples, seq_len=args.seq_len,
+                          formats=("w4a8_awq",), force=True, rounding="awq")
+                secs = time.perf_counter() - t0
+                with U.SourceModel(model) as s:
+                    dtype = s.info(s.modules()[0].tensor).dtype
+                measure("uniform w4a8_awq, searched", "-", w4, note=f"(awq calibration {secs:.0f} s)",
+                        rounding=awq.checkpoint_rounding(w4_dir, load_calib(w4_dir), dtype))
             ids_path = work / f"ids_{fx}.safetensors"
             save_file({"ids": cal.contiguous()}, ids_path)
             for b in budgets:

@@ -53,3 +53,307 @@ def test_search_refuses_other_formats_and_shapes():
         search_w4a8(FORMATS["int4_g128"], w, x, dtype=torch.bfloat16)
     with pytest.raises(InputError):
         search_w4a8(FMT, w, x[:, :128], dtype=torch.bfloat16)
+
+
+# ---- the search wired into calibrate and convert --------------------------------------------------
+# A 4-expert bf16 Mixtral (hidden 128 and expert FFN 128: one group of 128 inputs per row of each
+# matrix) calibrated with awq rounding on W4A8 alone; its artifact keeps the recipes the search chose.
+
+L, E = 2, 4
+DT = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def w4cal(tiny_model, tmp_path_factory):
+    import shutil
+
+    from conftest import TRAINED_MIXTRAL
+
+    from trtmoe.data import write_split_text
+    from trtmoe.quant.calibrate import calibrate
+
+    tmp = tmp_path_factory.mktemp("w4a8cal")
+    src = tiny_model("mixtral", num_local_experts=E, num_hidden_layers=L, seed=11, hidden_size=128,
+                     intermediate_size=128, head_dim=32, dtype="bfloat16", vocab_size=2048)
+    model = shutil.copytree(src, tmp / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(TRAINED_MIXTRAL / f, model / f)
+    text = tmp / "calib.txt"
+    write_split_text("calib", text, max_bytes=20000)
+    cal = tmp / "cal"
+    calibrate(model, text, cal, samples=4, seq_len=32, formats=("w4a8_awq",), rounding="awq")
+    return model, cal
+
+
+def _expert(model, l, e):
+    from safetensors.torch import load_file
+
+    t = load_file(str(model / "model.safetensors"))
+    p = f"model.layers.{l}.block_sparse_moe.experts.{e}."
+    return {"fc": torch.cat([t[p + "w3.weight"], t[p + "w1.weight"]]), "proj": t[p + "w2.weight"]}
+
+
+def _calib_state(cal):
+    import json
+
+    from trtmoe.quant import awq
+
+    c = json.loads((cal / "calib.json").read_text())
+    amax = {int(l): {m: torch.tensor(v) for m, v in d.items()} for l, d in c["input_amax"].items()}
+    return c, amax, awq.ActivationStats.load(cal / awq.ACT_FILE)
+
+
+def _searched(model, cal):
+    """Per (layer, expert, matrix): the weight, its routed-token rows, the layer's input amax and the
+    recipe the search finds on them now (what calibration should have stored)."""
+    from trtmoe.quant import awq
+
+    _, amax, acts = _calib_state(cal)
+    out = {}
+    for l in range(L):
+        for e in range(E):
+            ws = _expert(model, l, e)
+            for m in ("fc", "proj"):
+                st = acts.get(l, e, m)
+                if m == "proj":
+                    st = st.with_fc(lambda e=e, ws=ws: ws["fc"])
+                rows = st.rows
+                rec = awq.w4a8_recipe(FMT, ws[m], rows, dtype=DT, input_amax=amax[l][m])
+                out[l, e, m] = (ws[m], rows, amax[l][m], rec)
+    return out
+
+
+def _no_w4a8_search(monkeypatch):
+    from trtmoe.quant import awq
+
+    def refuse(*a, **k):
+        raise AssertionError("searched although calibration stored the recipe")
+    monkeypatch.setattr(awq, "_w4a8_search", refuse)
+
+
+def test_calibration_stores_w4a8_recipes_and_they_beat_rounding_to_nearest(w4cal):
+    """Calibration searches every W4A8 expert matrix (per-channel input amax of the layer, FP8 inputs) and
+    keeps the pre-quant scale and clip it chose; re-searching the same rows gives the same recipe, and
+    on the calibration inputs its output error is never above round-to-nearest's (and below it for
+    some matrices, with pre-quant scales that are not all ones)."""
+    from trtmoe.quant import awq
+
+    model, cal = w4cal
+    c, _, acts = _calib_state(cal)
+    assert c["rounding"] == "awq" and "w4a8_awq" in c["formats"]
+    found = _searched(model, cal)
+    scaled = better = 0
+    for (l, e, m), (w, rows, amax, rec) in found.items():
+        rid = awq.recipe_id("w4a8_awq", e, m, (0, 128), False, DT)
+        got = acts.recipes.get(l, rid, awq.weight_fingerprint(w, DT))
+        assert got is not None, (l, e, m)
+        pq, clip, _ = got
+        want_pq = None if rec is None else rec.pq
+        want_clip = None if rec is None else rec.clip
+        assert (pq is None) == (want_pq is None) and (pq is None or torch.equal(pq, want_pq)), (l, e, m)
+        assert (clip is None) == (want_clip is None) and (clip is None or torch.equal(clip, want_clip)), (l, e, m)
+        y = rows.float() @ w.to(DT).float().T
+        rtn = awq.w4a8_output_error(FMT, FMT.quantize(w, dtype=DT, input_amax=amax), rows.float(), y)
+        err = awq.w4a8_output_error(FMT, awq.apply(FMT, w, DT, rec, input_amax=amax), rows.float(), y)
+        assert err <= rtn, (l, e, m, err, rtn)
+        better += err < rtn
+        scaled += pq is not None and not bool(torch.all(pq == 1))
+    assert scaled > 0 and better > 0, (scaled, better)
+
+
+def test_convert_reapplies_the_calibrations_w4a8_recipes(w4cal, tmp_path, monkeypatch):
+    """An embedded per-expert checkpoint of the calibration's plan takes the stored recipes without
+    searching, and each expert matrix holds exactly the tensors the search's recipe gives (pre-quant
+    scale included; the input scale that of the pre-scaled inputs)."""
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.hf.safetensors_io import SafetensorsFile
+    from trtmoe.quant import awq
+    from trtmoe.quant.plan import QuantPlan
+
+    model, cal = w4cal
+    c, amax, _ = _calib_state(cal)
+    plan = QuantPlan({l: ["w4a8_awq"] * E for l in range(L)}, granularity="matrix", dtype=DT,
+                     meta={"input_amax": {str(l): {m: v.tolist() for m, v in d.items()} for l, d in amax.items()}})
+    plan = awq.attach(plan, "awq", cal)
+    awq._RECIPES.clear()
+    with monkeypatch.context() as mp:
+        _no_w4a8_search(mp)
+        ck = convert(model, tmp_path / "ck", quant=plan).out_dir
+    f = SafetensorsFile(ck / "rank0.safetensors")
+    try:
+        t = {n: f.read(n) for n in f.tensors}
+    finally:
+        f.close()
+    for (l, e, m), (w, rows, a, rec) in _searched(model, cal).items():
+        want = awq.apply(FMT, w, DT, rec, input_amax=a)
+        p = f"transformer.layers.{l}.mlp.experts.{e}.{m}."
+        got = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
+        assert got.keys() == want.keys(), (got.keys(), want.keys())
+        for k in want:
+            assert torch.equal(got[k].reshape(want[k].shape), want[k]), (l, e, m, k)
+        pq = want["pre_quant_scale"].float()
+        assert float(want["input_scale"]) == pytest.approx(float((a.float() * pq).max().to(DT)) / 448, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def w4unified(w4cal, tmp_path_factory):
+    """The calibration's uniform W4A8 unified-HF export (routed experts), and one rounded to nearest."""
+    from trtmoe.build.unified_hf import convert_unified
+    from trtmoe.quant import awq
+
+    model, cal = w4cal
+    tmp = tmp_path_factory.mktemp("w4u")
+    awq._RECIPES.clear()
+    convert_unified(model, tmp / "searched", target="trtllm-pytorch", layer_formats=[f"{l}=w4a8_awq" for l in range(L)], calib=cal)
+    return model, cal, tmp / "searched"
+
+
+def _tensors(ck):
+    from safetensors import safe_open
+
+    t = {}
+    for f in sorted(ck.glob("model-*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            t.update({k: fh.get_tensor(k) for k in fh.keys()})
+    return t
+
+
+def test_unified_export_writes_the_searched_w4a8_recipe_per_expert(w4unified):
+    """Per expert: w1 and w3 carry the same pre-quant scale, weight_scale_2 and input scale (the fused
+    [up; gate] matrix's recipe, split), w2 its own; the tensors are the search's; some pre-quant scales
+    are not all ones."""
+    import json
+
+    from trtmoe.quant import awq
+
+    model, cal, ck = w4unified
+    t = _tensors(ck)
+    manifest = json.loads((ck / "manifest.json").read_text())
+    assert manifest.get("rounding") == "awq"
+    found = _searched(model, cal)
+    nontrivial = 0
+    for l in range(L):
+        p = f"model.layers.{l}.block_sparse_moe.experts"
+        for e in range(E):
+            w1, w3, w2 = (f"{p}.{e}.{n}" for n in ("w1", "w3", "w2"))
+            for k in ("pre_quant_scale", "weight_scale_2", "input_scale"):
+                assert torch.equal(t[f"{w1}.{k}"], t[f"{w3}.{k}"]), (l, e, k)
+            w, _, a, rec = found[l, e, "fc"]
+            fc = awq.apply(FMT, w, DT, rec, input_amax=a)
+            up, gate = fc["weight"].chunk(2), fc["weight_scale"].chunk(2)
+            assert torch.equal(t[f"{w3}.weight"], up[0]) and torch.equal(t[f"{w1}.weight"], up[1])
+            assert torch.equal(t[f"{w3}.weight_scale"], gate[0]) and torch.equal(t[f"{w1}.weight_scale"], gate[1])
+            assert torch.equal(t[f"{w1}.pre_quant_scale"], fc["pre_quant_scale"])
+            assert torch.equal(t[f"{w1}.input_scale"].reshape(()), fc["input_scale"].reshape(()))
+            w, _, a, rec = found[l, e, "proj"]
+            proj = awq.apply(FMT, w, DT, rec, input_amax=a)
+            for k, v in proj.items():
+                assert torch.equal(t[f"{w2}.{k}"].reshape(v.shape), v), (l, e, k)
+            nontrivial += sum(not bool(torch.all(t[f"{n}.pre_quant_scale"] == 1)) for n in (w1, w2))
+    assert nontrivial > 0
+
+
+def test_embedded_engine_runs_the_searched_unified_checkpoint_as_its_own_quantization(w4unified):
+    """The unified-HF checkpoint loaded by the embedded engine gives the logits of the float engine whose
+    routed experts are replaced by the format's own kernel on the recipes' packed tensors; dropping the
+    pre-quant scales changes them."""
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.quant import awq
+    from trtmoe.runtime.engine import EmbeddedEngine
+    from trtmoe.runtime.experts import PackedExperts, PackedShard
+    from trtmoe.runtime.unified_load import load_unified_engine
+
+    model, cal, ck = w4unified
+    found = _searched(model, cal)
+    ids = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(3))
+    loaded = load_unified_engine(ck, device="cpu")
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        ref = EmbeddedEngine.from_checkpoint(convert(model, f"{d}/f").out_dir, device="cpu")
+    def bank(l, drop=False):
+        packed = {m: [awq.apply(FMT, found[l, e, m][0], DT, found[l, e, m][3], input_amax=found[l, e, m][2])
+                      for e in range(E)] for m in ("fc", "proj")}
+        if drop:
+            packed = {m: [dict(p, pre_quant_scale=torch.ones_like(p["pre_quant_scale"])) for p in ps]
+                      for m, ps in packed.items()}
+        return PackedExperts([[PackedShard(FMT, packed["fc"][e], FMT, packed["proj"][e])] for e in range(E)],
+                             ["w4a8_awq"] * E)
+
+    for l in range(L):
+        ref.layers[l].experts = bank(l)
+    got, want = loaded.logits(ids).float(), ref.logits(ids).float()
+    tol = 1e-3 * float(want.abs().max())
+    assert torch.allclose(got, want, atol=tol, rtol=0), float((got - want).abs().max())
+    for l in range(L):
+        ref.layers[l].experts = bank(l, drop=True)
+    assert not torch.allclose(ref.logits(ids).float(), want, atol=tol, rtol=0)
+
+
+def test_layer_uniform_checkpoint_shares_one_searched_scale_per_layer(w4cal, tmp_path):
+    """The embedded engine's layer-uniform layout stores one pre-quant scale (and input scale) per MoE
+    layer and matrix kind: the layer's searched scale, shared by every expert, each expert's clip
+    searched under it; the experts run exactly those tensors."""
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.quant import awq
+    from trtmoe.quant.plan import QuantPlan
+    from trtmoe.runtime.engine import EmbeddedEngine
+
+    model, cal = w4cal
+    _, amax, acts = _calib_state(cal)
+    plan = QuantPlan({l: ["w4a8_awq"] * E for l in range(L)}, granularity="layer", dtype=DT,
+                     meta={"input_amax": {str(l): {m: v.tolist() for m, v in d.items()} for l, d in amax.items()}})
+    ck = convert(model, tmp_path / "ck", quant=awq.attach(plan, "awq", cal)).out_dir
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu", pack_experts=False)
+    scaled = 0
+    for l in range(L):
+        bank = eng.layers[l].experts
+        ws = [_expert(model, l, e) for e in range(E)]
+        for m in ("fc", "proj"):
+            parts = [getattr(bank.shards[e][0], m) for e in range(E)]
+            pq = parts[0]["pre_quant_scale"]
+            assert all(torch.equal(p["pre_quant_scale"], pq) and torch.equal(p["input_scale"], parts[0]["input_scale"])
+                       for p in parts)
+            scaled += not bool(torch.all(pq == 1))
+            for e in range(E):
+                st = acts.get(l, e, m)
+                if m == "proj":
+                    st = st.with_fc(lambda e=e: ws[e]["fc"])
+                rec = awq.w4a8_recipe(FMT, ws[e][m], st.rows, dtype=DT, input_amax=amax[l][m],
+                                      pre_quant_scale=pq, search_scale=False)
+                want = awq.apply(FMT, ws[e][m], DT, rec, input_amax=amax[l][m])
+                for k in ("weight", "weight_scale", "weight_scale_2"):
+                    assert torch.equal(parts[e][k].reshape(want[k].shape), want[k]), (l, e, m, k)
+    assert scaled > 0
+
+
+def test_unified_engine_dense_linear_applies_the_pre_quant_scale_to_its_inputs():
+    """A W4A8 linear outside the routed experts (a unified-HF checkpoint may quantize attention so) runs
+    as the format's kernel does: inputs times the pre-quant scale, then FP8 under the input scale."""
+    from trtmoe.runtime.unified_load import QuantLinear
+
+    w, x = _case(4, outliers=True)
+    packed, info = search_w4a8(FMT, w, x, dtype=torch.bfloat16)
+    assert info["alpha"] > 0
+    lin = QuantLinear([(FMT, packed)], torch.device("cpu"), "blas")
+    assert torch.allclose(lin(x), FMT.linear(x, packed), rtol=1e-5, atol=1e-5 * float(x.abs().max()))
+
+
+def test_stored_w4a8_recipes_count_as_stored_under_error_feedback_rounding(w4cal, monkeypatch):
+    """W4A8 has no error-feedback codes: under awq_gptq a stored recipe is taken as it is, without
+    searching, and counted as the calibration's."""
+    from trtmoe.quant import awq
+
+    model, cal = w4cal
+    _, amax, acts = _calib_state(cal)
+    awq._RECIPES.clear()
+    r = awq.CheckpointRounding(acts, DT, ("count-test",), "awq_gptq", {l: {m: v.tolist() for m, v in d.items()}
+                                                                       for l, d in amax.items()})
+    ws = _expert(model, 0, 1)
+    with monkeypatch.context() as mp:
+        _no_w4a8_search(mp)
+        rec = r.recipe(FMT, 0, 1, "fc", (0, 128), ws["fc"], lambda e: _expert(model, 0, e)["fc"],
+                       matrix=lambda e, m: _expert(model, 0, e)[m])
+    want = _searched(model, cal)[0, 1, "fc"][3]
+    assert (rec is None) == (want is None) and (rec is None or (torch.equal(rec.pq, want.pq) if want.pq is not None
+                                                                else rec.pq is None))
+    assert r.counts == {"stored": 1, "searched": 0, "reused": 0}

@@ -26,6 +26,7 @@ from ..checkpoint.manifest import REPOSITORY_MANIFEST, read_manifest, write_mani
 from ..checkpoint.verify import verify_artifact
 from ..errors import InputError
 from ..hf.reader import parse_dtype
+from ..quant import awq
 from ..quant.calibrate import load_calib
 from ..quant.policies import make_target_plan
 
@@ -179,8 +180,15 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
             raise InputError("calibration ids must be a non-empty JSON list of non-empty token-id lists",
                              where=str(calib_ids))
         amax = U.measure_input_amax(model, ids)
+    rounding = None
+    if calib is not None and any(awq.applies(U.get_format(f).fmt) for f in plan.used()):
+        with U.SourceModel(model) as src:
+            dtype = _model_dtype(src)
+        rounding = awq.checkpoint_rounding(calib, load_calib(calib), dtype)  # the searched W4A8 recipes
     res = U.write_unified_checkpoint(model, out, plan, target=target, input_amax=amax, force=force, progress=progress,
-                                     extra_manifest={"support": verdict.to_dict(), "engine": engine, "sm": sm})
+                                     extra_manifest={"support": verdict.to_dict(), "engine": engine, "sm": sm,
+                                                     **({"rounding": rounding.rounding} if rounding else {})},
+                                     rounding=rounding)
     return UnifiedConvert(res, verdict, engine, sm)
 
 

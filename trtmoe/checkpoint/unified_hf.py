@@ -47,6 +47,7 @@ from .. import __version__
 from ..errors import CheckpointError, InputError, UnsupportedError
 from ..hf.reader import HFCheckpoint
 from ..hf.safetensors_io import SafetensorsFile, StreamingWriter
+from ..quant import awq
 from ..quant import formats as QF
 from ..quant.formats import QuantFormat
 from .atomic import atomic_directory
@@ -657,6 +658,22 @@ def _module_tensors(m: Module, f: UnifiedFormat, src: Tensor, input_amax: float 
             m.name + "_scales": torch.stack([p["weight_scale"] for p in per])}
 
 
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.[^.]+$")
+
+
+def _expert_of(m: Module) -> tuple[int, int, str] | None:
+    """(layer, expert, role) of a routed expert's own linear (``...experts.{e}.{w1|up_proj|...}``)."""
+    hit = _EXPERT_INDEX.search(m.name)
+    if m.kind != "expert" or m.stacked or hit is None or m.layer is None or m.expert_role not in awq.EXPERT_ROLES:
+        return None
+    return m.layer, int(hit.group(1)), m.expert_role
+
+
+def _expert_tensor_names(mods: list[Module]) -> dict[tuple[int, int, str], str]:
+    """(layer, expert, role) -> source tensor name of every routed expert's own linear."""
+    return {where: m.tensor for m in mods if (where := _expert_of(m)) is not None}
+
+
 def _check_family_rules(family: str, mods: list[Module], plan: UnifiedPlan) -> None:
     """What an architecture's loaders read regardless of the format cell: DeepSeek-V3's MLA projections
     stay in the model dtype; gpt-oss takes one expert format (BF16 or MXFP4) and BF16 elsewhere."""
@@ -686,12 +703,14 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
                              input_amax: dict[str, float] | None = None, force: bool = False,
                              shard_bytes: int = SHARD_BYTES, dtype: torch.dtype | None = None,
                              progress: Callable[[int, int], None] | None = None,
-                             extra_manifest: dict | None = None) -> UnifiedResult:
+                             extra_manifest: dict | None = None, rounding=None) -> UnifiedResult:
     """Write ``model`` (an HF MoE checkpoint directory) as a unified-HF checkpoint in ``out``, atomically.
 
     ``plan`` gives each linear its format; ``input_amax`` (module name -> amax) is needed for formats that
     quantize activations. Tensors that stay unquantized are written in ``dtype`` (default: the source's
-    dtype). Streams one linear at a time."""
+    dtype). Streams one linear at a time. ``rounding`` (``trtmoe.quant.awq.checkpoint_rounding`` of a
+    calibration, in ``dtype``) gives the routed experts of a format with an activation-aware search
+    (W4A8 AWQ) the pre-quant scale and clip the calibration searched."""
     if target not in TARGETS:
         raise InputError(f"unknown unified-HF target {target!r}", hint="one of " + ", ".join(TARGETS))
     input_amax = input_amax or {}
@@ -743,6 +762,10 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
             if m.fusion:
                 by_fusion.setdefault(m.fusion, []).append(m)
         amax_cache: dict[str, Tensor] = {}
+        expert_tensor = _expert_tensor_names(mods)
+
+        def read_expert(layer: int, e: int, role: str) -> Tensor:
+            return ck.read(expert_tensor[(layer, e, role)]).to(dtype)
 
         def fused_amax(key: str) -> Tensor:
             """The largest |w| over a fused group (read member by member; the last group is cached)."""
@@ -772,7 +795,15 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
                         shared = None
                         if f.quant_algo and mod.fusion and f.shares_amax(mod.kind):
                             shared = fused_amax(mod.fusion)
-                        packed = _module_tensors(mod, f, src, input_amax.get(mod.name), shared)
+                        packed = None
+                        where = _expert_of(mod) if rounding is not None else None
+                        if where is not None and all((where[0], where[1], r) in expert_tensor
+                                                     for r in awq.EXPERT_ROLES):
+                            got = awq.w4a8_expert_tensors(rounding, f.fmt, *where,
+                                                          lambda e, r, l=where[0]: read_expert(l, e, r))
+                            packed = None if got is None else {f"{mod.name}.{k}": t for k, t in got.items()}
+                        if packed is None:
+                            packed = _module_tensors(mod, f, src, input_amax.get(mod.name), shared)
                         for tname, dt, shape in ss:
                             w.write(packed[tname].to(dt).reshape(shape).contiguous())
                         done += sum(math.prod(s) * dt.itemsize for _, dt, s in ss)

@@ -14,6 +14,12 @@ whose output error on those tokens is smallest:
   one; then a clip search per (output row, group): the group's amax shrunk by a ratio in 1.0 … 0.5.
 * Per-channel INT4 (W4A16): TensorRT-LLM's weight-only per-channel path has no pre-quant scale, so
   only the clip search applies (per output row; the row error is exact there).
+* W4A8 AWQ (``w4a8_awq``: INT4 g128 weights, FP8 inputs under a static scale): a pre-quant scale per
+  expert matrix on a 20-point grid of ``mean|x|^a``, then a clip per (row, group) of the pre-scaled
+  weight, each candidate measured as the kernel runs it (inputs pre-scaled, FP8 under the input scale
+  the layer's per-channel input amax gives after the pre-quant scale; ``search_w4a8``). ``fc`` =
+  [up; gate] is one matrix, so w1 and w3 of an expert carry the same pre-quant scale, as TensorRT-LLM's
+  W4A8 fused MoE needs. No error-feedback codes.
 
 Every candidate's error is computed with the exact numerics of the format (weights cast to the model
 dtype, scales rounded into it, codes dequantized in it, the input multiplied by the stored pre-quant
@@ -127,6 +133,11 @@ def _grouped(fmt: QuantFormat) -> bool:
     """Whether ``fmt``'s INT4 search is the group-wise one (pre-quant scale, per-group clip); the
     searches below are only reached for formats that ``applies`` to."""
     return fmt.int4_search == "group"
+
+
+def _w4a8(fmt: QuantFormat) -> bool:
+    """Whether ``fmt``'s INT4 search is W4A8 AWQ's (``search_w4a8``: INT4 groups under FP8 inputs)."""
+    return fmt.int4_search == "w4a8"
 
 
 def kept_in_float(rounding: str) -> str:
@@ -903,7 +914,10 @@ def float_weight(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe
 
 def transformed_weight(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe) -> Tensor:
     """The model-dtype weight the format quantizes: columns divided by the pre-quant scale, then
-    clamped to ±clip per (row, group) or row."""
+    clamped to ±clip per (row, group) or row. (W4A8: the format divides by the pre-quant scale itself,
+    so the weight is clamped in the pre-scaled domain and handed back on the original scale.)"""
+    if _w4a8(fmt):
+        return _w4a8_weight(fmt, w, dtype, recipe)
     wd = _in_dtype(w, dtype)
     if recipe.pq is not None:
         wd = _in_dtype(wd / recipe.pq.float(), dtype)
@@ -927,6 +941,9 @@ def apply(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe | None
     format computes from the transformed weight."""
     if recipe is None or (recipe.pq is None and recipe.clip is None and recipe.codes is None):
         return fmt.quantize(w, dtype=dtype, input_amax=input_amax)
+    if _w4a8(fmt):
+        return fmt.quantize(_w4a8_weight(fmt, w, dtype, recipe), dtype=dtype, input_amax=input_amax,
+                            pre_quant_scale=recipe.pq)
     packed = fmt.quantize(transformed_weight(fmt, w, dtype, recipe), dtype=dtype)
     if recipe.codes is not None:
         packed["weight"] = _pack_codes(fmt, recipe.codes)
@@ -978,7 +995,10 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     without the scale. The candidate with the smallest error is kept, ``base`` itself included, so the
     result is never worse than it on those tokens. ``on_choice(i)`` is told which won (-1: ``base``
     without codes, else the candidate's index); a known ``choice`` (what an earlier, identical call
-    chose) computes only that candidate's codes and no errors."""
+    chose) computes only that candidate's codes and no errors. W4A8 keeps ``base`` (no error feedback
+    through its FP8 weight and inputs)."""
+    if _w4a8(fmt):
+        return base
     gram = stats.gram_matrix()  # stored, or rebuilt from the layer's MoE inputs
     if gram is None and stats.rows.shape[0] < MIN_ROWS_PER_INPUT * w.shape[-1]:
         return base  # too few rows to estimate the Gram matrix: the base recipe as it is
@@ -1154,11 +1174,12 @@ def _clip_channel(wd: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 def recipe_for(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats | None,
                pq: Tensor | None | str = "search", rounding: str = "awq",
-               keep: "tuple[RecipeStore, int, int, str] | None" = None) -> Recipe | None:
+               keep: "tuple[RecipeStore, int, int, str] | None" = None, input_amax=None) -> Recipe | None:
     """The transform of one matrix ``w`` [out, in] under ``rounding`` (None: round to nearest). ``pq``
     "search" searches this matrix's own pre-quant scale; a tensor (or None) imposes a shared one.
     ``keep`` = (store, layer, expert, mod): the searched scale and clip of a whole matrix with its own
-    scale are kept there (calibration), or taken from there when stored for this weight."""
+    scale are kept there (calibration), or taken from there when stored for this weight.
+    ``input_amax`` (per input channel, the layer's): what W4A8's static input scale is made from."""
     if stats is None or not applies(fmt) or stats.rows.shape[0] == 0:
         return None
     if stats.rows.shape[-1] != w.shape[-1]:
@@ -1171,12 +1192,12 @@ def recipe_for(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         inter = w.shape[0] // 2 if mod == "fc" else w.shape[-1]  # the whole matrix: shard 0 of 1
         rid = recipe_id(fmt.name, expert, mod, (0, inter), False, dtype)
         base, choice = _stored_or_searched(store, layer, rid, weight_fingerprint(w, dtype),
-                                           lambda: _awq_recipe(fmt, w, dtype, stats, pq), tuple(w.shape),
+                                           lambda: _awq_recipe(fmt, w, dtype, stats, pq, input_amax), tuple(w.shape),
                                            lambda dt: weight_fingerprint(w, dt))
         if rounding != "awq_gptq":
             return base
         return _codes_for(fmt, w, dtype, stats, base, True, store, layer, rid, choice)
-    base = _awq_recipe(fmt, w, dtype, stats, pq)
+    base = _awq_recipe(fmt, w, dtype, stats, pq, input_amax)
     if rounding != "awq_gptq":
         return base
     return with_codes(fmt, w, dtype, stats, base, own_scale=isinstance(pq, str))
@@ -1246,7 +1267,10 @@ def _codes_for(fmt, w, dtype, stats, base, own_scale, store, layer, rid, choice)
 
 
 def _awq_recipe(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats,
-                pq: Tensor | None | str) -> Recipe | None:
+                pq: Tensor | None | str, input_amax=None) -> Recipe | None:
+    if _w4a8(fmt):
+        return w4a8_recipe(fmt, w, stats.rows, dtype=dtype, input_amax=input_amax,
+                           pre_quant_scale=None if isinstance(pq, str) else pq, search_scale=isinstance(pq, str))
     wd = _in_dtype(w, dtype)
     if not _grouped(fmt):
         clip = _clip_channel(wd, stats.rows, dtype)
@@ -1270,7 +1294,8 @@ def quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: MatrixSt
         raise InputError(f"unknown rounding {rounding!r}", hint=ROUNDING_HINT)
     if rounding == "rtn" or not applies(fmt):
         return fmt.quantize(w, dtype=dtype, input_amax=input_amax)
-    return apply(fmt, w, dtype, recipe_for(fmt, w, dtype, stats, rounding=rounding, keep=keep))
+    rec = recipe_for(fmt, w, dtype, stats, rounding=rounding, keep=keep, input_amax=input_amax)
+    return apply(fmt, w, dtype, rec, input_amax=input_amax)
 
 
 def output_error(fmt: QuantFormat, packed: dict[str, Tensor], w: Tensor, x: Tensor, dtype: torch.dtype) -> float:
@@ -1292,8 +1317,12 @@ class CheckpointRounding:
     searched on whole matrices (moe_tp-independent; a ``proj`` shard gets its slice, ``fc`` shards the
     whole scale, as TensorRT-LLM shards the tensor), clips on the shard each rank stores."""
 
-    def __init__(self, stats: ActivationStats, dtype: torch.dtype, key: tuple = (), rounding: str = "awq"):
+    def __init__(self, stats: ActivationStats, dtype: torch.dtype, key: tuple = (), rounding: str = "awq",
+                 input_amax: dict | None = None):
         self.stats, self.dtype, self.key, self.rounding = stats, dtype, key, rounding
+        # Per MoE layer and matrix kind, the calibrated input amax (per input channel, or one value) that
+        # the W4A8 formats' static input scales are made from: their searches measure with it.
+        self.input_amax = {str(l): d for l, d in (input_amax or {}).items()}
         self._pq: dict = {}
         self._recipes: dict = {}
         self._layer = None
@@ -1351,6 +1380,15 @@ class CheckpointRounding:
         wd = _in_dtype(w, self.dtype)
 
         def search() -> Recipe | None:
+            if _w4a8(fmt):  # the pre-quant scale per expert matrix, or the layer's shared one
+                amax = self._amax(layer, mod, t, I_loc)
+                if not shared:
+                    return w4a8_recipe(fmt, w, st.rows, dtype=self.dtype, input_amax=amax)
+                pq = self._prequant(fmt, layer, mod, full, experts, True)
+                if pq is not None and mod == "proj":
+                    pq = pq[t * I_loc:(t + 1) * I_loc]
+                return w4a8_recipe(fmt, w, st.rows, dtype=self.dtype, input_amax=amax, pre_quant_scale=pq,
+                                   search_scale=False)
             if not _grouped(fmt):
                 clip = _clip_channel(wd, st.rows, self.dtype)
                 return None if clip is None else Recipe(None, clip)
@@ -1369,7 +1407,7 @@ class CheckpointRounding:
             searched = []
             rec, choice = _stored_or_searched(store, layer, rid, fp, lambda: searched.append(1) or search(),
                                               tuple(w.shape), lambda dt: weight_fingerprint(w, dt))
-            if self.rounding in ERROR_FEEDBACK:
+            if self.rounding in ERROR_FEEDBACK and not _w4a8(fmt):  # (W4A8 has no error-feedback codes)
                 searched += [1] if choice is None else []
                 rec = _codes_for(fmt, w, self.dtype, st, rec, not shared, store, layer, rid, choice)
             self.counts["searched" if searched else "stored"] += 1
@@ -1378,6 +1416,14 @@ class CheckpointRounding:
             _RECIPES.pop(next(iter(_RECIPES)))
         _RECIPES[gkey] = rec
         return rec
+
+    def _amax(self, layer: int, mod: str, t: int, I_loc: int) -> Tensor | None:
+        """Layer ``layer``'s calibrated ``mod`` input amax for shard ``t`` (per channel when known)."""
+        got = (self.input_amax.get(str(layer)) or {}).get(mod)
+        if got is None:
+            return None
+        a = torch.as_tensor(got, dtype=torch.float32).reshape(-1)
+        return a[t * I_loc:(t + 1) * I_loc] if mod == "proj" and a.numel() > 1 and a.numel() != I_loc else a
 
     def _prequant(self, fmt: QuantFormat, layer: int, mod: str, full, who: list[int], shared: bool) -> Tensor | None:
         """The searched pre-quant scale of ``who``'s ``mod`` (one expert, or the whole layer when
@@ -1457,7 +1503,7 @@ def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
         _LOADED.clear()
         _LOADED[key] = ActivationStats.load(p)
     _LOADED[key].check_inputs()
-    return CheckpointRounding(_LOADED[key], dtype, key, rounding)
+    return CheckpointRounding(_LOADED[key], dtype, key, rounding, meta.get("input_amax"))
 
 
 def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None, *,
@@ -1507,6 +1553,14 @@ def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None
 
 
 # ---- activation-aware search for INT4 weights under FP8 activations (W4A8 AWQ) --------------------
+# The recipe (``Recipe(pq, clip)``) of a W4A8 matrix: ``pq`` [in] the stored ``pre_quant_scale`` (the
+# inputs are multiplied by it, the weight's columns divided by it: None = ones), ``clip`` [out, in/128]
+# the amax of each (row, group) of the pre-scaled weight ``W / pq`` (model-dtype values; None: none).
+# TensorRT-LLM's W4A8 fused MoE (WInt4AFP8FusedMoEMethod, ModelOpt "vanilla" checkpoints) reads a
+# pre_quant_scale per expert for w1, w3 and w2 and runs w1 and w3 as one GEMM on the elementwise max
+# of their two scales, so the two must carry the same one: trtmoe searches ``fc`` = [up; gate] as one
+# matrix, which gives exactly that. Its DeepEP low-latency dispatch wants one scale per layer instead
+# (not produced here).
 W4A8_ALPHAS = 20
 W4A8_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 W4A8_MAX_ROWS = 1024
@@ -1518,10 +1572,10 @@ def w4a8_output_error(fmt: QuantFormat, packed: dict[str, Tensor], x: Tensor, y_
     return float((fmt.linear(x, packed) - y_ref).pow(2).mean())
 
 
-def _w4a8_clip(fmt: QuantFormat, wt: Tensor, xq: Tensor, ratios) -> Tensor:
-    """Per output row and input group, the clipped amax (a ratio of the group's amax) whose INT4
-    rounding gives the smallest error on that group's share of the output, ``xq`` being the inputs
-    as the kernel sees them (pre-scaled, FP8-rounded)."""
+def _w4a8_clip(fmt: QuantFormat, wt: Tensor, xq: Tensor, ratios, dtype: torch.dtype) -> Tensor:
+    """Per output row and input group, the clipped amax (a ratio of the group's amax, rounded into the
+    model dtype) whose INT4 rounding gives the smallest error on that group's share of the output,
+    ``xq`` being the inputs as the kernel sees them (pre-scaled, FP8-rounded)."""
     g = fmt.group_size
     out_f, in_f = wt.shape
     best = torch.empty(out_f, in_f // g)
@@ -1530,41 +1584,64 @@ def _w4a8_clip(fmt: QuantFormat, wt: Tensor, xq: Tensor, ratios) -> Tensor:
         amax = wg.abs().amax(dim=1).clamp(min=1e-12)
         err_best = torch.full((out_f,), float("inf"))
         for r in ratios:
-            c = (amax * r).unsqueeze(1)
-            s = c / 7.0
-            q = (wg.clamp(-c, c) / s).round().clamp(-8, 7) * s
+            c = _in_dtype(amax * r, dtype)
+            lim = torch.minimum(c, amax).unsqueeze(1)  # what the format's group amax becomes
+            s = lim / 7.0
+            q = (torch.maximum(torch.minimum(wg, lim), -lim) / s).round().clamp(-8, 7) * s
             err = (xg @ (wg - q).T).pow(2).sum(0)
             better = err < err_best
             err_best = torch.where(better, err, err_best)
-            best[:, gi] = torch.where(better, c.squeeze(1), best[:, gi])
+            best[:, gi] = torch.where(better, c, best[:, gi])
     return best
 
 
-def search_w4a8(fmt: QuantFormat, w: Tensor, x: Tensor, *, dtype: torch.dtype, input_amax: Tensor | None = None,
-                alphas: int = W4A8_ALPHAS, clip_ratios=W4A8_CLIP_RATIOS, max_rows: int = W4A8_MAX_ROWS
-                ) -> tuple[dict[str, Tensor], dict]:
-    """AWQ for a W4A8 matrix ``w`` ``[out, in]`` on its inputs ``x`` ``[N, in]``: the pre-quant scale
-    ``s = mean|x|^a / sqrt(max * min)`` over a grid of ``a`` (the inputs are multiplied by ``1/s``,
-    the weight's columns by ``s``), then a clip per output row and group, each candidate measured as
-    the kernel runs it (inputs pre-scaled, then FP8 under the input scale of ``input_amax``: a
-    per-input-channel amax, so the scale follows the pre-quant scale; the inputs' own amax when not
-    given). Returns the packed tensors with the smallest output error (plain rounding when nothing
-    beats it) and ``{"alpha", "clipped", "rtn_error", "error"}``."""
+def _w4a8_weight(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe | None) -> Tensor:
+    """The model-dtype weight W4A8's ``quantize`` takes for ``recipe`` (it divides by the pre-quant scale
+    itself): ``w`` unchanged without a clip, else ``clamp(W / pq, ±clip) * pq``."""
+    if recipe is None or recipe.clip is None:
+        return w.to(dtype)
+    wd = _in_dtype(w, dtype)
+    pq = torch.ones(wd.shape[-1]) if recipe.pq is None else recipe.pq.float()
+    lim = recipe.clip.float().repeat_interleave(fmt.group_size, dim=1)
+    return (torch.maximum(torch.minimum(wd / pq, lim), -lim) * pq).to(dtype)
+
+
+def _w4a8_amax(input_amax, x: Tensor, in_f: int, dtype: torch.dtype) -> Tensor:
+    """The per-input-channel amax the static input scale is made from (float32 [in], as the checkpoint
+    writers pass it to the format): the given one (a scalar stands for every channel), or the inputs'
+    own."""
+    if input_amax is None:
+        return x.abs().amax(dim=0).float()
+    a = torch.as_tensor(input_amax, dtype=torch.float32).detach().cpu().reshape(-1)
+    if a.numel() == 1:
+        a = a.expand(in_f)
+    if a.numel() != in_f:
+        raise InputError(f"search_w4a8: input_amax must hold one value per input channel ({in_f})")
+    return a
+
+
+def _w4a8_search(fmt: QuantFormat, w: Tensor, x: Tensor, *, dtype: torch.dtype, input_amax=None,
+                 pre_quant_scale: Tensor | None = None, search_scale: bool = True, alphas: int = W4A8_ALPHAS,
+                 clip_ratios=W4A8_CLIP_RATIOS, max_rows: int = W4A8_MAX_ROWS
+                 ) -> tuple[Recipe | None, dict[str, Tensor], dict]:
+    """``search_w4a8``'s search; also returns the recipe (None: plain rounding) that ``apply`` turns into
+    the same packed tensors. ``search_scale`` False keeps ``pre_quant_scale`` (None: ones) and searches
+    the clip only."""
     if fmt.activation != "fp8" or not hasattr(fmt, "group_size") or not fmt.needs_input_amax:
         raise InputError(f"{fmt.name}: search_w4a8 needs a W4A8 format (int4 groups, FP8 inputs)")
     if w.dim() != 2 or x.dim() != 2 or x.shape[-1] != w.shape[-1]:
         raise InputError(f"search_w4a8: weight [out, in] and inputs [N, in] expected, got "
                          f"{tuple(w.shape)} and {tuple(x.shape)}")
     x = _sample(x.float(), max_rows) if x.shape[0] > max_rows else x.float()
-    amax = (x.abs().amax(dim=0) if input_amax is None else input_amax.float().reshape(-1)).to(dtype)
-    if amax.numel() != w.shape[-1]:
-        raise InputError(f"search_w4a8: input_amax must hold one value per input channel ({w.shape[-1]})")
-    y_ref = x @ w.float().T
-    packed = fmt.quantize(w, dtype=dtype, input_amax=amax)
+    amax = _w4a8_amax(input_amax, x, w.shape[-1], dtype)
+    y_ref = x @ _in_dtype(w, dtype).T
+    pq0 = None if pre_quant_scale is None else pre_quant_scale.reshape(-1).to(dtype)
+    packed = fmt.quantize(w, dtype=dtype, input_amax=amax, pre_quant_scale=pq0)
     rtn_err = err = w4a8_output_error(fmt, packed, x, y_ref)
     info = {"alpha": 0.0, "clipped": False, "rtn_error": rtn_err}
+    best_pq = pq0
     act = x.abs().mean(dim=0).clamp(min=1e-8)
-    for i in range(1, alphas):
+    for i in range(1, alphas if search_scale else 1):
         s = act.pow(i / alphas)
         s = s / (s.max() * s.min()).sqrt()
         pq = (1.0 / s).to(dtype)
@@ -1573,16 +1650,100 @@ def search_w4a8(fmt: QuantFormat, w: Tensor, x: Tensor, *, dtype: torch.dtype, i
         cand = fmt.quantize(w, dtype=dtype, input_amax=amax, pre_quant_scale=pq)
         e = w4a8_output_error(fmt, cand, x, y_ref)
         if e < err:
-            packed, err, info["alpha"] = cand, e, i / alphas
+            packed, err, best_pq, info["alpha"] = cand, e, pq, i / alphas
+    clip = None
     if clip_ratios:
-        pq = packed["pre_quant_scale"].float()
-        wt = w.to(dtype).float() / pq
-        c = _w4a8_clip(fmt, wt, fmt.quantize_input(x, packed), clip_ratios)
-        lim = c.repeat_interleave(fmt.group_size, dim=1)
-        cand = fmt.quantize((torch.maximum(torch.minimum(wt, lim), -lim) * pq).to(dtype), dtype=dtype,
-                            input_amax=amax, pre_quant_scale=packed["pre_quant_scale"])
-        e = w4a8_output_error(fmt, cand, x, y_ref)
-        if e < err:
-            packed, err, info["clipped"] = cand, e, True
+        pqf = packed["pre_quant_scale"].float()
+        wt = _in_dtype(w, dtype) / pqf
+        c = _w4a8_clip(fmt, wt, fmt.quantize_input(x, packed), clip_ratios, dtype)
+        gmax = wt.reshape(wt.shape[0], -1, fmt.group_size).abs().amax(-1)
+        if bool((c < gmax).any()):
+            cand = apply(fmt, w, dtype, Recipe(best_pq, c), input_amax=amax)
+            e = w4a8_output_error(fmt, cand, x, y_ref)
+            if e < err:
+                packed, err, clip, info["clipped"] = cand, e, c, True
     info["error"] = err
+    recipe = None if best_pq is None and clip is None else Recipe(best_pq, clip)
+    return recipe, packed, info
+
+
+def w4a8_recipe(fmt: QuantFormat, w: Tensor, x: Tensor, *, dtype: torch.dtype, input_amax=None,
+                pre_quant_scale: Tensor | None = None, search_scale: bool = True) -> Recipe | None:
+    """The W4A8 recipe (pre-quant scale and clip) of ``w`` [out, in] searched on its inputs ``x``
+    (``search_w4a8``), None when plain rounding is best; with ``search_scale`` False the given
+    ``pre_quant_scale`` (a layer's shared one) is kept and only the clip is searched."""
+    if x.shape[0] == 0:
+        return None if pre_quant_scale is None else Recipe(pre_quant_scale.reshape(-1).to(dtype))
+    rec, _, _ = _w4a8_search(fmt, w, x, dtype=dtype, input_amax=input_amax, pre_quant_scale=pre_quant_scale,
+                             search_scale=search_scale)
+    return rec
+
+
+def search_w4a8(fmt: QuantFormat, w: Tensor, x: Tensor, *, dtype: torch.dtype, input_amax: Tensor | None = None,
+                alphas: int = W4A8_ALPHAS, clip_ratios=W4A8_CLIP_RATIOS, max_rows: int = W4A8_MAX_ROWS
+                ) -> tuple[dict[str, Tensor], dict]:
+    """AWQ for a W4A8 matrix ``w`` ``[out, in]`` on its inputs ``x`` ``[N, in]``: the pre-quant scale
+    ``pq = sqrt(max * min) / mean|x|^a`` over a grid of ``a`` (the inputs are multiplied by ``pq``, the
+    weight's columns divided by it), then a clip per output row and group of the pre-scaled weight,
+    each candidate measured as the kernel runs it (inputs pre-scaled, then FP8 under the input scale of
+    ``input_amax``: a per-input-channel amax, so the scale follows the pre-quant scale; the inputs' own
+    amax when not given). Returns the packed tensors with the smallest output error (plain rounding
+    when nothing beats it) and ``{"alpha", "clipped", "rtn_error", "error"}``."""
+    _, packed, info = _w4a8_search(fmt, w, x, dtype=dtype, input_amax=input_amax, alphas=alphas,
+                                   clip_ratios=clip_ratios, max_rows=max_rows)
     return packed, info
+
+
+def checkpoint_rounding(calib_dir: str | Path, calib: dict, dtype: torch.dtype) -> CheckpointRounding | None:
+    """The calibration's rounding for a checkpoint written outside a plan (the unified-HF export): its
+    recipes, statistics and per-channel input amax in ``dtype``; None when it measured round-to-nearest
+    or kept no activation statistics (then the export rounds to nearest)."""
+    rounding = calib.get("rounding", "rtn")
+    if rounding not in ROUNDINGS:
+        raise InputError(f"unknown rounding {rounding!r} in the calibration", hint=ROUNDING_HINT)
+    d = Path(calib_dir)
+    act = (d if d.is_dir() else d.parent) / ACT_FILE
+    if rounding == "rtn" or not act.is_file():
+        return None
+    key = (str(act.resolve()), sha256_file(act), act.stat().st_mtime_ns)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = ActivationStats.load(act)
+    _LOADED[key].check_inputs()
+    return CheckpointRounding(_LOADED[key], dtype, key, rounding, calib.get("input_amax"))
+
+
+EXPERT_ROLES = ("gate", "up", "down")  # a routed expert's linears: fc = [up; gate], proj = down
+
+
+def w4a8_expert_tensors(rounding: CheckpointRounding, fmt: QuantFormat, layer: int, expert: int, role: str,
+                        read: Callable[[int, str], Tensor]) -> dict[str, Tensor] | None:
+    """A routed expert linear's W4A8 tensors under the calibration's recipe, in ModelOpt's names
+    (``weight``, ``weight_scale``, ``weight_scale_2``, ``pre_quant_scale``, ``input_scale``); None for a
+    format without the W4A8 search. ``read(e, role)`` gives expert ``e``'s ``role`` weight [out, in].
+
+    gate and up are rounded as trtmoe's ``fc`` = [up; gate], one matrix with one recipe, and split:
+    the two carry the same pre-quant scale (TensorRT-LLM's W4A8 fused MoE runs w1 and w3 on the max of
+    theirs), the same ``weight_scale_2`` (the amax of the pre-scaled pair) and the same input scale."""
+    if not _w4a8(fmt) or role not in EXPERT_ROLES:
+        return None
+    dt = rounding.dtype
+
+    def matrix(e: int, m: str) -> Tensor:
+        if m == "proj":
+            return read(e, "down").to(dt)
+        return torch.cat([read(e, "up").to(dt), read(e, "gate").to(dt)])
+
+    mod = "proj" if role == "down" else "fc"
+    w = matrix(expert, mod)
+    inter = w.shape[-1] if mod == "proj" else w.shape[0] // 2
+    rec = rounding.recipe(fmt, layer, expert, mod, (0, inter), w, lambda e: matrix(e, mod), matrix=matrix)
+    amax = rounding._amax(layer, mod, 0, inter)
+    packed = apply(fmt, w, dt, rec, input_amax=amax)
+    if mod == "proj":
+        return packed
+    half = slice(0, inter) if role == "up" else slice(inter, 2 * inter)
+    out = dict(packed)
+    out["weight"] = packed["weight"][half.start // 2:half.stop // 2]  # rows 2j, 2j+1 share a byte
+    out["weight_scale"] = packed["weight_scale"][half]
+    return out

@@ -198,7 +198,9 @@ class QuantFormat:
     def int4_search(self) -> str | None:
         """Which activation-aware INT4 search (``trtmoe.quant.awq``) applies to this format: "group"
         (group-wise INT4 with a pre-quant scale and a per-(row, group) clip), "channel" (per-channel INT4:
-        a per-row clip only), or None (no INT4 weights, the search changes nothing)."""
+        a per-row clip only), "w4a8" (group-wise INT4 under FP8 inputs: a pre-quant scale and a per-(row,
+        group) clip, measured with the input quantization), or None (no INT4 weights, the search changes
+        nothing)."""
         return None
 
     @property
@@ -1104,6 +1106,9 @@ class W4A8AwqFormat(FusedMoEFormat):
     to E4M3 under ``weight_scale_2`` (the kernel runs it as FP8)."""
 
     group_size: int = GROUP_SIZE
+    # trtmoe.quant.awq searches its pre-quant scale and per-(row, group) clip as the kernel runs it
+    # (inputs pre-scaled, then FP8 under the static input scale that follows the pre-quant scale).
+    int4_search = "w4a8"
 
     def _shared_keys(self) -> frozenset[str]:
         return frozenset({"input_scale", "pre_quant_scale"})

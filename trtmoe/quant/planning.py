@@ -105,9 +105,12 @@ def _with_input_amax(plan: QuantPlan, calib: dict | None) -> QuantPlan:
     if not amax:
         raise InputError(f"{', '.join(needs)} quantize activations with a static input scale made from the calibrated "
                          "input amax of each MoE layer", hint="pass --calib with a calibration made by this trtmoe")
-    # One value per layer and matrix kind: the scale is per tensor (the per-channel maxima calib.json
-    # keeps would only matter to a pre-quant scale, which these plans do not search).
-    per_layer = {l: {m: max(v) for m, v in d.items()} for l, d in amax.items()}
+    # One value per layer and matrix kind (the scale is per tensor), except for a format with a searched
+    # pre-quant scale (W4A8 AWQ): its input scale is the amax of the pre-scaled inputs, made from the
+    # per-channel maxima calib.json keeps.
+    per_channel = any(awq.applies(FORMATS[f]) for f in needs)
+    per_layer = {l: {m: (list(v) if per_channel else max(v)) if isinstance(v, list) else v for m, v in d.items()}
+                 for l, d in amax.items()}
     return replace(plan, meta={**plan.meta, "input_amax": per_layer})
 
 

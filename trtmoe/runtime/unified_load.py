@@ -265,8 +265,10 @@ class QuantLinear:
                 w = t["weight"].to(device, torch.float32)
                 self.parts.append((None, None, dense(w, cpu_matmul)))
                 continue
-            w = fmt.dequantize(t, dtype=torch.float32).to(device)
-            act = {k: v.to(device) for k, v in t.items() if k in ("input_scale",)}
+            # A pre-quant scale multiplies the inputs before their quantization (W4A8 AWQ), as the
+            # format's kernel does; the weight is dequantized without it.
+            w = fmt.dequantize({k: v for k, v in t.items() if k != "pre_quant_scale"}, dtype=torch.float32).to(device)
+            act = {k: v.to(device) for k, v in t.items() if k in ("input_scale", "pre_quant_scale")}
             self.parts.append((fmt, act, dense(w, cpu_matmul)))
         self.formats = [p[0].name if p[0] is not None else "float" for p in self.parts]
 
