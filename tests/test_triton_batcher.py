@@ -18,7 +18,7 @@ import torch
 from trtmoe.checkpoint.writer import convert
 from trtmoe.runtime.engine import EmbeddedEngine, SamplingParams
 from trtmoe.triton.batcher import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, BatcherClosed,
-                                   InflightBatcher, QueueFull)
+                                   BatcherSettings, InflightBatcher, QueueFull)
 from trtmoe.triton.cancel_channel import CancelListener, CancelSender
 from trtmoe.triton.llm_request import EngineLimits, RequestError, parse_requests, word_list
 
@@ -388,6 +388,42 @@ def test_auto_stream_interval_follows_the_batch(engine):
         assert c.tokens == engine.generate(p, _params(9))
         assert [len(e.new_tokens) for e in c.events] == [1, 2, 2, 2, 2]
     assert [len(e.new_tokens) for e in alone.events] == [1, 1, 1, 1, 1]
+
+
+def test_settings_object_schedules_as_its_keywords_do(engine):
+    """Options given as one BatcherSettings act as the same keywords: stream_interval 3 and a batch
+    of two give the same token groups and tokens; settings are checked when built, giving both
+    forms (or an unknown option) is a TypeError, and the shortest cancel poll period never exceeds
+    the longest."""
+    settings = BatcherSettings(max_batch_size=2, stream_interval=3, name="trtmoe-settings-test")
+    runs = []
+    for make in (lambda: InflightBatcher(engine, settings),
+                 lambda: InflightBatcher(engine, max_batch_size=2, stream_interval=3, name="trtmoe-settings-test")):
+        b = make()
+        cols = [Collector() for _ in range(3)]
+        try:
+            assert b.max_batch_size == 2 and b._thread.name == "trtmoe-settings-test"
+            for p, c in zip(PROMPTS, cols):
+                b.submit(p, _params(8), c)
+            for c in cols:
+                assert c.done.wait(60)
+        finally:
+            b.shutdown()
+        runs.append([[len(e.new_tokens) for e in c.events] for c in cols] + [c.tokens for c in cols])
+        assert b.stats()["completed_requests"] == 3 and b.stats()["generated_tokens"] == 3 * 8
+    assert runs[0] == runs[1]
+    assert runs[0][0] == [1, 3, 3, 1] and runs[0][3] == engine.generate(PROMPTS[0], _params(8))
+    with pytest.raises(TypeError, match="not both"):
+        InflightBatcher(engine, settings, stream_interval=2)
+    with pytest.raises(TypeError, match="BatcherSettings"):
+        InflightBatcher(engine, 2)
+    with pytest.raises(TypeError, match="stream_intervall"):
+        InflightBatcher(engine, max_batch_size=2, stream_intervall=2)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        BatcherSettings(max_batch_size=0)
+    with pytest.raises(ValueError, match="responses_per_step"):
+        BatcherSettings(max_batch_size=1, responses_per_step=0)
+    assert BatcherSettings(max_batch_size=1, cancel_check_period_s=0.001).min_cancel_check_period_s == 0.001
 
 
 # ---------------------------------------------------------------- request parsing

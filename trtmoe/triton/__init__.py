@@ -4,7 +4,8 @@
 * ``repository.generate_repository``   - write ensemble / preprocessing / tensorrt_llm / postprocessing /
   tensorrt_llm_bls from those limits, checked with Triton's ModelConfig schema
 * ``serve.serve_repository``           - start a real tritonserver (NGC container or nvidia-pytriton's CPU build)
-* ``batcher.InflightBatcher``          - the embedded engine's continuous batching loop
+* ``batcher.InflightBatcher``          - the embedded engine's continuous batching loop, composed of the
+  pieces in ``inflight/`` (settings, shared state, token delivery, cancels, admission, the decode loop)
 * ``client.generate``                  - gRPC client (stream API for decoupled models)
 * ``metrics``                          - per-expert routing metrics exported by the Python backend
 * ``commands``                         - the ``repo``, ``serve`` and ``generate`` click commands
