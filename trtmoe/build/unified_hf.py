@@ -28,6 +28,7 @@ from ..errors import InputError
 from ..hf.reader import parse_dtype
 from ..quant.calibrate import load_calib
 from ..quant.policies import make_target_plan
+from ..targets import names, target_for
 
 REPO_KIND = "triton-repository"
 
@@ -142,10 +143,11 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
     """Plan (``layer_formats``, or graded from ``calib`` at ``budget_bpw``), consult the support table
     (refusing before any work), take or measure input amax when a format quantizes activations, and
     write the checkpoint."""
-    engine = engine or S.DEFAULT_ENGINE[target]
-    if S.ENGINES.get(engine, (None, None))[1] != target:
-        raise InputError(f"engine release {engine!r} is not a {target} release",
-                         hint="one of " + ", ".join(e for e, (_, t) in S.ENGINES.items() if t == target))
+    t = target_for(target)
+    if not t.unified:
+        raise InputError(f"--target {target} does not write a unified-HF checkpoint",
+                         hint="one of " + ", ".join(names(unified=True)))
+    engine = t.engine(engine)
     calib_amax: dict[str, float] = {}
     if budget_bpw is not None:
         if calib is None:
@@ -160,7 +162,7 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
             calib_amax = calib_input_amax(model, calib)
     with U.SourceModel(model) as src:
         family = src.family
-    verdict = S.check(engine, family, plan.used(), sm)
+    verdict = t.check(engine, family, plan.used(), sm)
     verdict.raise_if_refused(where=str(model))
     amax = None
     needs = [m for m in plan.used() if U.get_format(m).activations]
@@ -179,8 +181,8 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
             raise InputError("calibration ids must be a non-empty JSON list of non-empty token-id lists",
                              where=str(calib_ids))
         amax = U.measure_input_amax(model, ids)
-    res = U.write_unified_checkpoint(model, out, plan, target=target, input_amax=amax, force=force, progress=progress,
-                                     extra_manifest={"support": verdict.to_dict(), "engine": engine, "sm": sm})
+    res = t.write(model, out, plan, input_amax=amax, force=force, progress=progress,
+                  extra_manifest={"support": verdict.to_dict(), "engine": engine, "sm": sm})
     return UnifiedConvert(res, verdict, engine, sm)
 
 
