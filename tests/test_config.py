@@ -210,11 +210,22 @@ def test_every_schema_key_is_an_option_of_its_command(command, sections):
 
 
 def test_convert_target_offers_the_build_backends():
-    from trtmoe.cli import UNIFIED_TARGETS, convert
+    from trtmoe.cli import convert
+    from trtmoe.targets import TARGETS, names
 
     # The build backends, then the unified-HF targets (no build step: the engines load the checkpoint).
     target = next(p for p in convert.params if p.name == "target")
-    assert tuple(target.type.choices) == (*cfgmod.SCHEMA["build"]["backend"].choices, *UNIFIED_TARGETS)
+    assert tuple(target.type.choices) == (*cfgmod.SCHEMA["build"]["backend"].choices, *names(unified=True))
+    assert tuple(target.type.choices) == tuple(TARGETS)
+
+
+def test_config_choices_are_the_registry_targets():
+    """config.py sits below the targets registry (it names them for YAML validation): its lists are the
+    targets with a build step and the targets calibration scores plans for."""
+    from trtmoe.targets import TARGETS, names
+
+    assert cfgmod.SCHEMA["build"]["backend"].choices == tuple(n for n, t in TARGETS.items() if t.build_backend == n)
+    assert cfgmod.SCHEMA["calibrate"]["target"].choices == names(calibrates=True)
 
 
 def test_format_choices_cover_the_format_registry():

@@ -11,10 +11,11 @@ Layers, lowest first (a module's layer is its longest matching pattern):
    ``quant.gptq``, ``quant.calib_schema``
 4. ``checkpoint`` (layout, writer, manifest, support table, verify)
 5. ``runtime`` (the embedded engine)
-6. calibration and policies: ``quant.calibrate``, ``quant.sensitivity``, ``quant.policies``,
+6. ``targets`` (deployment targets: support cells, plan rules, writer and build facts per target)
+7. calibration and policies: ``quant.calibrate``, ``quant.sensitivity``, ``quant.policies``,
    ``quant.planning``
-7. stages: ``build``, ``report``, ``triton``, and the command modules (``*.commands``)
-8. ``cli``
+8. stages: ``build``, ``report``, ``triton``, and the command modules (``*.commands``)
+9. ``cli``
 
 Imports inside functions are allowed in the command layer (``cli`` and ``*.commands``: ``trtmoe
 --help`` must not import torch) and for third-party modules; a library module's imports of trtmoe
@@ -38,6 +39,7 @@ LAYERS = [
      "trtmoe.quant.gptq", "trtmoe.quant.calib_schema"],
     ["trtmoe.checkpoint.*"],
     ["trtmoe.runtime.*"],
+    ["trtmoe.targets.*"],
     ["trtmoe.quant.calibrate", "trtmoe.quant.sensitivity", "trtmoe.quant.policies", "trtmoe.quant.planning",
      "trtmoe.quant.stream"],
     ["trtmoe.build.*", "trtmoe.report.*", "trtmoe.triton.*", "trtmoe.quant.commands"],

@@ -70,8 +70,12 @@ def test_docs_hold_the_generated_table():
     assert S.markdown_table() in doc
 
 
-def test_cli_names_the_targets_the_writer_has():
-    assert cli.UNIFIED_TARGETS == U.TARGETS
+def test_the_registry_has_the_writers_targets():
+    from trtmoe.targets import TARGETS, names
+
+    assert names(unified=True) == U.TARGETS
+    assert all(TARGETS[n].releases == tuple(e for e, (_, t) in S.ENGINES.items() if t == n) for n in U.TARGETS)
+    assert all(TARGETS[n].default_engine == S.DEFAULT_ENGINE[n] for n in U.TARGETS)
 
 
 # ---- numerics (hand-computed) ----------------------------------------------------------------------

@@ -21,8 +21,22 @@ from .console import console, err_console, fmt_bytes, fmt_count, note, progress
 from .errors import LayoutError, NotBuildable, TrtmoeError
 from .quant import QUANTIZED_NAMES
 
-# The unified-HF targets (trtmoe.checkpoint.unified_hf.TARGETS; named here so --help imports no torch).
-UNIFIED_TARGETS = ("trtllm-pytorch", "vllm", "sglang")
+class TargetChoice(click.Choice):
+    """``--target``: the names of trtmoe.targets' registry, read when the option is parsed or its help is
+    shown (importing the registry imports torch, which ``import trtmoe.cli`` must not)."""
+
+    def __init__(self):
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from .targets import names
+
+        return names()
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ assigns it; the registry is the source
+        pass
 
 
 # What an OSError's errno means for the user, where the bare strerror is not enough.
@@ -155,7 +169,7 @@ def moves_options(f):
 @layout_options
 @click.option("--format", "fmt", type=click.Choice(["float", *QUANTIZED_NAMES]), default=None,
               help="Routed-expert format for the bytes per rank [default: float, the weight dtype].")
-@click.option("--target", type=click.Choice(["embedded", "tensorrt-llm", *UNIFIED_TARGETS]), default=None,
+@click.option("--target", type=TargetChoice(), default=None,
               help="tensorrt-llm: also show whether TensorRT-LLM builds this layout and format (support table); "
                    "trtllm-pytorch / vllm / sglang: whether that engine loads the unified-HF export of the routed "
                    "experts in --format on --sm (the unified-HF support table, shown for every engine anyway).")
@@ -223,11 +237,9 @@ def inspect(model, config_path, tp, pp, moe_tp, moe_ep, dtype, fmt, target, sm, 
         raise LayoutError("layout check failed: " + "; ".join(rep["layout"]["problems"]))
     sup = rep.get("support")
     if sup is not None and not sup["ok"]:
-        if target in UNIFIED_TARGETS:
-            raise NotBuildable(f"{sup['engine_label']} does not load this unified-HF export: " + "; ".join(sup["refusals"]),
-                               hint=f"what works there: {sup['what_works']}")
-        raise NotBuildable(f"TensorRT-LLM {sup['release']} does not build this layout and format: "
-                           + "; ".join(sup["refusals"]), hint=f"it builds {sup['what_works']}")
+        from .targets import target_for
+
+        raise target_for(target).refusal(sup)
 
 
 def _render_unified(rep: dict) -> None:
@@ -318,8 +330,7 @@ def _render_support(rep: dict) -> None:
               help="YAML build config (see build_configs/); CLI options override it.")
 @cfgmod.click_options("convert")
 @cfgmod.click_options("quantize")
-@click.option("--target", type=click.Choice([*cfgmod.SCHEMA["build"]["backend"].choices, *UNIFIED_TARGETS]),
-              default=None,
+@click.option("--target", type=TargetChoice(), default=None,
               help="What the checkpoint is for: embedded / tensorrt-llm (TensorRT-LLM 1.2 engine path) write a "
                    "TensorRT-LLM checkpoint; trtllm-pytorch, vllm and sglang write a ModelOpt unified-HF checkpoint "
                    "(trtllm-serve / LLM(), vLLM, SGLang) [default: embedded].")
@@ -357,15 +368,18 @@ def convert(model, out, config_path, target, layer_formats, calib_ids, engine_re
       trtmoe convert ./qwen3-moe -o hf-mix/ --target vllm --layer-format 0=nvfp4 --layer-format 1=fp8 \\
           --calib-ids ids.json --sm 100
     """
-    if target in UNIFIED_TARGETS:
+    from .targets import target_for
+
+    if target is not None and target_for(target).unified:
         if options.get("device") not in (None, "auto"):
             raise click.UsageError(f"--device applies to the embedded and tensorrt-llm targets, not --target {target}")
         q = cfgmod.resolve(config_path, cfgmod.from_cli(options, "convert", "quantize"))["quantize"]
         return _convert_unified(model, out, target, layer_formats, calib_ids, engine_release, int(sm), force, as_json,
                                 q)
     if layer_formats or calib_ids or engine_release:
-        raise click.UsageError("--layer-format, --calib-ids and --engine apply to --target trtllm-pytorch, vllm, sglang")
-    from .checkpoint.writer import convert as do_convert
+        from .targets import names
+
+        raise click.UsageError(f"--layer-format, --calib-ids and --engine apply to --target {', '.join(names(unified=True))}")
     from .checkpoint.writer import search_device
 
     cfg = cfgmod.resolve(config_path, {**cfgmod.from_cli(options, "convert", "quantize"), "build": {"backend": target}})
@@ -376,11 +390,11 @@ def convert(model, out, config_path, target, layer_formats, calib_ids, engine_re
     plan = plan_from_config(model, cfg)
     with progress("convert", units="bytes") as prog:
         task = prog.add_task("converting", total=None)
-        res = do_convert(model, out, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"],
-                         dtype=cv["dtype"], trtllm_version=cv["trtllm_version"], force=force,
-                         resolved_config=cfg, quant=plan, inputs=(calib,) if calib else (),
-                         target=cfg["build"]["backend"], device=cv["device"],
-                         progress=lambda d, t: prog.update(task, completed=d, total=t))
+        res = target_for(cfg["build"]["backend"]).write(
+            model, out, tp=cv["tp"], pp=cv["pp"], moe_tp=cv["moe_tp"], moe_ep=cv["moe_ep"], dtype=cv["dtype"],
+            trtllm_version=cv["trtllm_version"], force=force, resolved_config=cfg, quant=plan,
+            inputs=(calib,) if calib else (), device=cv["device"],
+            progress=lambda d, t: prog.update(task, completed=d, total=t))
     summary = {"output": str(res.out_dir), "mapping": res.mapping.describe(), "dtype": res.dtype,
                "bytes": res.bytes_written, "files": res.files,
                "quantization": res.quantization, "recipes": res.recipes,

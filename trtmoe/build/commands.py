@@ -54,11 +54,16 @@ def build(checkpoint, out, config_path, dry_run, force, allow_fewer_gpus, copy_f
     cfg = cfgmod.resolve(config_path, cfgmod.from_cli(options, "build"))
     b = cfg["build"]
     _check_layout(checkpoint, cfgmod.load_yaml(config_path).get("convert") or {}, config_path)
-    if b["backend"] == "tensorrt-llm":
+    from ..targets import target_for
+
+    step = target_for(b["backend"]).build_backend  # the builder of the target's engine directory
+    if step == "tensorrt-llm":
         _tensorrt_llm(checkpoint, out, b, dry_run=dry_run, force=force, allow_fewer_gpus=allow_fewer_gpus,
                       as_json=as_json)
-    else:
+    elif step == "embedded":
         _embedded(checkpoint, out, b, dry_run=dry_run, force=force, link=not copy_files, as_json=as_json)
+    else:
+        raise ConfigError(f"backend {b['backend']!r} has no build step: its engines load the checkpoint as it is")
 
 
 def _check_layout(checkpoint, convert: dict, config_path) -> None:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from ..console import fmt_bytes
 from ..hf.safetensors_io import SafetensorsFile
 from ..quant.formats import builder_format
+from ..targets import target_for
 from .preflight import CheckpointFacts
 
 # TensorRT-LLM's own default exclusions when a checkpoint's exclude_modules is null.
@@ -123,12 +124,13 @@ def kv_tokens(max_seq_len: int, tokens_per_block: int) -> int:
 
 
 def estimate_memory(facts: CheckpointFacts, build: dict, backend: str) -> MemoryEstimate:
-    """Estimate weight and KV-cache bytes per GPU (``tensorrt-llm``) or for the one embedded process."""
+    """Estimate weight and KV-cache bytes per GPU (a target whose ranks are processes of their own:
+    ``tensorrt-llm``) or for the one process that holds every rank (``embedded``)."""
     kv_el = 1 if facts.kv_cache_quant_algo in ("FP8", "INT8") else facts.dtype_bytes
     mbs, msl = build["max_batch_size"], build["max_seq_len"]
     beams = int(build.get("max_beam_width", 1) or 1)  # every beam of a request keeps a cache of its own
     mp = facts.mapping
-    if backend == "tensorrt-llm":
+    if target_for(backend).per_rank_memory:
         tokens = kv_tokens(msl, build["tokens_per_block"])
         kvh = mp.kv_heads_per_rank(facts.model.num_kv_heads)
         ranks = []
@@ -159,13 +161,13 @@ def estimate_memory(facts: CheckpointFacts, build: dict, backend: str) -> Memory
 
 def render_estimate(est: MemoryEstimate, dtype_name: str) -> list[str]:
     """Human-readable lines; every figure is labelled an estimate and the formula is printed."""
-    who = "per GPU" if est.backend == "tensorrt-llm" else "embedded engine process"
-    lines = [f"ESTIMATE of memory {who} (not measured):"]
+    target = target_for(est.backend)
+    lines = [f"ESTIMATE of memory {target.memory_scope} (not measured):"]
     for r in est.ranks:
         q = f", {len(r.quantized_by_build)} float tensor(s) counted at their weight-only size" \
             if r.quantized_by_build else ""
-        head = f"  rank {r.rank}: " if est.backend == "tensorrt-llm" else "  "
-        src = "rank file" if est.backend == "tensorrt-llm" else "all rank files"
+        head = f"  rank {r.rank}: " if target.per_rank_memory else "  "
+        src = "rank file" if target.per_rank_memory else "all rank files"
         lines.append(f"{head}weights ≈ {fmt_bytes(r.weight_bytes)} ({src} {fmt_bytes(r.file_bytes)}{q}); "
                      f"KV cache ≈ {fmt_bytes(r.kv_bytes)} ({r.layers} layers × {r.kv_heads} KV heads); "
                      f"total ≈ {fmt_bytes(r.total_bytes)}")

@@ -31,6 +31,7 @@ from ..config import INT32_MAX, SCHEMA
 from ..errors import BackendUnavailable, ConfigError, InputError, UnsupportedError
 from ..parallel.mapping import Mapping
 from ..runtime.checkpoint_reader import CheckpointConfig, load_config
+from ..targets import target_for
 
 # The NGC Triton image that carries the pinned TensorRT-LLM (see the Dockerfile for the evidence).
 NGC_IMAGE = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
@@ -147,7 +148,7 @@ def resolve_limits(build: dict, facts: CheckpointFacts, backend: str) -> Limits:
         if not 1 <= b[k] <= INT32_MAX:  # settings built in code skip the schema's check
             problems.append(f"{k} {b[k]} is outside 1..{INT32_MAX} (TensorRT-LLM and Triton hold it as a "
                             "32-bit integer)")
-    mi, ms, mnt, mbs = b["max_input_len"], b["max_seq_len"], b["max_num_tokens"], b["max_batch_size"]
+    mi, ms, mnt = b["max_input_len"], b["max_seq_len"], b["max_num_tokens"]
     if ms > facts.seq_len_limit:
         problems.append(f"max_seq_len {ms} exceeds the model's limit {facts.seq_len_limit} "
                         f"(max_position_embeddings{' × rope factor' if facts.seq_len_limit != facts.model.max_position_embeddings else ''})")
@@ -158,25 +159,11 @@ def resolve_limits(build: dict, facts: CheckpointFacts, backend: str) -> Limits:
     if not 1 <= b.get("max_beam_width", 1) <= widest:
         problems.append(f"max_beam_width {b['max_beam_width']} is outside 1..{widest:g} (the beam widths a "
                         "request may ask for)")
-    chunked = backend == "tensorrt-llm" and b["use_paged_context_fmha"] and b["remove_input_padding"]
-    if mnt < mi and not chunked:
+    target = target_for(backend)
+    if mnt < mi and not target.chunks_prompts(b):
         problems.append(f"max_num_tokens {mnt} < max_input_len {mi} (a whole prompt is processed in one step"
-                        + ("; the embedded engine does not chunk prompts)" if backend == "embedded" else
-                           "; chunked context needs use_paged_context_fmha and remove_input_padding)"))
-    if backend == "tensorrt-llm":
-        if b["use_paged_context_fmha"] and b["kv_cache_type"] != "paged":
-            problems.append(f"use_paged_context_fmha needs kv_cache_type paged, got {b['kv_cache_type']}")
-        if b["use_paged_context_fmha"] and not b["context_fmha"]:
-            problems.append("use_paged_context_fmha needs context_fmha")
-        for plugin in ("gemm_plugin", "gpt_attention_plugin", "moe_plugin"):
-            v = b[plugin]
-            if v not in ("auto", "disable") and v != facts.dtype:
-                problems.append(f"{plugin} {v} differs from the checkpoint dtype {facts.dtype} (use auto)")
-        if mnt > mbs * ms:
-            notes.append(f"max_num_tokens {mnt} > max_batch_size × max_seq_len = {mbs * ms}; trtllm-build "
-                         f"clips it to {mbs * ms}")
-        if mnt > 16384:
-            notes.append(f"max_num_tokens {mnt} > 16384: activation memory grows with it (trtllm-build warns)")
+                        + target.no_chunking_reason())
+    target.check_build(b, facts.dtype, problems, notes)
     if problems:
         raise ConfigError(f"{len(problems)} contradiction(s) in the build settings: " + "; ".join(problems))
     return Limits(b, notes)

@@ -29,6 +29,7 @@ from ..hf.reader import parse_dtype
 from ..quant import awq
 from ..quant.calibrate import load_calib
 from ..quant.policies import make_target_plan
+from ..targets import names, target_for
 
 REPO_KIND = "triton-repository"
 
@@ -143,10 +144,11 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
     """Plan (``layer_formats``, or graded from ``calib`` at ``budget_bpw``), consult the support table
     (refusing before any work), take or measure input amax when a format quantizes activations, and
     write the checkpoint."""
-    engine = engine or S.DEFAULT_ENGINE[target]
-    if S.ENGINES.get(engine, (None, None))[1] != target:
-        raise InputError(f"engine release {engine!r} is not a {target} release",
-                         hint="one of " + ", ".join(e for e, (_, t) in S.ENGINES.items() if t == target))
+    t = target_for(target)
+    if not t.unified:
+        raise InputError(f"--target {target} does not write a unified-HF checkpoint",
+                         hint="one of " + ", ".join(names(unified=True)))
+    engine = t.engine(engine)
     calib_amax: dict[str, float] = {}
     if budget_bpw is not None:
         if calib is None:
@@ -161,7 +163,7 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
             calib_amax = calib_input_amax(model, calib)
     with U.SourceModel(model) as src:
         family = src.family
-    verdict = S.check(engine, family, plan.used(), sm)
+    verdict = t.check(engine, family, plan.used(), sm)
     verdict.raise_if_refused(where=str(model))
     amax = None
     needs = [m for m in plan.used() if U.get_format(m).activations]
@@ -185,10 +187,10 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
         with U.SourceModel(model) as src:
             dtype = _model_dtype(src)
         rounding = awq.checkpoint_rounding(calib, load_calib(calib), dtype)  # the searched W4A8 recipes
-    res = U.write_unified_checkpoint(model, out, plan, target=target, input_amax=amax, force=force, progress=progress,
-                                     extra_manifest={"support": verdict.to_dict(), "engine": engine, "sm": sm,
-                                                     **({"rounding": rounding.rounding} if rounding else {})},
-                                     rounding=rounding)
+    res = t.write(model, out, plan, input_amax=amax, force=force, progress=progress,
+                  extra_manifest={"support": verdict.to_dict(), "engine": engine, "sm": sm,
+                                  **({"rounding": rounding.rounding} if rounding else {})},
+                  rounding=rounding)
     return UnifiedConvert(res, verdict, engine, sm)
 
 

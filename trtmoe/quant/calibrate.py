@@ -52,6 +52,7 @@ from ..hf.reader import model_context, read_json, resolve_model_path
 from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from ..runtime.load import find_tokenizer_dir, load_tokenizer
+from ..targets import TARGETS, names as target_names
 from . import ENGINE_PATH_NAMES, QUANTIZED_NAMES, awq
 from .calib_schema import (CALIB_VERSION, NonFinite, _expert_bpw, build_result,  # noqa: F401 - calib.json's home
                            check_calib, non_finite_path, parse_calib_json)
@@ -254,10 +255,10 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
             # Resumable progress is keyed by everything the measurement depends on.
             key = [CALIB_VERSION, source, data_hash, list(usable), s.min_tokens, s.batch_size, s.rounding, s.probe,
                    str(s.device), s.max_input_tokens] + ([s.max_gram_in] if s.rounding in awq.ERROR_FEEDBACK else []) \
-                + (["stacked"] if s.target == "tensorrt-llm" else [])
+                + (["stacked"] if TARGETS[s.target].stacked_scoring else [])
             result = _fisher(eng, ids, usable, work, acts, key, min_tokens=s.min_tokens, batch_size=s.batch_size,
                              progress=progress, rounding=s.rounding, probe=s.probe, notes=notes, gram=s.gram,
-                             stacked=s.target == "tensorrt-llm", clock=clock)
+                             stacked=TARGETS[s.target].stacked_scoring, clock=clock)
         # One forward of the same engine over the same tokens, timed apart: what the cost is a multiple of.
         forward = engine_forward_seconds(eng, ids, s.batch_size)
         del eng
@@ -477,11 +478,11 @@ def _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, s:
         key = [CALIB_VERSION, "stream", source, data_hash, list(usable), s.min_tokens, s.batch_size, s.rounding,
                s.probe, str(s.device), s.max_input_tokens, str(sm.compute_dtype)] \
             + ([s.max_gram_in] if s.rounding in awq.ERROR_FEEDBACK else []) \
-            + (["stacked"] if s.target == "tensorrt-llm" else [])
+            + (["stacked"] if TARGETS[s.target].stacked_scoring else [])
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
         result = stream_measure(sm, ids, formats=usable, min_tokens=s.min_tokens, batch_size=s.batch_size,
                                 progress=progress, work=work / _PROGRESS, key=digest, probe=s.probe,
-                                rounding=_AwqRounding(acts, s.rounding, stacked=s.target == "tensorrt-llm", **s.gram),
+                                rounding=_AwqRounding(acts, s.rounding, stacked=TARGETS[s.target].stacked_scoring, **s.gram),
                                 notes=notes, clock=clock)
         shutil.rmtree(work / _PROGRESS, ignore_errors=True)
         result["rounding"] = s.rounding
@@ -510,11 +511,13 @@ def _check_options(sensitivity: str, device: str, formats, min_tokens: int, max_
     if not formats:
         raise InputError("no candidate formats given (--formats is empty)",
                          hint="name at least one, e.g. --formats int8,int4_g128, or leave the option out for all")
-    if target not in ("embedded", "tensorrt-llm"):
-        raise InputError(f"unknown target {target!r}", hint="use embedded or tensorrt-llm")
-    if target == "tensorrt-llm" and sensitivity == "exact":
-        raise InputError("--target tensorrt-llm scores the stacked layout with the fisher sensitivity only",
-                         hint="use --sensitivity fisher, or --target embedded")
+    scored = target_names(calibrates=True)
+    if target not in scored:
+        raise InputError(f"unknown target {target!r}", hint=f"use {' or '.join(scored)}")
+    if TARGETS[target].stacked_scoring and sensitivity == "exact":
+        other = next(n for n in scored if not TARGETS[n].stacked_scoring)
+        raise InputError(f"--target {target} scores the stacked layout with the fisher sensitivity only",
+                         hint=f"use --sensitivity fisher, or --target {other}")
     if sensitivity not in SENSITIVITY_METHODS:
         raise InputError(f"unknown sensitivity method {sensitivity!r}", hint="use fisher or exact")
     if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):

@@ -11,11 +11,10 @@ import hashlib
 from dataclasses import replace
 from pathlib import Path
 
-from ..checkpoint.support import ARCH_LABEL
-from ..checkpoint.support import options as support_options
 from ..errors import InputError, UnsupportedError
 from ..hf.reader import HFCheckpoint, parse_dtype
 from ..parallel.mapping import Mapping
+from ..targets import Target, target_for
 from . import awq
 from .awq import attach as attach_rounding
 from .calib_schema import stacked_view
@@ -30,14 +29,14 @@ _BUDGETED = ("graded", "frequency-bytes", "random-bytes")
 
 def plan_from_config(model, cfg: dict):
     """The QuantPlan for a resolved config (CLI > YAML > defaults), or None for a float checkpoint."""
-    q, cv, backend = cfg["quantize"], cfg["convert"], cfg["build"]["backend"]
+    q, cv, target = cfg["quantize"], cfg["convert"], target_for(cfg["build"]["backend"])
     policy = q["policy"]
     if policy == "none" and (q["budget_bpw"] is not None or q["budget_gb"] is not None):
         policy = "graded"
     if policy == "none" and q["placement"] == "identity":
         q["rounding"] = q["rounding"] or "awq"
         return None
-    granularity = _granularity(q["granularity"], policy, backend)
+    granularity = target.plan_granularity(q["granularity"], policy, policy in _BUDGETED)
     with HFCheckpoint(model) as src:
         m = src.model
     dname = cv["dtype"] if cv["dtype"] != "auto" else m.source_dtype
@@ -58,18 +57,17 @@ def plan_from_config(model, cfg: dict):
     if policy == "uniform":
         if not q["format"]:
             raise InputError("policy 'uniform' needs --format int8, int4, int4_g128 or int4_g64")
-        granularity, note = _uniform_codes(q, granularity, backend, named)
+        granularity, note = _uniform_codes(q, granularity, target, named)
         plan = uniform_plan(m, q["format"], granularity)
         if note:
             plan = replace(plan, meta={**plan.meta, "notes": [note]})
     elif policy == "none":
         # Placement only: experts stay stacked float tensors (layer form), which every target loads.
         plan = QuantPlan({}, granularity="layer", meta={"policy": "none"})
-    elif backend == "tensorrt-llm" and policy in _BUDGETED:
+    elif policy in _BUDGETED and (opts := target.support_options(cv["trtllm_version"], m.family)) is not None:
         # Candidates are what the support table lets this architecture build on the target release.
         if budget is None:
             raise InputError(f"policy {policy!r} needs a budget (--budget BPW or --budget-gb)")
-        opts = support_options(cv["trtllm_version"], m.family)
         # Plan on the ΔKL of the weights this layout writes (a layer-shared pre-quant scale), when the
         # calibration measured them with the rounding the checkpoint uses.
         stacked = q["rounding"] == calib.get("rounding") and bool(calib["sensitivity"].get("stacked"))
@@ -77,10 +75,10 @@ def plan_from_config(model, cfg: dict):
             calib = stacked_view(calib)
         plan = make_target_plan(calib, policy, budget_bpw=budget, uniform=opts.uniform, mixed=opts.mixed,
                                 dtype=dtype, formats=formats, seed=q["seed"], I_loc=I_loc,
-                                target=f"{ARCH_LABEL[m.family]} on TensorRT-LLM {opts.line}")
+                                target=target.plan_label(m.family, opts))
         if not stacked and any(awq.shares_prequant(FORMATS[f], q["rounding"]) for f in calib["formats"]):
             note = ("group-wise int4 ΔKL were measured with each expert matrix's own pre-quant scale, while this "
-                    "layout shares one per MoE layer; `trtmoe calibrate --target tensorrt-llm` measures those weights")
+                    f"layout shares one per MoE layer; `trtmoe calibrate --target {target.name}` measures those weights")
             plan = replace(plan, meta={**plan.meta, "notes": [*plan.meta.get("notes", []), note]})
     else:
         plan = make_plan(calib, policy, budget_bpw=budget, granularity=granularity, formats=formats,
@@ -114,36 +112,6 @@ def _with_input_amax(plan: QuantPlan, calib: dict | None) -> QuantPlan:
     return replace(plan, meta={**plan.meta, "input_amax": per_layer})
 
 
-def _granularity(asked: str, policy: str, backend: str) -> str:
-    """The format unit: ``asked``, or for auto the finest one the target runs for the policy; refused
-    where the target cannot run it."""
-    granularity = asked
-    if granularity == "auto":
-        # Uniform plans are layer-uniform anyway: write them in the form TensorRT-LLM also builds. The
-        # budgeted policies get the finest granularity the target runs: fc and proj apart on the
-        # embedded engine, one format per MoE layer on TensorRT-LLM. Frequency tiers are per expert.
-        if backend == "tensorrt-llm" or policy == "uniform":
-            granularity = "layer"
-        else:
-            granularity = "matrix" if policy in _BUDGETED else "expert"
-    if backend != "tensorrt-llm" or policy == "none":
-        return granularity
-    if granularity == "matrix":
-        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer, and its "
-                               "MIXED_PRECISION config requires a MoE layer's fc and proj to share it; "
-                               "per-matrix formats (fc and proj apart) only run on the embedded engine",
-                               hint="use --granularity layer (the default for --target tensorrt-llm), "
-                                    "or --target embedded")
-    if granularity == "expert":
-        raise UnsupportedError("TensorRT-LLM's fused MoE plugin runs one format per MoE layer; per-expert "
-                               "formats only run on the embedded engine",
-                               hint="use --granularity layer (the default for --target tensorrt-llm)")
-    if policy == "frequency":
-        raise UnsupportedError("the frequency-tier policy assigns formats per expert, which TensorRT-LLM "
-                               "cannot run", hint="use --policy frequency-bytes or graded for --target tensorrt-llm")
-    return granularity
-
-
 def _target_candidates(calib: dict, asked: list[str] | None) -> tuple[list[str] | None, str | None]:
     """The candidate formats of a budgeted plan in the layer layout, scored as the engine will run them.
     Per-channel int4 is stored there as float weights the engine builder rounds to nearest (after awq's
@@ -167,7 +135,7 @@ def _target_candidates(calib: dict, asked: list[str] | None) -> tuple[list[str] 
     return keep, f"{', '.join(lost)} left out of the candidates: {why}"
 
 
-def _uniform_codes(q: dict, granularity: str, backend: str, named: bool) -> tuple[str, str | None]:
+def _uniform_codes(q: dict, granularity: str, target: Target, named: bool) -> tuple[str, str | None]:
     """The granularity a uniform plan is written at so that its rounding is the one applied. The layer
     layout stores per-channel int4 as float weights that the engine builder (or the embedded engine at
     load) rounds to nearest, which drops gptq's codes: the embedded target then writes every expert
@@ -179,11 +147,11 @@ def _uniform_codes(q: dict, granularity: str, backend: str, named: bool) -> tupl
         return granularity, None
     r, kept = q["rounding"], awq.kept_in_float(q["rounding"])
     why = (f"per-channel int4 in the layer layout is stored as float weights that the "
-           f"{'engine builder' if backend == 'tensorrt-llm' else 'engine'} rounds to nearest, so {r}'s "
+           f"{target.rounder} rounds to nearest, so {r}'s "
            "error-feedback codes cannot be kept")
-    if backend == "tensorrt-llm":
+    if target.layer_only:
         if named:
-            raise UnsupportedError(f"--rounding {r} with --format int4 on --target tensorrt-llm: {why}",
+            raise UnsupportedError(f"--rounding {r} with --format int4 on --target {target.name}: {why}",
                                    hint=f"use --rounding {kept}, a group-wise format (--format int4_g128), "
                                         "or --target embedded")
         q["rounding"] = kept

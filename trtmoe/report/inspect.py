@@ -19,6 +19,7 @@ from ..model.params import count_params
 from ..parallel.mapping import Mapping
 from ..quant.plan import FLOAT, expert_shape_problem
 from ..quant.policies import expert_cost_bits
+from ..targets import TARGETS
 from .inspect_hf import describe_transformers_moe, layout_problem, outside_registry
 
 EXPERT_ROLES = ("expert_fc", "expert_proj")
@@ -42,25 +43,15 @@ def _describe(model: str):
     return path, m, None
 
 
-UNIFIED_TARGETS = tuple(unified.DEFAULT_ENGINE)  # trtllm-pytorch, vllm, sglang
-
-
 def unified_report(family: str, fmt: str | None, target: str | None, sm: int, engine: str | None = None) -> dict:
     """What the unified-HF support table says about an architecture: per engine release, the formats it
     takes on SM ``sm``; with a unified-HF ``target``, the cell of ``fmt`` (routed experts, uniform) there,
     a refusal naming the cell and what works (``support``, as the TensorRT-LLM engine-path check reports)."""
     out: dict = {"sm": sm, "engines": {e: unified.what_works(e, family, sm) for e in unified.ENGINES}}
-    if target in UNIFIED_TARGETS:
-        engine = engine or unified.DEFAULT_ENGINE[target]
-        f = "bf16" if fmt in (None, FLOAT, "fp16", "bf16", "fp32") else fmt
-        label = unified.ENGINES.get(engine, (engine, None))[0]
-        if f not in unified.FORMATS:
-            v = unified.Verdict(refusals=[f"{label} x {unified.ARCH_LABEL[family]} x {f}: refused: format {f!r} has "
-                                          "no unified-HF (ModelOpt) form"],
-                                works=unified.what_works(engine, family, sm))
-        else:
-            v = unified.check(engine, family, {f}, sm)
-        out["support"] = {"release": engine, "engine_label": label, **v.to_dict(), "what_works": v.works}
+    t = TARGETS.get(target)
+    sup = t.support_report(family=family, fmt=fmt, sm=sm, engine=engine) if t is not None and t.unified else None
+    if sup is not None:
+        out["support"] = sup
     return out
 
 
@@ -68,9 +59,10 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
                   dtype: str = "auto", fmt: str | None = None, target: str | None = None,
                   trtllm_version: str = "1.2", sm: int = 90, engine: str | None = None) -> dict:
     """Parameter accounting and per-rank weight bytes (routed experts in ``fmt`` when given: what the
-    engine holds); with ``target="tensorrt-llm"`` the support-table cell of that layout and format; with a
-    unified-HF target (``trtllm-pytorch``, ``vllm``, ``sglang``) the unified support table's cell on SM
-    ``sm`` (release ``engine``). Every report lists the unified-HF formats each engine takes.
+    engine holds); with a ``target`` (a name of ``trtmoe.targets``) that target's support cell: for
+    ``tensorrt-llm`` the support table's cell of that layout and format, for a unified-HF target
+    (``trtllm-pytorch``, ``vllm``, ``sglang``) the unified support table's cell on SM ``sm`` (release
+    ``engine``). Every report lists the unified-HF formats each engine takes.
     Layout and cell problems are reported, not raised."""
     if outside_registry(resolve_model_path(model, config_only=True)):
         return _inspect_transformers_moe(model, tp, pp, moe_tp, moe_ep, fmt, target, sm, engine)
@@ -144,13 +136,11 @@ def inspect_model(model: str, *, tp: int = 1, pp: int = 1, moe_tp: int | None = 
         # engine builder quantizes them. ``bytes`` is what the engine holds, ``checkpoint_bytes`` the file.
         report["bytes_meaning"] = {"bytes": "engine (routed experts in the format)",
                                    "checkpoint_bytes": "checkpoint rank file (layer layout)"}
-    if target == "tensorrt-llm" and mapping is not None and m.family in support.FAMILIES:
-        fmts = {l: fmt or "float" for l, x in enumerate(m.moe_layers) if x}
-        v = support.check(trtllm_version, m.family, layer_formats=fmts, tp=mapping.tp_size, pp=mapping.pp_size,
-                          moe_tp=mapping.moe_tp_size, moe_ep=mapping.moe_ep_size, moe_layers=list(m.moe_layers),
-                          shared_expert_size=m.shared_expert_intermediate_size)
-        report["support"] = {"release": trtllm_version, **v.to_dict(),
-                             "what_works": support.what_works(trtllm_version, m.family)}
+    t = TARGETS.get(target)
+    if t is not None and not t.unified:
+        sup = t.support_report(model=m, mapping=mapping, fmt=fmt, trtllm_version=trtllm_version)
+        if sup is not None:
+            report["support"] = sup
     if m.family in unified.FAMILIES:
         u = unified_report(m.family, fmt, target, sm, engine)
         report["unified_hf"] = u

@@ -243,16 +243,36 @@ def _contradiction(field_name: str, requested: Any, engine_value: Any, cfg: Path
 
 
 def resolve_settings(info: EngineInfo, settings: RepositorySettings | None = None) -> RepoSettings:
-    """Merge requested settings with the engine's limits; raise InputError naming a contradicting field."""
+    """Merge requested settings with the engine's limits; raise InputError naming a contradicting field.
+    The checks run in this order, so that of several problems the same one is named first."""
     rest = (settings or RepositorySettings()).options()
     for name in ("tokenizer_dir", "layout", "templates"):  # not settings of the models
         rest.pop(name)
-    max_batch_size, max_beam_width, max_input_len, max_seq_len, world_size, streaming = (rest.pop(k) for k in (
-        "max_batch_size", "max_beam_width", "max_input_len", "max_seq_len", "world_size", "streaming"))
-    kv_cache_free_gpu_mem_fraction, device = rest.pop("kv_cache_free_gpu_mem_fraction"), rest.pop("device")
-    cfg = info.path / "config.json"
-    for name, value in dict(max_batch_size=max_batch_size, max_beam_width=max_beam_width,
-                            max_input_len=max_input_len, max_seq_len=max_seq_len, world_size=world_size).items():
+    limits = {k: rest.pop(k) for k in ("max_batch_size", "max_beam_width", "max_input_len", "max_seq_len",
+                                       "world_size")}
+    streaming = rest.pop("streaming")
+    kv_fraction, device = rest.pop("kv_cache_free_gpu_mem_fraction"), rest.pop("device")
+    _check_counts(limits, rest)
+    _check_engine_limits(info, **limits)
+    _check_runtime_options(info, kv_fraction, device, rest)
+    _resolve_decode_cores(info, rest)
+    _check_weights_and_engine_path(info, rest)
+    rest = {k: v for k, v in rest.items() if v is not None}
+    if info.backend == EMBEDDED and not rest.get("torch_num_threads"):
+        rest["torch_num_threads"] = default_torch_threads(
+            sum(rest.get(k, 1) for k in ("preprocessing_instance_count", "postprocessing_instance_count",
+                                         "bls_instance_count")))
+    return RepoSettings(max_batch_size=limits["max_batch_size"] or info.max_batch_size,
+                        max_beam_width=info.max_beam_width,
+                        max_input_len=limits["max_input_len"] or info.max_input_len,
+                        max_seq_len=limits["max_seq_len"] or info.max_seq_len,
+                        streaming=streaming, kv_cache_free_gpu_mem_fraction=kv_fraction,
+                        device=device or "auto", **rest)
+
+
+def _check_counts(limits: dict, rest: dict) -> None:
+    """Limits and instance counts at least 1; delays, queue sizes, thread counts and intervals at least 0."""
+    for name, value in limits.items():
         if value is not None and value < 1:
             raise InputError(f"{name} must be >= 1, got {value}")
     for name in ("preprocessing_instance_count", "postprocessing_instance_count", "bls_instance_count"):
@@ -261,6 +281,12 @@ def resolve_settings(info: EngineInfo, settings: RepositorySettings | None = Non
     for name in ("max_queue_delay_microseconds", "max_queue_size", "torch_num_threads", "stream_interval"):
         if rest.get(name) is not None and rest[name] < 0:
             raise InputError(f"{name} must be >= 0, got {rest[name]}")
+
+
+def _check_engine_limits(info: EngineInfo, *, max_batch_size, max_beam_width, max_input_len, max_seq_len,
+                         world_size) -> None:
+    """The limits asked for against what the engine was built with (its config.json)."""
+    cfg = info.path / "config.json"
     if max_batch_size is not None and max_batch_size > info.max_batch_size:
         raise _contradiction("max_batch_size", max_batch_size, info.max_batch_size, cfg,
                              "the engine cannot batch more than it was built for; rebuild it with a larger "
@@ -281,12 +307,15 @@ def resolve_settings(info: EngineInfo, settings: RepositorySettings | None = Non
         what = ("mapping.world_size (tp_size x pp_size)" if info.backend == TENSORRT_LLM
                 else "the embedded engine's process count (it always runs as one process)")
         raise InputError(f"world_size {world_size} contradicts {what} = {info.launch_world_size}", where=str(cfg))
-    beam = info.max_beam_width
-    if info.backend == EMBEDDED and kv_cache_free_gpu_mem_fraction is not None:
+
+
+def _check_runtime_options(info: EngineInfo, kv_fraction: float | None, device: str | None, rest: dict) -> None:
+    """Options that apply to one kind of engine only, and their ranges."""
+    if info.backend == EMBEDDED and kv_fraction is not None:
         raise InputError("kv_cache_free_gpu_mem_fraction applies to TensorRT engines only; the embedded engine "
                          "allocates each sequence's cache itself")
-    if kv_cache_free_gpu_mem_fraction is not None and not 0.0 < kv_cache_free_gpu_mem_fraction <= 1.0:
-        raise InputError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {kv_cache_free_gpu_mem_fraction}")
+    if kv_fraction is not None and not 0.0 < kv_fraction <= 1.0:
+        raise InputError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {kv_fraction}")
     if info.backend == TENSORRT_LLM and device not in (None, "auto"):
         raise InputError("device applies to the embedded engine only; TensorRT engines are placed by MPI rank")
     if device is not None and not (device in ("auto", "cpu", "cuda") or
@@ -297,6 +326,11 @@ def resolve_settings(info: EngineInfo, settings: RepositorySettings | None = Non
     if info.backend == TENSORRT_LLM and rest.get("stream_interval") not in (None, 1):
         raise InputError("stream_interval applies to the embedded engine only; the TensorRT-LLM backend "
                          "streams every token")
+
+
+def _resolve_decode_cores(info: EngineInfo, rest: dict) -> None:
+    """``rest["decode_cores"]`` parsed and written back in its canonical form; with a core list, one
+    intra-op thread per core unless fewer threads were asked for."""
     cores = parse_cores(rest.get("decode_cores"))
     if cores is not None and info.backend == TENSORRT_LLM:
         raise InputError("decode_cores applies to the embedded engine only; the TensorRT-LLM backend runs its own "
@@ -309,6 +343,10 @@ def resolve_settings(info: EngineInfo, settings: RepositorySettings | None = Non
                              f"core(s) {format_cores(cores)}: the threads would take turns on them",
                              hint="give as many cores as threads, or fewer threads")
     rest["decode_cores"] = None if cores is None else (cores if cores == AUTO_CORES else format_cores(cores))
+
+
+def _check_weights_and_engine_path(info: EngineInfo, rest: dict) -> None:
+    """How the embedded engine holds its weights, and where a TensorRT-LLM repository finds its engine."""
     if rest.get("weights") not in ENGINE_WEIGHTS:
         raise InputError(f"weights must be one of {', '.join(ENGINE_WEIGHTS)}, got {rest.get('weights')!r}")
     if info.backend == TENSORRT_LLM and rest["weights"] != "checkpoint":
@@ -321,15 +359,6 @@ def resolve_settings(info: EngineInfo, settings: RepositorySettings | None = Non
         raise InputError(f"engine_path {engine_path!r} must be an absolute path: the TensorRT-LLM backend opens "
                          "gpt_model_path as given, so a relative one would resolve against tritonserver's working "
                          "directory")
-    rest = {k: v for k, v in rest.items() if v is not None}
-    if info.backend == EMBEDDED and not rest.get("torch_num_threads"):
-        rest["torch_num_threads"] = default_torch_threads(
-            sum(rest.get(k, 1) for k in ("preprocessing_instance_count", "postprocessing_instance_count",
-                                         "bls_instance_count")))
-    return RepoSettings(max_batch_size=max_batch_size or info.max_batch_size, max_beam_width=beam,
-                        max_input_len=max_input_len or info.max_input_len, max_seq_len=max_seq_len or info.max_seq_len,
-                        streaming=streaming, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
-                        device=device or "auto", **rest)
 
 
 def available_cores() -> int:
