@@ -547,3 +547,23 @@ def test_error_from_few_rows_is_the_gram_error_and_picks_the_same_codes(monkeypa
     monkeypatch.setattr(awq.MatrixStats, "gram_rows", lambda self, n: None)
     slow = awq.with_codes(fmt, w, DT, s, base, own_scale=True)
     assert torch.equal(fast.codes, slow.codes) and fast.pq is slow.pq and fast.clip is slow.clip
+
+
+def test_formats_that_try_a_matrix_unscaled_share_its_factorization(monkeypatch):
+    """Per-channel and group-wise int4 error feedback on one matrix both round against the plain Gram
+    matrix (per-channel has no pre-quant scale; the group formats try the matrix without theirs too):
+    one factorization serves them, and the codes are those of a fresh one."""
+    w, x = _matrix(64, 128, 7), _correlated(2048, 128, 8, 2)
+    st = _stats(x)
+    calls = []
+    real = gptq.factor
+    monkeypatch.setattr(gptq, "factor", lambda h, *a, **k: calls.append(h) or real(h, *a, **k))
+    awq._FACTORS.clear()
+    got = {f: awq.recipe_for(FORMATS[f], w, DT, st, rounding="awq_gptq") for f in ("int4", "int4_g128")}
+    assert sum(h is st.gram for h in calls) == 1
+    for f, rec in got.items():
+        awq._FACTORS.clear()
+        again = awq.recipe_for(FORMATS[f], w, DT, st, rounding="awq_gptq")
+        assert (rec is None) == (again is None)
+        if rec is not None and rec.codes is not None:
+            assert torch.equal(rec.codes, again.codes)

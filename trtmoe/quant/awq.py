@@ -992,11 +992,9 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         if choice < 0:
             return kept
         pq, clip = cands[choice]
-        h = (gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())) \
-            if gram is not None else gptq.gram(_scaled_input(stats.rows, pq))
         wt = transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float()
         qs, ds = _format_scales(fmt, wt, dtype)
-        return Recipe(pq, clip, gptq.codes(wt, qs, ds, gptq.factor(h), dtype), base.clip)
+        return Recipe(pq, clip, gptq.codes(wt, qs, ds, _factor(stats, gram, pq), dtype), base.clip)
     y = None if gram is not None else linear(stats.rows.float(), wd)
 
     # Fewer routed tokens than half the inputs: the error from the rows themselves (n·in·out instead
@@ -1017,21 +1015,42 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     wt0 = wd if base.pq is None else _in_dtype(wd / base.pq.float(), dtype)
     best, won = kept, -1
     best_err = err(_fake(fmt, wt0, dtype, base.clip))
-    factors: dict = {}  # candidates with the same pre-quant scale share h, and so its factorization
     for i, (pq, clip) in enumerate(cands):
         if pq is not base.pq:
             h, err = objective(pq)
         wt = transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float()
         qs, ds = _format_scales(fmt, wt, dtype)
-        if id(pq) not in factors:
-            factors[id(pq)] = gptq.factor(h)
-        q = gptq.codes(wt, qs, ds, factors[id(pq)], dtype)
+        q = gptq.codes(wt, qs, ds, _factor(stats, gram, pq, h), dtype)
         e = err((q.to(dtype) * ds).float())
         if e < best_err:
             best, best_err, won = Recipe(pq, clip, q, base.clip), e, i
     if on_choice is not None:
         on_choice(won)
     return best
+
+
+def _factor(stats: MatrixStats, gram: Tensor | None, pq: Tensor | None, h: Tensor | None = None) -> gptq.Factor:
+    """``gptq.factor`` of the Gram matrix of the input the kernel sees (``gram``, or the sampled rows'
+    when None, scaled by ``pq``; ``h`` when already formed). The last few are remembered: candidates
+    with the same pre-quant scale share one, and so do the formats of one matrix that try it without a
+    scale (per-channel and group-wise int4 all do), so the factorization is computed once for them."""
+    src = gram if gram is not None else stats.rows
+    for g0, pq0, f in _FACTORS:
+        if g0 is src and (pq0 is None if pq is None else pq0 is not None and pq0.dtype == pq.dtype
+                          and torch.equal(pq0, pq)):
+            return f
+    if h is None:
+        h = (gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())) \
+            if gram is not None else gptq.gram(_scaled_input(stats.rows, pq))
+    f = gptq.factor(h)
+    _FACTORS.append((src, pq, f))
+    if len(_FACTORS) > _FACTORS_KEPT:
+        _FACTORS.pop(0)
+    return f
+
+
+_FACTORS: list = []  # (Gram matrix or rows, pre-quant scale, Factor), the most recent last
+_FACTORS_KEPT = 4  # a matrix's unscaled factor and a few scaled ones: the formats of one matrix in turn
 
 
 def _rows_err(x: Tensor, wd: Tensor, deq: Tensor, pq: Tensor | None) -> float:
