@@ -201,6 +201,14 @@ class MatrixStats:
             return None
         return self.inputs.layer_inputs.gram_rows(self.inputs, self.source == "layer", max_rows)
 
+    def on(self, device: torch.device, gram: bool = True) -> "MatrixStats":
+        """These statistics on ``device`` for a search there: the sampled rows, the mean |x| and (with
+        ``gram``) the Gram matrix, rebuilt on the host where they are rebuilt and then moved; the rows
+        the Gram matrix is made of stay on the host (the searches then take errors through it)."""
+        g = self.gram_matrix() if gram else None
+        return MatrixStats(self.act_mean.to(device), self.rows.to(device), self.count, self.source,
+                           None if g is None else g.to(device), None)
+
     def with_fc(self, fc: "Tensor | Callable[[], Tensor]") -> "MatrixStats":
         """These statistics with the float ``fc`` weight [2I, H] of their expert (a tensor or a function
         returning it), which a ``proj`` matrix's rows and Gram matrix are rebuilt with; unchanged when
@@ -970,7 +978,7 @@ def _fake(fmt: QuantFormat, wt: Tensor, dtype: torch.dtype, clip: Tensor | None)
 
 def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats, base: Recipe | None,
                own_scale: bool = False, choice: int | None = None,
-               on_choice: Callable[[int], None] | None = None) -> Recipe | None:
+               on_choice: Callable[[int], None] | None = None, batched: bool | None = None) -> Recipe | None:
     """``base`` (pre-quant scale and clip; None: neither) with error-feedback codes (``gptq.codes``),
     when that lowers the output error over every routed token (the statistics' Gram matrix; the sampled
     rows when there is none, and then only with enough of them). With a clip the codes are also tried
@@ -978,7 +986,9 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     without the scale. The candidate with the smallest error is kept, ``base`` itself included, so the
     result is never worse than it on those tokens. ``on_choice(i)`` is told which won (-1: ``base``
     without codes, else the candidate's index); a known ``choice`` (what an earlier, identical call
-    chose) computes only that candidate's codes and no errors."""
+    chose) computes only that candidate's codes and no errors. ``batched`` (default: on CUDA) rounds
+    the candidates that share a factorization as one stack (``gptq.codes_many``: one column loop; the
+    same codes)."""
     gram = stats.gram_matrix()  # stored, or rebuilt from the layer's MoE inputs
     if gram is None and stats.rows.shape[0] < MIN_ROWS_PER_INPUT * w.shape[-1]:
         return base  # too few rows to estimate the Gram matrix: the base recipe as it is
@@ -1015,18 +1025,36 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     wt0 = wd if base.pq is None else _in_dtype(wd / base.pq.float(), dtype)
     best, won = kept, -1
     best_err = err(_fake(fmt, wt0, dtype, base.clip))
+    batched = w.is_cuda if batched is None else batched
+    stacked: dict[int, Tensor] = {}  # candidate -> its codes, rounded with the others sharing its scale
     for i, (pq, clip) in enumerate(cands):
         if pq is not base.pq:
             h, err = objective(pq)
         wt = transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float()
         qs, ds = _format_scales(fmt, wt, dtype)
-        q = gptq.codes(wt, qs, ds, _factor(stats, gram, pq, h), dtype)
+        share = [j for j, c in enumerate(cands) if c[0] is pq]
+        if batched and len(share) > 1 and i not in stacked:
+            stacked.update(zip(share, _codes_stacked(fmt, w, dtype, [cands[j] for j in share],
+                                                     _factor(stats, gram, pq, h))))
+        q = stacked.pop(i) if i in stacked else gptq.codes(wt, qs, ds, _factor(stats, gram, pq, h), dtype)
         e = err((q.to(dtype) * ds).float())
         if e < best_err:
             best, best_err, won = Recipe(pq, clip, q, base.clip), e, i
     if on_choice is not None:
         on_choice(won)
     return best
+
+
+def _codes_stacked(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, cands: list, f: gptq.Factor) -> list[Tensor]:
+    """``gptq.codes`` of ``w`` under each (pq, clip) of ``cands`` (one pre-quant scale: one factor
+    ``f``), as one stack."""
+    wts = [transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float() for pq, clip in cands]
+    scales = [_format_scales(fmt, wt, dtype) for wt in wts]
+    B = len(wts)
+    fs = gptq.Factor(f.perm.expand(B, -1), f.inv.expand(B, -1), f.hinv.expand(B, -1, -1))
+    q = gptq.codes_many(torch.stack(wts), torch.stack([s[0] for s in scales]), torch.stack([s[1] for s in scales]),
+                        fs, dtype)
+    return list(q.unbind(0))
 
 
 def _factor(stats: MatrixStats, gram: Tensor | None, pq: Tensor | None, h: Tensor | None = None) -> gptq.Factor:
@@ -1309,10 +1337,18 @@ class CheckpointRounding:
     ``shared=True`` (TensorRT-LLM's stacked layout): one pre-quant scale per MoE layer and matrix
     kind, searched on every expert of the layer; otherwise one per expert matrix. Pre-quant scales are
     searched on whole matrices (moe_tp-independent; a ``proj`` shard gets its slice, ``fc`` shards the
-    whole scale, as TensorRT-LLM shards the tensor), clips on the shard each rank stores."""
+    whole scale, as TensorRT-LLM shards the tensor), clips on the shard each rank stores.
 
-    def __init__(self, stats: ActivationStats, dtype: torch.dtype, key: tuple = (), rounding: str = "awq"):
+    ``device``: where the searches compute (``convert --device``): each matrix, its statistics and its
+    layer's weights for a shared scale go there for the search, and what is kept (transforms, codes,
+    the recipe store's entries) comes back to the host. On a CUDA device the candidates that share a
+    factorization are rounded as one stack. ``cpu`` itself computes in place, exactly as without a
+    device (any other device, an indexed CPU one included, takes the moving path)."""
+
+    def __init__(self, stats: ActivationStats, dtype: torch.dtype, key: tuple = (), rounding: str = "awq",
+                 device: torch.device | str = "cpu"):
         self.stats, self.dtype, self.key, self.rounding = stats, dtype, key, rounding
+        self.device = torch.device(device)
         self._pq: dict = {}
         self._recipes: dict = {}
         self._layer = None
@@ -1367,30 +1403,37 @@ class CheckpointRounding:
         st = self._stats(layer, expert, mod, matrix)
         if mod == "proj":
             st = st.columns(t * I_loc, (t + 1) * I_loc)
+        dev, host = self.device, self.device == torch.device("cpu")
+        if not host:
+            st, w_host, w = st.on(dev), w, w.to(dev)
         wd = _in_dtype(w, self.dtype)
 
         def search() -> Recipe | None:
             if not _grouped(fmt):
                 clip = _clip_channel(wd, st.rows, self.dtype)
-                return None if clip is None else Recipe(None, clip)
+                return None if clip is None else _moved(Recipe(None, clip), "cpu")
             pq = self._prequant(fmt, layer, mod, full, experts if shared else [expert], shared)
             if pq is not None and mod == "proj":
                 pq = pq[t * I_loc:(t + 1) * I_loc]
+            pq = pq if pq is None or host else pq.to(dev)
             wt = wd if pq is None else _in_dtype(wd / pq.float(), self.dtype)
             clip = _clip_group(wt, wd, st.rows, pq, fmt.group_size, self.dtype)
-            return None if pq is None and clip is None else Recipe(pq, clip)
+            return None if pq is None and clip is None else _moved(Recipe(pq, clip), "cpu")
 
         rid = recipe_id(fmt.name, expert, mod, shard, shared, self.dtype)
         store = self.stats.recipes
         if self.rounding == "gptq":  # error feedback on round-to-nearest's scales: nothing searched
-            rec = with_codes(fmt, w, self.dtype, st, None, own_scale=not shared)
+            rec = _moved(with_codes(fmt, w, self.dtype, st, None, own_scale=not shared), "cpu")
         else:
             searched = []
+            fp_in = (lambda dt: weight_fingerprint(w, dt)) if host else (lambda dt: weight_fingerprint(w_host, dt))
             rec, choice = _stored_or_searched(store, layer, rid, fp, lambda: searched.append(1) or search(),
-                                              tuple(w.shape), lambda dt: weight_fingerprint(w, dt))
+                                              tuple(w.shape), fp_in)
             if self.rounding in ERROR_FEEDBACK:
                 searched += [1] if choice is None else []
-                rec = _codes_for(fmt, w, self.dtype, st, rec, not shared, store, layer, rid, choice)
+                rec = _codes_for(fmt, w, self.dtype, st, rec if host else _moved(rec, dev), not shared, store,
+                                 layer, rid, choice)
+                rec = rec if host else _moved(rec, "cpu")
             self.counts["searched" if searched else "stored"] += 1
         self._recipes[key] = rec
         if len(_RECIPES) >= _MAX_REMEMBERED:
@@ -1406,7 +1449,14 @@ class CheckpointRounding:
         pkey = (fmt.name, mod, "layer" if shared else who[0])
         if pkey not in self._pq:
             ws = [full(e) for e in who]
-            search = lambda: search_prequant(fmt, ws, [self._stats(layer, e, mod) for e in who], self.dtype)  # noqa: E731
+            if self.device == torch.device("cpu"):
+                search = lambda: search_prequant(fmt, ws, [self._stats(layer, e, mod) for e in who], self.dtype)  # noqa: E731
+            else:  # on the device, the scale kept on the host
+                def search():
+                    pq = search_prequant(fmt, [w.to(self.device) for w in ws],
+                                         [self._stats(layer, e, mod).on(self.device, gram=False) for e in who],
+                                         self.dtype)
+                    return None if pq is None else pq.cpu()
             if shared:  # stored under the fingerprints of every expert's matrix, in order
                 fp = _fingerprint_of([weight_fingerprint(w, self.dtype) for w in ws])
                 rec, _ = _stored_or_searched(self.stats.recipes, layer, prequant_id(fmt.name, mod, self.dtype), fp,
@@ -1440,6 +1490,13 @@ _RECIPES: dict = {}
 _MAX_REMEMBERED = 8192
 
 
+def _moved(rec: Recipe | None, device: torch.device | str) -> Recipe | None:
+    """``rec`` with its tensors on ``device``."""
+    if rec is None:
+        return None
+    return Recipe(*(None if t is None else t.to(device) for t in (rec.pq, rec.clip, rec.codes, rec.base_clip)))
+
+
 def _fingerprint(w: Tensor) -> str:
     import hashlib
 
@@ -1453,9 +1510,10 @@ def _fingerprint_of(parts: list[str]) -> str:
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
 
-def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
+def rounding_for_plan(plan, dtype: torch.dtype, device: torch.device | str = "cpu") -> CheckpointRounding | None:
     """The checkpoint rounding a plan asks for (``plan.meta["rounding"]`` other than "rtn", with
-    ``plan.meta["activations"]["path"]``), or None for round-to-nearest."""
+    ``plan.meta["activations"]["path"]``), or None for round-to-nearest; its searches run on
+    ``device``."""
     meta = getattr(plan, "meta", None) or {}
     rounding = meta.get("rounding", "rtn")
     if rounding == "rtn":
@@ -1476,7 +1534,7 @@ def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
         _LOADED.clear()
         _LOADED[key] = ActivationStats.load(p)
     _LOADED[key].check_inputs()
-    return CheckpointRounding(_LOADED[key], dtype, key, rounding)
+    return CheckpointRounding(_LOADED[key], dtype, key, rounding, device)
 
 
 def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None, *,

@@ -48,7 +48,7 @@ def gram_chunked(x: Tensor, rows: int, transform=None) -> Tensor:
     for part in x.split(rows):
         xd = f(part).double()
         if acc is None:
-            acc = torch.zeros(xd.shape[-1], xd.shape[-1], dtype=torch.float64)
+            acc = torch.zeros(xd.shape[-1], xd.shape[-1], dtype=torch.float64, device=xd.device)
         acc.addmm_(xd.t(), xd)
     return acc.float()
 
@@ -73,7 +73,7 @@ def factor(h: Tensor, damp: float = DAMP) -> Factor:
     inv = torch.argsort(perm)
     h = h[perm][:, perm]
     lam = damp * float(torch.diagonal(h).mean())
-    idx = torch.arange(h.shape[0])
+    idx = torch.arange(h.shape[0], device=h.device)
     h[idx, idx] += lam
     return Factor(perm, inv, _upper_inverse_factor(h))
 
@@ -197,7 +197,7 @@ def _upper_inverse_factor(h: Tensor) -> Tensor:
     mean = float(torch.diagonal(hd).mean())
     for _ in range(6):
         try:
-            hh = hd if extra == 0.0 else hd + extra * mean * torch.eye(hd.shape[0], dtype=hd.dtype)
+            hh = hd if extra == 0.0 else hd + extra * mean * torch.eye(hd.shape[0], dtype=hd.dtype, device=hd.device)
             lo = torch.linalg.cholesky(hh)
             hinv = torch.cholesky_inverse(lo)
             return torch.linalg.cholesky(hinv, upper=True).float()
