@@ -223,7 +223,10 @@ class InputRef:
     """Where one expert matrix's sampled rows (at most ``max_rows``) and, with ``gram_rebuilt``, its
     Gram matrix are rebuilt from: its layer's stored MoE inputs, the expert, the matrix kind, the input
     channels [a, b) (None: all) and, for ``proj``, the float ``fc`` weight (a tensor, a function
-    returning it, or None until the checkpoint supplies it)."""
+    returning it, or None until the checkpoint supplies it). Experts whose gating is not silu(gate)·up
+    without bias (``own_gating``: a transformers experts module's own, e.g. gpt-oss's clamped swiglu with
+    biases) rebuild ``proj``'s inputs with the experts' ``act`` (on [up; gate] pre-activations, bias
+    included) and ``bias`` (the expert's fc bias); without ``act`` they cannot be rebuilt."""
 
     layer_inputs: "LayerInputs"
     expert: int
@@ -232,6 +235,9 @@ class InputRef:
     fc: "Tensor | Callable[[], Tensor] | None" = None
     max_rows: int = MAX_ROWS
     gram_rebuilt: bool = True
+    act: "Callable[[Tensor], Tensor] | None" = None
+    bias: Tensor | None = None
+    own_gating: bool = False
 
     def columns(self, a: int, b: int) -> "InputRef":
         off = 0 if self.cols is None else self.cols[0]
@@ -244,10 +250,16 @@ class InputRef:
         return self.layer_inputs.sampled_rows(self, all_rows)
 
 
-def expert_inputs(fc_e: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+def expert_inputs(fc_e: Tensor, x: Tensor, act: "Callable[[Tensor], Tensor] | None" = None,
+                  bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The inputs of an expert's two matrices for rows ``x``: ``fc``'s (``x``) and ``proj``'s
-    (``silu(gate x) * up x``, ``fc_e`` = [up; gate] [2I, H])."""
+    (``silu(gate x) * up x``, ``fc_e`` = [up; gate] [2I, H]; with ``act``, ``act(fc_e x + bias)``: the
+    experts' own gating on the [up; gate] pre-activations)."""
     h = x @ fc_e.t()
+    if bias is not None:
+        h = h + bias.to(device=h.device, dtype=h.dtype)
+    if act is not None:
+        return x, act(h)
     up, gate = h.chunk(2, dim=-1)
     return x, F.silu(gate) * up
 
@@ -323,19 +335,23 @@ class LayerInputs:
         self._checked = True
         return x, routed
 
-    def _matrix_inputs(self, ref: InputRef, all_rows: bool) -> tuple[Tensor, Tensor | None]:
-        """The rows routed to ``ref``'s expert (every row with ``all_rows``) and, for ``proj``, the
-        expert's ``fc`` in the rows' dtype (what turns them into proj's inputs)."""
+    def _matrix_inputs(self, ref: InputRef, all_rows: bool) -> tuple[Tensor, "Callable[[Tensor], Tensor] | None"]:
+        """The rows routed to ``ref``'s expert (every row with ``all_rows``) and, for ``proj``, what
+        turns them into proj's inputs (the expert's ``fc`` in the rows' dtype, and its gating)."""
         x_all, routed = self._tensors()
         x = x_all if all_rows else x_all[routed.eq(ref.expert).any(-1)]
-        fc = None
-        if ref.mod == "proj":
-            fc = ref.fc() if callable(ref.fc) else ref.fc
-            if fc is None:
-                raise InputError(f"layer {self.layer} expert {ref.expert} proj: its inputs are rebuilt "
-                                 "from the fc weight, which was not given")
-            fc = fc.to(device=x.device, dtype=x.dtype)
-        return x, fc
+        if ref.mod != "proj":
+            return x, None
+        fc = ref.fc() if callable(ref.fc) else ref.fc
+        if fc is None:
+            raise InputError(f"layer {self.layer} expert {ref.expert} proj: its inputs are rebuilt "
+                             "from the fc weight, which was not given")
+        if ref.own_gating and ref.act is None:
+            raise InputError(f"layer {self.layer} expert {ref.expert} proj: its inputs are rebuilt with the "
+                             "experts' own gating (not silu(gate)·up), which only the calibration has",
+                             hint="use --rounding rtn for this model")
+        fc = fc.to(device=x.device, dtype=x.dtype)
+        return x, lambda part: expert_inputs(fc, part, ref.act, ref.bias)[1]
 
     def sampled_rows(self, ref: InputRef, all_rows: bool) -> Tensor:
         """At most ``ref.max_rows`` input rows of ``ref``'s matrix, evenly spaced over its routed rows
@@ -344,10 +360,10 @@ class LayerInputs:
         with _LOCK:
             if key in _GRAM:
                 return _GRAM[key]
-        x, fc = self._matrix_inputs(ref, all_rows)
+        x, to_proj = self._matrix_inputs(ref, all_rows)
         x = _sample(x, ref.max_rows)
-        if fc is not None:
-            x = expert_inputs(fc, x)[1]
+        if to_proj is not None:
+            x = to_proj(x)
         if ref.cols is not None:
             x = x[:, ref.cols[0]:ref.cols[1]].contiguous()
         _remember(key, x)
@@ -364,8 +380,8 @@ class LayerInputs:
         with _LOCK:
             if key in _GRAM:
                 return _GRAM[key]
-        x, fc = self._matrix_inputs(ref, all_rows)
-        y = x if fc is None else expert_inputs(fc, x)[1]
+        x, to_proj = self._matrix_inputs(ref, all_rows)
+        y = x if to_proj is None else to_proj(x)
         y = y if ref.cols is None else y[:, ref.cols[0]:ref.cols[1]].contiguous()
         _remember(key, y)
         return y
@@ -377,10 +393,10 @@ class LayerInputs:
         with _LOCK:
             if key in _GRAM:
                 return _GRAM[key]
-        x, fc = self._matrix_inputs(ref, all_rows)
+        x, to_proj = self._matrix_inputs(ref, all_rows)
 
         def rows(part: Tensor) -> Tensor:  # the matrix's inputs for some of the rows
-            y = part if fc is None else expert_inputs(fc, part)[1]
+            y = part if to_proj is None else to_proj(part)
             return y if ref.cols is None else y[:, ref.cols[0]:ref.cols[1]]
 
         # A chunk of rows at a time: proj's inputs (I wide) are never formed for all rows at once.
@@ -424,7 +440,9 @@ def _sample(x: Tensor, n: int) -> Tensor:
 
 def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, max_rows: int = MAX_ROWS,
                   min_routed: int = MIN_ROUTED, gram: bool = False, max_gram_in: int = MAX_GRAM_IN,
-                  max_input_tokens: int = MAX_INPUT_TOKENS, layer: int = -1) -> dict[tuple[int, str], MatrixStats]:
+                  max_input_tokens: int = MAX_INPUT_TOKENS, layer: int = -1,
+                  fc_bias: Tensor | None = None, activation: "Callable[[Tensor], Tensor] | None" = None
+                  ) -> dict[tuple[int, str], MatrixStats]:
     """Statistics of every expert matrix of one MoE layer. ``fc`` [E, 2I, H] ([up; gate]) and ``proj``
     [E, H, I] are the float expert weights, ``x_all`` [tokens, H] the layer's inputs, ``routed``
     [tokens, k] the experts each token was routed to. Returns ``{(expert, "fc" | "proj"): stats}``.
@@ -433,7 +451,12 @@ def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, ma
     rows are rebuilt when used from the layer's MoE inputs (``LayerInputs`` of at most
     ``max_input_tokens`` tokens, shared by the layer's matrices). ``gram`` also gives each matrix its
     input Gram matrix (error-feedback roundings): stored (over every routed token) for matrices with
-    at most ``max_gram_in`` inputs, rebuilt from those inputs when used for larger ones."""
+    at most ``max_gram_in`` inputs, rebuilt from those inputs when used for larger ones.
+
+    ``fc_bias`` [E, 2I] (same row order as ``fc``) and ``activation`` (the experts' own gating on the
+    [up; gate] pre-activations, bias included) describe experts that are not silu(gate)·up without bias
+    (a transformers experts module's; ``InputRef.own_gating``): proj's inputs are then theirs."""
+    own = fc_bias is not None or activation is not None
     out = {}
     n = x_all.shape[0]
     routed = routed.reshape(n, -1)
@@ -443,10 +466,13 @@ def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, ma
         mask = routed.eq(e).any(-1)
         count = int(mask.sum())
         x, source = (x_all[mask], "routed") if count >= min_routed else (x_all, "layer")
-        x, a = expert_inputs(fc[e], x)
+        bias = None if fc_bias is None else fc_bias[e]
+        x, a = expert_inputs(fc[e], x, activation, bias)
         for m, rows in (("fc", x), ("proj", a)):
-            ref = InputRef(inputs, e, m, fc=fc[e] if m == "proj" else None, max_rows=max_rows,
-                           gram_rebuilt=gram and not store[m])
+            proj = m == "proj"
+            ref = InputRef(inputs, e, m, fc=fc[e] if proj else None, max_rows=max_rows,
+                           gram_rebuilt=gram and not store[m], act=activation if proj else None,
+                           bias=bias if proj else None, own_gating=own and proj)
             g = gptq.gram(rows) if store[m] else None
             out[(e, m)] = MatrixStats(rows.double().abs().mean(0).float(), None, count, source, g, ref)
     return out
@@ -467,6 +493,8 @@ def layer_state(stats: dict[tuple[int, str], MatrixStats]) -> dict:
             ref = {"layer_inputs": next(i for i, x in enumerate(shared) if x is li),
                    "cols": None if s.inputs.cols is None else list(s.inputs.cols),
                    "max_rows": s.inputs.max_rows, "gram_rebuilt": bool(s.inputs.gram_rebuilt)}
+            if s.inputs.own_gating:
+                ref["own_gating"] = True
         out.append({"expert": int(e), "mod": m, "act_mean": s.act_mean, "rows": s.stored_rows, "count": int(s.count),
                     "source": s.source, "gram": s.gram, "inputs": ref})
     return {"layer_inputs": [dict(zip(("x", "routed"), li._tensors()), layer=li.layer, tokens=li.tokens)
@@ -489,7 +517,8 @@ def layer_from_state(state: dict) -> dict[tuple[int, str], MatrixStats]:
             if ref is not None:
                 cols = None if ref["cols"] is None else (int(ref["cols"][0]), int(ref["cols"][1]))
                 ref = InputRef(lis[int(ref["layer_inputs"])], int(d["expert"]), d["mod"], cols,
-                               max_rows=int(ref["max_rows"]), gram_rebuilt=bool(ref["gram_rebuilt"]))
+                               max_rows=int(ref["max_rows"]), gram_rebuilt=bool(ref["gram_rebuilt"]),
+                               own_gating=bool(ref.get("own_gating", False)))
             for t in (d["act_mean"], d["rows"], d["gram"]):
                 if t is not None and not isinstance(t, Tensor):
                     raise ValueError("a statistic that is not a tensor")
@@ -594,6 +623,8 @@ class ActivationStats:
                 items.append((p + "gram", s.gram.contiguous()))
             elif s.inputs is not None and s.inputs.gram_rebuilt:  # X^T X rebuilt from the layer's inputs
                 items.append((p + "gram_from_inputs", torch.tensor([1], dtype=torch.int64)))
+            if s.inputs is not None and s.inputs.own_gating:  # rebuilt only with the experts' own gating
+                items.append((p + "own_gating", torch.tensor([1], dtype=torch.int64)))
         meta = {"format": "trtmoe-activations", "rows": str(self.max_rows)}
         if layers:
             meta["moe_inputs"] = json.dumps(layers, sort_keys=True)
@@ -618,7 +649,8 @@ class ActivationStats:
                     if int(l) not in inputs:
                         raise KeyError(f"moe_inputs of layer {l}")
                     n_rows = int(f.read(p + "rows_from_inputs")[0]) if p + "rows_from_inputs" in f.tensors else rows
-                    ref = InputRef(inputs[int(l)], int(e), m, max_rows=n_rows, gram_rebuilt=rebuilt)
+                    ref = InputRef(inputs[int(l)], int(e), m, max_rows=n_rows, gram_rebuilt=rebuilt,
+                                   own_gating=p + "own_gating" in f.tensors)
                 stored = p + "rows" in f.tensors
                 if not stored and (ref is None or p + "rows_from_inputs" not in f.tensors):
                     raise KeyError(f"{p}rows or {p}rows_from_inputs")  # refused now, not when the layer is read

@@ -700,11 +700,6 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
     c = sm.cfg
     L, E, k = c.num_layers, c.num_experts, c.top_k
     moe_layers = [l for l in range(L) if c.moe_layers[l]]
-    for l in moe_layers:
-        if not sm.seam[l][1].standard and getattr(rounding, "name", "rtn") != "rtn":
-            raise InputError(f"{type(sm.seam[l][0][0]).__name__}: experts whose gating is not silu(gate)·up without "
-                             f"biases are scored with --rounding rtn only (the activation-aware searches model "
-                             f"silu-gated experts)", hint="use --rounding rtn")
     clock = clock if clock is not None else PhaseClock()  # nobody reads it: no device synchronisation
     rounding = clock.timed(rounding)
     state = Progress(Path(work), f"{key}|stream|estimate {estimate_tokens}/{ESTIMATE_SHARE}")
@@ -883,7 +878,7 @@ def _release_weights(rounding, layer: int) -> None:
     for (l, _, _), st in stats.items():
         ref = getattr(st, "inputs", None)
         if l == layer and ref is not None and ref.fc is not None:
-            ref.fc = None
+            ref.fc = ref.act = None
     stacked = getattr(rounding, "_stacked", None)
     if stacked is not None and hasattr(stacked, "_evict"):
         stacked._evict(-1)
