@@ -870,18 +870,19 @@ def _in_dtype(w: Tensor, dtype: torch.dtype) -> Tensor:
     return w.to(dtype).to(torch.float32)
 
 
-def _fake_group(wd: Tensor, g: int, dtype: torch.dtype, clip: Tensor | None = None) -> Tensor:
+def _fake_group(wd: Tensor, g: int, dtype: torch.dtype, clip: Tensor | None = None,
+                amax: Tensor | None = None) -> Tensor:
     """What GroupInt4Format stores for ``wd`` (float32 holding model-dtype values) clamped to ±clip
     per (row, group), dequantized the way its ``linear`` does. (The searches call this for every
-    candidate: it works in place on one weight-sized buffer, the same operations element by element.)"""
+    candidate: it works in place on one weight-sized buffer, the same operations element by element;
+    ``amax``: the |wd| maximum per (row, group), when the caller has it.)"""
     out_f, in_f = wd.shape
     wg = wd.reshape(out_f, in_f // g, g)
-    amax = wg.abs().amax(-1)
+    amax = wg.abs().amax(-1) if amax is None else amax
     if clip is not None:
         amax = torch.minimum(amax, clip)
         lim = amax.unsqueeze(-1)
-        q = torch.minimum(wg, lim)
-        q = torch.maximum(q, -lim, out=q)
+        q = torch.clamp(wg, -lim, lim)  # lim >= 0: max(min(w, lim), -lim)
     scale = amax / 7.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.div(wg, scale.unsqueeze(-1)) if clip is None else q.div_(scale.unsqueeze(-1))
@@ -1193,7 +1194,7 @@ def _clip_group(wt: Tensor, wd: Tensor, x: Tensor, pq: Tensor | None, g: int, dt
     best_err = best_clip = None
     for r in CLIP_GRID:
         clip = _in_dtype(amax * r, dtype)
-        d = (wt - _fake_group(wt, g, dtype, clip)).reshape(out_f, G, g)
+        d = (wt - _fake_group(wt, g, dtype, clip, amax)).reshape(out_f, G, g)
         if few:
             e = torch.bmm(xg, d.permute(1, 2, 0)).pow_(2).sum(1).t()  # [G, n, out] -> [out, G]
         else:

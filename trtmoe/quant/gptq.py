@@ -146,22 +146,24 @@ def codes_many(w: Tensor, q_scale: Tensor, deq_scale: Tensor, f: Factor, dtype: 
 
     wt = permuted(w.float())
     q_scale, deq_scale = permuted(q_scale.float()), permuted(deq_scale.to(dtype))
-    q = torch.zeros(B, in_f, out_f, dtype=torch.int8, device=w.device)
+    qf = torch.empty(B, in_f, out_f, device=w.device)  # codes as float32 integers, as in ``codes``
+    upd = torch.empty(B, block, out_f, device=w.device)
     for a in range(0, in_f, block):
         b = min(a + block, in_f)
         w1 = wt[:, a:b].clone()
-        err1 = torch.zeros_like(w1)
+        err1 = torch.empty_like(w1)
         hb = hinv[:, a:b, a:b]
         for i in range(b - a):
             col = w1[:, i]
-            c = (col / q_scale[:, a + i]).round().clamp(-8, 7)
+            c = torch.div(col, q_scale[:, a + i], out=qf[:, a + i]).round_().clamp_(-8, 7)
             deq = (c.to(dtype) * deq_scale[:, a + i]).float()
-            q[:, a + i] = c.to(torch.int8)
-            e = (col - deq) / hb[:, i, i].unsqueeze(-1)
-            w1[:, i:] -= hb[:, i, i:].unsqueeze(-1) * e.unsqueeze(1)
-            err1[:, i] = e
+            e = torch.sub(col, deq, out=err1[:, i]).div_(hb[:, i, i].unsqueeze(-1))
+            if i + 1 < b - a:
+                u = torch.mul(hb[:, i, i + 1:].unsqueeze(-1), e.unsqueeze(1), out=upd[:, :b - a - i - 1])
+                w1[:, i + 1:].sub_(u)
         if b < in_f:
             wt[:, b:] -= torch.bmm(hinv[:, a:b, b:].transpose(1, 2), err1)
+    q = qf.to(torch.int8)
     return torch.gather(q.transpose(1, 2), 2, inv.unsqueeze(1).expand(B, out_f, in_f)).contiguous()
 
 
