@@ -103,14 +103,15 @@ def codes(w: Tensor, q_scale: Tensor, deq_scale: Tensor, h: Tensor | Factor, dty
         w1 = wt[a:b].clone()
         err1 = torch.empty_like(w1)
         hb = hinv[a:b, a:b]
+        hcol = hb.unsqueeze(2)  # hcol[i, j:] = hb[i, j:] as a column
+        diag = torch.diagonal(hb).tolist()  # float32 values: dividing by them is dividing by hb[i, i]
         for i in range(b - a):
             col = w1[i]
             c = torch.div(col, q_scale[a + i], out=qf[a + i]).round_().clamp_(-8, 7)
             deq = (c.to(dtype) * deq_scale[a + i]).float()
-            e = torch.sub(col, deq, out=err1[i]).div_(hb[i, i])
+            e = torch.sub(col, deq, out=err1[i]).div_(diag[i])
             if i + 1 < b - a:  # row i itself is not read again
-                u = torch.mul(hb[i, i + 1:].unsqueeze(1), e.unsqueeze(0), out=upd[:b - a - i - 1])
-                w1[i + 1:].sub_(u)
+                w1[i + 1:].sub_(torch.mul(hcol[i, i + 1:], e, out=upd[:b - a - i - 1]))
         if b < in_f:
             wt[b:] -= hinv[a:b, b:].t() @ err1
     return qf.to(torch.int8).t()[:, inv].contiguous()
