@@ -648,3 +648,18 @@ def test_the_plan_rounding_takes_the_convert_device(tmp_path):
     plan = SimpleNamespace(meta={"rounding": "awq_gptq", "activations": {"path": str(tmp_path / "acts.safetensors")}})
     assert awq.rounding_for_plan(plan, DT).device == torch.device("cpu")
     assert awq.rounding_for_plan(plan, DT, "cuda").device == torch.device("cuda")
+
+
+def test_kept_factorizations_are_bounded_in_bytes(monkeypatch):
+    """The factorizations kept for reuse across formats stay under ``_FACTORS_BYTES`` (the newest is
+    always kept): at real widths one proj factor is hundreds of MB."""
+    stats = [_stats(_correlated(512, 128, s, 2)) for s in range(3)]
+    one = 128 * 128 * 4 * 2  # a factor's hinv and its Gram matrix, float32
+    monkeypatch.setattr(awq, "_FACTORS_BYTES", 2 * one)
+    awq._FACTORS.clear()
+    for st in stats:
+        awq._factor(st, st.gram, None)
+    assert [id(e[0]) for e in awq._FACTORS] == [id(stats[1].gram), id(stats[2].gram)]
+    monkeypatch.setattr(awq, "_FACTORS_BYTES", one // 2)
+    awq._factor(stats[0], stats[0].gram, None)
+    assert len(awq._FACTORS) == 1 and awq._FACTORS[0][0] is stats[0].gram

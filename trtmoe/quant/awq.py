@@ -1105,13 +1105,15 @@ def _factor(stats: MatrixStats, gram: Tensor | None, pq: Tensor | None, h: Tenso
             if gram is not None else gptq.gram(_scaled_input(stats.rows, pq))
     f = gptq.factor(h)
     _FACTORS.append((src, pq, f))
-    if len(_FACTORS) > _FACTORS_KEPT:
+    size = lambda e: e[2].hinv.nbytes + (e[0].nbytes if e[0].dim() == 2 and e[0].shape[0] == e[0].shape[1] else 0)  # noqa: E731
+    while len(_FACTORS) > 1 and (len(_FACTORS) > _FACTORS_KEPT or sum(map(size, _FACTORS)) > _FACTORS_BYTES):
         _FACTORS.pop(0)
     return f
 
 
 _FACTORS: list = []  # (Gram matrix or rows, pre-quant scale, Factor), the most recent last
-_FACTORS_KEPT = 4  # a matrix's unscaled factor and a few scaled ones: the formats of one matrix in turn
+_FACTORS_KEPT = 4  # an expert's fc and proj, unscaled and scaled: what the next format asks again
+_FACTORS_BYTES = 1 << 30  # and at most this much of factors and the Gram matrices they hold (the newest always)
 
 
 def _rows_err(x: Tensor, wd: Tensor, deq: Tensor, pq: Tensor | None) -> float:
