@@ -124,7 +124,7 @@ def test_any_transformers_moe_calibrates_layer_streamed(arch, tiny_model, tokdir
     got = StreamedModel(model).logits(ids, batch_size=3)
     assert float((got - ref).abs().max()) < 1e-4 * float(ref.abs().max())
 
-    rounding = "rtn" if arch == "gpt_oss" else "awq_gptq"
+    rounding = "awq_gptq"
     out = tmp_path / "calib"
     engine_arch = arch == "qwen3_moe"  # auto picks the engine where it implements the architecture
     res = calibrate(model, text, out, samples=samples, seq_len=seq_len, formats=("int8", "int4"),
@@ -155,8 +155,6 @@ def test_streamed_runner_refusals(tiny_model, tokdir, text, tmp_path):
     model = _tiny(tiny_model, "gpt_oss", tokdir, tmp_path)
     with pytest.raises(InputError, match="fisher"):
         calibrate(model, text, None, samples=2, seq_len=16, sensitivity="exact")
-    with pytest.raises(InputError, match="rounding rtn"):
-        calibrate(model, text, None, samples=2, seq_len=16, rounding="awq")
     with pytest.raises(InputError, match="unknown runner"):
         calibrate(model, text, None, samples=2, seq_len=16, runner="fast")
     # Llama-4's router scales the expert's input: exact at the seam only with one expert per token.
@@ -256,3 +254,46 @@ def test_streamed_calibration_records_the_input_amax_the_export_needs(tiny_model
     assert r.exit_code == 0, r.output
     q = json.loads((tmp_path / "u" / "hf_quant_config.json").read_text())["quantization"]
     assert q["quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")
+
+
+def test_gpt_oss_searches_see_the_inputs_its_experts_compute(tiny_model, tokdir, tmp_path):
+    """gpt-oss's experts (transposed, interleaved gate/up, biases, clamped swiglu with +1 on up): the
+    activation-aware searches' ``proj`` inputs are taken through the experts' own gating at the seam,
+    so ``proj`` applied to them (plus its bias) is what transformers' experts module outputs for each
+    expert, and not what silu(gate)·up would give."""
+    import transformers
+
+    from trtmoe.quant import awq
+    from trtmoe.quant.stream import ExpertLayout, HFExperts
+
+    model = _tiny(tiny_model, "gpt_oss", tokdir, tmp_path)
+    full = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    mod = find_experts(full.model.layers[0])[0]
+    E, H = mod.gate_up_proj.shape[0], full.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, H, generator=g) * 2
+    routed = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(48)])
+    ref = {}
+    with torch.no_grad():
+        for e in range(E):
+            rows = x[routed.eq(e).any(-1)]
+            ref[e] = mod(rows, torch.full((len(rows), 1), e), torch.ones(len(rows), 1))
+    hf = HFExperts(mod, ExpertLayout.of(mod, H), "fp32")
+    assert not hf.layout.standard
+    own = awq.collect_layer(hf.fc, hf.proj, x, routed, layer=0, min_routed=1, fc_bias=hf.fc_bias,
+                            activation=hf.activation)
+    silu = awq.collect_layer(hf.fc, hf.proj, x, routed, layer=0, min_routed=1)
+    for e in range(E):
+        assert own[(e, "proj")].inputs.own_gating and not silu[(e, "proj")].inputs.own_gating
+        for st, close in ((own, True), (silu, False)):
+            a = st[(e, "proj")].rows
+            assert a.shape[0] == ref[e].shape[0]
+            y = a @ hf.proj[e].t() + hf.proj_bias[e]
+            assert torch.allclose(y, ref[e], rtol=1e-4, atol=1e-4 * float(ref[e].abs().max())) == close, (e, close)
+    # A proj statistic rebuilt without the experts' gating (after the layer's weights were let go) is
+    # refused, never rebuilt as silu(gate)·up.
+    st = own[(0, "proj")]
+    st.inputs.act = None
+    awq._GRAM.clear()
+    with pytest.raises(InputError, match="own gating"):
+        st.rows

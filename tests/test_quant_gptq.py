@@ -547,3 +547,119 @@ def test_error_from_few_rows_is_the_gram_error_and_picks_the_same_codes(monkeypa
     monkeypatch.setattr(awq.MatrixStats, "gram_rows", lambda self, n: None)
     slow = awq.with_codes(fmt, w, DT, s, base, own_scale=True)
     assert torch.equal(fast.codes, slow.codes) and fast.pq is slow.pq and fast.clip is slow.clip
+
+
+def test_formats_that_try_a_matrix_unscaled_share_its_factorization(monkeypatch):
+    """Per-channel and group-wise int4 error feedback on one matrix both round against the plain Gram
+    matrix (per-channel has no pre-quant scale; the group formats try the matrix without theirs too):
+    one factorization serves them, and the codes are those of a fresh one."""
+    w, x = _matrix(64, 128, 7), _correlated(2048, 128, 8, 2)
+    st = _stats(x)
+    calls = []
+    real = gptq.factor
+    monkeypatch.setattr(gptq, "factor", lambda h, *a, **k: calls.append(h) or real(h, *a, **k))
+    awq._FACTORS.clear()
+    got = {f: awq.recipe_for(FORMATS[f], w, DT, st, rounding="awq_gptq") for f in ("int4", "int4_g128")}
+    assert sum(h is st.gram for h in calls) == 1
+    for f, rec in got.items():
+        awq._FACTORS.clear()
+        again = awq.recipe_for(FORMATS[f], w, DT, st, rounding="awq_gptq")
+        assert (rec is None) == (again is None)
+        if rec is not None and rec.codes is not None:
+            assert torch.equal(rec.codes, again.codes)
+
+
+def test_stacked_candidates_give_the_codes_of_one_at_a_time():
+    """On CUDA the candidates that share a factorization are rounded as one stack; on the CPU (where
+    the stack computes element by element as ``gptq.codes``) the recipe is the same, codes included."""
+    fmt = FORMATS["int4_g128"]
+    w, x = _matrix(64, 256, 11), _correlated(2048, 256, 12, 2)
+    st = _stats(x)
+    base = awq._awq_recipe(fmt, w, DT, st, "search")
+    assert base is not None and base.pq is not None and base.clip is not None  # (pq, clip), (pq, None) share
+    calls = []
+    real = gptq.codes_many
+    awq._FACTORS.clear()
+    one = awq.with_codes(fmt, w, DT, st, base, own_scale=True, batched=False)
+    awq._FACTORS.clear()
+    import unittest.mock
+    with unittest.mock.patch.object(gptq, "codes_many", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)):
+        many = awq.with_codes(fmt, w, DT, st, base, own_scale=True, batched=True)
+    assert calls == [torch.Size([2, 64, 256])]
+    assert one.codes is not None and torch.equal(one.codes, many.codes)
+    assert (one.pq is None) == (many.pq is None) and (one.clip is None) == (many.clip is None)
+
+
+def _layer_stats(E: int = 3, H: int = 128, I: int = 64, n: int = 600):
+    g = torch.Generator().manual_seed(5)
+    fc = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(DT).float()
+    proj = (torch.randn(E, H, I, generator=g) * 0.05).to(DT).float()
+    x = _correlated(n, H, 13, 2).float()
+    routed = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(n)])
+    st = awq.collect_layer(fc, proj, x, routed, gram=True, layer=0, max_gram_in=4096)
+    return fc, proj, awq.ActivationStats({(0, e, m): s for (e, m), s in st.items()})
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_search_device_moves_the_search_there_and_keeps_the_result_on_the_host(shared, monkeypatch):
+    """``convert --device``: CheckpointRounding's searches take the matrix and its statistics to the
+    device and give their transform back on the host. Without a GPU the moving path is run on an
+    indexed CPU device (``cpu:0``, which takes that path): it gives the host's transforms and codes
+    exactly, every tensor the searches see is on it, and what comes back is on the plain host."""
+    fc, proj, acts = _layer_stats()
+    E = fc.shape[0]
+    mat = lambda e, m: fc[e] if m == "fc" else proj[e]  # noqa: E731
+    fmt = FORMATS["int4_g64"]
+
+    def recipes(device):
+        awq._RECIPES.clear()
+        awq._FACTORS.clear()
+        r = awq.CheckpointRounding(acts, DT, rounding="awq_gptq", device=device)
+        return {(e, m): r.recipe(fmt, 0, e, m, (0, proj.shape[-1]), mat(e, m), lambda x, m=m: mat(x, m),
+                                 list(range(E)) if shared else None, matrix=mat)
+                for e in range(E) for m in ("fc", "proj")}
+
+    host = recipes("cpu")
+    seen, moved = [], []
+    real_codes, real_on = gptq.codes, awq.MatrixStats.on
+    monkeypatch.setattr(gptq, "codes", lambda w, *a, **k: seen.append(w.device) or real_codes(w, *a, **k))
+    monkeypatch.setattr(awq.MatrixStats, "on", lambda self, *a, **k: moved.append(a[0]) or real_on(self, *a, **k))
+    dev = recipes("cpu:0")
+    assert moved and all(d == torch.device("cpu:0") for d in moved)
+    assert seen and all(d == torch.device("cpu") for d in seen)  # tensors moved to cpu:0 live on the CPU
+    for k, a in host.items():
+        b = dev[k]
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        for name in ("pq", "clip", "codes", "base_clip"):
+            ta, tb = getattr(a, name), getattr(b, name)
+            assert (ta is None) == (tb is None), (k, name)
+            if ta is not None:
+                assert torch.equal(ta, tb) and tb.device == torch.device("cpu"), (k, name)
+    assert any(r is not None and r.codes is not None for r in host.values())
+
+
+def test_the_plan_rounding_takes_the_convert_device(tmp_path):
+    """``rounding_for_plan`` hands the device to the rounding the layout searches with."""
+    fc, proj, acts = _layer_stats()
+    acts.save(tmp_path / "acts.safetensors")
+    from types import SimpleNamespace
+    plan = SimpleNamespace(meta={"rounding": "awq_gptq", "activations": {"path": str(tmp_path / "acts.safetensors")}})
+    assert awq.rounding_for_plan(plan, DT).device == torch.device("cpu")
+    assert awq.rounding_for_plan(plan, DT, "cuda").device == torch.device("cuda")
+
+
+def test_kept_factorizations_are_bounded_in_bytes(monkeypatch):
+    """The factorizations kept for reuse across formats stay under ``_FACTORS_BYTES`` (the newest is
+    always kept): at real widths one proj factor is hundreds of MB."""
+    stats = [_stats(_correlated(512, 128, s, 2)) for s in range(3)]
+    one = 128 * 128 * 4 * 2  # a factor's hinv and its Gram matrix, float32
+    monkeypatch.setattr(awq, "_FACTORS_BYTES", 2 * one)
+    awq._FACTORS.clear()
+    for st in stats:
+        awq._factor(st, st.gram, None)
+    assert [id(e[0]) for e in awq._FACTORS] == [id(stats[1].gram), id(stats[2].gram)]
+    monkeypatch.setattr(awq, "_FACTORS_BYTES", one // 2)
+    awq._factor(stats[0], stats[0].gram, None)
+    assert len(awq._FACTORS) == 1 and awq._FACTORS[0][0] is stats[0].gram

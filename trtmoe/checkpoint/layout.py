@@ -108,14 +108,14 @@ class RankLayout:
     def __init__(self, m: ModelSpec, mapping: Mapping, rank: int, dtype: torch.dtype, src=None, plan=None,
                  device: torch.device | str = "cpu"):
         self.m, self.mp, self.rank, self.dtype, self.src = m, mapping, rank, dtype, src
-        # Where the plan's INT4 searches are to run (``convert --device``); the rounding below does not
-        # take a device yet, so they run on the CPU.
+        # Where the plan's INT4 searches run (``convert --device``): the rounding's searches compute
+        # there; what they give back is on the host.
         self.device = torch.device(device)
         self.tp_rank = mapping.tp_rank(rank)
         self.pp_rank = mapping.pp_rank(rank)
         self.plan = plan  # optional trtmoe.quant.plan.QuantPlan
         # Activation-aware int4 (plan.meta["rounding"] == "awq"); None = round to nearest.
-        self.rounding = awq.rounding_for_plan(plan, dtype) if plan is not None else None
+        self.rounding = awq.rounding_for_plan(plan, dtype, self.device) if plan is not None else None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _rows(self, emit: Emit, role: str, layer: int | None, a: int | None = None, b: int | None = None,

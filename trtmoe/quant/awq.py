@@ -212,6 +212,14 @@ class MatrixStats:
             return None
         return self.inputs.layer_inputs.gram_rows(self.inputs, self.source == "layer", max_rows)
 
+    def on(self, device: torch.device, gram: bool = True) -> "MatrixStats":
+        """These statistics on ``device`` for a search there: the sampled rows, the mean |x| and (with
+        ``gram``) the Gram matrix, rebuilt on the host where they are rebuilt and then moved; the rows
+        the Gram matrix is made of stay on the host (the searches then take errors through it)."""
+        g = self.gram_matrix() if gram else None
+        return MatrixStats(self.act_mean.to(device), self.rows.to(device), self.count, self.source,
+                           None if g is None else g.to(device), None)
+
     def with_fc(self, fc: "Tensor | Callable[[], Tensor]") -> "MatrixStats":
         """These statistics with the float ``fc`` weight [2I, H] of their expert (a tensor or a function
         returning it), which a ``proj`` matrix's rows and Gram matrix are rebuilt with; unchanged when
@@ -226,7 +234,10 @@ class InputRef:
     """Where one expert matrix's sampled rows (at most ``max_rows``) and, with ``gram_rebuilt``, its
     Gram matrix are rebuilt from: its layer's stored MoE inputs, the expert, the matrix kind, the input
     channels [a, b) (None: all) and, for ``proj``, the float ``fc`` weight (a tensor, a function
-    returning it, or None until the checkpoint supplies it)."""
+    returning it, or None until the checkpoint supplies it). Experts whose gating is not silu(gate)·up
+    without bias (``own_gating``: a transformers experts module's own, e.g. gpt-oss's clamped swiglu with
+    biases) rebuild ``proj``'s inputs with the experts' ``act`` (on [up; gate] pre-activations, bias
+    included) and ``bias`` (the expert's fc bias); without ``act`` they cannot be rebuilt."""
 
     layer_inputs: "LayerInputs"
     expert: int
@@ -235,6 +246,9 @@ class InputRef:
     fc: "Tensor | Callable[[], Tensor] | None" = None
     max_rows: int = MAX_ROWS
     gram_rebuilt: bool = True
+    act: "Callable[[Tensor], Tensor] | None" = None
+    bias: Tensor | None = None
+    own_gating: bool = False
 
     def columns(self, a: int, b: int) -> "InputRef":
         off = 0 if self.cols is None else self.cols[0]
@@ -247,10 +261,16 @@ class InputRef:
         return self.layer_inputs.sampled_rows(self, all_rows)
 
 
-def expert_inputs(fc_e: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+def expert_inputs(fc_e: Tensor, x: Tensor, act: "Callable[[Tensor], Tensor] | None" = None,
+                  bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The inputs of an expert's two matrices for rows ``x``: ``fc``'s (``x``) and ``proj``'s
-    (``silu(gate x) * up x``, ``fc_e`` = [up; gate] [2I, H])."""
+    (``silu(gate x) * up x``, ``fc_e`` = [up; gate] [2I, H]; with ``act``, ``act(fc_e x + bias)``: the
+    experts' own gating on the [up; gate] pre-activations)."""
     h = x @ fc_e.t()
+    if bias is not None:
+        h = h + bias.to(device=h.device, dtype=h.dtype)
+    if act is not None:
+        return x, act(h)
     up, gate = h.chunk(2, dim=-1)
     return x, F.silu(gate) * up
 
@@ -326,19 +346,23 @@ class LayerInputs:
         self._checked = True
         return x, routed
 
-    def _matrix_inputs(self, ref: InputRef, all_rows: bool) -> tuple[Tensor, Tensor | None]:
-        """The rows routed to ``ref``'s expert (every row with ``all_rows``) and, for ``proj``, the
-        expert's ``fc`` in the rows' dtype (what turns them into proj's inputs)."""
+    def _matrix_inputs(self, ref: InputRef, all_rows: bool) -> tuple[Tensor, "Callable[[Tensor], Tensor] | None"]:
+        """The rows routed to ``ref``'s expert (every row with ``all_rows``) and, for ``proj``, what
+        turns them into proj's inputs (the expert's ``fc`` in the rows' dtype, and its gating)."""
         x_all, routed = self._tensors()
         x = x_all if all_rows else x_all[routed.eq(ref.expert).any(-1)]
-        fc = None
-        if ref.mod == "proj":
-            fc = ref.fc() if callable(ref.fc) else ref.fc
-            if fc is None:
-                raise InputError(f"layer {self.layer} expert {ref.expert} proj: its inputs are rebuilt "
-                                 "from the fc weight, which was not given")
-            fc = fc.to(device=x.device, dtype=x.dtype)
-        return x, fc
+        if ref.mod != "proj":
+            return x, None
+        fc = ref.fc() if callable(ref.fc) else ref.fc
+        if fc is None:
+            raise InputError(f"layer {self.layer} expert {ref.expert} proj: its inputs are rebuilt "
+                             "from the fc weight, which was not given")
+        if ref.own_gating and ref.act is None:
+            raise InputError(f"layer {self.layer} expert {ref.expert} proj: its inputs are rebuilt with the "
+                             "experts' own gating (not silu(gate)·up), which only the calibration has",
+                             hint="use --rounding rtn for this model")
+        fc = fc.to(device=x.device, dtype=x.dtype)
+        return x, lambda part: expert_inputs(fc, part, ref.act, ref.bias)[1]
 
     def sampled_rows(self, ref: InputRef, all_rows: bool) -> Tensor:
         """At most ``ref.max_rows`` input rows of ``ref``'s matrix, evenly spaced over its routed rows
@@ -347,10 +371,10 @@ class LayerInputs:
         with _LOCK:
             if key in _GRAM:
                 return _GRAM[key]
-        x, fc = self._matrix_inputs(ref, all_rows)
+        x, to_proj = self._matrix_inputs(ref, all_rows)
         x = _sample(x, ref.max_rows)
-        if fc is not None:
-            x = expert_inputs(fc, x)[1]
+        if to_proj is not None:
+            x = to_proj(x)
         if ref.cols is not None:
             x = x[:, ref.cols[0]:ref.cols[1]].contiguous()
         _remember(key, x)
@@ -367,8 +391,8 @@ class LayerInputs:
         with _LOCK:
             if key in _GRAM:
                 return _GRAM[key]
-        x, fc = self._matrix_inputs(ref, all_rows)
-        y = x if fc is None else expert_inputs(fc, x)[1]
+        x, to_proj = self._matrix_inputs(ref, all_rows)
+        y = x if to_proj is None else to_proj(x)
         y = y if ref.cols is None else y[:, ref.cols[0]:ref.cols[1]].contiguous()
         _remember(key, y)
         return y
@@ -380,10 +404,10 @@ class LayerInputs:
         with _LOCK:
             if key in _GRAM:
                 return _GRAM[key]
-        x, fc = self._matrix_inputs(ref, all_rows)
+        x, to_proj = self._matrix_inputs(ref, all_rows)
 
         def rows(part: Tensor) -> Tensor:  # the matrix's inputs for some of the rows
-            y = part if fc is None else expert_inputs(fc, part)[1]
+            y = part if to_proj is None else to_proj(part)
             return y if ref.cols is None else y[:, ref.cols[0]:ref.cols[1]]
 
         # A chunk of rows at a time: proj's inputs (I wide) are never formed for all rows at once.
@@ -427,7 +451,9 @@ def _sample(x: Tensor, n: int) -> Tensor:
 
 def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, max_rows: int = MAX_ROWS,
                   min_routed: int = MIN_ROUTED, gram: bool = False, max_gram_in: int = MAX_GRAM_IN,
-                  max_input_tokens: int = MAX_INPUT_TOKENS, layer: int = -1) -> dict[tuple[int, str], MatrixStats]:
+                  max_input_tokens: int = MAX_INPUT_TOKENS, layer: int = -1,
+                  fc_bias: Tensor | None = None, activation: "Callable[[Tensor], Tensor] | None" = None
+                  ) -> dict[tuple[int, str], MatrixStats]:
     """Statistics of every expert matrix of one MoE layer. ``fc`` [E, 2I, H] ([up; gate]) and ``proj``
     [E, H, I] are the float expert weights, ``x_all`` [tokens, H] the layer's inputs, ``routed``
     [tokens, k] the experts each token was routed to. Returns ``{(expert, "fc" | "proj"): stats}``.
@@ -436,7 +462,12 @@ def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, ma
     rows are rebuilt when used from the layer's MoE inputs (``LayerInputs`` of at most
     ``max_input_tokens`` tokens, shared by the layer's matrices). ``gram`` also gives each matrix its
     input Gram matrix (error-feedback roundings): stored (over every routed token) for matrices with
-    at most ``max_gram_in`` inputs, rebuilt from those inputs when used for larger ones."""
+    at most ``max_gram_in`` inputs, rebuilt from those inputs when used for larger ones.
+
+    ``fc_bias`` [E, 2I] (same row order as ``fc``) and ``activation`` (the experts' own gating on the
+    [up; gate] pre-activations, bias included) describe experts that are not silu(gate)·up without bias
+    (a transformers experts module's; ``InputRef.own_gating``): proj's inputs are then theirs."""
+    own = fc_bias is not None or activation is not None
     out = {}
     n = x_all.shape[0]
     routed = routed.reshape(n, -1)
@@ -446,10 +477,13 @@ def collect_layer(fc: Tensor, proj: Tensor, x_all: Tensor, routed: Tensor, *, ma
         mask = routed.eq(e).any(-1)
         count = int(mask.sum())
         x, source = (x_all[mask], "routed") if count >= min_routed else (x_all, "layer")
-        x, a = expert_inputs(fc[e], x)
+        bias = None if fc_bias is None else fc_bias[e]
+        x, a = expert_inputs(fc[e], x, activation, bias)
         for m, rows in (("fc", x), ("proj", a)):
-            ref = InputRef(inputs, e, m, fc=fc[e] if m == "proj" else None, max_rows=max_rows,
-                           gram_rebuilt=gram and not store[m])
+            proj = m == "proj"
+            ref = InputRef(inputs, e, m, fc=fc[e] if proj else None, max_rows=max_rows,
+                           gram_rebuilt=gram and not store[m], act=activation if proj else None,
+                           bias=bias if proj else None, own_gating=own and proj)
             g = gptq.gram(rows) if store[m] else None
             out[(e, m)] = MatrixStats(rows.double().abs().mean(0).float(), None, count, source, g, ref)
     return out
@@ -470,6 +504,8 @@ def layer_state(stats: dict[tuple[int, str], MatrixStats]) -> dict:
             ref = {"layer_inputs": next(i for i, x in enumerate(shared) if x is li),
                    "cols": None if s.inputs.cols is None else list(s.inputs.cols),
                    "max_rows": s.inputs.max_rows, "gram_rebuilt": bool(s.inputs.gram_rebuilt)}
+            if s.inputs.own_gating:
+                ref["own_gating"] = True
         out.append({"expert": int(e), "mod": m, "act_mean": s.act_mean, "rows": s.stored_rows, "count": int(s.count),
                     "source": s.source, "gram": s.gram, "inputs": ref})
     return {"layer_inputs": [dict(zip(("x", "routed"), li._tensors()), layer=li.layer, tokens=li.tokens)
@@ -492,7 +528,8 @@ def layer_from_state(state: dict) -> dict[tuple[int, str], MatrixStats]:
             if ref is not None:
                 cols = None if ref["cols"] is None else (int(ref["cols"][0]), int(ref["cols"][1]))
                 ref = InputRef(lis[int(ref["layer_inputs"])], int(d["expert"]), d["mod"], cols,
-                               max_rows=int(ref["max_rows"]), gram_rebuilt=bool(ref["gram_rebuilt"]))
+                               max_rows=int(ref["max_rows"]), gram_rebuilt=bool(ref["gram_rebuilt"]),
+                               own_gating=bool(ref.get("own_gating", False)))
             for t in (d["act_mean"], d["rows"], d["gram"]):
                 if t is not None and not isinstance(t, Tensor):
                     raise ValueError("a statistic that is not a tensor")
@@ -597,6 +634,8 @@ class ActivationStats:
                 items.append((p + "gram", s.gram.contiguous()))
             elif s.inputs is not None and s.inputs.gram_rebuilt:  # X^T X rebuilt from the layer's inputs
                 items.append((p + "gram_from_inputs", torch.tensor([1], dtype=torch.int64)))
+            if s.inputs is not None and s.inputs.own_gating:  # rebuilt only with the experts' own gating
+                items.append((p + "own_gating", torch.tensor([1], dtype=torch.int64)))
         meta = {"format": "trtmoe-activations", "rows": str(self.max_rows)}
         if layers:
             meta["moe_inputs"] = json.dumps(layers, sort_keys=True)
@@ -621,7 +660,8 @@ class ActivationStats:
                     if int(l) not in inputs:
                         raise KeyError(f"moe_inputs of layer {l}")
                     n_rows = int(f.read(p + "rows_from_inputs")[0]) if p + "rows_from_inputs" in f.tensors else rows
-                    ref = InputRef(inputs[int(l)], int(e), m, max_rows=n_rows, gram_rebuilt=rebuilt)
+                    ref = InputRef(inputs[int(l)], int(e), m, max_rows=n_rows, gram_rebuilt=rebuilt,
+                                   own_gating=p + "own_gating" in f.tensors)
                 stored = p + "rows" in f.tensors
                 if not stored and (ref is None or p + "rows_from_inputs" not in f.tensors):
                     raise KeyError(f"{p}rows or {p}rows_from_inputs")  # refused now, not when the layer is read
@@ -841,18 +881,19 @@ def _in_dtype(w: Tensor, dtype: torch.dtype) -> Tensor:
     return w.to(dtype).to(torch.float32)
 
 
-def _fake_group(wd: Tensor, g: int, dtype: torch.dtype, clip: Tensor | None = None) -> Tensor:
+def _fake_group(wd: Tensor, g: int, dtype: torch.dtype, clip: Tensor | None = None,
+                amax: Tensor | None = None) -> Tensor:
     """What GroupInt4Format stores for ``wd`` (float32 holding model-dtype values) clamped to ±clip
     per (row, group), dequantized the way its ``linear`` does. (The searches call this for every
-    candidate: it works in place on one weight-sized buffer, the same operations element by element.)"""
+    candidate: it works in place on one weight-sized buffer, the same operations element by element;
+    ``amax``: the |wd| maximum per (row, group), when the caller has it.)"""
     out_f, in_f = wd.shape
     wg = wd.reshape(out_f, in_f // g, g)
-    amax = wg.abs().amax(-1)
+    amax = wg.abs().amax(-1) if amax is None else amax
     if clip is not None:
         amax = torch.minimum(amax, clip)
         lim = amax.unsqueeze(-1)
-        q = torch.minimum(wg, lim)
-        q = torch.maximum(q, -lim, out=q)
+        q = torch.clamp(wg, -lim, lim)  # lim >= 0: max(min(w, lim), -lim)
     scale = amax / 7.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.div(wg, scale.unsqueeze(-1)) if clip is None else q.div_(scale.unsqueeze(-1))
@@ -987,7 +1028,7 @@ def _fake(fmt: QuantFormat, wt: Tensor, dtype: torch.dtype, clip: Tensor | None)
 
 def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixStats, base: Recipe | None,
                own_scale: bool = False, choice: int | None = None,
-               on_choice: Callable[[int], None] | None = None) -> Recipe | None:
+               on_choice: Callable[[int], None] | None = None, batched: bool | None = None) -> Recipe | None:
     """``base`` (pre-quant scale and clip; None: neither) with error-feedback codes (``gptq.codes``),
     when that lowers the output error over every routed token (the statistics' Gram matrix; the sampled
     rows when there is none, and then only with enough of them). With a clip the codes are also tried
@@ -995,8 +1036,9 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     without the scale. The candidate with the smallest error is kept, ``base`` itself included, so the
     result is never worse than it on those tokens. ``on_choice(i)`` is told which won (-1: ``base``
     without codes, else the candidate's index); a known ``choice`` (what an earlier, identical call
-    chose) computes only that candidate's codes and no errors. W4A8 keeps ``base`` (no error feedback
-    through its FP8 weight and inputs)."""
+    chose) computes only that candidate's codes and no errors. ``batched`` (default: on CUDA) rounds
+    the candidates that share a factorization as one stack (``gptq.codes_many``: one column loop; the
+    same codes). W4A8 keeps ``base`` (no error feedback through its FP8 weight and inputs)."""
     if _w4a8(fmt):
         return base
     gram = stats.gram_matrix()  # stored, or rebuilt from the layer's MoE inputs
@@ -1012,11 +1054,9 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         if choice < 0:
             return kept
         pq, clip = cands[choice]
-        h = (gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())) \
-            if gram is not None else gptq.gram(_scaled_input(stats.rows, pq))
         wt = transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float()
         qs, ds = _format_scales(fmt, wt, dtype)
-        return Recipe(pq, clip, gptq.codes(wt, qs, ds, gptq.factor(h), dtype), base.clip)
+        return Recipe(pq, clip, gptq.codes(wt, qs, ds, _factor(stats, gram, pq), dtype), base.clip)
     y = None if gram is not None else linear(stats.rows.float(), wd)
 
     # Fewer routed tokens than half the inputs: the error from the rows themselves (n·in·out instead
@@ -1037,21 +1077,62 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     wt0 = wd if base.pq is None else _in_dtype(wd / base.pq.float(), dtype)
     best, won = kept, -1
     best_err = err(_fake(fmt, wt0, dtype, base.clip))
-    factors: dict = {}  # candidates with the same pre-quant scale share h, and so its factorization
+    batched = w.is_cuda if batched is None else batched
+    stacked: dict[int, Tensor] = {}  # candidate -> its codes, rounded with the others sharing its scale
     for i, (pq, clip) in enumerate(cands):
         if pq is not base.pq:
             h, err = objective(pq)
         wt = transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float()
         qs, ds = _format_scales(fmt, wt, dtype)
-        if id(pq) not in factors:
-            factors[id(pq)] = gptq.factor(h)
-        q = gptq.codes(wt, qs, ds, factors[id(pq)], dtype)
+        share = [j for j, c in enumerate(cands) if c[0] is pq]
+        if batched and len(share) > 1 and i not in stacked:
+            stacked.update(zip(share, _codes_stacked(fmt, w, dtype, [cands[j] for j in share],
+                                                     _factor(stats, gram, pq, h))))
+        q = stacked.pop(i) if i in stacked else gptq.codes(wt, qs, ds, _factor(stats, gram, pq, h), dtype)
         e = err((q.to(dtype) * ds).float())
         if e < best_err:
             best, best_err, won = Recipe(pq, clip, q, base.clip), e, i
     if on_choice is not None:
         on_choice(won)
     return best
+
+
+def _codes_stacked(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, cands: list, f: gptq.Factor) -> list[Tensor]:
+    """``gptq.codes`` of ``w`` under each (pq, clip) of ``cands`` (one pre-quant scale: one factor
+    ``f``), as one stack."""
+    wts = [transformed_weight(fmt, w, dtype, Recipe(pq, clip)).float() for pq, clip in cands]
+    scales = [_format_scales(fmt, wt, dtype) for wt in wts]
+    B = len(wts)
+    fs = gptq.Factor(f.perm.expand(B, -1), f.inv.expand(B, -1), f.hinv.expand(B, -1, -1))
+    q = gptq.codes_many(torch.stack(wts), torch.stack([s[0] for s in scales]), torch.stack([s[1] for s in scales]),
+                        fs, dtype)
+    return list(q.unbind(0))
+
+
+def _factor(stats: MatrixStats, gram: Tensor | None, pq: Tensor | None, h: Tensor | None = None) -> gptq.Factor:
+    """``gptq.factor`` of the Gram matrix of the input the kernel sees (``gram``, or the sampled rows'
+    when None, scaled by ``pq``; ``h`` when already formed). The last few are remembered: candidates
+    with the same pre-quant scale share one, and so do the formats of one matrix that try it without a
+    scale (per-channel and group-wise int4 all do), so the factorization is computed once for them."""
+    src = gram if gram is not None else stats.rows
+    for g0, pq0, f in _FACTORS:
+        if g0 is src and (pq0 is None if pq is None else pq0 is not None and pq0.dtype == pq.dtype
+                          and torch.equal(pq0, pq)):
+            return f
+    if h is None:
+        h = (gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())) \
+            if gram is not None else gptq.gram(_scaled_input(stats.rows, pq))
+    f = gptq.factor(h)
+    _FACTORS.append((src, pq, f))
+    size = lambda e: e[2].hinv.nbytes + (e[0].nbytes if e[0].dim() == 2 and e[0].shape[0] == e[0].shape[1] else 0)  # noqa: E731
+    while len(_FACTORS) > 1 and (len(_FACTORS) > _FACTORS_KEPT or sum(map(size, _FACTORS)) > _FACTORS_BYTES):
+        _FACTORS.pop(0)
+    return f
+
+
+_FACTORS: list = []  # (Gram matrix or rows, pre-quant scale, Factor), the most recent last
+_FACTORS_KEPT = 4  # an expert's fc and proj, unscaled and scaled: what the next format asks again
+_FACTORS_BYTES = 1 << 30  # and at most this much of factors and the Gram matrices they hold (the newest always)
 
 
 def _rows_err(x: Tensor, wd: Tensor, deq: Tensor, pq: Tensor | None) -> float:
@@ -1134,7 +1215,7 @@ def _clip_group(wt: Tensor, wd: Tensor, x: Tensor, pq: Tensor | None, g: int, dt
     best_err = best_clip = None
     for r in CLIP_GRID:
         clip = _in_dtype(amax * r, dtype)
-        d = (wt - _fake_group(wt, g, dtype, clip)).reshape(out_f, G, g)
+        d = (wt - _fake_group(wt, g, dtype, clip, amax)).reshape(out_f, G, g)
         if few:
             e = torch.bmm(xg, d.permute(1, 2, 0)).pow_(2).sum(1).t()  # [G, n, out] -> [out, G]
         else:
@@ -1315,14 +1396,21 @@ class CheckpointRounding:
     ``shared=True`` (TensorRT-LLM's stacked layout): one pre-quant scale per MoE layer and matrix
     kind, searched on every expert of the layer; otherwise one per expert matrix. Pre-quant scales are
     searched on whole matrices (moe_tp-independent; a ``proj`` shard gets its slice, ``fc`` shards the
-    whole scale, as TensorRT-LLM shards the tensor), clips on the shard each rank stores."""
+    whole scale, as TensorRT-LLM shards the tensor), clips on the shard each rank stores.
+
+    ``device``: where the searches compute (``convert --device``): each matrix, its statistics and its
+    layer's weights for a shared scale go there for the search, and what is kept (transforms, codes,
+    the recipe store's entries) comes back to the host. On a CUDA device the candidates that share a
+    factorization are rounded as one stack. ``cpu`` itself computes in place, exactly as without a
+    device (any other device, an indexed CPU one included, takes the moving path)."""
 
     def __init__(self, stats: ActivationStats, dtype: torch.dtype, key: tuple = (), rounding: str = "awq",
-                 input_amax: dict | None = None):
+                 input_amax: dict | None = None, device: torch.device | str = "cpu"):
         self.stats, self.dtype, self.key, self.rounding = stats, dtype, key, rounding
         # Per MoE layer and matrix kind, the calibrated input amax (per input channel, or one value) that
         # the W4A8 formats' static input scales are made from: their searches measure with it.
         self.input_amax = {str(l): d for l, d in (input_amax or {}).items()}
+        self.device = torch.device(device)
         self._pq: dict = {}
         self._recipes: dict = {}
         self._layer = None
@@ -1377,39 +1465,50 @@ class CheckpointRounding:
         st = self._stats(layer, expert, mod, matrix)
         if mod == "proj":
             st = st.columns(t * I_loc, (t + 1) * I_loc)
+        dev, host = self.device, self.device == torch.device("cpu")
+        if not host:
+            st, w_host, w = st.on(dev), w, w.to(dev)
         wd = _in_dtype(w, self.dtype)
 
         def search() -> Recipe | None:
             if _w4a8(fmt):  # the pre-quant scale per expert matrix, or the layer's shared one
                 amax = self._amax(layer, mod, t, I_loc)
+                amax = amax if amax is None or host else amax.to(dev)
                 if not shared:
-                    return w4a8_recipe(fmt, w, st.rows, dtype=self.dtype, input_amax=amax)
-                pq = self._prequant(fmt, layer, mod, full, experts, True)
-                if pq is not None and mod == "proj":
-                    pq = pq[t * I_loc:(t + 1) * I_loc]
-                return w4a8_recipe(fmt, w, st.rows, dtype=self.dtype, input_amax=amax, pre_quant_scale=pq,
-                                   search_scale=False)
+                    rec = w4a8_recipe(fmt, w, st.rows, dtype=self.dtype, input_amax=amax)
+                else:
+                    pq = self._prequant(fmt, layer, mod, full, experts, True)
+                    if pq is not None and mod == "proj":
+                        pq = pq[t * I_loc:(t + 1) * I_loc]
+                    pq = pq if pq is None or host else pq.to(dev)
+                    rec = w4a8_recipe(fmt, w, st.rows, dtype=self.dtype, input_amax=amax, pre_quant_scale=pq,
+                                      search_scale=False)
+                return None if rec is None else _moved(rec, "cpu")
             if not _grouped(fmt):
                 clip = _clip_channel(wd, st.rows, self.dtype)
-                return None if clip is None else Recipe(None, clip)
+                return None if clip is None else _moved(Recipe(None, clip), "cpu")
             pq = self._prequant(fmt, layer, mod, full, experts if shared else [expert], shared)
             if pq is not None and mod == "proj":
                 pq = pq[t * I_loc:(t + 1) * I_loc]
+            pq = pq if pq is None or host else pq.to(dev)
             wt = wd if pq is None else _in_dtype(wd / pq.float(), self.dtype)
             clip = _clip_group(wt, wd, st.rows, pq, fmt.group_size, self.dtype)
-            return None if pq is None and clip is None else Recipe(pq, clip)
+            return None if pq is None and clip is None else _moved(Recipe(pq, clip), "cpu")
 
         rid = recipe_id(fmt.name, expert, mod, shard, shared, self.dtype)
         store = self.stats.recipes
         if self.rounding == "gptq":  # error feedback on round-to-nearest's scales: nothing searched
-            rec = with_codes(fmt, w, self.dtype, st, None, own_scale=not shared)
+            rec = _moved(with_codes(fmt, w, self.dtype, st, None, own_scale=not shared), "cpu")
         else:
             searched = []
+            fp_in = (lambda dt: weight_fingerprint(w, dt)) if host else (lambda dt: weight_fingerprint(w_host, dt))
             rec, choice = _stored_or_searched(store, layer, rid, fp, lambda: searched.append(1) or search(),
-                                              tuple(w.shape), lambda dt: weight_fingerprint(w, dt))
+                                              tuple(w.shape), fp_in)
             if self.rounding in ERROR_FEEDBACK and not _w4a8(fmt):  # (W4A8 has no error-feedback codes)
                 searched += [1] if choice is None else []
-                rec = _codes_for(fmt, w, self.dtype, st, rec, not shared, store, layer, rid, choice)
+                rec = _codes_for(fmt, w, self.dtype, st, rec if host else _moved(rec, dev), not shared, store,
+                                 layer, rid, choice)
+                rec = rec if host else _moved(rec, "cpu")
             self.counts["searched" if searched else "stored"] += 1
         self._recipes[key] = rec
         if len(_RECIPES) >= _MAX_REMEMBERED:
@@ -1433,7 +1532,14 @@ class CheckpointRounding:
         pkey = (fmt.name, mod, "layer" if shared else who[0])
         if pkey not in self._pq:
             ws = [full(e) for e in who]
-            search = lambda: search_prequant(fmt, ws, [self._stats(layer, e, mod) for e in who], self.dtype)  # noqa: E731
+            if self.device == torch.device("cpu"):
+                search = lambda: search_prequant(fmt, ws, [self._stats(layer, e, mod) for e in who], self.dtype)  # noqa: E731
+            else:  # on the device, the scale kept on the host
+                def search():
+                    pq = search_prequant(fmt, [w.to(self.device) for w in ws],
+                                         [self._stats(layer, e, mod).on(self.device, gram=False) for e in who],
+                                         self.dtype)
+                    return None if pq is None else pq.cpu()
             if shared:  # stored under the fingerprints of every expert's matrix, in order
                 fp = _fingerprint_of([weight_fingerprint(w, self.dtype) for w in ws])
                 rec, _ = _stored_or_searched(self.stats.recipes, layer, prequant_id(fmt.name, mod, self.dtype), fp,
@@ -1467,6 +1573,13 @@ _RECIPES: dict = {}
 _MAX_REMEMBERED = 8192
 
 
+def _moved(rec: Recipe | None, device: torch.device | str) -> Recipe | None:
+    """``rec`` with its tensors on ``device``."""
+    if rec is None:
+        return None
+    return Recipe(*(None if t is None else t.to(device) for t in (rec.pq, rec.clip, rec.codes, rec.base_clip)))
+
+
 def _fingerprint(w: Tensor) -> str:
     import hashlib
 
@@ -1480,9 +1593,10 @@ def _fingerprint_of(parts: list[str]) -> str:
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
 
-def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
+def rounding_for_plan(plan, dtype: torch.dtype, device: torch.device | str = "cpu") -> CheckpointRounding | None:
     """The checkpoint rounding a plan asks for (``plan.meta["rounding"]`` other than "rtn", with
-    ``plan.meta["activations"]["path"]``), or None for round-to-nearest."""
+    ``plan.meta["activations"]["path"]``), or None for round-to-nearest; its searches run on
+    ``device``."""
     meta = getattr(plan, "meta", None) or {}
     rounding = meta.get("rounding", "rtn")
     if rounding == "rtn":
@@ -1503,7 +1617,7 @@ def rounding_for_plan(plan, dtype: torch.dtype) -> CheckpointRounding | None:
         _LOADED.clear()
         _LOADED[key] = ActivationStats.load(p)
     _LOADED[key].check_inputs()
-    return CheckpointRounding(_LOADED[key], dtype, key, rounding, meta.get("input_amax"))
+    return CheckpointRounding(_LOADED[key], dtype, key, rounding, meta.get("input_amax"), device=device)
 
 
 def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None, *,

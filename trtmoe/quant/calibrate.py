@@ -593,7 +593,9 @@ class _AwqRounding:
     def add_layer(self, layer, base, x_all, routed) -> None:
         self.input_amax[layer] = layer_input_amax(base, x_all, routed)
         self.acts.add_layer(layer, awq.collect_layer(base.fc, base.proj, x_all, routed, layer=layer,
-                                                     gram=self.name in awq.ERROR_FEEDBACK, **self.gram))
+                                                     gram=self.name in awq.ERROR_FEEDBACK, **self.gram,
+                                                     fc_bias=getattr(base, "fc_bias", None),
+                                                     activation=getattr(base, "activation", None)))
 
     def layer_state(self, layer):
         """The layer's statistics and searched recipes as plain data (resumable progress); the recipes

@@ -692,184 +692,252 @@ def stream_measure(sm: StreamedModel, ids: torch.Tensor, *, formats, min_tokens:
     """The Fisher measurement of ``sensitivity.fisher_measure``, layer-streamed (see the module docstring);
     returns the calib.json dict. ``clock`` receives the measured seconds per phase: ``boundaries`` and
     ``forward`` (together the layer-streamed forward over the calibration tokens), ``backward``,
-    ``statistics``, ``searches``, ``scoring`` and ``io`` (loading layers, the boundary files)."""
+    ``statistics``, ``searches``, ``scoring`` and ``io`` (loading layers, the boundary files).
+
+    The steps: the embedding's output for each batch (``boundaries``); the forward pass bottom up, each
+    layer's output saved (``_forward_pass``); the backward pass top down, each layer recomputed from its
+    saved input, its MoE seam observed and scored (``_backward_layer``, ``_score_streamed_layer``); the
+    result (``_streamed_result``). Each step resumes from what an interrupted run with the same ``key``
+    saved."""
     if probe not in PROBES:
         raise InputError(f"unknown probe {probe!r}", hint="use " + " or ".join(PROBES))
     notes = notes if notes is not None else []
     rounding = rounding or RTN()
-    c = sm.cfg
-    L, E, k = c.num_layers, c.num_experts, c.top_k
-    moe_layers = [l for l in range(L) if c.moe_layers[l]]
-    for l in moe_layers:
-        if not sm.seam[l][1].standard and getattr(rounding, "name", "rtn") != "rtn":
-            raise InputError(f"{type(sm.seam[l][0][0]).__name__}: experts whose gating is not silu(gate)·up without "
-                             f"biases are scored with --rounding rtn only (the activation-aware searches model "
-                             f"silu-gated experts)", hint="use --rounding rtn")
     clock = clock if clock is not None else PhaseClock()  # nobody reads it: no device synchronisation
-    rounding = clock.timed(rounding)
+    run = _StreamRun(sm, ids, batch_size, clock, clock.timed(rounding), progress, _boundary_dir(Path(work), key))
     state = Progress(Path(work), f"{key}|stream|estimate {estimate_tokens}/{ESTIMATE_SHARE}")
-    sdir = Path(work) / "stream"
+    with clock("boundaries"):
+        for b in run.batches:
+            x, cl = sm.boundaries(b)
+            run.x0.append(x.to(sm.compute_dtype))
+            run.calls.append(cl)
+    resume_g = _forward_pass(run, probe, seed, notes)
+    gs = _load(run.gf(resume_g), run.check_batches)
+    # 3. backward and scoring, top down.
+    tot = _Totals(run, formats)
+    for l in range(run.L - 1, -1, -1):
+        if l >= resume_g:  # done by an earlier run: its results only
+            if l in tot.moe_layers:
+                res = _load(state.layer_file(l), lambda d: _check_layer(d, tot.keys, tot.E))
+                if hasattr(run.rounding, "restore_layer"):
+                    run.rounding.restore_layer(l, res.get("rounding_state"))
+                tot.take(res, l)
+        else:
+            gs = _backward_layer(run, l, gs, tot, state.layer_file(l), min_tokens, estimate_tokens)
+        run.tick()
+    shutil.rmtree(run.sdir, ignore_errors=True)
+    shutil.rmtree(state.acts, ignore_errors=True)
+    return _streamed_result(run, tot, probe, min_tokens)
+
+
+def _boundary_dir(work: Path, key: str) -> Path:
+    """The directory of a run's layer-boundary files, emptied when an earlier run with another ``key``
+    left it."""
+    sdir = work / "stream"
     stamp = sdir / "key.json"
     if stamp.is_file() and json.loads(stamp.read_text()).get("key") != key:
         shutil.rmtree(sdir)
     sdir.mkdir(parents=True, exist_ok=True)
     stamp.write_text(json.dumps({"key": key}))
-    xf = lambda l: sdir / f"x-{l:03d}.safetensors"  # noqa: E731 - input of layer l (l >= 1)
-    gf = lambda l: sdir / f"g-{l:03d}.safetensors"  # noqa: E731 - gradient at the input of layer l (l = L: the top)
-    N, T = ids.shape
-    batches = list(ids.split(batch_size))
-    tick_total = 2 * L + 1
-    step = [0]
+    return sdir
 
-    def check_batches(d) -> None:
+
+class _StreamRun:
+    """What the steps of one ``stream_measure`` share: the model, the calibration batches and each
+    batch's per-layer call arguments, the embedding's outputs ``x0``, the clock, the (timed) rounding,
+    the progress ticks and the boundary files (``xf(l)``: the input of layer l >= 1; ``gf(l)``: the
+    gradient at the input of layer l, l = L the top)."""
+
+    def __init__(self, sm: StreamedModel, ids: torch.Tensor, batch_size: int, clock: PhaseClock, rounding,
+                 progress, sdir: Path):
+        self.sm, self.clock, self.rounding, self.progress, self.sdir = sm, clock, rounding, progress, sdir
+        self.N, self.T = ids.shape
+        self.L = sm.cfg.num_layers
+        self.batches = list(ids.split(batch_size))
+        self.x0: list = []
+        self.calls: list = []
+        self.step = 0
+        self.tick_total = 2 * self.L + 1
+
+    def xf(self, l: int) -> Path:
+        return self.sdir / f"x-{l:03d}.safetensors"
+
+    def gf(self, l: int) -> Path:
+        return self.sdir / f"g-{l:03d}.safetensors"
+
+    def check_batches(self, d) -> None:
         """A boundary file: one [batch, T, H] tensor per calibration batch, nothing else."""
-        if not (isinstance(d, list) and len(d) == len(batches) and all(
-                isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == len(b) and t.shape[1] == T
-                and t.is_floating_point() for t, b in zip(d, batches))):
+        if not (isinstance(d, list) and len(d) == len(self.batches) and all(
+                isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == len(b) and t.shape[1] == self.T
+                and t.is_floating_point() for t, b in zip(d, self.batches))):
             raise ValueError("not one activation tensor per calibration batch")
 
-    def tick():
-        step[0] += 1
-        if progress:
-            progress("sensitivity", step[0], tick_total)
+    def tick(self) -> None:
+        self.step += 1
+        if self.progress:
+            self.progress("sensitivity", self.step, self.tick_total)
 
-    with clock("boundaries"):
-        x0, calls = [], []
-        for b in batches:
-            x, cl = sm.boundaries(b)
-            x0.append(x.to(sm.compute_dtype))
-            calls.append(cl)
-    done_g = [l for l in range(L + 1) if gf(l).is_file()]
+    def layer_call(self, lay, l: int, b: int, x: torch.Tensor) -> torch.Tensor:
+        """Decoder layer ``l`` (loaded as ``lay``) on batch ``b``'s input ``x``."""
+        return _hidden(lay(x, *self.calls[b][l][0], **self.calls[b][l][1]))
+
+
+def _forward_pass(run: _StreamRun, probe: str, seed: int, notes: list[str]) -> int:
+    """The forward pass bottom up, each layer's output saved as the next layer's input, then the
+    probe's gradient at the top (the head's input) saved: skipped when an earlier run's backward pass
+    has begun, resumed from the last saved layer input otherwise. Returns the layer whose input
+    gradient the backward pass starts from (L: the top)."""
+    sm, clock, L = run.sm, run.clock, run.L
+    done_g = [l for l in range(L + 1) if run.gf(l).is_file()]
     resume_g = min(done_g) if done_g else None
     if resume_g is not None:
         clock.resumed = True
         notes.append(f"sensitivity resumed from an interrupted run: layers {resume_g}..{L - 1} were already done")
-    # 2. forward, bottom up (skipped when the backward pass has begun).
-    if resume_g is None:
-        start = max([l for l in range(1, L + 1) if xf(l).is_file()], default=0)
-        clock.resumed = clock.resumed or start > 0
-        xs = x0 if start == 0 else _load(xf(start), check_batches)
-        step[0] += start
-        for l in range(start, L):
-            with clock("io"):
-                cm = sm.layer(l)
-                lay = cm.__enter__()
-            try:
-                with clock("forward"), torch.no_grad():
-                    xs = [_hidden(lay(x, *calls[b][l][0], **calls[b][l][1])) for b, x in enumerate(xs)]
-            finally:
-                cm.__exit__(None, None, None)
-            with clock("io"):
-                _save(xs, xf(l + 1))
-            tick()
-        gs = []
-        for b, x in enumerate(xs):
-            with torch.enable_grad():
-                xl = x.detach().requires_grad_()
-                with clock("forward"):
-                    logits = sm.head(xl)
-                with clock("backward"):
-                    v = _probe(logits, probe, torch.Generator().manual_seed(seed * 1_000_003 + b))
-                    logits.backward(v)
-            gs.append(xl.grad.detach())
-            del logits, v
+        run.step += L
+        run.tick()
+        return resume_g
+    start = max([l for l in range(1, L + 1) if run.xf(l).is_file()], default=0)
+    clock.resumed = clock.resumed or start > 0
+    xs = run.x0 if start == 0 else _load(run.xf(start), run.check_batches)
+    run.step += start
+    for l in range(start, L):
         with clock("io"):
-            _save(gs, gf(L))
-        resume_g = L
-    else:
-        step[0] += L
-    tick()
-    gs = _load(gf(resume_g), check_batches)
-    # 3. backward and scoring, top down.
-    counts = torch.zeros(L, E, dtype=torch.int64)
-    mass = torch.zeros(L, E, dtype=torch.float64)
-    entropy = torch.zeros(L, dtype=torch.float64)
-    keys = tuple(formats)
-    shares = getattr(rounding, "shares_prequant", lambda fmt: False)
-    ckpt = sm.ckpt_dtype
-    keys = keys + tuple(f + STACKED for f in formats if shares(format_obj(f, ckpt)))
-    shim = _Shim(c, ckpt, sm.device)
-    zeros = lambda: {f: torch.zeros(L, E, dtype=torch.float64) for f in keys}  # noqa: E731
-    measured, per_seq, estimated = ({m: zeros() for m in MATRICES} for _ in range(3))
-    floor = 0.25 * k / E
-    scored = est = 0.0
-    for l in range(L - 1, -1, -1):
-        lf = state.layer_file(l)
-        if l >= resume_g:  # done by an earlier run: its results only
-            if l in moe_layers:
-                res = _load(lf, lambda d: _check_layer(d, keys, E))
-                if hasattr(rounding, "restore_layer"):
-                    rounding.restore_layer(l, res.get("rounding_state"))
-                _take(res, l, counts, mass, entropy, measured, per_seq, estimated, keys)
-                scored += res["expert_passes"]
-                est += res.get("estimate_passes", 0.0)
-            tick()
-            continue
-        with clock("io"):
-            xs = x0 if l == 0 else _load(xf(l), check_batches)
             cm = sm.layer(l)
             lay = cm.__enter__()
         try:
-            obs = None
-            if l in moe_layers:
-                (mod, router), layout = sm.seam[l]
-                obs = _Observer(mod, router, E)
-            new_g = []
-            with clock("backward"):
-                for b, x in enumerate(xs):
-                    with torch.enable_grad():
-                        xi = x.detach().requires_grad_()
-                        y = _hidden(lay(xi, *calls[b][l][0], **calls[b][l][1]))
-                        y.backward(gs[b].to(y.dtype))
-                    new_g.append(xi.grad.detach())
-                    del y, xi
-            if obs is not None:
-                obs.close()
-                h = torch.cat([r["h"] for r in obs.calls])
-                g = torch.cat([r["g"] for r in obs.calls])
-                idx = torch.cat([r["idx"] for r in obs.calls])
-                w = torch.cat([r["w"] for r in obs.calls])
-                ent = obs.take_entropy()
-                del obs
-                with clock("scoring"):
-                    counts[l] = torch.bincount(idx.reshape(-1).cpu(), minlength=E)
-                    mass[l] = torch.zeros(E, dtype=torch.float64).index_add_(0, idx.reshape(-1).cpu(),
-                                                                             w.reshape(-1).cpu().double())
-                    entropy[l] = ent
-                    shim.layers[l] = _Layer(HFExperts(mod, layout, _FLOAT_NAME.get(ckpt, "fp32")))
-                cm.__exit__(None, None, None)
-                cm = None
-                with clock("scoring"):
-                    share = counts[l].double() / (N * T * k)
-                    res = score_layer_tensors(shim, l, h, g, idx, w, keys, rounding, counts[l], mass[l], min_tokens,
-                                              estimate_tokens, T, N, share, floor)
-                    shim.layers.pop(l)
-                    _release_weights(rounding, l)
-                res["routing"] = {"counts": counts[l].clone(), "weight_mass": mass[l].clone(), "entropy_sum": ent}
-                with clock("io"):
-                    _save(res, lf)
-                _take(res, l, counts, mass, entropy, measured, per_seq, estimated, keys)
-                scored += res["expert_passes"]
-                est += res.get("estimate_passes", 0.0)
-                del h, g, idx, w
+            with clock("forward"), torch.no_grad():
+                xs = [run.layer_call(lay, l, b, x) for b, x in enumerate(xs)]
         finally:
-            if cm is not None:
-                cm.__exit__(None, None, None)
+            cm.__exit__(None, None, None)
         with clock("io"):
-            gs = new_g
-            _save(gs, gf(l))
-            gf(l + 1).unlink(missing_ok=True)
-            if l >= 1:
-                xf(l).unlink(missing_ok=True)
-        tick()
-    shutil.rmtree(sdir, ignore_errors=True)
-    shutil.rmtree(state.acts, ignore_errors=True)
-    scores = {"measured": measured, "per_seq": per_seq, "estimated": estimated, "floor": floor}
-    sens, flagged = _under_observed(scores, counts, moe_layers, keys, min_tokens, E)
-    out = _result(shim, keys, scores, sens, flagged, counts, mass, entropy, N, T, probe, min_tokens)
+            _save(xs, run.xf(l + 1))
+        run.tick()
+    gs = []
+    for b, x in enumerate(xs):
+        with torch.enable_grad():
+            xl = x.detach().requires_grad_()
+            with clock("forward"):
+                logits = sm.head(xl)
+            with clock("backward"):
+                v = _probe(logits, probe, torch.Generator().manual_seed(seed * 1_000_003 + b))
+                logits.backward(v)
+        gs.append(xl.grad.detach())
+        del logits, v
+    with clock("io"):
+        _save(gs, run.gf(L))
+    run.tick()
+    return L
+
+
+class _Totals:
+    """The per-layer results the backward pass collects: routing counts, weight mass and entropy, and
+    the measured / per-sequence / estimated scores per matrix kind and format key (the formats, and
+    the stacked layout's keys where the rounding scores it)."""
+
+    def __init__(self, run: _StreamRun, formats):
+        sm, L = run.sm, run.L
+        c = sm.cfg
+        self.E, self.k = c.num_experts, c.top_k
+        self.moe_layers = [l for l in range(L) if c.moe_layers[l]]
+        self.counts = torch.zeros(L, self.E, dtype=torch.int64)
+        self.mass = torch.zeros(L, self.E, dtype=torch.float64)
+        self.entropy = torch.zeros(L, dtype=torch.float64)
+        shares = getattr(run.rounding, "shares_prequant", lambda fmt: False)
+        ckpt = sm.ckpt_dtype
+        self.keys = tuple(formats) + tuple(f + STACKED for f in formats if shares(format_obj(f, ckpt)))
+        self.shim = _Shim(c, ckpt, sm.device)
+        zeros = lambda: {f: torch.zeros(L, self.E, dtype=torch.float64) for f in self.keys}  # noqa: E731
+        self.measured, self.per_seq, self.estimated = ({m: zeros() for m in MATRICES} for _ in range(3))
+        self.floor = 0.25 * self.k / self.E
+        self.scored = self.est = 0.0
+
+    def take(self, res: dict, l: int) -> None:
+        _take(res, l, self.counts, self.mass, self.entropy, self.measured, self.per_seq, self.estimated, self.keys)
+        self.scored += res["expert_passes"]
+        self.est += res.get("estimate_passes", 0.0)
+
+
+def _backward_layer(run: _StreamRun, l: int, gs: list, tot: _Totals, lf: Path, min_tokens: int,
+                    estimate_tokens: int) -> list:
+    """Layer ``l`` recomputed from its saved input and backpropagated with the incoming gradients ``gs``;
+    an MoE layer's experts seam is observed meanwhile and scored (``_score_streamed_layer``, its results
+    saved in ``lf``). The gradients at the layer's input are saved as the next step's boundary and
+    returned."""
+    sm, clock = run.sm, run.clock
+    with clock("io"):
+        xs = run.x0 if l == 0 else _load(run.xf(l), run.check_batches)
+        cm = [sm.layer(l)]
+        lay = cm[0].__enter__()
+    try:
+        obs = None
+        if l in tot.moe_layers:
+            (mod, router), layout = sm.seam[l]
+            obs = _Observer(mod, router, tot.E)
+        new_g = []
+        with clock("backward"):
+            for b, x in enumerate(xs):
+                with torch.enable_grad():
+                    xi = x.detach().requires_grad_()
+                    y = run.layer_call(lay, l, b, xi)
+                    y.backward(gs[b].to(y.dtype))
+                new_g.append(xi.grad.detach())
+                del y, xi
+        if obs is not None:
+            obs.close()
+            seen = {n: torch.cat([r[n] for r in obs.calls]) for n in ("h", "g", "idx", "w")}
+            ent = obs.take_entropy()
+            del obs
+            _score_streamed_layer(run, l, seen, ent, mod, layout, cm, tot, lf, min_tokens, estimate_tokens)
+            del seen
+    finally:
+        if cm[0] is not None:
+            cm[0].__exit__(None, None, None)
+    with clock("io"):
+        _save(new_g, run.gf(l))
+        run.gf(l + 1).unlink(missing_ok=True)
+        if l >= 1:
+            run.xf(l).unlink(missing_ok=True)
+    return new_g
+
+
+def _score_streamed_layer(run: _StreamRun, l: int, seen: dict, ent: float, mod, layout, cm, tot: _Totals,
+                          lf: Path, min_tokens: int, estimate_tokens: int) -> None:
+    """MoE layer ``l``'s routing and sensitivity from what its seam saw (``seen``: inputs ``h``, output
+    gradients ``g``, routed experts ``idx`` and weights ``w``): the experts are taken into the
+    quantizers' layout, the layer let go (``cm[0]``, its context, exited and cleared), the layer scored
+    and its results saved in ``lf``."""
+    clock, rounding, N, T = run.clock, run.rounding, run.N, run.T
+    idx, w = seen["idx"], seen["w"]
+    with clock("scoring"):
+        tot.counts[l] = torch.bincount(idx.reshape(-1).cpu(), minlength=tot.E)
+        tot.mass[l] = torch.zeros(tot.E, dtype=torch.float64).index_add_(0, idx.reshape(-1).cpu(),
+                                                                          w.reshape(-1).cpu().double())
+        tot.entropy[l] = ent
+        ckpt = run.sm.ckpt_dtype
+        tot.shim.layers[l] = _Layer(HFExperts(mod, layout, _FLOAT_NAME.get(ckpt, "fp32")))
+    cm[0].__exit__(None, None, None)
+    cm[0] = None
+    with clock("scoring"):
+        share = tot.counts[l].double() / (N * T * tot.k)
+        res = score_layer_tensors(tot.shim, l, seen["h"], seen["g"], idx, w, tot.keys, rounding, tot.counts[l],
+                                  tot.mass[l], min_tokens, estimate_tokens, T, N, share, tot.floor)
+        tot.shim.layers.pop(l)
+        _release_weights(rounding, l)
+    res["routing"] = {"counts": tot.counts[l].clone(), "weight_mass": tot.mass[l].clone(), "entropy_sum": ent}
+    with clock("io"):
+        _save(res, lf)
+    tot.take(res, l)
+
+
+def _streamed_result(run: _StreamRun, tot: _Totals, probe: str, min_tokens: int) -> dict:
+    """The calib.json dict of the scored layers, with each MoE layer's input amax per matrix kind."""
+    scores = {"measured": tot.measured, "per_seq": tot.per_seq, "estimated": tot.estimated, "floor": tot.floor}
+    sens, flagged = _under_observed(scores, tot.counts, tot.moe_layers, tot.keys, min_tokens, tot.E)
+    out = _result(tot.shim, tot.keys, scores, sens, flagged, tot.counts, tot.mass, tot.entropy, run.N, run.T,
+                  probe, min_tokens)
     # Each MoE layer's input amax per matrix kind (the rounding measured it while scoring, and restores
     # it with a resumed layer's results): what the static input scales of FP8 / NVFP4 / W4A8 are made of.
-    amax = getattr(rounding, "input_amax", None)
+    amax = getattr(run.rounding, "input_amax", None)
     if amax:
         out["input_amax"] = amax_json(amax)
     return out
@@ -883,7 +951,7 @@ def _release_weights(rounding, layer: int) -> None:
     for (l, _, _), st in stats.items():
         ref = getattr(st, "inputs", None)
         if l == layer and ref is not None and ref.fc is not None:
-            ref.fc = None
+            ref.fc = ref.act = None
     stacked = getattr(rounding, "_stacked", None)
     if stacked is not None and hasattr(stacked, "_evict"):
         stacked._evict(-1)
