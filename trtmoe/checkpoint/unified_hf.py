@@ -590,12 +590,13 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
                              input_amax: dict[str, float] | None = None, force: bool = False,
                              shard_bytes: int = SHARD_BYTES, dtype: torch.dtype | None = None,
                              progress: Callable[[int, int], None] | None = None,
-                             extra_manifest: dict | None = None) -> UnifiedResult:
+                             extra_manifest: dict | None = None, rounding=None) -> UnifiedResult:
     """Write ``model`` (an HF MoE checkpoint directory) as a unified-HF checkpoint in ``out``, atomically.
 
     ``plan`` gives each linear its format; ``input_amax`` (module name -> amax) is needed for formats that
     quantize activations. Tensors that stay unquantized are written in ``dtype`` (default: the source's
-    dtype). Streams one linear at a time."""
+    dtype). Streams one linear at a time. ``rounding`` (a ``unified_rounding.UnifiedRounding``) chooses
+    the routed experts' codes activation-aware where it applies (None: round to nearest everywhere)."""
     if target not in TARGETS:
         raise InputError(f"unknown unified-HF target {target!r}", hint="one of " + ", ".join(TARGETS))
     input_amax = input_amax or {}
@@ -676,7 +677,12 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
                         shared = None
                         if f.quant_algo and mod.fusion and f.shares_amax(mod.kind):
                             shared = fused_amax(mod.fusion)
-                        packed = _module_tensors(mod, f, src, input_amax.get(mod.name), shared)
+                        packed = None
+                        if rounding is not None and f.quant_algo:
+                            packed = rounding.quantize(mod, f.fmt, src, input_amax.get(mod.name), shared, ck)
+                            packed = None if packed is None else {f"{mod.name}.{k}": t for k, t in packed.items()}
+                        if packed is None:
+                            packed = _module_tensors(mod, f, src, input_amax.get(mod.name), shared)
                         for tname, dt, shape in ss:
                             w.write(packed[tname].to(dt).reshape(shape).contiguous())
                         done += sum(math.prod(s) * dt.itemsize for _, dt, s in ss)

@@ -77,7 +77,7 @@ from ..errors import InputError
 from ..hf.hashing import sha256_file
 from ..hf.safetensors_io import SafetensorsFile, write_file
 from ..matmul import linear
-from . import gptq
+from . import fp_gptq, gptq
 from .formats import FORMATS, QuantFormat, pack_int4
 
 log = logging.getLogger(__name__)
@@ -1268,9 +1268,24 @@ def quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: MatrixSt
     ``recipe_for``."""
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=ROUNDING_HINT)
+    if rounding != "rtn" and stats is not None and fp_gptq.applies(fmt):
+        return fp_quantize(fmt, w, dtype=dtype, stats=stats, rounding=rounding, input_amax=input_amax)
     if rounding == "rtn" or not applies(fmt):
         return fmt.quantize(w, dtype=dtype, input_amax=input_amax)
     return apply(fmt, w, dtype, recipe_for(fmt, w, dtype, stats, rounding=rounding, keep=keep))
+
+
+def fp_quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: MatrixStats, rounding: str,
+                input_amax=None, weight_amax=None) -> dict[str, Tensor]:
+    """A float format (FP8, FP8-block, NVFP4, MXFP4) under ``rounding`` (``trtmoe.quant.fp_gptq``):
+    error-feedback codes under gptq / awq_gptq, the block-scale search under awq / awq_gptq, against
+    the statistics' Gram matrix (the sampled rows' when none is kept, given enough of them); round to
+    nearest when there is neither."""
+    h = fp_gptq.stats_gram(stats.gram_matrix(), lambda: stats.rows, w.shape[-1], MIN_ROWS_PER_INPUT)
+    if h is None:
+        return fmt.quantize(w, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax)
+    return fp_gptq.quantize(fmt, w, h, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax,
+                            feedback=rounding in ERROR_FEEDBACK, search=rounding in ("awq", "awq_gptq"))
 
 
 def output_error(fmt: QuantFormat, packed: dict[str, Tensor], w: Tensor, x: Tensor, dtype: torch.dtype) -> float:
