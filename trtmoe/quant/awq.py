@@ -1284,11 +1284,8 @@ def fp_quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: Matri
     h = fp_gptq.stats_gram(stats.gram_matrix(), lambda: stats.rows, w.shape[-1], MIN_ROWS_PER_INPUT)
     if h is None:
         return fmt.quantize(w, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax)
-    # A format that quantizes its inputs also gets codes for the inputs as its kernel quantizes them,
-    # from every routed row the Gram matrix is rebuilt from (none when the Gram matrix is stored).
-    x = stats.gram_rows(1 << 62) if fmt.activation is not None else None
     return fp_gptq.quantize(fmt, w, h, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax,
-                            feedback=rounding in ERROR_FEEDBACK, search=rounding in ("awq", "awq_gptq"), x=x)
+                            feedback=rounding in ERROR_FEEDBACK, search=rounding in ("awq", "awq_gptq"))
 
 
 def output_error(fmt: QuantFormat, packed: dict[str, Tensor], w: Tensor, x: Tensor, dtype: torch.dtype) -> float:

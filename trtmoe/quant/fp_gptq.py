@@ -227,19 +227,11 @@ def gram_error(h: Tensor, w: Tensor, deq: Tensor) -> float:
 
 def quantize(fmt: QuantFormat, w: Tensor, h: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None,
              feedback: bool = True, search: bool = True, never_worse: bool = True,
-             factor: Tensor | None = None, x: Tensor | None = None) -> dict[str, Tensor]:
+             factor: Tensor | None = None) -> dict[str, Tensor]:
     """``fmt.quantize(w, ...)`` (one ``[out, in]`` matrix) with its codes (and, with ``search``, its
     block scales) chosen against the input Gram matrix ``h`` [in, in]: the same tensors, shapes and
     dtypes, global and input scales untouched. ``never_worse``: round to nearest's tensors are returned
-    when their Gram-weighted error is not larger. ``factor``: ``inverse_factor(h)`` when already known.
-
-    ``x`` (the input rows ``h`` is made of, in the model dtype), for a format that quantizes its inputs
-    (FP8, NVFP4 W4A4, FP8 1x128): the kernel computes ``X_q Ŵᵀ`` with ``X_q`` the inputs as it quantizes
-    them, so the codes are also chosen for ``‖X Wᵀ − X_q Ŵᵀ‖²``: rounded, with ``H_q = X_qᵀ X_q``,
-    towards the float weight that is best on the quantized inputs, ``W* = W Xᵀ X_q (H_q + λI)⁻¹`` (the
-    error then is ``‖X_q (W* − Ŵ)ᵀ‖²`` plus what no weight can remove). Both this and the plain
-    rounding are computed and the one with the smaller error on those rows is kept (round to nearest
-    too, with ``never_worse``)."""
+    when their Gram-weighted error is not larger. ``factor``: ``inverse_factor(h)`` when already known."""
     if not applies(fmt):
         raise InputError(f"{fmt.name}: activation-aware float rounding applies to FP8, FP8-block, NVFP4 and MXFP4 only")
     if w.dim() != 2:
@@ -257,31 +249,7 @@ def quantize(fmt: QuantFormat, w: Tensor, h: Tensor, *, dtype: torch.dtype, inpu
     else:
         single = base["weight_scale"].numel() == 1 and weight_amax is not None
         rule = _FP8Block(fmt.block, base["weight_scale"].reshape(()) if single else None)
-    cands = [_pack(fmt, base, *round_columns(wd, h, rule, feedback=feedback, search=search, factor=factor))]
-    if x is not None and fmt.activation is not None:
-        xf = x.float()
-        xq = fmt.quantize_input(xf, base).double()
-        hq = xq.t() @ xq
-        lam = DAMP * float(torch.diagonal(hq).mean().clamp_min(1e-30))
-        reg = hq + lam * torch.eye(hq.shape[0], dtype=hq.dtype)
-        target = torch.linalg.solve(reg, (xq.t() @ xf.double()) @ wd.double().t()).t().float()
-        cands.append(_pack(fmt, base, *round_columns(target, hq.float(), rule, feedback=feedback, search=search)))
-
-        def err(p: dict[str, Tensor]) -> float:
-            y = xf.double() @ wd.double().t() - xq @ fmt.dequantize(p, dtype=torch.float32).double().t()
-            return float(y.pow(2).sum())
-    else:
-        def err(p: dict[str, Tensor]) -> float:
-            return gram_error(h, wd, fmt.dequantize(p, dtype=torch.float32))
-    errs = [err(c) for c in cands]
-    i = min(range(len(cands)), key=errs.__getitem__)
-    if never_worse and not errs[i] < err(base):
-        return base
-    return cands[i]
-
-
-def _pack(fmt: QuantFormat, base: dict[str, Tensor], codes: Tensor, kept: Tensor) -> dict[str, Tensor]:
-    """``base`` (the format's round-to-nearest tensors) with ``codes`` and the chosen block scales."""
+    codes, kept = round_columns(wd, h, rule, feedback=feedback, search=search, factor=factor)
     out = dict(base)
     if isinstance(fmt, NVFP4Format):
         out["weight"] = pack_nibbles(codes)
@@ -296,6 +264,11 @@ def _pack(fmt: QuantFormat, base: dict[str, Tensor], codes: Tensor, kept: Tensor
         grid = kept[::bo].contiguous()  # [ceil(out / 128), ceil(in / 128)]: one value per block
         out["weight"] = codes.view(torch.float8_e4m3fn).contiguous()
         out["weight_scale"] = grid.reshape(base["weight_scale"].shape).to(base["weight_scale"].dtype).contiguous()
+    if never_worse:
+        e_new = gram_error(h, wd, fmt.dequantize(out, dtype=torch.float32))
+        e_rtn = gram_error(h, wd, fmt.dequantize(base, dtype=torch.float32))
+        if not e_new < e_rtn:
+            return base
     return out
 
 
