@@ -172,3 +172,49 @@ def test_e2m1_codes_of_values_round_trip():
     v = e2m1_values(torch.arange(16, dtype=torch.uint8))
     c = e2m1_codes(v)
     assert torch.equal(e2m1_values(c), v)
+
+
+def test_embedded_checkpoint_stores_the_codes_calibration_measured(tiny_model, tmp_path):
+    """A per-expert plan in the weight-only float formats on the embedded target, from an awq_gptq
+    calibration: each expert matrix holds exactly what calibration's ΔKL quantized (awq.quantize of
+    that matrix from the same statistics), and differs from round to nearest."""
+    from safetensors.torch import load_file
+
+    from trtmoe.checkpoint.writer import convert
+    from trtmoe.quant import awq
+    from trtmoe.quant.calibrate import measure, write_calibration
+    from trtmoe.quant.plan import QuantPlan
+    from trtmoe.runtime.engine import EmbeddedEngine
+
+    model = tiny_model("mixtral", num_local_experts=4, num_hidden_layers=2, seed=11, hidden_size=128,
+                       intermediate_size=128, head_dim=32, dtype="bfloat16")
+    ck = convert(model, tmp_path / "ck").out_dir
+    ids = torch.randint(0, 250, (4, 32), generator=torch.Generator().manual_seed(0))
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+    acts = awq.ActivationStats(inputs_dir=tmp_path / "cal" / awq.INPUTS_DIR)
+    fmts = ("nvfp4_w4a16", "fp8_block_wo")
+    res = measure(eng, ids, formats=fmts, activations=acts, rounding="awq_gptq")
+    acts.save(tmp_path / "cal" / awq.ACT_FILE)
+    write_calibration(tmp_path / "cal", res)
+    loaded = awq.ActivationStats.load(tmp_path / "cal" / awq.ACT_FILE)
+    plan = QuantPlan({0: ["nvfp4_w4a16"] * 4, 1: ["fp8_block_wo"] * 4}, granularity="matrix", dtype=DT)
+    plan = awq.attach(plan, "awq_gptq", tmp_path / "cal")
+    assert plan.meta["rounding"] == "awq_gptq"
+    got = load_file(str(convert(model, tmp_path / "q", quant=plan).out_dir / "rank0.safetensors"))
+    rtn = load_file(str(convert(model, tmp_path / "r", quant=awq.attach(plan, "rtn", None)).out_dir
+                        / "rank0.safetensors"))
+    src = load_file(str(model / "model.safetensors"))
+    differ = 0
+    for l, name in enumerate(fmts):
+        fmt = FORMATS[name]
+        for e in range(4):
+            q = f"model.layers.{l}.block_sparse_moe.experts.{e}."
+            w = {"fc": torch.cat([src[q + "w3.weight"], src[q + "w1.weight"]]), "proj": src[q + "w2.weight"]}
+            for m in ("fc", "proj"):
+                want = awq.quantize(fmt, w[m], dtype=DT, stats=loaded.get(l, e, m).with_fc(w["fc"]), rounding="awq_gptq")
+                for k, v in want.items():
+                    key = f"transformer.layers.{l}.mlp.experts.{e}.{m}.{k}"
+                    assert torch.equal(_bits(got[key]), _bits(v)), key
+                differ += not torch.equal(_bits(got[f"transformer.layers.{l}.mlp.experts.{e}.{m}.weight"]),
+                                          _bits(rtn[f"transformer.layers.{l}.mlp.experts.{e}.{m}.weight"]))
+    assert differ >= 8

@@ -1394,6 +1394,20 @@ class CheckpointRounding:
         _RECIPES[gkey] = rec
         return rec
 
+    def fp_quantize(self, fmt: QuantFormat, layer: int, expert: int, mod: str, shard: tuple[int, int], w: Tensor,
+                    input_amax=None, matrix=None) -> dict[str, Tensor]:
+        """Original expert ``expert``'s ``mod`` shard ``w`` in a float format (FP8, FP8-block, NVFP4,
+        MXFP4) under the rounding (``fp_quantize``), from that expert's statistics; ``shard`` and
+        ``matrix`` as for ``recipe``."""
+        self._evict(layer)
+        if matrix is not None:
+            self._matrix = matrix
+        st = self._stats(layer, expert, mod, matrix)
+        t, I_loc = shard
+        if mod == "proj":
+            st = st.columns(t * I_loc, (t + 1) * I_loc)
+        return fp_quantize(fmt, w, dtype=self.dtype, stats=st, rounding=self.rounding, input_amax=input_amax)
+
     def _prequant(self, fmt: QuantFormat, layer: int, mod: str, full, who: list[int], shared: bool) -> Tensor | None:
         """The searched pre-quant scale of ``who``'s ``mod`` (one expert, or the whole layer when
         ``shared``); None under plain error-feedback rounding, which has none."""
@@ -1481,11 +1495,12 @@ def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None
     a new plan, the given one is left as it is. Every rounding but rtn needs a calibration with
     activation statistics: a calibration without them, or a rounding ``asked`` for by name without a
     calibration, is refused; only the default rounding (``asked`` False) of a plan with no calibration
-    at all falls back to round-to-nearest, and says so. A plan that stores no int4 format comes back
-    unchanged."""
+    at all falls back to round-to-nearest, and says so. A plan that stores neither an int4 format nor
+    a float one ``fp_gptq`` rounds (FP8, FP8-block, NVFP4, MXFP4) comes back unchanged."""
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=ROUNDING_HINT)
-    if plan is None or not any(f in FORMATS and applies(FORMATS[f]) for f in plan.used_formats()):
+    if plan is None or not any(f in FORMATS and (applies(FORMATS[f]) or fp_gptq.applies(FORMATS[f]))
+                               for f in plan.used_formats()):
         return plan
     meta = {**plan.meta, "notes": list(plan.meta.get("notes") or [])}
 
