@@ -106,10 +106,12 @@ def test_gram_weighted_error_below_round_to_nearest(name):
     h, hh = _gram(x), _gram(xh)
     base = fmt.quantize(w, dtype=DT, input_amax=3.0)
     q = fp_gptq.quantize(fmt, w, h, dtype=DT, input_amax=3.0, never_worse=False)
-    assert _err(fmt, h, w, q) < 0.8 * _err(fmt, h, w, base)
-    assert _err(fmt, hh, w, q) < 0.85 * _err(fmt, hh, w, base)
+    # FP8 is dampened much more (DAMP_FP8): it keeps less of the feedback's gain on these rows
+    bound = 0.9 if name.startswith("fp8") else 0.8
+    assert _err(fmt, h, w, q) < bound * _err(fmt, h, w, base)
+    assert _err(fmt, hh, w, q) < (bound + 0.05) * _err(fmt, hh, w, base)
     fb = fp_gptq.quantize(fmt, w, h, dtype=DT, input_amax=3.0, search=False, never_worse=False)
-    assert _err(fmt, h, w, fb) < 0.8 * _err(fmt, h, w, base)
+    assert _err(fmt, h, w, fb) < bound * _err(fmt, h, w, base)
 
 
 @pytest.mark.parametrize("name", FP)
