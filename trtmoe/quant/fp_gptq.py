@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .formats import (E2M1_MAX, E4M3_MAX, FP8BlockFormat, FP8Format, MXFP4Format, NVFP4Format, QuantFormat,
+from .formats import (E4M3_MAX, FP8BlockFormat, FP8Format, MXFP4Format, NVFP4Format, QuantFormat,
                       _nvfp4_block_scales, e2m1_codes, e2m1_values, e8m0_exponents, pack_nibbles)
 
 # Relative dampening of diag(H) (λ = DAMP · mean diag H), per format family. The 4-bit formats take
