@@ -120,3 +120,19 @@ def _src(model, name):
             if name in fh.keys():
                 return fh.get_tensor(name)
     raise KeyError(name)
+
+
+def test_cli_rounding_option_reaches_the_export(calibrated):
+    from click.testing import CliRunner
+
+    from trtmoe.cli import main
+
+    model, d = calibrated
+    for r in ("rtn", "gptq"):
+        res = CliRunner().invoke(main, ["convert", str(model), "-o", str(d / f"cli_{r}"), "--target", "vllm",
+                                        "--layer-format", "0=nvfp4", "--layer-format", "1=nvfp4", "--sm", "100",
+                                        "--calib", str(d / "calib"), "--rounding", r], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        assert json.loads((d / f"cli_{r}" / "manifest.json").read_text())["plan"]["rounding"] == r
+    a, b = _tensors(d / "cli_rtn"), _tensors(d / "cli_gptq")
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a if k.endswith(".weight"))
