@@ -19,6 +19,11 @@ stored bits per routed-expert weight, scales counted, as ModelOpt's ``effective_
   calibration windows (``trtmoe.quant.awq.search_w4a8``), written by the same writer with that
   calibration's recipes (``awq.checkpoint_rounding``; what ``convert --target vllm|trtllm-pytorch
   --calib`` does). ``--no-w4a8`` leaves these out.
+* the same with activation-aware rounding of the FP8 / NVFP4 experts (``--rounding``, default awq_gptq:
+  ``trtmoe.quant.fp_gptq``'s error-feedback codes and block-scale search on each expert matrix's routed
+  inputs): a second calibration measures the candidates' ΔKL under that rounding, its graded plan is
+  written with it ("trtmoe graded, R"), and the uniform and AutoQuantize plans are written with it too
+  (", R export"), the codes recomputed from that calibration's stored inputs as ``convert --calib`` does.
 
 Every checkpoint is then loaded by the embedded engine from its packed bytes
 (``trtmoe.runtime.unified_load``: each linear on its format's kernel, activations quantized with the
@@ -27,8 +32,11 @@ way): mean KL(source || checkpoint) per token, the share of positions with the s
 checkpoint's bytes on disk and its routed experts' stored bits per weight.
 
     python scripts/bench_unified.py [--budgets 5,6] [--calib-samples 16] [--eval-samples 16] [--no-w4a8]
+                                    [--rounding awq_gptq]
 
-(``--budgets ''`` measures the uniform rows only.)
+(``--budgets ''`` measures the uniform rows only.) The last table gives, per fixture and budget, trtmoe's
+graded plan under the rounding against ModelOpt's AutoQuantize export (target ≤ 0.75×) and against the
+best uniform format within the budget (≤ 0.6×).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from safetensors.torch import save_file  # noqa: E402
 from bench_formats import fixture_windows, text_splits  # noqa: E402
 from trtmoe.build.unified_hf import calib_input_amax, plan_from_calibration  # noqa: E402
 from trtmoe.checkpoint import unified_hf as U  # noqa: E402
+from trtmoe.checkpoint.unified_rounding import UnifiedRounding  # noqa: E402
 from trtmoe.hf.reader import HFCheckpoint  # noqa: E402
 from trtmoe.quant import awq  # noqa: E402
 from trtmoe.quant.calibrate import calibrate, kl_per_token, load_calib  # noqa: E402
@@ -117,6 +126,8 @@ def main() -> int:
     ap.add_argument("--keep", default=None, help="keep the checkpoints in this directory")
     ap.add_argument("--no-w4a8", dest="w4a8", action="store_false",
                     help="leave out the uniform W4A8-AWQ rows (rounded to nearest, and searched)")
+    ap.add_argument("--rounding", default="awq_gptq", choices=("gptq", "awq_gptq", "awq"),
+                    help="activation-aware rounding of the FP8 / NVFP4 experts for the rows marked with it")
     args = ap.parse_args()
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     ladder = list(MODELOPT_CFG)
@@ -142,12 +153,28 @@ def main() -> int:
                       formats=tuple(ladder), force=True, rounding="rtn")
             print(f"  calibration over {ladder}: {time.perf_counter() - t0:.0f} s", flush=True)
             amax = calib_input_amax(model, calib_dir)
+            R = args.rounding
+            t0 = time.perf_counter()
+            calib_r = work / f"calib_{fx}_{R}"
+            calibrate(model, splits[0], calib_r, samples=args.calib_samples, seq_len=args.seq_len,
+                      formats=tuple(ladder), force=True, rounding=R)
+            print(f"  calibration over {ladder} with {R} rounding: {time.perf_counter() - t0:.0f} s", flush=True)
+            with U.SourceModel(model) as s_:
+                dtype = s_.info(next(m for m in s_.modules() if m.kind == "expert").tensor).dtype
+            rnd = UnifiedRounding.from_calibration(calib_r, R, dtype)
 
             def measure(name: str, budget, plan: U.UnifiedPlan | None = None, ck: Path | None = None, note="",
-                        rounding=None):
+                        rounding=None, fp_rounding=None):
                 if ck is None:
                     ck = work / f"{fx}_{name.replace(' ', '_').replace(',', '')}_{budget}"
-                    U.write_unified_checkpoint(model, ck, plan, input_amax=amax, force=True, rounding=rounding)
+                    t1 = time.perf_counter()
+                    before = dict(fp_rounding.counts) if fp_rounding else {}
+                    U.write_unified_checkpoint(model, ck, plan, input_amax=amax, force=True, rounding=rounding,
+                                               fp_rounding=fp_rounding)
+                    if fp_rounding:
+                        note += (f" ({fp_rounding.counts['rounded'] - before['rounded']} matrices rounded, "
+                                 f"{fp_rounding.counts['nearest'] - before['nearest']} kept RTN; "
+                                 f"export {time.perf_counter() - t1:.0f} s)")
                 kl, top1 = evaluate(ck, held, ref)
                 nbytes, bits = checkpoint_facts(ck)
                 rows.append((fx, budget, name, bits, nbytes, kl, top1, note))
@@ -157,6 +184,7 @@ def main() -> int:
             measure("bf16", "-", U.UnifiedPlan.uniform("bf16", layers))
             for f in ladder:
                 measure(f"uniform {f}", "-", U.UnifiedPlan({l: f for l in layers}))
+                measure(f"uniform {f}, {R}", "-", U.UnifiedPlan({l: f for l in layers}), fp_rounding=rnd)
             if args.w4a8:
                 w4 = U.UnifiedPlan({l: "w4a8_awq" for l in layers})
                 measure("uniform w4a8_awq, rtn", "-", w4)
@@ -174,6 +202,9 @@ def main() -> int:
             for b in budgets:
                 plan, _ = plan_from_calibration(model, calib_dir, b, engine=args.engine, sm=args.sm, formats=ladder)
                 measure("trtmoe graded", b, plan, note=",".join(plan.expert_formats[l] for l in layers))
+                plan_r, _ = plan_from_calibration(model, calib_r, b, engine=args.engine, sm=args.sm, formats=ladder)
+                measure(f"trtmoe graded, {R}", b, plan_r, note=",".join(plan_r.expert_formats[l] for l in layers),
+                        fp_rounding=rnd)
                 if not mo_ok:
                     continue
                 out_json = work / f"aq_{fx}_{b}.json"
@@ -192,6 +223,8 @@ def main() -> int:
                 names = {l: FROM_MODELOPT.get(chosen.get(str(l), ""), "bf16") for l in layers}
                 measure("AQ plan, trtmoe export", b, U.UnifiedPlan(dict(names)),
                         note=",".join(names[l] for l in layers) + f" ({secs:.0f} s search+export)")
+                measure(f"AQ plan, {R} export", b, U.UnifiedPlan(dict(names)),
+                        note=",".join(names[l] for l in layers), fp_rounding=rnd)
                 if p.returncode == 0 and (mo_dir / "hf_quant_config.json").is_file():
                     measure("AQ, ModelOpt export", b, ck=mo_dir, note=",".join(names[l] for l in layers))
                 else:
@@ -206,6 +239,23 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for fx, b, name, bits, nbytes, kl, top1, note in rows:
         print(f"| {fx} | {b} | {name} | {bits:.3f} | {nbytes:,} | {kl:.5f} | {top1:.4f} | {note} |")
+
+    R = args.rounding
+    print(f"\n| fixture | budget | trtmoe graded, {R} KL | AQ, ModelOpt export KL | ratio (target ≤ 0.75) "
+          "| best uniform within budget | its KL | ratio (target ≤ 0.6) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for fx in dict.fromkeys(r[0] for r in rows):
+        for b in budgets:
+            got = {name: (bits, kl) for f_, b_, name, bits, _, kl, _, _ in rows if f_ == fx and b_ in (b, "-")}
+            if f"trtmoe graded, {R}" not in got:
+                continue
+            kl_r = got[f"trtmoe graded, {R}"][1]
+            aq = got.get("AQ, ModelOpt export")
+            uni = [(kl, name) for name, (bits, kl) in got.items() if name.startswith("uniform") and bits <= b + 1e-9]
+            best = min(uni) if uni else None
+            print(f"| {fx} | {b} | {kl_r:.5f} | {'-' if aq is None else f'{aq[1]:.5f}'} | "
+                  f"{'-' if aq is None else f'{kl_r / aq[1]:.2f}x'} | {'-' if best is None else best[1]} | "
+                  f"{'-' if best is None else f'{best[0]:.5f}'} | {'-' if best is None else f'{kl_r / best[0]:.2f}x'} |")
     return 0
 
 

@@ -7,7 +7,7 @@ Layers, lowest first (a module's layer is its longest matching pattern):
 1. ``model``, ``data``, ``config``, ``matmul`` (which CPU library multiplies: engine and quantization
    searches)
 2. ``hf``, ``parallel``
-3. quantization numerics: ``quant.formats``, ``quant.plan``, ``quant.allocate``, ``quant.awq``,
+3. quantization numerics: ``quant.formats``, ``quant.plan``, ``quant.allocate``, ``quant.awq``, ``quant.fp_gptq``,
    ``quant.gptq``, ``quant.calib_schema``
 4. ``checkpoint`` (layout, writer, manifest, support table, verify)
 5. ``runtime`` (the embedded engine)
@@ -36,7 +36,7 @@ LAYERS = [
     ["trtmoe.model.*", "trtmoe.data", "trtmoe.config", "trtmoe.matmul"],
     ["trtmoe.hf.*", "trtmoe.parallel.*"],
     ["trtmoe.quant.formats", "trtmoe.quant.plan", "trtmoe.quant.allocate", "trtmoe.quant.awq",
-     "trtmoe.quant.gptq", "trtmoe.quant.calib_schema"],
+     "trtmoe.quant.gptq", "trtmoe.quant.fp_gptq", "trtmoe.quant.calib_schema"],
     ["trtmoe.checkpoint.*"],
     ["trtmoe.runtime.*"],
     ["trtmoe.targets.*"],

@@ -426,7 +426,7 @@ def _convert_unified(model, out, target, layer_formats, calib_ids, engine, sm, f
         task = prog.add_task("converting", total=None)
         r = convert_unified(model, out, target=target, layer_formats=layer_formats, engine=engine, sm=sm,
                             calib_ids=calib_ids, force=force, calib=q.get("calib"), budget_bpw=q.get("budget_bpw"),
-                            formats=q.get("formats"),
+                            formats=q.get("formats"), rounding=q.get("rounding"),
                             progress=lambda d, t: prog.update(task, completed=d, total=t))
     res = r.result
     q = res.hf_quant_config["quantization"]

@@ -83,7 +83,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                         help="INT4 rounding: awq (activation-aware scale and clip search on the calibration's "
                              "routed tokens; round to nearest without them), rtn (round to nearest), gptq "
                              "(error-feedback codes from the routed tokens' input Gram matrix) or awq_gptq "
-                             "(both)."),
+                             "(both). FP8 / FP8-block / NVFP4 / MXFP4 experts: gptq error feedback, awq a "
+                             "per-block scale search, awq_gptq both (unified-HF targets too)."),
         "seed": Key(int, 0, help="Seed of the random-bytes policy."),
     },
     "build": {
@@ -244,7 +245,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                         help="How INT4 formats are rounded when their ΔKL is measured (convert with the same): "
                              "awq_gptq searches awq's activation-aware scale and clip, then chooses the codes "
                              "by error feedback over each matrix's routed-token input Gram matrix; awq stops "
-                             "after the search; rtn rounds to nearest; gptq is error feedback alone."),
+                             "after the search; rtn rounds to nearest; gptq is error feedback alone. FP8 / "
+                             "FP8-block / NVFP4 / MXFP4: error feedback (gptq), block-scale search (awq), or both."),
         "sensitivity": Key(str, "fisher", choices=("fisher", "exact"),
                            help="fisher: second-order estimate from one forward and one backward pass, whatever "
                                 "the number of experts (resumable: rerun the same command after an interruption); "

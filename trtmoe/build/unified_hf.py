@@ -26,7 +26,8 @@ from ..checkpoint.manifest import REPOSITORY_MANIFEST, read_manifest, write_mani
 from ..checkpoint.verify import verify_artifact
 from ..errors import InputError
 from ..hf.reader import parse_dtype
-from ..quant import awq
+from ..checkpoint.unified_rounding import UnifiedRounding
+from ..quant import awq, fp_gptq
 from ..quant.calibrate import load_calib
 from ..quant.policies import make_target_plan
 from ..targets import names, target_for
@@ -129,6 +130,39 @@ def calib_input_amax(model: str | Path, calib: dict | str | Path) -> dict[str, f
     return amax
 
 
+def export_rounding(model: str | Path, plan: U.UnifiedPlan, calib: str | Path | None, rounding: str | None
+                    ) -> UnifiedRounding | None:
+    """The rounding the routed experts are written with (recorded in ``plan.meta["rounding"]``): ``rounding``
+    or, when None, the calibration's; None (round to nearest) without a calibration, for "rtn", and for a
+    plan with no float-format experts. A rounding named without a calibration is refused; the
+    calibration's own, when its activation statistics are gone, falls back to round to nearest with a
+    note."""
+    if rounding is not None and rounding not in awq.ROUNDINGS:
+        raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
+    if calib is None:
+        if rounding not in (None, "rtn"):
+            raise InputError(f"--rounding {rounding} needs a calibration with activation statistics",
+                             hint="pass --calib CALIB (from `trtmoe calibrate`), or use --rounding rtn")
+        return None
+    name = rounding or load_calib(calib).get("rounding") or "rtn"
+    fmts = {U.get_format(f).fmt for f in plan.expert_formats.values()}
+    if name == "rtn" or not any(fp_gptq.applies(f) for f in fmts):
+        plan.meta["rounding"] = "rtn"
+        return None
+    d = Path(calib)
+    if rounding is None and not ((d if d.is_dir() else d.parent) / awq.ACT_FILE).is_file():
+        plan.meta["rounding"] = "rtn"
+        plan.meta.setdefault("notes", []).append(
+            f"the calibration's {name} rounding needs its activation statistics, which are missing: experts "
+            "rounded to nearest")
+        return None
+    with U.SourceModel(model) as src:
+        mods = [m for m in src.modules() if m.kind == "expert"]
+        dtype = src.info(mods[0].tensor).dtype if mods else _model_dtype(src)
+    plan.meta["rounding"] = name
+    return UnifiedRounding.from_calibration(calib, name, dtype)
+
+
 @dataclass
 class UnifiedConvert:
     result: U.UnifiedResult
@@ -140,10 +174,13 @@ class UnifiedConvert:
 def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_formats, engine: str | None = None,
                     sm: int = 90, calib_ids: str | Path | None = None, force: bool = False,
                     calib: str | Path | None = None, budget_bpw: float | None = None, formats: list[str] | None = None,
-                    progress=None) -> UnifiedConvert:
+                    progress=None, rounding: str | None = None) -> UnifiedConvert:
     """Plan (``layer_formats``, or graded from ``calib`` at ``budget_bpw``), consult the support table
     (refusing before any work), take or measure input amax when a format quantizes activations, and
-    write the checkpoint."""
+    write the checkpoint. With ``calib`` the routed experts' FP8 / FP8-block / NVFP4 / MXFP4 codes are
+    chosen by ``rounding`` (None: the calibration's own, the one its sensitivities were measured with)
+    from the calibration's stored inputs; "rtn" rounds to nearest. W4A8-AWQ experts take the pre-quant
+    scales and clips the calibration searched."""
     t = target_for(target)
     if not t.unified:
         raise InputError(f"--target {target} does not write a unified-HF checkpoint",
@@ -165,6 +202,7 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
         family = src.family
     verdict = t.check(engine, family, plan.used(), sm)
     verdict.raise_if_refused(where=str(model))
+    rnd = export_rounding(model, plan, calib, rounding)
     amax = None
     needs = [m for m in plan.used() if U.get_format(m).activations]
     expert_only = all(not U.get_format(f).activations for f in plan.other_formats.values())
@@ -190,7 +228,7 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
     res = t.write(model, out, plan, input_amax=amax, force=force, progress=progress,
                   extra_manifest={"support": verdict.to_dict(), "engine": engine, "sm": sm,
                                   **({"rounding": rounding.rounding} if rounding else {})},
-                  rounding=rounding)
+                  rounding=rounding, fp_rounding=rnd)
     return UnifiedConvert(res, verdict, engine, sm)
 
 

@@ -21,7 +21,7 @@ from ..hf.safetensors_io import SourceRange
 from ..model.description import ModelSpec
 from ..model.params import role_shapes
 from ..parallel.mapping import Mapping
-from ..quant import awq
+from ..quant import awq, fp_gptq
 from ..quant.formats import FORMATS
 from ..quant.plan import format_obj
 from .schema import MAPPING_KEYS, schema_for
@@ -267,6 +267,10 @@ class RankLayout:
         amax = self._input_amax(l, mod, w.shape[-1]) if fmt.needs_input_amax else None
         if self.rounding is None:
             return fmt.quantize(w, dtype=self.dtype, input_amax=amax)
+        if fp_gptq.applies(fmt):  # FP8 / FP8-block / NVFP4 / MXFP4: the calibration's rounding of them
+            I = self.m.expert_intermediate_size
+            return self.rounding.fp_quantize(fmt, l, e, mod, (t, I_loc), w, amax,
+                                             matrix=lambda x, m: self.expert_matrix(l, x, 0, I, m))
         return awq.apply(fmt, w, self.dtype, self._recipe(fmt, l, e, t, I_loc, mod, w, shared), input_amax=amax)
 
     def _input_amax(self, l: int, mod: str, width: int) -> torch.Tensor:

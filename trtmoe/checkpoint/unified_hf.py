@@ -703,14 +703,16 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
                              input_amax: dict[str, float] | None = None, force: bool = False,
                              shard_bytes: int = SHARD_BYTES, dtype: torch.dtype | None = None,
                              progress: Callable[[int, int], None] | None = None,
-                             extra_manifest: dict | None = None, rounding=None) -> UnifiedResult:
+                             extra_manifest: dict | None = None, rounding=None, fp_rounding=None) -> UnifiedResult:
     """Write ``model`` (an HF MoE checkpoint directory) as a unified-HF checkpoint in ``out``, atomically.
 
     ``plan`` gives each linear its format; ``input_amax`` (module name -> amax) is needed for formats that
     quantize activations. Tensors that stay unquantized are written in ``dtype`` (default: the source's
     dtype). Streams one linear at a time. ``rounding`` (``trtmoe.quant.awq.checkpoint_rounding`` of a
     calibration, in ``dtype``) gives the routed experts of a format with an activation-aware search
-    (W4A8 AWQ) the pre-quant scale and clip the calibration searched."""
+    (W4A8 AWQ) the pre-quant scale and clip the calibration searched; ``fp_rounding`` (a
+    ``unified_rounding.UnifiedRounding``) chooses the routed experts' FP8 / FP8-block / NVFP4 / MXFP4
+    codes activation-aware (None: round to nearest)."""
     input_amax = input_amax or {}
     ck = SourceModel(model)
     try:
@@ -800,6 +802,9 @@ def write_unified_checkpoint(model: str | Path, out: str | Path, plan: UnifiedPl
                             got = awq.w4a8_expert_tensors(rounding, f.fmt, *where,
                                                           lambda e, r, l=where[0]: read_expert(l, e, r))
                             packed = None if got is None else {f"{mod.name}.{k}": t for k, t in got.items()}
+                        if packed is None and fp_rounding is not None and f.quant_algo:
+                            packed = fp_rounding.quantize(mod, f.fmt, src, input_amax.get(mod.name), shared, ck)
+                            packed = None if packed is None else {f"{mod.name}.{k}": t for k, t in packed.items()}
                         if packed is None:
                             packed = _module_tensors(mod, f, src, input_amax.get(mod.name), shared)
                         for tname, dt, shape in ss:

@@ -83,7 +83,7 @@ from ..errors import InputError
 from ..hf.hashing import sha256_file
 from ..hf.safetensors_io import SafetensorsFile, write_file
 from ..matmul import linear
-from . import gptq
+from . import fp_gptq, gptq
 from .formats import FORMATS, QuantFormat, pack_int4
 
 log = logging.getLogger(__name__)
@@ -1373,10 +1373,25 @@ def quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: MatrixSt
     ``recipe_for``."""
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=ROUNDING_HINT)
+    if rounding != "rtn" and stats is not None and fp_gptq.applies(fmt):
+        return fp_quantize(fmt, w, dtype=dtype, stats=stats, rounding=rounding, input_amax=input_amax)
     if rounding == "rtn" or not applies(fmt):
         return fmt.quantize(w, dtype=dtype, input_amax=input_amax)
     rec = recipe_for(fmt, w, dtype, stats, rounding=rounding, keep=keep, input_amax=input_amax)
     return apply(fmt, w, dtype, rec, input_amax=input_amax)
+
+
+def fp_quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: MatrixStats, rounding: str,
+                input_amax=None, weight_amax=None) -> dict[str, Tensor]:
+    """A float format (FP8, FP8-block, NVFP4, MXFP4) under ``rounding`` (``trtmoe.quant.fp_gptq``):
+    error-feedback codes under gptq / awq_gptq, the block-scale search under awq / awq_gptq, against
+    the statistics' Gram matrix (the sampled rows' when none is kept, given enough of them); round to
+    nearest when there is neither."""
+    h = fp_gptq.stats_gram(stats.gram_matrix(), lambda: stats.rows, w.shape[-1], MIN_ROWS_PER_INPUT)
+    if h is None:
+        return fmt.quantize(w, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax)
+    return fp_gptq.quantize(fmt, w, h, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax,
+                            feedback=rounding in ERROR_FEEDBACK, search=rounding in ("awq", "awq_gptq"))
 
 
 def output_error(fmt: QuantFormat, packed: dict[str, Tensor], w: Tensor, x: Tensor, dtype: torch.dtype) -> float:
@@ -1524,6 +1539,20 @@ class CheckpointRounding:
         a = torch.as_tensor(got, dtype=torch.float32).reshape(-1)
         return a[t * I_loc:(t + 1) * I_loc] if mod == "proj" and a.numel() > 1 and a.numel() != I_loc else a
 
+    def fp_quantize(self, fmt: QuantFormat, layer: int, expert: int, mod: str, shard: tuple[int, int], w: Tensor,
+                    input_amax=None, matrix=None) -> dict[str, Tensor]:
+        """Original expert ``expert``'s ``mod`` shard ``w`` in a float format (FP8, FP8-block, NVFP4,
+        MXFP4) under the rounding (``fp_quantize``), from that expert's statistics; ``shard`` and
+        ``matrix`` as for ``recipe``."""
+        self._evict(layer)
+        if matrix is not None:
+            self._matrix = matrix
+        st = self._stats(layer, expert, mod, matrix)
+        t, I_loc = shard
+        if mod == "proj":
+            st = st.columns(t * I_loc, (t + 1) * I_loc)
+        return fp_quantize(fmt, w, dtype=self.dtype, stats=st, rounding=self.rounding, input_amax=input_amax)
+
     def _prequant(self, fmt: QuantFormat, layer: int, mod: str, full, who: list[int], shared: bool) -> Tensor | None:
         """The searched pre-quant scale of ``who``'s ``mod`` (one expert, or the whole layer when
         ``shared``); None under plain error-feedback rounding, which has none."""
@@ -1626,11 +1655,12 @@ def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None
     a new plan, the given one is left as it is. Every rounding but rtn needs a calibration with
     activation statistics: a calibration without them, or a rounding ``asked`` for by name without a
     calibration, is refused; only the default rounding (``asked`` False) of a plan with no calibration
-    at all falls back to round-to-nearest, and says so. A plan that stores no int4 format comes back
-    unchanged."""
+    at all falls back to round-to-nearest, and says so. A plan that stores neither an int4 format nor
+    a float one ``fp_gptq`` rounds (FP8, FP8-block, NVFP4, MXFP4) comes back unchanged."""
     if rounding not in ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=ROUNDING_HINT)
-    if plan is None or not any(f in FORMATS and applies(FORMATS[f]) for f in plan.used_formats()):
+    if plan is None or not any(f in FORMATS and (applies(FORMATS[f]) or fp_gptq.applies(FORMATS[f]))
+                               for f in plan.used_formats()):
         return plan
     meta = {**plan.meta, "notes": list(plan.meta.get("notes") or [])}
 
