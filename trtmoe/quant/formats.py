@@ -24,7 +24,7 @@ Numerics shared by the integer formats:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -193,6 +193,11 @@ class QuantFormat:
     def quantize_input(self, x: Tensor, packed: dict[str, Tensor]) -> Tensor:
         """``x`` as this format's kernel sees its inputs: unchanged for the weight-only formats."""
         return x
+
+    # Which activation-aware float rounding (``trtmoe.quant.fp_gptq``) chooses this format's codes and
+    # block scales: "fp8" (E4M3, one per-tensor scale), "fp8_block" (E4M3, 128x128 block scales), "nvfp4"
+    # (E2M1, E4M3 block scales of 16 under a global scale), "mxfp4" (E2M1, E8M0 block scales of 32), or None.
+    fp_rounding: ClassVar[str | None] = None
 
     @property
     def int4_search(self) -> str | None:
@@ -898,6 +903,8 @@ class FP8Format(FusedMoEFormat):
     """FP8 E4M3 weights with one float32 scale per matrix (``weight_scale = amax / 448``), and with
     ``activation`` "fp8" a static per-tensor FP8 input scale (W8A8, ModelOpt ``FP8``)."""
 
+    fp_rounding = "fp8"
+
     def weight_bytes(self, out_features: int, in_features: int, n: int = 1,
                      scale_dtype_bytes: int = 2) -> int:
         self._check_dims(out_features, in_features, n)
@@ -934,6 +941,8 @@ class FP8BlockFormat(FusedMoEFormat):
     ceil(in/128)]``, amax / 448; DeepSeek-V3's ``weight_scale_inv``). With ``activation``
     "fp8_1x128" the inputs are quantized per token in groups of 128 (TensorRT-LLM
     ``FP8_BLOCK_SCALES``); without, weight-only (ModelOpt ``fp8_pb_wo``)."""
+
+    fp_rounding = "fp8_block"
 
     block: int = FP8_BLOCK
 
@@ -1018,6 +1027,8 @@ class NVFP4Format(_BlockFP4Format):
     in/2]``. With ``activation`` "nvfp4" the inputs are NVFP4 too under the static
     ``input_scale = amax / (6 * 448)`` (W4A4, ModelOpt ``NVFP4``); without, W4A16 (``W4A16_NVFP4``)."""
 
+    fp_rounding = "nvfp4"
+
     block: int = 16
     global_scale_bytes: int = 4  # weight_scale_2
 
@@ -1060,6 +1071,8 @@ class MXFP4Format(_BlockFP4Format):
     """MXFP4 (OCP MX): E2M1 weights in blocks of 32 inputs with a power-of-two E8M0 scale per block
     (``weight_scale`` uint8 ``[out, in/32]``, biased by 127); ``weight`` uint8 ``[out, in/2]``.
     Weight-only (W4A16; ModelOpt ``mxfp4``, TensorRT-LLM ``W4A16_MXFP4``)."""
+
+    fp_rounding = "mxfp4"
 
     block: int = 32
 

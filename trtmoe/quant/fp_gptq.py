@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .formats import (E4M3_MAX, FP8BlockFormat, FP8Format, MXFP4Format, NVFP4Format, QuantFormat,
+from .formats import (E4M3_MAX, QuantFormat,
                       _nvfp4_block_scales, e2m1_codes, e2m1_values, e8m0_exponents, pack_nibbles)
 
 # Relative dampening of diag(H) (λ = DAMP · mean diag H), per format family. The 4-bit formats take
@@ -57,7 +57,7 @@ MXFP4_EXPONENT_STEPS = (0, -1)
 
 def applies(fmt: QuantFormat) -> bool:
     """Whether ``fmt`` is one of the float formats this module rounds."""
-    return isinstance(fmt, (FP8Format, FP8BlockFormat, NVFP4Format, MXFP4Format))
+    return fmt.fp_rounding is not None
 
 
 def inverse_factor(h: Tensor, damp: float = DAMP) -> Tensor:
@@ -251,24 +251,25 @@ def quantize(fmt: QuantFormat, w: Tensor, h: Tensor, *, dtype: torch.dtype, inpu
         raise InputError(f"{fmt.name}: Gram matrix {tuple(h.shape)} does not match the weight's {w.shape[-1]} inputs")
     base = fmt.quantize(w, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax)
     wd = w.to(dtype).float()
-    if isinstance(fmt, NVFP4Format):
+    kind = fmt.fp_rounding
+    if kind == "nvfp4":
         rule: _Rule = _NVFP4(base["weight_scale_2"])
-    elif isinstance(fmt, MXFP4Format):
+    elif kind == "mxfp4":
         rule = _MXFP4()
-    elif isinstance(fmt, FP8Format):
+    elif kind == "fp8":
         rule = _FP8Tensor(base["weight_scale"], dtype)
     else:
         single = base["weight_scale"].numel() == 1 and weight_amax is not None
         rule = _FP8Block(fmt.block, base["weight_scale"].reshape(()) if single else None)
     codes, kept = round_columns(wd, h, rule, feedback=feedback, search=search, factor=factor)
     out = dict(base)
-    if isinstance(fmt, NVFP4Format):
+    if kind == "nvfp4":
         out["weight"] = pack_nibbles(codes)
         out["weight_scale"] = kept.to(torch.float8_e4m3fn).contiguous()
-    elif isinstance(fmt, MXFP4Format):
+    elif kind == "mxfp4":
         out["weight"] = pack_nibbles(codes)
         out["weight_scale"] = (kept + 127).to(torch.uint8).contiguous()
-    elif isinstance(fmt, FP8Format):
+    elif kind == "fp8":
         out["weight"] = codes.view(torch.float8_e4m3fn).contiguous()
     else:
         bo = fmt.block
