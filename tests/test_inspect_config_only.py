@@ -12,11 +12,16 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from trtmoe.checkpoint.writer import convert
 from trtmoe.cli import main
 from trtmoe.hf.reader import HFCheckpoint
 from trtmoe.quant.plan import uniform_plan
 from trtmoe.report.inspect import inspect_model
+from trtmoe.targets import target_for
+
+
+def convert(model, out, *, target: str = "embedded", **options):
+    """The deployment target's checkpoint writer (the embedded engine's unless named)."""
+    return target_for(target).write(model, out, **options)
 
 
 def config_only(src: Path, dst: Path) -> Path:

@@ -35,10 +35,16 @@ import pytest
 from safetensors import safe_open
 
 from trtmoe.checkpoint import support
-from trtmoe.checkpoint.writer import convert
 from trtmoe.errors import UnsupportedError
 from trtmoe.hf.reader import HFCheckpoint
 from trtmoe.quant.plan import QuantPlan
+from trtmoe.targets import target_for
+
+
+def convert(model, out, *, target: str = "embedded", **options):
+    """The deployment target's checkpoint writer (the embedded engine's unless named)."""
+    return target_for(target).write(model, out, **options)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 # Expert FFN size key per architecture (Mixtral and Phi-3.5-MoE name it intermediate_size).

@@ -43,7 +43,6 @@ from .atomic import atomic_directory, source_tree, stays_inside
 from .layout import DTYPE_STR, RankLayout, TensorSpec, trtllm_config
 from .manifest import dump_json, write_manifest
 from .schema import check_strict_blocks
-from .support import check_checkpoint_config
 
 # What a checkpoint carries of the model's tokenizer (in its tokenizer/ folder).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -542,15 +541,16 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
             moe_ep: int | None = None, dtype: str = "auto", trtllm_version: str = DEFAULT_TRTLLM_VERSION,
             force: bool = False, resolved_config: dict | None = None,
             progress: Callable[[int, int], None] | None = None, quant=None,
-            inputs: tuple[str | Path, ...] = (), target: str | None = None, device: str = "cpu") -> ConvertResult:
+            inputs: tuple[str | Path, ...] = (), check: Callable | None = None, device: str = "cpu") -> ConvertResult:
     """Convert ``model`` (HF dir or cached hub id) into a TensorRT-LLM checkpoint at ``out_dir``.
 
     ``progress(done_bytes, total_bytes)`` is called as rank bytes are written. ``quant`` is an
     optional ``trtmoe.quant.plan.QuantPlan`` (format per expert, granularity, placement). Nothing is
     written unless the whole conversion succeeds, and ``out_dir`` may not be or hold the model or any
-    other path in ``inputs`` (a calibration directory, say). With ``target="tensorrt-llm"`` a checkpoint
-    that TensorRT-LLM's release line cannot build (see ``trtmoe.checkpoint.support``) is refused before
-    anything is written; the cells NVIDIA does not list come back as ``cautions``. ``device``
+    other path in ``inputs`` (a calibration directory, say). ``check(config, quant_cfg, version)``, the
+    deployment target's (``trtmoe.targets``; TensorRT-LLM's engine builder passes
+    ``support.check_checkpoint_config``), refuses a checkpoint the target cannot build before anything
+    is written; the cells it does not list come back as ``cautions``. ``device``
     ("cpu", "cuda" or "auto", see ``search_device``) is where the plan's INT4 searches are to run.
     """
     dev = search_device(device)
@@ -566,8 +566,8 @@ def convert(model: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
         problems = check_strict_blocks(cfg, trtllm_version)
         assert not problems, problems  # our own tables must agree with themselves
         cautions: list[str] = []
-        if target == "tensorrt-llm":
-            verdict = check_checkpoint_config(cfg, None, trtllm_version)
+        if check is not None:
+            verdict = check(cfg, None, trtllm_version)
             verdict.raise_if_refused(stage="convert")
             cautions = verdict.cautions
         layouts = [RankLayout(src.model, mapping, r, tdtype, src, quant, device=dev) for r in mapping.ranks()]

@@ -17,9 +17,13 @@ class EngineCheckpoint(Target):
     artifact = "trtllm-checkpoint"
     calibrates = True
 
+    # ``check(config, quant_cfg, version)`` -> verdict on a checkpoint's config.json before it is
+    # written, refusing what the target cannot build; None: the target runs every checkpoint.
+    checkpoint_check = None
+
     def write(self, model, out, **options):
         """``trtmoe.checkpoint.writer.convert`` for this target (its options: layout, dtype, plan)."""
-        return convert(model, out, target=self.name, **options)
+        return convert(model, out, check=self.checkpoint_check, **options)
 
 
 class Embedded(EngineCheckpoint):
@@ -42,6 +46,7 @@ class TensorRTLLMEngine(EngineCheckpoint):
     rounder = "engine builder"
     build_backend = "tensorrt-llm"
     per_rank_memory = True
+    checkpoint_check = staticmethod(support.check_checkpoint_config)
 
     def plan_granularity(self, asked: str, policy: str, budgeted: bool) -> str:
         granularity = "layer" if asked == "auto" else asked
