@@ -373,3 +373,16 @@ def grpc_stream(url: str, model: str, inputs: list, timeout: float = 60.0, on_fi
     finally:
         client.stop_stream()
         client.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_with_ids(tiny_model, tmp_path_factory):
+    """A tiny bf16 Qwen3-MoE (expert FFN 64) and a directory holding ``ids.json``: two seeded windows of
+    16 calibration token ids, for converts that measure input amax."""
+    import random
+
+    model = tiny_model("qwen3_moe", dtype="bfloat16", moe_intermediate_size=64)
+    d = tmp_path_factory.mktemp("qwen3-ids")
+    rng = random.Random(0)
+    (d / "ids.json").write_text(json.dumps([[rng.randrange(250) for _ in range(16)] for _ in range(2)]))
+    return model, d

@@ -5,7 +5,6 @@ convert and inspect through the registry alone."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 from click.testing import CliRunner
@@ -66,12 +65,8 @@ def next_engine():
 
 
 @pytest.fixture(scope="module")
-def qwen3(tiny_model, tmp_path_factory):
-    model = tiny_model("qwen3_moe", dtype="bfloat16", moe_intermediate_size=64)
-    d = tmp_path_factory.mktemp("targets")
-    rng = random.Random(0)
-    (d / "ids.json").write_text(json.dumps([[rng.randrange(250) for _ in range(16)] for _ in range(2)]))
-    return model, d
+def qwen3(tiny_qwen3_with_ids):
+    return tiny_qwen3_with_ids
 
 
 def _invoke(*args):

@@ -138,6 +138,21 @@ def moe_layers(model: Path) -> list[int]:
         return sorted({m.layer for m in src.modules() if m.kind == "expert"})
 
 
+def assert_same_tensors(ours, ref) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``ours`` and ``ref`` hold the same tensors: names, dtypes and shapes, and the same bits except the
+    input scales, which may differ by one rounding step of the model dtype (bf16: 2**-8 relative) on the
+    calibrated activations. Returns both tensor dicts."""
+    a, b = tensors(ours), tensors(ref)
+    assert sorted(a) == sorted(b)
+    for k in sorted(a):
+        assert (a[k].dtype, tuple(a[k].shape)) == (b[k].dtype, tuple(b[k].shape)), k
+        if k.endswith("input_scale"):
+            assert torch.allclose(a[k], b[k], rtol=2 ** -7, atol=0), (k, a[k].item(), b[k].item())
+        else:
+            assert torch.equal(bits(a[k]), bits(b[k])), k
+    return a, b
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,fmt", UNIFORM)
 def test_uniform_export_matches_modelopt(arch, fmt, models, calib_ids, modelopt_refs, tmp_path):
@@ -149,15 +164,7 @@ def test_uniform_export_matches_modelopt(arch, fmt, models, calib_ids, modelopt_
     U.write_unified_checkpoint(model, ours, U.UnifiedPlan.uniform(fmt, moe_layers(model)), input_amax=amax,
                                shard_bytes=150_000)
     verify_artifact(ours)
-    a, b = tensors(ours), tensors(ref)
-    assert sorted(a) == sorted(b)
-    for k in sorted(a):
-        assert (a[k].dtype, tuple(a[k].shape)) == (b[k].dtype, tuple(b[k].shape)), k
-        if k.endswith("input_scale"):
-            # One rounding step of the model dtype (bf16: 2**-8 relative) on the calibrated activations.
-            assert torch.allclose(a[k], b[k], rtol=2 ** -7, atol=0), (k, a[k].item(), b[k].item())
-        else:
-            assert torch.equal(bits(a[k]), bits(b[k])), k
+    a, b = assert_same_tensors(ours, ref)
     for name in ("hf_quant_config.json",):
         assert json.loads((ours / name).read_text()) == json.loads((ref / name).read_text())
     assert (json.loads((ours / "config.json").read_text())["quantization_config"]
@@ -252,14 +259,7 @@ def test_llama4_stacked_experts_match_modelopt(arch, job, models, calib_ids, mod
     ours = tmp_path / "trtmoe"
     U.write_unified_checkpoint(model, ours, plan, input_amax=U.measure_input_amax(model, ids) if job == "graded" else None)
     verify_artifact(ours)
-    a, b = tensors(ours), tensors(ref)
-    assert sorted(a) == sorted(b)
-    for k in sorted(a):
-        assert (a[k].dtype, tuple(a[k].shape)) == (b[k].dtype, tuple(b[k].shape)), k
-        if k.endswith("input_scale"):
-            assert torch.allclose(a[k], b[k], rtol=2 ** -7, atol=0), (k, a[k].item(), b[k].item())
-        else:
-            assert torch.equal(bits(a[k]), bits(b[k])), k
+    assert_same_tensors(ours, ref)
     if job == "bf16":
         assert not (ours / "hf_quant_config.json").exists() or \
             json.loads((ours / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] is None

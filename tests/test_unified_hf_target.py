@@ -4,7 +4,6 @@ llmapi repository and the GPU command lines; and the formats' numerics against h
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -114,12 +113,8 @@ def test_dequantized_weights_are_within_one_rounding_step(fmt, rel):
 # ---- CLI end to end --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def qwen3(tiny_model, tmp_path_factory):
-    model = tiny_model("qwen3_moe", dtype="bfloat16", moe_intermediate_size=64)
-    d = tmp_path_factory.mktemp("uhf")
-    rng = random.Random(0)
-    (d / "ids.json").write_text(json.dumps([[rng.randrange(250) for _ in range(16)] for _ in range(2)]))
-    return model, d
+def qwen3(tiny_qwen3_with_ids):
+    return tiny_qwen3_with_ids
 
 
 def test_convert_refuses_a_graded_plan_trtllm_cannot_load_before_any_work(qwen3):
