@@ -193,8 +193,6 @@ def main() -> int:
                 calibrate(model, splits[0], w4_dir, samples=args.calib_samples, seq_len=args.seq_len,
                           formats=("w4a8_awq",), force=True, rounding="awq")
                 secs = time.perf_counter() - t0
-                with U.SourceModel(model) as s:
-                    dtype = s.info(s.modules()[0].tensor).dtype
                 measure("uniform w4a8_awq, searched", "-", w4, note=f"(awq calibration {secs:.0f} s)",
                         rounding=awq.checkpoint_rounding(w4_dir, load_calib(w4_dir), dtype))
             ids_path = work / f"ids_{fx}.safetensors"
