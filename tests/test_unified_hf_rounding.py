@@ -136,3 +136,28 @@ def test_cli_rounding_option_reaches_the_export(calibrated):
         assert json.loads((d / f"cli_{r}" / "manifest.json").read_text())["plan"]["rounding"] == r
     a, b = _tensors(d / "cli_rtn"), _tensors(d / "cli_gptq")
     assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a if k.endswith(".weight"))
+
+
+def test_a_calibration_without_float_rounding_is_called_stale(calibrated, tmp_path):
+    """calib.json records the rounding its float formats were measured under; a calibration that lacks the
+    key (made before float codes followed the rounding) still exports with the codes, and says its
+    predictions are round to nearest's."""
+    import shutil
+
+    model, d = calibrated
+    calib = json.loads((d / "calib" / "calib.json").read_text())
+    assert calib["float_rounding"] == "gptq" == calib["rounding"]
+    kw = dict(target="vllm", layer_formats=("0=nvfp4", "1=fp8"), engine="vllm-0.33", sm=100)
+    fresh = convert_unified(model, tmp_path / "fresh", calib=d / "calib", **kw)
+    assert not any("predates" in n for n in fresh.result.plan.meta.get("notes", []))
+
+    old = tmp_path / "old_calib"
+    shutil.copytree(d / "calib", old)
+    del calib["float_rounding"]
+    (old / "calib.json").write_text(json.dumps(calib))
+    r = convert_unified(model, tmp_path / "old", calib=old, **kw)
+    notes = r.result.plan.meta.get("notes", [])
+    assert any("predates" in n and "gptq codes" in n for n in notes), notes
+    assert r.result.plan.meta["rounding"] == "gptq"
+    assert awq.stale_float_rounding(calib) and not awq.stale_float_rounding({**calib, "rounding": "rtn"})
+    assert not awq.stale_float_rounding({**calib, "formats": ["int4_g128"]})

@@ -160,6 +160,8 @@ def export_rounding(model: str | Path, plan: U.UnifiedPlan, calib: str | Path | 
         mods = [m for m in src.modules() if m.kind == "expert"]
         dtype = src.info(mods[0].tensor).dtype if mods else _model_dtype(src)
     plan.meta["rounding"] = name
+    if awq.stale_float_rounding(load_calib(calib)):
+        plan.meta.setdefault("notes", []).append(awq.STALE_FLOAT_NOTE.format(name))
     return UnifiedRounding.from_calibration(calib, name, dtype)
 
 

@@ -1649,6 +1649,19 @@ def rounding_for_plan(plan, dtype: torch.dtype, device: torch.device | str = "cp
     return CheckpointRounding(_LOADED[key], dtype, key, rounding, meta.get("input_amax"), device=device)
 
 
+STALE_FLOAT_NOTE = ("this calibration measured the float formats (FP8, FP8-block, NVFP4, MXFP4) rounded to "
+                    "nearest (it predates their activation-aware codes): they are written with {} codes, better "
+                    "than its predicted ΔKL; recalibrate for predictions that match")
+
+
+def stale_float_rounding(calib: dict | None) -> bool:
+    """True for a calibration whose rounding is activation-aware but which measured its float formats rounded
+    to nearest: one made before calib.json recorded ``float_rounding``."""
+    if not calib or calib.get("rounding", "rtn") == "rtn" or "float_rounding" in calib:
+        return False
+    return any(f in FORMATS and fp_gptq.applies(FORMATS[f]) for f in calib.get("formats", ()))
+
+
 def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None, *,
            asked: bool = True):
     """``plan`` with ``rounding`` recorded in its meta (what the layout reads and the manifest keeps):
@@ -1688,6 +1701,9 @@ def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None
         rounding = "rtn"
     elif measured is not None and measured != rounding:
         note(f"sensitivities were measured with {measured} rounding, the int4 weights use {rounding}")
+    if rounding != "rtn" and stale_float_rounding(calib) and any(
+            f in FORMATS and fp_gptq.applies(FORMATS[f]) for f in plan.used_formats()):
+        note(STALE_FLOAT_NOTE.format(rounding))
     if not meta["notes"] and "notes" not in plan.meta:
         del meta["notes"]
     meta["rounding"] = rounding
