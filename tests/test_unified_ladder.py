@@ -188,6 +188,17 @@ def test_export_takes_the_calibrations_w4a8_recipes_without_searching(ladder_cal
 
 # ---- the plan ------------------------------------------------------------------------------------
 
+def _stored_bpw(model: Path) -> dict[str, float]:
+    """Each format's stored bits per routed-expert weight in the unified-HF checkpoint (every layer alike)."""
+    from trtmoe.checkpoint import unified_hf as U
+
+    with U.SourceModel(model) as src:
+        bits = U.expert_layer_bits(src, ("float", *LADDER))
+        n_w = sum(m.shape[0] * m.shape[1] for m in src.modules() if m.kind == "expert" and m.layer == 0)
+    assert all(b == bits[0] for b in bits.values())
+    return {f: b / n_w for f, b in bits[0].items()}
+
+
 def _edited(cal: Path, tmp: Path, scale: dict[tuple[str, int], float]) -> Path:
     """A copy of the calibration whose ΔKL of (format, layer) is NVFP4's times ``scale`` (others kept)."""
     d = Path(shutil.copytree(cal, tmp / "cal"))
@@ -210,7 +221,7 @@ def test_plan_picks_w4a8_where_it_buys_more_per_bit(ladder_cal, tmp_path):
 
     _, model, cal = ladder_cal
     c = load_calib(cal)
-    bpw = c["bits_per_weight"]
+    bpw = _stored_bpw(model)
     assert bpw["w4a8_awq"] < bpw["nvfp4"]
     dkl = c["sensitivity"]["delta_kl"]
     hot = max(range(L), key=lambda l: sum(dkl["nvfp4"][l]))
@@ -236,24 +247,23 @@ def test_plan_picks_w4a8_where_it_buys_more_per_bit(ladder_cal, tmp_path):
 
 def test_plan_over_the_ladder_is_the_least_predicted_dkl_within_the_budget(ladder_cal):
     """On the measured calibration, at several budgets: the per-layer plan's predicted ΔKL is the least
-    over every per-layer assignment of {bf16, fp8, nvfp4, w4a8_awq} whose stored bits fit (enumerated)."""
+    over every per-layer assignment of {bf16, fp8, nvfp4, w4a8_awq} whose stored bits in the unified-HF
+    checkpoint fit (enumerated), and its avg_bpw is those stored bits per weight."""
     from trtmoe.build.unified_hf import plan_from_calibration
     from trtmoe.quant.calibrate import load_calib
-    from trtmoe.quant.policies import expert_cost_bits
 
     _, model, cal = ladder_cal
     c = load_calib(cal)
     dkl = c["sensitivity"]["delta_kl"]
-    H, I = c["hidden_size"], c["expert_intermediate_size"]
-    cost = {f: expert_cost_bits(f, I, H, torch.bfloat16) for f in ("float", *LADDER)}
+    cost = _stored_bpw(model)
     loss = {f: [sum(dkl[f][l]) if f != "float" else 0.0 for l in range(L)] for f in cost}
-    n_w = L * E * 3 * I * H
-    for budget in (4.5, 5.0, 6.0, 7.0, 10.0, 12.5):
-        fits = [a for a in product(cost, repeat=L) if sum(E * cost[f] for f in a) <= budget * n_w * (1 + 1e-12)]
+    for budget in (4.4, 4.5, 5.0, 6.0, 6.2, 7.0, 10.0, 12.5):
+        fits = [a for a in product(cost, repeat=L) if sum(cost[f] for f in a) / L <= budget * (1 + 1e-12)]
         best = min(sum(loss[f][l] for l, f in enumerate(a)) for a in fits)
         plan, _ = plan_from_calibration(model, cal, budget, engine="vllm-0.33", sm=90)
         got = [("float" if plan.expert_formats[l] == "bf16" else plan.expert_formats[l]) for l in range(L)]
-        assert sum(E * cost[f] for f in got) <= budget * n_w * (1 + 1e-12), budget
+        assert plan.meta["avg_bpw"] == pytest.approx(sum(cost[f] for f in got) / L, rel=1e-12), budget
+        assert plan.meta["avg_bpw"] <= budget * (1 + 1e-12), budget
         assert sum(loss[f][l] for l, f in enumerate(got)) == pytest.approx(best, rel=1e-9, abs=1e-15), budget
 
 
@@ -287,11 +297,16 @@ def test_cli_calibrate_three_formats_then_convert_vllm_budget(tmp_path):
     plan, _ = plan_from_calibration(model, tmp_path / "cal", 6.0, engine="vllm-0.33", sm=90)
     assert {int(k): v for k, v in man["plan"]["expert_formats"].items()} == plan.expert_formats
     assert man["plan"]["avg_bpw"] <= 6.0
+    # avg_bpw is the written experts' stored bits per weight (every expert tensor counted)
+    t = _tensors(ck)
+    stored = sum(8 * v.numel() * v.element_size() for k, v in t.items() if ".experts." in k)
+    n_w = sum(v.numel() * (2 if v.dtype == torch.uint8 else 1) for k, v in t.items()
+              if ".experts." in k and k.endswith(".weight"))
+    assert man["plan"]["avg_bpw"] == pytest.approx(stored / n_w, rel=1e-12)
     c = load_calib(tmp_path / "cal")
     dkl = c["sensitivity"]["delta_kl"]
     if all(sum(dkl["w4a8_awq"][i]) < sum(dkl["nvfp4"][i]) for i in range(len(c["moe_layers"]))):
         assert "nvfp4" not in plan.expert_formats.values()
-    t = _tensors(ck)
     for l, f in plan.expert_formats.items():
         pq = [k for k in t if f"layers.{l}." in k and ".experts." in k and k.endswith("pre_quant_scale")]
         assert len(pq) == (3 * c["num_experts"] if f == "w4a8_awq" else 0), (l, f)
