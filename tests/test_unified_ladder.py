@@ -313,3 +313,16 @@ def test_cli_calibrate_three_formats_then_convert_vllm_budget(tmp_path):
     eng = load_unified_engine(ck, device="cpu")
     with torch.inference_mode():
         assert torch.isfinite(eng.logits(torch.arange(1, 33).reshape(2, 16))).all()
+
+
+def test_stored_bits_leave_out_what_a_layer_cannot_hold(tiny_model):
+    """gpt-oss's stacked experts are written as BF16 or MXFP4 only; a Mixtral whose FFN width is not a
+    multiple of 32 / 128 has no MXFP4 / W4A8 form: those formats get no cost (the plan cannot pick them)."""
+    from trtmoe.checkpoint import unified_hf as U
+
+    with U.SourceModel(tiny_model("gpt_oss", dtype="bfloat16", intermediate_size=64)) as src:
+        bits = U.expert_layer_bits(src, ("float", *LADDER, "mxfp4"))
+    assert bits and all(set(b) == {"float", "mxfp4"} and b["mxfp4"] < b["float"] / 3 for b in bits.values())
+    with U.SourceModel(tiny_model("mixtral", dtype="bfloat16")) as src:
+        bits = U.expert_layer_bits(src, ("float", *LADDER, "mxfp4"))
+    assert bits and all(set(b) == {"float", "fp8", "nvfp4"} for b in bits.values())

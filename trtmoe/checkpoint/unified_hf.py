@@ -613,11 +613,14 @@ def expert_layer_bits(src: "SourceModel", formats: Iterable[str], dtype: torch.d
             row = out.setdefault(m.layer, {})
             if row.get(name, 0) is None:
                 continue
-            if f.quant_algo and f.shape_problem(*m.shape):
+            try:
+                if f.quant_algo and f.shape_problem(*m.shape):
+                    raise UnsupportedError(f.shape_problem(*m.shape))
+                specs = _module_specs(m, f, dtype)
+            except UnsupportedError:  # not writable there (shape, or a stack layout without this format)
                 row[name] = None
                 continue
-            row[name] = row.get(name, 0) + sum(8 * math.prod(shape) * dt.itemsize
-                                               for _, dt, shape in _module_specs(m, f, dtype))
+            row[name] = row.get(name, 0) + sum(8 * math.prod(shape) * dt.itemsize for _, dt, shape in specs)
     return {l: {n: b for n, b in row.items() if b is not None} for l, row in out.items()}
 
 
