@@ -19,7 +19,8 @@ else float, so the two columns differ only in how each quantized the experts. Fo
 third column (``--rounding``, default awq_gptq) reads trtmoe's own unified-HF export of the same format
 the same way: one ``calibrate`` over those formats with that rounding, then ``write_unified_checkpoint``
 with the calibration's input amax and activation-aware codes (what ``convert --target vllm --calib``
-writes); INT8 W8A16 has no activation-aware codes and stays round to nearest.
+writes); INT8 W8A16 has no activation-aware codes: its column is the export rounded to nearest (ModelOpt's
+per-channel rule, not the engine path's int8 of the second column).
 
 Then graded plans over the ladder FP16 / FP8 / FP4 (``--ladder``, default float, fp8, nvfp4): one
 ``trtmoe.quant.calibrate.calibrate`` run on the calibration windows measures every expert matrix's
@@ -250,7 +251,10 @@ def main() -> int:
 
             mo_ok = Path(args.modelopt_python).exists()
             R = args.rounding
-            aware = [n for n in names if R != "rtn" and n in U.FORMATS and fp_gptq.applies(FORMATS[n])]
+            exported = [n for n in names if R != "rtn" and n in U.FORMATS
+                        and (fp_gptq.applies(FORMATS[n]) or not FORMATS[n].needs_input_amax)]
+            aware = [n for n in exported if fp_gptq.applies(FORMATS[n])]
+            rnd, amax_u = None, {}
             if aware:  # one calibration over the formats that take activation-aware codes
                 t0 = time.perf_counter()
                 cal_r = work / f"calib_{fx}_{R}"
@@ -261,7 +265,7 @@ def main() -> int:
                 print(f"calibration over {aware} with {R} rounding: {time.perf_counter() - t0:.0f} s")
             print(f"{'format':<14} {'bits/w':>7} {'expert MB':>9} {'KL mean':>10} {'same top-1':>10} {'s':>6}"
                   f"   ModelOpt 0.47: {'KL mean':>10} {'same top-1':>10}  trtmoe/ModelOpt KL"
-                  + (f"   trtmoe {R}: {'KL mean':>10} {'same top-1':>10}  {R}/ModelOpt KL" if aware else ""))
+                  + (f"   trtmoe export: {'KL mean':>10} {'same top-1':>10}  export/ModelOpt KL" if exported else ""))
             print(f"{'float':<14} {8 * float_bytes / (float_bytes / 2):7.3f} {float_bytes / 1e6:9.3f} "
                   f"{0.0:10.5f} {100.0:9.2f}% {0:6.1f}")
             for n in names:
@@ -278,17 +282,17 @@ def main() -> int:
                     else:
                         mkl, msame = run_banks(got)
                         mo = f"   {'':14} {mkl:10.5f} {100 * msame:9.2f}%  {kl / mkl if mkl else float('nan'):8.3f}x"
-                if n in aware:
+                if n in exported:  # trtmoe's unified-HF export: R's codes, or round to nearest (int8)
                     ck_r = work / f"tr_{fx}_{n}"
                     U.write_unified_checkpoint(model, ck_r, U.UnifiedPlan({l: n for l in layers}), input_amax=amax_u,
                                                fp_rounding=rnd, force=True)
                     got = export_banks(ck_r, n, eng.cfg.family, layers, c.num_experts)
                     if isinstance(got, str):
-                        mo += f"   trtmoe {R} export unreadable: {got}"
+                        mo += f"   trtmoe export unreadable: {got}"
                     else:
                         rkl, rsame = run_banks(got)
                         ratio = f"{rkl / mkl:8.3f}x" if mkl else "       -"
-                        mo += f"   {'':9} {rkl:10.5f} {100 * rsame:9.2f}%  {ratio}"
+                        mo += f"   {'':14} {rkl:10.5f} {100 * rsame:9.2f}%  {ratio}  ({R if n in aware else 'rtn'})"
                     shutil.rmtree(ck_r, ignore_errors=True)
                 nb = expert_bytes(fmt, eng)
                 bpw = 8 * nb / (float_bytes / 2)
