@@ -15,7 +15,12 @@ Beside each uniform format ModelOpt 0.47 runs here, ModelOpt's own quantization 
 config for the format, calibrated on the same calibration windows, exported as a unified-HF
 checkpoint (tests/reference/modelopt_quantize_model.py); its routed experts' tensors (weights,
 scales, input scales) are run by the same engine kernel (the format's ``linear``) with everything
-else float, so the two columns differ only in how each quantized the experts.
+else float, so the two columns differ only in how each quantized the experts. For FP8, FP8-block, NVFP4 and MXFP4 a
+third column (``--rounding``, default awq_gptq) reads trtmoe's own unified-HF export of the same format
+the same way: one ``calibrate`` over those formats with that rounding, then ``write_unified_checkpoint``
+with the calibration's input amax and activation-aware codes (what ``convert --target vllm --calib``
+writes); INT8 W8A16 has no activation-aware codes: its column is the export rounded to nearest (ModelOpt's
+per-channel rule, not the engine path's int8 of the second column).
 
 Then graded plans over the ladder FP16 / FP8 / FP4 (``--ladder``, default float, fp8, nvfp4): one
 ``trtmoe.quant.calibrate.calibrate`` run on the calibration windows measures every expert matrix's
@@ -47,7 +52,11 @@ sys.path.insert(0, str(ROOT))
 
 from dataclasses import replace  # noqa: E402
 
+from trtmoe.build.unified_hf import calib_input_amax  # noqa: E402
+from trtmoe.checkpoint import unified_hf as U  # noqa: E402
+from trtmoe.checkpoint.unified_rounding import UnifiedRounding  # noqa: E402
 from trtmoe.checkpoint.writer import convert  # noqa: E402
+from trtmoe.quant import fp_gptq  # noqa: E402
 from trtmoe.quant.calibrate import calibrate  # noqa: E402
 from trtmoe.quant.policies import make_plan  # noqa: E402
 from trtmoe.data import write_split_text, load_texts  # noqa: E402
@@ -60,7 +69,8 @@ from trtmoe.runtime.load import load_tokenizer  # noqa: E402
 
 FIXTURES = ("trained_mixtral", "trained_qwen3_moe")
 MODELOPT_CFG = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG", "mxfp4": "MXFP4_DEFAULT_CFG",
-                "fp8_block_wo": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "w4a8_awq": "W4A8_AWQ_BETA_CFG"}
+                "fp8_block_wo": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "w4a8_awq": "W4A8_AWQ_BETA_CFG",
+                "int8": "INT8_WEIGHT_ONLY_CFG"}
 # HF names of an expert's gate, up and down matrices per family.
 EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
                 "qwen3_moe": ("mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
@@ -94,7 +104,7 @@ class _SplitBank(PackedExperts):
 def modelopt_banks(py: str, model: Path, ids: torch.Tensor, name: str, family: str, layers, E: int, out: Path):
     """ModelOpt's quantization of ``model``'s experts in format ``name`` as banks per MoE layer, or the
     reason there are none."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     save_file({"ids": ids.contiguous()}, out / "ids.safetensors")
     exp = out / f"mo_{name}"
@@ -103,6 +113,17 @@ def modelopt_banks(py: str, model: Path, ids: torch.Tensor, name: str, family: s
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         return (proc.stderr.strip().splitlines() or ["failed"])[-1][:160]
+    return export_banks(exp, name, family, layers, E)
+
+
+def export_banks(exp: Path, name: str, family: str, layers, E: int):
+    """The routed experts of a unified-HF export (ModelOpt's or trtmoe's) in format ``name`` as banks per
+    MoE layer (each linear's tensors in the engine format's convention, as the unified loader reads
+    them), or the reason there are none."""
+    from safetensors.torch import load_file
+
+    from trtmoe.runtime.unified_load import _engine_tensors
+
     t = {}
     for f in sorted(exp.glob("*.safetensors")):
         t.update(load_file(f))
@@ -122,10 +143,8 @@ def modelopt_banks(py: str, model: Path, ids: torch.Tensor, name: str, family: s
                                          and d["weight"].dtype.itemsize > 1):
                     some = sorted(k for k in t if f"layers.{l}." in k and "experts" in k)[:2]
                     return f"no {name} expert tensors under {base}* in the export (e.g. {some})"
-                if name == "fp8_block_wo":  # ModelOpt 0.47 writes the block grid as [] or [1, 1, 1, 1] here
-                    w = d["weight"]
-                    d["weight_scale"] = d["weight_scale"].float().reshape(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
-                per.append(d)
+                # (ModelOpt 0.47 writes FP8-block's grid as [] or [1, 1, 1, 1] here: reshaped to the blocks)
+                per.append(_engine_tensors(name, d, base[:-1]))
             mats.append(tuple(per))
         banks[l] = _SplitBank(fmt, mats)
     return banks
@@ -189,6 +208,10 @@ def main() -> int:
     ap.add_argument("--modelopt-python", default=os.environ.get("TRTMOE_MODELOPT_PYTHON",
                                                                 "/work/venvs/modelopt/bin/python"))
     ap.add_argument("--formats", default="int8,int4_g128," + ",".join(n for n in QUANTIZED if not FORMATS[n].engine_path))
+    ap.add_argument("--rounding", default="awq_gptq", choices=("rtn", "gptq", "awq_gptq", "awq"),
+                    help="also write the FP8 / FP8-block / NVFP4 / MXFP4 experts with this activation-aware rounding "
+                         "(a calibration over them, then the unified-HF export's codes, run by the same kernel as "
+                         "ModelOpt's export); rtn: leave that column out")
     args = ap.parse_args()
     names = args.formats.split(",")
     work = Path(tempfile.mkdtemp(prefix="bench_formats_"))
@@ -227,8 +250,22 @@ def main() -> int:
                 return kl / count, same / count
 
             mo_ok = Path(args.modelopt_python).exists()
+            R = args.rounding
+            exported = [n for n in names if R != "rtn" and n in U.FORMATS
+                        and (fp_gptq.applies(FORMATS[n]) or not FORMATS[n].needs_input_amax)]
+            aware = [n for n in exported if fp_gptq.applies(FORMATS[n])]
+            rnd, amax_u = None, {}
+            if aware:  # one calibration over the formats that take activation-aware codes
+                t0 = time.perf_counter()
+                cal_r = work / f"calib_{fx}_{R}"
+                calibrate(model, splits[0], cal_r, samples=args.calib_samples, seq_len=args.seq_len,
+                          formats=tuple(aware), force=True, rounding=R)
+                rnd = UnifiedRounding.from_calibration(cal_r, R, eng.dtype)
+                amax_u = calib_input_amax(model, cal_r)
+                print(f"calibration over {aware} with {R} rounding: {time.perf_counter() - t0:.0f} s")
             print(f"{'format':<14} {'bits/w':>7} {'expert MB':>9} {'KL mean':>10} {'same top-1':>10} {'s':>6}"
-                  f"   ModelOpt 0.47: {'KL mean':>10} {'same top-1':>10}  trtmoe/ModelOpt KL")
+                  f"   ModelOpt 0.47: {'KL mean':>10} {'same top-1':>10}  trtmoe/ModelOpt KL"
+                  + (f"   trtmoe export: {'KL mean':>10} {'same top-1':>10}  export/ModelOpt KL" if exported else ""))
             print(f"{'float':<14} {8 * float_bytes / (float_bytes / 2):7.3f} {float_bytes / 1e6:9.3f} "
                   f"{0.0:10.5f} {100.0:9.2f}% {0:6.1f}")
             for n in names:
@@ -236,7 +273,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 kl, same = run_banks({l: quantized_bank(bases[l], fmt, amax[l], eng.dtype) for l in layers})
                 secs = time.perf_counter() - t0
-                mo = ""
+                mo, mkl = "", None
                 if n in MODELOPT_CFG and mo_ok:
                     got = modelopt_banks(args.modelopt_python, model, cal, n, eng.cfg.family, layers,
                                          c.num_experts, work)
@@ -245,6 +282,18 @@ def main() -> int:
                     else:
                         mkl, msame = run_banks(got)
                         mo = f"   {'':14} {mkl:10.5f} {100 * msame:9.2f}%  {kl / mkl if mkl else float('nan'):8.3f}x"
+                if n in exported:  # trtmoe's unified-HF export: R's codes, or round to nearest (int8)
+                    ck_r = work / f"tr_{fx}_{n}"
+                    U.write_unified_checkpoint(model, ck_r, U.UnifiedPlan({l: n for l in layers}), input_amax=amax_u,
+                                               fp_rounding=rnd, force=True)
+                    got = export_banks(ck_r, n, eng.cfg.family, layers, c.num_experts)
+                    if isinstance(got, str):
+                        mo += f"   trtmoe export unreadable: {got}"
+                    else:
+                        rkl, rsame = run_banks(got)
+                        ratio = f"{rkl / mkl:8.3f}x" if mkl else "       -"
+                        mo += f"   {'':14} {rkl:10.5f} {100 * rsame:9.2f}%  {ratio}  ({R if n in aware else 'rtn'})"
+                    shutil.rmtree(ck_r, ignore_errors=True)
                 nb = expert_bytes(fmt, eng)
                 bpw = 8 * nb / (float_bytes / 2)
                 print(f"{n:<14} {bpw:7.3f} {nb / 1e6:9.3f} {kl:10.5f} {100 * same:9.2f}% {secs:6.1f}{mo}", flush=True)

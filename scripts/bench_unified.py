@@ -24,6 +24,13 @@ stored bits per routed-expert weight, scales counted, as ModelOpt's ``effective_
   inputs): a second calibration measures the candidates' ΔKL under that rounding, its graded plan is
   written with it ("trtmoe graded, R"), and the uniform and AutoQuantize plans are written with it too
   (", R export"), the codes recomputed from that calibration's stored inputs as ``convert --calib`` does.
+* the graded plan over the ladder {bf16, fp8, nvfp4, w4a8_awq} ("trtmoe graded +w4a8, R"): one
+  calibration over the three quantized formats with rounding R (W4A8 scored with its searched pre-quant
+  scale and clip under FP8 inputs, FP8 / NVFP4 with their activation-aware codes), the plan that
+  ``convert --target vllm --budget B --calib C`` makes from it (per-layer W4A8 is an unlisted, accepted
+  cell of vLLM's MIXED_PRECISION), written with that calibration's W4A8 recipes and FP8 / NVFP4 codes.
+  AutoQuantize cannot take W4A8 here (ModelOpt 0.47 makes no W4A8 for fused experts), so its plans stay
+  over {fp8, nvfp4}: the {fp8, nvfp4} graded rows are the same-formats comparison.
 
 Every checkpoint is then loaded by the embedded engine from its packed bytes
 (``trtmoe.runtime.unified_load``: each linear on its format's kernel, activations quantized with the
@@ -34,9 +41,10 @@ checkpoint's bytes on disk and its routed experts' stored bits per weight.
     python scripts/bench_unified.py [--budgets 5,6] [--calib-samples 16] [--eval-samples 16] [--no-w4a8]
                                     [--rounding awq_gptq]
 
-(``--budgets ''`` measures the uniform rows only.) The last table gives, per fixture and budget, trtmoe's
-graded plan under the rounding against ModelOpt's AutoQuantize export (target ≤ 0.75×) and against the
-best uniform format within the budget (≤ 0.6×).
+(``--budgets ''`` measures the uniform rows only.) The last tables give, per fixture and budget, trtmoe's
+graded plans under the rounding (over {fp8, nvfp4}, then over {fp8, nvfp4, w4a8_awq}) against ModelOpt's
+AutoQuantize export (target ≤ 0.75×) and against the best uniform format within the budget (≤ 0.6×),
+every ratio from the same run.
 """
 
 from __future__ import annotations
@@ -125,7 +133,8 @@ def main() -> int:
                                                                 "/work/venvs/modelopt/bin/python"))
     ap.add_argument("--keep", default=None, help="keep the checkpoints in this directory")
     ap.add_argument("--no-w4a8", dest="w4a8", action="store_false",
-                    help="leave out the uniform W4A8-AWQ rows (rounded to nearest, and searched)")
+                    help="leave out the W4A8-AWQ rows (uniform rounded to nearest and searched, and the graded "
+                         "plans over the ladder with w4a8_awq)")
     ap.add_argument("--rounding", default="awq_gptq", choices=("gptq", "awq_gptq", "awq"),
                     help="activation-aware rounding of the FP8 / NVFP4 experts for the rows marked with it")
     args = ap.parse_args()
@@ -162,6 +171,15 @@ def main() -> int:
             with U.SourceModel(model) as s_:
                 dtype = s_.info(next(m for m in s_.modules() if m.kind == "expert").tensor).dtype
             rnd = UnifiedRounding.from_calibration(calib_r, R, dtype)
+            if args.w4a8:  # the ladder with W4A8: one calibration over the three quantized formats
+                t0 = time.perf_counter()
+                calib_w = work / f"calib_{fx}_{R}_w4a8"
+                calibrate(model, splits[0], calib_w, samples=args.calib_samples, seq_len=args.seq_len,
+                          formats=(*ladder, "w4a8_awq"), force=True, rounding=R)
+                print(f"  calibration over {[*ladder, 'w4a8_awq']} with {R} rounding: "
+                      f"{time.perf_counter() - t0:.0f} s", flush=True)
+                rnd_w = UnifiedRounding.from_calibration(calib_w, R, dtype)
+                rec_w = awq.checkpoint_rounding(calib_w, load_calib(calib_w), dtype)
 
             def measure(name: str, budget, plan: U.UnifiedPlan | None = None, ck: Path | None = None, note="",
                         rounding=None, fp_rounding=None):
@@ -203,6 +221,12 @@ def main() -> int:
                 plan_r, _ = plan_from_calibration(model, calib_r, b, engine=args.engine, sm=args.sm, formats=ladder)
                 measure(f"trtmoe graded, {R}", b, plan_r, note=",".join(plan_r.expert_formats[l] for l in layers),
                         fp_rounding=rnd)
+                if args.w4a8:
+                    plan_w, _ = plan_from_calibration(model, calib_w, b, engine=args.engine, sm=args.sm,
+                                                      formats=[*ladder, "w4a8_awq"])
+                    measure(f"trtmoe graded +w4a8, {R}", b, plan_w,
+                            note=",".join(plan_w.expert_formats[l] for l in layers), rounding=rec_w,
+                            fp_rounding=rnd_w)
                 if not mo_ok:
                     continue
                 out_json = work / f"aq_{fx}_{b}.json"
@@ -254,6 +278,27 @@ def main() -> int:
             print(f"| {fx} | {b} | {kl_r:.5f} | {'-' if aq is None else f'{aq[1]:.5f}'} | "
                   f"{'-' if aq is None else f'{kl_r / aq[1]:.2f}x'} | {'-' if best is None else best[1]} | "
                   f"{'-' if best is None else f'{best[0]:.5f}'} | {'-' if best is None else f'{kl_r / best[0]:.2f}x'} |")
+
+    name_w = f"trtmoe graded +w4a8, {R}"
+    if any(r[2] == name_w for r in rows):
+        print(f"\n| fixture | budget | graded {{fp8, nvfp4}} KL | graded {{fp8, nvfp4, w4a8_awq}} | bits | its KL "
+              "| AQ, ModelOpt export KL | ratio (target ≤ 0.75) | best uniform within budget | its KL "
+              "| ratio (target ≤ 0.6) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for fx in dict.fromkeys(r[0] for r in rows):
+        for b in budgets:
+            got = {name: (bits, kl, note) for f_, b_, name, bits, _, kl, _, note in rows if f_ == fx and b_ in (b, "-")}
+            if name_w not in got:
+                continue
+            bits_w, kl_w, note_w = got[name_w]
+            kl_r = got.get(f"trtmoe graded, {R}", (0, float("nan")))[1]
+            aq = got.get("AQ, ModelOpt export")
+            uni = [(kl, name) for name, (bits, kl, _) in got.items() if name.startswith("uniform") and bits <= b + 1e-9]
+            best = min(uni) if uni else None
+            print(f"| {fx} | {b} | {kl_r:.5f} | {note_w.split(' ')[0]} | {bits_w:.3f} | {kl_w:.5f} | "
+                  f"{'-' if aq is None else f'{aq[1]:.5f}'} | {'-' if aq is None else f'{kl_w / aq[1]:.2f}x'} | "
+                  f"{'-' if best is None else best[1]} | {'-' if best is None else f'{best[0]:.5f}'} | "
+                  f"{'-' if best is None else f'{kl_w / best[0]:.2f}x'} |")
     return 0
 
 

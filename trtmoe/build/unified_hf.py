@@ -86,12 +86,15 @@ def plan_from_calibration(model: str | Path, calib_dir: str | Path, budget_bpw: 
                           formats: list[str] | None = None) -> tuple[U.UnifiedPlan, dict[str, float]]:
     """The graded per-MoE-layer plan: trtmoe's exact allocator over the formats the support cell
     (engine x architecture x SM) allows per layer, on the calibration's measured ΔKL (``trtmoe calibrate
-    --formats fp8,nvfp4,...``); plus the input amax of each expert linear from the calibration (one per
+    --formats fp8,nvfp4,w4a8_awq,...``), each layer costed in the bits this checkpoint stores for it
+    (``avg_bpw`` is the written experts' stored bits per weight); plus the input amax of each expert linear from the calibration (one per
     layer and matrix kind). Attention, shared experts and dense MLPs stay bf16 (their own decisions
     through ``--layer-format attention=...``)."""
     calib = load_calib(calib_dir)
     with U.SourceModel(model) as src:
         family, dtype = src.family, _model_dtype(src)
+        # The budget is the checkpoint's own stored bits per routed-expert weight.
+        layer_bits = U.expert_layer_bits(src, ["float", *[f for f in calib["formats"] if f in U.FORMATS]])
     if not S.cell(engine, family, "bf16", "uniform", sm).ok:  # the engine has no model class for it at all
         S.check(engine, family, {"bf16"}, sm).raise_if_refused(where=str(model))
     known = [f for f in calib["formats"] if f in U.FORMATS]
@@ -100,7 +103,7 @@ def plan_from_calibration(model: str | Path, calib_dir: str | Path, budget_bpw: 
     if len(mixed) < 2:
         mixed = ()
     qp = make_target_plan(calib, "graded", budget_bpw=budget_bpw, uniform=uniform, mixed=mixed,
-                          dtype=dtype, formats=formats,
+                          dtype=dtype, formats=formats, layer_bits=layer_bits,
                           target=f"{S.ARCH_LABEL[family]} on {S.ENGINES[engine][0]} SM{sm}")
     expert_formats = {}
     for l, fs in qp.formats.items():

@@ -597,6 +597,33 @@ def _module_specs(m: Module, f: UnifiedFormat, dtype: torch.dtype) -> list[tuple
             (m.name + "_scales", torch.uint8, (e, out_f, nb))]
 
 
+def expert_layer_bits(src: "SourceModel", formats: Iterable[str], dtype: torch.dtype | None = None
+                      ) -> dict[int, dict[str, int]]:
+    """Stored bits of each MoE layer's routed experts per format, as this writer stores them (every
+    tensor of the expert linears, scales, pre-quant scales and input scales included): MoE layer ->
+    format -> bits. ``formats`` are trtmoe names (a float alias counts the unquantized tensors in
+    ``dtype``, default the experts' own); a format with a shape problem in a layer is left out there."""
+    mods = [m for m in src.modules() if m.kind == "expert"]
+    if dtype is None:
+        dtype = src.info(mods[0].tensor).dtype if mods else torch.bfloat16
+    out: dict[int, dict[str, int]] = {}
+    for name in formats:
+        f = get_format(name)
+        for m in mods:
+            row = out.setdefault(m.layer, {})
+            if row.get(name, 0) is None:
+                continue
+            try:
+                if f.quant_algo and f.shape_problem(*m.shape):
+                    raise UnsupportedError(f.shape_problem(*m.shape))
+                specs = _module_specs(m, f, dtype)
+            except UnsupportedError:  # not writable there (shape, or a stack layout without this format)
+                row[name] = None
+                continue
+            row[name] = row.get(name, 0) + sum(8 * math.prod(shape) * dt.itemsize for _, dt, shape in specs)
+    return {l: {n: b for n, b in row.items() if b is not None} for l, row in out.items()}
+
+
 def _llama4_stack_name(m: Module, suffix: str) -> str:
     """A Llama-4 expert stack's tensor for a format tensor ``suffix``: the packed weight keeps the stack's
     name (``...experts.gate_up_proj``), the rest join it with ``_`` (``gate_up_proj_weight_scale``)."""

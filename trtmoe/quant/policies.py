@@ -196,9 +196,22 @@ def make_plan(calib: dict, policy: str, *, budget_bpw: float | None = None, gran
                      "seed": seed})
 
 
+def _layer_units(calib: dict, dtype: torch.dtype, formats: list[str], I_loc: int | None,
+                 layer_bits: dict[int, dict[str, int]] | None) -> list[Unit]:
+    """Per-MoE-layer units; with ``layer_bits`` (layer -> format -> stored bits of that layer's routed
+    experts in the checkpoint layout a target writes) their costs are those instead of trtmoe's stack's."""
+    units = build_units(calib, "layer", dtype, formats, I_loc)
+    if layer_bits:
+        for u in units:
+            own = layer_bits.get(u.key[0], {})
+            u.costs_bits = {f: own.get(f, c) for f, c in u.costs_bits.items()}
+    return units
+
+
 def make_target_plan(calib: dict, policy: str, *, budget_bpw: float, uniform: tuple[str, ...],
                      mixed: tuple[str, ...], dtype: torch.dtype, formats: list[str] | None = None, seed: int = 0,
-                     I_loc: int | None = None, target: str = "the target") -> QuantPlan:
+                     I_loc: int | None = None, target: str = "the target",
+                     layer_bits: dict[int, dict[str, int]] | None = None) -> QuantPlan:
     """A plan of one format per MoE layer for a target that builds a checkpoint of one format from
     ``uniform`` for every layer, or a MIXED_PRECISION one whose layers each take a format from
     ``mixed`` (empty: the target has no MIXED_PRECISION). For TensorRT-LLM these come from the
@@ -208,7 +221,9 @@ def make_target_plan(calib: dict, policy: str, *, budget_bpw: float, uniform: tu
     each uniform format that fits ``budget_bpw``. ``graded`` keeps the one with the least predicted
     ΔKL; the bytes baselines spend the budget in their order over ``mixed``, or take the richest
     uniform format that fits. ``meta["notes"]`` says what was chosen instead of what was asked and
-    why budget was left unspent (``meta["unspent_bpw"]``)."""
+    why budget was left unspent (``meta["unspent_bpw"]``). ``layer_bits`` (MoE layer -> format -> stored
+    bits of its routed experts) costs the layers in the checkpoint layout the target writes (a unified-HF
+    W4A8 expert stores a pre-quant scale per linear, trtmoe's stack one per layer)."""
     _check_calib(calib)
     cands = _candidates(calib, formats)
     share = calib["routing"]["share"]
@@ -217,7 +232,7 @@ def make_target_plan(calib: dict, policy: str, *, budget_bpw: float, uniform: tu
     mixed_c = [f for f in cands if f in mixed]
     notes: list[str] = []
     if mixed_c:
-        units = build_units(calib, "layer", dtype, mixed_c, I_loc)
+        units = _layer_units(calib, dtype, mixed_c, I_loc, layer_bits)
         n_w = sum(u.n_weights for u in units)
         if all(u.costs_bits for u in units):
             lo, hi = feasible_bpw_range(units)
@@ -237,7 +252,7 @@ def make_target_plan(calib: dict, policy: str, *, budget_bpw: float, uniform: tu
     for f in cands:
         if f not in uniform:
             continue
-        units = build_units(calib, "layer", dtype, [f], I_loc)
+        units = _layer_units(calib, dtype, [f], I_loc, layer_bits)
         if not all(f in u.costs_bits for u in units):
             continue  # the shapes do not allow this format's packing
         n_w = sum(u.n_weights for u in units)
@@ -263,17 +278,17 @@ def make_target_plan(calib: dict, policy: str, *, budget_bpw: float, uniform: tu
                      f"{next(iter(plan.used_formats()))} is the best single format within {budget_bpw} bpw")
     if unspent > 0.02:
         notes.append(f"{unspent:.3f} bpw of the {budget_bpw} bpw budget is unspent: "
-                     + _why_unspent(calib, plan, kind, mixed_c, uniform, cands, dtype, I_loc, unspent))
+                     + _why_unspent(calib, plan, kind, mixed_c, uniform, cands, dtype, I_loc, unspent, layer_bits))
     return replace(plan, meta={"policy": policy, "budget_bpw": budget_bpw, "avg_bpw": avg, "predicted_delta_kl": dkl,
                                "target_layout": kind, "unspent_bpw": max(0.0, unspent), "notes": notes,
                                **({"seed": seed} if policy == "random-bytes" else {})})
 
 
-def _why_unspent(calib, plan, kind, mixed_c, uniform, cands, dtype, I_loc, unspent) -> str:
+def _why_unspent(calib, plan, kind, mixed_c, uniform, cands, dtype, I_loc, unspent, layer_bits=None) -> str:
     """Why ``plan`` leaves budget unspent: the cheapest change the target allows that would lower the
     predicted ΔKL, and its cost against what is left."""
     n_w = sum(len(fs) for fs in plan.formats.values()) * 3 * calib["expert_intermediate_size"] * calib["hidden_size"]
-    units = build_units(calib, "layer", dtype, [f for f in cands if f in mixed_c or f in uniform], I_loc)
+    units = _layer_units(calib, dtype, [f for f in cands if f in mixed_c or f in uniform], I_loc, layer_bits)
     cur = {u.key: plan.formats[u.key[0]][0] for u in units}
     steps = []  # (bits per weight, description)
     if kind == "mixed":
