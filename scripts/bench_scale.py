@@ -24,7 +24,8 @@ the width's experts, so each expert gets as many routed rows as in the real mode
 count) at those calibration token counts: the searches timed per expert as ``--one-expert`` does at
 each count's routed rows (statistics keep at most ``awq.MAX_INPUT_TOKENS`` tokens, as calibration does)
 times layers × experts, the other phases and the transformers forward scaled from the depth runs
-(two depths or more: a line in layers, then linear in tokens; scoring and statistics also in experts when ``--experts`` ran fewer).
+(two depths or more: a line in layers, then linear in tokens; scoring and statistics by the larger of
+the token and expert ratios when ``--experts`` ran fewer: an upper bound).
 What is measured and what is projected is printed with the table.
 
 Usage::
@@ -233,40 +234,43 @@ def projection(width: str, rows: list[dict], searches: dict[int, dict], rounding
                targets: tuple[int, ...]) -> None:
     """Calibration CPU-s of the whole model (the width's depth and expert count) at ``targets``
     calibration tokens beside a transformers forward over the same tokens, projected from what this
-    run measured: the calibration's phases other than the searches and the transformers forward, per
-    layer and fixed part (a line through the measured depths, two or more), scaled linearly in tokens, scoring and statistics also in proportion to the
-    experts when the run had fewer; and the searches as the width's layers × experts × the CPU-s per
-    expert timed by ``one_expert`` at that many tokens' routed rows."""
+    run measured: the calibration's phases other than the searches and the transformers forward at the
+    full depth (a line through the measured depths, two or more), scaled linearly in tokens (io not: it
+    is the files, per layer), scoring and
+    statistics by the larger of the token ratio and the expert ratio (the run may have had fewer
+    experts: an upper bound of a part per expert plus a part per token); and the searches as the
+    width's layers × experts × the CPU-s per expert timed by ``one_expert`` at that many tokens' routed
+    rows."""
     w = WIDTHS[width]
     ok = [r for r in rows if r["width"] == width and "error" not in r["calibrate"]]
     if not ok:
         return
     xs = [r["layers"] for r in ok]
-    # Scoring and statistics have a part per expert (each expert's quantized weights and statistics):
-    # counted in proportion to the experts (an overestimate; their per-token part does not grow).
-    def other_phases(r: dict) -> float:
-        ph = r["calibrate"]["phases_cpu"]
-        per_expert = ph.get("scoring", 0.0) + ph.get("statistics", 0.0)
-        return r["calibrate"]["cpu_total"] - ph.get("searches", 0.0) - per_expert + per_expert * w["experts"] / r["experts"]
-
-    other = [other_phases(r) for r in ok]
+    # Scoring and statistics have a part per expert (each expert's quantized weights) and a part per
+    # token (the routed rows): p·(E/E_run) + q·(T/T_run) with p + q measured is at most their sum times
+    # the larger of the two ratios, which is what is counted (an upper bound).
+    per_expert = [r["calibrate"]["phases_cpu"].get("scoring", 0.0) + r["calibrate"]["phases_cpu"].get("statistics", 0.0)
+                  for r in ok]
+    io = [r["calibrate"]["phases_cpu"].get("io", 0.0) for r in ok]  # the files: per layer, whatever the tokens
+    other = [r["calibrate"]["cpu_total"] - r["calibrate"]["phases_cpu"].get("searches", 0.0) - p - i
+             for r, p, i in zip(ok, per_expert, io)]
     tf = [r["forward"].get("forward_cpu") for r in ok]
     full, E = w["full_layers"], w["experts"]
-
     if len(set(xs)) < 2:  # the head and embedding (most of a 1-layer forward) must not count per layer
         print(f"\n{width}: the projection needs two depths or more (--layers 1,2)")
         return
 
-    def at_depth(ys: list[float]) -> tuple[float, float]:  # (per layer, fixed) at this run's tokens
-        fixed = _line(xs, ys, 0)
-        return (_line(xs, ys, full) - fixed) / full, fixed
+    def at_depth(ys: list[float]) -> float:  # the whole depth at this run's tokens
+        return _line(xs, ys, full)
 
-    o_l, o_f = at_depth(other)
-    t_l, t_f = at_depth(tf) if all(v is not None for v in tf) else (None, None)
+    o_full, s_full, io_full = at_depth(other), at_depth(per_expert), at_depth(io)
+    t_full = at_depth(tf) if all(v is not None for v in tf) else None
+    e_ratio = E / ok[0]["experts"]
     print(f"\n{width}: projected to {full} layers x {E} experts, rounding {rounding} (measured: the phases "
           f"other than the searches and the transformers forward at {run_tokens} tokens, "
           f"{', '.join(map(str, xs))} layer(s); the searches per expert at each token count's routed rows; "
-          f"projected: everything else, linear in tokens and layers, scoring and statistics in experts)")
+          f"projected: everything else, linear in layers and tokens (io in layers only); scoring and statistics "
+          f"by the larger of the token and expert ratios, an upper bound)")
     hdr = ("tokens", "rows/expert", "search s/expert", "searches", "other phases", "cal CPU-s", "tf fwd CPU-s",
            "x fwd", "searches x fwd")
     print(" | ".join(f"{h:>15}" for h in hdr))
@@ -276,8 +280,8 @@ def projection(width: str, rows: list[dict], searches: dict[int, dict], rounding
             continue
         k = T / run_tokens
         srch = full * E * sr["cpu"][rounding]
-        oth = (o_l * full + o_f) * k
-        fwd = None if t_l is None else (t_l * full + t_f) * k
+        oth = o_full * k + s_full * max(k, e_ratio) + io_full
+        fwd = None if t_full is None else t_full * k
         cells = (T, f"{sr['rows'][0]}-{sr['rows'][1]}", f"{sr['cpu'][rounding]:.2f}", f"{srch:.0f}", f"{oth:.0f}",
                  f"{srch + oth:.0f}", "-" if fwd is None else f"{fwd:.0f}",
                  "-" if fwd is None else f"{(srch + oth) / fwd:.1f}", "-" if fwd is None else f"{srch / fwd:.1f}")
