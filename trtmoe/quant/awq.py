@@ -1082,9 +1082,9 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
 
 def _factor(stats: MatrixStats, gram: Tensor | None, pq: Tensor | None, h: Tensor | None = None) -> gptq.Factor:
     """``gptq.factor`` of the Gram matrix of the input the kernel sees (``gram``, or the sampled rows'
-    when None, scaled by ``pq``; ``h`` when already formed). The last few are remembered: candidates
-    with the same pre-quant scale share one, and so do the formats of one matrix that try it without a
-    scale (per-channel and group-wise int4 all do), so the factorization is computed once for them."""
+    when None, scaled by ``pq``; ``h`` when already formed). The last few are remembered: the formats
+    of one matrix that round it with the same pre-quant scale share one (per-channel int4 and the group
+    formats whose search chose no scale, or a layer's shared scale), so it is computed once for them."""
     src = gram if gram is not None else stats.rows
     for g0, pq0, f in _FACTORS:
         if g0 is src and (pq0 is None if pq is None else pq0 is not None and pq0.dtype == pq.dtype
