@@ -1053,12 +1053,13 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         return base  # too few rows to estimate the Gram matrix: the base recipe as it is
     base = base or Recipe()
     kept = None if base.pq is None and base.clip is None else base
+    if choice == -1:
+        return kept
     pq = base.pq
-    wt = transformed_weight(fmt, w, dtype, Recipe(pq, None)).float()
+    wt = transformed_weight(fmt, w, dtype, Recipe(pq, None)).float()  # the scaled weight, unclipped
     qs, ds = _format_scales(fmt, wt, dtype)
-    if choice in (-1, 0):
-        return kept if choice < 0 else Recipe(pq, None, gptq.codes(wt, qs, ds, _factor(stats, gram, pq), dtype),
-                                              base.clip)
+    if choice == 0:
+        return Recipe(pq, None, gptq.codes(wt, qs, ds, _factor(stats, gram, pq), dtype), base.clip)
     wd = _in_dtype(w, dtype)
     if gram is not None:  # every routed token; the input scaled by pq as the kernel does
         h = gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())
@@ -1071,8 +1072,7 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
         y = linear(x.float(), wd)
         h = gptq.gram(_scaled_input(x, pq))
         err = lambda deq: _err(x, wd, deq, pq, y)  # noqa: E731
-    wt0 = wt if base.clip is None else transformed_weight(fmt, w, dtype, Recipe(pq, base.clip)).float()
-    base_err = err(_fake(fmt, wt0, dtype, base.clip))
+    base_err = err(_fake(fmt, wt, dtype, base.clip))  # the base: round to nearest, clipped
     q = gptq.codes(wt, qs, ds, _factor(stats, gram, pq, h), dtype)
     won = 0 if err((q.to(dtype) * ds).float()) < base_err else -1
     if on_choice is not None:
