@@ -655,3 +655,20 @@ def test_kept_factorizations_are_bounded_in_bytes(monkeypatch):
     monkeypatch.setattr(awq, "_FACTORS_BYTES", one // 2)
     awq._factor(stats[0], stats[0].gram, None)
     assert len(awq._FACTORS) == 1 and awq._FACTORS[0][0] is stats[0].gram
+
+
+def test_the_inverse_factor_is_the_upper_cholesky_factor_of_the_inverse():
+    """``_upper_inverse_factor`` (float32, from the reversed matrix's Cholesky factor) is upper
+    triangular with a positive diagonal and Uᵀ U is h⁻¹ (against float64) for a dampened Gram matrix of
+    fewer rows than inputs; a matrix that is not positive definite gets more dampening."""
+    x = _correlated(96, 256, 3, 2).float()
+    h = gptq.gram(x)
+    h = h + gptq.DAMP * float(torch.diagonal(h).mean()) * torch.eye(256)
+    u = gptq._upper_inverse_factor(h)
+    assert u.dtype == torch.float32 and torch.equal(u, torch.triu(u)) and bool((torch.diagonal(u) > 0).all())
+    want = torch.linalg.inv(h.double())
+    got = u.double().t() @ u.double()
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    bad = h - 2 * float(torch.linalg.eigvalsh(h.double()).min()) * torch.eye(256)  # one negative eigenvalue
+    ub = gptq._upper_inverse_factor(bad)
+    assert bool(torch.isfinite(ub).all()) and torch.equal(ub, torch.triu(ub))
