@@ -20,11 +20,21 @@ bf16 weights, statistics from ``collect_layer`` over ``--tokens`` random hidden 
 the width's experts, so each expert gets as many routed rows as in the real model): CPU seconds of
 ``awq.quantize`` for fc and proj per rounding, round to nearest being the baseline.
 
+``--projection 4096,65536`` adds, after the depth runs, the whole model (the width's depth and expert
+count) at those calibration token counts: the searches timed per expert as ``--one-expert`` does at
+each count's routed rows (statistics keep at most ``awq.MAX_INPUT_TOKENS`` tokens, as calibration does)
+times layers × experts, the other phases and the transformers forward scaled from the depth runs
+(two depths or more: a line in layers, then linear in tokens; scoring and statistics by the larger of
+the token and expert ratios when ``--experts`` ran fewer: an upper bound).
+What is measured and what is projected is printed with the table.
+
 Usage::
 
     python scripts/bench_scale.py --widths qwen3 --layers 1,2,4 --tokens 512 --rounding rtn
     python scripts/bench_scale.py --widths qwen3 --one-expert --experts-timed 3 --tokens 512
     python scripts/bench_scale.py --widths mixtral --layers 1,2 --tokens 64   # ~3 GB of bf16 per layer
+    python scripts/bench_scale.py --widths qwen3 --layers 1,2 --experts 16 --tokens 1024 --rounding awq_gptq \
+        --projection 4096,65536
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ WIDTHS = {
     "mixtral": {"arch": "mixtral", "full_layers": 32, "hidden": 4096, "experts": 8, "top_k": 2, "ffn": 14336,
                 "vocab": 32000, "heads": 32, "kv_heads": 8, "head_dim": 128},
 }
+FULL_EXPERTS = {k: v["experts"] for k, v in WIDTHS.items()}
 TOKENIZER = REPO / "tests" / "fixtures" / "trained_mixtral"
 
 
@@ -179,8 +190,11 @@ def _line(xs: list[int], ys: list[float], at: int) -> float | None:
     return my + b * (at - mx)
 
 
-def one_expert(width: str, tokens: int, fmt_name: str, roundings: list[str], experts: int, threads: int) -> None:
-    """CPU seconds of the int4 rounding searches per expert (fc + proj) at ``width``."""
+def one_expert(width: str, tokens: int, fmt_name: str, roundings: list[str], experts: int, threads: int) -> dict:
+    """CPU seconds of the int4 rounding searches per expert (fc + proj) at ``width``, per rounding,
+    with the routed rows the timed experts got: ``{"rows": [min, max], "cpu": {rounding: s}}``. The
+    statistics keep at most ``awq.MAX_INPUT_TOKENS`` of the tokens (as calibration does), so the rows
+    are those of that many tokens."""
     import time
 
     import torch
@@ -201,8 +215,9 @@ def one_expert(width: str, tokens: int, fmt_name: str, roundings: list[str], exp
     rows = [st[(e, "fc")].count for e in range(experts)]
     print(f"{width}: {experts} expert(s) of {E}, fc {2 * I}x{H}, proj {H}x{I}, {fmt_name}, {tokens} tokens top-{k} "
           f"(routed rows {min(rows)}-{max(rows)}), {threads} thread(s)")
-    print(f"{'rounding':>10} | {'CPU-s/expert':>12} | {'x rtn':>6}")
+    print(f"{'rounding':>10} | {'rows/expert':>11} | {'CPU-s/expert':>12} | {'x rtn':>6}")
     base = None
+    res = {"rows": [min(rows), max(rows)], "cpu": {}}
     for r in roundings:
         c0 = time.process_time()
         for e in range(experts):
@@ -210,7 +225,67 @@ def one_expert(width: str, tokens: int, fmt_name: str, roundings: list[str], exp
                 awq.quantize(fmt, wm, dtype=torch.bfloat16, stats=st[(e, m)].with_fc(fc[e].float()), rounding=r)
         cpu = (time.process_time() - c0) / experts
         base = cpu if r == "rtn" else base
-        print(f"{r:>10} | {cpu:>12.2f} | {'-' if not base else f'{cpu / base:.0f}':>6}")
+        res["cpu"][r] = cpu
+        print(f"{r:>10} | {f'{min(rows)}-{max(rows)}':>11} | {cpu:>12.2f} | {'-' if not base else f'{cpu / base:.0f}':>6}")
+    return res
+
+
+def projection(width: str, rows: list[dict], searches: dict[int, dict], rounding: str, run_tokens: int,
+               targets: tuple[int, ...]) -> None:
+    """Calibration CPU-s of the whole model (the width's depth and expert count) at ``targets``
+    calibration tokens beside a transformers forward over the same tokens, projected from what this
+    run measured: the calibration's phases other than the searches and the transformers forward at the
+    full depth (a line through the measured depths, two or more), scaled linearly in tokens (io not: it
+    is the files, per layer), scoring and
+    statistics by the larger of the token ratio and the expert ratio (the run may have had fewer
+    experts: an upper bound of a part per expert plus a part per token); and the searches as the
+    width's layers × experts × the CPU-s per expert timed by ``one_expert`` at that many tokens' routed
+    rows."""
+    w = WIDTHS[width]
+    ok = [r for r in rows if r["width"] == width and "error" not in r["calibrate"]]
+    if not ok:
+        return
+    xs = [r["layers"] for r in ok]
+    # Scoring and statistics have a part per expert (each expert's quantized weights) and a part per
+    # token (the routed rows): p·(E/E_run) + q·(T/T_run) with p + q measured is at most their sum times
+    # the larger of the two ratios, which is what is counted (an upper bound).
+    per_expert = [r["calibrate"]["phases_cpu"].get("scoring", 0.0) + r["calibrate"]["phases_cpu"].get("statistics", 0.0)
+                  for r in ok]
+    io = [r["calibrate"]["phases_cpu"].get("io", 0.0) for r in ok]  # the files: per layer, whatever the tokens
+    other = [r["calibrate"]["cpu_total"] - r["calibrate"]["phases_cpu"].get("searches", 0.0) - p - i
+             for r, p, i in zip(ok, per_expert, io)]
+    tf = [r["forward"].get("forward_cpu") for r in ok]
+    full, E = w["full_layers"], w["experts"]
+    if len(set(xs)) < 2:  # the head and embedding (most of a 1-layer forward) must not count per layer
+        print(f"\n{width}: the projection needs two depths or more (--layers 1,2)")
+        return
+
+    def at_depth(ys: list[float]) -> float:  # the whole depth at this run's tokens
+        return _line(xs, ys, full)
+
+    o_full, s_full, io_full = at_depth(other), at_depth(per_expert), at_depth(io)
+    t_full = at_depth(tf) if all(v is not None for v in tf) else None
+    e_ratio = E / ok[0]["experts"]
+    print(f"\n{width}: projected to {full} layers x {E} experts, rounding {rounding} (measured: the phases "
+          f"other than the searches and the transformers forward at {run_tokens} tokens, "
+          f"{', '.join(map(str, xs))} layer(s); the searches per expert at each token count's routed rows; "
+          f"projected: everything else, linear in layers and tokens (io in layers only); scoring and statistics "
+          f"by the larger of the token and expert ratios, an upper bound)")
+    hdr = ("tokens", "rows/expert", "search s/expert", "searches", "other phases", "cal CPU-s", "tf fwd CPU-s",
+           "x fwd", "searches x fwd")
+    print(" | ".join(f"{h:>15}" for h in hdr))
+    for T in targets:
+        sr = searches.get(T)
+        if sr is None or rounding not in sr["cpu"]:
+            continue
+        k = T / run_tokens
+        srch = full * E * sr["cpu"][rounding]
+        oth = o_full * k + s_full * max(k, e_ratio) + io_full
+        fwd = None if t_full is None else t_full * k
+        cells = (T, f"{sr['rows'][0]}-{sr['rows'][1]}", f"{sr['cpu'][rounding]:.2f}", f"{srch:.0f}", f"{oth:.0f}",
+                 f"{srch + oth:.0f}", "-" if fwd is None else f"{fwd:.0f}",
+                 "-" if fwd is None else f"{(srch + oth) / fwd:.1f}", "-" if fwd is None else f"{srch / fwd:.1f}")
+        print(" | ".join(f"{c!s:>15}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-expert", action="store_true",
                     help="time the int4 rounding searches on single experts of the width instead (see above)")
     ap.add_argument("--experts-timed", type=int, default=2, help="--one-expert: experts timed (averaged)")
+    ap.add_argument("--projection", default=None, metavar="TOKENS",
+                    help="after the depth runs, time the searches per expert (as --one-expert, at the width's own "
+                         "expert count) at each of these comma-separated calibration token counts and project the "
+                         "whole model's calibration and transformers forward CPU-s at them (e.g. 4096,65536)")
     ap.add_argument("--work", type=Path, default=None, help="where the random models go (default: a temp dir)")
     ap.add_argument("--timeout", type=int, default=3600)
     a = ap.parse_args(argv)
@@ -259,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                 cal = run_child("calibrate", mdir, text, a.threads, opts, a.timeout)
                 base = (run_child("forward", mdir, text, a.threads, opts, a.timeout) if gib <= a.baseline_max_gib
                         else {"error": [f"skipped: {gib:.1f} GiB > --baseline-max-gib"]})
-                rows.append({"width": width, "layers": L, "weights_gib": gib, "calibrate": cal, "forward": base})
+                rows.append({"width": width, "layers": L, "weights_gib": gib, "calibrate": cal, "forward": base,
+                             "experts": WIDTHS[width]["experts"]})
                 print(json.dumps(rows[-1]), flush=True)
                 shutil.rmtree(mdir)
     finally:
@@ -268,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{a.tokens} calibration tokens, rounding {a.rounding}, formats {a.formats}, {a.threads} thread(s), "
           f"device {a.device}" + (f", {a.experts} experts per layer" if a.experts else ""))
-    hdr = ("width", "L", "GiB", "fwd+bwd", "scoring", "io", "cal CPU-s", "cal RSS", "tf fwd CPU-s", "tf RSS", "×fwd")
+    hdr = ("width", "L", "GiB", "rows/expert", "fwd+bwd", "searches", "scoring", "io", "cal CPU-s", "cal RSS",
+           "tf fwd CPU-s", "tf RSS", "×fwd")
     print(" | ".join(f"{h:>11}" for h in hdr))
     for r in rows:
         c, f = r["calibrate"], r["forward"]
@@ -278,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         ph = c["phases_cpu"]
         fb = ph.get("forward", 0) + ph.get("backward", 0) + ph.get("boundaries", 0)
         tf = f.get("forward_cpu")
-        cells = (r["width"], r["layers"], f"{r['weights_gib']:.2f}", f"{fb:.1f}",
-                 f"{ph.get('scoring', 0) + ph.get('searches', 0) + ph.get('statistics', 0):.1f}",
+        cells = (r["width"], r["layers"], f"{r['weights_gib']:.2f}",
+                 f"{c['tokens'] * WIDTHS[r['width']]['top_k'] / r['experts']:.0f}",
+                 f"{fb:.1f}", f"{ph.get('searches', 0):.1f}", f"{ph.get('scoring', 0) + ph.get('statistics', 0):.1f}",
                  f"{ph.get('io', 0):.1f}", f"{c['cpu_total']:.1f}", f"{c['peak_rss_gib']:.2f}",
                  "-" if tf is None else f"{tf:.1f}", "-" if tf is None else f"{f['peak_rss_gib']:.2f}",
                  "-" if tf is None else f"{c['cpu_total'] / tf:.1f}")
@@ -299,6 +381,17 @@ def main(argv: list[str] | None = None) -> int:
               f"extrapolated to {full} layers: {cpu / 3600:.2f} CPU-hours (straight line through the measured "
               f"depths), peak RSS {rss[-1] + per_layer * (full - xs[-1]):.2f} GiB ({per_layer:.3f} GiB per layer "
               f"between the two deepest runs)")
+    if a.projection:
+        from trtmoe.quant import awq
+
+        targets = tuple(int(t) for t in a.projection.split(","))
+        fmt = next((f for f in a.formats.split(",") if f.startswith("int4")), "int4_g128")
+        for width in a.widths.split(","):
+            WIDTHS[width] = {**WIDTHS[width], "experts": FULL_EXPERTS[width]}
+            print()
+            timed = {T: one_expert(width, min(T, awq.MAX_INPUT_TOKENS), fmt, ["rtn", a.rounding], a.experts_timed,
+                                   a.threads) for T in targets}
+            projection(width, rows, timed, a.rounding, a.tokens, targets)
     return 0
 
 

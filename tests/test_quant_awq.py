@@ -659,3 +659,44 @@ def test_clip_search_from_few_rows_is_the_gram_search():
     many = awq._clip_group(wt, wd, x.repeat(4, 1), pq, 128, torch.bfloat16)
     assert few is not None and torch.equal(few, many)
     assert bool((few < wt.reshape(64, 2, 128).abs().amax(-1)).any())  # something was clipped
+
+
+def test_clip_grid_is_searched_coarse_to_fine_per_group():
+    """The clip grid is searched at every ``GRID_STEP``-th point and its last, then at each element's
+    two neighbours of its best: with an error that has one minimum per element at any grid point, each
+    element gets its own minimum, in that many evaluations (10 of 21)."""
+    grid = awq.CLIP_GRID
+    target = torch.arange(len(grid)).reshape(3, 7)  # each element's best grid index: every one once
+    want = torch.tensor(grid)[target]
+    calls = []
+
+    def evaluate(r):
+        calls.append(r)
+        r = torch.as_tensor(r, dtype=torch.float32).expand(target.shape)
+        idx = torch.round((1.0 - r) * 40)  # the grid index of r (CLIP_GRID: 1 - i / 40)
+        return (idx - target).abs() ** 1.5, r.clone()
+
+    got = awq._refined(grid, evaluate)
+    assert torch.equal(got, want)
+    assert len(calls) == len(awq._coarse(len(grid))) + 2 == 10
+
+
+def test_coarse_clip_search_is_never_worse_than_its_coarse_points():
+    """On a real matrix, each (row, group)'s searched clip has an error no larger than that of every
+    coarse grid point (the refinement only replaces a point by a better neighbour)."""
+    g = torch.Generator().manual_seed(4)
+    wd = awq._in_dtype(torch.randn(32, 256, generator=g) * 0.05, torch.bfloat16)
+    x = (torch.randn(300, 256, generator=g) * torch.linspace(0.1, 3.0, 256)).to(torch.bfloat16)
+    clip = awq._clip_group(wd, wd, x, None, 128, torch.bfloat16)
+    assert clip is not None
+    xs = x.float().reshape(-1, 2, 128)
+    gram = torch.einsum("ngk,ngl->gkl", xs, xs)
+    amax = wd.reshape(32, 2, 128).abs().amax(-1)
+
+    def err(c):
+        d = (wd - awq._fake_group(wd, 128, torch.bfloat16, c, amax)).reshape(32, 2, 128)
+        return torch.einsum("ogk,gkl,ogl->og", d, gram, d)
+
+    e = err(clip)
+    for i in awq._coarse(len(awq.CLIP_GRID)):
+        assert bool((e <= err(awq._in_dtype(amax * awq.CLIP_GRID[i], torch.bfloat16)) * (1 + 1e-6)).all())

@@ -92,22 +92,36 @@ def test_codes_never_worse_than_the_base_on_the_gram():
         assert got == pytest.approx(direct, rel=1e-3)  # tr(D H Dᵀ) is the summed output error
 
 
-def test_candidates_that_share_a_scale_share_one_factorization(monkeypatch):
-    """A base recipe with its own pre-quant scale and a clip gives three candidates: (scale, clip),
-    (scale, no clip) and (no scale, no clip). The first two round against the same scaled Gram matrix,
-    so two factorizations serve the three: the scaled one and the plain Gram matrix's."""
+def test_codes_are_chosen_on_the_base_scale_without_its_clip_with_one_factorization(monkeypatch):
+    """A base recipe with a pre-quant scale and a clip: the codes are rounded once, against the Gram
+    matrix of the scaled input (one factorization), on the scaled weight without the clip; the recipe
+    keeps the base's scale, records the base's clip, and its error is below the base's."""
     fmt = FORMATS["int4_g128"]
     w, x = _matrix(64, 128, 5), _correlated(2048, 128, 6, 2)
     st = _stats(x)
     base = awq._awq_recipe(fmt, w, DT, st, "search")
     assert base is not None and base.pq is not None and base.clip is not None
-    calls = []
-    real = gptq.factor
+    calls, rounded = [], []
+    real, real_codes = gptq.factor, gptq.codes
     monkeypatch.setattr(gptq, "factor", lambda h, *a, **k: calls.append(h) or real(h, *a, **k))
-    awq.with_codes(fmt, w, DT, st, base, own_scale=True)
-    assert len(calls) == 2
+    monkeypatch.setattr(gptq, "codes", lambda w, *a, **k: rounded.append(w) or real_codes(w, *a, **k))
+    awq._FACTORS.clear()
+    won = []
+    rec = awq.with_codes(fmt, w, DT, st, base, on_choice=won.append)
     pq = base.pq.float()
-    assert torch.allclose(calls[0], st.gram.float() * torch.outer(pq, pq)) and calls[1] is st.gram
+    assert len(calls) == 1 and torch.allclose(calls[0], st.gram.float() * torch.outer(pq, pq))
+    assert len(rounded) == 1
+    assert torch.equal(rounded[0], awq.transformed_weight(fmt, w, DT, awq.Recipe(base.pq, None)).float())
+    assert won == [0] and rec.pq is base.pq and rec.clip is None and rec.base_clip is base.clip
+    wd = awq._in_dtype(w, DT)
+    deq_base = awq._fake(fmt, awq.transformed_weight(fmt, w, DT, base).float(), DT, base.clip)
+    wt = awq.transformed_weight(fmt, w, DT, rec).float()
+    h = st.gram.float() * torch.outer(pq, pq)
+    assert awq._gram_err(h, wd, awq._dequant_codes(fmt, wt, rec.codes, DT), base.pq) \
+        < awq._gram_err(h, wd, deq_base, base.pq)
+    again = awq.with_codes(fmt, w, DT, st, base, choice=0)  # a stored choice: the same codes, no errors
+    assert torch.equal(again.codes, rec.codes) and again.pq is base.pq and again.base_clip is base.clip
+    assert awq.with_codes(fmt, w, DT, st, base, choice=-1) is base
 
 
 def test_error_feedback_reduces_to_rounding_when_inputs_are_uncorrelated():
@@ -543,51 +557,29 @@ def test_error_from_few_rows_is_the_gram_error_and_picks_the_same_codes(monkeypa
     h = s.gram_matrix() * torch.outer(pq.float(), pq.float())
     assert awq._rows_err(rows, wd, deq, pq) == pytest.approx(awq._gram_err(h, wd, deq, pq), rel=1e-5)
     base = awq.recipe_for(fmt, w, DT, s, rounding="awq")
-    fast = awq.with_codes(fmt, w, DT, s, base, own_scale=True)
+    fast = awq.with_codes(fmt, w, DT, s, base)
     monkeypatch.setattr(awq.MatrixStats, "gram_rows", lambda self, n: None)
-    slow = awq.with_codes(fmt, w, DT, s, base, own_scale=True)
+    slow = awq.with_codes(fmt, w, DT, s, base)
     assert torch.equal(fast.codes, slow.codes) and fast.pq is slow.pq and fast.clip is slow.clip
 
 
-def test_formats_that_try_a_matrix_unscaled_share_its_factorization(monkeypatch):
-    """Per-channel and group-wise int4 error feedback on one matrix both round against the plain Gram
-    matrix (per-channel has no pre-quant scale; the group formats try the matrix without theirs too):
-    one factorization serves them, and the codes are those of a fresh one."""
+def test_formats_that_round_a_matrix_unscaled_share_its_factorization(monkeypatch):
+    """Per-channel int4 (no pre-quant scale) and a group format rounded without a scale (``gptq``, or
+    awq's search choosing none) both round against the plain Gram matrix: one factorization serves
+    them, and the codes are those of a fresh one."""
     w, x = _matrix(64, 128, 7), _correlated(2048, 128, 8, 2)
     st = _stats(x)
     calls = []
     real = gptq.factor
     monkeypatch.setattr(gptq, "factor", lambda h, *a, **k: calls.append(h) or real(h, *a, **k))
     awq._FACTORS.clear()
-    got = {f: awq.recipe_for(FORMATS[f], w, DT, st, rounding="awq_gptq") for f in ("int4", "int4_g128")}
-    assert sum(h is st.gram for h in calls) == 1
+    got = {"int4": awq.recipe_for(FORMATS["int4"], w, DT, st, rounding="awq_gptq"),
+           "int4_g128": awq.recipe_for(FORMATS["int4_g128"], w, DT, st, rounding="gptq")}
+    assert len(calls) == 1 and calls[0] is st.gram
     for f, rec in got.items():
         awq._FACTORS.clear()
-        again = awq.recipe_for(FORMATS[f], w, DT, st, rounding="awq_gptq")
-        assert (rec is None) == (again is None)
-        if rec is not None and rec.codes is not None:
-            assert torch.equal(rec.codes, again.codes)
-
-
-def test_stacked_candidates_give_the_codes_of_one_at_a_time():
-    """On CUDA the candidates that share a factorization are rounded as one stack; on the CPU (where
-    the stack computes element by element as ``gptq.codes``) the recipe is the same, codes included."""
-    fmt = FORMATS["int4_g128"]
-    w, x = _matrix(64, 256, 11), _correlated(2048, 256, 12, 2)
-    st = _stats(x)
-    base = awq._awq_recipe(fmt, w, DT, st, "search")
-    assert base is not None and base.pq is not None and base.clip is not None  # (pq, clip), (pq, None) share
-    calls = []
-    real = gptq.codes_many
-    awq._FACTORS.clear()
-    one = awq.with_codes(fmt, w, DT, st, base, own_scale=True, batched=False)
-    awq._FACTORS.clear()
-    import unittest.mock
-    with unittest.mock.patch.object(gptq, "codes_many", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)):
-        many = awq.with_codes(fmt, w, DT, st, base, own_scale=True, batched=True)
-    assert calls == [torch.Size([2, 64, 256])]
-    assert one.codes is not None and torch.equal(one.codes, many.codes)
-    assert (one.pq is None) == (many.pq is None) and (one.clip is None) == (many.clip is None)
+        again = awq.recipe_for(FORMATS[f], w, DT, st, rounding="awq_gptq" if f == "int4" else "gptq")
+        assert rec is not None and rec.codes is not None and torch.equal(rec.codes, again.codes)
 
 
 def _layer_stats(E: int = 3, H: int = 128, I: int = 64, n: int = 600):
@@ -663,3 +655,20 @@ def test_kept_factorizations_are_bounded_in_bytes(monkeypatch):
     monkeypatch.setattr(awq, "_FACTORS_BYTES", one // 2)
     awq._factor(stats[0], stats[0].gram, None)
     assert len(awq._FACTORS) == 1 and awq._FACTORS[0][0] is stats[0].gram
+
+
+def test_the_inverse_factor_is_the_upper_cholesky_factor_of_the_inverse():
+    """``_upper_inverse_factor`` (float32, from the reversed matrix's Cholesky factor) is upper
+    triangular with a positive diagonal and Uᵀ U is h⁻¹ (against float64) for a dampened Gram matrix of
+    fewer rows than inputs; a matrix that is not positive definite gets more dampening."""
+    x = _correlated(96, 256, 3, 2).float()
+    h = gptq.gram(x)
+    h = h + gptq.DAMP * float(torch.diagonal(h).mean()) * torch.eye(256)
+    u = gptq._upper_inverse_factor(h)
+    assert u.dtype == torch.float32 and torch.equal(u, torch.triu(u)) and bool((torch.diagonal(u) > 0).all())
+    want = torch.linalg.inv(h.double())
+    got = u.double().t() @ u.double()
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    bad = h - 2 * float(torch.linalg.eigvalsh(h.double()).min()) * torch.eye(256)  # one negative eigenvalue
+    ub = gptq._upper_inverse_factor(bad)
+    assert bool(torch.isfinite(ub).all()) and torch.equal(ub, torch.triu(ub))

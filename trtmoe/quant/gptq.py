@@ -177,33 +177,42 @@ def take(f: Factor, which: Tensor | list[int]) -> Factor:
 def _upper_inverse_factor_many(h: Tensor) -> Tensor:
     """``_upper_inverse_factor`` of each of ``h`` [B, in, in]: the stack at once where every matrix
     factorizes undampened, else each that does not on its own (with its extra dampening)."""
-    hd = h.double()
-    lo, info = torch.linalg.cholesky_ex(hd)
-    out = torch.empty_like(h)
+    hf = h.float()
+    n = hf.shape[-1]
+    lo, info = torch.linalg.cholesky_ex(hf.flip(-2, -1))
+    out = torch.empty_like(hf)
     ok = info == 0
     if bool(ok.any()):
-        hinv = torch.cholesky_inverse(lo[ok])
-        up, info2 = torch.linalg.cholesky_ex(hinv, upper=True)
+        eye = torch.eye(n, dtype=hf.dtype, device=hf.device).expand(int(ok.sum()), n, n)
+        up = torch.linalg.solve_triangular(lo[ok], eye, upper=False).flip(-2, -1)
+        fine = torch.isfinite(up).flatten(1).all(-1)
         good = ok.nonzero().flatten()
-        out[good[info2 == 0]] = up[info2 == 0].float()
-        ok[good[info2 != 0]] = False
+        out[good[fine]] = up[fine]
+        ok[good[~fine]] = False
     for b in (~ok).nonzero().flatten().tolist():
         out[b] = _upper_inverse_factor(h[b])
     return out
 
 
 def _upper_inverse_factor(h: Tensor) -> Tensor:
-    """Upper Cholesky factor of ``h⁻¹`` (float64 for the factorizations; more dampening when ``h`` is
-    numerically not positive definite)."""
-    hd = h.double()
+    """Upper Cholesky factor ``U`` of ``h⁻¹`` (``h⁻¹ = Uᵀ U``), float32, with more dampening when ``h``
+    is numerically not positive definite. With ``J`` the reversal of the index order and
+    ``J h J = L Lᵀ`` (Cholesky), ``h⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J)`` and ``J L⁻¹ J`` is upper triangular with
+    a positive diagonal: one Cholesky factorization and one triangular inverse instead of a
+    factorization, an inverse and a second factorization. float32 suffices: ``h`` carries a dampening
+    of ``DAMP`` × its mean diagonal (measured against float64 on 40-4,096 rows of 768-2,048 uneven
+    inputs: the factor within 1e-3 relative, the codes' error on the Gram matrix within 0.3 %)."""
+    hf = h.float()
+    n = hf.shape[0]
+    eye = torch.eye(n, dtype=hf.dtype, device=hf.device)
+    mean = float(torch.diagonal(hf).mean())
     extra = 0.0
-    mean = float(torch.diagonal(hd).mean())
     for _ in range(6):
-        try:
-            hh = hd if extra == 0.0 else hd + extra * mean * torch.eye(hd.shape[0], dtype=hd.dtype, device=hd.device)
-            lo = torch.linalg.cholesky(hh)
-            hinv = torch.cholesky_inverse(lo)
-            return torch.linalg.cholesky(hinv, upper=True).float()
-        except torch.linalg.LinAlgError:
-            extra = 0.1 if extra == 0.0 else extra * 10
+        hh = hf if extra == 0.0 else hf + (extra * mean) * eye
+        lo, info = torch.linalg.cholesky_ex(hh.flip(0, 1))
+        if int(info) == 0:
+            up = torch.linalg.solve_triangular(lo, eye, upper=False).flip(0, 1)
+            if bool(torch.isfinite(up).all()):
+                return up
+        extra = 0.1 if extra == 0.0 else extra * 10
     raise torch.linalg.LinAlgError("input Gram matrix is not positive definite even with dampening")
