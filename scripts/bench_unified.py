@@ -258,14 +258,15 @@ def main() -> int:
             for b in budgets:
                 if calib_dir is not None:
                     plan, _ = plan_from_calibration(model, calib_dir, b, engine=args.engine, sm=args.sm,
-                                                    formats=ladder)
+                                                    formats=["bf16", *ladder])
                     measure("trtmoe graded", b, plan, note=",".join(plan.expert_formats[l] for l in layers))
-                plan_r, _ = plan_from_calibration(model, calib_r, b, engine=args.engine, sm=args.sm, formats=ladder)
+                plan_r, _ = plan_from_calibration(model, calib_r, b, engine=args.engine, sm=args.sm,
+                                                  formats=["bf16", *ladder])
                 measure(f"trtmoe graded, {R}", b, plan_r, note=",".join(plan_r.expert_formats[l] for l in layers),
                         fp_rounding=rnd)
                 for lad in ladders:
                     plan_w, _ = plan_from_calibration(model, calib_w, b, engine=args.engine, sm=args.sm,
-                                                      formats=list(lad))
+                                                      formats=["bf16", *lad])
                     measure(f"trtmoe graded {{{','.join(lad)}}}, {R}", b, plan_w,
                             note=",".join(plan_w.expert_formats[l] for l in layers), rounding=rec_w,
                             fp_rounding=rnd_w)
