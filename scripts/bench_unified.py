@@ -13,7 +13,7 @@ stored bits per routed-expert weight, scales counted, as ModelOpt's ``effective_
   own environment; skipped when absent) over the same formats on the same calibration windows:
   its per-layer choice written by the same writer with the same input amax ("AQ plan, trtmoe export"),
   and the searched model exported by ModelOpt itself ("AQ, ModelOpt export");
-* uniform FP8 and NVFP4 experts, and the unquantized export (bf16), for scale;
+* uniform FP8, NVFP4 and MXFP4 (W4A16, ``--uniform``) experts, and the unquantized export (bf16), for scale;
 * uniform W4A8-AWQ experts rounded to nearest (pre-quant scale one), and with the pre-quant scale and
   clip that a ``--rounding awq`` calibration over ``w4a8_awq`` searched per expert matrix on the same
   calibration windows (``trtmoe.quant.awq.search_w4a8``), written by the same writer with that
@@ -24,13 +24,15 @@ stored bits per routed-expert weight, scales counted, as ModelOpt's ``effective_
   inputs): a second calibration measures the candidates' ΔKL under that rounding, its graded plan is
   written with it ("trtmoe graded, R"), and the uniform and AutoQuantize plans are written with it too
   (", R export"), the codes recomputed from that calibration's stored inputs as ``convert --calib`` does.
-* the graded plan over the ladder {bf16, fp8, nvfp4, w4a8_awq} ("trtmoe graded +w4a8, R"): one
-  calibration over the three quantized formats with rounding R (W4A8 scored with its searched pre-quant
-  scale and clip under FP8 inputs, FP8 / NVFP4 with their activation-aware codes), the plan that
-  ``convert --target vllm --budget B --calib C`` makes from it (per-layer W4A8 is an unlisted, accepted
-  cell of vLLM's MIXED_PRECISION), written with that calibration's W4A8 recipes and FP8 / NVFP4 codes.
-  AutoQuantize cannot take W4A8 here (ModelOpt 0.47 makes no W4A8 for fused experts), so its plans stay
-  over {fp8, nvfp4}: the {fp8, nvfp4} graded rows are the same-formats comparison.
+* the graded plans over wider ladders (``--ladder``, repeatable; default {bf16, fp8, nvfp4, w4a8_awq} and
+  {bf16, fp8, nvfp4, mxfp4, w4a8_awq}), rows "trtmoe graded {formats}, R": one calibration over the union
+  of the ladders' quantized formats with rounding R (W4A8 scored with its searched pre-quant scale and
+  clip under FP8 inputs, FP8 / NVFP4 / MXFP4 with their activation-aware codes), and per ladder the plan
+  that ``convert --target vllm --budget B --calib C`` makes from it restricted to the ladder's formats
+  (per-layer W4A8 and MXFP4 are unlisted, accepted cells of vLLM's MIXED_PRECISION), written with that
+  calibration's W4A8 recipes and float-format codes. AutoQuantize cannot take W4A8 here (ModelOpt 0.47
+  makes no W4A8 for fused experts), so its plans stay over {fp8, nvfp4}: the {fp8, nvfp4} graded rows are
+  the same-formats comparison.
 
 Every checkpoint is then loaded by the embedded engine from its packed bytes
 (``trtmoe.runtime.unified_load``: each linear on its format's kernel, activations quantized with the
@@ -39,12 +41,15 @@ way): mean KL(source || checkpoint) per token, the share of positions with the s
 checkpoint's bytes on disk and its routed experts' stored bits per weight.
 
     python scripts/bench_unified.py [--budgets 5,6] [--calib-samples 16] [--eval-samples 16] [--no-w4a8]
-                                    [--rounding awq_gptq]
+                                    [--rounding awq_gptq] [--uniform fp8,nvfp4,mxfp4]
+                                    [--ladder fp8,nvfp4,mxfp4,w4a8_awq ...] [--final-only]
 
-(``--budgets ''`` measures the uniform rows only.) The last tables give, per fixture and budget, trtmoe's
-graded plans under the rounding (over {fp8, nvfp4}, then over {fp8, nvfp4, w4a8_awq}) against ModelOpt's
-AutoQuantize export (target ≤ 0.75×) and against the best uniform format within the budget (≤ 0.6×),
-every ratio from the same run.
+(``--budgets ''`` measures the uniform rows only; ``--final-only`` leaves out the rows the last tables do
+not use: the round-to-nearest calibration and graded plan, AutoQuantize's plan written by trtmoe, and the
+separate ``--rounding awq`` calibration of uniform W4A8, whose recipes are then the ladder calibration's.)
+The last tables give, per fixture and budget, trtmoe's graded plans under the rounding (over {fp8, nvfp4},
+then one table per ``--ladder``) against ModelOpt's AutoQuantize export (target ≤ 0.75×) and against the
+best uniform format within the budget (≤ 0.6×, every uniform row counts), every ratio from the same run.
 """
 
 from __future__ import annotations
@@ -136,10 +141,31 @@ def main() -> int:
                     help="leave out the W4A8-AWQ rows (uniform rounded to nearest and searched, and the graded "
                          "plans over the ladder with w4a8_awq)")
     ap.add_argument("--rounding", default="awq_gptq", choices=("gptq", "awq_gptq", "awq"),
-                    help="activation-aware rounding of the FP8 / NVFP4 experts for the rows marked with it")
+                    help="activation-aware rounding of the float-format experts for the rows marked with it")
+    ap.add_argument("--uniform", default="fp8,nvfp4,mxfp4",
+                    help="float formats measured as uniform rows, rounded to nearest and with the rounding "
+                         "(fp8 and nvfp4 always; each counts in 'best uniform within budget')")
+    ap.add_argument("--ladder", action="append", default=None, metavar="F1,F2,...",
+                    help="quantized formats of a graded ladder beside bf16 (repeatable; default "
+                         "fp8,nvfp4,w4a8_awq and fp8,nvfp4,mxfp4,w4a8_awq); one calibration covers them all")
+    ap.add_argument("--final-only", action="store_true",
+                    help="leave out the rows the final tables do not use (round-to-nearest graded plan, "
+                         "AutoQuantize's plan written by trtmoe, the separate awq calibration of uniform W4A8)")
     args = ap.parse_args()
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     ladder = list(MODELOPT_CFG)
+    uniform = list(dict.fromkeys([*ladder, *(f.strip() for f in args.uniform.split(",") if f.strip())]))
+    ladders = [tuple(f.strip() for f in spec.split(",") if f.strip())
+               for spec in (args.ladder or ["fp8,nvfp4,w4a8_awq", "fp8,nvfp4,mxfp4,w4a8_awq"])]
+    if not args.w4a8:
+        ladders = [lad for lad in ladders if "w4a8_awq" not in lad]
+    ladders = [lad for lad in dict.fromkeys(ladders) if lad and lad != tuple(ladder)]
+    for f in {*uniform, *(f for lad in ladders for f in lad)}:
+        if f not in U.FORMATS or f == "bf16":
+            ap.error(f"unknown quantized format {f!r} (one of {', '.join(x for x in U.FORMATS if x != 'bf16')})")
+    if "w4a8_awq" in uniform:
+        ap.error("--uniform takes float formats; the uniform W4A8-AWQ rows are on unless --no-w4a8")
+    union = list(dict.fromkeys([*ladder, *(f for lad in ladders for f in lad)]))
     mo_ok = Path(args.modelopt_python).exists()
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_unified_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -156,30 +182,40 @@ def main() -> int:
             with HFCheckpoint(model) as hf:
                 layers = [l for l, m in enumerate(hf.model.moe_layers) if m]
             print(f"\n{fx}: MoE layers {layers}, calib {tuple(cal.shape)}, held-out {tuple(held.shape)}", flush=True)
-            t0 = time.perf_counter()
-            calib_dir = work / f"calib_{fx}"
-            calibrate(model, splits[0], calib_dir, samples=args.calib_samples, seq_len=args.seq_len,
-                      formats=tuple(ladder), force=True, rounding="rtn")
-            print(f"  calibration over {ladder}: {time.perf_counter() - t0:.0f} s", flush=True)
-            amax = calib_input_amax(model, calib_dir)
             R = args.rounding
-            t0 = time.perf_counter()
-            calib_r = work / f"calib_{fx}_{R}"
-            calibrate(model, splits[0], calib_r, samples=args.calib_samples, seq_len=args.seq_len,
-                      formats=tuple(ladder), force=True, rounding=R)
-            print(f"  calibration over {ladder} with {R} rounding: {time.perf_counter() - t0:.0f} s", flush=True)
+            calib_dir = None
+            if not args.final_only:
+                t0 = time.perf_counter()
+                calib_dir = work / f"calib_{fx}"
+                calibrate(model, splits[0], calib_dir, samples=args.calib_samples, seq_len=args.seq_len,
+                          formats=tuple(ladder), force=True, rounding="rtn")
+                print(f"  calibration over {ladder}: {time.perf_counter() - t0:.0f} s", flush=True)
+                t0 = time.perf_counter()
+                calib_r = work / f"calib_{fx}_{R}"
+                calibrate(model, splits[0], calib_r, samples=args.calib_samples, seq_len=args.seq_len,
+                          formats=tuple(ladder), force=True, rounding=R)
+                print(f"  calibration over {ladder} with {R} rounding: {time.perf_counter() - t0:.0f} s", flush=True)
             with U.SourceModel(model) as s_:
                 dtype = s_.info(next(m for m in s_.modules() if m.kind == "expert").tensor).dtype
-            rnd = UnifiedRounding.from_calibration(calib_r, R, dtype)
-            if args.w4a8:  # the ladder with W4A8: one calibration over the three quantized formats
+            calib_w = rnd_w = rec_w = None
+            if ladders:  # the wider ladders: one calibration over the union of their quantized formats
                 t0 = time.perf_counter()
-                calib_w = work / f"calib_{fx}_{R}_w4a8"
+                calib_w = work / f"calib_{fx}_{R}_{'_'.join(union)}"
                 calibrate(model, splits[0], calib_w, samples=args.calib_samples, seq_len=args.seq_len,
-                          formats=(*ladder, "w4a8_awq"), force=True, rounding=R)
-                print(f"  calibration over {[*ladder, 'w4a8_awq']} with {R} rounding: "
-                      f"{time.perf_counter() - t0:.0f} s", flush=True)
+                          formats=tuple(union), force=True, rounding=R)
+                print(f"  calibration over {union} with {R} rounding: {time.perf_counter() - t0:.0f} s", flush=True)
                 rnd_w = UnifiedRounding.from_calibration(calib_w, R, dtype)
-                rec_w = awq.checkpoint_rounding(calib_w, load_calib(calib_w), dtype)
+                if "w4a8_awq" in union:
+                    rec_w = awq.checkpoint_rounding(calib_w, load_calib(calib_w), dtype)
+            if args.final_only:
+                if calib_w is None:  # the {fp8, nvfp4} plan still needs a calibration under the rounding
+                    calib_w = work / f"calib_{fx}_{R}"
+                    calibrate(model, splits[0], calib_w, samples=args.calib_samples, seq_len=args.seq_len,
+                              formats=tuple(ladder), force=True, rounding=R)
+                    rnd_w = UnifiedRounding.from_calibration(calib_w, R, dtype)
+                calib_r = calib_w  # the {fp8, nvfp4} plan restricted from the union's calibration
+            amax = calib_input_amax(model, calib_dir or calib_r)
+            rnd = UnifiedRounding.from_calibration(calib_r, R, dtype)
 
             def measure(name: str, budget, plan: U.UnifiedPlan | None = None, ck: Path | None = None, note="",
                         rounding=None, fp_rounding=None):
@@ -200,31 +236,38 @@ def main() -> int:
                       f"same top-1 {top1:.4f} {note}", flush=True)
 
             measure("bf16", "-", U.UnifiedPlan.uniform("bf16", layers))
-            for f in ladder:
+            for f in uniform:
                 measure(f"uniform {f}", "-", U.UnifiedPlan({l: f for l in layers}))
                 measure(f"uniform {f}, {R}", "-", U.UnifiedPlan({l: f for l in layers}), fp_rounding=rnd)
             if args.w4a8:
                 w4 = U.UnifiedPlan({l: "w4a8_awq" for l in layers})
                 measure("uniform w4a8_awq, rtn", "-", w4)
-                t0 = time.perf_counter()
-                w4_dir = work / f"calib_w4a8_{fx}"
-                calibrate(model, splits[0], w4_dir, samples=args.calib_samples, seq_len=args.seq_len,
-                          formats=("w4a8_awq",), force=True, rounding="awq")
-                secs = time.perf_counter() - t0
-                measure("uniform w4a8_awq, searched", "-", w4, note=f"(awq calibration {secs:.0f} s)",
-                        rounding=awq.checkpoint_rounding(w4_dir, load_calib(w4_dir), dtype))
+                if args.final_only and rec_w is not None:
+                    measure("uniform w4a8_awq, searched", "-", w4, note=f"(recipes of the {R} ladder calibration)",
+                            rounding=rec_w)
+                else:
+                    t0 = time.perf_counter()
+                    w4_dir = work / f"calib_w4a8_{fx}"
+                    calibrate(model, splits[0], w4_dir, samples=args.calib_samples, seq_len=args.seq_len,
+                              formats=("w4a8_awq",), force=True, rounding="awq")
+                    secs = time.perf_counter() - t0
+                    measure("uniform w4a8_awq, searched", "-", w4, note=f"(awq calibration {secs:.0f} s)",
+                            rounding=awq.checkpoint_rounding(w4_dir, load_calib(w4_dir), dtype))
             ids_path = work / f"ids_{fx}.safetensors"
             save_file({"ids": cal.contiguous()}, ids_path)
             for b in budgets:
-                plan, _ = plan_from_calibration(model, calib_dir, b, engine=args.engine, sm=args.sm, formats=ladder)
-                measure("trtmoe graded", b, plan, note=",".join(plan.expert_formats[l] for l in layers))
-                plan_r, _ = plan_from_calibration(model, calib_r, b, engine=args.engine, sm=args.sm, formats=ladder)
+                if calib_dir is not None:
+                    plan, _ = plan_from_calibration(model, calib_dir, b, engine=args.engine, sm=args.sm,
+                                                    formats=["bf16", *ladder])
+                    measure("trtmoe graded", b, plan, note=",".join(plan.expert_formats[l] for l in layers))
+                plan_r, _ = plan_from_calibration(model, calib_r, b, engine=args.engine, sm=args.sm,
+                                                  formats=["bf16", *ladder])
                 measure(f"trtmoe graded, {R}", b, plan_r, note=",".join(plan_r.expert_formats[l] for l in layers),
                         fp_rounding=rnd)
-                if args.w4a8:
+                for lad in ladders:
                     plan_w, _ = plan_from_calibration(model, calib_w, b, engine=args.engine, sm=args.sm,
-                                                      formats=[*ladder, "w4a8_awq"])
-                    measure(f"trtmoe graded +w4a8, {R}", b, plan_w,
+                                                      formats=["bf16", *lad])
+                    measure(f"trtmoe graded {{{','.join(lad)}}}, {R}", b, plan_w,
                             note=",".join(plan_w.expert_formats[l] for l in layers), rounding=rec_w,
                             fp_rounding=rnd_w)
                 if not mo_ok:
@@ -243,10 +286,13 @@ def main() -> int:
                     continue
                 chosen = json.loads(out_json.read_text())["layers"]
                 names = {l: FROM_MODELOPT.get(chosen.get(str(l), ""), "bf16") for l in layers}
-                measure("AQ plan, trtmoe export", b, U.UnifiedPlan(dict(names)),
-                        note=",".join(names[l] for l in layers) + f" ({secs:.0f} s search+export)")
-                measure(f"AQ plan, {R} export", b, U.UnifiedPlan(dict(names)),
-                        note=",".join(names[l] for l in layers), fp_rounding=rnd)
+                print(f"  AutoQuantize plan {','.join(names[l] for l in layers)} ({secs:.0f} s search+export)",
+                      flush=True)
+                if not args.final_only:
+                    measure("AQ plan, trtmoe export", b, U.UnifiedPlan(dict(names)),
+                            note=",".join(names[l] for l in layers) + f" ({secs:.0f} s search+export)")
+                    measure(f"AQ plan, {R} export", b, U.UnifiedPlan(dict(names)),
+                            note=",".join(names[l] for l in layers), fp_rounding=rnd)
                 if p.returncode == 0 and (mo_dir / "hf_quant_config.json").is_file():
                     measure("AQ, ModelOpt export", b, ck=mo_dir, note=",".join(names[l] for l in layers))
                 else:
@@ -279,26 +325,30 @@ def main() -> int:
                   f"{'-' if aq is None else f'{kl_r / aq[1]:.2f}x'} | {'-' if best is None else best[1]} | "
                   f"{'-' if best is None else f'{best[0]:.5f}'} | {'-' if best is None else f'{kl_r / best[0]:.2f}x'} |")
 
-    name_w = f"trtmoe graded +w4a8, {R}"
-    if any(r[2] == name_w for r in rows):
-        print(f"\n| fixture | budget | graded {{fp8, nvfp4}} KL | graded {{fp8, nvfp4, w4a8_awq}} | bits | its KL "
+    for lad in ladders:
+        name_w = f"trtmoe graded {{{','.join(lad)}}}, {R}"
+        if not any(r[2] == name_w for r in rows):
+            continue
+        print(f"\n| fixture | budget | graded {{fp8, nvfp4}} KL | graded {{{', '.join(lad)}}} | bits | its KL "
               "| AQ, ModelOpt export KL | ratio (target ≤ 0.75) | best uniform within budget | its KL "
               "| ratio (target ≤ 0.6) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for fx in dict.fromkeys(r[0] for r in rows):
-        for b in budgets:
-            got = {name: (bits, kl, note) for f_, b_, name, bits, _, kl, _, note in rows if f_ == fx and b_ in (b, "-")}
-            if name_w not in got:
-                continue
-            bits_w, kl_w, note_w = got[name_w]
-            kl_r = got.get(f"trtmoe graded, {R}", (0, float("nan")))[1]
-            aq = got.get("AQ, ModelOpt export")
-            uni = [(kl, name) for name, (bits, kl, _) in got.items() if name.startswith("uniform") and bits <= b + 1e-9]
-            best = min(uni) if uni else None
-            print(f"| {fx} | {b} | {kl_r:.5f} | {note_w.split(' ')[0]} | {bits_w:.3f} | {kl_w:.5f} | "
-                  f"{'-' if aq is None else f'{aq[1]:.5f}'} | {'-' if aq is None else f'{kl_w / aq[1]:.2f}x'} | "
-                  f"{'-' if best is None else best[1]} | {'-' if best is None else f'{best[0]:.5f}'} | "
-                  f"{'-' if best is None else f'{kl_w / best[0]:.2f}x'} |")
+        for fx in dict.fromkeys(r[0] for r in rows):
+            for b in budgets:
+                got = {name: (bits, kl, note) for f_, b_, name, bits, _, kl, _, note in rows
+                       if f_ == fx and b_ in (b, "-")}
+                if name_w not in got:
+                    continue
+                bits_w, kl_w, note_w = got[name_w]
+                kl_r = got.get(f"trtmoe graded, {R}", (0, float("nan")))[1]
+                aq = got.get("AQ, ModelOpt export")
+                uni = [(kl, name) for name, (bits, kl, _) in got.items()
+                       if name.startswith("uniform") and bits <= b + 1e-9]
+                best = min(uni) if uni else None
+                print(f"| {fx} | {b} | {kl_r:.5f} | {note_w.split(' ')[0]} | {bits_w:.3f} | {kl_w:.5f} | "
+                      f"{'-' if aq is None else f'{aq[1]:.5f}'} | {'-' if aq is None else f'{kl_w / aq[1]:.2f}x'} | "
+                      f"{'-' if best is None else best[1]} | {'-' if best is None else f'{best[0]:.5f}'} | "
+                      f"{'-' if best is None else f'{kl_w / best[0]:.2f}x'} |")
     return 0
 
 

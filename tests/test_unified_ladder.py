@@ -1,6 +1,7 @@
-"""W4A8-AWQ in the graded per-layer ladder of the unified-HF targets: one calibration over FP8, NVFP4 and
-W4A8-AWQ, the per-layer plan ``convert --budget`` makes from it, and the MIXED_PRECISION checkpoint with
-FP8 and W4A8-AWQ layers that the writer exports and the embedded unified loader runs."""
+"""W4A8-AWQ and MXFP4 in the graded per-layer ladder of the unified-HF targets: one calibration over FP8,
+NVFP4 and W4A8-AWQ (and MXFP4), the per-layer plan ``convert --budget`` makes from it, and the
+MIXED_PRECISION checkpoints with FP8 / MXFP4 and W4A8-AWQ layers that the writer exports and the embedded
+unified loader runs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from conftest import TRAINED_MIXTRAL, TRAINED_QWEN3_MOE, require_fixture
 
 LADDER = ("fp8", "nvfp4", "w4a8_awq")
+LADDER_MX = ("fp8", "nvfp4", "mxfp4", "w4a8_awq")
 L, E = 2, 4
 # ModelOpt 0.47's quantized_layers entries (modelopt/torch/export/quant_utils.py process_layer_quant_config).
 W4A8_ENTRY = {"quant_algo": "W4A8_AWQ", "group_size": 128, "has_zero_point": False, "pre_quant_scale": True}
@@ -25,14 +27,10 @@ ARCHS = {  # architecture -> (size overrides: every expert matrix's input a mult
 }
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
-def ladder_cal(request, tiny_model, tmp_path_factory):
-    """A tiny bf16 model (2 MoE layers, hidden 128) with a tokenizer, and its calibration over the
-    three quantized formats with the default activation-aware rounding (awq_gptq)."""
+def _calibrated(arch: str, tiny_model, tmp_path_factory, formats: tuple[str, ...]):
     from trtmoe.data import write_split_text
     from trtmoe.quant.calibrate import calibrate
 
-    arch = request.param
     sizes, tok = ARCHS[arch]
     tmp = tmp_path_factory.mktemp(f"ladder-{arch}")
     src = tiny_model(arch, num_hidden_layers=L, seed=5, hidden_size=128, head_dim=32, dtype="bfloat16", **sizes)
@@ -43,8 +41,21 @@ def ladder_cal(request, tiny_model, tmp_path_factory):
     text = tmp / "calib.txt"
     write_split_text("calib", text, max_bytes=20000)
     cal = tmp / "cal"
-    calibrate(model, text, cal, samples=4, seq_len=32, formats=LADDER, rounding="awq_gptq")
+    calibrate(model, text, cal, samples=4, seq_len=32, formats=formats, rounding="awq_gptq")
     return arch, model, cal
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def ladder_cal(request, tiny_model, tmp_path_factory):
+    """A tiny bf16 model (2 MoE layers, hidden 128) with a tokenizer, and its calibration over the
+    three quantized formats with the default activation-aware rounding (awq_gptq)."""
+    return _calibrated(request.param, tiny_model, tmp_path_factory, LADDER)
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def mx_cal(request, tiny_model, tmp_path_factory):
+    """The same tiny model's calibration over FP8, NVFP4, MXFP4 and W4A8-AWQ (awq_gptq rounding)."""
+    return _calibrated(request.param, tiny_model, tmp_path_factory, LADDER_MX)
 
 
 def _tensors(ck: Path) -> dict[str, torch.Tensor]:
@@ -188,12 +199,12 @@ def test_export_takes_the_calibrations_w4a8_recipes_without_searching(ladder_cal
 
 # ---- the plan ------------------------------------------------------------------------------------
 
-def _stored_bpw(model: Path) -> dict[str, float]:
+def _stored_bpw(model: Path, ladder: tuple[str, ...] = LADDER) -> dict[str, float]:
     """Each format's stored bits per routed-expert weight in the unified-HF checkpoint (every layer alike)."""
     from trtmoe.checkpoint import unified_hf as U
 
     with U.SourceModel(model) as src:
-        bits = U.expert_layer_bits(src, ("float", *LADDER))
+        bits = U.expert_layer_bits(src, ("float", *ladder))
         n_w = sum(m.shape[0] * m.shape[1] for m in src.modules() if m.kind == "expert" and m.layer == 0)
     assert all(b == bits[0] for b in bits.values())
     return {f: b / n_w for f, b in bits[0].items()}
@@ -245,26 +256,116 @@ def test_plan_picks_w4a8_where_it_buys_more_per_bit(ladder_cal, tmp_path):
     assert "w4a8_awq" not in plan.expert_formats.values()
 
 
+def _assert_least_dkl_plans(model: Path, cal: Path, ladder: tuple[str, ...], formats: list[str] | None = None):
+    from trtmoe.build.unified_hf import plan_from_calibration
+    from trtmoe.quant.calibrate import load_calib
+
+    c = load_calib(cal)
+    dkl = c["sensitivity"]["delta_kl"]
+    keep = None if formats is None else {"float" if f == "bf16" else f for f in formats}
+    cost = {f: b for f, b in _stored_bpw(model, ladder).items() if keep is None or f in keep}
+    loss = {f: [sum(dkl[f][l]) if f != "float" else 0.0 for l in range(L)] for f in cost}
+    for budget in (4.3, 4.4, 4.5, 5.0, 6.0, 6.2, 7.0, 10.0, 12.5):
+        fits = [a for a in product(cost, repeat=L) if sum(cost[f] for f in a) / L <= budget * (1 + 1e-12)]
+        if not fits:  # below the ladder's fewest bits (4.3: only MXFP4 fits)
+            continue
+        best = min(sum(loss[f][l] for l, f in enumerate(a)) for a in fits)
+        plan, _ = plan_from_calibration(model, cal, budget, engine="vllm-0.33", sm=90, formats=formats)
+        got = [("float" if plan.expert_formats[l] == "bf16" else plan.expert_formats[l]) for l in range(L)]
+        assert set(got) <= set(cost), budget
+        assert plan.meta["avg_bpw"] == pytest.approx(sum(cost[f] for f in got) / L, rel=1e-12), budget
+        assert plan.meta["avg_bpw"] <= budget * (1 + 1e-12), budget
+        assert sum(loss[f][l] for l, f in enumerate(got)) == pytest.approx(best, rel=1e-9, abs=1e-15), budget
+
+
 def test_plan_over_the_ladder_is_the_least_predicted_dkl_within_the_budget(ladder_cal):
     """On the measured calibration, at several budgets: the per-layer plan's predicted ΔKL is the least
     over every per-layer assignment of {bf16, fp8, nvfp4, w4a8_awq} whose stored bits in the unified-HF
     checkpoint fit (enumerated), and its avg_bpw is those stored bits per weight."""
+    _, model, cal = ladder_cal
+    _assert_least_dkl_plans(model, cal, LADDER)
+
+
+# ---- MXFP4 (W4A16, E8M0 scales per 32) in the ladder ----------------------------------------------
+
+def test_plan_over_the_ladder_with_mxfp4_is_the_least_predicted_dkl(mx_cal):
+    """One calibration over FP8, NVFP4, MXFP4 and W4A8-AWQ measures every expert in each; the plan over
+    {bf16, fp8, nvfp4, mxfp4, w4a8_awq} is the least predicted ΔKL within each budget (enumerated, in
+    stored bits), and the plan restricted to {fp8, nvfp4, w4a8_awq} from the same calibration is that
+    ladder's least and never MXFP4."""
+    from trtmoe.quant.calibrate import load_calib
+
+    _, model, cal = mx_cal
+    c = load_calib(cal)
+    assert c["formats"] == list(LADDER_MX) and c["rounding"] == "awq_gptq"
+    dkl = c["sensitivity"]["delta_kl"]
+    assert len(dkl["mxfp4"]) == L and all(len(row) == E for row in dkl["mxfp4"])
+    assert any(v > 0 for row in dkl["mxfp4"] for v in row)
+    _assert_least_dkl_plans(model, cal, LADDER_MX)
+    _assert_least_dkl_plans(model, cal, LADDER_MX, formats=["bf16", *LADDER])
+
+
+def test_plan_picks_mxfp4_where_it_buys_more_per_bit(mx_cal, tmp_path):
+    """MXFP4 stores the fewest bits of the 4-bit rungs; with its ΔKL half NVFP4's (W4A8's twice), a
+    4-bit budget gives every layer MXFP4, and a budget of exactly FP8 + MXFP4 gives the more sensitive
+    layer FP8 and the other MXFP4 (FP8 + W4A8 / NVFP4 do not fit)."""
     from trtmoe.build.unified_hf import plan_from_calibration
     from trtmoe.quant.calibrate import load_calib
 
-    _, model, cal = ladder_cal
-    c = load_calib(cal)
-    dkl = c["sensitivity"]["delta_kl"]
-    cost = _stored_bpw(model)
-    loss = {f: [sum(dkl[f][l]) if f != "float" else 0.0 for l in range(L)] for f in cost}
-    for budget in (4.4, 4.5, 5.0, 6.0, 6.2, 7.0, 10.0, 12.5):
-        fits = [a for a in product(cost, repeat=L) if sum(cost[f] for f in a) / L <= budget * (1 + 1e-12)]
-        best = min(sum(loss[f][l] for l, f in enumerate(a)) for a in fits)
-        plan, _ = plan_from_calibration(model, cal, budget, engine="vllm-0.33", sm=90)
-        got = [("float" if plan.expert_formats[l] == "bf16" else plan.expert_formats[l]) for l in range(L)]
-        assert plan.meta["avg_bpw"] == pytest.approx(sum(cost[f] for f in got) / L, rel=1e-12), budget
-        assert plan.meta["avg_bpw"] <= budget * (1 + 1e-12), budget
-        assert sum(loss[f][l] for l, f in enumerate(got)) == pytest.approx(best, rel=1e-9, abs=1e-15), budget
+    _, model, cal = mx_cal
+    bpw = _stored_bpw(model, LADDER_MX)
+    assert bpw["mxfp4"] < bpw["w4a8_awq"] < bpw["nvfp4"] < bpw["fp8"]
+    dkl = load_calib(cal)["sensitivity"]["delta_kl"]
+    hot = max(range(L), key=lambda l: sum(dkl["nvfp4"][l]))
+    d = _edited(cal, tmp_path, {("mxfp4", 0): 0.5, ("mxfp4", 1): 0.5, ("w4a8_awq", 0): 2.0,
+                                ("w4a8_awq", 1): 2.0, ("fp8", 0): 0.01, ("fp8", 1): 0.01})
+    plan, _ = plan_from_calibration(model, d, bpw["nvfp4"] + 0.01, engine="vllm-0.33", sm=90)
+    assert plan.expert_formats == {0: "mxfp4", 1: "mxfp4"}
+    budget = (bpw["fp8"] + bpw["mxfp4"]) / 2
+    plan, _ = plan_from_calibration(model, d, budget, engine="vllm-0.33", sm=90)
+    assert plan.expert_formats == {hot: "fp8", 1 - hot: "mxfp4"}
+    assert plan.meta["avg_bpw"] == pytest.approx(budget, rel=1e-12)
+
+
+def test_mixed_mxfp4_w4a8_checkpoint_is_the_uniform_exports_spliced_and_runs(mx_cal, tmp_path):
+    """The MIXED_PRECISION export with layer 0 MXFP4 and layer 1 W4A8-AWQ (codes and recipes of the one
+    calibration): each layer's entry is the one the uniform export of its format writes, each layer holds
+    exactly that uniform export's tensors, and the embedded loader's logits are those of the uniform MXFP4
+    engine with layer 1's experts taken from the uniform W4A8 engine (and differ from all-MXFP4)."""
+    from trtmoe.build.unified_hf import convert_unified
+    from trtmoe.checkpoint import unified_hf as U
+    from trtmoe.runtime.unified_load import load_unified_engine
+
+    _, model, cal = mx_cal
+    out = {name: convert_unified(model, tmp_path / name, target="vllm", layer_formats=spec, calib=cal, sm=90)
+           for name, spec in (("mixed", ["0=mxfp4", "1=w4a8_awq"]), ("mx", ["0=mxfp4", "1=mxfp4"]),
+                              ("w4a8", ["0=w4a8_awq", "1=w4a8_awq"]))}
+    q = out["mixed"].result.hf_quant_config["quantization"]
+    assert q["quant_algo"] == "MIXED_PRECISION"
+    ql = q["quantized_layers"]
+    assert ql[_experts_prefix(ql, 0)] == U.FORMATS["mxfp4"].layer_config()
+    assert ql[_experts_prefix(ql, 1)] == W4A8_ENTRY
+    assert out["mixed"].verdict.ok
+    assert json.loads((out["mixed"].result.out_dir / "manifest.json").read_text())["rounding"] == "awq_gptq"
+    mixed, mx, w4 = (_tensors(out[n].result.out_dir) for n in ("mixed", "mx", "w4a8"))
+    p1 = _experts_prefix(ql, 1) + "."
+    assert set(mixed) == {k for k in mx if not k.startswith(p1)} | {k for k in w4 if k.startswith(p1)}
+    for k, t in mixed.items():
+        want = w4[k] if k.startswith(p1) else mx[k]
+        assert t.dtype == want.dtype and torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                                                     want.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else want), k
+    ids = torch.randint(0, 250, (2, 20), generator=torch.Generator().manual_seed(7))
+    got_eng = load_unified_engine(out["mixed"].result.out_dir, device="cpu")
+    ref = load_unified_engine(out["mx"].result.out_dir, device="cpu")
+    w4e = load_unified_engine(out["w4a8"].result.out_dir, device="cpu")
+    with torch.inference_mode():
+        all_mx = ref.logits(ids).float()
+        ref.layers[1].experts = w4e.layers[1].experts
+        want = ref.logits(ids).float()
+        got = got_eng.logits(ids).float()
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    assert not torch.allclose(got, all_mx, atol=1e-4 * float(all_mx.abs().max()), rtol=0)
 
 
 # ---- the CLI on a trained fixture ----------------------------------------------------------------
