@@ -168,21 +168,27 @@ def test_mixed_checkpoint_runs_in_the_embedded_unified_loader(mixed_exports):
     """The loaded mixed checkpoint computes what the uniform FP8 checkpoint computes with layer 1's experts
     taken from the uniform W4A8 checkpoint (each layer on its own format's kernel, W4A8 inputs
     pre-scaled), and differs from all-FP8."""
+    _, _, _, out = mixed_exports
+    _assert_runs_as_spliced(out["mixed"], out["fp8"], out["w4a8"])
+
+
+def _assert_runs_as_spliced(mixed, base, swapped, layer: int = 1):
+    """The loaded ``mixed`` export computes exactly what the uniform ``base`` export computes with
+    ``layer``'s experts taken from the uniform ``swapped`` export, and differs from ``base`` alone."""
     from trtmoe.runtime.unified_load import load_unified_engine
 
-    _, _, _, out = mixed_exports
     ids = torch.randint(0, 250, (2, 20), generator=torch.Generator().manual_seed(7))
-    mixed = load_unified_engine(out["mixed"].result.out_dir, device="cpu")
-    ref = load_unified_engine(out["fp8"].result.out_dir, device="cpu")
-    w4 = load_unified_engine(out["w4a8"].result.out_dir, device="cpu")
+    got_eng = load_unified_engine(mixed.result.out_dir, device="cpu")
+    ref = load_unified_engine(base.result.out_dir, device="cpu")
+    other = load_unified_engine(swapped.result.out_dir, device="cpu")
     with torch.inference_mode():
-        all_fp8 = ref.logits(ids).float()
-        ref.layers[1].experts = w4.layers[1].experts
+        all_base = ref.logits(ids).float()
+        ref.layers[layer].experts = other.layers[layer].experts
         want = ref.logits(ids).float()
-        got = mixed.logits(ids).float()
+        got = got_eng.logits(ids).float()
     assert torch.isfinite(got).all()
     assert torch.equal(got, want)
-    assert not torch.allclose(got, all_fp8, atol=1e-4 * float(all_fp8.abs().max()), rtol=0)
+    assert not torch.allclose(got, all_base, atol=1e-4 * float(all_base.abs().max()), rtol=0)
 
 
 def test_export_takes_the_calibrations_w4a8_recipes_without_searching(ladder_cal, tmp_path, monkeypatch):
@@ -334,7 +340,6 @@ def test_mixed_mxfp4_w4a8_checkpoint_is_the_uniform_exports_spliced_and_runs(mx_
     engine with layer 1's experts taken from the uniform W4A8 engine (and differ from all-MXFP4)."""
     from trtmoe.build.unified_hf import convert_unified
     from trtmoe.checkpoint import unified_hf as U
-    from trtmoe.runtime.unified_load import load_unified_engine
 
     _, model, cal = mx_cal
     out = {name: convert_unified(model, tmp_path / name, target="vllm", layer_formats=spec, calib=cal, sm=90)
@@ -354,18 +359,7 @@ def test_mixed_mxfp4_w4a8_checkpoint_is_the_uniform_exports_spliced_and_runs(mx_
         want = w4[k] if k.startswith(p1) else mx[k]
         assert t.dtype == want.dtype and torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
                                                      want.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else want), k
-    ids = torch.randint(0, 250, (2, 20), generator=torch.Generator().manual_seed(7))
-    got_eng = load_unified_engine(out["mixed"].result.out_dir, device="cpu")
-    ref = load_unified_engine(out["mx"].result.out_dir, device="cpu")
-    w4e = load_unified_engine(out["w4a8"].result.out_dir, device="cpu")
-    with torch.inference_mode():
-        all_mx = ref.logits(ids).float()
-        ref.layers[1].experts = w4e.layers[1].experts
-        want = ref.logits(ids).float()
-        got = got_eng.logits(ids).float()
-    assert torch.isfinite(got).all()
-    assert torch.equal(got, want)
-    assert not torch.allclose(got, all_mx, atol=1e-4 * float(all_mx.abs().max()), rtol=0)
+    _assert_runs_as_spliced(out["mixed"], out["mx"], out["w4a8"])
 
 
 # ---- the CLI on a trained fixture ----------------------------------------------------------------
