@@ -505,32 +505,7 @@ def test_missing_or_damaged_inputs_are_one_error_naming_the_file(model, cal_inpu
 
 
 # ---------------------------------------------------------------------------------------------
-# a stack of matrices at once, and the error from the rows when they are fewer than the inputs
-
-
-def test_stacked_factors_and_codes_are_the_per_matrix_ones():
-    """``factor_many`` / ``codes_many`` on a stack (a layer's experts, one of them with a dead input
-    channel and one whose Gram matrix needs extra dampening) give exactly the factors and codes of
-    ``factor`` / ``codes`` one matrix at a time; ``take`` reuses one factor for several matrices."""
-    B, out_f, in_f = 5, 48, 256
-    w = torch.stack([_matrix(out_f, in_f, 10 + b) for b in range(B)]).float()
-    xs = [_correlated(300, in_f, b, mix_seed=b).float() for b in range(B)]
-    hs = torch.stack([gptq.gram(x) for x in xs])
-    hs[1, 7, :] = 0
-    hs[1, :, 7] = 0  # an input no token uses
-    hs[3] = torch.ones(in_f, in_f)  # rank one: not positive definite with the default dampening alone
-    fmt = FORMATS["int4_g64"]
-    qs, ds = map(torch.stack, zip(*(awq._format_scales(fmt, w[b], DT) for b in range(B))))
-    f = gptq.factor_many(hs)
-    for b in range(B):
-        one = gptq.factor(hs[b])
-        assert torch.equal(one.perm, f.perm[b]) and torch.equal(one.hinv, f.hinv[b])
-    q = gptq.codes_many(w, qs, ds, f, DT, block=64)
-    for b in range(B):
-        assert torch.equal(q[b], gptq.codes(w[b], qs[b], ds[b], hs[b], DT, block=64))
-    shared = gptq.codes_many(w[:3], qs[:3], ds[:3], gptq.take(f, [2, 2, 2]), DT)
-    for b in range(3):
-        assert torch.equal(shared[b], gptq.codes(w[b], qs[b], ds[b], hs[2], DT))
+# the error from the rows when they are fewer than the inputs
 
 
 def test_error_from_few_rows_is_the_gram_error_and_picks_the_same_codes(monkeypatch):

@@ -11,12 +11,6 @@ format computes from the (optionally pre-scaled and clipped) weight — amax / 7
 group formats, amax / 8 per row for per-channel INT4 — so ``weights_scaling_factor`` /
 ``per_channel_scale``, the packed byte layout and TensorRT-LLM's dequantization (code × scale in the
 model dtype) are those of round-to-nearest. Codes may use the whole signed range [-8, 7].
-
-``factor_many`` and ``codes_many`` do the same for a stack of matrices at once ([B, out, in] weights,
-[B, in, in] Gram matrices: a layer's experts, or one matrix's candidate transforms): one Python loop
-over the columns for the whole stack instead of one per matrix, on the device the tensors are on. On
-CPU every element goes through the same float operations as ``factor`` / ``codes`` (a test checks the
-codes are identical).
 """
 
 from __future__ import annotations
@@ -115,83 +109,6 @@ def codes(w: Tensor, q_scale: Tensor, deq_scale: Tensor, h: Tensor | Factor, dty
         if b < in_f:
             wt[b:] -= hinv[a:b, b:].t() @ err1
     return qf.to(torch.int8).t()[:, inv].contiguous()
-
-
-def factor_many(hs: Tensor, damp: float = DAMP) -> Factor:
-    """``factor`` of each of the Gram matrices ``hs`` [B, in, in]: a ``Factor`` whose tensors carry
-    the leading batch dimension (perm, inv [B, in]; hinv [B, in, in])."""
-    h = hs.float().clone()
-    B, n, _ = h.shape
-    idx = torch.arange(n, device=h.device)
-    diag = h[:, idx, idx]
-    h[:, idx, idx] = torch.where(diag <= 0, torch.ones_like(diag), diag)
-    perm = torch.stack([torch.argsort(h[b, idx, idx], descending=True, stable=True) for b in range(B)])
-    inv = torch.argsort(perm, dim=-1)
-    h = torch.gather(torch.gather(h, 1, perm.unsqueeze(-1).expand(B, n, n)), 2, perm.unsqueeze(1).expand(B, n, n))
-    for b in range(B):  # a Python float, as ``factor`` adds it
-        h[b, idx, idx] += damp * float(torch.diagonal(h[b]).mean())
-    return Factor(perm, inv, _upper_inverse_factor_many(h))
-
-
-def codes_many(w: Tensor, q_scale: Tensor, deq_scale: Tensor, f: Factor, dtype: torch.dtype, *,
-               block: int = BLOCK) -> Tensor:
-    """``codes`` of each matrix of the stack ``w`` [B, out, in] with its scales (``q_scale``,
-    ``deq_scale`` [B, out, in]) and its ``Factor`` (``factor_many``'s, one per matrix: index a shared
-    one with ``take``): int8 codes [B, out, in]."""
-    perm, inv, hinv = f.perm, f.inv, f.hinv
-    B, out_f, in_f = w.shape
-    cols = perm.unsqueeze(1).expand(B, out_f, in_f)
-
-    def permuted(t: Tensor) -> Tensor:  # [B, in, out], input columns in the factor's order
-        return torch.gather(t, 2, cols).transpose(1, 2).contiguous()
-
-    wt = permuted(w.float())
-    q_scale, deq_scale = permuted(q_scale.float()), permuted(deq_scale.to(dtype))
-    qf = torch.empty(B, in_f, out_f, device=w.device)  # codes as float32 integers, as in ``codes``
-    upd = torch.empty(B, block, out_f, device=w.device)
-    for a in range(0, in_f, block):
-        b = min(a + block, in_f)
-        w1 = wt[:, a:b].clone()
-        err1 = torch.empty_like(w1)
-        hb = hinv[:, a:b, a:b]
-        for i in range(b - a):
-            col = w1[:, i]
-            c = torch.div(col, q_scale[:, a + i], out=qf[:, a + i]).round_().clamp_(-8, 7)
-            deq = (c.to(dtype) * deq_scale[:, a + i]).float()
-            e = torch.sub(col, deq, out=err1[:, i]).div_(hb[:, i, i].unsqueeze(-1))
-            if i + 1 < b - a:
-                u = torch.mul(hb[:, i, i + 1:].unsqueeze(-1), e.unsqueeze(1), out=upd[:, :b - a - i - 1])
-                w1[:, i + 1:].sub_(u)
-        if b < in_f:
-            wt[:, b:] -= torch.bmm(hinv[:, a:b, b:].transpose(1, 2), err1)
-    q = qf.to(torch.int8)
-    return torch.gather(q.transpose(1, 2), 2, inv.unsqueeze(1).expand(B, out_f, in_f)).contiguous()
-
-
-def take(f: Factor, which: Tensor | list[int]) -> Factor:
-    """The factors ``which`` (indices into the batch) of a ``factor_many`` result, as a stack."""
-    which = torch.as_tensor(which, dtype=torch.long, device=f.perm.device)
-    return Factor(f.perm[which], f.inv[which], f.hinv[which])
-
-
-def _upper_inverse_factor_many(h: Tensor) -> Tensor:
-    """``_upper_inverse_factor`` of each of ``h`` [B, in, in]: the stack at once where every matrix
-    factorizes undampened, else each that does not on its own (with its extra dampening)."""
-    hf = h.float()
-    n = hf.shape[-1]
-    lo, info = torch.linalg.cholesky_ex(hf.flip(-2, -1))
-    out = torch.empty_like(hf)
-    ok = info == 0
-    if bool(ok.any()):
-        eye = torch.eye(n, dtype=hf.dtype, device=hf.device).expand(int(ok.sum()), n, n)
-        up = torch.linalg.solve_triangular(lo[ok], eye, upper=False).flip(-2, -1)
-        fine = torch.isfinite(up).flatten(1).all(-1)
-        good = ok.nonzero().flatten()
-        out[good[fine]] = up[fine]
-        ok[good[~fine]] = False
-    for b in (~ok).nonzero().flatten().tolist():
-        out[b] = _upper_inverse_factor(h[b])
-    return out
 
 
 def _upper_inverse_factor(h: Tensor) -> Tensor:
