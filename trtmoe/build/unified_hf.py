@@ -147,7 +147,8 @@ def export_rounding(model: str | Path, plan: U.UnifiedPlan, calib: str | Path | 
             raise InputError(f"--rounding {rounding} needs a calibration with activation statistics",
                              hint="pass --calib CALIB (from `trtmoe calibrate`), or use --rounding rtn")
         return None
-    name = rounding or load_calib(calib).get("rounding") or "rtn"
+    calib_json = load_calib(calib)
+    name = rounding or calib_json.get("rounding") or "rtn"
     fmts = {U.get_format(f).fmt for f in plan.expert_formats.values()}
     if name == "rtn" or not any(fp_gptq.applies(f) for f in fmts):
         plan.meta["rounding"] = "rtn"
@@ -163,7 +164,7 @@ def export_rounding(model: str | Path, plan: U.UnifiedPlan, calib: str | Path | 
         mods = [m for m in src.modules() if m.kind == "expert"]
         dtype = src.info(mods[0].tensor).dtype if mods else _model_dtype(src)
     plan.meta["rounding"] = name
-    if awq.stale_float_rounding(load_calib(calib)):
+    if awq.stale_float_rounding(calib_json):
         plan.meta.setdefault("notes", []).append(awq.STALE_FLOAT_NOTE.format(name))
     return UnifiedRounding.from_calibration(calib, name, dtype)
 

@@ -1645,12 +1645,17 @@ STALE_FLOAT_NOTE = ("this calibration measured the float formats (FP8, FP8-block
                     "than its predicted ΔKL; recalibrate for predictions that match")
 
 
+def has_float_rounding(formats) -> bool:
+    """Whether any of the format names is a float format ``fp_gptq`` rounds (FP8, FP8-block, NVFP4, MXFP4)."""
+    return any(f in FORMATS and fp_gptq.applies(FORMATS[f]) for f in formats)
+
+
 def stale_float_rounding(calib: dict | None) -> bool:
     """True for a calibration whose rounding is activation-aware but which measured its float formats rounded
     to nearest: one made before calib.json recorded ``float_rounding``."""
     if not calib or calib.get("rounding", "rtn") == "rtn" or "float_rounding" in calib:
         return False
-    return any(f in FORMATS and fp_gptq.applies(FORMATS[f]) for f in calib.get("formats", ()))
+    return has_float_rounding(calib.get("formats", ()))
 
 
 def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None = None, *,
@@ -1692,8 +1697,7 @@ def attach(plan, rounding: str, calib_dir: str | Path | None, calib: dict | None
         rounding = "rtn"
     elif measured is not None and measured != rounding:
         note(f"sensitivities were measured with {measured} rounding, the int4 weights use {rounding}")
-    if rounding != "rtn" and stale_float_rounding(calib) and any(
-            f in FORMATS and fp_gptq.applies(FORMATS[f]) for f in plan.used_formats()):
+    if rounding != "rtn" and stale_float_rounding(calib) and has_float_rounding(plan.used_formats()):
         note(STALE_FLOAT_NOTE.format(rounding))
     if not meta["notes"] and "notes" not in plan.meta:
         del meta["notes"]

@@ -53,7 +53,7 @@ from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from ..runtime.load import find_tokenizer_dir, load_tokenizer
 from ..targets import TARGETS, names as target_names
-from . import ENGINE_PATH_NAMES, QUANTIZED_NAMES, awq, fp_gptq
+from . import ENGINE_PATH_NAMES, QUANTIZED_NAMES, awq
 from .calib_schema import (CALIB_VERSION, NonFinite, _expert_bpw, build_result,  # noqa: F401 - calib.json's home
                            check_calib, non_finite_path, parse_calib_json)
 from .formats import FORMATS
@@ -294,7 +294,7 @@ def _finish(work: Path | None, result: dict, acts: "awq.ActivationStats", clock:
     if work is not None:
         with clock("io"):
             acts.save(work / awq.ACT_FILE)
-    if any(f in FORMATS and fp_gptq.applies(FORMATS[f]) for f in result.get("formats", ())):
+    if awq.has_float_rounding(result.get("formats", ())):
         # What the float formats' ΔKL was measured under (their codes follow the rounding since this key
         # exists; a calibration without it measured them rounded to nearest whatever its rounding says).
         result["float_rounding"] = settings.rounding
