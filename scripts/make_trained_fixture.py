@@ -99,11 +99,19 @@ QWEN3_HPARAMS = {
     "pad_token_id": PAD_ID,
 }
 
+# Deeper and narrower in experts: twelve MoE layers, top-4 of 16. Deployed MoEs have 24-94 layers and
+# are quantized one format per layer; with three or four layers a per-layer plan has almost no room
+# between budgets (one FP8 layer beside 4-bit ones is already above 5 bits), with twelve it has some.
+QWEN3_DEEP_HPARAMS = dict(QWEN3_HPARAMS, num_hidden_layers=12, num_experts=16, num_experts_per_tok=4)
+
 # --arch -> (model hyper-parameters, transformers config and model class names, expert-count and
 # top-k keys, default output directory name).
 ARCHS = {
     "mixtral": (MODEL_HPARAMS, "MixtralConfig", "MixtralForCausalLM", "num_local_experts", "trained_mixtral"),
     "qwen3_moe": (QWEN3_HPARAMS, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "num_experts", "trained_qwen3_moe"),
+    "qwen3_moe_deep": (
+        QWEN3_DEEP_HPARAMS, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "num_experts", "trained_qwen3_moe_deep"
+    ),
 }
 
 GENERATION_PROMPTS = ["def ", "import ", "class "]

@@ -1,7 +1,8 @@
 """The committed fine-grained trained fixture (Qwen3-MoE shaped: 64 experts, top-8, 128-wide expert FFN,
 its own 1024-token BPE tokenizer): it is what fixture.json says, predicts held-out Python, routes
 unevenly, and the converted checkpoint runs in the embedded engine as transformers'
-Qwen3MoeForCausalLM does."""
+Qwen3MoeForCausalLM does. The deeper one (12 MoE layers, top-4 of 16, the same tokenizer) is checked
+for the same."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ transformers = require("transformers", "the fixture is compared with transformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FIXTURE = require_fixture(Path(__file__).parent / "fixtures" / "trained_qwen3_moe")
+DEEP = require_fixture(Path(__file__).parent / "fixtures" / "trained_qwen3_moe_deep")
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +55,26 @@ def test_fixture_is_fine_grained_and_small(record):
     assert "--arch qwen3_moe" in record["reproduce"]
 
 
-def test_engine_matches_transformers_on_heldout_text(hf_model, windows, tmp_path):
+def test_deep_fixture_is_what_its_record_says():
+    cfg = json.loads((DEEP / "config.json").read_text())
+    record = json.loads((DEEP / "fixture.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_hidden_layers"] == 12
+    assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["mlp_only_layers"]) == (16, 4, [])
+    assert cfg["hidden_size"] % 128 == 0 and cfg["moe_intermediate_size"] % 128 == 0
+    assert len(record["routing_heldout"]) == 12 and "--arch qwen3_moe_deep" in record["reproduce"]
+    # The same tokenizer as the three-layer fixture (same corpus, vocabulary and trainer).
+    assert (DEEP / "tokenizer.json").read_bytes() == (FIXTURE / "tokenizer.json").read_bytes()
+    assert record["metrics"]["heldout_loss"] < record["metrics"]["unigram_heldout_loss"] - 2.0
+    assert sum(f.stat().st_size for f in DEEP.iterdir()) < 22e6
+
+
+@pytest.mark.parametrize("fixture", [FIXTURE, DEEP], ids=["3_layers", "12_layers"])
+def test_engine_matches_transformers_on_heldout_text(fixture, windows, tmp_path):
     ids = windows[:2]
+    hf_model = transformers.Qwen3MoeForCausalLM.from_pretrained(str(fixture), dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf_model(input_ids=ids).logits.float()
-    eng = EmbeddedEngine.from_checkpoint(convert(FIXTURE, tmp_path / "ck", dtype="float32").out_dir, device="cpu")
+    eng = EmbeddedEngine.from_checkpoint(convert(fixture, tmp_path / "ck", dtype="float32").out_dir, device="cpu")
     got = eng.logits(ids)
     err = float((got - ref).abs().max() / ref.abs().max())
     assert err < 1e-4, err
