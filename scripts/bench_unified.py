@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Exported unified-HF checkpoints measured by loading them: held-out KL, same top-1 and bytes.
 
-For each trained fixture (tests/fixtures/trained_mixtral, trained_qwen3_moe) and each budget (average
-stored bits per routed-expert weight, scales counted, as ModelOpt's ``effective_bits`` counts them):
+For each trained fixture (tests/fixtures/trained_mixtral, trained_qwen3_moe, trained_qwen3_moe_deep) and
+each budget (average stored bits per routed-expert weight, scales counted, as ModelOpt's ``effective_bits``
+counts them):
 
 * trtmoe's graded per-layer plan: ``trtmoe calibrate`` measures each expert matrix's ΔKL in FP8 and
   NVFP4 on the calibration windows, the allocator spends the budget per MoE layer
@@ -24,15 +25,21 @@ stored bits per routed-expert weight, scales counted, as ModelOpt's ``effective_
   inputs): a second calibration measures the candidates' ΔKL under that rounding, its graded plan is
   written with it ("trtmoe graded, R"), and the uniform and AutoQuantize plans are written with it too
   (", R export"), the codes recomputed from that calibration's stored inputs as ``convert --calib`` does.
-* the graded plans over wider ladders (``--ladder``, repeatable; default {bf16, fp8, nvfp4, w4a8_awq} and
-  {bf16, fp8, nvfp4, mxfp4, w4a8_awq}), rows "trtmoe graded {formats}, R": one calibration over the union
-  of the ladders' quantized formats with rounding R (W4A8 scored with its searched pre-quant scale and
-  clip under FP8 inputs, FP8 / NVFP4 / MXFP4 with their activation-aware codes), and per ladder the plan
-  that ``convert --target vllm --budget B --calib C`` makes from it restricted to the ladder's formats
-  (per-layer W4A8 and MXFP4 are unlisted, accepted cells of vLLM's MIXED_PRECISION), written with that
-  calibration's W4A8 recipes and float-format codes. AutoQuantize cannot take W4A8 here (ModelOpt 0.47
-  makes no W4A8 for fused experts), so its plans stay over {fp8, nvfp4}: the {fp8, nvfp4} graded rows are
-  the same-formats comparison.
+* the graded plans over wider ladders (``--ladder``, repeatable; default {bf16, fp8, nvfp4, w4a8_awq},
+  {bf16, fp8, nvfp4, mxfp4} and {bf16, fp8, nvfp4, mxfp4, w4a8_awq}), rows "trtmoe graded {formats}, R":
+  one calibration over the union of the ladders' quantized formats with rounding R (W4A8 scored with its
+  searched pre-quant scale and clip under FP8 inputs, FP8 / NVFP4 / MXFP4 with their activation-aware
+  codes), and per ladder the plan that ``convert --target vllm --budget B --calib C`` makes from it
+  restricted to the ladder's formats (per-layer W4A8 and MXFP4 are unlisted, accepted cells of vLLM's
+  MIXED_PRECISION), written with that calibration's W4A8 recipes and float-format codes.
+* AutoQuantize over each wider ladder's formats that it can take: ModelOpt 0.47 makes no W4A8 for fused
+  experts, so over {fp8, nvfp4, mxfp4}, MXFP4 being weight-only ``MXFP4_MLP_WEIGHT_ONLY_CFG`` costed at its
+  stored 4.25 bits (ModelOpt counts it as 4.0, its E8M0 scales left out, and would spend bits the budget
+  does not have). ModelOpt 0.47 exports the MXFP4 layers of such a plan unquantized (bf16, listed in
+  ``exclude_modules``), so the plan is written by trtmoe's writer rounded to nearest, as ModelOpt's
+  quantizers round ("AQ {formats} plan, rtn export"), and once more with the rounding R (", R export": the
+  plan's choice alone against trtmoe's). The graded {fp8, nvfp4, mxfp4} plan is then a same-formats
+  comparison, as the {fp8, nvfp4} one is against "AQ, ModelOpt export".
 
 Every checkpoint is then loaded by the embedded engine from its packed bytes
 (``trtmoe.runtime.unified_load``: each linear on its format's kernel, activations quantized with the
@@ -84,9 +91,14 @@ from trtmoe.quant import awq  # noqa: E402
 from trtmoe.quant.calibrate import calibrate, kl_per_token, load_calib  # noqa: E402
 from trtmoe.runtime.unified_load import load_unified_engine  # noqa: E402
 
-FIXTURES = ("trained_mixtral", "trained_qwen3_moe")
+FIXTURES = ("trained_mixtral", "trained_qwen3_moe", "trained_qwen3_moe_deep")
 MODELOPT_CFG = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG"}
-FROM_MODELOPT = {v: k for k, v in MODELOPT_CFG.items()}
+# What AutoQuantize can search per MoE layer here: the two above and MXFP4 weight-only (W4A16, gpt-oss's
+# scheme), costed at its stored 4.25 bits (ModelOpt 0.47 counts it as 4.0, its E8M0 scales left out, and
+# would then spend bits the budget does not have). W4A8-AWQ is not among them: ModelOpt 0.47 makes none for
+# fused experts.
+AQ_CFG = {**MODELOPT_CFG, "mxfp4": "MXFP4_MLP_WEIGHT_ONLY_CFG@4.25"}
+FROM_MODELOPT = {v.partition("@")[0]: k for k, v in AQ_CFG.items()}
 
 
 def checkpoint_facts(ck: Path) -> tuple[int, float]:
@@ -147,7 +159,8 @@ def main() -> int:
                          "(fp8 and nvfp4 always; each counts in 'best uniform within budget')")
     ap.add_argument("--ladder", action="append", default=None, metavar="F1,F2,...",
                     help="quantized formats of a graded ladder beside bf16 (repeatable; default "
-                         "fp8,nvfp4,w4a8_awq and fp8,nvfp4,mxfp4,w4a8_awq); one calibration covers them all")
+                         "fp8,nvfp4,w4a8_awq, fp8,nvfp4,mxfp4 and fp8,nvfp4,mxfp4,w4a8_awq); one calibration "
+                         "covers them all")
     ap.add_argument("--final-only", action="store_true",
                     help="leave out the rows the final tables do not use (round-to-nearest graded plan, "
                          "AutoQuantize's plan written by trtmoe, the separate awq calibration of uniform W4A8)")
@@ -156,7 +169,7 @@ def main() -> int:
     ladder = list(MODELOPT_CFG)
     uniform = list(dict.fromkeys([*ladder, *(f.strip() for f in args.uniform.split(",") if f.strip())]))
     ladders = [tuple(f.strip() for f in spec.split(",") if f.strip())
-               for spec in (args.ladder or ["fp8,nvfp4,w4a8_awq", "fp8,nvfp4,mxfp4,w4a8_awq"])]
+               for spec in (args.ladder or ["fp8,nvfp4,w4a8_awq", "fp8,nvfp4,mxfp4", "fp8,nvfp4,mxfp4,w4a8_awq"])]
     if not args.w4a8:
         ladders = [lad for lad in ladders if "w4a8_awq" not in lad]
     ladders = [lad for lad in dict.fromkeys(ladders) if lad and lad != tuple(ladder)]
@@ -235,6 +248,28 @@ def main() -> int:
                 print(f"  {name:<26} budget {budget}: experts {bits:.3f} bits, {nbytes} B, KL {kl:.5f}, "
                       f"same top-1 {top1:.4f} {note}", flush=True)
 
+            def autoquantize(budget, fmts):
+                """ModelOpt AutoQuantize over ``fmts`` at ``budget``, exported by ModelOpt: (its per-layer
+                choice in trtmoe's names, seconds, the process, the export directory), or None."""
+                tag = f"{fx}_{budget}_{'_'.join(fmts)}"
+                out_json, mo_dir = work / f"aq_{tag}.json", work / f"aq_{tag}_modelopt"
+                shutil.rmtree(mo_dir, ignore_errors=True)
+                t0 = time.perf_counter()
+                script = ROOT / "tests" / "reference" / "modelopt_autoquantize.py"
+                p = subprocess.run([args.modelopt_python, str(script), str(model), str(ids_path), str(budget),
+                                    ",".join(AQ_CFG[n] for n in fmts), args.method, str(out_json), str(mo_dir)],
+                                   capture_output=True, text=True, timeout=3600, cwd="/tmp")
+                secs = time.perf_counter() - t0
+                if p.returncode != 0 and not out_json.is_file():
+                    print(f"  AutoQuantize over {fmts} failed: {(p.stderr.strip().splitlines() or ['?'])[-1][:200]}",
+                          flush=True)
+                    return None
+                chosen = json.loads(out_json.read_text())["layers"]
+                names = {l: FROM_MODELOPT.get(chosen.get(str(l), ""), "bf16") for l in layers}
+                print(f"  AutoQuantize over {{{','.join(fmts)}}} plan {','.join(names[l] for l in layers)} "
+                      f"({secs:.0f} s search+export)", flush=True)
+                return names, secs, p, mo_dir
+
             measure("bf16", "-", U.UnifiedPlan.uniform("bf16", layers))
             for f in uniform:
                 measure(f"uniform {f}", "-", U.UnifiedPlan({l: f for l in layers}))
@@ -272,22 +307,10 @@ def main() -> int:
                             fp_rounding=rnd_w)
                 if not mo_ok:
                     continue
-                out_json = work / f"aq_{fx}_{b}.json"
-                mo_dir = work / f"aq_{fx}_{b}_modelopt"
-                shutil.rmtree(mo_dir, ignore_errors=True)
-                t0 = time.perf_counter()
-                p = subprocess.run([args.modelopt_python, str(ROOT / "tests" / "reference" / "modelopt_autoquantize.py"),
-                                    str(model), str(ids_path), str(b), ",".join(MODELOPT_CFG[n] for n in ladder),
-                                    args.method, str(out_json), str(mo_dir)], capture_output=True, text=True,
-                                   timeout=3600, cwd="/tmp")
-                secs = time.perf_counter() - t0
-                if p.returncode != 0 and not out_json.is_file():
-                    print(f"  AutoQuantize failed: {(p.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
+                got_aq = autoquantize(b, tuple(ladder))
+                if got_aq is None:
                     continue
-                chosen = json.loads(out_json.read_text())["layers"]
-                names = {l: FROM_MODELOPT.get(chosen.get(str(l), ""), "bf16") for l in layers}
-                print(f"  AutoQuantize plan {','.join(names[l] for l in layers)} ({secs:.0f} s search+export)",
-                      flush=True)
+                names, secs, p, mo_dir = got_aq
                 if not args.final_only:
                     measure("AQ plan, trtmoe export", b, U.UnifiedPlan(dict(names)),
                             note=",".join(names[l] for l in layers) + f" ({secs:.0f} s search+export)")
@@ -298,6 +321,22 @@ def main() -> int:
                 else:
                     print(f"  ModelOpt export of the AutoQuantize model failed: "
                           f"{(p.stderr.strip().splitlines() or ['?'])[-1][:200]}", flush=True)
+                # AutoQuantize over each wider ladder's formats that it can take (W4A8 left out). ModelOpt
+                # 0.47 exports the MXFP4 layers of such a plan unquantized (bf16, excluded in its
+                # hf_quant_config.json), so the plan is written by trtmoe's writer rounded to nearest, the
+                # numerics ModelOpt's quantizers use, and with the rounding R for the plan alone.
+                for aq_fmts in dict.fromkeys(tuple(f for f in lad if f in AQ_CFG) for lad in ladders):
+                    if set(aq_fmts) <= set(MODELOPT_CFG):
+                        continue
+                    got_aq = autoquantize(b, aq_fmts)
+                    if got_aq is None:
+                        continue
+                    names, secs = got_aq[:2]
+                    note = ",".join(names[l] for l in layers)
+                    measure(f"AQ {{{','.join(aq_fmts)}}} plan, rtn export", b, U.UnifiedPlan(dict(names)),
+                            note=note + f" ({secs:.0f} s search+export)")
+                    measure(f"AQ {{{','.join(aq_fmts)}}} plan, {R} export", b, U.UnifiedPlan(dict(names)),
+                            note=note, fp_rounding=rnd_w)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -329,10 +368,13 @@ def main() -> int:
         name_w = f"trtmoe graded {{{','.join(lad)}}}, {R}"
         if not any(r[2] == name_w for r in rows):
             continue
+        aq_fmts = tuple(f for f in lad if f in AQ_CFG)
+        aq_name = (f"AQ {{{','.join(aq_fmts)}}} plan, rtn export" if not set(aq_fmts) <= set(MODELOPT_CFG)
+                   else "AQ, ModelOpt export")
         print(f"\n| fixture | budget | graded {{fp8, nvfp4}} KL | graded {{{', '.join(lad)}}} | bits | its KL "
-              "| AQ, ModelOpt export KL | ratio (target ≤ 0.75) | best uniform within budget | its KL "
-              "| ratio (target ≤ 0.6) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              f"| AutoQuantize {{{', '.join(aq_fmts)}}} | its KL | ratio (target ≤ 0.75) "
+              "| best uniform within budget | its KL | ratio (target ≤ 0.6) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for fx in dict.fromkeys(r[0] for r in rows):
             for b in budgets:
                 got = {name: (bits, kl, note) for f_, b_, name, bits, _, kl, _, note in rows
@@ -341,12 +383,13 @@ def main() -> int:
                     continue
                 bits_w, kl_w, note_w = got[name_w]
                 kl_r = got.get(f"trtmoe graded, {R}", (0, float("nan")))[1]
-                aq = got.get("AQ, ModelOpt export")
+                aq = got.get(aq_name)
                 uni = [(kl, name) for name, (bits, kl, _) in got.items()
                        if name.startswith("uniform") and bits <= b + 1e-9]
                 best = min(uni) if uni else None
                 print(f"| {fx} | {b} | {kl_r:.5f} | {note_w.split(' ')[0]} | {bits_w:.3f} | {kl_w:.5f} | "
-                      f"{'-' if aq is None else f'{aq[1]:.5f}'} | {'-' if aq is None else f'{kl_w / aq[1]:.2f}x'} | "
+                      f"{'-' if aq is None else aq[2].split(' ')[0]} | {'-' if aq is None else f'{aq[1]:.5f}'} | "
+                      f"{'-' if aq is None else f'{kl_w / aq[1]:.2f}x'} | "
                       f"{'-' if best is None else best[1]} | {'-' if best is None else f'{best[0]:.5f}'} | "
                       f"{'-' if best is None else f'{kl_w / best[0]:.2f}x'} |")
     return 0

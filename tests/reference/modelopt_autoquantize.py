@@ -5,7 +5,9 @@ Usage: python modelopt_autoquantize.py MODEL_DIR IDS.safetensors EXPERT_BITS FOR
 
 IDS.safetensors holds ``ids`` [windows, tokens] (int64), the calibration windows: batches of 8 are
 both the calibration data and the scoring data. FORMATS is a comma list of ModelOpt config names
-(e.g. FP8_DEFAULT_CFG,NVFP4_DEFAULT_CFG). METHOD is ``gradient`` (loss = next-token cross entropy
+(e.g. FP8_DEFAULT_CFG,NVFP4_DEFAULT_CFG); NAME@BITS sets that config's ``effective_bits``, the cost
+AutoQuantize counts for it (ModelOpt 0.47 counts MXFP4 as 4.0 bits, its E8M0 scales left out: 4.25
+stored; FP8 as 8.0 and NVFP4 as 4.5, as stored). METHOD is ``gradient`` (loss = next-token cross entropy
 of the windows themselves) or ``kl_div``. Only the routed experts are searched (every other linear
 layer is disabled, as trtmoe keeps them in the model dtype). AutoQuantize's ``effective_bits``
 counts every linear weight, disabled ones at 16 bits, so EXPERT_BITS (average bits of the routed
@@ -17,6 +19,7 @@ also exported there by ModelOpt's ``export_hf_checkpoint`` (a unified-HF checkpo
 when the layers differ).
 """
 
+import copy
 import json
 import re
 import sys
@@ -73,9 +76,17 @@ def main(model_dir: str, ids_path: str, bits: str, formats: str, method: str, ou
     bits = (n_exp * expert_bits + n_other * 16.0) / (n_exp + n_other)
     t0 = time.time()
     kw = {"loss_func": loss_func} if method == "gradient" else {}
+    cfgs, names = [], {}
+    for i, f in enumerate(formats.split(",")):
+        name, _, eb = f.partition("@")
+        cfg = getattr(mtq, name)
+        if eb:  # a changed config is a custom format to AutoQuantize, shown as CUSTOM_<index>
+            cfg = dict(copy.deepcopy(cfg), effective_bits=float(eb))
+            names[f"CUSTOM_{i}"] = name
+        cfgs.append(cfg)
     model, state = mtq.auto_quantize(
         model, constraints={"effective_bits": float(bits)},
-        quantization_formats=[getattr(mtq, f) for f in formats.split(",")],
+        quantization_formats=cfgs,
         data_loader=batches, forward_step=forward_step, disabled_layers=disabled,
         num_calib_steps=len(batches), num_score_steps=len(batches), method=method, verbose=True, **kw)
     groups, layers = {}, {}
@@ -83,7 +94,8 @@ def main(model_dir: str, ids_path: str, bits: str, formats: str, method: str, ou
         groups[gname] = str(recipe)
         m = re.match(r"^model\.layers\.(\d+)\.\w+\.experts\.", gname)
         if m:
-            layers[int(m.group(1))] = str(recipe).split("(")[0]
+            chosen = str(recipe).split("(")[0]
+            layers[int(m.group(1))] = names.get(chosen, chosen)
     with open(out, "w") as f:
         json.dump({"expert_bits": expert_bits, "bits": bits, "method": method, "layers": layers,
                    "groups": groups,
