@@ -29,6 +29,7 @@ from safetensors import safe_open
 
 from trtmoe.checkpoint import unified_hf as U
 from trtmoe.checkpoint.verify import verify_artifact
+from trtmoe.runtime.unified_load import load_unified_engine
 
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "llama4_text", "llama4")
@@ -211,6 +212,28 @@ def test_single_quantized_layer_lists_the_rest_as_modelopt_does(models, calib_id
     U.write_unified_checkpoint(model, ours, U.UnifiedPlan(SINGLE), input_amax=U.measure_input_amax(model, ids))
     assert (json.loads((ours / "hf_quant_config.json").read_text())
             == json.loads((ref / "hf_quant_config.json").read_text()))
+
+
+@pytest.mark.slow
+def test_a_float_layer_of_a_deep_model_is_listed_as_modelopt_lists_it(tiny_model, modelopt_py, calib_ids, tmp_path):
+    """Twelve layers, layer 1 unquantized: ``model.layers.1*`` would also match the quantized layers 10
+    and 11, so the subtree is listed as ``model.layers.1.*``, as ModelOpt lists it; the embedded loader
+    then runs layers 10 and 11 in their format."""
+    ids, ids_path = calib_ids
+    model = tiny_model("mixtral", dtype="bfloat16", num_hidden_layers=12, **WIDTH["mixtral"])
+    layers = {l: "bf16" if l == 1 else "fp8" for l in range(12)}
+    ref = tmp_path / "modelopt"
+    p = subprocess.run([modelopt_py, str(REPO / "scripts" / "modelopt_export.py"), str(model), str(ref),
+                        "--calib-ids", str(ids_path), "--job", "deep", "bf16", *(f"{l}={f}" for l, f in layers.items())],
+                       capture_output=True, text=True, timeout=1800, cwd="/tmp")
+    assert p.returncode == 0, p.stderr[-2000:]
+    ours = tmp_path / "trtmoe"
+    U.write_unified_checkpoint(model, ours, U.UnifiedPlan(layers), input_amax=U.measure_input_amax(model, ids))
+    q = json.loads((ours / "hf_quant_config.json").read_text())["quantization"]
+    assert q == json.loads((ref / "deep" / "hf_quant_config.json").read_text())["quantization"]
+    assert "model.layers.1.*" in q["exclude_modules"] and "model.layers.1*" not in q["exclude_modules"]
+    eng = load_unified_engine(ours, device="cpu")
+    assert torch.isfinite(eng.logits(torch.tensor([ids[0][:16]]))).all()
 
 
 @pytest.mark.slow

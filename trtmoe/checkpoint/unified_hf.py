@@ -452,7 +452,10 @@ def _module_order(name: str) -> list:
 def _collapse(excluded: Iterable[str], everything: Iterable[str]) -> list[str]:
     """Unquantized modules as ModelOpt lists them: the largest module subtree whose linears and
     embeddings are all unquantized, as ``prefix*`` (``model.layers.1*``, ``model.layers.0.self_attn*``),
-    or the module's own name when that subtree is the module alone (``lm_head``, a router)."""
+    or the module's own name when that subtree is the module alone (``lm_head``, a router). Where
+    ``prefix*`` would also match a quantized module (``model.layers.1*`` matches ``model.layers.10.…``
+    in a model of eleven or more layers), the subtree is ``prefix.*``, as ModelOpt then writes it: the
+    engines match these patterns with fnmatch."""
     excluded = set(excluded)
     leaves = set(everything)
 
@@ -469,7 +472,12 @@ def _collapse(excluded: Iterable[str], everything: Iterable[str]) -> list[str]:
                 best = a
             else:
                 break
-        out.add(n if best == n else best + "*")
+        if best == n:
+            out.add(n)
+        elif all(l in excluded for l in leaves if l.startswith(best)):
+            out.add(best + "*")
+        else:
+            out.add(best + ".*")
     return sorted(out)
 
 
