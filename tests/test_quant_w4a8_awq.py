@@ -55,6 +55,40 @@ def test_search_refuses_other_formats_and_shapes():
         search_w4a8(FMT, w, x[:, :128], dtype=torch.bfloat16)
 
 
+def _correlated(seed: int, n: int, draw: int):
+    """``n`` rows (draw ``draw``) of one distribution (``seed``) whose input channels are correlated and
+    unevenly scaled, as a layer's activations are."""
+    mix = torch.eye(256) + 0.3 * torch.randn(256, 256, generator=torch.Generator().manual_seed(seed)) / 16
+    g = torch.Generator().manual_seed(1000 * seed + draw)
+    return ((torch.randn(n, 256, generator=g) * torch.linspace(0.2, 3.0, 256)) @ mix).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_error_feedback_codes_lower_the_w4a8_output_error_on_other_tokens(seed):
+    """Under awq_gptq the searched recipe (pre-quant scale, clip) gets error-feedback codes: every tensor
+    but the INT4 weight is the recipe's, the codes are INT4's, and the kernel's output error is lower on
+    tokens the codes were not chosen on."""
+    from trtmoe.quant import awq
+
+    g = torch.Generator().manual_seed(100 + seed)
+    w = (torch.randn(256, 256, generator=g) * 0.05).to(torch.bfloat16)
+    x, x_new = _correlated(seed, 2048, 0), _correlated(seed, 2048, 1)
+    amax = torch.maximum(x.abs().amax(0), x_new.abs().amax(0))
+    base = awq.w4a8_recipe(FMT, w, x, dtype=torch.bfloat16, input_amax=amax)
+    stats = awq.MatrixStats(x.abs().mean(0), x, x.shape[0], gram=x.T @ x)
+    chose = []
+    rec = awq.with_codes(FMT, w, torch.bfloat16, stats, base, on_choice=chose.append)
+    assert chose == [0] and rec.codes is not None and int(rec.codes.min()) >= -8 and int(rec.codes.max()) <= 7
+    a, b = (awq.apply(FMT, w, torch.bfloat16, r, input_amax=amax) for r in (base, rec))
+    assert a.keys() == b.keys() and not torch.equal(a["weight"], b["weight"])
+    assert all(torch.equal(a[k], b[k]) for k in a if k != "weight")
+    y = x_new @ w.float().T
+    assert w4a8_output_error(FMT, b, x_new, y) < 0.95 * w4a8_output_error(FMT, a, x_new, y)
+    # what is chosen is what is computed again from the same choice
+    again = awq.with_codes(FMT, w, torch.bfloat16, stats, base, choice=0)
+    assert torch.equal(again.codes, rec.codes)
+
+
 # ---- the search wired into calibrate and convert --------------------------------------------------
 # A 4-expert bf16 Mixtral (hidden 128 and expert FFN 128: one group of 128 inputs per row of each
 # matrix) calibrated with awq rounding on W4A8 alone; its artifact keeps the recipes the search chose.
@@ -338,9 +372,10 @@ def test_unified_engine_dense_linear_applies_the_pre_quant_scale_to_its_inputs()
     assert torch.allclose(lin(x), FMT.linear(x, packed), rtol=1e-5, atol=1e-5 * float(x.abs().max()))
 
 
-def test_stored_w4a8_recipes_count_as_stored_under_error_feedback_rounding(w4cal, monkeypatch):
-    """W4A8 has no error-feedback codes: under awq_gptq a stored recipe is taken as it is, without
-    searching, and counted as the calibration's."""
+def test_stored_w4a8_recipes_are_not_searched_again_under_error_feedback_rounding(w4cal, monkeypatch):
+    """Under awq_gptq a stored W4A8 recipe's pre-quant scale and clip are taken as they are, without
+    searching; the error-feedback codes are computed on them, and since this (awq) calibration stored no
+    choice of codes, the matrix counts as searched, as an INT4 matrix does."""
     from trtmoe.quant import awq
 
     model, cal = w4cal
@@ -356,4 +391,45 @@ def test_stored_w4a8_recipes_count_as_stored_under_error_feedback_rounding(w4cal
     want = _searched(model, cal)[0, 1, "fc"][3]
     assert (rec is None) == (want is None) and (rec is None or (torch.equal(rec.pq, want.pq) if want.pq is not None
                                                                 else rec.pq is None))
-    assert r.counts == {"stored": 1, "searched": 0, "reused": 0}
+    assert r.counts == {"stored": 0, "searched": 1, "reused": 0}
+
+
+def test_error_feedback_calibration_exports_its_w4a8_codes_and_an_older_one_is_called_stale(w4cal, tmp_path):
+    """An awq_gptq calibration over W4A8 records it (``w4a8_rounding``); the export writes the searched
+    recipes' scales with error-feedback weights (differing from the awq export's weights, every other
+    tensor equal); a calibration without the key is called stale in the plan's notes."""
+    import json
+    import shutil
+
+    from trtmoe.build.unified_hf import convert_unified
+    from trtmoe.data import write_split_text
+    from trtmoe.quant import awq
+    from trtmoe.quant.calibrate import calibrate
+
+    model, cal = w4cal
+    text = tmp_path / "calib.txt"
+    write_split_text("calib", text, max_bytes=100000)
+    fb = tmp_path / "cal_fb"
+    # Enough routed tokens per expert for error feedback (MIN_ROWS_PER_INPUT per input channel).
+    calibrate(model, text, fb, samples=16, seq_len=64, formats=("w4a8_awq",), rounding="awq_gptq")
+    calib = json.loads((fb / "calib.json").read_text())
+    assert calib["w4a8_rounding"] == "awq_gptq" and not awq.stale_w4a8_codes(calib)
+    kw = dict(target="trtllm-pytorch", layer_formats=[f"{l}=w4a8_awq" for l in range(L)])
+    awq._RECIPES.clear()
+    r = convert_unified(model, tmp_path / "fb", calib=fb, **kw)
+    assert not any("predates" in n for n in r.result.plan.meta.get("notes", []))
+    a = _tensors(tmp_path / "fb")
+    awq._RECIPES.clear()
+    b = _tensors(convert_unified(model, tmp_path / "awq", calib=fb, rounding="awq", **kw).result.out_dir)
+    assert a.keys() == b.keys()
+    differ = {k for k in a if not torch.equal(a[k], b[k])}
+    assert differ and all(k.endswith(".weight") and ".experts." in k for k in differ), sorted(differ)[:4]
+
+    old = tmp_path / "old_cal"
+    shutil.copytree(fb, old)
+    del calib["w4a8_rounding"]
+    (old / "calib.json").write_text(json.dumps(calib))
+    awq._RECIPES.clear()
+    notes = convert_unified(model, tmp_path / "old", calib=old, **kw).result.plan.meta.get("notes", [])
+    assert any("predates W4A8's error-feedback codes" in n and "awq_gptq codes" in n for n in notes), notes
+    assert awq.stale_w4a8_codes(calib) and not awq.stale_w4a8_codes({**calib, "rounding": "awq"})

@@ -186,7 +186,8 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
     write the checkpoint. With ``calib`` the routed experts' FP8 / FP8-block / NVFP4 / MXFP4 codes are
     chosen by ``rounding`` (None: the calibration's own, the one its sensitivities were measured with)
     from the calibration's stored inputs; "rtn" rounds to nearest. W4A8-AWQ experts take the pre-quant
-    scales and clips the calibration searched."""
+    scales and clips the calibration searched, with error-feedback codes under gptq / awq_gptq (rounded
+    to nearest, pre-quant scale one, under "rtn")."""
     t = target_for(target)
     if not t.unified:
         raise InputError(f"--target {target} does not write a unified-HF checkpoint",
@@ -226,15 +227,18 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
             raise InputError("calibration ids must be a non-empty JSON list of non-empty token-id lists",
                              where=str(calib_ids))
         amax = U.measure_input_amax(model, ids)
-    rounding = None
+    w4 = None
     if calib is not None and any(awq.applies(U.get_format(f).fmt) for f in plan.used()):
         with U.SourceModel(model) as src:
             dtype = _model_dtype(src)
-        rounding = awq.checkpoint_rounding(calib, load_calib(calib), dtype)  # the searched W4A8 recipes
+        calib_json = load_calib(calib)
+        w4 = awq.checkpoint_rounding(calib, calib_json, dtype, rounding)  # the searched W4A8 recipes
+        if w4 is not None and w4.rounding in awq.ERROR_FEEDBACK and awq.stale_w4a8_codes(calib_json):
+            plan.meta.setdefault("notes", []).append(awq.STALE_W4A8_NOTE.format(w4.rounding))
     res = t.write(model, out, plan, input_amax=amax, force=force, progress=progress,
                   extra_manifest={"support": verdict.to_dict(), "engine": engine, "sm": sm,
-                                  **({"rounding": rounding.rounding} if rounding else {})},
-                  rounding=rounding, fp_rounding=rnd)
+                                  **({"rounding": w4.rounding} if w4 else {})},
+                  rounding=w4, fp_rounding=rnd)
     return UnifiedConvert(res, verdict, engine, sm)
 
 

@@ -298,6 +298,9 @@ def _finish(work: Path | None, result: dict, acts: "awq.ActivationStats", clock:
         # What the float formats' ΔKL was measured under (their codes follow the rounding since this key
         # exists; a calibration without it measured them rounded to nearest whatever its rounding says).
         result["float_rounding"] = settings.rounding
+    if awq.has_w4a8(result.get("formats", ())):
+        # The same for W4A8-AWQ, whose error-feedback codes (gptq / awq_gptq) came later than its search.
+        result["w4a8_rounding"] = settings.rounding
     cost = cost_record(clock, forward, runner=runner, method=result["sensitivity"].get("method", "exact"),
                        rounding=settings.rounding, tokens=int(result["data"]["tokens"]))
     if work is not None:

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from .formats import (E4M3_MAX, QuantFormat,
-                      _nvfp4_block_scales, e2m1_codes, e2m1_values, e8m0_exponents, pack_nibbles)
+                      _nvfp4_block_scales, e2m1_codes, e2m1_values, e4m3_round, e8m0_exponents, pack_nibbles)
 
 # Relative dampening of diag(H) (λ = DAMP · mean diag H), per format family. The 4-bit formats take
 # gptq's 0.01; FP8's rounding error is small next to what error feedback fitted to the calibration rows
@@ -102,6 +102,10 @@ class _Rule:
     def round(self, x: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         """(dequantized float32, uint8 code) of the values ``x`` [C, out] under the scales ``s`` [C, out]."""
         raise NotImplementedError
+
+    def scales(self, a: int, wb: Tensor, search: bool) -> tuple[Tensor, Tensor]:
+        """The candidates for the block of columns starting at ``a``."""
+        return self.candidates(wb, search)
 
 
 class _NVFP4(_Rule):
@@ -176,6 +180,25 @@ class _FP8Block(_Rule):
         return q.float() * s, q.view(torch.uint8)
 
 
+class W4A8Rule(_Rule):
+    """W4A8-AWQ's weight as the kernel runs it: INT4 codes in [-8, 7] against fixed per-(row, group)
+    scales ``scale`` [out, in / width] (the ``weight_scale`` the format gives the recipe's weight, so
+    that what is stored is the format's own), dequantized and rounded to E4M3 under the per-matrix
+    ``weight_scale_2``. Codes are kept as ``code + 8`` (uint8). Used by ``trtmoe.quant.awq``'s W4A8
+    error feedback; ``quantize`` here takes the float formats only."""
+
+    def __init__(self, scale: Tensor, scale_2: Tensor, width: int):
+        self.scale, self.s2, self.width = scale.float(), scale_2.float(), width
+
+    def scales(self, a, wb, search):
+        s = self.scale[:, a // self.width].unsqueeze(0)  # [1, out]: one candidate, the format's
+        return s, s
+
+    def round(self, x, s):
+        c = (x / s).round().clamp(-8, 7)
+        return e4m3_round(c * s / self.s2) * self.s2, (c + 8).to(torch.uint8)
+
+
 # ---- the rounding -----------------------------------------------------------------------------------
 
 def round_columns(w: Tensor, h: Tensor, rule: _Rule, *, feedback: bool = True, search: bool = True,
@@ -195,7 +218,7 @@ def round_columns(w: Tensor, h: Tensor, rule: _Rule, *, feedback: bool = True, s
     for a in range(0, in_f, rule.width):
         b = min(a + rule.width, in_f)
         wb = w[:, a:b]
-        scales, kept = rule.candidates(wb, search)  # [C, out]
+        scales, kept = rule.scales(a, wb, search)  # [C, out]
         C = scales.shape[0]
         if feedback:
             ub = u[a:b, a:b]
