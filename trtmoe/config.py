@@ -80,7 +80,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                          help="balanced: permute experts per layer to even out measured load across EP ranks."),
         "rounding": Key(str, None, nullable=True, choices=ROUNDING_NAMES,
                         shown_default="the calibration's rounding; awq without a calibration",
-                        help="INT4 rounding: awq (activation-aware scale and clip search on the calibration's "
+                        help="INT4 rounding (W4A8-AWQ's INT4 included): awq (activation-aware scale and clip "
+                             "search on the calibration's "
                              "routed tokens; round to nearest without them), rtn (round to nearest), gptq "
                              "(error-feedback codes from the routed tokens' input Gram matrix) or awq_gptq "
                              "(both). FP8 / FP8-block / NVFP4 / MXFP4 experts: gptq error feedback, awq a "
@@ -242,7 +243,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                        help="Prepend BOS to each document.",
                        shown_default="the tokenizer's add_bos_token; lacking one, BOS when the tokenizer names one"),
         "rounding": Key(str, "awq_gptq", choices=ROUNDING_NAMES,
-                        help="How INT4 formats are rounded when their ΔKL is measured (convert with the same): "
+                        help="How INT4 formats (W4A8-AWQ included) are rounded when their ΔKL is measured "
+                             "(convert with the same): "
                              "awq_gptq searches awq's activation-aware scale and clip, then chooses the codes "
                              "by error feedback over each matrix's routed-token input Gram matrix; awq stops "
                              "after the search; rtn rounds to nearest; gptq is error feedback alone. FP8 / "
