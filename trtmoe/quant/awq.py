@@ -992,7 +992,7 @@ def apply(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, recipe: Recipe | None
     if _w4a8(fmt):
         packed = fmt.quantize(_w4a8_weight(fmt, w, dtype, recipe), dtype=dtype, input_amax=input_amax,
                               pre_quant_scale=recipe.pq)
-        if recipe.codes is not None:  # chosen against the unclipped scales, which quantize then gives
+        if recipe.codes is not None:  # chosen against the scales quantize gives this recipe's weight
             packed["weight"] = pack_int4(recipe.codes, dim=-2).view(torch.uint8)
         return packed
     packed = fmt.quantize(transformed_weight(fmt, w, dtype, recipe), dtype=dtype)
@@ -1104,11 +1104,13 @@ def _w4a8_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSt
     wt = _in_dtype(w, dtype) / (1.0 if pq is None else pq.float())
     rule = fp_gptq.W4A8Rule(plain["weight_scale"], plain["weight_scale_2"], fmt.group_size)
     q = fp_gptq.round_columns(wt, h, rule, factor=fp_gptq.inverse_factor(h, fp_gptq.DAMP))[0]
-    rec = Recipe(pq, base.clip, (q.to(torch.int16) - 8).to(torch.int8), base.clip)
+    codes = (q.to(torch.int16) - 8).to(torch.int8)
+    rec = Recipe(pq, base.clip, codes, base.clip)
     if choice == 0:
         return rec
-    eff = lambda r: fmt._dequant_f32(apply(fmt, w, dtype, r, input_amax=1.0))  # noqa: E731
-    won = 0 if fp_gptq.gram_error(h, wt, eff(rec)) < fp_gptq.gram_error(h, wt, fmt._dequant_f32(plain)) else -1
+    fed = dict(plain, weight=pack_int4(codes, dim=-2).view(torch.uint8))  # what apply(rec) packs
+    err = lambda packed: fp_gptq.gram_error(h, wt, fmt._dequant_f32(packed))  # noqa: E731
+    won = 0 if err(fed) < err(plain) else -1
     if on_choice is not None:
         on_choice(won)
     return kept if won < 0 else rec
