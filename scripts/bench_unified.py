@@ -19,7 +19,8 @@ counts them):
   clip that a ``--rounding awq`` calibration over ``w4a8_awq`` searched per expert matrix on the same
   calibration windows (``trtmoe.quant.awq.search_w4a8``), written by the same writer with that
   calibration's recipes (``awq.checkpoint_rounding``; what ``convert --target vllm|trtllm-pytorch
-  --calib`` does). ``--no-w4a8`` leaves these out.
+  --calib`` does; under ``--final-only`` the ladder calibration's recipes, with W4A8's error-feedback
+  codes under its rounding). ``--no-w4a8`` leaves these out.
 * the same with activation-aware rounding of the FP8 / NVFP4 experts (``--rounding``, default awq_gptq:
   ``trtmoe.quant.fp_gptq``'s error-feedback codes and block-scale search on each expert matrix's routed
   inputs): a second calibration measures the candidates' ΔKL under that rounding, its graded plan is
