@@ -82,15 +82,15 @@ def build_plan(model: str | Path, specs) -> U.UnifiedPlan:
     return plan
 
 
-def plan_from_calibration(model: str | Path, calib_dir: str | Path, budget_bpw: float, *, engine: str, sm: int,
-                          formats: list[str] | None = None) -> tuple[U.UnifiedPlan, dict[str, float]]:
+def plan_from_calibration(model: str | Path, calib_dir: str | Path | dict, budget_bpw: float, *, engine: str,
+                          sm: int, formats: list[str] | None = None) -> tuple[U.UnifiedPlan, dict[str, float]]:
     """The graded per-MoE-layer plan: trtmoe's exact allocator over the formats the support cell
     (engine x architecture x SM) allows per layer, on the calibration's measured ΔKL (``trtmoe calibrate
     --formats fp8,nvfp4,w4a8_awq,...``), each layer costed in the bits this checkpoint stores for it
     (``avg_bpw`` is the written experts' stored bits per weight); plus the input amax of each expert linear from the calibration (one per
     layer and matrix kind). Attention, shared experts and dense MLPs stay bf16 (their own decisions
-    through ``--layer-format attention=...``)."""
-    calib = load_calib(calib_dir)
+    through ``--layer-format attention=...``). ``calib_dir`` may be the calibration already read."""
+    calib = calib_dir if isinstance(calib_dir, dict) else load_calib(calib_dir)
     with U.SourceModel(model) as src:
         family, dtype = src.family, _model_dtype(src)
         # The budget is the checkpoint's own stored bits per routed-expert weight.
@@ -133,13 +133,13 @@ def calib_input_amax(model: str | Path, calib: dict | str | Path) -> dict[str, f
     return amax
 
 
-def export_rounding(model: str | Path, plan: U.UnifiedPlan, calib: str | Path | None, rounding: str | None
-                    ) -> UnifiedRounding | None:
+def export_rounding(model: str | Path, plan: U.UnifiedPlan, calib: str | Path | None, rounding: str | None,
+                    calib_json: dict | None = None) -> UnifiedRounding | None:
     """The rounding the routed experts are written with (recorded in ``plan.meta["rounding"]``): ``rounding``
     or, when None, the calibration's; None (round to nearest) without a calibration, for "rtn", and for a
     plan with no float-format experts. A rounding named without a calibration is refused; the
     calibration's own, when its activation statistics are gone, falls back to round to nearest with a
-    note."""
+    note. ``calib_json``: the calibration's calib.json already read."""
     if rounding is not None and rounding not in awq.ROUNDINGS:
         raise InputError(f"unknown rounding {rounding!r}", hint=awq.ROUNDING_HINT)
     if calib is None:
@@ -147,7 +147,8 @@ def export_rounding(model: str | Path, plan: U.UnifiedPlan, calib: str | Path | 
             raise InputError(f"--rounding {rounding} needs a calibration with activation statistics",
                              hint="pass --calib CALIB (from `trtmoe calibrate`), or use --rounding rtn")
         return None
-    calib_json = load_calib(calib)
+    if calib_json is None:
+        calib_json = load_calib(calib)
     name = rounding or calib_json.get("rounding") or "rtn"
     fmts = {U.get_format(f).fmt for f in plan.expert_formats.values()}
     if name == "rtn" or not any(fp_gptq.applies(f) for f in fmts):
@@ -194,22 +195,24 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
                          hint="one of " + ", ".join(names(unified=True)))
     engine = t.engine(engine)
     calib_amax: dict[str, float] = {}
+    calib_json = None if calib is None else load_calib(calib)  # read once for the plan, amax and rounding
     if budget_bpw is not None:
         if calib is None:
             raise InputError("--budget needs --calib (a calibration that measured the candidate formats)")
-        plan, calib_amax = plan_from_calibration(model, calib, budget_bpw, engine=engine, sm=sm, formats=formats)
+        plan, calib_amax = plan_from_calibration(model, calib_json, budget_bpw, engine=engine, sm=sm,
+                                                 formats=formats)
         extra = build_plan(model, layer_formats) if layer_formats else None
         if extra is not None:
             plan.other_formats.update(extra.other_formats)
     else:
         plan = build_plan(model, layer_formats)
         if calib is not None:
-            calib_amax = calib_input_amax(model, calib)
+            calib_amax = calib_input_amax(model, calib_json)
     with U.SourceModel(model) as src:
         family = src.family
     verdict = t.check(engine, family, plan.used(), sm)
     verdict.raise_if_refused(where=str(model))
-    rnd = export_rounding(model, plan, calib, rounding)
+    rnd = export_rounding(model, plan, calib, rounding, calib_json)
     amax = None
     needs = [m for m in plan.used() if U.get_format(m).activations]
     expert_only = all(not U.get_format(f).activations for f in plan.other_formats.values())
@@ -231,7 +234,6 @@ def convert_unified(model: str | Path, out: str | Path, *, target: str, layer_fo
     if calib is not None and any(awq.applies(U.get_format(f).fmt) for f in plan.used()):
         with U.SourceModel(model) as src:
             dtype = _model_dtype(src)
-        calib_json = load_calib(calib)
         w4 = awq.checkpoint_rounding(calib, calib_json, dtype, rounding)  # the searched W4A8 recipes
         if w4 is not None and w4.rounding in awq.ERROR_FEEDBACK and awq.stale_w4a8_codes(calib_json):
             plan.meta.setdefault("notes", []).append(awq.STALE_W4A8_NOTE.format(w4.rounding))
