@@ -926,6 +926,14 @@ def _scaled_input(x: Tensor, pq: Tensor | None) -> Tensor:
     return x.float() if pq is None else (x * pq.to(x.dtype)).float()
 
 
+def _kernel_gram(stats: "MatrixStats", gram: Tensor | None, pq: Tensor | None) -> Tensor:
+    """The Gram matrix of the input the kernel sees: ``gram`` (every routed token) scaled by ``pq`` on
+    both sides, or, without one, the sampled rows' after scaling them."""
+    if gram is None:
+        return gptq.gram(_scaled_input(stats.rows, pq))
+    return gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())
+
+
 def _err(x: Tensor, w_ref: Tensor, deq: Tensor, pq: Tensor | None, y_ref: Tensor | None = None) -> float:
     """Sum over rows of ||x W^T − (x·pq) Wq^T||² (float64 sum); ``y_ref`` = x W^T when known."""
     y = linear(x.float(), w_ref) if y_ref is None else y_ref
@@ -1065,8 +1073,8 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     if choice == 0:
         return Recipe(pq, None, gptq.codes(wt, qs, ds, _factor(stats, gram, pq), dtype), base.clip)
     wd = _in_dtype(w, dtype)
-    if gram is not None:  # every routed token; the input scaled by pq as the kernel does
-        h = gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())
+    h = _kernel_gram(stats, gram, pq)
+    if gram is not None:  # every routed token
         # Fewer routed tokens than half the inputs: the error from the rows themselves (n·in·out
         # instead of in²·out multiply-adds; the same sum up to float rounding).
         xg = stats.gram_rows(w.shape[-1] // 2)
@@ -1074,7 +1082,6 @@ def with_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSta
     else:  # the sampled rows
         x = stats.rows
         y = linear(x.float(), wd)
-        h = gptq.gram(_scaled_input(x, pq))
         err = lambda deq: _err(x, wd, deq, pq, y)  # noqa: E731
     base_err = err(_fake(fmt, wt, dtype, base.clip))  # the base: round to nearest, clipped
     q = gptq.codes(wt, qs, ds, _factor(stats, gram, pq, h), dtype)
@@ -1096,9 +1103,7 @@ def _w4a8_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSt
     with correlated inputs, on the unclipped ones 9 % above it. Kept only when the effective weight's
     output error is below ``base``'s rounded to nearest."""
     pq = base.pq
-    h = gram.float() if gram is not None else gptq.gram(stats.rows.float())
-    if pq is not None:
-        h = h * torch.outer(pq.float(), pq.float())
+    h = _kernel_gram(stats, gram, pq)
     # The weight's scales do not depend on the input scale: any input amax gives them.
     plain = apply(fmt, w, dtype, base, input_amax=1.0)
     wt = _in_dtype(w, dtype) / (1.0 if pq is None else pq.float())
@@ -1127,8 +1132,7 @@ def _factor(stats: MatrixStats, gram: Tensor | None, pq: Tensor | None, h: Tenso
                           and torch.equal(pq0, pq)):
             return f
     if h is None:
-        h = (gram.float() if pq is None else gram.float() * torch.outer(pq.float(), pq.float())) \
-            if gram is not None else gptq.gram(_scaled_input(stats.rows, pq))
+        h = _kernel_gram(stats, gram, pq)
     f = gptq.factor(h)
     _FACTORS.append((src, pq, f))
     size = lambda e: e[2].hinv.nbytes + (e[0].nbytes if e[0].dim() == 2 and e[0].shape[0] == e[0].shape[1] else 0)  # noqa: E731
