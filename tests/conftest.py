@@ -120,6 +120,16 @@ def require(module: str, why: str = "installed by the test extra: pip install -e
     missing(f"{module} cannot be imported ({error}); {why}")
 
 
+def no_w4a8_search(monkeypatch) -> None:
+    """Make any W4A8 pre-quant scale and clip search fail the test: what runs after it must take the
+    recipes a calibration stored."""
+    from trtmoe.quant import awq
+
+    def refuse(*a, **k):
+        raise AssertionError("searched although the calibration stored the recipe")
+    monkeypatch.setattr(awq, "_w4a8_search", refuse)
+
+
 def require_fixture(path: Path) -> Path:
     """``path`` (a committed trained fixture); missing, the caller is skipped locally, saying how to
     make it, and fails under CI."""

@@ -1,5 +1,6 @@
 """Activation-aware search (pre-quant scale, clip) for W4A8 AWQ, measured as the kernel runs it."""
 
+from conftest import no_w4a8_search
 import pytest
 import torch
 
@@ -157,14 +158,6 @@ def _searched(model, cal):
     return out
 
 
-def _no_w4a8_search(monkeypatch):
-    from trtmoe.quant import awq
-
-    def refuse(*a, **k):
-        raise AssertionError("searched although calibration stored the recipe")
-    monkeypatch.setattr(awq, "_w4a8_search", refuse)
-
-
 def test_calibration_stores_w4a8_recipes_and_they_beat_rounding_to_nearest(w4cal):
     """Calibration searches every W4A8 expert matrix (per-channel input amax of the layer, FP8 inputs) and
     keeps the pre-quant scale and clip it chose; re-searching the same rows gives the same recipe, and
@@ -211,7 +204,7 @@ def test_convert_reapplies_the_calibrations_w4a8_recipes(w4cal, tmp_path, monkey
     plan = awq.attach(plan, "awq", cal)
     awq._RECIPES.clear()
     with monkeypatch.context() as mp:
-        _no_w4a8_search(mp)
+        no_w4a8_search(mp)
         ck = convert(model, tmp_path / "ck", quant=plan).out_dir
     f = SafetensorsFile(ck / "rank0.safetensors")
     try:
@@ -385,7 +378,7 @@ def test_stored_w4a8_recipes_are_not_searched_again_under_error_feedback_roundin
                                                                        for l, d in amax.items()})
     ws = _expert(model, 0, 1)
     with monkeypatch.context() as mp:
-        _no_w4a8_search(mp)
+        no_w4a8_search(mp)
         rec = r.recipe(FMT, 0, 1, "fc", (0, 128), ws["fc"], lambda e: _expert(model, 0, e)["fc"],
                        matrix=lambda e, m: _expert(model, 0, e)[m])
     want = _searched(model, cal)[0, 1, "fc"][3]

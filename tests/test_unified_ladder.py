@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TRAINED_MIXTRAL, TRAINED_QWEN3_MOE, require_fixture
+from conftest import TRAINED_MIXTRAL, TRAINED_QWEN3_MOE, no_w4a8_search, require_fixture
 
 LADDER = ("fp8", "nvfp4", "w4a8_awq")
 LADDER_MX = ("fp8", "nvfp4", "mxfp4", "w4a8_awq")
@@ -71,14 +71,6 @@ def _tensors(ck: Path) -> dict[str, torch.Tensor]:
 def _experts_prefix(quantized_layers: dict, layer: int) -> str:
     (p,) = [p for p in quantized_layers if f"layers.{layer}." in p]
     return p
-
-
-def _no_w4a8_search(monkeypatch):
-    from trtmoe.quant import awq
-
-    def refuse(*a, **k):
-        raise AssertionError("searched although the calibration stored the recipe")
-    monkeypatch.setattr(awq, "_w4a8_search", refuse)
 
 
 def test_one_calibration_measures_the_three_candidates(ladder_cal):
@@ -196,7 +188,7 @@ def test_export_takes_the_calibrations_w4a8_recipes_without_searching(ladder_cal
     from trtmoe.quant import awq
 
     _, model, cal = ladder_cal
-    _no_w4a8_search(monkeypatch)
+    no_w4a8_search(monkeypatch)
     awq._RECIPES.clear()
     r = convert_unified(model, tmp_path / "ck", target="vllm", layer_formats=["0=fp8", "1=w4a8_awq"], calib=cal,
                         sm=90)
