@@ -53,7 +53,7 @@ from ..runtime.engine import EmbeddedEngine
 from ..runtime.experts import ExpertBank, FloatExperts
 from ..runtime.load import find_tokenizer_dir, load_tokenizer
 from ..targets import TARGETS, names as target_names
-from . import ENGINE_PATH_NAMES, QUANTIZED_NAMES, awq
+from . import ENGINE_PATH_NAMES, QUANTIZED_NAMES, awq, fp_gptq
 from .calib_schema import (CALIB_VERSION, NonFinite, _expert_bpw, build_result,  # noqa: F401 - calib.json's home
                            check_calib, non_finite_path, parse_calib_json)
 from .formats import FORMATS
@@ -251,6 +251,7 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
             result = measure(eng, ids, formats=usable, min_tokens=s.min_tokens, batch_size=s.batch_size,
                              progress=progress, rounding=s.rounding, activations=acts, clock=clock, **s.gram)
             result["sensitivity"]["method"] = "exact"
+            result["sensitivity"]["cross_fitted"] = False  # measured end to end on the rows the roundings fitted
         else:
             # Resumable progress is keyed by everything the measurement depends on.
             key = [CALIB_VERSION, source, data_hash, list(usable), s.min_tokens, s.batch_size, s.rounding, s.probe,
@@ -633,6 +634,25 @@ class _AwqRounding:
         return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name,
                             keep=(self.acts.recipes, layer, expert, mod),
                             input_amax=(self.input_amax.get(layer) or {}).get(mod))
+
+    def fits_rows(self, fmt) -> bool:
+        """Whether this rounding of ``fmt`` is fitted to the calibration rows (scored cross-fitted)."""
+        return self.name != "rtn" and (awq.applies(fmt) or fp_gptq.applies(fmt))
+
+    def keeps_recipe(self, fmt) -> bool:
+        """Whether quantizing ``fmt`` stores a searched recipe that convert reads back."""
+        return self.name != "rtn" and awq.applies(fmt)
+
+    def fold(self, layer, base, x_all, routed) -> "_AwqRounding | None":
+        """This rounding fitted on some of the layer's tokens only (``x_all``, ``routed``), for
+        cross-fitted scoring: its own statistics and recipes, nothing written to the artifact; the
+        static input scales stay the whole calibration's, as the export makes them."""
+        if self.name == "rtn":
+            return None
+        sub = _AwqRounding(awq.ActivationStats(max_rows=self.acts.max_rows), self.name, **self.gram)
+        sub.add_layer(layer, base, x_all, routed)
+        sub.input_amax[layer] = self.input_amax[layer]
+        return sub
 
     def shares_prequant(self, fmt) -> bool:
         """Whether ``fmt`` is also scored as TensorRT-LLM's stacked layout writes it (``quantize_stacked``)."""

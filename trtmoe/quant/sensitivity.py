@@ -209,6 +209,14 @@ class _TimedRounding:
         with self._clock("searches"):
             return self._inner.quantize_stacked(*args, **kwargs)
 
+    def fold(self, *args, **kwargs):
+        fold = getattr(self._inner, "fold", None)
+        if fold is None:
+            return None
+        with self._clock("statistics"):
+            got = fold(*args, **kwargs)
+        return None if got is None else _TimedRounding(got, self._clock)
+
     def layer_state(self, layer):
         with self._clock("io"):  # the layer's searched recipes are written out here
             return self._inner.layer_state(layer)
@@ -282,7 +290,7 @@ class Progress:
     anything else there is removed first (links unlinked, never followed)."""
 
     MARKER = "trtmoe-progress.json"
-    VERSION = 2  # progress written as tree_file safetensors
+    VERSION = 3  # progress written as tree_file safetensors; 3: layer scores cross-fitted
 
     def __init__(self, work: Path, key: str):
         self.work = work
@@ -490,6 +498,7 @@ def _score_layers(eng, moe_layers, formats, rounding, state: Progress, n_batches
     per_seq = {m: zeros() for m in MATRICES}
     estimated = {m: zeros() for m in MATRICES}
     scored = 0.0  # token-assignment expert passes (units of one expert's fc + proj on one token)
+    cross = bool(moe_layers)  # every layer's roundings scored on rows they were not fitted to
     estimate = 0.0  # of which under-observed experts' estimates
     for l in moe_layers:
         lf = state.layer_file(l)
@@ -521,9 +530,10 @@ def _score_layers(eng, moe_layers, formats, rounding, state: Progress, n_batches
                 estimated[m][f][l] = res["estimated"][m][f]
         scored += res["expert_passes"]
         estimate += res.get("estimate_passes", 0.0)
+        cross = cross and bool(res.get("cross_fitted", False))
     shutil.rmtree(state.acts, ignore_errors=True)
     return {"measured": measured, "per_seq": per_seq, "estimated": estimated, "scored": scored,
-            "estimate": estimate, "floor": floor}
+            "estimate": estimate, "floor": floor, "cross_fitted": cross}
 
 
 def _tensor(t, shape: tuple, what: str, floating: bool | None = None) -> None:
@@ -557,6 +567,8 @@ def _check_layer(d, formats, E: int) -> None:
         v = d.get(key, 0.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
             raise ValueError(f"{key} is {v!r}")
+    if not isinstance(d.get("cross_fitted", False), bool):
+        raise ValueError("cross_fitted is not a boolean")
     if not (d.get("rounding_state") is None or isinstance(d["rounding_state"], dict)):
         raise ValueError("rounding_state is not a mapping")
 
@@ -615,6 +627,7 @@ def fisher_sensitivity(keys, scores: dict, sens: dict, probe: str, runner: str |
                          "estimated": as_lists(estimated[m]), "sequence_delta_kl": as_lists(per_seq[m])}
                      for m in MATRICES},
         "floor_share": scores["floor"],
+        "cross_fitted": bool(scores.get("cross_fitted", False)),
         **({"stacked": _stacked_block(stacked, sens, measured, estimated)} if stacked else {}),
     }
 
@@ -650,6 +663,24 @@ def _score_layer(eng, l, files, formats, rounding, counts, mass, min_tokens, est
                                    estimate_tokens, T, N, share, floor, progress)
 
 
+def _folds(rounding, l, base, h, idx, seq_of, N):
+    """Cross-fitting of a rounding fitted to the calibration rows (error-feedback codes, searched
+    scales, pre-quant scales and clips): the layer's tokens split in two folds (alternate sequences;
+    halves of the tokens when there is one sequence), the rounding fitted again on each, and every row
+    scored with the rounding fitted on the other fold, so that a matrix's ΔKL is measured on rows its
+    rounding never saw, as the export meets held-out text. (``in_fold1`` [tokens] bool, (rounding fitted
+    on fold 0, rounding fitted on fold 1)), or None for a rounding that does not fit to rows (round to
+    nearest) or too few tokens."""
+    fold = getattr(rounding, "fold", None)
+    if fold is None or h.shape[0] < 2:
+        return None
+    in1 = (seq_of % 2 == 1) if N >= 2 else (torch.arange(h.shape[0], device=h.device) >= h.shape[0] // 2)
+    fitted = tuple(fold(l, base, h[mask], idx[mask]) for mask in (~in1, in1))
+    if any(r is None for r in fitted):
+        return None
+    return in1, fitted
+
+
 def expert_activation(base, hh: torch.Tensor) -> torch.Tensor:
     """The expert's intermediate activation from its fc output ``hh`` = [up; gate] (bias included):
     silu(gate)·up, or the bank's own ``activation`` (a transformers experts module's gating)."""
@@ -675,6 +706,7 @@ def score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, m
     n_tok = h.shape[0]
     seq_of = torch.arange(n_tok, device=dev) // T
     rounding.add_layer(l, base, h, idx)
+    folds = _folds(rounding, l, base, h, idx, seq_of, N)
     layer_state = getattr(rounding, "layer_state", None)
     tokens = N * T
     out = {key: {m: {f: torch.zeros(E, dtype=torch.float64) for f in formats} for m in MATRICES}
@@ -703,8 +735,14 @@ def score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, m
             fmt = format_obj(f.removesuffix(STACKED), eng.dtype)
             for m in MATRICES:
                 wt = ws[m]
-                packed[(f, m)] = (fmt, rounding.quantize_stacked(fmt, base, l, e, m, eng.dtype) if f.endswith(STACKED)
-                                  else rounding.quantize(fmt, wt, l, e, m, eng.dtype))
+                if f.endswith(STACKED):
+                    packed[(f, m)] = (fmt, rounding.quantize_stacked(fmt, base, l, e, m, eng.dtype))
+                elif folds is not None and rounding.fits_rows(fmt):
+                    if rounding.keeps_recipe(fmt):  # the whole calibration's search, which convert reuses
+                        rounding.quantize(fmt, wt, l, e, m, eng.dtype)
+                    packed[(f, m)] = (fmt, tuple(r.quantize(fmt, wt, l, e, m, eng.dtype) for r in folds[1]))
+                else:
+                    packed[(f, m)] = (fmt, rounding.quantize(fmt, wt, l, e, m, eng.dtype))
         for kind, rows, wts in jobs:
             if len(rows) == 0:
                 continue
@@ -720,13 +758,17 @@ def score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, m
             if kind == "estimated":
                 est_passes += len(rows) * (1 + len(formats))
             for (f, m), (fmt, pk) in packed.items():
+                if isinstance(pk, tuple):  # cross-fitted: each row scored with the other fold's rounding
+                    inp = x if m == "fc" else a
+                    y = torch.where(folds[0][rows].unsqueeze(-1), fmt.linear(inp, pk[0]), fmt.linear(inp, pk[1]))
+                else:
+                    y = fmt.linear(x if m == "fc" else a, pk)
                 if m == "fc":
-                    hq = fmt.linear(x, pk)
-                    d = (r * (expert_activation(base, hq if bias is None else hq + bias) - a)).sum(-1).double()
+                    d = (r * (expert_activation(base, y if bias is None else y + bias) - a)).sum(-1).double()
                 else:
                     # g·(proj_q(a) − proj(a)) with the reference term from r; the two dot products are
                     # taken in float64 so that an int8 matrix's small difference survives.
-                    d = (gt.double() * fmt.linear(a, pk).double()).sum(-1) - gy
+                    d = (gt.double() * y.double()).sum(-1) - gy
                 d = d * wts.double()
                 if kind == "measured":
                     out["measured"][m][f][e] = 0.5 * float(d.pow(2).sum()) / tokens
@@ -739,5 +781,6 @@ def score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, m
             progress(e + 1)
     out["expert_passes"] = passes
     out["estimate_passes"] = est_passes
+    out["cross_fitted"] = folds is not None
     out["rounding_state"] = layer_state(l) if layer_state is not None else None
     return out

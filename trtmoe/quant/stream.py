@@ -850,11 +850,13 @@ class _Totals:
         self.measured, self.per_seq, self.estimated = ({m: zeros() for m in MATRICES} for _ in range(3))
         self.floor = 0.25 * self.k / self.E
         self.scored = self.est = 0.0
+        self.cross_fitted = True
 
     def take(self, res: dict, l: int) -> None:
         _take(res, l, self.counts, self.mass, self.entropy, self.measured, self.per_seq, self.estimated, self.keys)
         self.scored += res["expert_passes"]
         self.est += res.get("estimate_passes", 0.0)
+        self.cross_fitted = self.cross_fitted and bool(res.get("cross_fitted", False))
 
 
 def _backward_layer(run: _StreamRun, l: int, gs: list, tot: _Totals, lf: Path, min_tokens: int,
@@ -931,7 +933,8 @@ def _score_streamed_layer(run: _StreamRun, l: int, seen: dict, ent: float, mod, 
 
 def _streamed_result(run: _StreamRun, tot: _Totals, probe: str, min_tokens: int) -> dict:
     """The calib.json dict of the scored layers, with each MoE layer's input amax per matrix kind."""
-    scores = {"measured": tot.measured, "per_seq": tot.per_seq, "estimated": tot.estimated, "floor": tot.floor}
+    scores = {"measured": tot.measured, "per_seq": tot.per_seq, "estimated": tot.estimated, "floor": tot.floor,
+              "cross_fitted": tot.cross_fitted and bool(tot.moe_layers)}
     sens, flagged = _under_observed(scores, tot.counts, tot.moe_layers, tot.keys, min_tokens, tot.E)
     out = _result(tot.shim, tot.keys, scores, sens, flagged, tot.counts, tot.mass, tot.entropy, run.N, run.T,
                   probe, min_tokens)
