@@ -279,6 +279,39 @@ class _CastEmbedding(torch.nn.Module):
         return self.inner(ids).to(self.dtype)
 
 
+class _CastHead(torch.nn.Module):
+    """The output head kept in the checkpoint dtype, applied to hidden states of another dtype ``rows``
+    vocabulary rows at a time (its weight cast per block, never whole)."""
+
+    def __init__(self, inner: torch.nn.Module, rows: int = 16384):
+        super().__init__()
+        self.inner, self.rows = inner, rows
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        w, bias = self.inner.weight, getattr(self.inner, "bias", None)
+        if w.dtype == h.dtype:
+            return self.inner(h)
+        out = torch.cat([h @ w[i:i + self.rows].to(h.dtype).t() for i in range(0, w.shape[0], self.rows)], -1)
+        return out if bias is None else out + bias.to(out.dtype)
+
+
+class _FinalHidden(torch.nn.Module):
+    """Stands in for the decoder body while the causal LM's own forward forms the logits from a final hidden
+    state (its head and whatever its architecture does after it: logit scaling, soft-capping): returns
+    that state through the body's final norm, as the body would."""
+
+    def __init__(self, norm: torch.nn.Module, x: torch.Tensor, output_cls):
+        super().__init__()
+        self.norm, self.x, self.output_cls = norm, x, output_cls
+
+    def forward(self, *args, **kwargs):
+        return self.output_cls(last_hidden_state=self.norm(self.x))
+
+
 # ---- the model, one layer at a time ------------------------------------------------------------------
 
 
@@ -489,6 +522,7 @@ class StreamedModel:
             if name != "layers":
                 self._place(mod, cast=id(mod) not in keep)
         self._place(head, cast=False)
+        model.lm_head = _CastHead(head)
         if self.compute_dtype != self.ckpt_dtype and emb.weight.dtype != self.compute_dtype:
             body.set_input_embeddings(_CastEmbedding(emb, self.compute_dtype))
         model.requires_grad_(False)
@@ -575,16 +609,21 @@ class StreamedModel:
         calls = [self.record[i] for i in range(len(self.layers))]
         return self.record["x0"], calls
 
-    def head(self, x: torch.Tensor, rows: int = 16384) -> torch.Tensor:
-        """Logits of the final hidden states ``x``: the final norm, then the output head in the compute
-        dtype, its weight cast ``rows`` vocabulary rows at a time when it is stored in another dtype."""
-        h = self.body.norm(x)
-        lin = self.model.lm_head
-        w, bias = lin.weight, getattr(lin, "bias", None)
-        if w.dtype == h.dtype:
-            return lin(h)
-        out = torch.cat([h @ w[i:i + rows].to(h.dtype).t() for i in range(0, w.shape[0], rows)], -1)
-        return out if bias is None else out + bias.to(out.dtype)
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the final hidden states ``x`` [B, T, H] as the causal LM's own forward forms them: the
+        final norm, the output head in the compute dtype (its weight cast a block of vocabulary rows at a
+        time when stored in another dtype), then whatever the architecture applies to the logits (Granite's
+        ``logits_scaling``, Cohere's ``logit_scale``, soft-capping)."""
+        from transformers.modeling_outputs import MoeModelOutputWithPast  # optional heavy dependency
+
+        model = self.model
+        model.model = _FinalHidden(self.body.norm, x, MoeModelOutputWithPast)
+        try:
+            out = model(input_ids=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), use_cache=False,
+                        output_router_logits=False)
+        finally:
+            model.model = self.body
+        return out.logits
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
