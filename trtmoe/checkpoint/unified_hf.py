@@ -45,11 +45,13 @@ from torch import Tensor
 
 from .. import __version__
 from ..errors import CheckpointError, InputError, UnsupportedError
+from ..hf.adapters import adapter_for
 from ..hf.reader import HFCheckpoint
 from ..hf.safetensors_io import SafetensorsFile, StreamingWriter
 from ..quant import awq
 from ..quant import formats as QF
 from ..quant.formats import QuantFormat
+from . import unified_support as S
 from .atomic import atomic_directory
 from .manifest import write_manifest
 
@@ -233,6 +235,7 @@ class SourceModel:
                 raise UnsupportedError(f"{self.path.name} stores its experts in MXFP4 already (*_blocks / *_scales)",
                                        where=str(self.path), hint="export from the BF16 release of the model")
         else:
+            _refuse_unread_architecture(cfg_path, model_type)
             self._ck = HFCheckpoint(model)
             self.path, self.family, self.hf_config = self._ck.path, self._ck.adapter.family, self._ck.hf_config
             self.location = self._ck.location
@@ -258,6 +261,27 @@ class SourceModel:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _refuse_unread_architecture(cfg_path: Path, model_type) -> None:
+    """One line naming a model's architecture when neither the registry's adapters nor the by-name reader
+    know it (a transformers MoE outside both: calibrated layer-streamed, not exported)."""
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, ValueError):
+        return  # HFCheckpoint says what is wrong with the file
+    if not isinstance(raw, dict):
+        return
+    try:
+        adapter_for(raw)
+    except UnsupportedError:
+        arch = (raw.get("architectures") or [None])[0] or "(none given)"
+        read = [S.ARCH_LABEL[f] for f in S.FAMILIES if f != "llama4_text"]
+        raise UnsupportedError(
+            f"the unified-HF export does not read {arch} (model_type {model_type!r}): it names and places the "
+            f"tensors of the architectures it knows by name only", where=str(cfg_path),
+            hint="it reads " + ", ".join(read) + "; `trtmoe calibrate --runner stream` measures any transformers "
+                 "MoE with a *Experts module") from None
 
 
 @dataclass(frozen=True)

@@ -163,9 +163,13 @@ def _inspect_transformers_moe(model: str, tp: int, pp: int, moe_tp: int | None, 
     why = layout_problem(rep, tp, pp, moe_tp, moe_ep)
     rep["layout"] = {"tp": tp, "pp": pp, "moe_tp": moe_tp, "moe_ep": moe_ep, "ok": why is None,
                      "problems": [why] if why else []}
+    if rep["family"] in unified.ARCH_LABEL:
+        export = ("exported as a unified-HF checkpoint (--target trtllm-pytorch, vllm, sglang), not by the "
+                  "TensorRT-LLM 1.2 or embedded targets")
+    else:  # the unified-HF export reads its known architectures' tensors by name: this one it refuses
+        export = "not exported by convert (no target reads this architecture's tensors)"
     rep["notes"] = ["outside trtmoe's registry: counted from transformers' model; calibrated layer-streamed "
-                    "(calibrate --runner stream) and exported as a unified-HF checkpoint (--target trtllm-pytorch, "
-                    "vllm, sglang), not by the TensorRT-LLM 1.2 or embedded targets"]
+                    f"(calibrate --runner stream) and {export}"]
     return rep
 
 
