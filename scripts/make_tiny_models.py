@@ -41,7 +41,7 @@ ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
 TRANSFORMERS_ONLY = ("deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "llama4_text")
 # More transformers MoEs with a ``*Experts`` module, built from transformers' auto classes by model_type:
 # calibrated layer-streamed; the unified-HF export does not read them (it refuses them by name).
-SEAM_ONLY = ("granitemoe", "dots1", "flex_olmo", "exaone_moe", "afmoe")
+SEAM_ONLY = ("granitemoe", "dots1", "flex_olmo", "exaone_moe", "afmoe", "cohere2_moe", "jamba")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
@@ -292,6 +292,34 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
         "sliding_window": 8,
         "rms_norm_eps": 1e-5,
+    },
+    # Cohere-2-MoE: LayerNorm, parallel attention and MoE, logits multiplied by logit_scale, sliding and
+    # global attention layers.
+    "cohere2_moe": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "intermediate_size": 48,
+        "logit_scale": 0.5,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "mlp_layer_types": ["sparse", "sparse", "sparse"],
+        "sliding_window": 8,
+        "layer_norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # Jamba: Mamba layers with attention every second layer, experts every second layer (the others
+    # dense), the final norm named final_layernorm.
+    "jamba": {
+        **_COMMON,
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "intermediate_size": 48,
+        "attn_layer_period": 2, "attn_layer_offset": 1,
+        "expert_layer_period": 2, "expert_layer_offset": 1,
+        "mamba_d_state": 8, "mamba_dt_rank": 8,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     },
     # Field set of deepseek-ai/deepseek-moe-16b-base's config.json, shrunk.
     "deepseek_v1": {

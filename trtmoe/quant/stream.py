@@ -168,6 +168,34 @@ def find_experts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
     return None
 
 
+# What decoder bodies call their final norm (Llama-style ``norm``, Jamba's ``final_layernorm``, ...).
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "ln_f", "final_norm")
+# The config fields MoE architectures name their experts per token with.
+TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_topk", "moe_top_k", "moe_k")
+NO_SEAM = ("no routed-experts module at transformers' experts seam (a module with 3-D gate_up_proj / down_proj) in "
+           "any decoder layer: experts held otherwise (per-expert modules, other names) are not read")
+
+
+def final_norm(body: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder body's final norm (the first of ``FINAL_NORMS`` it has), or None."""
+    for name in FINAL_NORMS:
+        mod = getattr(body, name, None)
+        if isinstance(mod, torch.nn.Module):
+            return mod
+    return None
+
+
+def experts_per_token(text_config, router: torch.nn.Module | None) -> int:
+    """How many experts each token is routed to: the config's field (``TOP_K_FIELDS``), else the router
+    module's own ``top_k``; 0 when neither says."""
+    for name in TOP_K_FIELDS:
+        k = getattr(text_config, name, None)
+        if isinstance(k, int) and not isinstance(k, bool) and k > 0:
+            return k
+    k = getattr(router, "top_k", None) if router is not None else None
+    return int(k) if isinstance(k, int) and not isinstance(k, bool) and k > 0 else 0
+
+
 @dataclass
 class ExpertLayout:
     """How a transformers experts module stores its matrices: ``gate_up_proj`` [E, 2I, H] (or [E, H, 2I]
@@ -404,11 +432,13 @@ class StreamedModel:
                                  f"{getattr(config, 'model_type', '?')!r} ({e})", where=str(self.dir)) from None
         body = getattr(model, "model", None)
         layers = getattr(body, "layers", None)
-        if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head") or not hasattr(body, "norm"):
-            raise InputError(f"{type(model).__name__}: the layer-streamed runner needs model.layers, model.norm and "
-                             "lm_head (a decoder-only causal LM)", where=str(self.dir))
+        norm = final_norm(body) if body is not None else None
+        if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head") or norm is None:
+            raise InputError(f"{type(model).__name__}: the layer-streamed runner needs model.layers, a final norm "
+                             f"(model.{' / '.join(FINAL_NORMS)}) and lm_head (a decoder-only causal LM)",
+                             where=str(self.dir))
         adapt_seams(model)
-        self.model, self.body, self.layers = model, body, layers
+        self.model, self.body, self.layers, self.norm = model, body, layers, norm
         self.mapping = get_mapping(model)
         self.meta_layers = list(layers)
         # Each layer's tensors as declared (dtype), restored on the meta device when the layer is dropped,
@@ -432,8 +462,7 @@ class StreamedModel:
             if found is not None:
                 self.seam[i] = (found, ExpertLayout.of(found[0], config.get_text_config().hidden_size))
         if not self.seam:
-            raise InputError(f"{type(model).__name__} has no routed-experts module (3-D gate_up_proj/down_proj) in "
-                             "any decoder layer: not a mixture-of-experts model", where=str(self.dir))
+            raise InputError(f"{type(model).__name__} has {NO_SEAM}", where=str(self.dir))
         self._load(other)
         self._materialize_rest()
         self.cfg = self._cfg()
@@ -546,7 +575,7 @@ class StreamedModel:
         gu = mod.gate_up_proj
         E = gu.shape[0]
         two_i = gu.shape[2] if layout.transposed else gu.shape[1]
-        k = int(getattr(tc, "num_experts_per_tok", 0) or getattr(tc, "top_k", 0) or getattr(tc, "moe_topk", 0))
+        k = experts_per_token(tc, next(iter(self.seam.values()))[0][1])
         if k < 1:
             raise InputError("the config names no experts per token (num_experts_per_tok)", where=str(self.dir))
         L = len(self.meta_layers)
@@ -617,7 +646,7 @@ class StreamedModel:
         from transformers.modeling_outputs import MoeModelOutputWithPast  # optional heavy dependency
 
         model = self.model
-        model.model = _FinalHidden(self.body.norm, x, MoeModelOutputWithPast)
+        model.model = _FinalHidden(self.norm, x, MoeModelOutputWithPast)
         try:
             out = model(input_ids=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), use_cache=False,
                         output_router_logits=False)

@@ -19,7 +19,7 @@ from ..errors import InputError, UnsupportedError
 from ..hf.reader import read_json
 from ..hf.adapters import supported_architectures
 from ..hf.validate import validate_hf_config
-from ..quant.stream import ExpertLayout, adapt_seams, find_experts
+from ..quant.stream import NO_SEAM, ExpertLayout, adapt_seams, experts_per_token, find_experts
 
 # The deepest model counted from transformers' own modules (building one on the meta device takes about
 # 0.1 s per layer); released MoEs have at most a few hundred layers.
@@ -75,12 +75,13 @@ def describe_transformers_moe(model_dir: str | Path) -> dict:
     hidden = int(tc.hidden_size)
     routed: dict[str, int] = {}  # experts-module prefix -> its number of experts
     routers: set[str] = set()
-    moe_layers, ffn = [], None
+    moe_layers, ffn, first_router = [], None, None
     for i, lay in enumerate(layers):
         found = find_experts(lay)
         if found is None:
             continue
         mod, router = found
+        first_router = router if not moe_layers else first_router
         moe_layers.append(i)
         names = {id(m): n for n, m in lay.named_modules()}
         routed[f"model.layers.{i}.{names[id(mod)]}."] = int(mod.gate_up_proj.shape[0])
@@ -90,10 +91,9 @@ def describe_transformers_moe(model_dir: str | Path) -> dict:
         gu = mod.gate_up_proj
         ffn = int((gu.shape[2] if lay_out.transposed else gu.shape[1]) // 2)
     if not moe_layers:
-        raise UnsupportedError(f"{type(model).__name__} has no routed-experts module in any decoder layer: not a "
-                               "mixture-of-experts model", where=str(path))
+        raise UnsupportedError(f"{type(model).__name__} has {NO_SEAM}", where=str(path))
     E = next(iter(routed.values()))
-    k = int(getattr(tc, "num_experts_per_tok", 0) or getattr(tc, "top_k", 0) or getattr(tc, "moe_topk", 0))
+    k = experts_per_token(tc, first_router)
     if k < 1:
         raise UnsupportedError("the config names no experts per token (num_experts_per_tok)", where=str(path))
     comp: dict[str, list[int]] = {}
