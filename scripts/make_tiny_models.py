@@ -41,7 +41,8 @@ ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
 TRANSFORMERS_ONLY = ("deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "llama4_text")
 # More transformers MoEs with a ``*Experts`` module, built from transformers' auto classes by model_type:
 # calibrated layer-streamed; the unified-HF export does not read them (it refuses them by name).
-SEAM_ONLY = ("granitemoe", "dots1", "flex_olmo", "exaone_moe", "afmoe", "cohere2_moe", "jamba")
+SEAM_ONLY = ("granitemoe", "dots1", "flex_olmo", "exaone_moe", "afmoe", "cohere2_moe", "jamba",
+             "lfm2_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
@@ -319,6 +320,19 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "expert_layer_period": 2, "expert_layer_offset": 1,
         "mamba_d_state": 8, "mamba_dt_rank": 8,
         "rms_norm_eps": 1e-6,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # LFM2-MoE: short-convolution layers beside attention ones, a dense first layer, sigmoid routing with an
+    # expert bias, the final norm named embedding_norm.
+    "lfm2_moe": {
+        **_COMMON,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "num_dense_layers": 1,
+        "layer_types": ["full_attention", "conv", "full_attention"],
+        "norm_eps": 1e-5,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     },
     # Field set of deepseek-ai/deepseek-moe-16b-base's config.json, shrunk.

@@ -94,7 +94,7 @@ def _tiny(tiny_model, arch, tokdir, root: Path) -> Path:
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "llama4_text",
                                   "qwen3_moe", "granitemoe", "dots1", "flex_olmo", "exaone_moe", "afmoe", "cohere2_moe",
-                                  "jamba"])
+                                  "jamba", "lfm2_moe"])
 def test_any_transformers_moe_calibrates_layer_streamed(arch, tiny_model, tokdir, text, tmp_path):
     import transformers
 

@@ -168,21 +168,10 @@ def find_experts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
     return None
 
 
-# What decoder bodies call their final norm (Llama-style ``norm``, Jamba's ``final_layernorm``, ...).
-FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "ln_f", "final_norm")
 # The config fields MoE architectures name their experts per token with.
 TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_topk", "moe_top_k", "moe_k")
 NO_SEAM = ("no routed-experts module at transformers' experts seam (a module with 3-D gate_up_proj / down_proj) in "
            "any decoder layer: experts held otherwise (per-expert modules, other names) are not read")
-
-
-def final_norm(body: torch.nn.Module) -> torch.nn.Module | None:
-    """The decoder body's final norm (the first of ``FINAL_NORMS`` it has), or None."""
-    for name in FINAL_NORMS:
-        mod = getattr(body, name, None)
-        if isinstance(mod, torch.nn.Module):
-            return mod
-    return None
 
 
 def experts_per_token(text_config, router: torch.nn.Module | None) -> int:
@@ -327,30 +316,21 @@ class _CastHead(torch.nn.Module):
         return out if bias is None else out + bias.to(out.dtype)
 
 
-class _FinalHidden(torch.nn.Module):
-    """Stands in for the decoder body while the causal LM's own forward forms the logits from a final hidden
-    state (its head and whatever its architecture does after it: logit scaling, soft-capping): returns
-    that state through the body's final norm, as the body would."""
-
-    def __init__(self, norm: torch.nn.Module, x: torch.Tensor, output_cls):
-        super().__init__()
-        self.norm, self.x, self.output_cls = norm, x, output_cls
-
-    def forward(self, *args, **kwargs):
-        return self.output_cls(last_hidden_state=self.norm(self.x))
-
-
 # ---- the model, one layer at a time ------------------------------------------------------------------
 
 
 class _Boundary(torch.nn.Module):
-    """Stands in for decoder layer ``index``: records the call's arguments and passes the hidden states on."""
+    """Stands in for decoder layer ``index``: records the call's arguments and passes the hidden states on.
+    While ``final["x"]`` is set the causal LM's own forward is forming logits from that final hidden state:
+    nothing is recorded and the last layer's stand-in returns it."""
 
-    def __init__(self, index: int, record: dict):
+    def __init__(self, index: int, record: dict, final: dict, last: bool):
         super().__init__()
-        self.index, self.record = index, record
+        self.index, self.record, self.final, self.last = index, record, final, last
 
     def forward(self, hidden_states, *args, **kwargs):
+        if self.final["x"] is not None:
+            return self.final["x"] if self.last else hidden_states
         self.record[self.index] = (args, kwargs)
         if self.index == 0:
             self.record["x0"] = hidden_states
@@ -432,13 +412,11 @@ class StreamedModel:
                                  f"{getattr(config, 'model_type', '?')!r} ({e})", where=str(self.dir)) from None
         body = getattr(model, "model", None)
         layers = getattr(body, "layers", None)
-        norm = final_norm(body) if body is not None else None
-        if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head") or norm is None:
-            raise InputError(f"{type(model).__name__}: the layer-streamed runner needs model.layers, a final norm "
-                             f"(model.{' / '.join(FINAL_NORMS)}) and lm_head (a decoder-only causal LM)",
-                             where=str(self.dir))
+        if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head"):
+            raise InputError(f"{type(model).__name__}: the layer-streamed runner needs model.layers and lm_head "
+                             "(a decoder-only causal LM)", where=str(self.dir))
         adapt_seams(model)
-        self.model, self.body, self.layers, self.norm = model, body, layers, norm
+        self.model, self.body, self.layers = model, body, layers
         self.mapping = get_mapping(model)
         self.meta_layers = list(layers)
         # Each layer's tensors as declared (dtype), restored on the meta device when the layer is dropped,
@@ -446,8 +424,9 @@ class StreamedModel:
         self._declared = [{n: t.dtype for n, t in list(lay.named_parameters()) + list(lay.named_buffers())}
                           for lay in layers]
         self.record: dict = {}
+        self._final: dict = {"x": None}
         for i in range(len(layers)):
-            layers[i] = _Boundary(i, self.record)
+            layers[i] = _Boundary(i, self.record, self._final, last=i == len(layers) - 1)
         self.layer_keys: dict[int, list[str]] = {i: [] for i in range(len(layers))}
         other = []
         for k in self.files:
@@ -639,19 +618,17 @@ class StreamedModel:
         return self.record["x0"], calls
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits of the final hidden states ``x`` [B, T, H] as the causal LM's own forward forms them: the
-        final norm, the output head in the compute dtype (its weight cast a block of vocabulary rows at a
-        time when stored in another dtype), then whatever the architecture applies to the logits (Granite's
+        """Logits of the final hidden states ``x`` [B, T, H] as the causal LM's own forward forms them (its
+        layers stood in for, the last one handing on ``x``): the body's final norm whatever its name, the
+        output head in the compute dtype (its weight cast a block of vocabulary rows at a time when stored
+        in another dtype), then whatever the architecture applies to the logits (Granite's
         ``logits_scaling``, Cohere's ``logit_scale``, soft-capping)."""
-        from transformers.modeling_outputs import MoeModelOutputWithPast  # optional heavy dependency
-
-        model = self.model
-        model.model = _FinalHidden(self.norm, x, MoeModelOutputWithPast)
+        self._final["x"] = x
         try:
-            out = model(input_ids=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), use_cache=False,
-                        output_router_logits=False)
+            out = self.model(input_ids=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), use_cache=False,
+                             output_router_logits=False)
         finally:
-            model.model = self.body
+            self._final["x"] = None
         return out.logits
 
     @torch.no_grad()
