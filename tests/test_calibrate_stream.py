@@ -164,6 +164,38 @@ def test_streamed_runner_refusals(tiny_model, tokdir, text, tmp_path):
         StreamedModel(two)
 
 
+def test_encoder_decoder_and_multimodal_wrappers_are_refused_in_one_line(tmp_path, text, tokdir):
+    """Out of scope: encoder-decoder MoEs (Switch Transformers) and multimodal wrappers (Qwen3-VL-MoE): calibrate
+    and inspect say so in one line, without a traceback."""
+    import transformers
+    from safetensors.torch import save_file
+
+    configs = {
+        "switch_transformers": transformers.SwitchTransformersConfig(
+            vocab_size=250, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4,
+            num_experts=4, architectures=["SwitchTransformersForConditionalGeneration"]),
+        "qwen3_vl_moe": transformers.Qwen3VLMoeConfig(
+            text_config=dict(vocab_size=250, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_experts=4, num_experts_per_tok=2),
+            architectures=["Qwen3VLMoeForConditionalGeneration"]),
+    }
+    said = {"switch_transformers": "(an encoder-decoder model): decoder-only causal language models only",
+            "qwen3_vl_moe": "(a multimodal wrapper around its text model): decoder-only causal language models only"}
+    for name, cfg in configs.items():
+        d = tmp_path / name
+        cfg.save_pretrained(d)
+        save_file({"x": torch.zeros(1, dtype=torch.bfloat16)}, str(d / "model.safetensors"))
+        r = cli("calibrate", d, "--data", text, "-o", tmp_path / f"c-{name}", "--runner", "stream", "--samples", "2",
+                "--seq-len", "16", "--tokenizer", tokdir, expect=2)
+        assert f"transformers has no causal-LM class for model_type {name!r} {said[name]}" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
+        r = cli("inspect", d, expect=2)
+        line = " ".join(r.output.split())
+        assert "Traceback" not in r.output and ("encoder-decoder" in line if name == "switch_transformers"
+                                                else said[name] in line), line
+
+
 class _Stop(Exception):
     pass
 

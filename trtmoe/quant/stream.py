@@ -174,6 +174,19 @@ NO_SEAM = ("no routed-experts module at transformers' experts seam (a module wit
            "any decoder layer: experts held otherwise (per-expert modules, other names) are not read")
 
 
+def no_causal_lm(config) -> str:
+    """Why transformers builds no causal LM of ``config`` (its auto class has no mapping for it), in one line."""
+    mt = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        why = "an encoder-decoder model"
+    elif config.get_text_config() is not config:
+        why = "a multimodal wrapper around its text model"
+    else:
+        why = "AutoModelForCausalLM has no class for it"
+    return (f"transformers has no causal-LM class for model_type {mt!r} ({why}): decoder-only causal language "
+            "models only")
+
+
 def experts_per_token(text_config, router: torch.nn.Module | None) -> int:
     """How many experts each token is routed to: the config's field (``TOP_K_FIELDS``), else the router
     module's own ``top_k``; 0 when neither says."""
@@ -407,9 +420,8 @@ class StreamedModel:
         with torch.device("meta"):
             try:
                 model = tf.AutoModelForCausalLM.from_config(config, dtype=self.ckpt_dtype)
-            except ValueError as e:
-                raise InputError(f"transformers has no causal-LM class for model_type "
-                                 f"{getattr(config, 'model_type', '?')!r} ({e})", where=str(self.dir)) from None
+            except ValueError:
+                raise InputError(no_causal_lm(config), where=str(self.dir)) from None
         body = getattr(model, "model", None)
         layers = getattr(body, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head"):

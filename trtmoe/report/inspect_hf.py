@@ -19,7 +19,7 @@ from ..errors import InputError, UnsupportedError
 from ..hf.reader import read_json
 from ..hf.adapters import supported_architectures
 from ..hf.validate import validate_hf_config
-from ..quant.stream import NO_SEAM, ExpertLayout, adapt_seams, experts_per_token, find_experts
+from ..quant.stream import NO_SEAM, ExpertLayout, adapt_seams, experts_per_token, find_experts, no_causal_lm
 
 # The deepest model counted from transformers' own modules (building one on the meta device takes about
 # 0.1 s per layer); released MoEs have at most a few hundred layers.
@@ -43,9 +43,8 @@ def _meta_model(path: Path):
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError) as e:
-        raise UnsupportedError(f"transformers has no causal-LM class for model_type "
-                               f"{getattr(config, 'model_type', '?')!r} ({e})", where=str(path)) from None
+    except (ValueError, KeyError):
+        raise UnsupportedError(no_causal_lm(config), where=str(path)) from None
     return config, model
 
 
@@ -57,7 +56,12 @@ def _source_bytes(path: Path) -> int | None:
 def describe_transformers_moe(model_dir: str | Path) -> dict:
     """The ``inspect`` report (parameters and activation) of a MoE transformers implements, from its config."""
     path = Path(model_dir)
-    raw = validate_hf_config(read_json(path / "config.json"), path / "config.json", registry=False)
+    raw = read_json(path / "config.json")
+    if isinstance(raw, dict) and raw.get("is_encoder_decoder"):  # before the decoder-only field checks
+        arch = (raw.get("architectures") or [raw.get("model_type")])[0]
+        raise UnsupportedError(f"{arch} is an encoder-decoder model: decoder-only causal MoEs only",
+                               where=str(path / "config.json"))
+    raw = validate_hf_config(raw, path / "config.json", registry=False)
     layers = (raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw).get("num_hidden_layers")
     if isinstance(layers, int) and layers > MAX_LAYERS:
         raise InputError(f"num_hidden_layers = {layers}: this count builds transformers' model from the config, "
