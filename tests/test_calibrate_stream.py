@@ -196,6 +196,30 @@ def test_encoder_decoder_and_multimodal_wrappers_are_refused_in_one_line(tmp_pat
                                                 else said[name] in line), line
 
 
+def test_models_whose_layers_or_experts_are_off_the_seam_are_refused_in_one_line(tmp_path, text, tokdir):
+    """DBRX keeps its layers at transformer.blocks (experts as flattened w1/v1/w2), JetMoE its experts as
+    input_linear / output_linear modules: the runner reads neither, and says so in one line naming the class."""
+    import transformers
+
+    models = {
+        "dbrx": (transformers.DbrxForCausalLM, transformers.DbrxConfig(
+            vocab_size=250, d_model=64, n_heads=4, n_layers=2, attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
+            ffn_config={"hidden_size": 64, "ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2})),
+        "jetmoe": (transformers.JetMoeForCausalLM, transformers.JetMoeConfig(
+            vocab_size=250, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
+    }
+    said = {"dbrx": "DbrxForCausalLM: the layer-streamed runner reads the decoder layers at model.layers",
+            "jetmoe": "JetMoeForCausalLM has no routed-experts module at transformers' experts seam"}
+    for name, (cls, cfg) in models.items():
+        d = tmp_path / name
+        cls(cfg).save_pretrained(d)
+        r = cli("calibrate", d, "--data", text, "-o", tmp_path / f"c-{name}", "--runner", "stream", "--samples", "2",
+                "--seq-len", "16", "--tokenizer", tokdir, expect=2)
+        assert said[name] in r.output and len(r.output.strip().splitlines()) == 1, r.output
+        assert not (tmp_path / f"c-{name}").exists()
+
+
 class _Stop(Exception):
     pass
 

@@ -425,8 +425,8 @@ class StreamedModel:
         body = getattr(model, "model", None)
         layers = getattr(body, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head"):
-            raise InputError(f"{type(model).__name__}: the layer-streamed runner needs model.layers and lm_head "
-                             "(a decoder-only causal LM)", where=str(self.dir))
+            raise InputError(f"{type(model).__name__}: the layer-streamed runner reads the decoder layers at "
+                             "model.layers and the head at lm_head; this model has them elsewhere", where=str(self.dir))
         adapt_seams(model)
         self.model, self.body, self.layers = model, body, layers
         self.mapping = get_mapping(model)
