@@ -166,8 +166,11 @@ def _inspect_transformers_moe(model: str, tp: int, pp: int, moe_tp: int | None, 
     if rep["family"] in unified.ARCH_LABEL:
         export = ("exported as a unified-HF checkpoint (--target trtllm-pytorch, vllm, sglang), not by the "
                   "TensorRT-LLM 1.2 or embedded targets")
-    else:  # the unified-HF export reads its known architectures' tensors by name: this one it refuses
-        export = "not exported by convert (no target reads this architecture's tensors)"
+    else:  # no support row: the unified-HF export reads it by name when its experts are stored per expert
+        export = ("exported as a unified-HF checkpoint (--target trtllm-pytorch, vllm, sglang; no support-table row, "
+                  "so unlisted for every engine) when its routed experts are stored one linear per expert "
+                  "(experts.E.gate_proj / up_proj / down_proj or w1 / w3 / w2), not by the TensorRT-LLM 1.2 or "
+                  "embedded targets")
     rep["notes"] = ["outside trtmoe's registry: counted from transformers' model; calibrated layer-streamed "
                     f"(calibrate --runner stream) and {export}"]
     return rep

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import unified_support as unified
 from ..errors import InputError, UnsupportedError
 from ..hf.reader import read_json
 from ..hf.adapters import supported_architectures
@@ -161,12 +160,9 @@ def layout_problem(rep: dict, tp: int, pp: int, moe_tp: int | None, moe_ep: int 
     """Why a parallel layout is not planned for an architecture outside the registry (None: one rank)."""
     if (tp, pp, moe_tp or 1, moe_ep or 1) == (1, 1, 1, 1):
         return None
-    if rep["family"] not in unified.ARCH_LABEL:
-        return (f"per-rank bytes are planned for the registry's architectures only; {rep['architecture']} is not "
-                "exported by convert (no target reads its tensors)")
-    return (f"per-rank bytes are planned for the registry's architectures only; {rep['architecture']} is "
-            "exported as a unified-HF checkpoint (--target trtllm-pytorch, vllm or sglang), which those engines "
-            "shard themselves")
+    return (f"per-rank bytes are planned for the registry's architectures only, not for {rep['architecture']}; "
+            "outside the registry a model is exported as a unified-HF checkpoint (--target trtllm-pytorch, vllm or "
+            "sglang), which those engines shard themselves")
 
 
 def outside_registry(path: Path) -> bool:
