@@ -537,3 +537,18 @@ def test_transformers_moe_without_a_row_takes_a_graded_plan_from_its_streamed_ca
     for k, v in amax.items():
         div = 448 * (6 if a[k + ".weight"].dtype == torch.uint8 else 1)
         assert a[k + ".input_scale"].item() == pytest.approx(v / div, rel=1e-6), k
+
+
+def test_a_failing_transformers_forward_is_one_line_when_input_amax_is_measured(tiny_model, monkeypatch):
+    """The input amax is measured by running transformers' own model: an error there (a modelling-code bug, a
+    configuration it cannot run) is refused as an input error naming the class, not an internal error."""
+    import transformers
+
+    from trtmoe.errors import InputError
+
+    def broken(self, *a, **k):
+        raise ValueError("cannot run this configuration\nsecond line")
+    monkeypatch.setattr(transformers.Dots1ForCausalLM, "forward", broken)
+    with pytest.raises(InputError, match=r"transformers' forward of Dots1ForCausalLM failed while the input amax "
+                                         r"was measured \(ValueError: cannot run this configuration\) \(a weight-only"):
+        U.measure_input_amax(tiny_model("dots1", dtype="bfloat16"), [[3, 4, 5]])

@@ -621,11 +621,18 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
                         gate, up = torch.nn.functional.linear(x[rows], m.gate_up_proj[e]).chunk(2, dim=-1)
                         bump(("experts_mid", layer), (m.act_fn(gate) * up).detach().abs().amax())
             hooks.append(mod.register_forward_pre_hook(on_experts, with_kwargs=True))
-    with torch.no_grad():
-        for row in token_ids:
-            model(input_ids=torch.tensor([row]))
-    for h in hooks:
-        h.remove()
+    try:
+        with torch.no_grad():
+            for row in token_ids:
+                model(input_ids=torch.tensor([row]))
+    except Exception as e:  # noqa: BLE001 - transformers' own modelling code failed: one line naming it
+        first = (str(e).splitlines() or [""])[0][:300]
+        raise InputError(f"transformers' forward of {arch or 'this model'} failed while the input amax was measured "
+                         f"({type(e).__name__}: {first})", where=str(model_dir),
+                         hint="a weight-only format needs no input amax") from None
+    finally:
+        for h in hooks:
+            h.remove()
     out = {}
     for m in mods:
         if m.kind == "expert":
