@@ -39,6 +39,10 @@ ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v1", "phimoe")
 # MoEs transformers implements and the embedded engine does not: calibrated through transformers'
 # own modelling code (``calibrate --runner stream``), converted by the unified-HF export only.
 TRANSFORMERS_ONLY = ("deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "llama4_text")
+# More transformers MoEs with a ``*Experts`` module, built from transformers' auto classes by model_type:
+# calibrated layer-streamed; the unified-HF export does not read them (it refuses them by name).
+SEAM_ONLY = ("granitemoe", "dots1", "flex_olmo", "exaone_moe", "afmoe", "cohere2_moe", "jamba",
+             "lfm2_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
@@ -217,6 +221,120 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "partial_rotary_factor": 0.5,
         "rms_norm_eps": 1e-5,
     },
+    # Granite-MoE: experts stored fused as input_linear [E, 2I, H] / output_linear [E, H, I], a router
+    # module (router.layer), muP-style multipliers.
+    "granitemoe": {
+        **_COMMON,
+        "num_hidden_layers": 3,
+        "num_local_experts": 8,
+        "intermediate_size": 48,
+        "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.25,
+        "logits_scaling": 2.0,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # dots.llm1: a dense first layer, one shared expert, sigmoid routing with a correction bias, q/k norm.
+    "dots1": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.0,
+        "norm_topk_prob": True,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * 3,
+        "rms_norm_eps": 1e-6,
+    },
+    # FlexOlmo: post-norm layers (the norm after attention and after the MoE), q/k RMSNorm over the projection.
+    "flex_olmo": {
+        **_COMMON,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "intermediate_size": 48,
+        "norm_topk_prob": False,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # EXAONE-MoE: a dense first layer (mlp_layer_types), a shared expert, sigmoid routing with a correction
+    # bias, sliding-window layers.
+    "exaone_moe": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "num_experts": 8,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 8,
+        "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # AFMoE: a dense first layer, two shared experts, gated attention, pre/post MLP norms, sliding and
+    # global attention layers.
+    "afmoe": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "num_experts": 8,
+        "num_shared_experts": 2,
+        "num_dense_layers": 1,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 8,
+        "rms_norm_eps": 1e-5,
+    },
+    # Cohere-2-MoE: LayerNorm, parallel attention and MoE, logits multiplied by logit_scale, sliding and
+    # global attention layers.
+    "cohere2_moe": {
+        **_COMMON,
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "intermediate_size": 48,
+        "logit_scale": 0.5,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "mlp_layer_types": ["sparse", "sparse", "sparse"],
+        "sliding_window": 8,
+        "layer_norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # Jamba: Mamba layers with attention every second layer, experts every second layer (the others
+    # dense), the final norm named final_layernorm.
+    "jamba": {
+        **_COMMON,
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "intermediate_size": 48,
+        "attn_layer_period": 2, "attn_layer_offset": 1,
+        "expert_layer_period": 2, "expert_layer_offset": 1,
+        "mamba_d_state": 8, "mamba_dt_rank": 8,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # LFM2-MoE: short-convolution layers beside attention ones, a dense first layer, sigmoid routing with an
+    # expert bias, the final norm named embedding_norm.
+    "lfm2_moe": {
+        **_COMMON,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "num_dense_layers": 1,
+        "layer_types": ["full_attention", "conv", "full_attention"],
+        "norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
     # Field set of deepseek-ai/deepseek-moe-16b-base's config.json, shrunk.
     "deepseek_v1": {
         **_COMMON,
@@ -293,6 +411,8 @@ def init_tensor(
 def _hf_classes(arch: str):
     import transformers
 
+    if arch in SEAM_ONLY:
+        return transformers.CONFIG_MAPPING[arch], transformers.AutoModelForCausalLM.from_config
     return {
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
@@ -312,6 +432,10 @@ def _make_transformers_model(
 ) -> None:
     config_cls, model_cls = _hf_classes(arch)
     hf_config = config_cls(**config)
+    if arch in SEAM_ONLY:  # the auto class's config records no architecture unless told
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch]]
     model = model_cls(hf_config)
     with torch.no_grad():
         # named_parameters() yields a tied lm_head once (as the embedding), so ties stay intact.
@@ -435,8 +559,8 @@ def _make_deepseek_v1(
 
 def tiny_config(arch: str, *, tied: bool = False, **config_overrides: Any) -> dict[str, Any]:
     """The config keyword set ``make_tiny_model`` would use for ``arch`` (a fresh dict)."""
-    if arch not in ARCHITECTURES + TRANSFORMERS_ONLY:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES + TRANSFORMERS_ONLY)}")
+    if arch not in ARCHITECTURES + TRANSFORMERS_ONLY + SEAM_ONLY:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES + TRANSFORMERS_ONLY + SEAM_ONLY)}")
     config = json.loads(json.dumps(DEFAULT_CONFIGS[arch]))  # deep copy
     config["tie_word_embeddings"] = bool(tied)
     config.update(config_overrides)
@@ -498,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
                "      --set vocab_size=2048 --tokenizer-from tests/fixtures/trained_mixtral",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("arch", choices=ARCHITECTURES + TRANSFORMERS_ONLY)
+    parser.add_argument("arch", choices=ARCHITECTURES + TRANSFORMERS_ONLY + SEAM_ONLY)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--sharded", action="store_true", help="several shards + index.json")

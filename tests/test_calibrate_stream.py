@@ -93,7 +93,8 @@ def _tiny(tiny_model, arch, tokdir, root: Path) -> Path:
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe", "llama4_text",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "granitemoe", "dots1", "flex_olmo", "exaone_moe", "afmoe", "cohere2_moe",
+                                  "jamba", "lfm2_moe"])
 def test_any_transformers_moe_calibrates_layer_streamed(arch, tiny_model, tokdir, text, tmp_path):
     import transformers
 
@@ -161,6 +162,62 @@ def test_streamed_runner_refusals(tiny_model, tokdir, text, tmp_path):
     two = tiny_model("llama4_text", num_experts_per_tok=2)
     with pytest.raises(InputError, match="one expert per token only"):
         StreamedModel(two)
+
+
+def test_encoder_decoder_and_multimodal_wrappers_are_refused_in_one_line(tmp_path, text, tokdir):
+    """Out of scope: encoder-decoder MoEs (Switch Transformers) and multimodal wrappers (Qwen3-VL-MoE): calibrate
+    and inspect say so in one line, without a traceback."""
+    import transformers
+    from safetensors.torch import save_file
+
+    configs = {
+        "switch_transformers": transformers.SwitchTransformersConfig(
+            vocab_size=250, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4,
+            num_experts=4, architectures=["SwitchTransformersForConditionalGeneration"]),
+        "qwen3_vl_moe": transformers.Qwen3VLMoeConfig(
+            text_config=dict(vocab_size=250, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_experts=4, num_experts_per_tok=2),
+            architectures=["Qwen3VLMoeForConditionalGeneration"]),
+    }
+    said = {"switch_transformers": "(an encoder-decoder model): decoder-only causal language models only",
+            "qwen3_vl_moe": "(a multimodal wrapper around its text model): decoder-only causal language models only"}
+    for name, cfg in configs.items():
+        d = tmp_path / name
+        cfg.save_pretrained(d)
+        save_file({"x": torch.zeros(1, dtype=torch.bfloat16)}, str(d / "model.safetensors"))
+        r = cli("calibrate", d, "--data", text, "-o", tmp_path / f"c-{name}", "--runner", "stream", "--samples", "2",
+                "--seq-len", "16", "--tokenizer", tokdir, expect=2)
+        assert f"transformers has no causal-LM class for model_type {name!r} {said[name]}" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
+        r = cli("inspect", d, expect=2)
+        line = " ".join(r.output.split())
+        assert "Traceback" not in r.output and ("encoder-decoder" in line if name == "switch_transformers"
+                                                else said[name] in line), line
+
+
+def test_models_whose_layers_or_experts_are_off_the_seam_are_refused_in_one_line(tmp_path, text, tokdir):
+    """DBRX keeps its layers at transformer.blocks (experts as flattened w1/v1/w2), JetMoE its experts as
+    input_linear / output_linear modules: the runner reads neither, and says so in one line naming the class."""
+    import transformers
+
+    models = {
+        "dbrx": (transformers.DbrxForCausalLM, transformers.DbrxConfig(
+            vocab_size=250, d_model=64, n_heads=4, n_layers=2, attn_config={"kv_n_heads": 2, "rope_theta": 1e4},
+            ffn_config={"hidden_size": 64, "ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2})),
+        "jetmoe": (transformers.JetMoeForCausalLM, transformers.JetMoeConfig(
+            vocab_size=250, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
+    }
+    said = {"dbrx": "DbrxForCausalLM: the layer-streamed runner reads the decoder layers at model.layers",
+            "jetmoe": "JetMoeForCausalLM has no routed-experts module at transformers' experts seam"}
+    for name, (cls, cfg) in models.items():
+        d = tmp_path / name
+        cls(cfg).save_pretrained(d)
+        r = cli("calibrate", d, "--data", text, "-o", tmp_path / f"c-{name}", "--runner", "stream", "--samples", "2",
+                "--seq-len", "16", "--tokenizer", tokdir, expect=2)
+        assert said[name] in r.output and len(r.output.strip().splitlines()) == 1, r.output
+        assert not (tmp_path / f"c-{name}").exists()
 
 
 class _Stop(Exception):

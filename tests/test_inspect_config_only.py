@@ -201,6 +201,27 @@ def test_inspect_outside_the_registry(tiny_model, tmp_path, arch):
     assert code == 2 and "unified-HF" in out and "Traceback" not in out
 
 
+def test_inspect_outside_the_registry_says_what_convert_refuses(tiny_model, tmp_path):
+    """A transformers MoE outside the registry whose experts are stored fused (Granite-MoE's input_linear /
+    output_linear): inspect counts it and says when it is exported; convert refuses it in one line naming the
+    architecture and the per-expert names it reads, for every unified-HF target."""
+    src = tiny_model("granitemoe")
+    code, out = run("inspect", src, "--json")
+    assert code == 0, out
+    rep = json.loads(out)
+    assert rep["family"] == "granitemoe" and rep["moe_layers"] == [0, 1, 2]
+    assert "calibrate --runner stream" in rep["notes"][0] and "one linear per expert" in rep["notes"][0]
+    code, out = run("inspect", src, "--moe-ep", "2")
+    assert code == 2 and "not for GraniteMoeForCausalLM" in out and "Traceback" not in out
+    for target in ("vllm", "trtllm-pytorch", "sglang"):
+        code, out = run("convert", src, "-o", tmp_path / target, "--target", target, "--layer-format", "*=fp8")
+        assert code == 2 and "Traceback" not in out, out
+        assert ("the unified-HF export does not read GraniteMoeForCausalLM (model_type 'granitemoe'): its routed "
+                "experts are not stored one linear per expert") in out, out
+        assert "calibrate --runner stream" in out
+        assert not (tmp_path / target).exists()
+
+
 def test_inspect_outside_the_registry_refuses_what_it_cannot_build(tiny_model, tmp_path):
     """The count builds transformers' model on the meta device: an absurd depth is refused at once, a bad
     value by the config check, both in one line."""

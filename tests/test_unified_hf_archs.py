@@ -450,3 +450,105 @@ def test_llama4_multimodal_exports_its_text_model_and_keeps_the_towers(llama4, t
     got = tensors(tmp_path / "t")
     assert got["language_model.model.layers.1.feed_forward.experts.gate_up_proj"].shape == (4, 32, 128)
     assert got["vision_model.model.layers.0.mlp.fc1.weight"].dtype == torch.bfloat16
+
+
+# ---- transformers MoEs without a support-table row -------------------------------------------------
+
+@pytest.mark.parametrize("arch,kinds", [
+    ("dots1", {"attention": 12, "shared": 6, "dense": 3}),  # q/k/v/o attention, one shared expert, dense layer 0
+    ("lfm2_moe", {"dense": 3}),  # attention's out_proj and the short convolutions: kept in the model dtype
+    ("jamba", {"attention": 8, "dense": 6}),  # the Mamba mixers kept; dense MLPs in the layers without experts
+])
+def test_transformers_moe_without_a_row_is_read_by_name(arch, kinds, tiny_model, tmp_path):
+    """A MoE outside the registry and the rows whose experts are stored one linear per expert is exported by
+    its Hugging Face names: routed experts (gate_proj/up_proj/down_proj or w1/w3/w2), shared experts, dense MLPs
+    and plain q/k/v/o attention quantizable, every other linear (routers, convolutions, Mamba) kept. Unquantized
+    it gives the source's logits in transformers; in FP8 each cell is unlisted, saying why."""
+    import fnmatch
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM
+
+    from trtmoe.checkpoint import unified_support as S
+
+    model = tiny_model(arch, dtype="bfloat16")
+    with U.SourceModel(model) as src:
+        mods = src.modules()
+        assert src.family == S.GENERIC
+    count = Counter(m.kind for m in mods)
+    moe = sorted({m.layer for m in mods if m.kind == "expert"})
+    assert count["expert"] == 3 * 8 * len(moe) and {k: count[k] for k in kinds} == kinds
+    assert {m.expert_role for m in mods if m.kind == "expert"} == {"gate", "up", "down"}
+    assert all(m.kind == "excluded" for m in mods if m.name.endswith(("gate", "router", "router.gate")))
+    out = tmp_path / "bf16"
+    U.write_unified_checkpoint(model, out, U.UnifiedPlan({}, {}, {"policy": "per-layer"}))
+    ids = torch.tensor([[3, 17, 5, 42, 9, 11, 2, 8]])
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()(ids).logits
+    assert torch.equal(a, b)
+    (tmp_path / "ids.json").write_text(json.dumps([[3, 17, 5, 42, 9, 11, 2, 8], [1, 4, 4, 7, 120, 33]]))
+    p = run_cli("convert", model, "-o", tmp_path / "fp8", "--target", "vllm", "--layer-format", "*=fp8",
+                "--calib-ids", tmp_path / "ids.json")
+    assert p.returncode == 0, p.stderr
+    assert "x other transformers MoE x FP8 x uniform x SM90: unlisted: the support table has no row" in \
+        " ".join((p.stdout + p.stderr).split())
+    verify_artifact(tmp_path / "fp8")
+    q = json.loads((tmp_path / "fp8" / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "FP8"
+    excluded = lambda name: any(fnmatch.fnmatchcase(name, pat) for pat in q["exclude_modules"])  # noqa: E731
+    assert all(excluded(m.name) == (m.kind == "excluded") for m in mods)
+    got = tensors(tmp_path / "fp8")
+    for m in mods:
+        quantized = m.kind != "excluded"
+        assert (got[m.name + ".weight"].dtype == torch.float8_e4m3fn) == quantized, m.name
+        assert (m.name + ".input_scale" in got) == quantized, m.name
+    p = run_cli("convert", model, "-o", tmp_path / "mixed", "--target", "trtllm-pytorch", "--layer-format",
+                f"{moe[0]}=fp8", "--layer-format", f"{moe[-1]}=nvfp4", "--calib-ids", tmp_path / "ids.json", "--sm", "100")
+    assert p.returncode == 2 and "MIXED_PRECISION" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_transformers_moe_without_a_row_takes_a_graded_plan_from_its_streamed_calibration(tiny_model, tmp_path):
+    """dots.llm1 calibrated layer-streamed, then a budgeted convert for vLLM: a per-layer plan over the measured
+    formats, the experts' input scales from the calibration."""
+    from test_calibrate_stream import _tiny
+    from test_quant_pipeline import make_tokenizer
+
+    from trtmoe.build.unified_hf import calib_input_amax
+    from trtmoe.data import write_split_text
+    from trtmoe.quant.calibrate import calibrate
+
+    tokdir = make_tokenizer(tmp_path / "tok")
+    text = tmp_path / "calib.txt"
+    write_split_text("calib", text, max_bytes=12_000)
+    model = _tiny(tiny_model, "dots1", tokdir, tmp_path)
+    res = calibrate(model, text, tmp_path / "c", samples=4, seq_len=24, formats=("fp8", "nvfp4"), rounding="rtn",
+                    batch_size=2, runner="stream")
+    assert res["moe_layers"] == [1, 2]
+    p = run_cli("convert", model, "-o", tmp_path / "u", "--target", "vllm", "--sm", "100", "--calib", tmp_path / "c",
+                "--budget", "6")
+    assert p.returncode == 0, p.stderr
+    verify_artifact(tmp_path / "u")
+    q = json.loads((tmp_path / "u" / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")
+    a = tensors(tmp_path / "u")
+    amax = calib_input_amax(model, res)
+    assert sorted({k.rsplit(".", 2)[0] for k in amax}) == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    for k, v in amax.items():
+        div = 448 * (6 if a[k + ".weight"].dtype == torch.uint8 else 1)
+        assert a[k + ".input_scale"].item() == pytest.approx(v / div, rel=1e-6), k
+
+
+def test_a_failing_transformers_forward_is_one_line_when_input_amax_is_measured(tiny_model, monkeypatch):
+    """The input amax is measured by running transformers' own model: an error there (a modelling-code bug, a
+    configuration it cannot run) is refused as an input error naming the class, not an internal error."""
+    import transformers
+
+    from trtmoe.errors import InputError
+
+    def broken(self, *a, **k):
+        raise ValueError("cannot run this configuration\nsecond line")
+    monkeypatch.setattr(transformers.Dots1ForCausalLM, "forward", broken)
+    with pytest.raises(InputError, match=r"transformers' forward of Dots1ForCausalLM failed while the input amax "
+                                         r"was measured \(ValueError: cannot run this configuration\) \(a weight-only"):
+        U.measure_input_amax(tiny_model("dots1", dtype="bfloat16"), [[3, 4, 5]])

@@ -45,11 +45,13 @@ from torch import Tensor
 
 from .. import __version__
 from ..errors import CheckpointError, InputError, UnsupportedError
+from ..hf.adapters import adapter_for
 from ..hf.reader import HFCheckpoint
 from ..hf.safetensors_io import SafetensorsFile, StreamingWriter
 from ..quant import awq
 from ..quant import formats as QF
 from ..quant.formats import QuantFormat
+from . import unified_support as S
 from .atomic import atomic_directory
 from .manifest import write_manifest
 
@@ -217,25 +219,34 @@ class SourceModel:
         self._ck: HFCheckpoint | None = None
         self._files: dict[Path, SafetensorsFile] = {}
         if model_type in NAMED_FAMILIES:
-            self.path = Path(model).resolve()
+            self._read_by_name(model, cfg_path)
             self.family = NAMED_FAMILIES[model_type]
-            self.hf_config = json.loads(cfg_path.read_text())
-            files = sorted(self.path.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError("no *.safetensors weights", where=str(self.path))
-            self.location: dict[str, Path] = {}
-            for f in files:
-                self._files[f] = SafetensorsFile(f)
-                for name in self._files[f].tensors:
-                    self.location[name] = f
             if any(n.endswith("_blocks") for n in self.location):
                 self.close()
                 raise UnsupportedError(f"{self.path.name} stores its experts in MXFP4 already (*_blocks / *_scales)",
                                        where=str(self.path), hint="export from the BF16 release of the model")
+        elif _outside_registry(cfg_path):
+            self._read_by_name(model, cfg_path)
+            self.family = S.GENERIC
+            if not any(_GENERIC_EXPERT.match(n) for n in self.location):
+                self.close()
+                _refuse_unread_architecture(cfg_path, model_type)
         else:
             self._ck = HFCheckpoint(model)
             self.path, self.family, self.hf_config = self._ck.path, self._ck.adapter.family, self._ck.hf_config
             self.location = self._ck.location
+
+    def _read_by_name(self, model: str | Path, cfg_path: Path) -> None:
+        self.path = Path(model).resolve()
+        self.hf_config = json.loads(cfg_path.read_text())
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError("no *.safetensors weights", where=str(self.path))
+        self.location: dict[str, Path] = {}
+        for f in files:
+            self._files[f] = SafetensorsFile(f)
+            for name in self._files[f].tensors:
+                self.location[name] = f
 
     def info(self, name: str):
         return self._ck.info(name) if self._ck else self._files[self.location[name]].tensors[name]
@@ -244,7 +255,9 @@ class SourceModel:
         return self._ck.read(name) if self._ck else self._files[self.location[name]].read(name)
 
     def modules(self) -> list["Module"]:
-        return classify(self._ck) if self._ck else classify_by_name(self)
+        if self._ck:
+            return classify(self._ck)
+        return classify_generic(self) if self.family == S.GENERIC else classify_by_name(self)
 
     def close(self) -> None:
         if self._ck:
@@ -258,6 +271,34 @@ class SourceModel:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _outside_registry(cfg_path: Path) -> bool:
+    """Whether ``config.json`` names an architecture that trtmoe's registry does not describe (False for a
+    file that cannot be read: HFCheckpoint says what is wrong with it)."""
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(raw, dict):
+        return False
+    try:
+        adapter_for(raw)
+    except UnsupportedError:
+        return True
+    return False
+
+
+def _refuse_unread_architecture(cfg_path: Path, model_type) -> None:
+    """One line naming a model outside the registry whose routed experts are not stored one linear per expert
+    under the names the by-name reader knows."""
+    raw = json.loads(cfg_path.read_text())
+    arch = (raw.get("architectures") or [None])[0] or "(none given)"
+    raise UnsupportedError(
+        f"the unified-HF export does not read {arch} (model_type {model_type!r}): its routed experts are not "
+        f"stored one linear per expert as <...>.layers.L.<...>.experts.E.{{gate_proj,up_proj,down_proj}} or "
+        f"{{w1,w3,w2}}", where=str(cfg_path),
+        hint="`trtmoe calibrate --runner stream` measures any transformers MoE with a *Experts module")
 
 
 @dataclass(frozen=True)
@@ -375,6 +416,54 @@ def classify_by_name(src: SourceModel) -> list[Module]:
             mods.append(Module(mod, "shared", layer, shape))
         else:
             mods.append(Module(mod, "dense", layer, shape))
+    return mods
+
+
+# A transformers MoE outside the registry and the named families, read by its Hugging Face names: routed
+# experts stored one linear per expert (the per-expert names transformers writes for its fused *Experts
+# modules, as hub checkpoints carry them).
+_GENERIC_EXPERT = re.compile(
+    r"^(.*\.layers\.(\d+)\.(?:[A-Za-z0-9_]+\.)*?experts)\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_GENERIC_ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_GENERIC_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_GENERIC_SHARED = re.compile(r"\.(?:shared_experts?|shared_mlp)\.(?:gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_GENERIC_DENSE = re.compile(r"\.layers\.\d+\.(?:mlp|feed_forward)\.(?:gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+
+
+def classify_generic(src: SourceModel) -> list[Module]:
+    """The linears of a transformers MoE outside the registry by their names, conservatively: routed experts
+    (``...layers.L.<...>.experts.E.{gate,up,down}_proj`` or ``{w1,w3,w2}``), shared experts
+    (``shared_expert(s)`` / ``shared_mlp``), dense MLPs (``layers.L.{mlp,feed_forward}.*``) and attention whose
+    module holds exactly q/k/v/o projections; every other linear (routers, latent or linear attention,
+    state-space mixers, indexers) stays in the model dtype (kind ``excluded``)."""
+    weights = {n: src.info(n) for n in src.location}
+    attn: dict[str, set[str]] = {}
+    for name, info in weights.items():
+        if name.endswith(".weight") and len(info.shape) == 2:
+            parent, _, leaf = name[: -len(".weight")].rpartition(".")
+            attn.setdefault(parent, set()).add(leaf)
+    mods = []
+    for name in sorted(weights):
+        info = weights[name]
+        if not name.endswith(".weight") or len(info.shape) != 2:
+            continue
+        mod, shape = name[: -len(".weight")], tuple(info.shape)
+        m = _LAYER.search(name)
+        layer = int(m.group(1)) if m else None
+        ex = _GENERIC_EXPERT.match(name)
+        parent, _, leaf = mod.rpartition(".")
+        if ex:
+            mods.append(Module(mod, "expert", int(ex.group(2)), shape, _GENERIC_ROLE[ex.group(3)], ex.group(1)))
+        elif layer is None:
+            mods.append(Module(mod, "excluded", layer, shape))
+        elif _GENERIC_SHARED.search(name):
+            mods.append(Module(mod, "shared", layer, shape))
+        elif _GENERIC_DENSE.search(name):
+            mods.append(Module(mod, "dense", layer, shape))
+        elif leaf in _GENERIC_ATTENTION and attn.get(parent) == set(_GENERIC_ATTENTION):
+            mods.append(Module(mod, "attention", layer, shape))
+        else:
+            mods.append(Module(mod, "excluded", layer, shape))
     return mods
 
 
@@ -532,11 +621,18 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
                         gate, up = torch.nn.functional.linear(x[rows], m.gate_up_proj[e]).chunk(2, dim=-1)
                         bump(("experts_mid", layer), (m.act_fn(gate) * up).detach().abs().amax())
             hooks.append(mod.register_forward_pre_hook(on_experts, with_kwargs=True))
-    with torch.no_grad():
-        for row in token_ids:
-            model(input_ids=torch.tensor([row]))
-    for h in hooks:
-        h.remove()
+    try:
+        with torch.no_grad():
+            for row in token_ids:
+                model(input_ids=torch.tensor([row]))
+    except Exception as e:  # noqa: BLE001 - transformers' own modelling code failed: one line naming it
+        first = (str(e).splitlines() or [""])[0][:300]
+        raise InputError(f"transformers' forward of {arch or 'this model'} failed while the input amax was measured "
+                         f"({type(e).__name__}: {first})", where=str(model_dir),
+                         hint="a weight-only format needs no input amax") from None
+    finally:
+        for h in hooks:
+            h.remove()
     out = {}
     for m in mods:
         if m.kind == "expert":

@@ -43,6 +43,10 @@ ARCH_LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen
               "deepseek_v1": "DeepSeek-MoE v1", "phimoe": "Phi-3.5-MoE", "deepseek_v2": "DeepSeek-V2",
               "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss", "olmoe": "OLMoE", "glm4_moe": "GLM-4.5",
               "llama4": "Llama-4", "llama4_text": "Llama-4 (text only)"}
+# A transformers MoE outside the rows above, read by its Hugging Face names (checkpoint/unified_hf.py
+# ``classify_generic``): no engine's model class for it was restated, so no cell of it is more than unlisted.
+GENERIC = "transformers"
+ARCH_LABEL[GENERIC] = "other transformers MoE"
 FORMATS = ("bf16", "fp8", "fp8_block_wo", "nvfp4", "nvfp4_w4a16", "mxfp4", "int8", "w4a8_awq")
 FORMAT_LABEL = {"bf16": "BF16", "fp8": "FP8", "fp8_block_wo": "FP8-block WO", "nvfp4": "NVFP4",
                 "nvfp4_w4a16": "NVFP4 W4A16", "mxfp4": "MXFP4", "int8": "W8A16", "w4a8_awq": "W4A8-AWQ"}
@@ -217,8 +221,25 @@ def _llama4(engine: str, family: str, fmt: str, layout: str, sm: int) -> Cell:
                           "of a stack and per-layer formats through it were not", f"{_VLLM_MLLAMA4}, {_VLLM_LLAMA4}")
 
 
+def _generic(engine: str, fmt: str, layout: str, sm: int) -> Cell:
+    """A MoE without a row: what the engine's kernels and ModelOpt loader do with the format, at best unlisted,
+    since whether the engine has a model class reading this architecture's tensors was not restated."""
+    trt = engine.startswith("trtllm")
+    if trt and layout == "mixed":
+        return Cell(REFUSED, "per-layer MoE formats (MIXED_PRECISION) are wired model by model in TensorRT-LLM's "
+                             "PyTorch backend (DeepSeek-V3's W4A8 in PR #18393)", _TRT_MODELS)
+    c = _trtllm_kernel(fmt, sm) if trt else _serving_kernel(engine, fmt, sm)
+    if c.status == REFUSED:
+        return c
+    why = (f"the support table has no row for this architecture: the checkpoint keeps its Hugging Face names in "
+           f"ModelOpt's layout, but whether {ENGINES[engine][0]} has a model class that loads them was not checked")
+    return Cell(UNLISTED, why + (f"; {c.reason}" if c.reason else ""), c.source)
+
+
 def cell(engine: str, family: str, fmt: str, layout: str, sm: int) -> Cell:
     """One cell of the table (KeyError for an unknown engine, family, format, layout or GPU)."""
+    if family == GENERIC and engine in ENGINES and fmt in FORMATS and layout in LAYOUTS and sm in SMS:
+        return _generic(engine, fmt, layout, sm)
     if engine not in ENGINES or family not in FAMILIES or fmt not in FORMATS or layout not in LAYOUTS or sm not in SMS:
         raise KeyError((engine, family, fmt, layout, sm))
     if family == "gpt_oss":
@@ -291,7 +312,7 @@ def check(engine: str, family: str, formats: set[str], sm: int) -> Verdict:
         raise UnsupportedError(f"unknown engine release {engine!r}", hint="one of " + ", ".join(ENGINES))
     if sm not in SMS:
         raise UnsupportedError(f"GPU generation SM{sm} has no column", hint="one of " + ", ".join(f"SM{s}" for s in SMS))
-    if family not in FAMILIES:
+    if family not in FAMILIES and family != GENERIC:
         raise UnsupportedError(f"architecture {family!r} has no unified-HF support row",
                                hint="rows: " + ", ".join(ARCH_LABEL.values()))
     fmts = sorted({f for f in formats}, key=FORMATS.index) or ["bf16"]

@@ -168,6 +168,36 @@ def find_experts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
     return None
 
 
+# The config fields MoE architectures name their experts per token with.
+TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_topk", "moe_top_k", "moe_k")
+NO_SEAM = ("no routed-experts module at transformers' experts seam (a module with 3-D gate_up_proj / down_proj) in "
+           "any decoder layer: experts held otherwise (per-expert modules, other names) are not read")
+
+
+def no_causal_lm(config) -> str:
+    """Why transformers builds no causal LM of ``config`` (its auto class has no mapping for it), in one line."""
+    mt = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        why = "an encoder-decoder model"
+    elif config.get_text_config() is not config:
+        why = "a multimodal wrapper around its text model"
+    else:
+        why = "AutoModelForCausalLM has no class for it"
+    return (f"transformers has no causal-LM class for model_type {mt!r} ({why}): decoder-only causal language "
+            "models only")
+
+
+def experts_per_token(text_config, router: torch.nn.Module | None) -> int:
+    """How many experts each token is routed to: the config's field (``TOP_K_FIELDS``), else the router
+    module's own ``top_k``; 0 when neither says."""
+    for name in TOP_K_FIELDS:
+        k = getattr(text_config, name, None)
+        if isinstance(k, int) and not isinstance(k, bool) and k > 0:
+            return k
+    k = getattr(router, "top_k", None) if router is not None else None
+    return int(k) if isinstance(k, int) and not isinstance(k, bool) and k > 0 else 0
+
+
 @dataclass
 class ExpertLayout:
     """How a transformers experts module stores its matrices: ``gate_up_proj`` [E, 2I, H] (or [E, H, 2I]
@@ -279,17 +309,41 @@ class _CastEmbedding(torch.nn.Module):
         return self.inner(ids).to(self.dtype)
 
 
+class _CastHead(torch.nn.Module):
+    """The output head kept in the checkpoint dtype, applied to hidden states of another dtype ``rows``
+    vocabulary rows at a time (its weight cast per block, never whole)."""
+
+    def __init__(self, inner: torch.nn.Module, rows: int = 16384):
+        super().__init__()
+        self.inner, self.rows = inner, rows
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        w, bias = self.inner.weight, getattr(self.inner, "bias", None)
+        if w.dtype == h.dtype:
+            return self.inner(h)
+        out = torch.cat([h @ w[i:i + self.rows].to(h.dtype).t() for i in range(0, w.shape[0], self.rows)], -1)
+        return out if bias is None else out + bias.to(out.dtype)
+
+
 # ---- the model, one layer at a time ------------------------------------------------------------------
 
 
 class _Boundary(torch.nn.Module):
-    """Stands in for decoder layer ``index``: records the call's arguments and passes the hidden states on."""
+    """Stands in for decoder layer ``index``: records the call's arguments and passes the hidden states on.
+    While ``final["x"]`` is set the causal LM's own forward is forming logits from that final hidden state:
+    nothing is recorded and the last layer's stand-in returns it."""
 
-    def __init__(self, index: int, record: dict):
+    def __init__(self, index: int, record: dict, final: dict, last: bool):
         super().__init__()
-        self.index, self.record = index, record
+        self.index, self.record, self.final, self.last = index, record, final, last
 
     def forward(self, hidden_states, *args, **kwargs):
+        if self.final["x"] is not None:
+            return self.final["x"] if self.last else hidden_states
         self.record[self.index] = (args, kwargs)
         if self.index == 0:
             self.record["x0"] = hidden_states
@@ -366,14 +420,13 @@ class StreamedModel:
         with torch.device("meta"):
             try:
                 model = tf.AutoModelForCausalLM.from_config(config, dtype=self.ckpt_dtype)
-            except ValueError as e:
-                raise InputError(f"transformers has no causal-LM class for model_type "
-                                 f"{getattr(config, 'model_type', '?')!r} ({e})", where=str(self.dir)) from None
+            except ValueError:
+                raise InputError(no_causal_lm(config), where=str(self.dir)) from None
         body = getattr(model, "model", None)
         layers = getattr(body, "layers", None)
-        if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head") or not hasattr(body, "norm"):
-            raise InputError(f"{type(model).__name__}: the layer-streamed runner needs model.layers, model.norm and "
-                             "lm_head (a decoder-only causal LM)", where=str(self.dir))
+        if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head"):
+            raise InputError(f"{type(model).__name__}: the layer-streamed runner reads the decoder layers at "
+                             "model.layers and the head at lm_head; this model has them elsewhere", where=str(self.dir))
         adapt_seams(model)
         self.model, self.body, self.layers = model, body, layers
         self.mapping = get_mapping(model)
@@ -383,8 +436,9 @@ class StreamedModel:
         self._declared = [{n: t.dtype for n, t in list(lay.named_parameters()) + list(lay.named_buffers())}
                           for lay in layers]
         self.record: dict = {}
+        self._final: dict = {"x": None}
         for i in range(len(layers)):
-            layers[i] = _Boundary(i, self.record)
+            layers[i] = _Boundary(i, self.record, self._final, last=i == len(layers) - 1)
         self.layer_keys: dict[int, list[str]] = {i: [] for i in range(len(layers))}
         other = []
         for k in self.files:
@@ -399,8 +453,7 @@ class StreamedModel:
             if found is not None:
                 self.seam[i] = (found, ExpertLayout.of(found[0], config.get_text_config().hidden_size))
         if not self.seam:
-            raise InputError(f"{type(model).__name__} has no routed-experts module (3-D gate_up_proj/down_proj) in "
-                             "any decoder layer: not a mixture-of-experts model", where=str(self.dir))
+            raise InputError(f"{type(model).__name__} has {NO_SEAM}", where=str(self.dir))
         self._load(other)
         self._materialize_rest()
         self.cfg = self._cfg()
@@ -489,6 +542,7 @@ class StreamedModel:
             if name != "layers":
                 self._place(mod, cast=id(mod) not in keep)
         self._place(head, cast=False)
+        model.lm_head = _CastHead(head)
         if self.compute_dtype != self.ckpt_dtype and emb.weight.dtype != self.compute_dtype:
             body.set_input_embeddings(_CastEmbedding(emb, self.compute_dtype))
         model.requires_grad_(False)
@@ -512,7 +566,7 @@ class StreamedModel:
         gu = mod.gate_up_proj
         E = gu.shape[0]
         two_i = gu.shape[2] if layout.transposed else gu.shape[1]
-        k = int(getattr(tc, "num_experts_per_tok", 0) or getattr(tc, "top_k", 0) or getattr(tc, "moe_topk", 0))
+        k = experts_per_token(tc, next(iter(self.seam.values()))[0][1])
         if k < 1:
             raise InputError("the config names no experts per token (num_experts_per_tok)", where=str(self.dir))
         L = len(self.meta_layers)
@@ -575,16 +629,19 @@ class StreamedModel:
         calls = [self.record[i] for i in range(len(self.layers))]
         return self.record["x0"], calls
 
-    def head(self, x: torch.Tensor, rows: int = 16384) -> torch.Tensor:
-        """Logits of the final hidden states ``x``: the final norm, then the output head in the compute
-        dtype, its weight cast ``rows`` vocabulary rows at a time when it is stored in another dtype."""
-        h = self.body.norm(x)
-        lin = self.model.lm_head
-        w, bias = lin.weight, getattr(lin, "bias", None)
-        if w.dtype == h.dtype:
-            return lin(h)
-        out = torch.cat([h @ w[i:i + rows].to(h.dtype).t() for i in range(0, w.shape[0], rows)], -1)
-        return out if bias is None else out + bias.to(out.dtype)
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the final hidden states ``x`` [B, T, H] as the causal LM's own forward forms them (its
+        layers stood in for, the last one handing on ``x``): the body's final norm whatever its name, the
+        output head in the compute dtype (its weight cast a block of vocabulary rows at a time when stored
+        in another dtype), then whatever the architecture applies to the logits (Granite's
+        ``logits_scaling``, Cohere's ``logit_scale``, soft-capping)."""
+        self._final["x"] = x
+        try:
+            out = self.model(input_ids=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), use_cache=False,
+                             output_router_logits=False)
+        finally:
+            self._final["x"] = None
+        return out.logits
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, batch_size: int = 8) -> torch.Tensor:

@@ -163,9 +163,16 @@ def _inspect_transformers_moe(model: str, tp: int, pp: int, moe_tp: int | None, 
     why = layout_problem(rep, tp, pp, moe_tp, moe_ep)
     rep["layout"] = {"tp": tp, "pp": pp, "moe_tp": moe_tp, "moe_ep": moe_ep, "ok": why is None,
                      "problems": [why] if why else []}
+    if rep["family"] in unified.ARCH_LABEL:
+        export = ("exported as a unified-HF checkpoint (--target trtllm-pytorch, vllm, sglang), not by the "
+                  "TensorRT-LLM 1.2 or embedded targets")
+    else:  # no support row: the unified-HF export reads it by name when its experts are stored per expert
+        export = ("exported as a unified-HF checkpoint (--target trtllm-pytorch, vllm, sglang; no support-table row, "
+                  "so unlisted for every engine) when its routed experts are stored one linear per expert "
+                  "(experts.E.gate_proj / up_proj / down_proj or w1 / w3 / w2), not by the TensorRT-LLM 1.2 or "
+                  "embedded targets")
     rep["notes"] = ["outside trtmoe's registry: counted from transformers' model; calibrated layer-streamed "
-                    "(calibrate --runner stream) and exported as a unified-HF checkpoint (--target trtllm-pytorch, "
-                    "vllm, sglang), not by the TensorRT-LLM 1.2 or embedded targets"]
+                    f"(calibrate --runner stream) and {export}"]
     return rep
 
 

@@ -18,7 +18,7 @@ from ..errors import InputError, UnsupportedError
 from ..hf.reader import read_json
 from ..hf.adapters import supported_architectures
 from ..hf.validate import validate_hf_config
-from ..quant.stream import ExpertLayout, adapt_seams, find_experts
+from ..quant.stream import NO_SEAM, ExpertLayout, adapt_seams, experts_per_token, find_experts, no_causal_lm
 
 # The deepest model counted from transformers' own modules (building one on the meta device takes about
 # 0.1 s per layer); released MoEs have at most a few hundred layers.
@@ -42,9 +42,8 @@ def _meta_model(path: Path):
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError) as e:
-        raise UnsupportedError(f"transformers has no causal-LM class for model_type "
-                               f"{getattr(config, 'model_type', '?')!r} ({e})", where=str(path)) from None
+    except (ValueError, KeyError):
+        raise UnsupportedError(no_causal_lm(config), where=str(path)) from None
     return config, model
 
 
@@ -56,7 +55,12 @@ def _source_bytes(path: Path) -> int | None:
 def describe_transformers_moe(model_dir: str | Path) -> dict:
     """The ``inspect`` report (parameters and activation) of a MoE transformers implements, from its config."""
     path = Path(model_dir)
-    raw = validate_hf_config(read_json(path / "config.json"), path / "config.json", registry=False)
+    raw = read_json(path / "config.json")
+    if isinstance(raw, dict) and raw.get("is_encoder_decoder"):  # before the decoder-only field checks
+        arch = (raw.get("architectures") or [raw.get("model_type")])[0]
+        raise UnsupportedError(f"{arch} is an encoder-decoder model: decoder-only causal MoEs only",
+                               where=str(path / "config.json"))
+    raw = validate_hf_config(raw, path / "config.json", registry=False)
     layers = (raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw).get("num_hidden_layers")
     if isinstance(layers, int) and layers > MAX_LAYERS:
         raise InputError(f"num_hidden_layers = {layers}: this count builds transformers' model from the config, "
@@ -74,12 +78,13 @@ def describe_transformers_moe(model_dir: str | Path) -> dict:
     hidden = int(tc.hidden_size)
     routed: dict[str, int] = {}  # experts-module prefix -> its number of experts
     routers: set[str] = set()
-    moe_layers, ffn = [], None
+    moe_layers, ffn, first_router = [], None, None
     for i, lay in enumerate(layers):
         found = find_experts(lay)
         if found is None:
             continue
         mod, router = found
+        first_router = router if not moe_layers else first_router
         moe_layers.append(i)
         names = {id(m): n for n, m in lay.named_modules()}
         routed[f"model.layers.{i}.{names[id(mod)]}."] = int(mod.gate_up_proj.shape[0])
@@ -89,10 +94,9 @@ def describe_transformers_moe(model_dir: str | Path) -> dict:
         gu = mod.gate_up_proj
         ffn = int((gu.shape[2] if lay_out.transposed else gu.shape[1]) // 2)
     if not moe_layers:
-        raise UnsupportedError(f"{type(model).__name__} has no routed-experts module in any decoder layer: not a "
-                               "mixture-of-experts model", where=str(path))
+        raise UnsupportedError(f"{type(model).__name__} has {NO_SEAM}", where=str(path))
     E = next(iter(routed.values()))
-    k = int(getattr(tc, "num_experts_per_tok", 0) or getattr(tc, "top_k", 0) or getattr(tc, "moe_topk", 0))
+    k = experts_per_token(tc, first_router)
     if k < 1:
         raise UnsupportedError("the config names no experts per token (num_experts_per_tok)", where=str(path))
     comp: dict[str, list[int]] = {}
@@ -156,9 +160,9 @@ def layout_problem(rep: dict, tp: int, pp: int, moe_tp: int | None, moe_ep: int 
     """Why a parallel layout is not planned for an architecture outside the registry (None: one rank)."""
     if (tp, pp, moe_tp or 1, moe_ep or 1) == (1, 1, 1, 1):
         return None
-    return (f"per-rank bytes are planned for the registry's architectures only; {rep['architecture']} is "
-            "exported as a unified-HF checkpoint (--target trtllm-pytorch, vllm or sglang), which those engines "
-            "shard themselves")
+    return (f"per-rank bytes are planned for the registry's architectures only, not for {rep['architecture']}; "
+            "outside the registry a model is exported as a unified-HF checkpoint (--target trtllm-pytorch, vllm or "
+            "sglang), which those engines shard themselves")
 
 
 def outside_registry(path: Path) -> bool:
