@@ -25,16 +25,14 @@ FORMATS = ("int8", "int4_g128", "nvfp4")
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
-    """The trained fixture's Fisher ΔKL under awq_gptq, cross-fitted and (the rounding's folds withheld)
-    on the rows the rounding was fitted to, on the same 8 × 64 calibration tokens."""
+    """The trained fixture's Fisher ΔKL under awq_gptq, cross-fitted and on the rows the rounding was
+    fitted to, on the same 8 × 64 calibration tokens."""
     ck = convert(FIXTURE, tmp_path_factory.mktemp("ck") / "ck").out_dir
     ids = token_batches(split_texts("calib", max_bytes=64 * 8 * 64), load_tokenizer(FIXTURE), 8, 64)
     eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
 
     def run(cross: bool) -> dict:
-        rounding = _AwqRounding(awq.ActivationStats(), "awq_gptq")
-        if not cross:
-            rounding.fold = None  # no refit: every row scored with the rounding fitted to it
+        rounding = _AwqRounding(awq.ActivationStats(), "awq_gptq", cross_fit=cross)
         return fisher_measure(eng, ids, formats=FORMATS, rounding=rounding)["sensitivity"]
 
     return run(True), run(False)
@@ -62,3 +60,21 @@ def test_fitted_roundings_look_worse_on_rows_they_never_saw(scored, fmt):
     # the other half of the sequences, the same kind of rounding gives up that in-sample advantage.
     cross, fitted = scored
     assert total(cross, fmt) > 1.2 * total(fitted, fmt), (total(cross, fmt), total(fitted, fmt))
+
+
+@pytest.mark.parametrize("flag,want", [(None, True), ("--no-cross-fit", False)])
+def test_the_command_cross_fits_unless_told_not_to(flag, want, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from trtmoe.data import write_split_text
+
+    text = tmp_path / "calib.txt"
+    write_split_text("calib", text, max_bytes=20_000)
+    out = tmp_path / "cal"
+    args = [sys.executable, "-m", "trtmoe.cli", "calibrate", str(FIXTURE), "--data", str(text), "-o", str(out),
+            "--samples", "2", "--seq-len", "32", "--formats", "int8,int4"] + ([flag] if flag else [])
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((out / "calib.json").read_text())["sensitivity"]["cross_fitted"] is want

@@ -249,6 +249,14 @@ SCHEMA: dict[str, dict[str, Key]] = {
                              "by error feedback over each matrix's routed-token input Gram matrix; awq stops "
                              "after the search; rtn rounds to nearest; gptq is error feedback alone. FP8 / "
                              "FP8-block / NVFP4 / MXFP4: error feedback (gptq), block-scale search (awq), or both."),
+        "cross_fit": Key(bool, True,
+                         help="Under awq, gptq or awq_gptq (fisher): score each candidate whose rounding is fitted "
+                              "to the calibration rows on the sequences it was not fitted to (two folds of "
+                              "alternate sequences, the rounding refitted on each), so a plan's predicted ΔKL is "
+                              "what held-out text measures; the searches run two to three times (about 2.6x the "
+                              "calibration's CPU time on the trained Mixtral fixture). --no-cross-fit scores on "
+                              "the rows each rounding was fitted to: faster, and optimistic for the INT4 and FP4 "
+                              "formats."),
         "sensitivity": Key(str, "fisher", choices=("fisher", "exact"),
                            help="fisher: second-order estimate from one forward and one backward pass, whatever "
                                 "the number of experts (resumable: rerun the same command after an interruption); "

@@ -85,6 +85,7 @@ class CalibrationSettings:
     text_field: str = "text"
     add_bos: bool | None = None
     rounding: str = awq.DEFAULT_ROUNDING
+    cross_fit: bool = True
     sensitivity: str = DEFAULT_SENSITIVITY
     device: str = "cpu"
     probe: str = "gaussian"
@@ -186,7 +187,8 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
     ``formats``: the candidate formats; ``min_tokens``: experts routed fewer tokens are flagged and their
     ΔKL also estimated; ``batch_size``: sequences per forward. ``rounding`` is how the int4 formats are
     rounded when their ΔKL is measured (the routed-token activation statistics awq needs are always
-    collected, into activations.safetensors).
+    collected, into activations.safetensors); ``cross_fit`` (fisher, a rounding other than rtn): each
+    candidate fitted to the calibration rows is scored on the sequences it was not fitted to.
     ``sensitivity``: "fisher" (one forward and backward pass, see sensitivity.py, with the random
     ``probe`` "gaussian" or "sample"; resumable: a killed or interrupted run to the same output continues
     from its per-batch and per-layer progress) or "exact" (end-to-end ΔKL per matrix and format, the
@@ -256,10 +258,10 @@ def calibrate(model: str | Path, data: str | Path, out_dir: str | Path | None = 
             # Resumable progress is keyed by everything the measurement depends on.
             key = [CALIB_VERSION, source, data_hash, list(usable), s.min_tokens, s.batch_size, s.rounding, s.probe,
                    str(s.device), s.max_input_tokens] + ([s.max_gram_in] if s.rounding in awq.ERROR_FEEDBACK else []) \
-                + (["stacked"] if TARGETS[s.target].stacked_scoring else [])
+                + (["stacked"] if TARGETS[s.target].stacked_scoring else []) + ([] if s.cross_fit else ["in-sample"])
             result = _fisher(eng, ids, usable, work, acts, key, min_tokens=s.min_tokens, batch_size=s.batch_size,
                              progress=progress, rounding=s.rounding, probe=s.probe, notes=notes, gram=s.gram,
-                             stacked=TARGETS[s.target].stacked_scoring, clock=clock)
+                             stacked=TARGETS[s.target].stacked_scoring, cross_fit=s.cross_fit, clock=clock)
         # One forward of the same engine over the same tokens, timed apart: what the cost is a multiple of.
         forward = engine_forward_seconds(eng, ids, s.batch_size)
         del eng
@@ -486,11 +488,12 @@ def _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, s:
         key = [CALIB_VERSION, "stream", source, data_hash, list(usable), s.min_tokens, s.batch_size, s.rounding,
                s.probe, str(s.device), s.max_input_tokens, str(sm.compute_dtype)] \
             + ([s.max_gram_in] if s.rounding in awq.ERROR_FEEDBACK else []) \
-            + (["stacked"] if TARGETS[s.target].stacked_scoring else [])
+            + (["stacked"] if TARGETS[s.target].stacked_scoring else []) + ([] if s.cross_fit else ["in-sample"])
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
         result = stream_measure(sm, ids, formats=usable, min_tokens=s.min_tokens, batch_size=s.batch_size,
                                 progress=progress, work=work / _PROGRESS, key=digest, probe=s.probe,
-                                rounding=_AwqRounding(acts, s.rounding, stacked=TARGETS[s.target].stacked_scoring, **s.gram),
+                                rounding=_AwqRounding(acts, s.rounding, stacked=TARGETS[s.target].stacked_scoring,
+                                                      cross_fit=s.cross_fit, **s.gram),
                                 notes=notes, clock=clock)
         shutil.rmtree(work / _PROGRESS, ignore_errors=True)
         result["rounding"] = s.rounding
@@ -545,7 +548,7 @@ def _check_options(sensitivity: str, device: str, formats, min_tokens: int, max_
 
 def _fisher(eng: EmbeddedEngine, ids: torch.Tensor, usable, work: Path, acts: "awq.ActivationStats", key: list, *,
             min_tokens: int, batch_size: int, progress, rounding: str, probe: str, notes: list[str],
-            gram: dict, stacked: bool = False, clock: PhaseClock | None = None) -> dict:
+            gram: dict, stacked: bool = False, cross_fit: bool = True, clock: PhaseClock | None = None) -> dict:
     """The Fisher measurement of ``calibrate`` (its progress in the workspace, resumed when ``key``
     matches), with the rounding and activation statistics recorded; ``clock`` receives its phases' seconds."""
     if rounding not in awq.ROUNDINGS:
@@ -553,7 +556,8 @@ def _fisher(eng: EmbeddedEngine, ids: torch.Tensor, usable, work: Path, acts: "a
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     result = fisher_measure(eng, ids, formats=usable, min_tokens=min_tokens, batch_size=batch_size,
                             progress=progress, work=work / _PROGRESS, key=digest, probe=probe,
-                            rounding=_AwqRounding(acts, rounding, stacked=stacked, **gram), notes=notes, clock=clock)
+                            rounding=_AwqRounding(acts, rounding, stacked=stacked, cross_fit=cross_fit, **gram),
+                            notes=notes, clock=clock)
     shutil.rmtree(work / _PROGRESS, ignore_errors=True)
     result["rounding"] = rounding
     result["activations"] = acts.summary(gram["max_input_tokens"])
@@ -592,8 +596,8 @@ class _AwqRounding:
     collects per layer into ``acts`` (saved in the artifact), or plain RTN."""
 
     def __init__(self, acts: "awq.ActivationStats", rounding: str, max_gram_in: int = awq.MAX_GRAM_IN,
-                 max_input_tokens: int = awq.MAX_INPUT_TOKENS, stacked: bool = False):
-        self.acts, self.name, self.stacked = acts, rounding, stacked
+                 max_input_tokens: int = awq.MAX_INPUT_TOKENS, stacked: bool = False, cross_fit: bool = True):
+        self.acts, self.name, self.stacked, self.cross_fit = acts, rounding, stacked, cross_fit
         self.gram = {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens}
         self._stacked: "awq.CheckpointRounding | None" = None
         self.input_amax: dict[int, dict[str, torch.Tensor]] = {}  # what static input scales are made from
@@ -647,7 +651,7 @@ class _AwqRounding:
         """This rounding fitted on some of the layer's tokens only (``x_all``, ``routed``), for
         cross-fitted scoring: its own statistics and recipes, nothing written to the artifact; the
         static input scales stay the whole calibration's, as the export makes them."""
-        if self.name == "rtn":
+        if self.name == "rtn" or not self.cross_fit:
             return None
         sub = _AwqRounding(awq.ActivationStats(max_rows=self.acts.max_rows), self.name, **self.gram)
         sub.add_layer(layer, base, x_all, routed)
