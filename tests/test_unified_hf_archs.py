@@ -45,6 +45,19 @@ def run_cli(*args, cwd=None):
                           timeout=600, cwd=cwd, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
 
 
+def assert_unquantized_export_gives_the_source_logits(model, out, dtype=torch.bfloat16, cls=None):
+    """The BF16 (unquantized) unified-HF export of ``model`` written to ``out`` and the source, loaded by
+    transformers' ``cls`` (AutoModelForCausalLM by default), give bit-identical logits."""
+    if cls is None:
+        from transformers import AutoModelForCausalLM as cls
+    U.write_unified_checkpoint(model, out, U.UnifiedPlan({}, {}, {"policy": "per-layer"}))
+    ids = torch.tensor([[3, 17, 5, 42, 9, 11, 2, 8]])
+    with torch.no_grad():
+        a = cls.from_pretrained(str(model), dtype=dtype).eval()(input_ids=ids).logits
+        b = cls.from_pretrained(str(out), dtype=dtype).eval()(input_ids=ids).logits
+    assert torch.equal(a, b)
+
+
 @pytest.fixture(scope="module")
 def gpt_oss(tiny_model):
     return tiny_model("gpt_oss", dtype="bfloat16", intermediate_size=64)
@@ -157,16 +170,7 @@ def test_gpt_oss_mxfp4_is_written_as_its_release_and_loaders_read_it(gpt_oss, tm
 @pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "olmoe", "deepseek_v2", "glm4_moe", "llama4_text"])
 def test_unquantized_export_runs_in_transformers_as_the_source(arch, request, tmp_path):
     """Every tensor under the name transformers reads: the BF16 export gives the source's logits."""
-    from transformers import AutoModelForCausalLM
-
-    model = request.getfixturevalue(arch)
-    out = tmp_path / "ck"
-    U.write_unified_checkpoint(model, out, U.UnifiedPlan({}, {}, {"policy": "per-layer"}))
-    ids = torch.tensor([[3, 17, 5, 42, 9, 11, 2, 8]])
-    with torch.no_grad():
-        a = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).eval()(ids).logits
-        b = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16).eval()(ids).logits
-    assert torch.equal(a, b)
+    assert_unquantized_export_gives_the_source_logits(request.getfixturevalue(arch), tmp_path / "ck")
 
 
 def test_deepseek_v3_keeps_mla_and_router_and_quantizes_experts_shared_dense(deepseek_v3, tmp_path):
@@ -431,13 +435,7 @@ def test_llama4_multimodal_exports_its_text_model_and_keeps_the_towers(llama4, t
     assert mods["language_model.model.layers.3.feed_forward.experts.gate_up_proj"].layout == "llama4"
     assert mods["vision_model.model.layers.0.self_attn.q_proj"].kind == "excluded"
     assert mods["multi_modal_projector.linear_1"].kind == "excluded"
-    out = tmp_path / "bf16"
-    U.write_unified_checkpoint(llama4, out, U.UnifiedPlan({}, {}, {"policy": "per-layer"}))
-    ids = torch.tensor([[3, 17, 5, 42, 9, 11, 2, 8]])
-    with torch.no_grad():
-        a = Llama4ForConditionalGeneration.from_pretrained(str(llama4), dtype=torch.bfloat16).eval()(input_ids=ids).logits
-        b = Llama4ForConditionalGeneration.from_pretrained(str(out), dtype=torch.bfloat16).eval()(input_ids=ids).logits
-    assert torch.equal(a, b)
+    assert_unquantized_export_gives_the_source_logits(llama4, tmp_path / "bf16", cls=Llama4ForConditionalGeneration)
     c = S.cell("trtllm-1.2.1", "llama4", "fp8", "uniform", 90)
     assert c.status == S.SUPPORTED and "modeling_llama.py" in c.source and "quantization.py" in c.source
     assert not S.cell("trtllm-1.2.1", "llama4_text", "fp8", "uniform", 90).ok
@@ -467,8 +465,6 @@ def test_transformers_moe_without_a_row_is_read_by_name(arch, kinds, tiny_model,
     import fnmatch
     from collections import Counter
 
-    from transformers import AutoModelForCausalLM
-
     from trtmoe.checkpoint import unified_support as S
 
     model = tiny_model(arch, dtype="bfloat16")
@@ -480,13 +476,7 @@ def test_transformers_moe_without_a_row_is_read_by_name(arch, kinds, tiny_model,
     assert count["expert"] == 3 * 8 * len(moe) and {k: count[k] for k in kinds} == kinds
     assert {m.expert_role for m in mods if m.kind == "expert"} == {"gate", "up", "down"}
     assert all(m.kind == "excluded" for m in mods if m.name.endswith(("gate", "router", "router.gate")))
-    out = tmp_path / "bf16"
-    U.write_unified_checkpoint(model, out, U.UnifiedPlan({}, {}, {"policy": "per-layer"}))
-    ids = torch.tensor([[3, 17, 5, 42, 9, 11, 2, 8]])
-    with torch.no_grad():
-        a = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()(ids).logits
-        b = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()(ids).logits
-    assert torch.equal(a, b)
+    assert_unquantized_export_gives_the_source_logits(model, tmp_path / "bf16", dtype=torch.float32)
     (tmp_path / "ids.json").write_text(json.dumps([[3, 17, 5, 42, 9, 11, 2, 8], [1, 4, 4, 7, 120, 33]]))
     p = run_cli("convert", model, "-o", tmp_path / "fp8", "--target", "vllm", "--layer-format", "*=fp8",
                 "--calib-ids", tmp_path / "ids.json")
