@@ -672,7 +672,8 @@ def _folds(rounding, l, base, h, idx, seq_of, N):
     on fold 0, rounding fitted on fold 1)), or None for a rounding that does not fit to rows (round to
     nearest) or too few tokens."""
     fold = getattr(rounding, "fold", None)
-    if fold is None or h.shape[0] < 2:
+    if fold is None or not getattr(rounding, "cross_fit", False) or getattr(rounding, "name", "rtn") == "rtn" \
+            or h.shape[0] < 2:
         return None
     in1 = (seq_of % 2 == 1) if N >= 2 else (torch.arange(h.shape[0], device=h.device) >= h.shape[0] // 2)
     fitted = tuple(fold(l, base, h[mask], idx[mask]) for mask in (~in1, in1))
@@ -760,7 +761,10 @@ def score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, m
             for (f, m), (fmt, pk) in packed.items():
                 if isinstance(pk, tuple):  # cross-fitted: each row scored with the other fold's rounding
                     inp = x if m == "fc" else a
-                    y = torch.where(folds[0][rows].unsqueeze(-1), fmt.linear(inp, pk[0]), fmt.linear(inp, pk[1]))
+                    in1 = folds[0][rows]
+                    y = torch.empty(inp.shape[0], ws[m].shape[0], dtype=inp.dtype, device=inp.device)
+                    y[in1] = fmt.linear(inp[in1], pk[0]).to(inp.dtype)
+                    y[~in1] = fmt.linear(inp[~in1], pk[1]).to(inp.dtype)
                 else:
                     y = fmt.linear(x if m == "fc" else a, pk)
                 if m == "fc":
