@@ -45,6 +45,17 @@ def run_cli(*args, cwd=None):
                           timeout=600, cwd=cwd, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
 
 
+def graded_export(model, calib: Path, out: Path) -> dict:
+    """``model`` converted for vLLM on SM100 from the calibration ``calib`` at 6 bits per expert weight:
+    the artifact verified, its algorithm one of the graded plan's, its tensors returned."""
+    p = run_cli("convert", model, "-o", out, "--target", "vllm", "--sm", "100", "--calib", calib, "--budget", "6")
+    assert p.returncode == 0, p.stderr
+    verify_artifact(out)
+    q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")
+    return tensors(out)
+
+
 def assert_unquantized_export_gives_the_source_logits(model, out, dtype=torch.bfloat16, cls=None):
     """The BF16 (unquantized) unified-HF export of ``model`` written to ``out`` and the source, loaded by
     transformers' ``cls`` (AutoModelForCausalLM by default), give bit-identical logits."""
@@ -408,13 +419,7 @@ def test_llama4_streamed_calibration_gives_the_stacks_input_scales_and_a_graded_
                                                       for l in (1, 3) for p in ("down_proj", "gate_up_proj")]
     for k in measured:
         assert from_calib[k] == pytest.approx(measured[k], rel=2 ** -7), k
-    p = run_cli("convert", model, "-o", tmp_path / "u", "--target", "vllm", "--sm", "100", "--calib", tmp_path / "c",
-                "--budget", "6")
-    assert p.returncode == 0, p.stderr
-    verify_artifact(tmp_path / "u")
-    q = json.loads((tmp_path / "u" / "hf_quant_config.json").read_text())["quantization"]
-    assert q["quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")
-    a = tensors(tmp_path / "u")
+    a = graded_export(model, tmp_path / "c", tmp_path / "u")
     for k, v in from_calib.items():
         if k + "_input_scale" in a:
             div = 448 * (6 if a[k].dtype == torch.uint8 else 1)
@@ -515,13 +520,7 @@ def test_transformers_moe_without_a_row_takes_a_graded_plan_from_its_streamed_ca
     res = calibrate(model, text, tmp_path / "c", samples=4, seq_len=24, formats=("fp8", "nvfp4"), rounding="rtn",
                     batch_size=2, runner="stream")
     assert res["moe_layers"] == [1, 2]
-    p = run_cli("convert", model, "-o", tmp_path / "u", "--target", "vllm", "--sm", "100", "--calib", tmp_path / "c",
-                "--budget", "6")
-    assert p.returncode == 0, p.stderr
-    verify_artifact(tmp_path / "u")
-    q = json.loads((tmp_path / "u" / "hf_quant_config.json").read_text())["quantization"]
-    assert q["quant_algo"] in ("FP8", "NVFP4", "MIXED_PRECISION")
-    a = tensors(tmp_path / "u")
+    a = graded_export(model, tmp_path / "c", tmp_path / "u")
     amax = calib_input_amax(model, res)
     assert sorted({k.rsplit(".", 2)[0] for k in amax}) == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
     for k, v in amax.items():
