@@ -11,7 +11,7 @@ import torch
 
 from trtmoe.checkpoint.writer import convert
 from trtmoe.data import split_texts
-from trtmoe.quant import awq
+from trtmoe.quant import awq, gptq
 from trtmoe.quant.calibrate import _AwqRounding, token_batches
 from trtmoe.quant.sensitivity import fisher_measure
 from trtmoe.runtime.engine import EmbeddedEngine
@@ -32,10 +32,30 @@ def scored(tmp_path_factory):
     eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
 
     def run(cross: bool) -> dict:
-        rounding = _AwqRounding(awq.ActivationStats(), "awq_gptq", cross_fit=cross)
-        return fisher_measure(eng, ids, formats=FORMATS, rounding=rounding)["sensitivity"]
+        # As calibrate makes it: the statistics' MoE inputs and searched recipes go under a work folder.
+        acts = awq.ActivationStats(inputs_dir=tmp_path_factory.mktemp("work") / awq.INPUTS_DIR)
+        rounding = _AwqRounding(acts, "awq_gptq", cross_fit=cross)
+        searches = SEARCHES.copy()
+        out = fisher_measure(eng, ids, formats=FORMATS, rounding=rounding)["sensitivity"]
+        out["searches"] = {k: SEARCHES[k] - searches[k] for k in SEARCHES}
+        return out
 
-    return run(True), run(False)
+    owner = {"search_prequant": awq, "_clip_group": awq, "codes": gptq}
+    real = {n: getattr(m, n) for n, m in owner.items()}
+
+    def counted(name):
+        def call(*a, **k):
+            SEARCHES[name] += 1
+            return real[name](*a, **k)
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        for n in real:
+            mp.setattr(owner[n], n, counted(n))
+        return run(True), run(False)
+
+
+SEARCHES = {"search_prequant": 0, "_clip_group": 0, "codes": 0}
 
 
 def total(sens: dict, fmt: str) -> float:
@@ -78,3 +98,12 @@ def test_the_command_cross_fits_unless_told_not_to(flag, want, tmp_path):
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((out / "calib.json").read_text())["sensitivity"]["cross_fitted"] is want
+
+
+def test_the_folds_refit_the_codes_and_reuse_the_searched_scale_and_clip(scored):
+    """The INT4 pre-quant scale and clip (a few values per channel) are searched once per matrix, on
+    every calibration row, cross-fitted or not; the codes are chosen again on each fold."""
+    cross, fitted = scored
+    for name in ("search_prequant", "_clip_group"):
+        assert cross["searches"][name] == fitted["searches"][name] > 0, (name, cross["searches"], fitted["searches"])
+    assert cross["searches"]["codes"] >= 2 * fitted["searches"]["codes"] > 0

@@ -600,6 +600,9 @@ class _AwqRounding:
         self.acts, self.name, self.stacked, self.cross_fit = acts, rounding, stacked, cross_fit
         self.gram = {"max_gram_in": max_gram_in, "max_input_tokens": max_input_tokens}
         self._stacked: "awq.CheckpointRounding | None" = None
+        # Where quantize finds (or keeps) the INT4 searches' pre-quant scale, clip and error-feedback
+        # choice: this rounding's own store; a fold's is the whole calibration's (``fold``).
+        self.recipes = acts.recipes
         self.input_amax: dict[int, dict[str, torch.Tensor]] = {}  # what static input scales are made from
 
     def add_layer(self, layer, base, x_all, routed) -> None:
@@ -636,7 +639,7 @@ class _AwqRounding:
 
     def quantize(self, fmt, w, layer, expert, mod, dtype):
         return awq.quantize(fmt, w, dtype=dtype, stats=self.acts.get(layer, expert, mod), rounding=self.name,
-                            keep=(self.acts.recipes, layer, expert, mod),
+                            keep=(self.recipes, layer, expert, mod),
                             input_amax=(self.input_amax.get(layer) or {}).get(mod))
 
     def fits_rows(self, fmt) -> bool:
@@ -649,13 +652,18 @@ class _AwqRounding:
 
     def fold(self, layer, base, x_all, routed) -> "_AwqRounding | None":
         """This rounding fitted on some of the layer's tokens only (``x_all``, ``routed``), for
-        cross-fitted scoring: its own statistics and recipes, nothing written to the artifact; the
-        static input scales stay the whole calibration's, as the export makes them."""
+        cross-fitted scoring: its own statistics, nothing written to the artifact. What it refits is
+        what overfits: the codes (error feedback on the fold's Gram matrix) and the float formats'
+        block-scale searches. The INT4 formats' searched pre-quant scale, clip and error-feedback
+        choice (a few values per channel) are the whole calibration's, read from its recipe store,
+        where ``quantize`` has just put them, rather than searched again per fold; the static input
+        scales stay the whole calibration's, as the export makes them."""
         if self.name == "rtn" or not self.cross_fit:
             return None
         sub = _AwqRounding(awq.ActivationStats(max_rows=self.acts.max_rows), self.name, **self.gram)
         sub.add_layer(layer, base, x_all, routed)
         sub.input_amax[layer] = self.input_amax[layer]
+        sub.recipes = self.acts.recipes
         return sub
 
     def shares_prequant(self, fmt) -> bool:
