@@ -220,6 +220,37 @@ def test_models_whose_layers_or_experts_are_off_the_seam_are_refused_in_one_line
         assert not (tmp_path / f"c-{name}").exists()
 
 
+def test_a_failure_inside_transformers_modelling_code_is_one_line_naming_it(tiny_model, text, tokdir, tmp_path,
+                                                                               monkeypatch):
+    """The streamed runner runs transformers' own decoder layers: an error raised there (a configuration the
+    model's code cannot run) is one line naming transformers' file and function, exit code 2, not a trtmoe
+    internal error; the same error raised by trtmoe's own code stays an internal error."""
+    from transformers.models.olmoe import modeling_olmoe
+
+    model = tiny_model("olmoe", seed=4)
+    real = modeling_olmoe.apply_rotary_pos_emb
+
+    def mismatched(q, k, cos, sin, *a, **kw):  # what a config the rotary code cannot take meets
+        return real(q, k, cos[..., :1], sin[..., :3], *a, **kw)
+
+    monkeypatch.setattr(modeling_olmoe, "apply_rotary_pos_emb", mismatched)
+    r = cli("calibrate", model, "--data", text, "-o", tmp_path / "c", "--runner", "stream", "--samples", "2",
+            "--seq-len", "16", "--tokenizer", tokdir, expect=2)
+    line = " ".join(r.output.split())
+    assert re.search(r"error: transformers' own modelling code failed on this model \(transformers/models/olmoe/"
+                     r"modeling_olmoe\.py:\d+ in apply_rotary_pos_emb\): RuntimeError: ", line), line
+    assert "internal error" not in line and len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "c").exists()
+
+    def ours(*a, **kw):
+        raise RuntimeError("a trtmoe bug")
+    monkeypatch.setattr(modeling_olmoe, "apply_rotary_pos_emb", real)
+    monkeypatch.setattr("trtmoe.quant.stream.find_experts", ours)
+    r = cli("calibrate", model, "--data", text, "-o", tmp_path / "d", "--runner", "stream", "--samples", "2",
+            "--seq-len", "16", "--tokenizer", tokdir, expect=1)
+    assert "internal error: RuntimeError: a trtmoe bug (a bug in trtmoe" in " ".join(r.output.split()), r.output
+
+
 class _Stop(Exception):
     pass
 

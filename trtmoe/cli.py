@@ -18,7 +18,7 @@ from rich.table import Table
 from . import __version__
 from . import config as cfgmod
 from .console import console, err_console, fmt_bytes, fmt_count, note, progress
-from .errors import LayoutError, NotBuildable, TrtmoeError
+from .errors import LayoutError, NotBuildable, TrtmoeError, raised_in
 from .quant import QUANTIZED_NAMES
 
 class TargetChoice(click.Choice):
@@ -112,6 +112,11 @@ class TrtmoeGroup(click.Group):
         except (click.Abort, SystemExit):
             raise
         except Exception as e:  # noqa: BLE001 - the last line of defence against a traceback
+            where = raised_in(e, "transformers")
+            if where is not None:  # the model's own modelling code failed (its config, or transformers)
+                fail(rich_escape(f"transformers' own modelling code failed on this model ({where}): "
+                                 f"{type(e).__name__}: {e}") + " (transformers cannot run this model's config "
+                     "here; if its own model runs it, that is a bug in trtmoe; --debug for the traceback)", 2)
             fail(rich_escape(f"internal error: {type(e).__name__}: {e}")
                  + " (a bug in trtmoe; rerun with --debug for the traceback)", 1)
 

@@ -58,3 +58,26 @@ class VerifyError(TrtmoeError):
 
 class BackendUnavailable(TrtmoeError):
     """A build/serve backend is not installed or has no device here. Exit code 1."""
+
+
+def raised_in(e: BaseException, package: str) -> str | None:
+    """Where ``e`` was raised, as ``path:line in function`` relative to ``package``'s folder, when the
+    innermost frame of its traceback that lies in trtmoe or in ``package`` (an imported top-level
+    package: transformers, torch…) lies in ``package``; None otherwise (trtmoe's own frame is innermost,
+    or ``package`` is not imported)."""
+    import sys
+    from pathlib import Path
+
+    mod = sys.modules.get(package)
+    if mod is None or not getattr(mod, "__file__", None):
+        return None
+    theirs, ours = Path(mod.__file__).resolve().parent, Path(__file__).resolve().parent
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        f = Path(tb.tb_frame.f_code.co_filename).resolve()
+        if f.is_relative_to(theirs):
+            last = f"{f.relative_to(theirs.parent)}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+        elif f.is_relative_to(ours):
+            last = None
+        tb = tb.tb_next
+    return last
