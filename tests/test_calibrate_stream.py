@@ -287,8 +287,17 @@ def test_streamed_calibration_refuses_a_run_that_does_not_fit(tiny_model, tokdir
 
     model = tiny_model("olmoe", seed=4)
     monkeypatch.setattr(stream, "available_memory", lambda device: 1 << 20)
-    with pytest.raises(InputError, match=r"needs about .* GiB .* available"):
+    with pytest.raises(InputError, match=r"needs about .* GiB .* available") as got:
         calibrate(model, text, None, tokenizer=tokdir, samples=2, seq_len=16, runner="stream", formats=("int8",))
+    # A rounding fitted to the rows holds statistics while a layer is scored (cross-fitted: per fold too).
+    assert "rounding statistics" in str(got.value)
+    with pytest.raises(InputError, match=r"needs about .* GiB .* available") as got:
+        calibrate(model, text, None, tokenizer=tokdir, samples=2, seq_len=16, runner="stream", formats=("int8",),
+                  rounding="rtn")
+    assert "rounding statistics" not in str(got.value)
+    sm = stream.StreamedModel(model)
+    parts = {cf: stream.memory_plan(sm, 1 << 16, 64, 16, rounding="awq_gptq", cross_fit=cf)["parts"] for cf in (0, 1)}
+    assert parts[1]["rounding_statistics"] > parts[0]["rounding_statistics"] > 0
 
 
 def test_calibrate_command_runs_the_stream_and_prints_what_it_measured(tiny_model, tokdir, text, tmp_path):

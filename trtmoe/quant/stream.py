@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from ..errors import InputError
 from ..hf.safetensors_io import SafetensorsFile
 from ..runtime.alloc import give_back_freed_memory
+from . import awq
 from .calib_schema import build_result
 from .plan import MATRICES, format_obj
 from .sensitivity import (ESTIMATE_SHARE, ESTIMATE_TOKENS, PROBES, RTN, STACKED, PhaseClock, Progress, _check_layer,
@@ -664,8 +665,12 @@ def _hidden(out):
 # ---- calibration -----------------------------------------------------------------------------------
 
 
-def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: int) -> dict:
-    """Bytes the streamed calibration needs at its peak, by part, and what is available."""
+def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: int, rounding: str = "rtn",
+                cross_fit: bool = False) -> dict:
+    """Bytes the streamed calibration needs at its peak, by part, and what is available. ``rounding``
+    other than rtn adds what its statistics hold while a layer is scored: the layer's sampled MoE inputs
+    (a second sample per fold when ``cross_fit``) and the Gram matrices and row samples the searches
+    rebuild from them (``awq._GRAMS_KEPT``)."""
     cb = torch.empty((), dtype=sm.compute_dtype).element_size()
     c = sm.cfg
     tc = sm.config.get_text_config()
@@ -679,6 +684,12 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
     batch = batch_tokens * c.vocab_size * 4 * 3 + 4 * batch_tokens * seq_len * heads * 4
     parts = {"layer": layer, "scored_experts": bank, "embedding_and_head": resident, "activations": acts,
              "batch": batch}
+    if rounding != "rtn":
+        sample = min(n_tokens, awq.MAX_INPUT_TOKENS) * (H * 4 + 4 * c.top_k)  # float32 rows, int32 experts
+        # one expert's fc and proj, per statistics source: rows, Gram matrix, Gram rows (at most in / 2)
+        per = sum(4 * (awq.MAX_ROWS * d + d * d + d // 2 * d) for d in (H, I))
+        sources = 3 if cross_fit else 1
+        parts["rounding_statistics"] = sample * (2 if cross_fit else 1) + per * min(sources, max(1, awq._GRAMS_KEPT // 6))
     return {"parts": parts, "total": sum(parts.values()), "available": available_memory(sm.device)}
 
 
