@@ -107,3 +107,22 @@ def test_the_folds_refit_the_codes_and_reuse_the_searched_scale_and_clip(scored)
     for name in ("search_prequant", "_clip_group"):
         assert cross["searches"][name] == fitted["searches"][name] > 0, (name, cross["searches"], fitted["searches"])
     assert cross["searches"]["codes"] >= 2 * fitted["searches"]["codes"] > 0
+
+
+def test_the_stacked_layout_is_scored_cross_fitted_too(tmp_path):
+    """What --target tensorrt-llm plans with (a pre-quant scale shared by the layer's experts) is scored on
+    the sequences its codes were not chosen on, as the per-expert formats are: an allocator comparing an
+    in-sample stacked INT4 score with cross-fitted or unfitted ones would favour it wrongly."""
+    ck = convert(FIXTURE, tmp_path / "ck").out_dir
+    ids = token_batches(split_texts("calib", max_bytes=64 * 8 * 64), load_tokenizer(FIXTURE), 8, 64)
+    eng = EmbeddedEngine.from_checkpoint(ck, device="cpu")
+
+    def stacked_total(cross: bool) -> float:
+        acts = awq.ActivationStats(inputs_dir=tmp_path / f"w{cross}" / awq.INPUTS_DIR)
+        rounding = _AwqRounding(acts, "awq_gptq", stacked=True, cross_fit=cross)
+        sens = fisher_measure(eng, ids, formats=("int4_g128",), rounding=rounding)["sensitivity"]
+        assert sens["cross_fitted"] is cross and sens["stacked"]["formats"] == ["int4_g128"]
+        return float(torch.tensor(sens["stacked"]["delta_kl"]["int4_g128"], dtype=torch.float64).sum())
+
+    cross, fitted = stacked_total(True), stacked_total(False)
+    assert cross > 1.2 * fitted, (cross, fitted)

@@ -674,13 +674,28 @@ class _AwqRounding:
         """``quantize`` as TensorRT-LLM's stacked layout writes the matrix: through the checkpoint
         writer's own rounding (``awq.CheckpointRounding``, as at tp=1), whose pre-quant scale is
         searched once on every expert of the layer."""
+        w, rec = self._stacked_recipe(fmt, base, layer, expert, mod, dtype)
+        return awq.apply(fmt, w, dtype, rec)
+
+    def _stacked_recipe(self, fmt, base, layer, expert, mod, dtype):
         if self._stacked is None or self._stacked.dtype != dtype:
             self._stacked = awq.CheckpointRounding(self.acts, dtype, rounding=self.name)
         mat = lambda e, m: base.fc[e] if m == "fc" else base.proj[e]  # noqa: E731
         w = mat(expert, mod)
-        rec = self._stacked.recipe(fmt, layer, expert, mod, (0, base.proj.shape[-1]), w, lambda e: mat(e, mod),
-                                   list(range(base.fc.shape[0])), matrix=mat)
-        return awq.apply(fmt, w, dtype, rec)
+        return w, self._stacked.recipe(fmt, layer, expert, mod, (0, base.proj.shape[-1]), w, lambda e: mat(e, mod),
+                                       list(range(base.fc.shape[0])), matrix=mat)
+
+    def quantize_stacked_folds(self, fmt, base, layer, expert, mod, dtype, folds):
+        """``quantize_stacked`` cross-fitted, one packed matrix per rounding of ``folds``: the layer's
+        shared pre-quant scale and the clip as the whole calibration searched them, the error-feedback
+        codes chosen again on each fold's statistics; None when the whole calibration's recipe has no
+        codes (nothing fitted per row but the scale and clip: scored as it is)."""
+        w, rec = self._stacked_recipe(fmt, base, layer, expert, mod, dtype)
+        if rec is None or rec.codes is None:
+            return None
+        on = awq.Recipe(rec.pq, rec.base_clip)  # what the codes were chosen on
+        return tuple(awq.apply(fmt, w, dtype, awq.with_codes(fmt, w, dtype, r.acts.get(layer, expert, mod), on,
+                                                                 choice=0)) for r in folds)
 
 
 def _adopt_progress(parent: Path, name: str, notes: list[str] | None = None) -> Path | None:

@@ -209,6 +209,10 @@ class _TimedRounding:
         with self._clock("searches"):
             return self._inner.quantize_stacked(*args, **kwargs)
 
+    def quantize_stacked_folds(self, *args, **kwargs):
+        with self._clock("searches"):
+            return self._inner.quantize_stacked_folds(*args, **kwargs)
+
     def fold(self, *args, **kwargs):
         fold = getattr(self._inner, "fold", None)
         if fold is None:
@@ -737,7 +741,11 @@ def score_layer_tensors(eng, l, h, g, idx, w, formats, rounding, counts, mass, m
             for m in MATRICES:
                 wt = ws[m]
                 if f.endswith(STACKED):
-                    packed[(f, m)] = (fmt, rounding.quantize_stacked(fmt, base, l, e, m, eng.dtype))
+                    pk = None
+                    if folds is not None and rounding.fits_rows(fmt):  # the codes refitted per fold
+                        pk = rounding.quantize_stacked_folds(fmt, base, l, e, m, eng.dtype, folds[1])
+                    packed[(f, m)] = (fmt, pk if pk is not None else rounding.quantize_stacked(fmt, base, l, e, m,
+                                                                                               eng.dtype))
                 elif folds is not None and rounding.fits_rows(fmt):
                     if rounding.keeps_recipe(fmt):  # the whole calibration's search, which convert reuses
                         rounding.quantize(fmt, wt, l, e, m, eng.dtype)
