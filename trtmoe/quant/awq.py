@@ -211,6 +211,14 @@ class MatrixStats:
             return self.inputs.gram(self.source == "layer")
         return None
 
+    def gram_count(self) -> int:
+        """How many input rows ``gram_matrix`` sums (what its dampening is scaled by, ``gptq.damping``)."""
+        if self.gram is None and self.inputs is not None and self.inputs.gram_rebuilt:
+            return self.inputs.gram_count(self.source == "layer")
+        if self.source == "layer" and self.inputs is not None:  # a stored one over every layer token
+            return self.inputs.layer_inputs.tokens
+        return self.count
+
     def gram_rows(self, max_rows: int) -> Tensor | None:
         """The rows X [n, in] that ``gram_matrix`` = XᵀX is rebuilt from (every routed token the layer's
         stored MoE inputs hold), when there are at most ``max_rows`` of them; None otherwise, or when
@@ -266,6 +274,9 @@ class InputRef:
 
     def rows(self, all_rows: bool) -> Tensor:
         return self.layer_inputs.sampled_rows(self, all_rows)
+
+    def gram_count(self, all_rows: bool) -> int:
+        return self.layer_inputs.gram_count(self, all_rows)
 
 
 def expert_inputs(fc_e: Tensor, x: Tensor, act: "Callable[[Tensor], Tensor] | None" = None,
@@ -403,6 +414,11 @@ class LayerInputs:
         y = y if ref.cols is None else y[:, ref.cols[0]:ref.cols[1]].contiguous()
         _remember(key, y)
         return y
+
+    def gram_count(self, ref: InputRef, all_rows: bool) -> int:
+        """How many rows ``gram`` sums for ``ref``'s matrix."""
+        x_all, routed = self._tensors()
+        return int(x_all.shape[0]) if all_rows else int(routed.eq(ref.expert).any(-1).sum())
 
     def gram(self, ref: InputRef, all_rows: bool) -> Tensor:
         """X^T X (float32, accumulated in float64) of ``ref``'s matrix over the routed rows (every row
@@ -1111,7 +1127,8 @@ def _w4a8_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSt
     plain = apply(fmt, w, dtype, base, input_amax=1.0)
     wt = _in_dtype(w, dtype) / (1.0 if pq is None else pq.float())
     rule = fp_gptq.W4A8Rule(plain["weight_scale"], plain["weight_scale_2"], fmt.group_size)
-    q = fp_gptq.round_columns(wt, h, rule, factor=fp_gptq.inverse_factor(h, fp_gptq.DAMP))[0]
+    damp = gptq.damping(fp_gptq.DAMP, h.shape[-1], stats.gram_count() if gram is not None else stats.rows.shape[0])
+    q = fp_gptq.round_columns(wt, h, rule, factor=fp_gptq.inverse_factor(h, damp))[0]
     codes = (q.to(torch.int16) - 8).to(torch.int8)
     rec = Recipe(pq, base.clip, codes, base.clip)
     if choice == 0:
@@ -1136,7 +1153,7 @@ def _factor(stats: MatrixStats, gram: Tensor | None, pq: Tensor | None, h: Tenso
             return f
     if h is None:
         h = _kernel_gram(stats, gram, pq)
-    f = gptq.factor(h)
+    f = gptq.factor(h, gptq.damping(gptq.DAMP, h.shape[-1], stats.gram_count() if gram is not None else stats.rows.shape[0]))
     _FACTORS.append((src, pq, f))
     size = lambda e: e[2].hinv.nbytes + (e[0].nbytes if e[0].dim() == 2 and e[0].shape[0] == e[0].shape[1] else 0)  # noqa: E731
     while len(_FACTORS) > 1 and (len(_FACTORS) > _FACTORS_KEPT or sum(map(size, _FACTORS)) > _FACTORS_BYTES):
@@ -1421,11 +1438,14 @@ def fp_quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: Matri
     error-feedback codes under gptq / awq_gptq, the block-scale search under awq / awq_gptq, against
     the statistics' Gram matrix (the sampled rows' when none is kept, given enough of them); round to
     nearest when there is neither."""
-    h = fp_gptq.stats_gram(stats.gram_matrix(), lambda: stats.rows, w.shape[-1], MIN_ROWS_PER_INPUT)
+    g = stats.gram_matrix()
+    h = fp_gptq.stats_gram(g, lambda: stats.rows, w.shape[-1], MIN_ROWS_PER_INPUT)
     if h is None:
         return fmt.quantize(w, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax)
+    rows = stats.gram_count() if g is not None else stats.rows.shape[0]
     return fp_gptq.quantize(fmt, w, h, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax,
-                            feedback=rounding in ERROR_FEEDBACK, search=rounding in ("awq", "awq_gptq"))
+                            feedback=rounding in ERROR_FEEDBACK, search=rounding in ("awq", "awq_gptq"), rows=rows)
+
 
 
 def output_error(fmt: QuantFormat, packed: dict[str, Tensor], w: Tensor, x: Tensor, dtype: torch.dtype) -> float:

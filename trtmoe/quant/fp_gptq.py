@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
+from . import gptq
 from .formats import (E4M3_MAX, QuantFormat,
                       _nvfp4_block_scales, e2m1_codes, e2m1_values, e4m3_round, e8m0_exponents, pack_nibbles)
 
@@ -48,6 +49,8 @@ from .formats import (E4M3_MAX, QuantFormat,
 # adds elsewhere, so it is dampened much more: on the trained Mixtral fixture (16 x 128 calibration
 # tokens, awq_gptq), uniform FP8's held-out KL is 0.00165 at 0.01, 0.00077 at 0.1 and 0.00074 at 1.0
 # against round to nearest's 0.00092; uniform NVFP4's is 0.00722 / 0.00815 / 0.00825 (RTN 0.00968).
+# These are the bases: where a matrix's Gram matrix sums few rows per input, ``gptq.damping`` raises them
+# (the caller passes the rows to ``quantize``).
 DAMP = 0.01
 DAMP_FP8 = 1.0
 NVFP4_RATIOS = (1.0, 1.1, 1.05, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # 1.0 first: ties keep round to nearest's scale
@@ -264,7 +267,7 @@ def gram_error(h: Tensor, w: Tensor, deq: Tensor) -> float:
 
 def quantize(fmt: QuantFormat, w: Tensor, h: Tensor, *, dtype: torch.dtype, input_amax=None, weight_amax=None,
              feedback: bool = True, search: bool = True, never_worse: bool = True,
-             factor: Tensor | None = None) -> dict[str, Tensor]:
+             factor: Tensor | None = None, rows: int | None = None) -> dict[str, Tensor]:
     """``fmt.quantize(w, ...)`` (one ``[out, in]`` matrix) with its codes (and, with ``search``, its
     block scales) chosen against the input Gram matrix ``h`` [in, in]: the same tensors, shapes and
     dtypes, global and input scales untouched. ``never_worse``: round to nearest's tensors are returned
@@ -288,6 +291,8 @@ def quantize(fmt: QuantFormat, w: Tensor, h: Tensor, *, dtype: torch.dtype, inpu
     else:
         single = base["weight_scale"].numel() == 1 and weight_amax is not None
         rule = _FP8Block(fmt.block, base["weight_scale"].reshape(()) if single else None)
+    if factor is None and feedback and rows is not None:  # the format's dampening, scaled to the rows
+        factor = inverse_factor(h, gptq.damping(rule.damp, h.shape[-1], rows))
     codes, kept = round_columns(wd, h, rule, feedback=feedback, search=search, factor=factor)
     out = dict(base)
     if kind == "nvfp4":
