@@ -647,3 +647,25 @@ def test_the_inverse_factor_is_the_upper_cholesky_factor_of_the_inverse():
     bad = h - 2 * float(torch.linalg.eigvalsh(h.double()).min()) * torch.eye(256)  # one negative eigenvalue
     ub = gptq._upper_inverse_factor(bad)
     assert bool(torch.isfinite(ub).all()) and torch.equal(ub, torch.triu(ub))
+
+
+def test_dampening_grows_as_the_rows_per_input_shrink():
+    """Error feedback's relative dampening is the base while a Gram matrix sums many rows per input and
+    grows as inputs / rows where it sums few (the codes would fit those rows' noise)."""
+    assert gptq.damping(0.01, 128, 1 << 14) == 0.01
+    assert gptq.damping(0.01, 128, 64) == pytest.approx(gptq.DAMP_PER_INPUT_ROW * 2)
+    assert gptq.damping(1.0, 128, 64) == 1.0  # a larger base (FP8's) stays
+
+
+def test_the_rows_a_gram_matrix_sums_are_counted_as_it_is_built():
+    """Routed experts count their routed rows; an expert routed too few tokens stands in the layer's rows
+    and counts those; the count survives moving the statistics to a device, stored or rebuilt alike."""
+    fc, proj, x, routed = _layer(4, 32, 48, 300, 7)
+    routed[routed == 3] = 0  # expert 3 sees no token: the layer's rows stand in
+    for thr in (0, 1024):
+        stats = awq.collect_layer(fc, proj, x, routed, gram=True, max_gram_in=thr, layer=0)
+        for (e, m), s in stats.items():
+            want = 300 if e == 3 else int(routed.eq(e).any(-1).sum())
+            assert (s.source == "layer") == (e == 3)
+            assert s.gram_count() == want, (thr, e, m)
+            assert s.on(torch.device("cpu", 0)).gram_count() == want

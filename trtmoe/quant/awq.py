@@ -184,6 +184,7 @@ class MatrixStats:
     source: str = "routed"  # "layer": too few routed tokens, the layer's tokens stand in
     gram: Tensor | None = None  # [in, in] X^T X over every routed token (float32), error-feedback roundings
     inputs: "InputRef | None" = None  # where the rows (and, with ``inputs.gram``, X^T X) are rebuilt from
+    gram_rows_summed: int | None = None  # what ``gram_count`` says, where it cannot be told again (``on``)
 
     @property
     def rows(self) -> Tensor:
@@ -200,7 +201,7 @@ class MatrixStats:
         g = None if self.gram is None else self.gram[a:b, a:b]
         ref = None if self.inputs is None else self.inputs.columns(a, b)
         rows = None if self.stored_rows is None else self.stored_rows[:, a:b]
-        return MatrixStats(self.act_mean[a:b], rows, self.count, self.source, g, ref)
+        return MatrixStats(self.act_mean[a:b], rows, self.count, self.source, g, ref, self.gram_rows_summed)
 
     def gram_matrix(self) -> Tensor | None:
         """X^T X of the routed tokens' inputs (float32): the stored one, or rebuilt from the layer's
@@ -213,6 +214,8 @@ class MatrixStats:
 
     def gram_count(self) -> int:
         """How many input rows ``gram_matrix`` sums (what its dampening is scaled by, ``gptq.damping``)."""
+        if self.gram_rows_summed is not None:
+            return self.gram_rows_summed
         if self.gram is None and self.inputs is not None and self.inputs.gram_rebuilt:
             return self.inputs.gram_count(self.source == "layer")
         if self.source == "layer" and self.inputs is not None:  # a stored one over every layer token
@@ -233,7 +236,8 @@ class MatrixStats:
         the Gram matrix is made of stay on the host (the searches then take errors through it)."""
         g = self.gram_matrix() if gram else None
         return MatrixStats(self.act_mean.to(device), self.rows.to(device), self.count, self.source,
-                           None if g is None else g.to(device), None)
+                           None if g is None else g.to(device), None,
+                           None if g is None else self.gram_count())
 
     def with_fc(self, fc: "Tensor | Callable[[], Tensor]") -> "MatrixStats":
         """These statistics with the float ``fc`` weight [2I, H] of their expert (a tensor or a function
