@@ -252,11 +252,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "cross_fit": Key(bool, True,
                          help="Under awq, gptq or awq_gptq (fisher): score each candidate whose rounding is fitted "
                               "to the calibration rows on the sequences it was not fitted to (two folds of "
-                              "alternate sequences, the codes and block-scale searches refitted on each), so a plan's "
-                              "predicted ΔKL is near what held-out text measures (about 1.8x the calibration's CPU time "
-                              "on the trained Mixtral fixture). --no-cross-fit scores on "
-                              "the rows each rounding was fitted to: faster, and optimistic for the INT4 and FP4 "
-                              "formats."),
+                              "alternate sequences, the codes and block-scale searches refitted on each), so a "
+                              "plan's predicted ΔKL is near what held-out text measures (about 1.8x the "
+                              "calibration's CPU time on the trained Mixtral fixture). --no-cross-fit scores on the "
+                              "rows each rounding was fitted to: faster, and optimistic for the INT4 and FP4 formats."),
         "sensitivity": Key(str, "fisher", choices=("fisher", "exact"),
                            help="fisher: second-order estimate from one forward and one backward pass, whatever "
                                 "the number of experts (resumable: rerun the same command after an interruption); "

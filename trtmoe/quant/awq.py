@@ -1131,7 +1131,7 @@ def _w4a8_codes(fmt: QuantFormat, w: Tensor, dtype: torch.dtype, stats: MatrixSt
     plain = apply(fmt, w, dtype, base, input_amax=1.0)
     wt = _in_dtype(w, dtype) / (1.0 if pq is None else pq.float())
     rule = fp_gptq.W4A8Rule(plain["weight_scale"], plain["weight_scale_2"], fmt.group_size)
-    damp = gptq.damping(fp_gptq.DAMP, h.shape[-1], stats.gram_count() if gram is not None else stats.rows.shape[0])
+    damp = gptq.damping(fp_gptq.DAMP, h.shape[-1], _rows_summed(stats, gram))
     q = fp_gptq.round_columns(wt, h, rule, factor=fp_gptq.inverse_factor(h, damp))[0]
     codes = (q.to(torch.int16) - 8).to(torch.int8)
     rec = Recipe(pq, base.clip, codes, base.clip)
@@ -1157,7 +1157,7 @@ def _factor(stats: MatrixStats, gram: Tensor | None, pq: Tensor | None, h: Tenso
             return f
     if h is None:
         h = _kernel_gram(stats, gram, pq)
-    f = gptq.factor(h, gptq.damping(gptq.DAMP, h.shape[-1], stats.gram_count() if gram is not None else stats.rows.shape[0]))
+    f = gptq.factor(h, gptq.damping(gptq.DAMP, h.shape[-1], _rows_summed(stats, gram)))
     _FACTORS.append((src, pq, f))
     size = lambda e: e[2].hinv.nbytes + (e[0].nbytes if e[0].dim() == 2 and e[0].shape[0] == e[0].shape[1] else 0)  # noqa: E731
     while len(_FACTORS) > 1 and (len(_FACTORS) > _FACTORS_KEPT or sum(map(size, _FACTORS)) > _FACTORS_BYTES):
@@ -1446,10 +1446,15 @@ def fp_quantize(fmt: QuantFormat, w: Tensor, *, dtype: torch.dtype, stats: Matri
     h = fp_gptq.stats_gram(g, lambda: stats.rows, w.shape[-1], MIN_ROWS_PER_INPUT)
     if h is None:
         return fmt.quantize(w, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax)
-    rows = stats.gram_count() if g is not None else stats.rows.shape[0]
     return fp_gptq.quantize(fmt, w, h, dtype=dtype, input_amax=input_amax, weight_amax=weight_amax,
-                            feedback=rounding in ERROR_FEEDBACK, search=rounding in ("awq", "awq_gptq"), rows=rows)
+                            feedback=rounding in ERROR_FEEDBACK, search=rounding in ("awq", "awq_gptq"),
+                            rows=_rows_summed(stats, g))
 
+
+def _rows_summed(stats: MatrixStats, gram: Tensor | None) -> int:
+    """How many rows the Gram matrix error feedback rounds against sums: ``gram``'s (every routed token,
+    or the layer's), or the sampled rows' where there is none."""
+    return stats.gram_count() if gram is not None else stats.rows.shape[0]
 
 
 def output_error(fmt: QuantFormat, packed: dict[str, Tensor], w: Tensor, x: Tensor, dtype: torch.dtype) -> float:

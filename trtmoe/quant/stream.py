@@ -689,7 +689,8 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
         # one expert's fc and proj, per statistics source: rows, Gram matrix, Gram rows (at most in / 2)
         per = sum(4 * (awq.MAX_ROWS * d + d * d + d // 2 * d) for d in (H, I))
         sources = 3 if cross_fit else 1
-        parts["rounding_statistics"] = sample * (2 if cross_fit else 1) + per * min(sources, max(1, awq._GRAMS_KEPT // 6))
+        cached = per * min(sources, max(1, awq._GRAMS_KEPT // 6))
+        parts["rounding_statistics"] = sample * (2 if cross_fit else 1) + cached
     return {"parts": parts, "total": sum(parts.values()), "available": available_memory(sm.device)}
 
 
