@@ -213,32 +213,33 @@ class SourceModel:
     def __init__(self, model: str | Path):
         cfg_path = Path(model) / "config.json"
         try:
-            model_type = json.loads(cfg_path.read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            model_type = None  # HFCheckpoint says what is wrong with it
+            raw = json.loads(cfg_path.read_text())
+        except (OSError, ValueError):
+            raw = None  # HFCheckpoint says what is wrong with it
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
         self._ck: HFCheckpoint | None = None
         self._files: dict[Path, SafetensorsFile] = {}
         if model_type in NAMED_FAMILIES:
-            self._read_by_name(model, cfg_path)
+            self._read_by_name(model, raw)
             self.family = NAMED_FAMILIES[model_type]
             if any(n.endswith("_blocks") for n in self.location):
                 self.close()
                 raise UnsupportedError(f"{self.path.name} stores its experts in MXFP4 already (*_blocks / *_scales)",
                                        where=str(self.path), hint="export from the BF16 release of the model")
-        elif _outside_registry(cfg_path):
-            self._read_by_name(model, cfg_path)
+        elif _outside_registry(raw):
+            self._read_by_name(model, raw)
             self.family = S.GENERIC
             if not any(_GENERIC_EXPERT.match(n) for n in self.location):
                 self.close()
-                _refuse_unread_architecture(cfg_path, model_type)
+                _refuse_unread_architecture(cfg_path, raw)
         else:
             self._ck = HFCheckpoint(model)
             self.path, self.family, self.hf_config = self._ck.path, self._ck.adapter.family, self._ck.hf_config
             self.location = self._ck.location
 
-    def _read_by_name(self, model: str | Path, cfg_path: Path) -> None:
+    def _read_by_name(self, model: str | Path, hf_config: dict) -> None:
         self.path = Path(model).resolve()
-        self.hf_config = json.loads(cfg_path.read_text())
+        self.hf_config = hf_config
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointError("no *.safetensors weights", where=str(self.path))
@@ -273,13 +274,9 @@ class SourceModel:
         self.close()
 
 
-def _outside_registry(cfg_path: Path) -> bool:
-    """Whether ``config.json`` names an architecture that trtmoe's registry does not describe (False for a
-    file that cannot be read: HFCheckpoint says what is wrong with it)."""
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, ValueError):
-        return False
+def _outside_registry(raw) -> bool:
+    """Whether the parsed ``config.json`` names an architecture that trtmoe's registry does not describe
+    (False for one that could not be read: HFCheckpoint says what is wrong with it)."""
     if not isinstance(raw, dict):
         return False
     try:
@@ -289,10 +286,10 @@ def _outside_registry(cfg_path: Path) -> bool:
     return False
 
 
-def _refuse_unread_architecture(cfg_path: Path, model_type) -> None:
+def _refuse_unread_architecture(cfg_path: Path, raw: dict) -> None:
     """One line naming a model outside the registry whose routed experts are not stored one linear per expert
     under the names the by-name reader knows."""
-    raw = json.loads(cfg_path.read_text())
+    model_type = raw.get("model_type")
     arch = (raw.get("architectures") or [None])[0] or "(none given)"
     raise UnsupportedError(
         f"the unified-HF export does not read {arch} (model_type {model_type!r}): its routed experts are not "
