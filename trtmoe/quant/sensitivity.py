@@ -294,7 +294,7 @@ class Progress:
     anything else there is removed first (links unlinked, never followed)."""
 
     MARKER = "trtmoe-progress.json"
-    VERSION = 3  # progress written as tree_file safetensors; 3: layer scores cross-fitted
+    VERSION = 4  # progress written as tree_file safetensors; 3: layer scores cross-fitted; 4: error feedback dampened by rows per input
 
     def __init__(self, work: Path, key: str):
         self.work = work
