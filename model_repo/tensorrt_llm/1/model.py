@@ -24,13 +24,13 @@ import gc
 import json
 import os
 import threading
-import time
 from collections import deque
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtmoe.triton.batcher import FINISH_ERROR, InflightBatcher
+from trtmoe.triton.inflight.requests import wall_clock_offset_ns
 from trtmoe.triton.llm_request import RequestError, parse_requests
 from trtmoe.triton.metrics import blocks
 from trtmoe.triton.model_params import model_flag as _flag
@@ -98,7 +98,6 @@ class TritonPythonModel:
 
             tok = Tokenizer.from_file(os.path.join(served.resolve(tok_dir), "tokenizer.json"))
             self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
-        self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         # What each batcher iteration ran (the recorder wraps the engine), and the exported gauges.
         self.metrics = ServedMetrics(pb_utils, eng, config, self.model_name, str(args.get("model_version", "1")),
                                      self.tokens_per_block)
@@ -190,7 +189,7 @@ class TritonPythonModel:
         if gen.return_num_output_tokens:  # generated tokens sent so far, this response included
             out.append(pb_utils.Tensor("num_output_tokens", np.array([[gen.sent_tokens]], dtype=np.int32)))
         if gen.return_perf_metrics:  # on every response, as TensorRT-LLM's backend sends them
-            off = self.clock_offset_ns
+            off = wall_clock_offset_ns()
             for name, t in (("arrival_time_ns", req.arrival_ns), ("first_scheduled_time_ns", req.first_scheduled_ns),
                             ("first_token_time_ns", req.first_token_ns), ("last_token_time_ns", req.last_token_ns)):
                 out.append(pb_utils.Tensor(name, np.array([[t + off if t else 0]], dtype=np.int64)))

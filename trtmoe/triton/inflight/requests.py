@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,6 +25,16 @@ class TokenEvent:
 
 
 Callback = Callable[[TokenEvent], None]
+
+
+def wall_clock_offset_ns() -> int:
+    """What to add to a ``time.monotonic_ns()`` value for wall-clock ns, taken now.
+
+    Taken when a time is reported, not once at start-up: the system clock is slewed (NTP) while
+    the monotonic one is not, so an offset from hours earlier can put a request's reported
+    arrival before the moment the client sent it.
+    """
+    return time.time_ns() - time.monotonic_ns()
 
 
 @dataclass(eq=False)

@@ -39,13 +39,13 @@ import gc
 import json
 import os
 import threading
-import time
 from collections import deque
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtmoe.triton.batcher import FINISH_CANCELLED, FINISH_ERROR, InflightBatcher
+from trtmoe.triton.inflight.requests import wall_clock_offset_ns
 from trtmoe.triton.metrics import blocks as kv_blocks
 from trtmoe.triton.model_params import model_flag, model_param
 from trtmoe.triton.textstream import IncrementalText, windows_decode_exactly
@@ -119,7 +119,6 @@ class TritonPythonModel:
         skip = model_flag(config, "skip_special_tokens", True)
         self.decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)
         self.windowed_text = windows_decode_exactly(self.tokenizer)
-        self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.stopped: set[str] = set()  # request ids a `stop` request ended (they answer with their text)
         self.outbox: deque = deque()  # (sender, response or None, flags), sent in order by the sender thread
         self.wake = threading.Event()
@@ -315,7 +314,7 @@ class TritonPythonModel:
                             _FINAL if event.finished else 0))
 
     def _perf(self, gen: _Generation, req) -> list:
-        off = self.clock_offset_ns
+        off = wall_clock_offset_ns()
         # The KV-cache row reserved for the sequence at admission, in blocks (the pool shares no prefixes).
         reserved = getattr(req.seq, "kv_capacity", 0) or len(gen.prompt) + len(req.tokens)
         blocks = kv_blocks(reserved, int(self.info.tokens_per_block))
