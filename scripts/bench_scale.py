@@ -190,17 +190,27 @@ def _line(xs: list[int], ys: list[float], at: int) -> float | None:
     return my + b * (at - mx)
 
 
-def one_expert(width: str, tokens: int, fmt_name: str, roundings: list[str], experts: int, threads: int) -> dict:
+def one_expert(width: str, tokens: int, fmt_name: str, roundings: list[str], experts: int, threads: int,
+               seq_len: int = 128) -> dict:
     """CPU seconds of the int4 rounding searches per expert (fc + proj) at ``width``, per rounding,
     with the routed rows the timed experts got: ``{"rows": [min, max], "cpu": {rounding: s}}``. The
     statistics keep at most ``awq.MAX_INPUT_TOKENS`` of the tokens (as calibration does), so the rows
-    are those of that many tokens."""
+    are those of that many tokens.
+
+    Each rounding runs through calibration's own rounding (``quant.calibrate._AwqRounding``). One that
+    fits codes to the rows (error feedback) is then also cross-fitted, as calibration scores it by
+    default: the two folds (alternate ``seq_len``-token sequences) refit their codes on the whole
+    calibration's searched scales, and ``{rounding}`` is the whole cost (the search and both folds),
+    ``{rounding} in-sample`` the search alone. Collecting the statistics (the whole calibration's and
+    the folds') is not timed here: calibration counts it in its scoring and statistics phases."""
     import time
 
     import torch
 
     from trtmoe.quant import awq
+    from trtmoe.quant.calibrate import _AwqRounding
     from trtmoe.quant.formats import FORMATS
+    from trtmoe.runtime.experts import FloatExperts
 
     torch.set_num_threads(threads)
     w = WIDTHS[width]
@@ -210,23 +220,44 @@ def one_expert(width: str, tokens: int, fmt_name: str, roundings: list[str], exp
     proj = (torch.randn(experts, H, I, generator=g) * I ** -0.5).to(torch.bfloat16)
     x = torch.randn(tokens, H, generator=g).to(torch.bfloat16).float()
     routed = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
-    st = awq.collect_layer(fc.float(), proj.float(), x, routed, gram=True, layer=0)
+    routed = torch.where(routed < experts, routed, -1)  # routed to an expert that is not timed: not held
+    bank = FloatExperts(fc.float(), proj.float(), "float32")
     fmt = FORMATS[fmt_name]
-    rows = [st[(e, "fc")].count for e in range(experts)]
+    rows = [int((routed == e).any(-1).sum()) for e in range(experts)]
     print(f"{width}: {experts} expert(s) of {E}, fc {2 * I}x{H}, proj {H}x{I}, {fmt_name}, {tokens} tokens top-{k} "
           f"(routed rows {min(rows)}-{max(rows)}), {threads} thread(s)")
-    print(f"{'rounding':>10} | {'rows/expert':>11} | {'CPU-s/expert':>12} | {'x rtn':>6}")
+    print(f"{'rounding':>20} | {'rows/expert':>11} | {'CPU-s/expert':>12} | {'x rtn':>6}")
     base = None
     res = {"rows": [min(rows), max(rows)], "cpu": {}}
-    for r in roundings:
+
+    def quantize_all(rd) -> float:
         c0 = time.process_time()
         for e in range(experts):
-            for m, wm in (("fc", fc[e]), ("proj", proj[e])):
-                awq.quantize(fmt, wm, dtype=torch.bfloat16, stats=st[(e, m)].with_fc(fc[e].float()), rounding=r)
-        cpu = (time.process_time() - c0) / experts
-        base = cpu if r == "rtn" else base
-        res["cpu"][r] = cpu
-        print(f"{r:>10} | {f'{min(rows)}-{max(rows)}':>11} | {cpu:>12.2f} | {'-' if not base else f'{cpu / base:.0f}':>6}")
+            for m in ("fc", "proj"):
+                rd.quantize(fmt, bank.fc[e] if m == "fc" else bank.proj[e], 0, e, m, torch.bfloat16)
+        return (time.process_time() - c0) / experts
+
+    seq_of = torch.arange(tokens) // seq_len
+    in1 = (seq_of % 2 == 1) if tokens > seq_len else torch.arange(tokens) >= tokens // 2
+    work = Path(tempfile.mkdtemp(prefix="trtmoe-bench-expert-"))
+    try:
+        for r in roundings:
+            # Calibration's own rounding object, its statistics kept where calibration keeps them (the
+            # MoE inputs, and the searched recipes that the folds reuse).
+            rd = _AwqRounding(awq.ActivationStats(inputs_dir=work / r / awq.INPUTS_DIR), r)
+            rd.add_layer(0, bank, x, routed)
+            cpu = quantize_all(rd)
+            cells = [(r, cpu)]
+            if r in awq.ERROR_FEEDBACK:
+                folds = [rd.fold(0, bank, x[mask], routed[mask]) for mask in (~in1, in1)]
+                cells = [(f"{r} in-sample", cpu), (r, cpu + sum(quantize_all(f) for f in folds))]
+            for name, c in cells:
+                base = c if name == "rtn" else base
+                res["cpu"][name] = c
+                print(f"{name:>20} | {f'{min(rows)}-{max(rows)}':>11} | {c:>12.2f} | "
+                      f"{'-' if not base else f'{c / base:.0f}':>6}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return res
 
 
@@ -317,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.one_expert:
         fmt = next((f for f in a.formats.split(",") if f.startswith("int4")), "int4_g128")
         for width in a.widths.split(","):
-            one_expert(width, a.tokens, fmt, ["rtn", "awq", "awq_gptq"], a.experts_timed, a.threads)
+            one_expert(width, a.tokens, fmt, ["rtn", "awq", "awq_gptq"], a.experts_timed, a.threads, a.seq_len)
         return 0
     from trtmoe.data import write_split_text
 
@@ -390,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             WIDTHS[width] = {**WIDTHS[width], "experts": FULL_EXPERTS[width]}
             print()
             timed = {T: one_expert(width, min(T, awq.MAX_INPUT_TOKENS), fmt, ["rtn", a.rounding], a.experts_timed,
-                                   a.threads) for T in targets}
+                                   a.threads, a.seq_len) for T in targets}
             projection(width, rows, timed, a.rounding, a.tokens, targets)
     return 0
 
