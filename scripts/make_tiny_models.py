@@ -42,7 +42,8 @@ TRANSFORMERS_ONLY = ("deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe
 # More transformers MoEs with a ``*Experts`` module, built from transformers' auto classes by model_type:
 # calibrated layer-streamed; the unified-HF export does not read them (it refuses them by name).
 SEAM_ONLY = ("granitemoe", "dots1", "flex_olmo", "exaone_moe", "afmoe", "cohere2_moe", "jamba",
-             "lfm2_moe")
+             "lfm2_moe", "inkling_text", "glm_moe_dsa", "deepseek_v4", "gemma4_text", "dots3_note_text", "laguna",
+             "inkling2_text", "nemotron_h")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Sharded fixtures are cut at this many bytes per file so that each one spans several shards.
@@ -333,6 +334,83 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "num_dense_layers": 1,
         "layer_types": ["full_attention", "conv", "full_attention"],
         "norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # Inkling: an RMSNorm inside the input embedding (its output is not a bare table lookup), hybrid
+    # sliding-window attention.
+    "inkling_text": {
+        **_COMMON,
+        "head_dim": 16, "swa_head_dim": 16, "num_hidden_layers": 3, "intermediate_size": 96,
+        "moe_intermediate_size": 48, "n_routed_experts": 8, "mlp_layer_types": ["sparse"] * 3,
+        "layer_types": ["hybrid_sliding"] * 3, "sliding_window_size": 8, "rel_extent": 16,
+    },
+    # Inkling-2: the logits are formed from a mix of every layer's output (block residuals), which a
+    # layer-streamed run cannot reproduce: calibration refuses it.
+    "inkling2_text": {
+        **_COMMON,
+        "head_dim": 16, "swa_head_dim": 16, "num_hidden_layers": 3, "moe_intermediate_size": 48,
+        "n_routed_experts": 8, "layer_types": ["hybrid_sliding"] * 3, "sliding_window_size": 8, "rel_extent": 16,
+        "log_scaling_n_floor": 16, "unpadded_vocab_size": 250, "eos_token_id": 2,
+    },
+    # GLM-MoE-DSA: MLA with a sparse-attention indexer whose top-k each layer returns to the model's loop,
+    # which hands it to the next layer (a layer output besides the hidden state); a dense first layer.
+    "glm_moe_dsa": {
+        **_COMMON,
+        "num_key_value_heads": 4, "head_dim": 8, "num_hidden_layers": 3, "intermediate_size": 96,
+        "moe_intermediate_size": 48, "n_routed_experts": 8, "first_k_dense_replace": 1,
+        "mlp_layer_types": ["dense", "sparse", "sparse"], "layer_types": ["indexed_attention"] * 3,
+        "indexer_types": ["full"] * 3, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 16,
+        "kv_lora_rank": 32, "q_lora_rank": 32, "qk_head_dim": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+    },
+    # DeepSeek-V4: hyper-connections (the hidden state between layers is [batch, tokens, copies, hidden]),
+    # hash-routed MoE, compressed attention with rotary tables of its own inside each layer (computed
+    # buffers no checkpoint holds).
+    "deepseek_v4": {
+        **_COMMON,
+        "head_dim": 16, "num_hidden_layers": 3, "moe_intermediate_size": 48, "n_routed_experts": 8,
+        "layer_types": ["heavily_compressed_attention"] * 3, "mlp_layer_types": ["hash_moe"] * 3,
+        "qk_rope_head_dim": 2,
+    },
+    # Gemma-4 (text): a scaled embedding (a computed buffer), per-layer inputs, the experts beside a dense
+    # MLP in every layer, experts per token named top_k_experts.
+    "gemma4_text": {
+        **_COMMON,
+        "head_dim": 16, "num_hidden_layers": 3, "intermediate_size": 96, "moe_intermediate_size": 48,
+        "num_experts": 8, "top_k_experts": 2, "enable_moe_block": True, "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": 250, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    },
+    # dots.3-note: a heterogeneous config (per_layer_config: layer 2 has other head counts, so reading
+    # num_attention_heads globally raises), MLA with an indexer, a dense first layer.
+    "dots3_note_text": {
+        **_COMMON,
+        "num_key_value_heads": 4, "head_dim": 16, "num_hidden_layers": 3, "intermediate_size": 96,
+        "moe_intermediate_size": 48, "n_routed_experts": 8, "shared_experts_intermediate_size": 48,
+        "layer_types": ["indexed_attention", "indexed_attention", "sliding_attention"],
+        "mlp_layer_types": ["dense", "sparse", "sparse"], "index_head_dim": 16, "index_n_heads": 2,
+        "index_topk": 16, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "per_layer_config": {"2": {"kv_lora_rank": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                   "qk_nope_head_dim": 8}},
+        "rope_parameters": {
+            "indexed_attention": {"partial_rotary_factor": 0.5, "rope_theta": 80000000.0, "rope_type": "default"},
+            "sliding_attention": {"partial_rotary_factor": 0.5, "rope_theta": 50000.0, "rope_type": "default"}},
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    },
+    # Laguna: a shared expert the hub names shared_expert and transformers' loader renames shared_experts,
+    # a dense first layer.
+    "laguna": {
+        **_COMMON,
+        "head_dim": 16, "num_hidden_layers": 3, "intermediate_size": 96, "moe_intermediate_size": 48,
+        "num_experts": 8, "shared_expert_intermediate_size": 96, "num_attention_heads_per_layer": [4, 4, 4],
+        "layer_types": ["full_attention"] * 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
+    },
+    # Nemotron-H: Mamba-2, attention, MoE and MLP layers; experts without a gate projection (relu²).
+    "nemotron_h": {
+        **_COMMON,
+        "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 48, "n_routed_experts": 8,
+        "moe_shared_expert_intermediate_size": 96, "mamba_head_dim": 16, "mamba_num_heads": 8, "n_groups": 2,
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     },
     # Field set of deepseek-ai/deepseek-moe-16b-base's config.json, shrunk.

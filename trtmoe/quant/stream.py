@@ -42,6 +42,7 @@ is loaded, and ``calibrate`` refuses a run that does not fit in the memory avail
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import json
 import math
@@ -56,7 +57,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..errors import InputError
+from ..errors import InputError, TrtmoeError, UnsupportedError, raised_in
 from ..hf.safetensors_io import SafetensorsFile
 from ..runtime.alloc import give_back_freed_memory
 from . import awq
@@ -159,6 +160,8 @@ def find_experts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
     router (the sibling named ``gate`` or ``router``); None for a dense layer."""
     for _, mod in layer.named_modules():
         gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if not isinstance(gu, torch.Tensor):  # experts without a gate (Nemotron-H): 3-D up_proj / down_proj
+            gu = getattr(mod, "up_proj", None)
         if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3:
             parent = next((p for _, p in layer.named_modules() if any(c is mod for c in p.children())), None)
             router = None
@@ -170,7 +173,7 @@ def find_experts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
 
 
 # The config fields MoE architectures name their experts per token with.
-TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_topk", "moe_top_k", "moe_k")
+TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "top_k", "top_k_experts", "moe_topk", "moe_top_k", "moe_k")
 NO_SEAM = ("no routed-experts module at transformers' experts seam (a module with 3-D gate_up_proj / down_proj) in "
            "any decoder layer: experts held otherwise (per-expert modules, other names) are not read")
 
@@ -212,7 +215,7 @@ class ExpertLayout:
 
     @classmethod
     def of(cls, mod: torch.nn.Module, hidden: int) -> "ExpertLayout":
-        if not getattr(mod, "has_gate", True):
+        if not getattr(mod, "has_gate", isinstance(getattr(mod, "gate_up_proj", None), torch.Tensor)):
             raise InputError(f"{type(mod).__name__}: experts without a gate projection are not supported by "
                              "calibration (it scores gated experts: fc = [up; gate], proj = down)")
         gu = mod.gate_up_proj
@@ -333,22 +336,96 @@ class _CastHead(torch.nn.Module):
 # ---- the model, one layer at a time ------------------------------------------------------------------
 
 
+class _Carry:
+    """Stands for output ``slot`` (>= 1) of decoder layer ``layer`` where the model's own loop hands it to a
+    later layer (Indexer top-k shared across layers, a router state): replaced by the real value, per
+    batch, once that layer has run (``substitute``)."""
+
+    __slots__ = ("layer", "slot")
+
+    def __init__(self, layer: int, slot: int):
+        self.layer, self.slot = layer, slot
+
+    def __repr__(self):
+        return f"<output {self.slot} of decoder layer {self.layer}>"
+
+
+def substitute(obj, carries: dict):
+    """``obj`` (a layer's recorded call arguments) with every ``_Carry`` replaced by its value in
+    ``carries`` [(layer, slot)]; one not yet known is an error (a layer would run on a placeholder)."""
+    if isinstance(obj, _Carry):
+        if (obj.layer, obj.slot) not in carries:
+            raise InputError(f"a decoder layer's call takes {obj!r}, which is not known when it runs")
+        return carries[(obj.layer, obj.slot)]
+    if isinstance(obj, tuple):
+        return tuple(substitute(o, carries) for o in obj)
+    if isinstance(obj, list):
+        return [substitute(o, carries) for o in obj]
+    if isinstance(obj, dict):
+        return {k: substitute(v, carries) for k, v in obj.items()}
+    return obj
+
+
+def carried(calls) -> set:
+    """The (layer, slot) outputs that some recorded layer call takes (its ``_Carry`` placeholders)."""
+    if isinstance(calls, _Carry):
+        return {(calls.layer, calls.slot)}
+    if isinstance(calls, (tuple, list)):
+        return set().union(*(carried(c) for c in calls)) if calls else set()
+    if isinstance(calls, dict):
+        return carried(list(calls.values()))
+    return set()
+
+
+def run_layer(lay, l: int, x, call, carries: dict, needed: set):
+    """Decoder layer ``l`` on ``x`` with its recorded ``call`` (args, kwargs), the outputs earlier layers
+    hand on substituted; those of its own extra outputs that a later call takes (``needed``) are added to
+    ``carries``, detached. Returns the hidden state."""
+    args, kwargs = call
+    out = lay(x, *substitute(args, carries), **substitute(kwargs, carries))
+    if isinstance(out, tuple):
+        for k, v in enumerate(out[1:], start=1):
+            if (l, k) in needed:
+                carries[(l, k)] = v.detach() if isinstance(v, torch.Tensor) else v
+        return out[0]
+    return out
+
+
 class _Boundary(torch.nn.Module):
     """Stands in for decoder layer ``index``: records the call's arguments and passes the hidden states on.
     While ``final["x"]`` is set the causal LM's own forward is forming logits from that final hidden state:
-    nothing is recorded and the last layer's stand-in returns it."""
+    nothing is recorded and the last layer's stand-in returns it. A model whose layers return more than the
+    hidden state (``final["arity"]`` > 1) gets ``_Carry`` placeholders for the rest."""
 
-    def __init__(self, index: int, record: dict, final: dict, last: bool):
+    def __init__(self, index: int, record: dict, final: dict, last: bool, layer: torch.nn.Module | None = None):
         super().__init__()
         self.index, self.record, self.final, self.last = index, record, final, last
+        object.__setattr__(self, "_layer", layer)  # not a submodule: its tensors stay out of the model's
+
+    def __getattr__(self, name):
+        """What the model's own loop reads of a layer (``attention_type``, ``layer_type``...) from the layer
+        stood in for."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layer = self.__dict__.get("_layer")
+            if layer is None:
+                raise
+            return getattr(layer, name)
+
+    def _out(self, h):
+        n = self.final.get("arity", 1)
+        return h if n <= 1 else (h, *[_Carry(self.index, k) for k in range(1, n)])
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.final["x"] is not None:
-            return self.final["x"] if self.last else hidden_states
+            if self.last:
+                return self._out(self.final["x"])
+            return self._out(hidden_states * 1.5 + 1.0 if self.final.get("perturb") else hidden_states)
         self.record[self.index] = (args, kwargs)
         if self.index == 0:
             self.record["x0"] = hidden_states
-        return hidden_states
+        return self._out(hidden_states * 1.5 + 1.0 if self.final.get("perturb") else hidden_states)
 
 
 @dataclass
@@ -400,6 +477,34 @@ def _shard_index(model_dir: Path) -> dict[str, Path]:
     return out
 
 
+
+def computed_buffers(model: torch.nn.Module, root: torch.nn.Module) -> dict:
+    """The values transformers' own initialisation (``model._init_weights``) gives ``root``'s computed
+    (non-persistent) buffers still on the meta device, keyed (module prefix, buffer name): each owning
+    module is initialised as a CPU copy, so no loaded parameter is touched; a buffer the initialisation
+    does not write (still NaN) is left out, to be refused as missing."""
+    vals = {}
+    for prefix, sub in root.named_modules():
+        names = [n for n, t in sub._buffers.items()
+                 if t is not None and t.is_meta and n in sub._non_persistent_buffers_set]
+        if not names:
+            continue
+        clone = copy.deepcopy(sub).to_empty(device="cpu")
+        for n in names:
+            if clone._buffers[n].is_floating_point():
+                clone._buffers[n].fill_(float("nan"))
+        try:
+            for m in clone.modules():  # the owner and whatever it holds (a list of rotary tables)
+                model._init_weights(m)
+        except Exception:  # noqa: BLE001 - left on meta: refused as a missing tensor
+            continue
+        for n in names:
+            v = clone._buffers[n]
+            if v.is_floating_point() and not bool(torch.isnan(v).any()):
+                vals[(prefix, n)] = v.detach().clone()
+    return vals
+
+
 class StreamedModel:
     """A transformers causal LM whose decoder layers are loaded one at a time (see the module docstring).
 
@@ -439,11 +544,21 @@ class StreamedModel:
         self.record: dict = {}
         self._final: dict = {"x": None}
         for i in range(len(layers)):
-            layers[i] = _Boundary(i, self.record, self._final, last=i == len(layers) - 1)
+            layers[i] = _Boundary(i, self.record, self._final, last=i == len(layers) - 1, layer=layers[i])
         self.layer_keys: dict[int, list[str]] = {i: [] for i in range(len(layers))}
         other = []
+        try:  # a checkpoint key's layer is that of the module it loads into (transformers' renaming applied)
+            from transformers.core_model_loading import WeightConverter, rename_source_key
+            conv = [t for t in self.mapping if isinstance(t, WeightConverter)]
+            ren = [t for t in self.mapping if not isinstance(t, WeightConverter)]
+
+            def runtime(k: str) -> str:
+                return rename_source_key(k, ren, conv)[0]
+        except Exception:  # noqa: BLE001 - an older transformers: checkpoint names as written
+            def runtime(k: str) -> str:
+                return k
         for k in self.files:
-            m = _LAYER_KEY.search(k)
+            m = _LAYER_KEY.search(runtime(k))
             if m and int(m.group(1)) in self.layer_keys and "mtp" not in k:
                 self.layer_keys[int(m.group(1))].append(k)
             elif not m:
@@ -524,21 +639,22 @@ class StreamedModel:
         for name, mod in list(body.named_children()):
             if name == "layers":
                 continue
-            if any(b.is_meta for b in mod.buffers()) and not any(True for _ in mod.parameters()):
-                try:
-                    with torch.device(self.device):
-                        new = type(mod)(config=getattr(mod, "config", self.config.get_text_config()))
-                except Exception as e:  # noqa: BLE001 - any failure is one refusal naming the module
-                    raise InputError(f"cannot rebuild {type(mod).__name__} outside transformers' loader ({e})",
-                                     where=str(self.dir)) from None
-                setattr(body, name, new)
+            if any(b.is_meta for b in mod.buffers()):
+                mods = dict(mod.named_modules())
+                for (prefix, n), v in computed_buffers(model, mod).items():
+                    mods[prefix]._buffers[n] = v.to(self.device)
         missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
                    if t.is_meta and not _LAYER_KEY.search(n)]
         if missing:
             raise InputError(f"the checkpoint has no tensor for {missing[0]}"
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""), where=str(self.dir))
         emb = body.get_input_embeddings()
-        keep = {id(emb), id(head)}  # the two large tables stay in the checkpoint dtype
+        # The two large tables stay in the checkpoint dtype, the embedding only when it is a bare lookup
+        # (casting its rows = casting the table): one that computes on its rows (a norm, a scale) runs in
+        # the compute dtype like every other module.
+        plain = type(emb).forward is torch.nn.Embedding.forward and not any(True for _ in emb.buffers()) \
+            and [n for n, _ in emb.named_parameters()] == ["weight"]
+        keep = {id(emb), id(head)} if plain else {id(head)}
         for name, mod in body.named_children():
             if name != "layers":
                 self._place(mod, cast=id(mod) not in keep)
@@ -578,6 +694,14 @@ class StreamedModel:
     def layer_param_bytes(self, i: int, dtype: torch.dtype) -> int:
         return sum(p.numel() for p in self.meta_layers[i].parameters()) * torch.empty((), dtype=dtype).element_size()
 
+    @property
+    def carries_outputs(self) -> bool:
+        """Whether the model's own loop hands later decoder layers outputs of a layer besides the hidden
+        state (known once ``boundaries`` has run): they are carried per batch (``run_layer``). A carried
+        tensor is held constant by the backward pass: a floating-point one (a router state) then gets no
+        gradient, and the Fisher scores leave out the paths through it."""
+        return self._final.get("arity", 1) > 1
+
     def resident_param_bytes(self) -> int:
         seen, total = set(), 0
         for n, p in self.model.named_parameters():
@@ -596,6 +720,7 @@ class StreamedModel:
             self._load(self.layer_keys[i])
         finally:
             self.layers[i] = stub
+        self._computed_buffers(i, lay)
         left = [n for n, t in list(lay.named_parameters()) + list(lay.named_buffers()) if t.is_meta]
         if left:
             self._drop(i)
@@ -607,6 +732,18 @@ class StreamedModel:
             yield lay
         finally:
             self._drop(i)
+
+    def _computed_buffers(self, i: int, lay: torch.nn.Module) -> None:
+        """Layer ``i``'s computed (non-persistent) buffers, which no checkpoint holds (a rotary table inside
+        the attention), put in place per load: values from ``computed_buffers``, worked out once."""
+        cache = self.__dict__.setdefault("_computed", {})
+        if i not in cache:
+            cache[i] = computed_buffers(self.model, lay)
+        mods = dict(lay.named_modules())
+        for (prefix, n), v in cache[i].items():
+            sub = mods[prefix]
+            if sub._buffers[n] is not None and sub._buffers[n].is_meta:
+                sub._buffers[n] = v.to(self.device)
 
     def _drop(self, i: int) -> None:
         """Layer ``i`` back on the meta device in its declared dtypes; the freed memory returned to the system."""
@@ -623,14 +760,92 @@ class StreamedModel:
 
     # -- running
     def boundaries(self, ids: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """The embedding output and every decoder layer's call arguments for ``ids`` [B, T]."""
+        """The embedding output and every decoder layer's call arguments for ``ids`` [B, T]. The first call
+        learns, from decoder layer 0 run once, how many outputs a layer returns (see ``_Carry``)."""
         self.record.clear()
-        with torch.no_grad():
-            self.body(input_ids=ids.to(self.device), use_cache=False)
-        calls = [self.record[i] for i in range(len(self.layers))]
-        return self.record["x0"], calls
+        try:
+            with torch.no_grad():
+                self.body(input_ids=ids.to(self.device), use_cache=False)
+        except TrtmoeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the model's own loop ran on the stand-ins
+            if "arity" not in self._final and 0 in self.record:
+                with self.layer(0) as lay, torch.no_grad():
+                    out = lay(self.record["x0"], *self.record[0][0], **self.record[0][1])
+                self._final["arity"] = len(out) if isinstance(out, tuple) else 1
+                if self._final["arity"] > 1:
+                    return self.boundaries(ids)
+            raise self._stood_in_error(e) from e
+        self._final.setdefault("arity", 1)
+        calls, x0 = [self.record[i] for i in range(len(self.layers))], self.record["x0"]
+        if not self._final.get("checked"):
+            self._check_layer_independence(ids, x0)
+        return x0, calls
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def _stood_in_error(self, e: Exception) -> UnsupportedError:
+        """A failure of the model's own forward while every decoder layer was stood in for (recording the
+        layers' calls, forming the logits), as one line: not a failure of transformers' layers themselves,
+        which run only one at a time here."""
+        where = raised_in(e, "transformers")
+        msg = (str(e).strip().splitlines() or [""])[0]
+        return UnsupportedError(
+            f"{type(self.model).__name__}'s own forward failed with its decoder layers stood in for by the "
+            f"layer-streamed runner ({where + ': ' if where else ''}{type(e).__name__}: {msg}): its loop needs "
+            "more of a layer than the runner hands on, or transformers cannot run this configuration",
+            where=str(self.dir))
+
+    def _check_layer_independence(self, ids: torch.Tensor, x0: torch.Tensor) -> None:
+        """Refuse a model whose own loop computes a decoder layer's inputs (or the logits) from earlier
+        layers' outputs other than through the hidden state handed on (block or dense residual mixes that
+        keep every layer's output): run one layer at a time, those inputs would be recorded from the
+        stand-ins, silently wrong. Tested once, on a few tokens: the layers' calls recorded again with every
+        stand-in's output changed must not change, nor must the logits formed from one final hidden state
+        (nor the token ids the head is run with)."""
+        self._final["checked"] = True
+        few = ids[:1, :16].to(self.device)
+
+        def record(perturb: bool) -> list:
+            self.record.clear()
+            self._final["perturb"] = perturb
+            try:
+                with torch.no_grad():
+                    self.body(input_ids=few, use_cache=False)
+                return [self.record[i] for i in range(len(self.layers))]
+            finally:
+                self._final["perturb"] = False
+                self.record.clear()
+
+        def same(a, b) -> bool:
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                return a.shape == b.shape and bool(torch.equal(a, b))
+            if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+                return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+            if isinstance(a, dict) and isinstance(b, dict):
+                return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+            return True
+
+        name = type(self.model).__name__
+        for i, (c0, c1) in enumerate(zip(record(False), record(True))):
+            if not same(c0, c1):
+                raise UnsupportedError(f"{name}: the model's own loop computes decoder layer {i}'s inputs from "
+                                       "earlier layers' outputs besides the hidden state it hands on; the "
+                                       "layer-streamed runner runs one layer at a time and cannot",
+                                       where=str(self.dir))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(*few.shape, *x0.shape[2:], generator=g).to(self.device, x0.dtype)
+        with torch.no_grad():
+            logits = self.head(x)
+            self._final["perturb"] = True
+            try:
+                moved = self.head(x)
+            finally:
+                self._final["perturb"] = False
+            other_ids = self.head(x, fill=1)
+        if not (torch.equal(logits, moved) and torch.equal(logits, other_ids)):
+            raise UnsupportedError(f"{name}: the model's own forward forms the logits from earlier layers' outputs "
+                                   "besides the last one; the layer-streamed runner cannot", where=str(self.dir))
+
+    def head(self, x: torch.Tensor, fill: int = 0) -> torch.Tensor:
         """Logits of the final hidden states ``x`` [B, T, H] as the causal LM's own forward forms them (its
         layers stood in for, the last one handing on ``x``): the body's final norm whatever its name, the
         output head in the compute dtype (its weight cast a block of vocabulary rows at a time when stored
@@ -638,8 +853,12 @@ class StreamedModel:
         ``logits_scaling``, Cohere's ``logit_scale``, soft-capping)."""
         self._final["x"] = x
         try:
-            out = self.model(input_ids=torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), use_cache=False,
-                             output_router_logits=False)
+            out = self.model(input_ids=torch.full(x.shape[:2], fill, dtype=torch.long, device=x.device),
+                             use_cache=False, output_router_logits=False)
+        except TrtmoeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the model's own forward ran on the stand-ins
+            raise self._stood_in_error(e) from e
         finally:
             self._final["x"] = None
         return out.logits
@@ -652,14 +871,11 @@ class StreamedModel:
             x0, c = self.boundaries(b)
             xs.append(x0)
             calls.append(c)
+        carries, needed = [{} for _ in xs], carried(calls)
         for i in range(len(self.meta_layers)):
             with self.layer(i) as lay:
-                xs = [_hidden(lay(x, *calls[b][i][0], **calls[b][i][1])) for b, x in enumerate(xs)]
+                xs = [run_layer(lay, i, x, calls[b][i], carries[b], needed) for b, x in enumerate(xs)]
         return torch.cat([self.head(x).float() for x in xs])
-
-
-def _hidden(out):
-    return out[0] if isinstance(out, tuple) else out
 
 
 # ---- calibration -----------------------------------------------------------------------------------
@@ -680,7 +896,7 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
     bank = E * I * H * 4  # the experts' [up; gate] reordering (half of fc in float32) while they are scored
     resident = sm.resident_param_bytes()
     acts = 6 * n_tokens * H * 4  # two boundaries, two gradients, the MoE inputs and output gradients
-    heads = int(getattr(tc, "num_attention_heads", 1) or 1)
+    heads = int(max_over_layers(tc, "num_attention_heads", 1))
     batch = batch_tokens * c.vocab_size * 4 * 3 + 4 * batch_tokens * seq_len * heads * 4
     parts = {"layer": layer, "scored_experts": bank, "embedding_and_head": resident, "activations": acts,
              "batch": batch}
@@ -692,6 +908,23 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
         cached = per * min(sources, max(1, awq._GRAMS_KEPT // 6))
         parts["rounding_statistics"] = sample * (2 if cross_fit else 1) + cached
     return {"parts": parts, "total": sum(parts.values()), "available": available_memory(sm.device)}
+
+
+
+def max_over_layers(tc, name: str, default: int) -> int:
+    """A config field's value, the largest over the layers' own configs when transformers holds it per
+    layer (heterogeneous configs, ``per_layer_config``: reading such a field globally raises)."""
+    try:
+        v = getattr(tc, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError (a RuntimeError)
+        v = None
+        per = getattr(tc, "per_layer_config", None)
+        n = int(getattr(tc, "num_hidden_layers", 0) or 0)
+        if per is not None:
+            vals = [getattr(per[i], name, None) for i in range(n)]
+            vals = [x for x in vals if isinstance(x, int)]
+            v = max(vals) if vals else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
 
 
 def available_memory(device: torch.device) -> int:
@@ -825,6 +1058,8 @@ class _StreamRun:
         self.batches = list(ids.split(batch_size))
         self.x0: list = []
         self.calls: list = []
+        self.carries: list[dict] = []  # per batch, what layers hand later layers (StreamedModel.carries_outputs)
+        self.needed: set | None = None
         self.step = 0
         self.tick_total = 2 * self.L + 1
 
@@ -837,7 +1072,7 @@ class _StreamRun:
     def check_batches(self, d) -> None:
         """A boundary file: one [batch, T, H] tensor per calibration batch, nothing else."""
         if not (isinstance(d, list) and len(d) == len(self.batches) and all(
-                isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == len(b) and t.shape[1] == self.T
+                isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[0] == len(b) and t.shape[1] == self.T
                 and t.is_floating_point() for t, b in zip(d, self.batches))):
             raise ValueError("not one activation tensor per calibration batch")
 
@@ -847,8 +1082,13 @@ class _StreamRun:
             self.progress("sensitivity", self.step, self.tick_total)
 
     def layer_call(self, lay, l: int, b: int, x: torch.Tensor) -> torch.Tensor:
-        """Decoder layer ``l`` (loaded as ``lay``) on batch ``b``'s input ``x``."""
-        return _hidden(lay(x, *self.calls[b][l][0], **self.calls[b][l][1]))
+        """Decoder layer ``l`` (loaded as ``lay``) on batch ``b``'s input ``x`` (what earlier layers hand on
+        taken from ``carries``, filled bottom up by the forward pass)."""
+        while len(self.carries) <= b:
+            self.carries.append({})
+        if self.needed is None:
+            self.needed = carried(self.calls)
+        return run_layer(lay, l, x, self.calls[b][l], self.carries[b], self.needed)
 
 
 def _forward_pass(run: _StreamRun, probe: str, seed: int, notes: list[str]) -> int:
@@ -862,10 +1102,14 @@ def _forward_pass(run: _StreamRun, probe: str, seed: int, notes: list[str]) -> i
     if resume_g is not None:
         clock.resumed = True
         notes.append(f"sensitivity resumed from an interrupted run: layers {resume_g}..{L - 1} were already done")
+        if sm.carries_outputs:  # the layers the backward pass reruns take what the layers below hand on
+            _refill_carries(run, resume_g)
         run.step += L
         run.tick()
         return resume_g
-    start = max([l for l in range(1, L + 1) if run.xf(l).is_file()], default=0)
+    # A model whose layers hand later layers more than the hidden state runs its forward pass from the
+    # bottom: what was handed on is not in the saved layer inputs.
+    start = 0 if sm.carries_outputs else max([l for l in range(1, L + 1) if run.xf(l).is_file()], default=0)
     clock.resumed = clock.resumed or start > 0
     xs = run.x0 if start == 0 else _load(run.xf(start), run.check_batches)
     run.step += start
@@ -896,6 +1140,21 @@ def _forward_pass(run: _StreamRun, probe: str, seed: int, notes: list[str]) -> i
         _save(gs, run.gf(L))
     run.tick()
     return L
+
+
+def _refill_carries(run: _StreamRun, upto: int) -> None:
+    """Layers 0..``upto``-1 rerun from the embedding's output (nothing saved) for what they hand later
+    layers besides the hidden state (``_Carry``), which a resumed run's backward pass needs."""
+    xs = run.x0
+    for l in range(upto):
+        with run.clock("io"):
+            cm = run.sm.layer(l)
+            lay = cm.__enter__()
+        try:
+            with run.clock("forward"), torch.no_grad():
+                xs = [run.layer_call(lay, l, b, x) for b, x in enumerate(xs)]
+        finally:
+            cm.__exit__(None, None, None)
 
 
 class _Totals:

@@ -87,12 +87,16 @@ def describe_transformers_moe(model_dir: str | Path) -> dict:
         first_router = router if not moe_layers else first_router
         moe_layers.append(i)
         names = {id(m): n for n, m in lay.named_modules()}
-        routed[f"model.layers.{i}.{names[id(mod)]}."] = int(mod.gate_up_proj.shape[0])
+        gated = isinstance(getattr(mod, "gate_up_proj", None), torch.Tensor)
+        gu = mod.gate_up_proj if gated else mod.up_proj
+        routed[f"model.layers.{i}.{names[id(mod)]}."] = int(gu.shape[0])
         if router is not None and id(router) in names:
             routers.add(f"model.layers.{i}.{names[id(router)]}.")
-        lay_out = ExpertLayout.of(mod, hidden)
-        gu = mod.gate_up_proj
-        ffn = int((gu.shape[2] if lay_out.transposed else gu.shape[1]) // 2)
+        if gated:
+            lay_out = ExpertLayout.of(mod, hidden)
+            ffn = int((gu.shape[2] if lay_out.transposed else gu.shape[1]) // 2)
+        else:
+            ffn = int(gu.shape[1] if gu.shape[2] == hidden else gu.shape[2])
     if not moe_layers:
         raise UnsupportedError(f"{type(model).__name__} has {NO_SEAM}", where=str(path))
     E = next(iter(routed.values()))
