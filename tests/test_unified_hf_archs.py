@@ -461,6 +461,9 @@ def test_llama4_multimodal_exports_its_text_model_and_keeps_the_towers(llama4, t
     ("dots1", {"attention": 12, "shared": 6, "dense": 3}),  # q/k/v/o attention, one shared expert, dense layer 0
     ("lfm2_moe", {"dense": 3}),  # attention's out_proj and the short convolutions: kept in the model dtype
     ("jamba", {"attention": 8, "dense": 6}),  # the Mamba mixers kept; dense MLPs in the layers without experts
+    # The hub's shared_expert is transformers' shared_experts once loaded: its input amax is measured under
+    # the module's own name and found under the hub's. Gated attention (g_proj): attention kept.
+    ("laguna", {"shared": 6, "dense": 3}),
 ])
 def test_transformers_moe_without_a_row_is_read_by_name(arch, kinds, tiny_model, tmp_path):
     """A MoE outside the registry and the rows whose experts are stored one linear per expert is exported by
@@ -501,6 +504,25 @@ def test_transformers_moe_without_a_row_is_read_by_name(arch, kinds, tiny_model,
     p = run_cli("convert", model, "-o", tmp_path / "mixed", "--target", "trtllm-pytorch", "--layer-format",
                 f"{moe[0]}=fp8", "--layer-format", f"{moe[-1]}=nvfp4", "--calib-ids", tmp_path / "ids.json", "--sm", "100")
     assert p.returncode == 2 and "MIXED_PRECISION" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_experts_without_a_gate_get_their_input_amax_measured(tiny_model, tmp_path):
+    """Nemotron-H's routed experts are up_proj / down_proj (relu², no gate), 3-D at transformers' experts seam:
+    an FP8 export measures both matrices' inputs there (the layer input and act(x·upᵀ)) and gives every expert
+    linear its input scale."""
+    model = tiny_model("nemotron_h", dtype="bfloat16")
+    (tmp_path / "ids.json").write_text(json.dumps([[3, 17, 5, 42, 9, 11, 2, 8], [1, 4, 4, 7, 120, 33]]))
+    p = run_cli("convert", model, "-o", tmp_path / "fp8", "--target", "vllm", "--layer-format", "*=fp8",
+                "--calib-ids", tmp_path / "ids.json")
+    assert p.returncode == 0, p.stderr
+    got = tensors(tmp_path / "fp8")
+    experts = [k[:-len(".weight")] for k in got if ".experts." in k and k.endswith(".weight")
+               and ".shared_experts." not in k]
+    assert len(experts) == 16 and {e.rsplit(".", 1)[1] for e in experts} == {"up_proj", "down_proj"}
+    for e in experts:
+        assert got[e + ".weight"].dtype == torch.float8_e4m3fn and float(got[e + ".input_scale"]) > 0, e
+    assert len({float(got[e + ".input_scale"]) for e in experts if e.endswith("up_proj")}) == 1  # one per layer
+    verify_artifact(tmp_path / "fp8")
 
 
 def test_transformers_moe_without_a_row_takes_a_graded_plan_from_its_streamed_calibration(tiny_model, tmp_path):

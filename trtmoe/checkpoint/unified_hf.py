@@ -618,6 +618,20 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
                         gate, up = torch.nn.functional.linear(x[rows], m.gate_up_proj[e]).chunk(2, dim=-1)
                         bump(("experts_mid", layer), (m.act_fn(gate) * up).detach().abs().amax())
             hooks.append(mod.register_forward_pre_hook(on_experts, with_kwargs=True))
+        elif (type(mod).__name__.endswith("Experts") and isinstance(getattr(mod, "up_proj", None), torch.Tensor)
+              and mod.up_proj.dim() == 3):
+            # experts without a gate (Nemotron-H: act(x @ up) @ down), stored as 3-D up_proj / down_proj
+            layer = int(_LAYER.search("." + name + ".").group(1))
+
+            def on_plain_experts(m, args, kwargs, layer=layer):
+                x, idx = (args + tuple(kwargs.values()))[:2]
+                bump(("experts_in", layer), x.detach().abs().amax())
+                for e in range(m.up_proj.shape[0]):
+                    rows = (idx == e).any(-1)
+                    if rows.any():
+                        mid = m.act_fn(torch.nn.functional.linear(x[rows], m.up_proj[e]))
+                        bump(("experts_mid", layer), mid.detach().abs().amax())
+            hooks.append(mod.register_forward_pre_hook(on_plain_experts, with_kwargs=True))
     try:
         with torch.no_grad():
             for row in token_ids:
@@ -630,6 +644,19 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
     finally:
         for h in hooks:
             h.remove()
+    try:  # the checkpoint's names as transformers' loader renames them (hub names -> module names)
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+        mapping = get_model_conversion_mapping(model)
+        renamings = [t for t in mapping if not isinstance(t, WeightConverter)]
+        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+
+        def runtime_name(n: str) -> str:
+            key, _ = rename_source_key(n + ".weight", renamings, converters)
+            return key[:-len(".weight")] if key.endswith(".weight") else n
+    except Exception:  # noqa: BLE001 - an older transformers: the names as written
+        def runtime_name(n: str) -> str:
+            return n
     out = {}
     for m in mods:
         if m.kind == "expert":
@@ -637,9 +664,9 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
             if key in amax:
                 out[m.name] = amax[key]
         else:
-            hf_name = m.name
+            hf_name = m.name if m.name in amax else runtime_name(m.name)
             if hf_name in amax:
-                out[hf_name] = amax[hf_name]
+                out[m.name] = amax[hf_name]
             else:  # transformers 5 module names differ from the hub names for some layouts
                 alt = hf_name.replace(".block_sparse_moe.", ".mlp.")
                 if alt in amax:
