@@ -481,18 +481,23 @@ def _shard_index(model_dir: Path) -> dict[str, Path]:
 def computed_buffers(model: torch.nn.Module, root: torch.nn.Module) -> dict:
     """The values transformers' own initialisation (``model._init_weights``) gives ``root``'s computed
     (non-persistent) buffers still on the meta device, keyed (module prefix, buffer name): each owning
-    module is initialised as a CPU copy, so no loaded parameter is touched; a buffer the initialisation
-    does not write (still NaN) is left out, to be refused as missing."""
+    module is initialised as a copy whose other tensors are on the meta device (a loaded table is neither
+    touched nor copied: Gemma's embedding owns its scale) and whose wanted buffers are NaN on the CPU; a
+    buffer the initialisation does not write (still NaN) is left out, to be refused as missing."""
     vals = {}
     for prefix, sub in root.named_modules():
-        names = [n for n, t in sub._buffers.items()
-                 if t is not None and t.is_meta and n in sub._non_persistent_buffers_set]
+        names = [n for n, t in sub._buffers.items() if t is not None and t.is_meta and t.is_floating_point()
+                 and n in sub._non_persistent_buffers_set]
         if not names:
             continue
-        clone = copy.deepcopy(sub).to_empty(device="cpu")
+        memo: dict = {}
+        for t in [*sub.parameters(), *sub.buffers()]:
+            if not t.is_meta:
+                meta = torch.empty_like(t, device="meta")
+                memo[id(t)] = torch.nn.Parameter(meta, t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+        clone = copy.deepcopy(sub, memo)
         for n in names:
-            if clone._buffers[n].is_floating_point():
-                clone._buffers[n].fill_(float("nan"))
+            clone._buffers[n] = torch.full(clone._buffers[n].shape, float("nan"), dtype=clone._buffers[n].dtype)
         try:
             for m in clone.modules():  # the owner and whatever it holds (a list of rotary tables)
                 model._init_weights(m)
