@@ -202,6 +202,26 @@ def test_encoder_decoder_and_multimodal_wrappers_are_refused_in_one_line(tmp_pat
                                                 else said[name] in line), line
 
 
+def test_a_multimodal_wrapper_in_the_causal_lm_mapping_is_named_a_wrapper(tmp_path, text, tokdir):
+    """Gemma-4's multimodal class is what AutoModelForCausalLM builds for its config, and its decoder layers are
+    not at model.layers: calibrate and inspect say it is a multimodal wrapper around its text model (which
+    calibrates: gemma4_text above), in one line."""
+    import transformers
+    from make_tiny_models import DEFAULT_CONFIGS
+    from safetensors.torch import save_file
+
+    d = tmp_path / "gemma4"
+    transformers.Gemma4Config(text_config=dict(DEFAULT_CONFIGS["gemma4_text"]),
+                              architectures=["Gemma4ForConditionalGeneration"]).save_pretrained(d)
+    save_file({"x": torch.zeros(1, dtype=torch.bfloat16)}, str(d / "model.safetensors"))
+    said = "Gemma4ForConditionalGeneration is a multimodal wrapper around its text model (model_type 'gemma4_text')"
+    r = cli("calibrate", d, "--data", text, "-o", tmp_path / "c", "--runner", "stream", "--samples", "2",
+            "--seq-len", "16", "--tokenizer", tokdir, expect=2)
+    assert said in " ".join(r.output.split()) and len(r.output.strip().splitlines()) == 1, r.output
+    r = cli("inspect", d, expect=2)
+    assert said in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
+
+
 def test_models_whose_layers_or_experts_are_off_the_seam_are_refused_in_one_line(tmp_path, text, tokdir):
     """DBRX keeps its layers at transformer.blocks (experts as flattened w1/v1/w2), JetMoE its experts as
     input_linear / output_linear modules: the runner reads neither, and says so in one line naming the class."""

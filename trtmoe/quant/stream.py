@@ -191,6 +191,16 @@ def no_causal_lm(config) -> str:
             "models only")
 
 
+def layers_elsewhere(model: torch.nn.Module, config) -> str:
+    """Why the runner cannot read ``model``'s decoder layers at model.layers, in one line."""
+    if config.get_text_config() is not config:  # a multimodal class in the causal-LM mapping (Gemma-4)
+        return (f"{type(model).__name__} is a multimodal wrapper around its text model (model_type "
+                f"{getattr(config.get_text_config(), 'model_type', '?')!r}), whose decoder layers the layer-streamed "
+                "runner does not reach: decoder-only causal language models only")
+    return (f"{type(model).__name__}: the layer-streamed runner reads the decoder layers at model.layers and the "
+            "head at lm_head; this model has them elsewhere")
+
+
 def experts_per_token(text_config, router: torch.nn.Module | None) -> int:
     """How many experts each token is routed to: the config's field (``TOP_K_FIELDS``), else the router
     module's own ``top_k``; 0 when neither says."""
@@ -536,8 +546,7 @@ class StreamedModel:
         body = getattr(model, "model", None)
         layers = getattr(body, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head"):
-            raise InputError(f"{type(model).__name__}: the layer-streamed runner reads the decoder layers at "
-                             "model.layers and the head at lm_head; this model has them elsewhere", where=str(self.dir))
+            raise InputError(layers_elsewhere(model, config), where=str(self.dir))
         adapt_seams(model)
         self.model, self.body, self.layers = model, body, layers
         self.mapping = get_mapping(model)

@@ -18,7 +18,8 @@ from ..errors import InputError, UnsupportedError
 from ..hf.reader import read_json
 from ..hf.adapters import supported_architectures
 from ..hf.validate import validate_hf_config
-from ..quant.stream import NO_SEAM, ExpertLayout, adapt_seams, experts_per_token, find_experts, no_causal_lm
+from ..quant.stream import (NO_SEAM, ExpertLayout, adapt_seams, experts_per_token, find_experts, layers_elsewhere,
+                             no_causal_lm)
 
 # The deepest model counted from transformers' own modules (building one on the meta device takes about
 # 0.1 s per layer); released MoEs have at most a few hundred layers.
@@ -74,7 +75,8 @@ def describe_transformers_moe(model_dir: str | Path) -> dict:
         raise UnsupportedError(e.what, where=str(path)) from None
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise UnsupportedError(f"{type(model).__name__}: no decoder layers (model.layers) to count", where=str(path))
+        raise UnsupportedError(layers_elsewhere(model, config) if tc is not config
+                               else f"{type(model).__name__}: no decoder layers (model.layers) to count", where=str(path))
     hidden = int(tc.hidden_size)
     routed: dict[str, int] = {}  # experts-module prefix -> its number of experts
     routers: set[str] = set()
