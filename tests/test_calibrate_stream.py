@@ -374,6 +374,15 @@ def test_streamed_calibration_refuses_a_run_that_does_not_fit(tiny_model, tokdir
     sm = stream.StreamedModel(model)
     parts = {cf: stream.memory_plan(sm, 1 << 16, 64, 16, rounding="awq_gptq", cross_fit=cf)["parts"] for cf in (0, 1)}
     assert parts[1]["rounding_statistics"] > parts[0]["rounding_statistics"] > 0
+    # DeepSeek-V4's hidden state between layers is hc_mult copies of the hidden size (hyper-connections): the
+    # boundaries and their gradients are counted that wide.
+    ids = torch.arange(3, 19).reshape(1, 16)
+    assert sm.hidden_copies(ids) == 1
+    v4 = stream.StreamedModel(tiny_model("deepseek_v4", seed=3))
+    copies = v4.hidden_copies(ids)
+    assert copies == v4.config.hc_mult == 4
+    one, wide = (stream.memory_plan(v4, 1 << 16, 64, 16, copies=n)["parts"]["activations"] for n in (1, copies))
+    assert wide == one * (4 * copies + 2) // 6
 
 
 def test_calibrate_command_runs_the_stream_and_prints_what_it_measured(tiny_model, tokdir, text, tmp_path):

@@ -470,7 +470,8 @@ def _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, s:
         raise InputError("none of the candidate formats can store this model's experts: "
                          + "; ".join(skipped.values()), hint="choose --formats int8,int4")
     N, T = ids.shape
-    plan = memory_plan(sm, N * T, min(s.batch_size, N) * T, T, rounding=s.rounding, cross_fit=s.cross_fit)
+    plan = memory_plan(sm, N * T, min(s.batch_size, N) * T, T, rounding=s.rounding, cross_fit=s.cross_fit,
+                       copies=sm.hidden_copies(ids))
     parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.2f}" for k, v in plan["parts"].items())
     notes.append(f"layer-streamed calibration on {sm.device} in {str(sm.compute_dtype).replace('torch.', '')}: "
                  f"needs about {plan['total'] / 2**30:.2f} GiB at its peak ({parts} GiB; independent of the number "

@@ -708,6 +708,13 @@ class StreamedModel:
     def layer_param_bytes(self, i: int, dtype: torch.dtype) -> int:
         return sum(p.numel() for p in self.meta_layers[i].parameters()) * torch.empty((), dtype=dtype).element_size()
 
+    def hidden_copies(self, ids: torch.Tensor) -> int:
+        """How many hidden-size vectors a token's hidden state between decoder layers holds (1; the copies
+        of a hyper-connection model's [batch, tokens, copies, hidden] state), from the embedding's output
+        for a few of ``ids``'s tokens."""
+        x0, _ = self.boundaries(ids[:1, :16])
+        return max(1, x0[0, 0].numel() // int(self.cfg.hidden_size))
+
     @property
     def carries_outputs(self) -> bool:
         """Whether the model's own loop hands later decoder layers outputs of a layer besides the hidden
@@ -896,11 +903,12 @@ class StreamedModel:
 
 
 def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: int, rounding: str = "rtn",
-                cross_fit: bool = False) -> dict:
+                cross_fit: bool = False, copies: int = 1) -> dict:
     """Bytes the streamed calibration needs at its peak, by part, and what is available. ``rounding``
     other than rtn adds what its statistics hold while a layer is scored: the layer's sampled MoE inputs
     (a second sample per fold when ``cross_fit``) and the Gram matrices and row samples the searches
-    rebuild from them (``awq._GRAMS_KEPT``)."""
+    rebuild from them (``awq._GRAMS_KEPT``). ``copies``: how many hidden-size vectors the hidden state
+    between layers holds per token (``StreamedModel.hidden_copies``)."""
     cb = torch.empty((), dtype=sm.compute_dtype).element_size()
     c = sm.cfg
     tc = sm.config.get_text_config()
@@ -909,7 +917,9 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
     E, I, H = c.num_experts, c.expert_intermediate_size, c.hidden_size
     bank = E * I * H * 4  # the experts' [up; gate] reordering (half of fc in float32) while they are scored
     resident = sm.resident_param_bytes()
-    acts = 6 * n_tokens * H * 4  # two boundaries, two gradients, the MoE inputs and output gradients
+    # Two boundaries and two gradients (the hidden state between layers: ``copies`` × H wide with
+    # hyper-connections), the MoE inputs and their output gradients (H wide).
+    acts = (4 * copies + 2) * n_tokens * H * 4
     heads = int(max_over_layers(tc, "num_attention_heads", 1))
     batch = batch_tokens * c.vocab_size * 4 * 3 + 4 * batch_tokens * seq_len * heads * 4
     parts = {"layer": layer, "scored_experts": bank, "embedding_and_head": resident, "activations": acts,
