@@ -606,32 +606,28 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
                 gate, up = torch.bmm(x, m.gate_up_proj).chunk(2, dim=-1)
                 bump(("experts_mid", layer), (up * m.act_fn(gate)).detach().abs().amax())
             hooks.append(mod.register_forward_pre_hook(on_llama4))
-        elif type(mod).__name__.endswith("Experts") and hasattr(mod, "gate_up_proj"):
+        elif type(mod).__name__.endswith("Experts") and any(
+                isinstance(getattr(mod, w, None), torch.Tensor) and getattr(mod, w).dim() == 3
+                for w in ("gate_up_proj", "up_proj")):
+            # The seam's experts, gated (gate_up_proj) or not (Nemotron-H: act(x @ up) @ down, 3-D up_proj).
             layer = int(_LAYER.search("." + name + ".").group(1))
 
             def on_experts(m, args, kwargs, layer=layer):
                 x, idx = (args + tuple(kwargs.values()))[:2]
                 bump(("experts_in", layer), x.detach().abs().amax())
-                for e in range(m.gate_up_proj.shape[0]):
+                gated = isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+                w = m.gate_up_proj if gated else m.up_proj
+                for e in range(w.shape[0]):
                     rows = (idx == e).any(-1)
                     if rows.any():
-                        gate, up = torch.nn.functional.linear(x[rows], m.gate_up_proj[e]).chunk(2, dim=-1)
-                        bump(("experts_mid", layer), (m.act_fn(gate) * up).detach().abs().amax())
-            hooks.append(mod.register_forward_pre_hook(on_experts, with_kwargs=True))
-        elif (type(mod).__name__.endswith("Experts") and isinstance(getattr(mod, "up_proj", None), torch.Tensor)
-              and mod.up_proj.dim() == 3):
-            # experts without a gate (Nemotron-H: act(x @ up) @ down), stored as 3-D up_proj / down_proj
-            layer = int(_LAYER.search("." + name + ".").group(1))
-
-            def on_plain_experts(m, args, kwargs, layer=layer):
-                x, idx = (args + tuple(kwargs.values()))[:2]
-                bump(("experts_in", layer), x.detach().abs().amax())
-                for e in range(m.up_proj.shape[0]):
-                    rows = (idx == e).any(-1)
-                    if rows.any():
-                        mid = m.act_fn(torch.nn.functional.linear(x[rows], m.up_proj[e]))
+                        h = torch.nn.functional.linear(x[rows], w[e])
+                        if gated:
+                            gate, up = h.chunk(2, dim=-1)
+                            mid = m.act_fn(gate) * up
+                        else:
+                            mid = m.act_fn(h)
                         bump(("experts_mid", layer), mid.detach().abs().amax())
-            hooks.append(mod.register_forward_pre_hook(on_plain_experts, with_kwargs=True))
+            hooks.append(mod.register_forward_pre_hook(on_experts, with_kwargs=True))
     try:
         with torch.no_grad():
             for row in token_ids:
