@@ -46,6 +46,7 @@ from torch import Tensor
 from .. import __version__
 from ..errors import CheckpointError, InputError, UnsupportedError
 from ..hf.adapters import adapter_for
+from ..hf.loaded_names import loaded_name
 from ..hf.reader import HFCheckpoint
 from ..hf.safetensors_io import SafetensorsFile, StreamingWriter
 from ..quant import awq
@@ -640,19 +641,13 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
     finally:
         for h in hooks:
             h.remove()
-    try:  # the checkpoint's names as transformers' loader renames them (hub names -> module names)
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-        mapping = get_model_conversion_mapping(model)
-        renamings = [t for t in mapping if not isinstance(t, WeightConverter)]
-        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    from transformers.conversion_mapping import get_model_conversion_mapping
 
-        def runtime_name(n: str) -> str:
-            key, _ = rename_source_key(n + ".weight", renamings, converters)
-            return key[:-len(".weight")] if key.endswith(".weight") else n
-    except Exception:  # noqa: BLE001 - an older transformers: the names as written
-        def runtime_name(n: str) -> str:
-            return n
+    loaded = loaded_name(get_model_conversion_mapping(model))  # hub names -> the module names measured
+
+    def runtime_name(n: str) -> str:
+        key = loaded(n + ".weight")
+        return key[:-len(".weight")] if key.endswith(".weight") else n
     out = {}
     for m in mods:
         if m.kind == "expert":

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError, TrtmoeError, UnsupportedError, raised_in
+from ..hf.loaded_names import loaded_name
 from ..hf.safetensors_io import SafetensorsFile
 from ..runtime.alloc import give_back_freed_memory
 from . import awq
@@ -561,16 +562,7 @@ class StreamedModel:
             layers[i] = _Boundary(i, self.record, self._final, last=i == len(layers) - 1, layer=layers[i])
         self.layer_keys: dict[int, list[str]] = {i: [] for i in range(len(layers))}
         other = []
-        try:  # a checkpoint key's layer is that of the module it loads into (transformers' renaming applied)
-            from transformers.core_model_loading import WeightConverter, rename_source_key
-            conv = [t for t in self.mapping if isinstance(t, WeightConverter)]
-            ren = [t for t in self.mapping if not isinstance(t, WeightConverter)]
-
-            def runtime(k: str) -> str:
-                return rename_source_key(k, ren, conv)[0]
-        except Exception:  # noqa: BLE001 - an older transformers: checkpoint names as written
-            def runtime(k: str) -> str:
-                return k
+        runtime = loaded_name(self.mapping)  # a checkpoint key's layer is that of the module it loads into
         for k in self.files:
             m = _LAYER_KEY.search(runtime(k))
             if m and int(m.group(1)) in self.layer_keys and "mtp" not in k:
@@ -944,10 +936,14 @@ def max_over_layers(tc, name: str, default: int) -> int:
         v = None
         per = getattr(tc, "per_layer_config", None)
         n = int(getattr(tc, "num_hidden_layers", 0) or 0)
-        if per is not None:
-            vals = [getattr(per[i], name, None) for i in range(n)]
-            vals = [x for x in vals if isinstance(x, int)]
-            v = max(vals) if vals else None
+        vals = []
+        for i in range(n if per is not None else 0):
+            try:
+                vals.append(getattr(per[i], name, None))
+            except (KeyError, IndexError, TypeError):  # a layer the per-layer configs leave out
+                continue
+        vals = [x for x in vals if isinstance(x, int)]
+        v = max(vals) if vals else None
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
 
 
