@@ -432,10 +432,11 @@ class _Boundary(torch.nn.Module):
         if self.final["x"] is not None:
             if self.last:
                 return self._out(self.final["x"])
-            return self._out(hidden_states * 1.5 + 1.0 if self.final.get("perturb") else hidden_states)
-        self.record[self.index] = (args, kwargs)
-        if self.index == 0:
-            self.record["x0"] = hidden_states
+        else:
+            self.record[self.index] = (args, kwargs)
+            if self.index == 0:
+                self.record["x0"] = hidden_states
+        # (perturbed while ``_check_layer_independence`` asks whether anything reads a stand-in's output)
         return self._out(hidden_states * 1.5 + 1.0 if self.final.get("perturb") else hidden_states)
 
 
