@@ -29,6 +29,12 @@ Then graded plans over the ladder FP16 / FP8 / FP4 (``--ladder``, default float,
 is converted (``convert``, the input scales from the calibration) and run by the embedded engine on
 the held-out windows. KL should not increase as the budget grows.
 
+For each format that quantizes its activations (FP8 W8A8, NVFP4 W4A4, FP8-block with 1x128 inputs) a
+row "<format> acts only" keeps the weights unquantized and quantizes only the inputs, as the format's
+kernel does with the same input scales: the KL no weight rounding can go below, and its ratio to
+ModelOpt's KL for the format, the lowest ratio any rounding of the weights could reach (weight and
+activation errors add, near enough, at these sizes).
+
     python scripts/bench_formats.py [--calib-samples 16] [--eval-samples 16] [--seq-len 128]
 """
 
@@ -164,6 +170,32 @@ def moe_inputs(eng: EmbeddedEngine, ids: torch.Tensor, layers: list[int]):
     return {l: (torch.cat([x.reshape(-1, x.shape[-1]) for x in xs[l]]), torch.cat(rs[l])) for l in layers}
 
 
+class _ActsOnlyBank(PackedExperts):
+    """Float experts whose matrices' inputs are quantized as ``fmt``'s kernel quantizes them (its input
+    scales from ``amax``), the weights left unquantized."""
+
+    def __init__(self, base, fmt, amax: dict[str, torch.Tensor], dtype):
+        self.fmt, self.kernels, self._stacks = fmt, False, []
+        self.mats = []
+        for e in range(base.fc.shape[0]):
+            w = base.row_major(e)
+            self.mats.append({k: (w[k].float(), fmt.quantize(w[k], dtype=dtype, input_amax=amax[k]))
+                              for k in ("fc", "proj")})
+        self.shards = [[None] for _ in self.mats]
+        self.fc_names = self.proj_names = [f"{fmt.name} acts"] * len(self.mats)
+
+    def _lin(self, x, e, k):
+        w, packed = self.mats[e][k]
+        return (self.fmt.quantize_input(x.float(), packed) @ w.T).to(x.dtype)
+
+    def forward(self, e, x):
+        up, gate = self._lin(x, e, "fc").chunk(2, dim=-1)
+        return self._lin(torch.nn.functional.silu(gate) * up, e, "proj")
+
+    forward_grouped = _SplitBank.forward_grouped
+    forward_picks = _SplitBank.forward_picks
+
+
 def quantized_bank(base, fmt, amax: dict[str, torch.Tensor], dtype) -> PackedExperts:
     shards = []
     E = base.fc.shape[0]
@@ -297,6 +329,11 @@ def main() -> int:
                 nb = expert_bytes(fmt, eng)
                 bpw = 8 * nb / (float_bytes / 2)
                 print(f"{n:<14} {bpw:7.3f} {nb / 1e6:9.3f} {kl:10.5f} {100 * same:9.2f}% {secs:6.1f}{mo}", flush=True)
+                if getattr(fmt, "activation", None):
+                    akl, asame = run_banks({l: _ActsOnlyBank(bases[l], fmt, amax[l], eng.dtype) for l in layers})
+                    floor = f"   acts only / ModelOpt KL {akl / mkl:.3f}x" if mkl else ""
+                    print(f"{n + ' acts only':<14} {'':7} {'':9} {akl:10.5f} {100 * asame:9.2f}% {'':6}{floor}",
+                          flush=True)
             if not args.ladder:
                 continue
             # ---- graded plans over the ladder ----------------------------------------------------
