@@ -126,14 +126,20 @@ class TrtmoeGroup(click.Group):
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.pass_context
 def main(ctx, debug):
-    """trtmoe: Hugging Face MoE checkpoint → TensorRT-LLM checkpoint → engine → Triton.
+    """trtmoe: Hugging Face MoE checkpoint → quantized checkpoint → engine → Triton.
 
     \b
-    Typical flow:
+    Typical flow (TensorRT-LLM 1.2 engines, or the embedded engine):
       trtmoe inspect MODEL --tp 2 --moe-ep 2
-      trtmoe convert MODEL -o ckpt/ --tp 2 --moe-ep 2
+      trtmoe calibrate MODEL --data calib.txt -o calib/
+      trtmoe convert MODEL -o ckpt/ --tp 2 --moe-ep 2 --calib calib/ --budget 4.5
       trtmoe verify ckpt/
       trtmoe run ckpt/ --tokenizer MODEL --prompt "def main("
+      trtmoe build ckpt/ -o engine/ && trtmoe repo engine/ -o repo/ && trtmoe serve repo/
+    \b
+    For TensorRT-LLM's PyTorch backend, vLLM or SGLang (a ModelOpt unified-HF checkpoint):
+      trtmoe calibrate MODEL --data calib.txt -o calib/ --formats fp8,nvfp4 --runner stream
+      trtmoe convert MODEL -o hf/ --target trtllm-pytorch --calib calib/ --budget 6
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
@@ -355,7 +361,9 @@ def _render_support(rep: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert(model, out, config_path, target, layer_formats, calib_ids, engine_release, sm, force, as_json,
             **options):
-    """Convert an HF MoE checkpoint into a TensorRT-LLM checkpoint directory.
+    """Convert an HF MoE checkpoint into a TensorRT-LLM 1.2 checkpoint directory (the default target,
+    also what the embedded engine runs), or with --target trtllm-pytorch|vllm|sglang a ModelOpt
+    unified-HF checkpoint.
 
     Streams tensor by tensor (memory stays bounded whatever the model size) into a temporary
     sibling directory that is renamed into place only when everything succeeded.

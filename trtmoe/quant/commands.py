@@ -34,9 +34,13 @@ def calibrate(model, out, config_path, force, as_json, **options):
     phase took and the total's ratio to one forward pass over the same tokens, which is also printed.
 
     \b
-    Example:
+    Examples:
       trtmoe calibrate tests/fixtures/trained_mixtral --data calib.txt -o calib/
       trtmoe convert tests/fixtures/trained_mixtral -o ckpt/ --calib calib/ --budget 4.5
+    \b
+    For the PyTorch-backend engines (FP8 / NVFP4 per MoE layer), one decoder layer resident:
+      trtmoe calibrate ./qwen3-moe --data calib.txt -o calib/ --formats fp8,nvfp4 --runner stream
+      trtmoe convert ./qwen3-moe -o hf/ --target vllm --calib calib/ --budget 6
     """
     from .calibrate import CalibrationSettings
     from .calibrate import calibrate as run
