@@ -358,6 +358,30 @@ def test_streamed_calibration_resumes_per_layer(arch, stop_at, tiny_model, tokdi
     assert other["sensitivity"]["delta_kl"] == whole["sensitivity"]["delta_kl"]
 
 
+def test_memory_statement_counts_the_layer_outputs_carried_to_later_layers(tiny_model, tokdir, text):
+    from trtmoe.quant import stream
+
+    ids = token_batches(load_texts(text), load_tokenizer(tokdir), 4, 16)
+    sm = StreamedModel(tiny_model("glm_moe_dsa", seed=4))
+    per_token = sm.carried_bytes_per_token(ids)
+    # What running every layer over every batch holds: the indexer top-k each layer hands on.
+    held = 0
+    for b in ids.split(2):
+        x, calls = sm.boundaries(b)
+        carries, needed = {}, stream.carried(calls)
+        for i in range(len(sm.meta_layers)):
+            with sm.layer(i) as lay, torch.no_grad():
+                x = stream.run_layer(lay, i, x, calls[i], carries, needed)
+        held += sum(v.nbytes for v in carries.values())
+    assert needed and held > 0
+    assert per_token * ids.numel() == held
+    plan = stream.memory_plan(sm, ids.numel(), 32, 16, carried_per_token=per_token)
+    assert plan["parts"]["carried_outputs"] == held
+    plain = StreamedModel(tiny_model("olmoe", seed=4))
+    assert plain.carried_bytes_per_token(ids) == 0
+    assert "carried_outputs" not in stream.memory_plan(plain, ids.numel(), 32, 16)["parts"]
+
+
 def test_streamed_calibration_refuses_a_run_that_does_not_fit(tiny_model, tokdir, text, monkeypatch):
     import trtmoe.quant.stream as stream
 

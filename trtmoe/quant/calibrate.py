@@ -471,11 +471,13 @@ def _calibrate_streamed(model, data, out_dir, ids, data_hash, special, notes, s:
                          + "; ".join(skipped.values()), hint="choose --formats int8,int4")
     N, T = ids.shape
     plan = memory_plan(sm, N * T, min(s.batch_size, N) * T, T, rounding=s.rounding, cross_fit=s.cross_fit,
-                       copies=sm.hidden_copies(ids))
+                       copies=sm.hidden_copies(ids), carried_per_token=sm.carried_bytes_per_token(ids))
     parts = ", ".join(f"{k.replace('_', ' ')} {v / 2**30:.2f}" for k, v in plan["parts"].items())
     notes.append(f"layer-streamed calibration on {sm.device} in {str(sm.compute_dtype).replace('torch.', '')}: "
-                 f"needs about {plan['total'] / 2**30:.2f} GiB at its peak ({parts} GiB; independent of the number "
-                 f"of layers), {plan['available'] / 2**30:.2f} GiB available")
+                 f"needs about {plan['total'] / 2**30:.2f} GiB at its peak ({parts} GiB; "
+                 + ("the carried layer outputs grow with the layers that hand them on, the rest is "
+                    if "carried_outputs" in plan["parts"] else "")
+                 + f"independent of the number of layers), {plan['available'] / 2**30:.2f} GiB available")
     if plan["total"] > plan["available"]:
         raise InputError(f"layer-streamed calibration needs about {plan['total'] / 2**30:.2f} GiB ({parts} GiB) and "
                          f"{plan['available'] / 2**30:.2f} GiB is available",

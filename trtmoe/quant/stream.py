@@ -708,6 +708,22 @@ class StreamedModel:
         x0, _ = self.boundaries(ids[:1, :16])
         return max(1, x0[0, 0].numel() // int(self.cfg.hidden_size))
 
+    def carried_bytes_per_token(self, ids: torch.Tensor) -> float:
+        """Bytes per calibration token of the layer outputs the model's loop hands to later layers, all of
+        them (each kept per batch for the whole run, ``run_layer``): decoder layer 0 run on ``ids``'s first
+        window (an output's width may grow with the window, as an indexer's top-k does up to its limit), and
+        every carried (layer, slot) counted as wide as layer 0's output in that slot. 0 when nothing is
+        carried."""
+        x0, calls = self.boundaries(ids[:1])
+        if not self.carries_outputs:
+            return 0.0
+        with self.layer(0) as lay, torch.no_grad():
+            carries: dict = {}
+            run_layer(lay, 0, x0, calls[0], carries, {(0, k) for k in range(1, self._final["arity"])})
+        n = max(1, int(x0.shape[:2].numel()))
+        per = {slot: v.nbytes / n for (_, slot), v in carries.items() if isinstance(v, torch.Tensor)}
+        return sum(per.get(slot, 0.0) for _, slot in self._final.get("carried", ()))
+
     @property
     def carries_outputs(self) -> bool:
         """Whether the model's own loop hands later decoder layers outputs of a layer besides the hidden
@@ -792,6 +808,8 @@ class StreamedModel:
             raise self._stood_in_error(e) from e
         self._final.setdefault("arity", 1)
         calls, x0 = [self.record[i] for i in range(len(self.layers))], self.record["x0"]
+        if self._final["arity"] > 1:
+            self._final["carried"] = carried(calls)
         if not self._final.get("checked"):
             self._check_layer_independence(ids, x0)
         return x0, calls
@@ -896,12 +914,14 @@ class StreamedModel:
 
 
 def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: int, rounding: str = "rtn",
-                cross_fit: bool = False, copies: int = 1) -> dict:
+                cross_fit: bool = False, copies: int = 1, carried_per_token: float = 0.0) -> dict:
     """Bytes the streamed calibration needs at its peak, by part, and what is available. ``rounding``
     other than rtn adds what its statistics hold while a layer is scored: the layer's sampled MoE inputs
     (a second sample per fold when ``cross_fit``) and the Gram matrices and row samples the searches
     rebuild from them (``awq._GRAMS_KEPT``). ``copies``: how many hidden-size vectors the hidden state
-    between layers holds per token (``StreamedModel.hidden_copies``)."""
+    between layers holds per token (``StreamedModel.hidden_copies``). ``carried_per_token``: bytes per token of the layer
+    outputs a model's loop hands to later layers (``StreamedModel.carried_bytes_per_token``), all held to
+    the end of the run."""
     cb = torch.empty((), dtype=sm.compute_dtype).element_size()
     c = sm.cfg
     tc = sm.config.get_text_config()
@@ -917,6 +937,8 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
     batch = batch_tokens * c.vocab_size * 4 * 3 + 4 * batch_tokens * seq_len * heads * 4
     parts = {"layer": layer, "scored_experts": bank, "embedding_and_head": resident, "activations": acts,
              "batch": batch}
+    if carried_per_token:
+        parts["carried_outputs"] = int(carried_per_token * n_tokens)
     if rounding != "rtn":
         sample = min(n_tokens, awq.MAX_INPUT_TOKENS) * (H * 4 + 4 * c.top_k)  # float32 rows, int32 experts
         # one expert's fc and proj, per statistics source: rows, Gram matrix, Gram rows (at most in / 2)
