@@ -919,9 +919,9 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
     other than rtn adds what its statistics hold while a layer is scored: the layer's sampled MoE inputs
     (a second sample per fold when ``cross_fit``) and the Gram matrices and row samples the searches
     rebuild from them (``awq._GRAMS_KEPT``). ``copies``: how many hidden-size vectors the hidden state
-    between layers holds per token (``StreamedModel.hidden_copies``). ``carried_per_token``: bytes per token of the layer
-    outputs a model's loop hands to later layers (``StreamedModel.carried_bytes_per_token``), all held to
-    the end of the run."""
+    between layers holds per token (``StreamedModel.hidden_copies``). ``carried_per_token``: bytes per
+    token of the layer outputs a model's loop hands to later layers
+    (``StreamedModel.carried_bytes_per_token``), all held to the end of the run."""
     cb = torch.empty((), dtype=sm.compute_dtype).element_size()
     c = sm.cfg
     tc = sm.config.get_text_config()
