@@ -714,9 +714,11 @@ class StreamedModel:
         window (an output's width may grow with the window, as an indexer's top-k does up to its limit), and
         every carried (layer, slot) counted as wide as layer 0's output in that slot. 0 when nothing is
         carried."""
-        x0, calls = self.boundaries(ids[:1])
+        if "arity" not in self._final:  # learned by the first ``boundaries``
+            self.boundaries(ids[:1, :16])
         if not self.carries_outputs:
             return 0.0
+        x0, calls = self.boundaries(ids[:1])
         with self.layer(0) as lay, torch.no_grad():
             carries: dict = {}
             run_layer(lay, 0, x0, calls[0], carries, {(0, k) for k in range(1, self._final["arity"])})
