@@ -578,6 +578,8 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
     (per expert). Holds the whole model: for the checkpoints a single host can run in transformers."""
     import transformers  # optional heavy dependency, only for this measurement
 
+    from ..quant.stream import expert_input_weight
+
     with SourceModel(model_dir) as ck:
         mods, family, arch = ck.modules(), ck.family, (ck.hf_config.get("architectures") or [""])[0]
     # A multimodal Llama-4 loads as its own class (the causal-LM auto class would build the text model
@@ -607,17 +609,14 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
                 gate, up = torch.bmm(x, m.gate_up_proj).chunk(2, dim=-1)
                 bump(("experts_mid", layer), (up * m.act_fn(gate)).detach().abs().amax())
             hooks.append(mod.register_forward_pre_hook(on_llama4))
-        elif type(mod).__name__.endswith("Experts") and any(
-                isinstance(getattr(mod, w, None), torch.Tensor) and getattr(mod, w).dim() == 3
-                for w in ("gate_up_proj", "up_proj")):
-            # The seam's experts, gated (gate_up_proj) or not (Nemotron-H: act(x @ up) @ down, 3-D up_proj).
+        elif type(mod).__name__.endswith("Experts") and expert_input_weight(mod)[0] is not None:
+            # The seam's experts, gated or not (Nemotron-H: act(x @ up) @ down).
             layer = int(_LAYER.search("." + name + ".").group(1))
 
             def on_experts(m, args, kwargs, layer=layer):
                 x, idx = (args + tuple(kwargs.values()))[:2]
                 bump(("experts_in", layer), x.detach().abs().amax())
-                gated = isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
-                w = m.gate_up_proj if gated else m.up_proj
+                w, gated = expert_input_weight(m)
                 for e in range(w.shape[0]):
                     rows = (idx == e).any(-1)
                     if rows.any():

@@ -156,14 +156,23 @@ def adapt_seams(model: torch.nn.Module) -> int:
     return n
 
 
+def expert_input_weight(mod: torch.nn.Module) -> tuple[torch.Tensor | None, bool]:
+    """An experts module's 3-D input projection at the seam and whether it is gated: ``gate_up_proj``
+    (gated), else ``up_proj`` (experts without a gate, Nemotron-H: act(x @ up) @ down); (None, False)
+    when the module has neither as a 3-D tensor."""
+    gu = getattr(mod, "gate_up_proj", None)
+    if isinstance(gu, torch.Tensor) and gu.dim() == 3:
+        return gu, True
+    up = getattr(mod, "up_proj", None)
+    return (up, False) if isinstance(up, torch.Tensor) and up.dim() == 3 else (None, False)
+
+
 def find_experts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None] | None:
-    """A decoder layer's routed ``*Experts`` module (3-D ``gate_up_proj`` and ``down_proj``) and its
-    router (the sibling named ``gate`` or ``router``); None for a dense layer."""
+    """A decoder layer's routed ``*Experts`` module (3-D ``gate_up_proj`` or, without a gate, ``up_proj``,
+    and ``down_proj``) and its router (the sibling named ``gate`` or ``router``); None for a dense layer."""
     for _, mod in layer.named_modules():
-        gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
-        if not isinstance(gu, torch.Tensor):  # experts without a gate (Nemotron-H): 3-D up_proj / down_proj
-            gu = getattr(mod, "up_proj", None)
-        if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3:
+        dn = getattr(mod, "down_proj", None)
+        if expert_input_weight(mod)[0] is not None and isinstance(dn, torch.Tensor) and dn.dim() == 3:
             parent = next((p for _, p in layer.named_modules() if any(c is mod for c in p.children())), None)
             router = None
             if parent is not None:
@@ -226,7 +235,7 @@ class ExpertLayout:
 
     @classmethod
     def of(cls, mod: torch.nn.Module, hidden: int) -> "ExpertLayout":
-        if not getattr(mod, "has_gate", isinstance(getattr(mod, "gate_up_proj", None), torch.Tensor)):
+        if not getattr(mod, "has_gate", expert_input_weight(mod)[1]):
             raise InputError(f"{type(mod).__name__}: experts without a gate projection are not supported by "
                              "calibration (it scores gated experts: fc = [up; gate], proj = down)")
         gu = mod.gate_up_proj
@@ -487,7 +496,6 @@ def _shard_index(model_dir: Path) -> dict[str, Path]:
             for k in s.tensors:
                 out[k] = f
     return out
-
 
 
 def computed_buffers(model: torch.nn.Module, root: torch.nn.Module) -> dict:
@@ -924,7 +932,6 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
     between layers holds per token (``StreamedModel.hidden_copies``). ``carried_per_token``: bytes per
     token of the layer outputs a model's loop hands to later layers
     (``StreamedModel.carried_bytes_per_token``), all held to the end of the run."""
-    cb = torch.empty((), dtype=sm.compute_dtype).element_size()
     c = sm.cfg
     tc = sm.config.get_text_config()
     layer = max(sm.layer_param_bytes(i, sm.compute_dtype) + sm.read_bytes(sm.layer_keys[i])
@@ -949,7 +956,6 @@ def memory_plan(sm: StreamedModel, n_tokens: int, batch_tokens: int, seq_len: in
         cached = per * min(sources, max(1, awq._GRAMS_KEPT // 6))
         parts["rounding_statistics"] = sample * (2 if cross_fit else 1) + cached
     return {"parts": parts, "total": sum(parts.values()), "available": available_memory(sm.device)}
-
 
 
 def max_over_layers(tc, name: str, default: int) -> int:

@@ -18,8 +18,8 @@ from ..errors import InputError, UnsupportedError
 from ..hf.reader import read_json
 from ..hf.adapters import supported_architectures
 from ..hf.validate import validate_hf_config
-from ..quant.stream import (NO_SEAM, ExpertLayout, adapt_seams, experts_per_token, find_experts, layers_elsewhere,
-                             no_causal_lm)
+from ..quant.stream import (NO_SEAM, ExpertLayout, adapt_seams, expert_input_weight, experts_per_token, find_experts,
+                             layers_elsewhere, no_causal_lm)
 
 # The deepest model counted from transformers' own modules (building one on the meta device takes about
 # 0.1 s per layer); released MoEs have at most a few hundred layers.
@@ -89,8 +89,7 @@ def describe_transformers_moe(model_dir: str | Path) -> dict:
         first_router = router if not moe_layers else first_router
         moe_layers.append(i)
         names = {id(m): n for n, m in lay.named_modules()}
-        gated = isinstance(getattr(mod, "gate_up_proj", None), torch.Tensor)
-        gu = mod.gate_up_proj if gated else mod.up_proj
+        gu, gated = expert_input_weight(mod)
         routed[f"model.layers.{i}.{names[id(mod)]}."] = int(gu.shape[0])
         if router is not None and id(router) in names:
             routers.add(f"model.layers.{i}.{names[id(router)]}.")
