@@ -46,6 +46,7 @@ from torch import Tensor
 from .. import __version__
 from ..errors import CheckpointError, InputError, UnsupportedError
 from ..hf.adapters import adapter_for
+from ..hf.experts_seam import expert_input_weight
 from ..hf.loaded_names import loaded_name
 from ..hf.reader import HFCheckpoint
 from ..hf.safetensors_io import SafetensorsFile, StreamingWriter
@@ -577,8 +578,6 @@ def measure_input_amax(model_dir: str | Path, token_ids: list[list[int]]) -> dic
     produced), as ModelOpt synchronises them for the fused kernels. Keys are module names as written
     (per expert). Holds the whole model: for the checkpoints a single host can run in transformers."""
     import transformers  # optional heavy dependency, only for this measurement
-
-    from ..quant.stream import expert_input_weight
 
     with SourceModel(model_dir) as ck:
         mods, family, arch = ck.modules(), ck.family, (ck.hf_config.get("architectures") or [""])[0]

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError, TrtmoeError, UnsupportedError, raised_in
+from ..hf.experts_seam import expert_input_weight
 from ..hf.loaded_names import loaded_name
 from ..hf.safetensors_io import SafetensorsFile
 from ..runtime.alloc import give_back_freed_memory
@@ -154,17 +155,6 @@ def adapt_seams(model: torch.nn.Module) -> int:
         mod.forward = types.MethodType(_scaled_input_moe, mod)
         n += 1
     return n
-
-
-def expert_input_weight(mod: torch.nn.Module) -> tuple[torch.Tensor | None, bool]:
-    """An experts module's 3-D input projection at the seam and whether it is gated: ``gate_up_proj``
-    (gated), else ``up_proj`` (experts without a gate, Nemotron-H: act(x @ up) @ down); (None, False)
-    when the module has neither as a 3-D tensor."""
-    gu = getattr(mod, "gate_up_proj", None)
-    if isinstance(gu, torch.Tensor) and gu.dim() == 3:
-        return gu, True
-    up = getattr(mod, "up_proj", None)
-    return (up, False) if isinstance(up, torch.Tensor) and up.dim() == 3 else (None, False)
 
 
 def find_experts(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None] | None:

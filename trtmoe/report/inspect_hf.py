@@ -18,8 +18,9 @@ from ..errors import InputError, UnsupportedError
 from ..hf.reader import read_json
 from ..hf.adapters import supported_architectures
 from ..hf.validate import validate_hf_config
-from ..quant.stream import (NO_SEAM, ExpertLayout, adapt_seams, expert_input_weight, experts_per_token, find_experts,
-                             layers_elsewhere, no_causal_lm)
+from ..hf.experts_seam import expert_input_weight
+from ..quant.stream import (NO_SEAM, ExpertLayout, adapt_seams, experts_per_token, find_experts, layers_elsewhere,
+                             no_causal_lm)
 
 # The deepest model counted from transformers' own modules (building one on the meta device takes about
 # 0.1 s per layer); released MoEs have at most a few hundred layers.
